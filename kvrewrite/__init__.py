@@ -1,0 +1,1 @@
+"""kvrewrite: KV-cache compressing compiler for Hugging Face causal LMs."""
