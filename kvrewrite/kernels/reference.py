@@ -1,0 +1,89 @@
+"""Torch reference attention over variable-rank heads: the oracle every faster path is tested against.
+
+Layout (one decoder layer):
+- the cache holds keys as [B, 1, S, sum_g rk_g] and values as [B, 1, S, sum_g rv_g]: all KV heads of the
+  layer packed into one pseudo-head, KV head g at a fixed column offset;
+- queries are packed as [B, T, sum_h rk_{g(h)}], query heads in order, each with its group's key rank;
+- the output is packed as [B, T, sum_h rv_{g(h)}], which is exactly o_proj's (folded) input layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import accumulate
+
+import torch
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    """Column offsets of every KV head's block in the packed query, key, value and output tensors."""
+
+    key_ranks: tuple[int, ...]
+    value_ranks: tuple[int, ...]
+    group_size: int
+
+    @property
+    def key_offsets(self) -> list[int]:
+        return [0, *accumulate(self.key_ranks)]
+
+    @property
+    def value_offsets(self) -> list[int]:
+        return [0, *accumulate(self.value_ranks)]
+
+    @property
+    def query_offsets(self) -> list[int]:
+        return [0, *accumulate(r * self.group_size for r in self.key_ranks)]
+
+    @property
+    def output_offsets(self) -> list[int]:
+        return [0, *accumulate(r * self.group_size for r in self.value_ranks)]
+
+
+def boolean_mask(attention_mask: torch.Tensor | None, q_len: int, kv_len: int, device) -> torch.Tensor:
+    """True where a query may attend; accepts HF's bool or additive float masks, or None (causal)."""
+    if attention_mask is None:
+        offset = kv_len - q_len
+        rows = torch.arange(q_len, device=device)[:, None] + offset
+        return (torch.arange(kv_len, device=device)[None, :] <= rows)[None, None]
+    if attention_mask.dtype == torch.bool:
+        return attention_mask[..., :kv_len]
+    return attention_mask[..., :kv_len] > torch.finfo(attention_mask.dtype).min / 2
+
+
+def grouped_attention(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    allowed: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """One KV group: queries [B, n_rep, T, r], keys [B, 1|n_rep, S, r], values [B, 1, S, rv] -> [B, n_rep, T, rv].
+
+    GQA is a broadcast over the n_rep axis, never a copy of K/V per query head.
+    """
+    scores = torch.matmul(queries, keys.transpose(-1, -2)) * scaling
+    scores = scores.float().masked_fill(~allowed, torch.finfo(torch.float32).min)
+    probs = torch.softmax(scores, dim=-1).to(values.dtype)
+    return torch.matmul(probs, values)
+
+
+def packed_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    layout: PackedLayout,
+) -> torch.Tensor:
+    """query [B, T, Qsum], key [B, 1, S, Ksum], value [B, 1, S, Vsum] -> output [B, T, Osum]."""
+    batch, q_len, _ = query.shape
+    kv_len = key.shape[-2]
+    allowed = boolean_mask(attention_mask, q_len, kv_len, query.device)
+    qo, ko, vo = layout.query_offsets, layout.key_offsets, layout.value_offsets
+    outputs = []
+    for g, (rk, rv) in enumerate(zip(layout.key_ranks, layout.value_ranks)):
+        q = query[..., qo[g] : qo[g + 1]].view(batch, q_len, layout.group_size, rk).transpose(1, 2)
+        out = grouped_attention(q, key[..., ko[g] : ko[g + 1]], value[..., vo[g] : vo[g + 1]], allowed, scaling)
+        outputs.append(out.transpose(1, 2).reshape(batch, q_len, layout.group_size * rv))
+    return torch.cat(outputs, dim=-1)

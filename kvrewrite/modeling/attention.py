@@ -1,0 +1,189 @@
+"""Attention of a rewritten decoder layer: projects to reduced dims, applies RoPE per key mode, caches packed latents.
+
+Parameters are built at full rank (the checkpoint stores every transform at full rank, ordered by
+importance) and sliced to the requested ranks once after loading (`set_ranks`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from kvrewrite.kernels.reference import PackedLayout, boolean_mask, grouped_attention
+from kvrewrite.spec import KEY_MODE_FREQ, KEY_MODE_LATENT, KEY_MODE_POST_ROPE, LayerSpec
+
+PACKED_ATTENTION = "kvrewrite_packed"
+
+
+def _block_prefix_rows(weight: torch.Tensor, block_sizes: list[int], keep: list[int]) -> torch.Tensor:
+    """Keep the first keep[i] rows of each consecutive row block of size block_sizes[i]."""
+    pieces, start = [], 0
+    for size, k in zip(block_sizes, keep):
+        pieces.append(weight[start : start + k])
+        start += size
+    return torch.cat(pieces, dim=0).contiguous()
+
+
+def _rotate_interleaved_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs stored as (a0, b0, a1, b1, ...) with per-pair cos/sin [B, T, P]."""
+    a, b = x[..., 0::2], x[..., 1::2]
+    return torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2)
+
+
+class CompressedAttention(nn.Module):
+    def __init__(self, config, layer_idx: int, layer_spec: LayerSpec, rotary_embedding: nn.Module, apply_rope: Callable):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.key_mode = layer_spec.key_mode
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.group_size = self.num_heads // self.num_kv_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.scaling = self.head_dim**-0.5  # the original model's scale, whatever the kept rank
+        self.is_causal = True
+        # Held in a tuple so the shared rotary module is not registered (and saved) once per layer.
+        self._rotary = (rotary_embedding,)
+        self._apply_rope = apply_rope
+
+        hidden, d = config.hidden_size, self.head_dim
+        self.q_proj = nn.Linear(hidden, self.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * d, hidden, bias=False)
+        if self.key_mode == KEY_MODE_POST_ROPE:
+            self.q_map = nn.Parameter(torch.empty(self.num_kv_heads, d, d))
+            self.k_map = nn.Parameter(torch.empty(self.num_kv_heads, d, d))
+        if self.key_mode == KEY_MODE_LATENT:
+            self.k_up = nn.Parameter(torch.empty(self.num_kv_heads, d, d))
+        # Plain data, not buffers: transformers builds models on the meta device and materialises only
+        # what the checkpoint holds, so index tensors are built lazily on first use.
+        self.freq_order = layer_spec.freq_order
+        self.key_ranks = [d] * self.num_kv_heads
+        self.value_ranks = [d] * self.num_kv_heads
+        self.layout = PackedLayout(tuple(self.key_ranks), tuple(self.value_ranks), self.group_size)
+        self._indices: dict[str, torch.Tensor] | None = None
+
+    # ---- rank selection -------------------------------------------------------------------
+    def set_ranks(self, key_ranks: list[int], value_ranks: list[int]) -> None:
+        """Slice the full-rank parameters down to the given per-KV-head ranks (prefixes; never grows)."""
+        if any(new > old for new, old in zip(key_ranks, self.key_ranks)) or any(
+            new > old for new, old in zip(value_ranks, self.value_ranks)
+        ):
+            raise ValueError(f"layer {self.layer_idx}: ranks can only shrink ({self.key_ranks} -> {key_ranks})")
+        g = self.group_size
+        with torch.no_grad():
+            if self.key_mode in (KEY_MODE_FREQ, KEY_MODE_LATENT):
+                self.k_proj.weight = nn.Parameter(_block_prefix_rows(self.k_proj.weight, self.key_ranks, key_ranks))
+            if self.key_mode == KEY_MODE_FREQ:
+                old_q = [r for r in self.key_ranks for _ in range(g)]
+                new_q = [r for r in key_ranks for _ in range(g)]
+                self.q_proj.weight = nn.Parameter(_block_prefix_rows(self.q_proj.weight, old_q, new_q))
+            self.v_proj.weight = nn.Parameter(_block_prefix_rows(self.v_proj.weight, self.value_ranks, value_ranks))
+            old_o = [r for r in self.value_ranks for _ in range(g)]
+            new_o = [r for r in value_ranks for _ in range(g)]
+            self.o_proj.weight = nn.Parameter(_block_prefix_rows(self.o_proj.weight.T, old_o, new_o).T.contiguous())
+        self.k_proj.out_features = self.k_proj.weight.shape[0]
+        self.q_proj.out_features = self.q_proj.weight.shape[0]
+        self.v_proj.out_features = self.v_proj.weight.shape[0]
+        self.o_proj.in_features = self.o_proj.weight.shape[1]
+        self.key_ranks, self.value_ranks = list(key_ranks), list(value_ranks)
+        self.layout = PackedLayout(tuple(self.key_ranks), tuple(self.value_ranks), self.group_size)
+        self._indices = None
+
+    def _index(self, name: str, device) -> torch.Tensor:
+        if self._indices is None or next(iter(self._indices.values())).device != device:
+            self._indices = {k: v.to(device) for k, v in self._build_indices().items()}
+        return self._indices[name]
+
+    def _build_indices(self) -> dict[str, torch.Tensor]:
+        d, g = self.head_dim, self.group_size
+        indices = {"empty": torch.empty(0, dtype=torch.long)}
+        if self.key_mode == KEY_MODE_FREQ:
+            # Frequency of every stored pair, in packed query / key order.
+            key_freqs = [self.freq_order[h][: r // 2] for h, r in enumerate(self.key_ranks)]
+            indices["key_pair_freq"] = torch.tensor([f for fs in key_freqs for f in fs], dtype=torch.long)
+            indices["query_pair_freq"] = torch.tensor([f for fs in key_freqs for _ in range(g) for f in fs], dtype=torch.long)
+        if self.key_mode == KEY_MODE_POST_ROPE:
+            # Column indices that keep the first r of each head's d projected dims.
+            q_ranks = [r for r in self.key_ranks for _ in range(g)]
+            indices["key_keep"] = torch.tensor([h * d + i for h, r in enumerate(self.key_ranks) for i in range(r)], dtype=torch.long)
+            indices["query_keep"] = torch.tensor([h * d + i for h, r in enumerate(q_ranks) for i in range(r)], dtype=torch.long)
+        return indices
+
+    def kv_elements_per_token(self) -> int:
+        return sum(self.key_ranks) + sum(self.value_ranks)
+
+    # ---- forward --------------------------------------------------------------------------
+    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        batch, length, _ = x.shape
+        return x.view(batch, length, n, self.head_dim).transpose(1, 2)
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
+        batch, q_len, _ = hidden_states.shape
+        cos, sin = position_embeddings
+        query = self.q_proj(hidden_states)
+        key = self.k_proj(hidden_states)
+        value = self.v_proj(hidden_states)
+
+        if self.key_mode == KEY_MODE_FREQ:
+            q_freq, k_freq = self._index("query_pair_freq", query.device), self._index("key_pair_freq", query.device)
+            query = _rotate_interleaved_pairs(query, cos[..., q_freq], sin[..., q_freq])
+            key = _rotate_interleaved_pairs(key, cos[..., k_freq], sin[..., k_freq])
+        elif self.key_mode == KEY_MODE_POST_ROPE:
+            q = self._apply_rope(self._heads(query, self.num_heads), cos, sin)
+            k = self._apply_rope(self._heads(key, self.num_kv_heads), cos, sin)
+            q_maps = self.q_map.repeat_interleave(self.group_size, dim=0)
+            query = torch.einsum("bhtd,hde->bthe", q, q_maps).flatten(2)[..., self._index("query_keep", q.device)]
+            key = torch.einsum("bhtd,hde->bthe", k, self.k_map).flatten(2)[..., self._index("key_keep", k.device)]
+        # latent: key stays the pre-RoPE latent from the folded k_proj; it is rotated inside attention.
+
+        past_len = 0
+        if past_key_values is not None:
+            past_len = past_key_values.get_seq_length(self.layer_idx)
+            key, value = past_key_values.update(key.unsqueeze(1), value.unsqueeze(1), self.layer_idx)
+        else:
+            key, value = key.unsqueeze(1), value.unsqueeze(1)
+
+        if self.key_mode == KEY_MODE_LATENT:
+            output = self._latent_attention(query, key, value, attention_mask, past_len)
+        else:
+            from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+            attend = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
+            output, _ = attend(self, query, key, value, attention_mask, scaling=self.scaling, dropout=0.0, **kwargs)
+        return self.o_proj(output), None
+
+    def _latent_attention(self, query, key_latent, value, attention_mask, past_len: int) -> torch.Tensor:
+        """Rebuild each head's pre-RoPE key from its latent and rotate q and k by cache position.
+
+        Positions are cache indices (queries at past_len + i, keys at 0..S-1): RoPE scores depend only on
+        the offset between query and key, which equals HF's own (padding-adjusted) offsets for every
+        contiguous sequence, including left-padded batches.
+        """
+        batch, q_len, _ = query.shape
+        kv_len = key_latent.shape[-2]
+        rotary = self._rotary[0]
+        positions = torch.arange(kv_len, device=query.device)[None].expand(batch, kv_len)
+        cos_k, sin_k = rotary(query, positions)
+        cos_q, sin_q = cos_k[:, past_len : past_len + q_len], sin_k[:, past_len : past_len + q_len]
+        q = self._apply_rope(self._heads(query, self.num_heads), cos_q, sin_q)
+        allowed = boolean_mask(attention_mask, q_len, kv_len, query.device)
+        ko, vo = self.layout.key_offsets, self.layout.value_offsets
+        outputs = []
+        for g, (rk, rv) in enumerate(zip(self.key_ranks, self.value_ranks)):
+            k = key_latent[..., ko[g] : ko[g + 1]] @ self.k_up[g, :rk]  # [B, 1, S, d]
+            k = self._apply_rope(k, cos_k, sin_k)
+            q_g = q[:, g * self.group_size : (g + 1) * self.group_size]
+            out = grouped_attention(q_g, k, value[..., vo[g] : vo[g + 1]], allowed, self.scaling)
+            outputs.append(out.transpose(1, 2).reshape(batch, q_len, self.group_size * rv))
+        return torch.cat(outputs, dim=-1)
+
+
+def packed_attention_forward(module: CompressedAttention, query, key, value, attention_mask, scaling, **kwargs):
+    """AttentionInterface entry: packed variable-rank attention (torch reference path)."""
+    from kvrewrite.kernels.reference import packed_attention
+
+    return packed_attention(query, key, value, attention_mask, scaling, module.layout), None

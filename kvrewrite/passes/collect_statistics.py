@@ -1,0 +1,112 @@
+"""Pass 3: one streamed forward pass over the calibration windows, accumulating float64 Grams.
+
+Per layer and KV head: pre- and post-RoPE queries (stacked over the group's query heads) and keys,
+values; per query head: the attention outputs O_h = P_h V_g that o_proj sees.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvrewrite.passes.context import CompileContext
+from kvrewrite.progress import progress_bar
+from kvrewrite.statistics import CalibrationStatistics, GramAccumulator, KMeansGramReducer
+
+
+class CollectStatistics:
+    name = "collect_statistics"
+    description = "stream calibration tokens through the model, accumulate d_h x d_h Grams per layer and head"
+
+    def run(self, ctx: CompileContext) -> None:
+        plan = ctx.plan
+        ctx.statistics = collect_statistics(
+            ctx.model,
+            ctx.adapter,
+            ctx.calibration_tokens,
+            batch_size=plan.batch_size,
+            reduce=plan.reduce,
+            kmeans_clusters=plan.kmeans_clusters,
+            kmeans_keep_share=plan.kmeans_keep_share,
+            seed=plan.seed,
+            progress=plan.progress,
+        )
+        ctx.report["statistics"] = {"tokens": ctx.statistics.tokens, "reduce": ctx.statistics.reduce, **ctx.statistics.notes}
+
+
+def collect_statistics(
+    model,
+    adapter,
+    token_windows: torch.Tensor,
+    *,
+    batch_size: int = 4,
+    reduce: str = "none",
+    kmeans_clusters: int = 256,
+    kmeans_keep_share: float = 0.5,
+    seed: int = 0,
+    progress: bool = True,
+) -> CalibrationStatistics:
+    geo = adapter.geometry(model.config)
+    d, n_kv, n_q, group = geo.head_dim, geo.num_key_value_heads, geo.num_attention_heads, geo.group_size
+    if reduce == "kmeans":
+        sink = KMeansGramReducer(geo.num_layers, n_kv, n_q, d, clusters=kmeans_clusters, keep_share=kmeans_keep_share, seed=seed)
+    else:
+        sink = GramAccumulator(geo.num_layers, n_kv, n_q, d)
+
+    captured: dict[int, dict[str, torch.Tensor]] = {}
+    rope: dict[str, torch.Tensor] = {}
+
+    def keep_output(layer_idx: int, kind: str):
+        def hook(_module, _inputs, output):
+            captured.setdefault(layer_idx, {})[kind] = output.detach()
+
+        return hook
+
+    def on_attention_output(layer_idx: int):
+        # o_proj's input is the last thing a layer's attention computes: all its activations are known.
+        def hook(_module, inputs):
+            acts = captured.pop(layer_idx)
+            batch, length, _ = inputs[0].shape
+            q = acts["q"].view(batch, length, n_q, d).transpose(1, 2)
+            k = acts["k"].view(batch, length, n_kv, d).transpose(1, 2)
+            v = acts["v"].view(batch, length, n_kv, d).transpose(1, 2)
+            o = inputs[0].detach().view(batch, length, n_q, d).transpose(1, 2)
+            q_post = adapter.apply_rope(q, rope["cos"], rope["sin"])
+            k_post = adapter.apply_rope(k, rope["cos"], rope["sin"])
+            for g in range(n_kv):
+                heads = slice(g * group, (g + 1) * group)
+                sink.add(layer_idx, "query_pre", g, q[:, heads])
+                sink.add(layer_idx, "query_post", g, q_post[:, heads])
+                sink.add(layer_idx, "key_pre", g, k[:, g])
+                sink.add(layer_idx, "key_post", g, k_post[:, g])
+                sink.add(layer_idx, "value", g, v[:, g])
+            for h in range(n_q):
+                sink.add(layer_idx, "output", h, o[:, h])
+            sink.count(layer_idx, batch * length)
+
+        return hook
+
+    handles = []
+    for idx, layer in enumerate(adapter.decoder_layers(model)):
+        attn = adapter.attention(layer)
+        handles += [
+            attn.q_proj.register_forward_hook(keep_output(idx, "q")),
+            attn.k_proj.register_forward_hook(keep_output(idx, "k")),
+            attn.v_proj.register_forward_hook(keep_output(idx, "v")),
+            attn.o_proj.register_forward_pre_hook(on_attention_output(idx)),
+        ]
+    rotary = adapter.rotary_embedding(model)
+    try:
+        batches = torch.split(token_windows, batch_size)
+        with torch.inference_mode(), progress_bar("collecting statistics", len(batches), progress) as bar:
+            for batch in batches:
+                if isinstance(sink, KMeansGramReducer):
+                    sink.start_batch()
+                positions = torch.arange(batch.shape[1]).expand(batch.shape[0], -1)
+                probe = torch.empty(0, dtype=next(model.parameters()).dtype)
+                rope["cos"], rope["sin"] = rotary(probe, positions)
+                model(input_ids=batch, use_cache=False)
+                bar.advance()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return sink.finish()

@@ -1,0 +1,43 @@
+"""The state that flows through the pass pipeline: each pass reads some fields and fills others."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvrewrite.adapters.base import ArchitectureAdapter, AttentionGeometry
+from kvrewrite.plan import Plan
+from kvrewrite.spec import CompressionSpec
+from kvrewrite.statistics import CalibrationStatistics
+
+
+@dataclass
+class CompileContext:
+    plan: Plan
+    # load_checkpoint
+    source_dir: Path | None = None
+    source_revision: str | None = None
+    model: Any = None  # the original transformers model (fp32, eval mode)
+    tokenizer: Any = None
+    adapter: ArchitectureAdapter | None = None
+    geometry: AttentionGeometry | None = None
+    # build_calibration
+    calibration_tokens: torch.Tensor | None = None
+    # collect_statistics
+    statistics: CalibrationStatistics | None = None
+    # compute_transforms
+    transforms: list | None = None  # list[LayerTransforms]
+    # allocate_ranks
+    allocation: Any = None  # RankAllocation
+    # fold_weights
+    spec: CompressionSpec | None = None
+    folded_state_dict: dict[str, torch.Tensor] | None = None
+    # verify
+    verification: dict = field(default_factory=dict)
+    # emit
+    output_dir: Path | None = None
+    # timings and notes for compress_report.json
+    report: dict = field(default_factory=dict)

@@ -1,0 +1,104 @@
+"""Pass 8: write the checkpoint atomically: shards, config, tokenizer, kernel metadata, report, checksums."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from kvrewrite.checkpoint_io import atomic_output_dir, write_checksums, write_safetensors_shards
+from kvrewrite.compressed_model import compressed_config
+from kvrewrite.passes.context import CompileContext
+from kvrewrite.spec import CompressionSpec
+
+HUB_MODELING_STUB = '''"""This checkpoint was rewritten by kvrewrite: its attention stores a compressed KV cache.
+
+Loading it needs the kvrewrite package: `pip install kvrewrite`, then `import kvrewrite` before
+`AutoModelForCausalLM.from_pretrained(...)` (no trust_remote_code needed once it is imported).
+"""
+
+try:
+    from kvrewrite.modeling.llama import KVRewriteLlamaConfig, KVRewriteLlamaForCausalLM  # noqa: F401
+except ImportError as exc:  # pragma: no cover - only hit without kvrewrite installed
+    raise ImportError(
+        "This is a kvrewrite checkpoint: install kvrewrite (`pip install kvrewrite`) and `import kvrewrite` "
+        "before loading it with transformers."
+    ) from exc
+'''
+
+BUCKET_MULTIPLE = 8
+
+
+def rank_buckets(ranks: list[int], multiple: int = BUCKET_MULTIPLE) -> list[dict]:
+    """Heads grouped by rank rounded up to `multiple` (what a bucketed kernel launches together)."""
+    buckets: dict[int, list[int]] = defaultdict(list)
+    for head, r in enumerate(ranks):
+        buckets[-(-r // multiple) * multiple].append(head)
+    return [{"rank": r, "heads": heads} for r, heads in sorted(buckets.items())]
+
+
+def kernel_metadata(spec: CompressionSpec, transforms) -> dict:
+    layers = []
+    for layer_spec, t in zip(spec.layers, transforms):
+        layers.append(
+            {
+                "key_mode": layer_spec.key_mode,
+                "key_ranks": layer_spec.key_ranks,
+                "value_ranks": layer_spec.value_ranks,
+                "key_buckets": rank_buckets(layer_spec.key_ranks),
+                "value_buckets": rank_buckets(layer_spec.value_ranks),
+                "key_spectra": t.key.spectrum.tolist(),
+                "value_spectra": t.value.spectrum.tolist(),
+            }
+        )
+    return {
+        "format_version": spec.format_version,
+        "cache_layout": "per layer: keys [B, 1, S, sum(key_ranks)], values [B, 1, S, sum(value_ranks)], KV heads packed in order",
+        "bucket_multiple": BUCKET_MULTIPLE,
+        "kept_elements_per_token": spec.kept_elements_per_token,
+        "baseline_elements_per_token": spec.baseline_elements_per_token,
+        "layers": layers,
+        "rate_table": spec.rate_table,
+    }
+
+
+def default_output_dir(model: str, rate: float) -> Path:
+    stem = Path(model.rstrip("/")).name or "model"
+    return Path(f"{stem}-kvrewrite-p{round(rate * 100):02d}")
+
+
+class Emit:
+    name = "emit"
+    description = "write safetensors shards, config.json, tokenizer, kernel_metadata.json, compress_report.json (atomically)"
+
+    def run(self, ctx: CompileContext) -> None:
+        plan, spec = ctx.plan, ctx.spec
+        out = plan.output or default_output_dir(plan.model, plan.target_rate)
+        state = dict(ctx.folded_state_dict)
+        if getattr(ctx.model.config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)  # tied: stored once, as the embedding
+        with atomic_output_dir(out, overwrite=plan.overwrite) as tmp:
+            shards = write_safetensors_shards(tmp, state, {"format": "pt", "kvrewrite_spec": spec.to_json()})
+            compressed_config(ctx.model.config, spec, dtype=next(iter(state.values())).dtype).save_pretrained(tmp)
+            if getattr(ctx.model, "generation_config", None) is not None:
+                ctx.model.generation_config.save_pretrained(tmp)
+            ctx.tokenizer.save_pretrained(tmp)
+            (tmp / "modeling_kvrewrite.py").write_text(HUB_MODELING_STUB)
+            (tmp / "kernel_metadata.json").write_text(json.dumps(kernel_metadata(spec, ctx.transforms), indent=1))
+            report = {**ctx.report, "verification": ctx.verification, "spec_summary": spec_summary(spec)}
+            report.pop("rate_table", None)  # lives in config.json and kernel_metadata.json
+            (tmp / "compress_report.json").write_text(json.dumps(report, indent=2, default=str))
+            write_checksums(tmp, shards)
+        ctx.output_dir = Path(out)
+
+
+def spec_summary(spec: CompressionSpec) -> dict:
+    return {
+        "objective": spec.objective,
+        "allocation": spec.allocation,
+        "target_rate": spec.target_rate,
+        "achieved_rate": spec.achieved_rate,
+        "kept_elements_per_token": spec.kept_elements_per_token,
+        "baseline_elements_per_token": spec.baseline_elements_per_token,
+        "key_modes": sorted({layer.key_mode for layer in spec.layers}),
+    }

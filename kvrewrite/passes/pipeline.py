@@ -1,0 +1,50 @@
+"""The compiler: an ordered list of passes over one context. Reads like the method."""
+
+from __future__ import annotations
+
+import resource
+import time
+
+from kvrewrite.passes.allocate_ranks import AllocateRanks
+from kvrewrite.passes.build_calibration import BuildCalibration
+from kvrewrite.passes.collect_statistics import CollectStatistics
+from kvrewrite.passes.compute_transforms import ComputeTransforms
+from kvrewrite.passes.context import CompileContext
+from kvrewrite.passes.emit import Emit
+from kvrewrite.passes.fold_weights import FoldWeights
+from kvrewrite.passes.load_checkpoint import LoadCheckpoint
+from kvrewrite.passes.verify import Verify
+from kvrewrite.plan import Plan
+
+
+def default_pipeline() -> list:
+    return [
+        LoadCheckpoint(),  # source -> fp32 model, adapter
+        BuildCalibration(),  # corpus -> token windows
+        CollectStatistics(),  # windows -> Gram matrices per layer and head
+        ComputeTransforms(),  # Grams -> key-side and value-side transforms
+        AllocateRanks(),  # spectra -> ranks per head, rate table
+        FoldWeights(),  # transforms -> rewritten q/k/v/o weights, spec
+        Verify(),  # full-rank equivalence, compiled-rank error
+        Emit(),  # checkpoint directory, written atomically
+    ]
+
+
+def describe(passes: list) -> list[tuple[str, str]]:
+    return [(p.name, p.description) for p in passes]
+
+
+def run_pipeline(plan: Plan, passes: list | None = None, on_pass=None) -> CompileContext:
+    ctx = CompileContext(plan=plan)
+    timings = {}
+    start = time.perf_counter()
+    for step in passes if passes is not None else default_pipeline():
+        if on_pass is not None:
+            on_pass(step)
+        t0 = time.perf_counter()
+        step.run(ctx)
+        timings[step.name] = round(time.perf_counter() - t0, 3)
+        # Updated after every pass so the report that Emit writes holds everything before it.
+        ctx.report["timings_s"] = {**timings, "total": round(time.perf_counter() - start, 3)}
+        ctx.report["peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    return ctx

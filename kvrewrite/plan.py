@@ -1,0 +1,67 @@
+"""The compile plan: every option of `kvrewrite compress`, validated before any work starts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvrewrite.errors import InvalidArgumentError
+from kvrewrite.spec import ALLOCATIONS, KEY_MODES, OBJECTIVES, validate_rate
+
+ROPE_MODES = ("auto", *KEY_MODES)
+REDUCERS = ("none", "kmeans")
+DEFAULT_RATE_GRID = tuple(round(0.05 * i, 2) for i in range(20))  # 0.00 .. 0.95
+
+
+@dataclass
+class Plan:
+    model: str
+    target_rate: float = 0.5
+    output: Path | None = None
+    objective: str = "optimal"
+    allocation: str = "greedy"
+    rope_mode: str = "auto"
+    calibration: str = "wiki"
+    calib_tokens: int = 32768
+    seq_len: int = 512
+    batch_size: int = 4
+    reduce: str = "none"
+    kmeans_clusters: int = 256
+    kmeans_keep_share: float = 0.5
+    rank_multiple: int = 1
+    min_rank: int = 0
+    rate_grid: tuple[float, ...] = DEFAULT_RATE_GRID
+    verify_tolerance: float = 1e-4
+    revision: str | None = None
+    seed: int = 0
+    overwrite: bool = False
+    progress: bool = True
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.target_rate = validate_rate(self.target_rate)
+        self.rate_grid = tuple(sorted({round(validate_rate(r, "rate grid entry"), 4) for r in self.rate_grid}))
+        choices = {
+            "objective": (self.objective, OBJECTIVES),
+            "allocation": (self.allocation, ALLOCATIONS),
+            "rope_mode": (self.rope_mode, ROPE_MODES),
+            "reduce": (self.reduce, REDUCERS),
+        }
+        for name, (value, allowed) in choices.items():
+            if value not in allowed:
+                raise InvalidArgumentError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}; got {value!r}")
+        for name in ("calib_tokens", "seq_len", "batch_size", "rank_multiple", "kmeans_clusters"):
+            if int(getattr(self, name)) < 1:
+                raise InvalidArgumentError(f"--{name.replace('_', '-')} must be a positive integer")
+        if self.min_rank < 0:
+            raise InvalidArgumentError("--min-rank must be >= 0")
+        if not 0.0 < self.kmeans_keep_share <= 1.0:
+            raise InvalidArgumentError("kmeans keep share must be in (0, 1]")
+        if self.output is not None:
+            self.output = Path(self.output).expanduser()
+
+    def key_mode(self) -> str:
+        """The key-side mode for every layer. `auto` picks the best measured mode (docs/key-modes.md)."""
+        if self.rope_mode != "auto":
+            return self.rope_mode
+        return "latent" if self.objective == "optimal" else "post-rope"

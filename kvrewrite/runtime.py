@@ -1,0 +1,77 @@
+"""Runtime shim: registers kvrewrite model types with transformers and loads compressed checkpoints strictly."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import AttentionInterface
+
+from kvrewrite.errors import CorruptCheckpointError
+from kvrewrite.modeling.attention import PACKED_ATTENTION, packed_attention_forward
+from kvrewrite.modeling.llama import KVRewriteLlamaConfig, KVRewriteLlamaForCausalLM
+
+COMPRESSED_MODEL_CLASSES = {"kvrewrite_llama": KVRewriteLlamaForCausalLM}
+
+
+def _packed_attention_mask(*args, **kwargs):
+    # Always materialise the mask: the packed attention has no is_causal shortcut, and a skipped mask
+    # would silently drop padding.
+    kwargs["allow_is_causal_skip"] = False
+    return sdpa_mask(*args, **kwargs)
+
+
+def register() -> None:
+    """Make `AutoModelForCausalLM.from_pretrained(dir)` load kvrewrite checkpoints (idempotent)."""
+    AttentionInterface.register(PACKED_ATTENTION, packed_attention_forward)
+    AttentionMaskInterface.register(PACKED_ATTENTION, _packed_attention_mask)
+    AutoConfig.register("kvrewrite_llama", KVRewriteLlamaConfig, exist_ok=True)
+    AutoModelForCausalLM.register(KVRewriteLlamaConfig, KVRewriteLlamaForCausalLM, exist_ok=True)
+
+
+def checkpoint_directory(name_or_path, revision: str | None = None) -> Path:
+    """A local directory for a compressed checkpoint given as a path or a Hub id."""
+    path = Path(str(name_or_path)).expanduser()
+    if path.is_dir():
+        return path
+    from kvrewrite.sources import resolve_model_source
+
+    return resolve_model_source(str(name_or_path), revision=revision).path
+
+
+def verify_checkpoint_files(directory: Path) -> None:
+    from kvrewrite.checkpoint_io import verify_checksums
+
+    verify_checksums(directory)
+
+
+def ensure_complete_load(info: dict, directory: Path) -> None:
+    """Refuse a load in which transformers would have re-initialised or dropped any weight."""
+    problems = []
+    for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
+        keys = sorted(str(k) for k in info.get(kind) or [])
+        if keys:
+            problems.append(f"{kind.replace('_', ' ')}: {', '.join(keys[:8])}{' ...' if len(keys) > 8 else ''}")
+    if info.get("error_msgs"):
+        problems.append("; ".join(info["error_msgs"]))
+    if problems:
+        raise CorruptCheckpointError(f"checkpoint {directory} does not match its compression spec: " + " | ".join(problems))
+
+
+def load(name_or_path, rate: float | None = None, **kwargs):
+    """Load a compressed checkpoint, optionally at another rate of its rate table."""
+    directory = checkpoint_directory(name_or_path, kwargs.get("revision"))
+    config_file = directory / "config.json"
+    try:
+        model_type = json.loads(config_file.read_text())["model_type"]
+    except (OSError, ValueError, KeyError) as exc:
+        raise CorruptCheckpointError(f"{config_file}: unreadable or has no model_type ({exc})") from exc
+    model_class = COMPRESSED_MODEL_CLASSES.get(model_type)
+    if model_class is None:
+        raise CorruptCheckpointError(
+            f"{directory} is not a kvrewrite checkpoint (model_type {model_type!r}); "
+            f"known types: {', '.join(COMPRESSED_MODEL_CLASSES)}"
+        )
+    return model_class.from_pretrained(directory, rate=rate, **kwargs)

@@ -1,0 +1,86 @@
+"""Tiny random Llama checkpoints and a fixed-token calibration pass for fast unit tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from kvrewrite.passes.allocate_ranks import AllocateRanks
+from kvrewrite.passes.collect_statistics import CollectStatistics
+from kvrewrite.passes.compute_transforms import ComputeTransforms
+from kvrewrite.passes.emit import Emit
+from kvrewrite.passes.fold_weights import FoldWeights
+from kvrewrite.passes.load_checkpoint import LoadCheckpoint
+from kvrewrite.passes.verify import Verify
+
+VOCAB = 96
+
+
+def tiny_llama_config(num_kv_heads: int = 2, num_heads: int = 4, head_dim: int = 16, layers: int = 2) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=num_heads * head_dim,
+        intermediate_size=96,
+        num_hidden_layers=layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+
+
+def word_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
+
+def save_tiny_llama(directory: Path, seed: int = 0, **config_kwargs) -> Path:
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(tiny_llama_config(**config_kwargs)).eval()
+    # Random init gives near-uniform attention; sharpen q/k so attention patterns matter in tests.
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(4.0)
+            layer.self_attn.k_proj.weight.mul_(4.0)
+    model.save_pretrained(directory)
+    word_tokenizer().save_pretrained(directory)
+    return directory
+
+
+def random_windows(n: int = 8, length: int = 48, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (n, length), generator=g)
+
+
+class FixedCalibration:
+    name = "build_calibration"
+    description = "fixed random token windows (tests)"
+
+    def __init__(self, tokens: torch.Tensor):
+        self.tokens = tokens
+
+    def run(self, ctx) -> None:
+        ctx.calibration_tokens = self.tokens
+        ctx.report["calibration"] = {"source": "test", "tokens": int(self.tokens.numel())}
+
+
+def test_pipeline(tokens: torch.Tensor | None = None) -> list:
+    return [
+        LoadCheckpoint(),
+        FixedCalibration(random_windows() if tokens is None else tokens),
+        CollectStatistics(),
+        ComputeTransforms(),
+        AllocateRanks(),
+        FoldWeights(),
+        Verify(),
+        Emit(),
+    ]
