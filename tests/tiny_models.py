@@ -73,7 +73,7 @@ class FixedCalibration:
         ctx.report["calibration"] = {"source": "test", "tokens": int(self.tokens.numel())}
 
 
-def test_pipeline(tokens: torch.Tensor | None = None) -> list:
+def tiny_pipeline(tokens: torch.Tensor | None = None) -> list:
     return [
         LoadCheckpoint(),
         FixedCalibration(random_windows() if tokens is None else tokens),

@@ -1,0 +1,108 @@
+"""`kvrewrite demo`: SmolLM2-135M compressed two ways, evaluated at several rates against the original.
+
+Statistics are collected once and shared by both configurations; every rate comes from the same
+checkpoint's rate table, and all variants are scored in one pass over the held-out text.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+DEMO_CONFIGS = {
+    # ZACK as published: [Q;K] SVD post-RoPE keys, [V; W_O^T] SVD values, shared removal rate (Eq. 6).
+    "zack-faithful": {"objective": "zack", "allocation": "eps", "rope_mode": "post-rope"},
+    # Our best so far: query-aware pre-RoPE latent keys, output-aware values, greedy on the objective.
+    "kvrewrite-optimal": {"objective": "optimal", "allocation": "greedy", "rope_mode": "latent"},
+}
+
+
+def run_demo(output: Path, rates: list[float], calib_tokens: int, eval_tokens: int, console: Console) -> list[dict]:
+    from kvrewrite.calibration_data import evaluation_token_sequences
+    from kvrewrite.cli.evaluate import result_rows
+    from kvrewrite.cli.tables import eval_table
+    from kvrewrite.evaluation import evaluate_many
+    from kvrewrite.passes.allocate_ranks import AllocateRanks
+    from kvrewrite.passes.build_calibration import BuildCalibration
+    from kvrewrite.passes.collect_statistics import CollectStatistics
+    from kvrewrite.passes.compute_transforms import ComputeTransforms
+    from kvrewrite.passes.context import CompileContext
+    from kvrewrite.passes.emit import Emit
+    from kvrewrite.passes.fold_weights import FoldWeights
+    from kvrewrite.passes.load_checkpoint import LoadCheckpoint
+    from kvrewrite.passes.verify import Verify
+    from kvrewrite.plan import Plan
+    from kvrewrite.runtime import load
+
+    started = time.perf_counter()
+    plan = Plan(model="smollm2-135m", target_rate=max(rates), calibration="wiki", calib_tokens=calib_tokens, overwrite=True,
+                rate_grid=tuple(sorted({*Plan.__dataclass_fields__["rate_grid"].default, *rates})))
+    shared = CompileContext(plan=plan)
+    for step in (LoadCheckpoint(), BuildCalibration(), CollectStatistics()):
+        console.print(f"[cyan]shared[/] {step.name}: {step.description}")
+        step.run(shared)
+
+    compile_times = {}
+    for name, options in DEMO_CONFIGS.items():
+        t0 = time.perf_counter()
+        ctx = dataclasses.replace(shared, plan=dataclasses.replace(plan, output=output / name, **options),
+                                  report=copy.deepcopy(shared.report), verification={})
+        for step in (ComputeTransforms(), AllocateRanks(), FoldWeights(), Verify(), Emit()):
+            console.print(f"[cyan]{name}[/] {step.name}")
+            step.run(ctx)
+        compile_times[name] = time.perf_counter() - t0
+        console.print(f"  full-rank max |Δlogit| = {ctx.verification['full_rank_max_abs_logit_diff']:.2e}, wrote {ctx.output_dir}")
+
+    windows = evaluation_token_sequences(shared.tokenizer, eval_tokens, plan.seq_len)
+    models, model_rates = {}, {}
+    for name in DEMO_CONFIGS:
+        for rate in rates:
+            label = f"{name} p={rate:.2f}"
+            models[label], model_rates[label] = load(output / name, rate=rate), rate
+    console.print(f"evaluating {len(models)} variants and the original on {windows.numel()} held-out wiki tokens")
+    results = evaluate_many(models, windows, baseline=shared.model)
+    rows = result_rows("SmolLM2-135M-Instruct", results, model_rates)
+    console.print(eval_table(rows, title=f"SmolLM2-135M on held-out wiki ({windows.numel()} tokens)"))
+
+    summary = {
+        "rows": rows,
+        "calibration_tokens": int(shared.calibration_tokens.numel()),
+        "eval_tokens": int(windows.numel()),
+        "statistics_time_s": shared.report.get("timings_s"),
+        "compile_time_s": compile_times,
+        "total_time_s": time.perf_counter() - started,
+        "configs": DEMO_CONFIGS,
+    }
+    output.mkdir(parents=True, exist_ok=True)
+    (output / "demo_results.json").write_text(json.dumps(summary, indent=2))
+    _plot(rows, output / "demo_ppl_vs_rate.png")
+    console.print(f"results: {output / 'demo_results.json'}, plot: {output / 'demo_ppl_vs_rate.png'}")
+    return rows
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    base = next(r for r in rows if r.get("baseline"))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in DEMO_CONFIGS:
+        pts = sorted((r["kv_bytes_per_token"] / base["kv_bytes_per_token"], r["perplexity"]) for r in rows if r["name"].startswith(name))
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=name)
+    ax.axhline(base["perplexity"], color="gray", linestyle="--", label="original")
+    ax.set_xlabel("KV bytes per token (share of original)")
+    ax.set_ylabel("held-out wiki perplexity")
+    ax.set_title("SmolLM2-135M: quality per KV byte")
+    ax.legend()
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    tmp.replace(path)

@@ -1,0 +1,62 @@
+"""Rich tables shared by the CLI commands."""
+
+from __future__ import annotations
+
+from rich.table import Table
+
+from kvrewrite.spec import CompressionSpec
+
+
+def ranks_table(spec: CompressionSpec) -> Table:
+    table = Table(title=f"ranks per layer and KV head (head_dim {spec.head_dim})")
+    table.add_column("layer", justify="right")
+    table.add_column("key mode")
+    table.add_column("key ranks")
+    table.add_column("value ranks")
+    table.add_column("kept", justify="right")
+    per_layer = 2 * spec.num_key_value_heads * spec.head_dim
+    for i, layer in enumerate(spec.layers):
+        kept = sum(layer.key_ranks) + sum(layer.value_ranks)
+        table.add_row(str(i), layer.key_mode, " ".join(f"{r:3d}" for r in layer.key_ranks),
+                      " ".join(f"{r:3d}" for r in layer.value_ranks), f"{kept / per_layer:.0%}")
+    return table
+
+
+def summary_table(spec: CompressionSpec, report: dict | None = None) -> Table:
+    table = Table(title="compression summary", show_header=False)
+    table.add_column("what")
+    table.add_column("value")
+    table.add_row("source model", f"{spec.source_model} ({spec.source_revision or 'local'})")
+    table.add_row("objective / allocation", f"{spec.objective} / {spec.allocation}")
+    table.add_row("key modes", ", ".join(sorted({layer.key_mode for layer in spec.layers})))
+    table.add_row("target rate", f"{spec.target_rate:.3f}")
+    table.add_row("achieved rate", f"{spec.achieved_rate:.4f}")
+    table.add_row("KV elements per token", f"{spec.kept_elements_per_token} of {spec.baseline_elements_per_token}")
+    if report:
+        verification = report.get("verification", {})
+        if "full_rank_max_abs_logit_diff" in verification:
+            table.add_row("full-rank max |Δlogit|", f"{verification['full_rank_max_abs_logit_diff']:.2e}")
+        compiled = verification.get("compiled_rank", {})
+        if compiled:
+            table.add_row("calibration KL / top-1", f"{compiled['kl_mean']:.4f} nats / {compiled['top1_agreement']:.3f}")
+        if "timings_s" in report:
+            table.add_row("compile time", f"{report['timings_s'].get('total', 0):.1f} s")
+        if "peak_rss_mib" in report:
+            table.add_row("peak RSS", f"{report['peak_rss_mib']:.0f} MiB")
+    return table
+
+
+def eval_table(rows: list[dict], title: str = "evaluation on held-out wiki text") -> Table:
+    table = Table(title=title)
+    for name, justify in (("model", "left"), ("rate", "right"), ("ppl", "right"), ("Δppl", "right"),
+                          ("KL (nats)", "right"), ("top-1", "right"), ("KV bytes/token", "right"), ("vs baseline", "right")):
+        table.add_column(name, justify=justify)
+    base = next((r for r in rows if r.get("baseline")), None)
+    for r in rows:
+        delta = f"{(r['perplexity'] / base['perplexity'] - 1):+.1%}" if base and not r.get("baseline") else ""
+        ratio = f"{r['kv_bytes_per_token'] / base['kv_bytes_per_token']:.3f}" if base else ""
+        kl = "" if r.get("kl_mean") is None else f"{r['kl_mean']:.4f}"
+        top1 = "" if r.get("top1_agreement") is None else f"{r['top1_agreement']:.3f}"
+        table.add_row(r["name"], f"{r.get('rate', 0.0):.2f}", f"{r['perplexity']:.2f}", delta, kl, top1,
+                      f"{r['kv_bytes_per_token']:.0f}", ratio)
+    return table
