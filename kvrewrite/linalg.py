@@ -65,10 +65,17 @@ def whitened_projection(input_gram: torch.Tensor, output_map: torch.Tensor) -> L
     down = C^{-1/2} U, up = U^T C^{1/2}.
     """
     root, inv_root = sqrt_and_inv_sqrt(input_gram)
-    u, s, _ = torch.linalg.svd(root @ output_map.double(), full_matrices=True)
+    u, _, _ = torch.linalg.svd(root @ output_map.double(), full_matrices=True)
+    # The spectrum (which drives rank allocation) is taken without the ridge, so small tails are exact.
+    s = torch.linalg.svdvals(unregularised_sqrt(input_gram) @ output_map.double())
     spectrum = torch.zeros(root.shape[0], dtype=torch.float64)
     spectrum[: s.numel()] = s
     return LowRankPair(down=inv_root @ u, up=u.T @ root, spectrum=spectrum)
+
+
+def unregularised_sqrt(gram: torch.Tensor) -> torch.Tensor:
+    evals, evecs = torch.linalg.eigh(_sym(gram.double()))
+    return _sym((evecs * evals.clamp_min(0).sqrt()) @ evecs.T)
 
 
 @dataclass
@@ -90,8 +97,9 @@ def kq_svd(query_gram: torch.Tensor, key_gram: torch.Tensor) -> BilinearPair:
     t_root, t_inv = sqrt_and_inv_sqrt(key_gram)
     u, sigma, wt = torch.linalg.svd(s_root @ t_root)
     half = sigma.sqrt()
-    return BilinearPair(q_map=s_inv @ u * half, k_map=t_inv @ wt.T * half, spectrum=sigma)
+    spectrum = torch.linalg.svdvals(unregularised_sqrt(query_gram) @ unregularised_sqrt(key_gram))
+    return BilinearPair(q_map=s_inv @ u * half, k_map=t_inv @ wt.T * half, spectrum=spectrum)
 
 
 def psd_sqrt(gram: torch.Tensor) -> torch.Tensor:
-    return sqrt_and_inv_sqrt(gram)[0]
+    return unregularised_sqrt(gram)
