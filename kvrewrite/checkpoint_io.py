@@ -1,0 +1,327 @@
+"""Atomic, verifiable checkpoint directories.
+
+A compiled checkpoint is built in a temporary sibling directory and swapped into place only when every file is
+written, so an interrupted or failed compile never leaves a half-written output (and never destroys the previous
+one). Every weight file is recorded with its SHA-256 so a later load can tell a damaged copy from a good one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import tempfile
+import warnings
+from collections.abc import Iterator
+from pathlib import Path, PurePosixPath
+
+import torch
+from huggingface_hub import split_torch_state_dict_into_shards
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from kvrewrite.errors import CorruptCheckpointError, InvalidArgumentError
+
+CHECKSUM_FILE = "kvrewrite_checksums.json"
+SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
+SINGLE_SHARD_FILE = "model.safetensors"
+
+_HASH_CHUNK = 4 * 1024 * 1024  # stream in 4 MiB pieces so multi-GB shards never sit in memory whole
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Atomic output directory
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _unused_sibling(parent: Path, prefix: str) -> Path:
+    """A name in `parent` that does not exist yet (random suffix; collisions are retried, not assumed away)."""
+    for _ in range(100):
+        candidate = parent / f"{prefix}{secrets.token_hex(4)}"
+        if not os.path.lexists(candidate):
+            return candidate
+    raise InvalidArgumentError(f"could not find a free temporary name next to {parent}; clean up '{prefix}*' entries")
+
+
+def _remove_path(path: Path) -> None:
+    """Delete a file or directory tree; best effort, used on cleanup paths that must not mask the real error."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def _current_umask() -> int:
+    # os.umask can only be read by setting it; restore immediately.
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+@contextlib.contextmanager
+def atomic_output_dir(out_dir: Path, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a fresh temporary directory that replaces `out_dir` only if the block finishes without an exception.
+
+    The temporary directory lives in the same parent as `out_dir` so the final `os.replace` is a rename within one
+    filesystem (atomic). On any exception — KeyboardInterrupt included — the temporary directory is deleted and a
+    previous `out_dir` is left untouched.
+    """
+    out_dir = Path(out_dir)
+    if os.path.lexists(out_dir) and not overwrite:
+        raise InvalidArgumentError(
+            f"output directory {out_dir} already exists; pass --overwrite to replace it or choose another -o path"
+        )
+    parent = out_dir.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    name = out_dir.name
+    if not name:
+        raise InvalidArgumentError(f"output path {out_dir!s} has no directory name; choose another -o path")
+
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent))
+    # mkdtemp makes the directory 0700; give the final output the permissions a plain mkdir would have.
+    os.chmod(tmp, 0o777 & ~_current_umask())
+    try:
+        yield tmp
+    except BaseException:
+        _remove_path(tmp)
+        raise
+
+    try:
+        _swap_into_place(tmp, out_dir, overwrite)
+    except BaseException:
+        _remove_path(tmp)
+        raise
+
+
+def _swap_into_place(tmp: Path, out_dir: Path, overwrite: bool) -> None:
+    old: Path | None = None
+    if os.path.lexists(out_dir):
+        if not overwrite:
+            # Someone created it while we were writing; never clobber it silently.
+            raise InvalidArgumentError(
+                f"output directory {out_dir} appeared while writing; pass --overwrite or choose another -o path"
+            )
+        old = _unused_sibling(out_dir.parent, f".{out_dir.name}.old-")
+        os.rename(out_dir, old)
+    try:
+        os.replace(tmp, out_dir)
+    except BaseException:
+        if old is not None:
+            # Put the previous output back so a failed swap leaves things as they were.
+            try:
+                os.rename(old, out_dir)
+            except OSError as exc:
+                warnings.warn(
+                    f"could not restore previous output {out_dir} from {old}: {exc}; rename it back by hand",
+                    stacklevel=3,
+                )
+        raise
+    if old is not None:
+        _remove_path(old)
+        if os.path.lexists(old):
+            warnings.warn(f"could not delete the replaced output at {old}; delete it by hand", stacklevel=3)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Safetensors shards
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _prepare_tensors(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """CPU, contiguous, and no two tensors sharing storage (safetensors refuses shared storage)."""
+    prepared: dict[str, torch.Tensor] = {}
+    seen_storages: set[int] = set()
+    for key, tensor in state_dict.items():
+        if not isinstance(key, str):
+            raise InvalidArgumentError(f"state dict key {key!r} is not a string; tensor names must be strings")
+        if not isinstance(tensor, torch.Tensor):
+            raise InvalidArgumentError(f"state dict entry {key!r} is a {type(tensor).__name__}, not a torch.Tensor")
+        if tensor.device.type == "meta":
+            raise InvalidArgumentError(
+                f"tensor {key!r} is on the meta device (no data); materialise the model weights before saving"
+            )
+        t = tensor.detach().to("cpu").contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in seen_storages or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+            # Shares memory with an earlier tensor, or is a slice of a larger buffer: save an independent copy.
+            t = t.clone()
+            ptr = t.untyped_storage().data_ptr()
+        if t.numel() > 0:
+            seen_storages.add(ptr)
+        prepared[key] = t
+    return prepared
+
+
+def write_safetensors_shards(
+    directory: Path,
+    state_dict: dict[str, torch.Tensor],
+    metadata: dict[str, str],
+    max_shard_size: int | str = "2GB",
+) -> list[str]:
+    """Write `state_dict` as HF-style safetensors shard(s) in `directory`; return the shard filenames in order.
+
+    One shard is named `model.safetensors`; several are `model-0000i-of-0000n.safetensors` plus the standard
+    `model.safetensors.index.json`. Every shard carries the same `metadata` (with `format: pt` added).
+    """
+    directory = Path(directory)
+    if not state_dict:
+        raise InvalidArgumentError("state dict is empty; there are no weights to write")
+    meta = dict(metadata)
+    for k, v in meta.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise InvalidArgumentError(
+                f"safetensors metadata must map str to str, got {k!r}: {type(v).__name__}; json.dumps non-string values"
+            )
+    if meta.setdefault("format", "pt") != "pt":
+        # transformers only loads safetensors whose format is "pt".
+        raise InvalidArgumentError(f"metadata 'format' is {meta['format']!r}; it must be 'pt' for transformers")
+
+    tensors = _prepare_tensors(state_dict)
+    split = split_torch_state_dict_into_shards(tensors, max_shard_size=max_shard_size)
+    directory.mkdir(parents=True, exist_ok=True)
+
+    filenames = list(split.filename_to_tensors.keys())
+    for filename in filenames:
+        shard = {name: tensors[name] for name in split.filename_to_tensors[filename]}
+        save_file(shard, str(directory / filename), metadata=meta)
+
+    if split.is_sharded:
+        index = {
+            "metadata": {"total_size": int(split.metadata["total_size"])},
+            "weight_map": dict(sorted(split.tensor_to_filename.items())),
+        }
+        (directory / SAFETENSORS_INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+    return filenames
+
+
+def _shard_filenames(directory: Path) -> list[str]:
+    """The checkpoint's shard filenames: from the index if sharded, else the single file, else any *.safetensors."""
+    index_path = directory / SAFETENSORS_INDEX_FILE
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
+            return sorted(set(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CorruptCheckpointError(
+                f"{index_path} is not a valid safetensors index ({exc}); re-run the compile to rewrite the checkpoint"
+            ) from exc
+    if (directory / SINGLE_SHARD_FILE).is_file():
+        return [SINGLE_SHARD_FILE]
+    return sorted(p.name for p in directory.glob("*.safetensors"))
+
+
+def read_safetensors_metadata(directory: Path) -> dict[str, str]:
+    """Header metadata of the checkpoint's first shard (all shards carry the same metadata)."""
+    directory = Path(directory)
+    shards = _shard_filenames(directory)
+    if not shards:
+        raise CorruptCheckpointError(
+            f"no *.safetensors weights found in {directory}; point to a kvrewrite output directory or re-run the compile"
+        )
+    path = directory / shards[0]
+    if not path.is_file():
+        raise CorruptCheckpointError(f"{path} is listed in the index but missing; re-run the compile")
+    return dict(_open_safetensors_header(path))
+
+
+def _open_safetensors_header(path: Path) -> dict[str, str]:
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return f.metadata() or {}
+    except Exception as exc:  # safetensors raises its own SafetensorError / OSError variants
+        raise CorruptCheckpointError(
+            f"{path} is truncated or its safetensors header is damaged ({exc}); re-download or re-run the compile"
+        ) from exc
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Checksums
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _check_relative_name(directory: Path, filename: str) -> Path:
+    """Refuse names that would escape the checkpoint directory (the checksum file names paths we will open)."""
+    rel = PurePosixPath(filename)
+    if not filename or rel.is_absolute() or ".." in rel.parts:
+        raise InvalidArgumentError(f"checksum entry {filename!r} must be a relative path inside {directory}")
+    return directory / rel
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_checksums(directory: Path, filenames: list[str]) -> None:
+    """Record the SHA-256 of each listed file (relative to `directory`) in `directory/CHECKSUM_FILE`."""
+    directory = Path(directory)
+    if not filenames:
+        raise InvalidArgumentError("no files given to checksum; pass the shard filenames returned by the writer")
+    sums: dict[str, str] = {}
+    for filename in filenames:
+        if filename == CHECKSUM_FILE:
+            raise InvalidArgumentError(f"{CHECKSUM_FILE} cannot list itself")
+        path = _check_relative_name(directory, filename)
+        if not path.is_file():
+            raise InvalidArgumentError(f"cannot checksum {path}: file does not exist")
+        sums[filename] = _sha256(path)
+    # Write-then-rename so a crash never leaves a half-written checksum file that would fail every later verify.
+    target = directory / CHECKSUM_FILE
+    tmp = target.with_name(f".{CHECKSUM_FILE}.tmp-{secrets.token_hex(4)}")
+    try:
+        tmp.write_text(json.dumps(sums, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        os.replace(tmp, target)
+    except BaseException:
+        _remove_path(tmp)
+        raise
+
+
+def verify_checksums(directory: Path) -> None:
+    """Raise CorruptCheckpointError unless every file in `directory/CHECKSUM_FILE` exists and matches its SHA-256."""
+    directory = Path(directory)
+    sums_path = directory / CHECKSUM_FILE
+    if not sums_path.is_file():
+        raise CorruptCheckpointError(
+            f"{sums_path} is missing, so the checkpoint cannot be verified; it was not written by kvrewrite or the "
+            "write was interrupted — re-run the compile"
+        )
+    try:
+        sums = json.loads(sums_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise CorruptCheckpointError(
+            f"{sums_path} cannot be parsed ({exc}); the checkpoint is damaged — re-run the compile"
+        ) from exc
+    if (
+        not isinstance(sums, dict)
+        or not sums
+        or not all(isinstance(k, str) and isinstance(v, str) and len(v) == 64 for k, v in sums.items())
+    ):
+        raise CorruptCheckpointError(
+            f"{sums_path} does not map file names to SHA-256 digests; the checkpoint is damaged — re-run the compile"
+        )
+
+    for filename, expected in sorted(sums.items()):
+        try:
+            path = _check_relative_name(directory, filename)
+        except InvalidArgumentError as exc:
+            raise CorruptCheckpointError(f"{sums_path} lists an invalid path: {exc}") from exc
+        if not path.is_file():
+            raise CorruptCheckpointError(
+                f"{path} is listed in {CHECKSUM_FILE} but missing; re-download or re-run the compile"
+            )
+        if path.suffix == ".safetensors":
+            # Parsing the header first gives a precise "truncated" message instead of a bare digest mismatch.
+            _open_safetensors_header(path)
+        actual = _sha256(path)
+        if actual != expected.lower():
+            raise CorruptCheckpointError(
+                f"{path} is corrupt or modified (SHA-256 {actual[:12]}… does not match the recorded "
+                f"{expected[:12]}…); re-download or re-run the compile"
+            )
