@@ -185,7 +185,8 @@ def perplexity_and_agreement_many(
                 base_logp = torch.log_softmax(base_logits.float(), dim=-1)
                 base_nll_sum -= base_logp.gather(-1, targets.unsqueeze(-1)).double().sum()
             for name, model in models.items():
-                logits = _logits(model, batch.to(device))[:, :-1]
+                # Each model runs on its own device; sums live on the first model's device.
+                logits = _logits(model, batch.to(_model_device(model)))[:, :-1].to(device)
                 if base_logp is not None and base_logp.shape != logits.shape:
                     raise InvalidArgumentError(
                         f"baseline logits have shape {tuple(base_logp.shape)} but {name}'s have "

@@ -71,11 +71,12 @@ def plot_rank_heatmap(
 
     kept = int(keys.sum() + values.sum())
     full = 2 * keys.size * head_dim
-    heading = f"{title} — " if title else ""
-    heading += f"KV cache kept: {kept / full:.1%} ({kept:,} of {full:,} dims, head_dim {head_dim})"
+    # Two lines so a long model name never pushes the kept share off a narrow figure.
+    summary = f"KV cache kept: {kept / full:.1%} ({kept:,} of {full:,} dims, head_dim {head_dim})"
+    heading = f"{title}\n{summary}" if title else summary
 
     # Size the figure from the grid so cells stay roughly square and labels legible.
-    panel_w = min(max(0.55 * n_heads, 2.2), 9.0)
+    panel_w = min(max(0.55 * n_heads, 2.8), 9.0)
     fig_h = min(max(0.3 * n_layers, 3.0), 20.0) + 1.6
     fig = Figure(figsize=(2 * panel_w + 2.2, fig_h), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
