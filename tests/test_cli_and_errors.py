@@ -1,0 +1,116 @@
+"""Bad input is refused early with a clear message; the CLI commands work on a tiny compiled model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+from typer.testing import CliRunner
+
+from kvrewrite.cli.app import app
+from kvrewrite.errors import InvalidArgumentError, UnsupportedModelError
+from kvrewrite.passes.context import CompileContext
+from kvrewrite.passes.load_checkpoint import LoadCheckpoint
+from kvrewrite.passes.pipeline import run_pipeline
+from kvrewrite.plan import Plan
+from tiny_models import save_tiny_llama, tiny_pipeline, word_tokenizer
+
+runner = CliRunner()
+
+
+def flat(output: str) -> str:
+    """CLI output with rich's line wrapping undone."""
+    return " ".join(output.split())
+
+
+@pytest.mark.parametrize("rate", [1.0, 1.5, -0.1, math.nan, "abc"])
+def test_rate_outside_unit_interval_is_refused(rate):
+    with pytest.raises(InvalidArgumentError, match=r"\[0, 1\)"):
+        Plan(model="x", target_rate=rate)
+
+
+@pytest.mark.parametrize("option,value", [("objective", "svd"), ("allocation", "random"), ("rope_mode", "none"), ("reduce", "pca")])
+def test_unknown_choices_are_refused(option, value):
+    with pytest.raises(InvalidArgumentError, match=option.replace("_", "-")):
+        Plan(model="x", **{option: value})
+
+
+def test_cli_rate_error_exits_nonzero_with_message():
+    result = runner.invoke(app, ["compress", "smollm2-135m", "--target-rate", "1.5"])
+    assert result.exit_code == 2
+    assert "[0, 1)" in flat(result.output)
+
+
+def test_unsupported_architecture_fails_before_loading_weights(tmp_path, monkeypatch):
+    config = GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=96, n_positions=64)
+    GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
+    word_tokenizer().save_pretrained(tmp_path / "gpt2")
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("weights were loaded before the architecture check")
+
+    monkeypatch.setattr("kvrewrite.passes.load_checkpoint.AutoModelForCausalLM.from_pretrained", no_weights)
+    ctx = CompileContext(plan=Plan(model=str(tmp_path / "gpt2"), progress=False))
+    with pytest.raises(UnsupportedModelError, match="'gpt2'.*supported model types: llama, mistral"):
+        LoadCheckpoint().run(ctx)
+
+
+def test_existing_output_is_kept_without_overwrite(tmp_path):
+    src = save_tiny_llama(tmp_path / "src")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("previous result")
+    with pytest.raises(InvalidArgumentError, match="--overwrite"):
+        run_pipeline(Plan(model=str(src), output=out, progress=False), tiny_pipeline())
+    assert (out / "keep.txt").read_text() == "previous result"
+    run_pipeline(Plan(model=str(src), output=out, overwrite=True, progress=False), tiny_pipeline())
+    assert not (out / "keep.txt").exists() and (out / "config.json").is_file()
+
+
+def test_interrupted_compile_leaves_no_output(tmp_path, monkeypatch):
+    src = save_tiny_llama(tmp_path / "src")
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("kvrewrite.passes.emit.write_checksums", interrupt)  # Ctrl-C during the final write
+    with pytest.raises(KeyboardInterrupt):
+        run_pipeline(Plan(model=str(src), output=tmp_path / "out", progress=False), tiny_pipeline())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_dry_run_prints_the_pipeline():
+    result = runner.invoke(app, ["compress", "smollm2-135m", "--target-rate", "0.6", "--dry-run"])
+    assert result.exit_code == 0
+    for name in ("collect_statistics", "compute_transforms", "allocate_ranks", "fold_weights", "verify", "emit"):
+        assert name in result.output
+
+
+def test_inspect_prints_ranks_and_writes_heat_map(tmp_path):
+    src = save_tiny_llama(tmp_path / "src")
+    out = tmp_path / "out"
+    ctx = run_pipeline(Plan(model=str(src), output=out, progress=False), tiny_pipeline())
+    result = runner.invoke(app, ["inspect", str(out), "--plot", str(tmp_path / "ranks.png")])
+    assert result.exit_code == 0, result.output
+    assert f"{ctx.spec.kept_elements_per_token} of {ctx.spec.baseline_elements_per_token}" in flat(result.output)
+    assert (tmp_path / "ranks.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    other = runner.invoke(app, ["inspect", str(out), "--rate", "0.3", "--plot", str(tmp_path / "r30.png")])
+    assert other.exit_code == 0 and "0.300" in flat(other.output)
+    missing = runner.invoke(app, ["inspect", str(tmp_path / "nope")])
+    assert missing.exit_code == 2 and "no config.json" in flat(missing.output)
+
+
+def test_compress_command_end_to_end_on_local_text(tmp_path):
+    src = save_tiny_llama(tmp_path / "src")
+    text = tmp_path / "calib.txt"
+    g = torch.Generator().manual_seed(0)
+    text.write_text(" ".join(f"w{int(i)}" for i in torch.randint(3, 96, (3000,), generator=g)))
+    result = runner.invoke(app, ["compress", str(src), "--target-rate", "0.5", "-o", str(tmp_path / "out"),
+                                 "--calibration", str(text), "--calib-tokens", "512", "--seq-len", "64"])
+    assert result.exit_code == 0, result.output
+    assert "achieved rate" in flat(result.output) and (tmp_path / "out" / "config.json").is_file()
+    short = runner.invoke(app, ["compress", str(src), "-o", str(tmp_path / "o2"), "--calibration", str(text),
+                                "--calib-tokens", "100000"])
+    assert short.exit_code == 2 and "100000" in flat(short.output).replace(",", "")
