@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -13,7 +14,8 @@ from rich.table import Table
 from kvrewrite.errors import KVRewriteError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Rewrite a Hugging Face causal LM so its KV cache is smaller.")
-console = Console()
+# Off a terminal (logs, CI) rich would wrap tables at 80 columns; give them room instead.
+console = Console() if sys.stdout.isatty() else Console(width=140)
 
 
 def _fail(exc: Exception) -> None:
