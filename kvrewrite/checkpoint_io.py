@@ -23,6 +23,7 @@ from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from kvrewrite.atomic_files import current_umask
 from kvrewrite.errors import CorruptCheckpointError, InvalidArgumentError
 
 CHECKSUM_FILE = "kvrewrite_checksums.json"
@@ -55,13 +56,6 @@ def _remove_path(path: Path) -> None:
             path.unlink()
 
 
-def _current_umask() -> int:
-    # os.umask can only be read by setting it; restore immediately.
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
 @contextlib.contextmanager
 def atomic_output_dir(out_dir: Path, overwrite: bool = False) -> Iterator[Path]:
     """Yield a fresh temporary directory that replaces `out_dir` only if the block finishes without an exception.
@@ -83,7 +77,7 @@ def atomic_output_dir(out_dir: Path, overwrite: bool = False) -> Iterator[Path]:
 
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent))
     # mkdtemp makes the directory 0700; give the final output the permissions a plain mkdir would have.
-    os.chmod(tmp, 0o777 & ~_current_umask())
+    os.chmod(tmp, 0o777 & ~current_umask())
     try:
         yield tmp
     except BaseException:

@@ -6,9 +6,6 @@ global pyplot backend of the process that imports it.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -17,18 +14,13 @@ from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from kvrewrite.atomic_files import atomic_write
 from kvrewrite.errors import InvalidArgumentError
 
 # Cells get their rank written in them only up to this grid size; beyond it the numbers become unreadable.
 MAX_ANNOTATED_LAYERS = 48
 MAX_ANNOTATED_HEADS = 16
 _CMAP = "viridis"
-
-
-def _current_umask() -> int:
-    mask = os.umask(0o022)  # the umask can only be read by setting it; restore at once
-    os.umask(mask)
-    return mask
 
 
 def _as_grid(ranks: list[list[int]], head_dim: int, what: str) -> np.ndarray:
@@ -105,15 +97,5 @@ def plot_rank_heatmap(
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fmt = path.suffix.lstrip(".").lower() or "png"
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, format=fmt)
-        # mkstemp creates 0600; give the image the permissions a normal file would get.
-        os.chmod(tmp_name, 0o666 & ~_current_umask())
-        os.replace(tmp_name, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp_name)
-        raise
+    atomic_write(path, lambda f: fig.savefig(f, format=fmt))
     return path

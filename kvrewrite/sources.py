@@ -16,13 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from kvrewrite.atomic_files import current_umask
 from kvrewrite.errors import ModelSourceError
 
 __all__ = [
     "BUNDLED_ALIASES",
     "BUNDLED_SOURCE_ID",
     "ResolvedModel",
-    "atomic_write_text",
     "bundled_smollm2_path",
     "cache_dir",
     "resolve_model_source",
@@ -60,29 +60,6 @@ def cache_dir() -> Path:
     root = Path(env).expanduser() if env else Path.home() / ".cache" / "kvrewrite"
     root.mkdir(parents=True, exist_ok=True)
     return root
-
-
-def _current_umask() -> int:
-    umask = os.umask(0)
-    os.umask(umask)
-    return umask
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so that readers see either the old file or the complete new one, never a part."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_current_umask())  # mkstemp makes the file owner-only
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 @contextlib.contextmanager
@@ -164,7 +141,7 @@ def _convert_smollm2(gguf_dir: Path, out_dir: Path) -> None:
 
 def _relax_permissions(directory: Path) -> None:
     """mkdtemp/mkstemp create owner-only entries; give the finished checkpoint the usual umask-based modes."""
-    umask = _current_umask()
+    umask = current_umask()
     os.chmod(directory, 0o777 & ~umask)
     for entry in directory.iterdir():
         if entry.is_file():

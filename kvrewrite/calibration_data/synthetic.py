@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from kvrewrite.errors import CalibrationError, InvalidArgumentError
-from kvrewrite.sources import atomic_write_text, cache_dir
+from kvrewrite.atomic_files import atomic_write_text
+from kvrewrite.sources import cache_dir
 
 __all__ = ["GenerationSettings", "DEFAULT_SETTINGS", "seed_prompts", "synthetic_texts", "synthetic_cache_path"]
 

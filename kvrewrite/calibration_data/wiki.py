@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvrewrite.errors import CalibrationError
-from kvrewrite.sources import atomic_write_text, cache_dir
+from kvrewrite.atomic_files import atomic_write_text
+from kvrewrite.sources import cache_dir
 
 __all__ = ["WikiArticle", "wiki_articles", "wiki_dump_path", "wiki_split", "EVAL_TARGET_CHARS"]
 

@@ -94,6 +94,8 @@ def _plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from kvrewrite.atomic_files import atomic_write
+
     base = next(r for r in rows if r.get("baseline"))
     fig, ax = plt.subplots(figsize=(6, 4))
     for name in DEMO_CONFIGS:
@@ -105,7 +107,5 @@ def _plot(rows: list[dict], path: Path) -> None:
     ax.set_title("SmolLM2-135M: quality per KV byte")
     ax.legend()
     fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=120)
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=120))
     plt.close(fig)
-    tmp.replace(path)
