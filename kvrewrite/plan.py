@@ -19,7 +19,7 @@ class Plan:
     target_rate: float = 0.5
     output: Path | None = None
     objective: str = "optimal"
-    allocation: str = "greedy"
+    allocation: str = "sensitivity"
     rope_mode: str = "auto"
     calibration: str = "wiki"
     calib_tokens: int = 32768

@@ -132,9 +132,35 @@ def allocate_greedy(items: list[RankItem], rate: float, *, min_rank: int = 0, ra
     return RankAllocation(ranks=ranks, kept=kept, total=total)
 
 
+def allocate_uniform(items: list[RankItem], rate: float, *, min_rank: int = 0, rank_multiple: int = 1) -> RankAllocation:
+    """The same rank for every head and side (the baseline the adaptive allocators must beat)."""
+    total = sum(len(it.spectrum) for it in items)
+    target = _target_kept(total, rate)
+    units = [_unit(it, rank_multiple) for it in items]
+    share = target / len(items)
+    ranks = {}
+    for it, unit in zip(items, units):
+        r = max(_floor(it, min_rank, unit), unit * int(share // unit))
+        ranks[(it.layer, it.head, it.side)] = min(r, len(it.spectrum))
+    kept = sum(ranks.values())
+    # Hand out what rounding left over, one unit at a time, while it still fits the target.
+    for it, unit in zip(items, units):
+        key = (it.layer, it.head, it.side)
+        if kept + unit <= target and ranks[key] + unit <= len(it.spectrum):
+            ranks[key] += unit
+            kept += unit
+    if kept > target and rate > 0:
+        raise InvalidArgumentError(f"rate {rate} cannot be reached with --min-rank {min_rank}")
+    return RankAllocation(ranks=ranks, kept=kept, total=total)
+
+
 def allocate(items: list[RankItem], rate: float, method: str, *, min_rank: int = 0, rank_multiple: int = 1) -> RankAllocation:
+    """eps (ZACK Eq. 6), greedy (objective error), sensitivity (greedy on KL-weighted error), uniform."""
     if method == "eps":
         return allocate_eps(items, rate, min_rank=min_rank, rank_multiple=rank_multiple)
-    if method == "greedy":
+    if method in ("greedy", "sensitivity"):
+        # The sensitivity weights ride on the items (RankItem.weight); the search itself is the same.
         return allocate_greedy(items, rate, min_rank=min_rank, rank_multiple=rank_multiple)
-    raise InvalidArgumentError(f"unknown allocation {method!r}; choose eps or greedy")
+    if method == "uniform":
+        return allocate_uniform(items, rate, min_rank=min_rank, rank_multiple=rank_multiple)
+    raise InvalidArgumentError(f"unknown allocation {method!r}; choose eps, greedy, sensitivity or uniform")

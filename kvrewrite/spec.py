@@ -21,7 +21,7 @@ KEY_MODE_LATENT = "latent"  # cache a pre-RoPE latent; rebuild k and rotate it i
 KEY_MODES = (KEY_MODE_FREQ, KEY_MODE_POST_ROPE, KEY_MODE_LATENT)
 
 OBJECTIVES = ("zack", "optimal")
-ALLOCATIONS = ("eps", "greedy")
+ALLOCATIONS = ("eps", "greedy", "sensitivity", "uniform")
 
 
 def validate_rate(rate: float, name: str = "target rate") -> float:

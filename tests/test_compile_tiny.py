@@ -170,3 +170,27 @@ def test_checkpoint_layout(sources, tmp_path):
     for name in ("tokenizer.json", "modeling_kvrewrite.py", "kvrewrite_checksums.json"):
         assert (out / name).is_file()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp dirs left behind
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_sensitivity_probe_equals_real_truncation(sources, tmp_path, mode):
+    compile_tiny(sources["gqa"], tmp_path / "out", rope_mode=mode)
+    probed = kvrewrite.load(tmp_path / "out", rate=0.0)  # full rank
+    truncated = kvrewrite.load(tmp_path / "out", rate=0.0)
+    keys, values = [6, 4], [10, 2]
+    probed.model.layers[1].self_attn.probe_ranks = (keys, values)
+    truncated.model.layers[1].self_attn.set_ranks(keys, values)
+    tokens = random_windows(2, 24, seed=8)
+    with torch.no_grad():
+        assert (probed(tokens).logits - truncated(tokens).logits).abs().max().item() < 1e-5
+
+
+def test_sensitivity_allocation_weights_layers_by_measured_kl(sources, tmp_path):
+    ctx = compile_tiny(sources["gqa"], tmp_path / "out", allocation="sensitivity")
+    weights = ctx.report["sensitivity"]["weights"]
+    assert set(weights) == {"0.key", "0.value", "1.key", "1.value"}
+    assert sum(weights.values()) / 4 == pytest.approx(1.0)
+    assert all(p["kl"] > 0 for p in ctx.report["sensitivity"]["probes"].values())
+    assert ctx.spec.allocation == "sensitivity" and abs(ctx.spec.achieved_rate - 0.5) < 0.02
+    # Other allocations skip the probe entirely.
+    assert "sensitivity" not in compile_tiny(sources["gqa"], tmp_path / "g", allocation="greedy").report

@@ -183,3 +183,15 @@ def test_kmeans_reducer_approximates_the_exact_grams(tmp_path):
     a, b = exact.layers[0].gram("value", 0), reduced.layers[0].gram("value", 0)
     assert ((a - b).norm() / a.norm()).item() < 0.5  # same scale and roughly the same shape
     assert 0 < reduced.notes["kmeans_relative_gram_change_mean"] < 0.5
+
+
+def test_uniform_allocation_gives_every_head_the_same_rank():
+    from kvrewrite.rank_allocation import allocate_uniform
+
+    items = spectra_items(3)
+    alloc = allocate_uniform(items, 0.5)
+    assert set(alloc.ranks.values()) == {8}
+    assert alloc.rate == pytest.approx(0.5)
+    items[0].step = 2
+    odd = allocate_uniform(items, 0.3)  # 0.7 * 16 = 11.2 per head: rounding leftovers are handed out
+    assert odd.kept <= round(0.7 * odd.total) and odd.ranks[(0, 0, "value")] % 2 == 0

@@ -19,6 +19,7 @@ from kvrewrite.passes.context import CompileContext
 from kvrewrite.passes.emit import Emit
 from kvrewrite.passes.fold_weights import FoldWeights
 from kvrewrite.passes.load_checkpoint import LoadCheckpoint
+from kvrewrite.passes.measure_sensitivity import MeasureSensitivity
 from kvrewrite.passes.verify import Verify
 from kvrewrite.plan import Plan
 
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.real_model
 
 CONFIGS = {
     "zack-faithful": {"objective": "zack", "allocation": "eps", "rope_mode": "post-rope"},
-    "optimal-latent": {"objective": "optimal", "allocation": "greedy", "rope_mode": "latent"},
+    "optimal-latent": {"objective": "optimal", "allocation": "sensitivity", "rope_mode": "latent"},
 }
 
 
@@ -41,7 +42,7 @@ def compiled(tmp_path_factory):
     for name, options in CONFIGS.items():
         ctx = dataclasses.replace(shared, plan=dataclasses.replace(plan, output=out / name, **options),
                                   report=copy.deepcopy(shared.report), verification={})
-        for step in (ComputeTransforms(), AllocateRanks(), FoldWeights(), Verify(), Emit()):
+        for step in (ComputeTransforms(), MeasureSensitivity(), AllocateRanks(), FoldWeights(), Verify(), Emit()):
             step.run(ctx)
         contexts[name] = ctx
     return shared, contexts

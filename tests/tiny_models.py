@@ -14,6 +14,7 @@ from kvrewrite.passes.compute_transforms import ComputeTransforms
 from kvrewrite.passes.emit import Emit
 from kvrewrite.passes.fold_weights import FoldWeights
 from kvrewrite.passes.load_checkpoint import LoadCheckpoint
+from kvrewrite.passes.measure_sensitivity import MeasureSensitivity
 from kvrewrite.passes.verify import Verify
 
 VOCAB = 96
@@ -79,6 +80,7 @@ def tiny_pipeline(tokens: torch.Tensor | None = None) -> list:
         FixedCalibration(random_windows() if tokens is None else tokens),
         CollectStatistics(),
         ComputeTransforms(),
+        MeasureSensitivity(),
         AllocateRanks(),
         FoldWeights(),
         Verify(),

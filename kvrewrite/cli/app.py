@@ -29,7 +29,7 @@ def compress(
     target_rate: float = typer.Option(0.5, "--target-rate", "-p", help="Share of KV-cache elements removed, in [0, 1)."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Output directory (default: <model>-kvrewrite-pNN)."),
     objective: str = typer.Option("optimal", help="zack (paper-faithful SVD) or optimal (whitened, output-aware)."),
-    allocation: str = typer.Option("greedy", help="eps (ZACK Eq. 6 shared removal rate) or greedy (objective error)."),
+    allocation: str = typer.Option("sensitivity", help="eps (ZACK Eq. 6 shared removal rate), greedy (objective error), sensitivity (greedy weighted by measured KL per layer and side) or uniform."),
     rope_mode: str = typer.Option("auto", "--rope-mode", help="auto, freq, post-rope or latent (key side of RoPE models)."),
     calibration: str = typer.Option("wiki", help="wiki, synthetic, or a path to a text file / directory of .txt files."),
     calib_tokens: int = typer.Option(32768, "--calib-tokens", help="Calibration tokens (ZACK needs at least 16K)."),

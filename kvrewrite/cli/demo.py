@@ -17,8 +17,8 @@ from rich.console import Console
 DEMO_CONFIGS = {
     # ZACK as published: [Q;K] SVD post-RoPE keys, [V; W_O^T] SVD values, shared removal rate (Eq. 6).
     "zack-faithful": {"objective": "zack", "allocation": "eps", "rope_mode": "post-rope"},
-    # Our best so far: query-aware pre-RoPE latent keys, output-aware values, greedy on the objective.
-    "kvrewrite-optimal": {"objective": "optimal", "allocation": "greedy", "rope_mode": "latent"},
+    # Our best so far: query-aware pre-RoPE latent keys, output-aware values, ranks by measured sensitivity.
+    "kvrewrite-optimal": {"objective": "optimal", "allocation": "sensitivity", "rope_mode": "latent"},
 }
 
 
@@ -35,6 +35,7 @@ def run_demo(output: Path, rates: list[float], calib_tokens: int, eval_tokens: i
     from kvrewrite.passes.emit import Emit
     from kvrewrite.passes.fold_weights import FoldWeights
     from kvrewrite.passes.load_checkpoint import LoadCheckpoint
+    from kvrewrite.passes.measure_sensitivity import MeasureSensitivity
     from kvrewrite.passes.verify import Verify
     from kvrewrite.plan import Plan
     from kvrewrite.runtime import load
@@ -55,7 +56,7 @@ def run_demo(output: Path, rates: list[float], calib_tokens: int, eval_tokens: i
         t0 = time.perf_counter()
         ctx = dataclasses.replace(shared, plan=dataclasses.replace(plan, output=output / name, **options),
                                   report=copy.deepcopy(shared.report), verification={})
-        for step in (ComputeTransforms(), AllocateRanks(), FoldWeights(), Verify(), Emit()):
+        for step in (ComputeTransforms(), MeasureSensitivity(), AllocateRanks(), FoldWeights(), Verify(), Emit()):
             console.print(f"[cyan]{name}[/] {step.name}")
             step.run(ctx)
         compile_times[name] = time.perf_counter() - t0

@@ -65,6 +65,8 @@ class CompressedAttention(nn.Module):
         self.value_ranks = [d] * self.num_kv_heads
         self.layout = PackedLayout(tuple(self.key_ranks), tuple(self.value_ranks), self.group_size)
         self._indices: dict[str, torch.Tensor] | None = None
+        # Sensitivity probing: zeroing the trailing latent dims is exactly a truncation to that rank.
+        self.probe_ranks: tuple[list[int], list[int]] | None = None
 
     # ---- rank selection -------------------------------------------------------------------
     def set_ranks(self, key_ranks: list[int], value_ranks: list[int]) -> None:
@@ -140,6 +142,9 @@ class CompressedAttention(nn.Module):
             key = torch.einsum("bhtd,hde->bthe", k, self.k_map).flatten(2)[..., self._index("key_keep", k.device)]
         # latent: key stays the pre-RoPE latent from the folded k_proj; it is rotated inside attention.
 
+        if self.probe_ranks is not None:
+            key, value = self._apply_probe(key, value)
+
         past_len = 0
         if past_key_values is not None:
             past_len = past_key_values.get_seq_length(self.layer_idx)
@@ -155,6 +160,14 @@ class CompressedAttention(nn.Module):
             attend = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
             output, _ = attend(self, query, key, value, attention_mask, scaling=self.scaling, dropout=0.0, **kwargs)
         return self.o_proj(output), None
+
+    def _apply_probe(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zero every head's latent dims beyond the probe ranks (the model must be at full rank)."""
+        key_keep, value_keep = self.probe_ranks
+        d = self.head_dim
+        key_mask = torch.cat([(torch.arange(d) < r).to(key.dtype) for r in key_keep]).to(key.device)
+        value_mask = torch.cat([(torch.arange(d) < r).to(value.dtype) for r in value_keep]).to(value.device)
+        return key * key_mask, value * value_mask
 
     def _latent_attention(self, query, key_latent, value, attention_mask, past_len: int) -> torch.Tensor:
         """Rebuild each head's pre-RoPE key from its latent and rotate q and k by cache position.

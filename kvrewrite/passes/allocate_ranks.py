@@ -8,13 +8,14 @@ from kvrewrite.rank_allocation import RankItem, allocate
 from kvrewrite.spec import KEY_MODE_FREQ, rate_key
 
 
-def rank_items(transforms) -> list[RankItem]:
+def rank_items(transforms, sensitivity: dict | None = None) -> list[RankItem]:
     items = []
+    weight = (lambda layer, side: sensitivity[(layer, side)]) if sensitivity else (lambda layer, side: 1.0)
     for layer, t in enumerate(transforms):
         key_step = 2 if t.key.mode == KEY_MODE_FREQ else 1
         for g in range(t.value.spectrum.shape[0]):
-            items.append(RankItem(layer, g, "key", t.key.spectrum[g].numpy(), step=key_step))
-            items.append(RankItem(layer, g, "value", t.value.spectrum[g].numpy()))
+            items.append(RankItem(layer, g, "key", t.key.spectrum[g].numpy(), step=key_step, weight=weight(layer, "key")))
+            items.append(RankItem(layer, g, "value", t.value.spectrum[g].numpy(), weight=weight(layer, "value")))
     return items
 
 
@@ -24,7 +25,7 @@ class AllocateRanks:
 
     def run(self, ctx: CompileContext) -> None:
         plan, geo = ctx.plan, ctx.geometry
-        items = rank_items(ctx.transforms)
+        items = rank_items(ctx.transforms, ctx.sensitivity)
 
         def solve(rate: float):
             return allocate(items, rate, plan.allocation, min_rank=plan.min_rank, rank_multiple=plan.rank_multiple)

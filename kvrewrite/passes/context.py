@@ -30,6 +30,8 @@ class CompileContext:
     statistics: CalibrationStatistics | None = None
     # compute_transforms
     transforms: list | None = None  # list[LayerTransforms]
+    # measure_sensitivity: (layer, "key"|"value") -> weight on that side's relative error
+    sensitivity: dict | None = None
     # allocate_ranks
     allocation: Any = None  # RankAllocation
     # fold_weights

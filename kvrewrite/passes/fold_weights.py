@@ -50,38 +50,50 @@ def fold_layer(attn, transforms, geometry) -> dict[str, torch.Tensor]:
     return {name: t.to(dtype).contiguous() for name, t in out.items()}
 
 
+def folded_state_dict(model, adapter, transforms, geometry) -> dict[str, torch.Tensor]:
+    """The whole model's state dict with every layer's attention rewritten (full rank)."""
+    state = {name: t.detach() for name, t in model.state_dict().items()}
+    for layer, layer_transforms in zip(adapter.decoder_layers(model), transforms):
+        attn = adapter.attention(layer)
+        prefix = next(n for n, m in model.named_modules() if m is attn)
+        for name in ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"):
+            state.pop(f"{prefix}.{name}")
+        for name, tensor in fold_layer(attn, layer_transforms, geometry).items():
+            state[f"{prefix}.{name}"] = tensor
+    return state
+
+
+def build_spec(ctx: CompileContext, key_ranks: list[list[int]], value_ranks: list[list[int]]) -> CompressionSpec:
+    plan, geo = ctx.plan, ctx.geometry
+    layer_specs = []
+    for idx, transforms in enumerate(ctx.transforms):
+        freq_order = transforms.key.freq_order.tolist() if transforms.key.freq_order is not None else None
+        layer_specs.append(LayerSpec(transforms.key.mode, key_ranks[idx], value_ranks[idx], freq_order))
+    spec = CompressionSpec(
+        source_model=ctx.report["source"]["model"],
+        source_revision=ctx.source_revision,
+        base_model_type=ctx.model.config.model_type,
+        num_layers=geo.num_layers,
+        num_attention_heads=geo.num_attention_heads,
+        num_key_value_heads=geo.num_key_value_heads,
+        head_dim=geo.head_dim,
+        objective=plan.objective,
+        allocation=plan.allocation,
+        target_rate=plan.target_rate,
+        layers=layer_specs,
+        rate_table=ctx.report.get("rate_table", {}),
+        rank_multiple=plan.rank_multiple,
+    )
+    spec.validate()
+    return spec
+
+
 class FoldWeights:
     name = "fold_weights"
     description = "fold the transforms into q_proj/k_proj/v_proj/o_proj (full rank, ordered) and build the spec"
 
     def run(self, ctx: CompileContext) -> None:
-        plan, geo, adapter = ctx.plan, ctx.geometry, ctx.adapter
+        geo = ctx.geometry
         key_ranks, value_ranks = ctx.allocation.as_lists(geo.num_layers, geo.num_key_value_heads)
-        state = {name: t.detach() for name, t in ctx.model.state_dict().items()}
-        layer_specs = []
-        for idx, (layer, transforms) in enumerate(zip(adapter.decoder_layers(ctx.model), ctx.transforms)):
-            attn = adapter.attention(layer)
-            prefix = next(n for n, m in ctx.model.named_modules() if m is attn)
-            for name in ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"):
-                state.pop(f"{prefix}.{name}")
-            for name, tensor in fold_layer(attn, transforms, geo).items():
-                state[f"{prefix}.{name}"] = tensor
-            freq_order = transforms.key.freq_order.tolist() if transforms.key.freq_order is not None else None
-            layer_specs.append(LayerSpec(transforms.key.mode, key_ranks[idx], value_ranks[idx], freq_order))
-        ctx.folded_state_dict = state
-        ctx.spec = CompressionSpec(
-            source_model=ctx.report["source"]["model"],
-            source_revision=ctx.source_revision,
-            base_model_type=ctx.model.config.model_type,
-            num_layers=geo.num_layers,
-            num_attention_heads=geo.num_attention_heads,
-            num_key_value_heads=geo.num_key_value_heads,
-            head_dim=geo.head_dim,
-            objective=plan.objective,
-            allocation=plan.allocation,
-            target_rate=plan.target_rate,
-            layers=layer_specs,
-            rate_table=ctx.report["rate_table"],
-            rank_multiple=plan.rank_multiple,
-        )
-        ctx.spec.validate()
+        ctx.folded_state_dict = folded_state_dict(ctx.model, ctx.adapter, ctx.transforms, geo)
+        ctx.spec = build_spec(ctx, key_ranks, value_ranks)

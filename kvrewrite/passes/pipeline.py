@@ -13,6 +13,7 @@ from kvrewrite.passes.context import CompileContext
 from kvrewrite.passes.emit import Emit
 from kvrewrite.passes.fold_weights import FoldWeights
 from kvrewrite.passes.load_checkpoint import LoadCheckpoint
+from kvrewrite.passes.measure_sensitivity import MeasureSensitivity
 from kvrewrite.passes.verify import Verify
 from kvrewrite.plan import Plan
 
@@ -23,7 +24,8 @@ def default_pipeline() -> list:
         BuildCalibration(),  # corpus -> token windows
         CollectStatistics(),  # windows -> Gram matrices per layer and head
         ComputeTransforms(),  # Grams -> key-side and value-side transforms
-        AllocateRanks(),  # spectra -> ranks per head, rate table
+        MeasureSensitivity(),  # (sensitivity allocation) end-to-end KL per layer and side
+        AllocateRanks(),  # spectra (and sensitivities) -> ranks per head, rate table
         FoldWeights(),  # transforms -> rewritten q/k/v/o weights, spec
         Verify(),  # full-rank equivalence, compiled-rank error
         Emit(),  # checkpoint directory, written atomically
