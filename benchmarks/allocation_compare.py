@@ -8,26 +8,14 @@ Statistics are collected once and shared; every rate is sliced from one p = 0.5 
 from __future__ import annotations
 
 import argparse
-import copy
-import dataclasses
 import json
 import platform
 import sys
-import time
 from pathlib import Path
 
 from kvrewrite.calibration_data import evaluation_token_sequences
 from kvrewrite.evaluation import evaluate_many
-from kvrewrite.passes.allocate_ranks import AllocateRanks
-from kvrewrite.passes.build_calibration import BuildCalibration
-from kvrewrite.passes.collect_statistics import CollectStatistics
-from kvrewrite.passes.compute_transforms import ComputeTransforms
-from kvrewrite.passes.context import CompileContext
-from kvrewrite.passes.emit import Emit
-from kvrewrite.passes.fold_weights import FoldWeights
-from kvrewrite.passes.load_checkpoint import LoadCheckpoint
-from kvrewrite.passes.measure_sensitivity import MeasureSensitivity
-from kvrewrite.passes.verify import Verify
+from kvrewrite.passes.pipeline import compile_variants
 from kvrewrite.plan import Plan
 from kvrewrite.runtime import load
 
@@ -44,19 +32,9 @@ def main() -> None:
 
     plan = Plan(model="smollm2-135m", target_rate=0.5, calibration="wiki", calib_tokens=args.calib_tokens,
                 overwrite=True, progress=False)
-    shared = CompileContext(plan=plan)
-    for step in (LoadCheckpoint(), BuildCalibration(), CollectStatistics()):
-        step.run(shared)
-    compile_s, calib_kl = {}, {}
-    for allocation in ALLOCATIONS:
-        t0 = time.perf_counter()
-        ctx = dataclasses.replace(shared, plan=dataclasses.replace(plan, output=args.out / allocation, allocation=allocation),
-                                  report=copy.deepcopy(shared.report), verification={}, sensitivity=None)
-        for step in (ComputeTransforms(), MeasureSensitivity(), AllocateRanks(), FoldWeights(), Verify(), Emit()):
-            step.run(ctx)
-        compile_s[allocation] = round(time.perf_counter() - t0, 1)
-        calib_kl[allocation] = ctx.verification["compiled_rank"]["kl_mean"]
-        print(allocation, "compiled in", compile_s[allocation], "s; calibration KL", calib_kl[allocation], flush=True)
+    shared, compiled = compile_variants(plan, {a: {"allocation": a} for a in ALLOCATIONS}, args.out)
+    compile_s = {a: ctx.report["variant_compile_s"] for a, ctx in compiled.items()}
+    calib_kl = {a: ctx.verification["compiled_rank"]["kl_mean"] for a, ctx in compiled.items()}
 
     windows = evaluation_token_sequences(shared.tokenizer, args.eval_tokens, plan.seq_len)
     models = {f"{a} p={r}": load(args.out / a, rate=r) for a in ALLOCATIONS for r in RATES}

@@ -354,17 +354,7 @@ def evaluate(
 
     The cache is measured with one window of the evaluation length, so sliding-window caches are sized as used.
     """
-    stats = perplexity_and_agreement(model, token_seqs, baseline, batch_size=batch_size, progress=progress)
-    seq_len = int(token_seqs.shape[1])
-    return EvalResult(
-        perplexity=stats.perplexity,
-        kl_mean=stats.kl_mean,
-        top1_agreement=stats.top1_agreement,
-        kv_bytes_per_token=kv_cache_bytes_per_token(model, seq_len),
-        n_tokens=stats.n_tokens,
-        baseline_perplexity=stats.baseline_perplexity,
-        baseline_kv_bytes_per_token=kv_cache_bytes_per_token(baseline, seq_len) if baseline is not None else None,
-    )
+    return evaluate_many({"model": model}, token_seqs, baseline, batch_size=batch_size, progress=progress)["model"]
 
 
 def evaluate_many(

@@ -2,25 +2,13 @@
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import kvrewrite
 from kvrewrite.evaluation import kv_cache_bytes_per_token
-from kvrewrite.passes.allocate_ranks import AllocateRanks
-from kvrewrite.passes.build_calibration import BuildCalibration
-from kvrewrite.passes.collect_statistics import CollectStatistics
-from kvrewrite.passes.compute_transforms import ComputeTransforms
-from kvrewrite.passes.context import CompileContext
-from kvrewrite.passes.emit import Emit
-from kvrewrite.passes.fold_weights import FoldWeights
-from kvrewrite.passes.load_checkpoint import LoadCheckpoint
-from kvrewrite.passes.measure_sensitivity import MeasureSensitivity
-from kvrewrite.passes.verify import Verify
+from kvrewrite.passes.pipeline import compile_variants
 from kvrewrite.plan import Plan
 
 pytestmark = pytest.mark.real_model
@@ -33,19 +21,8 @@ CONFIGS = {
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
-    out = tmp_path_factory.mktemp("smollm2")
     plan = Plan(model="smollm2-135m", target_rate=0.5, calibration="wiki", calib_tokens=2048, progress=False)
-    shared = CompileContext(plan=plan)
-    for step in (LoadCheckpoint(), BuildCalibration(), CollectStatistics()):
-        step.run(shared)
-    contexts = {}
-    for name, options in CONFIGS.items():
-        ctx = dataclasses.replace(shared, plan=dataclasses.replace(plan, output=out / name, **options),
-                                  report=copy.deepcopy(shared.report), verification={})
-        for step in (ComputeTransforms(), MeasureSensitivity(), AllocateRanks(), FoldWeights(), Verify(), Emit()):
-            step.run(ctx)
-        contexts[name] = ctx
-    return shared, contexts
+    return compile_variants(plan, CONFIGS, tmp_path_factory.mktemp("smollm2"))
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

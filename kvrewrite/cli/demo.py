@@ -6,8 +6,6 @@ checkpoint's rate table, and all variants are scored in one pass over the held-o
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import json
 import time
 from pathlib import Path
@@ -27,40 +25,20 @@ def run_demo(output: Path, rates: list[float], calib_tokens: int, eval_tokens: i
     from kvrewrite.cli.evaluate import result_rows
     from kvrewrite.cli.tables import eval_table
     from kvrewrite.evaluation import evaluate_many
-    from kvrewrite.passes.allocate_ranks import AllocateRanks
-    from kvrewrite.passes.build_calibration import BuildCalibration
-    from kvrewrite.passes.collect_statistics import CollectStatistics
-    from kvrewrite.passes.compute_transforms import ComputeTransforms
-    from kvrewrite.passes.context import CompileContext
-    from kvrewrite.passes.emit import Emit
-    from kvrewrite.passes.fold_weights import FoldWeights
-    from kvrewrite.passes.load_checkpoint import LoadCheckpoint
-    from kvrewrite.passes.measure_sensitivity import MeasureSensitivity
-    from kvrewrite.passes.verify import Verify
+    from kvrewrite.passes.pipeline import compile_variants
     from kvrewrite.plan import Plan
     from kvrewrite.runtime import load
 
     started = time.perf_counter()
     plan = Plan(model="smollm2-135m", target_rate=max(rates), calibration="wiki", calib_tokens=calib_tokens, overwrite=True,
                 rate_grid=tuple(sorted({*Plan.__dataclass_fields__["rate_grid"].default, *rates})))
-    shared = CompileContext(plan=plan)
-    shared_times = {}
-    for step in (LoadCheckpoint(), BuildCalibration(), CollectStatistics()):
-        console.print(f"[cyan]shared[/] {step.name}: {step.description}")
-        t0 = time.perf_counter()
-        step.run(shared)
-        shared_times[step.name] = round(time.perf_counter() - t0, 1)
+    def on_pass(variant: str, step) -> None:
+        console.print(f"[cyan]{variant}[/] {step.name}: {step.description}")
 
-    compile_times = {}
-    for name, options in DEMO_CONFIGS.items():
-        t0 = time.perf_counter()
-        ctx = dataclasses.replace(shared, plan=dataclasses.replace(plan, output=output / name, **options),
-                                  report=copy.deepcopy(shared.report), verification={})
-        for step in (ComputeTransforms(), MeasureSensitivity(), AllocateRanks(), FoldWeights(), Verify(), Emit()):
-            console.print(f"[cyan]{name}[/] {step.name}")
-            step.run(ctx)
-        compile_times[name] = time.perf_counter() - t0
-        console.print(f"  full-rank max |Δlogit| = {ctx.verification['full_rank_max_abs_logit_diff']:.2e}, wrote {ctx.output_dir}")
+    shared, compiled = compile_variants(plan, DEMO_CONFIGS, output, on_pass=on_pass)
+    compile_times = {name: ctx.report["variant_compile_s"] for name, ctx in compiled.items()}
+    for name, ctx in compiled.items():
+        console.print(f"  {name}: full-rank max |Δlogit| = {ctx.verification['full_rank_max_abs_logit_diff']:.2e}, wrote {ctx.output_dir}")
 
     windows = evaluation_token_sequences(shared.tokenizer, eval_tokens, plan.seq_len)
     models, model_rates = {}, {}
@@ -77,7 +55,7 @@ def run_demo(output: Path, rates: list[float], calib_tokens: int, eval_tokens: i
         "rows": rows,
         "calibration_tokens": int(shared.calibration_tokens.numel()),
         "eval_tokens": int(windows.numel()),
-        "shared_pass_time_s": shared_times,
+        "shared_pass_time_s": shared.report["timings_s"],
         "compile_time_s": compile_times,
         "total_time_s": time.perf_counter() - started,
         "configs": DEMO_CONFIGS,

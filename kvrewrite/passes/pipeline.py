@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import resource
 import time
+from pathlib import Path
 
 from kvrewrite.passes.allocate_ranks import AllocateRanks
 from kvrewrite.passes.build_calibration import BuildCalibration
@@ -18,11 +21,18 @@ from kvrewrite.passes.verify import Verify
 from kvrewrite.plan import Plan
 
 
-def default_pipeline() -> list:
+def statistics_passes() -> list:
+    """The part that depends only on the model and the corpus (shareable between configurations)."""
     return [
         LoadCheckpoint(),  # source -> fp32 model, adapter
         BuildCalibration(),  # corpus -> token windows
         CollectStatistics(),  # windows -> Gram matrices per layer and head
+    ]
+
+
+def rewrite_passes() -> list:
+    """The part that depends on the objective, key mode and allocation."""
+    return [
         ComputeTransforms(),  # Grams -> key-side and value-side transforms
         MeasureSensitivity(),  # (sensitivity allocation) end-to-end KL per layer and side
         AllocateRanks(),  # spectra (and sensitivities) -> ranks per head, rate table
@@ -32,8 +42,36 @@ def default_pipeline() -> list:
     ]
 
 
+def default_pipeline() -> list:
+    return statistics_passes() + rewrite_passes()
+
+
 def describe(passes: list) -> list[tuple[str, str]]:
     return [(p.name, p.description) for p in passes]
+
+
+def compile_variants(plan: Plan, variants: dict[str, dict], output_root: Path, on_pass=None) -> tuple[CompileContext, dict[str, CompileContext]]:
+    """Collect statistics once, then compile every variant (plan overrides) into output_root/<name>."""
+    shared = CompileContext(plan=plan)
+    timings = shared.report.setdefault("timings_s", {})
+    for step in statistics_passes():
+        if on_pass is not None:
+            on_pass("shared", step)
+        t0 = time.perf_counter()
+        step.run(shared)
+        timings[step.name] = round(time.perf_counter() - t0, 3)
+    compiled = {}
+    for name, overrides in variants.items():
+        variant_plan = dataclasses.replace(plan, output=Path(output_root) / name, **overrides)
+        ctx = dataclasses.replace(shared, plan=variant_plan, report=copy.deepcopy(shared.report), verification={}, sensitivity=None)
+        t0 = time.perf_counter()
+        for step in rewrite_passes():
+            if on_pass is not None:
+                on_pass(name, step)
+            step.run(ctx)
+        ctx.report["variant_compile_s"] = round(time.perf_counter() - t0, 1)
+        compiled[name] = ctx
+    return shared, compiled
 
 
 def run_pipeline(plan: Plan, passes: list | None = None, on_pass=None) -> CompileContext:
