@@ -61,7 +61,7 @@ class Plan:
             self.output = Path(self.output).expanduser()
 
     def key_mode(self) -> str:
-        """The key-side mode for every layer. `auto` picks the best measured mode (docs/key-modes.md)."""
+        """The key-side mode for every layer. `auto` is a fixed rule for now: latent for optimal, post-rope for zack."""
         if self.rope_mode != "auto":
             return self.rope_mode
         return "latent" if self.objective == "optimal" else "post-rope"

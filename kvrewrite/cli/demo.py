@@ -32,6 +32,7 @@ def run_demo(output: Path, rates: list[float], calib_tokens: int, eval_tokens: i
     started = time.perf_counter()
     plan = Plan(model="smollm2-135m", target_rate=max(rates), calibration="wiki", calib_tokens=calib_tokens, overwrite=True,
                 rate_grid=tuple(sorted({*Plan.__dataclass_fields__["rate_grid"].default, *rates})))
+
     def on_pass(variant: str, step) -> None:
         console.print(f"[cyan]{variant}[/] {step.name}: {step.description}")
 

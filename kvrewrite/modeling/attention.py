@@ -11,7 +11,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from kvrewrite.kernels.reference import PackedLayout, boolean_mask, grouped_attention
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from kvrewrite.kernels.reference import PackedLayout, boolean_mask, grouped_attention, packed_attention
 from kvrewrite.spec import KEY_MODE_FREQ, KEY_MODE_LATENT, KEY_MODE_POST_ROPE, LayerSpec
 
 PACKED_ATTENTION = "kvrewrite_packed"
@@ -155,8 +157,6 @@ class CompressedAttention(nn.Module):
         if self.key_mode == KEY_MODE_LATENT:
             output = self._latent_attention(query, key, value, attention_mask, past_len)
         else:
-            from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
             attend = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
             output, _ = attend(self, query, key, value, attention_mask, scaling=self.scaling, dropout=0.0, **kwargs)
         return self.o_proj(output), None
@@ -197,6 +197,4 @@ class CompressedAttention(nn.Module):
 
 def packed_attention_forward(module: CompressedAttention, query, key, value, attention_mask, scaling, **kwargs):
     """AttentionInterface entry: packed variable-rank attention (torch reference path)."""
-    from kvrewrite.kernels.reference import packed_attention
-
     return packed_attention(query, key, value, attention_mask, scaling, module.layout), None

@@ -95,5 +95,6 @@ class FoldWeights:
     def run(self, ctx: CompileContext) -> None:
         geo = ctx.geometry
         key_ranks, value_ranks = ctx.allocation.as_lists(geo.num_layers, geo.num_key_value_heads)
-        ctx.folded_state_dict = folded_state_dict(ctx.model, ctx.adapter, ctx.transforms, geo)
+        if ctx.folded_state_dict is None:  # measure_sensitivity may have folded already
+            ctx.folded_state_dict = folded_state_dict(ctx.model, ctx.adapter, ctx.transforms, geo)
         ctx.spec = build_spec(ctx, key_ranks, value_ranks)

@@ -25,11 +25,10 @@ class LoadCheckpoint:
         ctx.adapter = adapter_for(config)
         ctx.geometry = ctx.adapter.geometry(config)
         try:
-            ctx.model = AutoModelForCausalLM.from_pretrained(resolved.path, dtype=torch.float32)
+            ctx.model = load_fp32_model(resolved.path)
             ctx.tokenizer = AutoTokenizer.from_pretrained(resolved.path)
         except OSError as exc:
             raise ModelSourceError(f"could not load the model from {resolved.path}: {exc}") from exc
-        ctx.model.eval()
         ctx.report["source"] = {"model": resolved.source_id, "revision": resolved.revision, "path": str(resolved.path)}
         ctx.report["source_config"] = json.loads(config.to_json_string())
 

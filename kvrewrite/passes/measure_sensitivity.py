@@ -45,7 +45,9 @@ class MeasureSensitivity:
         geo, d = ctx.geometry, ctx.geometry.head_dim
         full = [[d] * geo.num_key_value_heads for _ in range(geo.num_layers)]
         spec = build_spec(ctx, full, full)
-        model = build_compressed_model(ctx.model.config, spec, folded_state_dict(ctx.model, ctx.adapter, ctx.transforms, geo))
+        # Rank-independent, so FoldWeights reuses it instead of folding again.
+        ctx.folded_state_dict = folded_state_dict(ctx.model, ctx.adapter, ctx.transforms, geo)
+        model = build_compressed_model(ctx.model.config, spec, ctx.folded_state_dict)
         tokens = ctx.calibration_tokens[:PROBE_WINDOWS, :PROBE_TOKENS]
         rate = PROBE_RATE
         with torch.inference_mode():

@@ -88,9 +88,9 @@ class Verify:
                 f"full-rank rewrite changed the logits by up to {max_diff:.3g} in {dtype} (tolerance {tolerance:g}); "
                 "nothing was written"
             )
-        del full_model
-
-        model = build_compressed_model(ctx.model.config, ctx.spec, ctx.folded_state_dict)
+        # The same model, back in fp32 (an exact round trip) and sliced to the compiled ranks.
+        model = full_model.to(torch.float32)
+        model.set_ranks([layer.key_ranks for layer in ctx.spec.layers], [layer.value_ranks for layer in ctx.spec.layers])
         logits, outputs = attention_outputs(model, layers_of, tokens)
         kl, top1 = next_token_kl(ref_logits, logits)
         layer_errors = [
