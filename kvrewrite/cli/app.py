@@ -1,4 +1,4 @@
-"""`kvrewrite` command line: compress, eval, inspect, demo."""
+"""`kvrewrite` command line: compress, eval, inspect, card, push, demo."""
 
 from __future__ import annotations
 
@@ -42,6 +42,8 @@ def compress(
     seed: int = typer.Option(0, help="Seed for calibration sampling."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and the pipeline, do nothing."),
+    push_to_hub: Optional[str] = typer.Option(None, "--push-to-hub", help="Then upload the checkpoint (with a generated model card) to this Hub repo id."),
+    hub_private: bool = typer.Option(False, "--hub-private", help="With --push-to-hub: create the repo private."),
 ) -> None:
     """Compile MODEL into a checkpoint whose KV cache keeps (1 - target_rate) of its elements."""
     from kvrewrite.cli.tables import ranks_table, summary_table
@@ -73,6 +75,8 @@ def compress(
     console.print(summary_table(ctx.spec, report))
     console.print(ranks_table(ctx.spec))
     console.print(f"[bold green]wrote[/] {ctx.output_dir}")
+    if push_to_hub:
+        _push(ctx.output_dir, push_to_hub, private=hub_private)
 
 
 @app.command("eval")
@@ -83,6 +87,7 @@ def evaluate_command(
     tokens: int = typer.Option(8192, help="Held-out evaluation tokens."),
     seq_len: int = typer.Option(512, "--seq-len", help="Evaluation window length."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the results as JSON here."),
+    save: bool = typer.Option(True, "--save/--no-save", help="Save the results as DIR/eval_results.json (the model card's evaluation table)."),
 ) -> None:
     """Held-out perplexity, KL and top-1 agreement against the original, and KV bytes per token measured on the cache."""
     from kvrewrite.cli.evaluate import evaluate_checkpoint
@@ -93,9 +98,20 @@ def evaluate_command(
         rows = evaluate_checkpoint(directory, baseline=baseline, rates=rate_list, tokens=tokens, seq_len=seq_len)
     except (KVRewriteError, ValueError) as exc:
         _fail(exc)
+    from kvrewrite.atomic_files import atomic_write_text
+    from kvrewrite.eval_results import eval_results_document, write_eval_results
+
     console.print(eval_table(rows))
     if json_out:
-        json_out.write_text(json.dumps(rows, indent=2))
+        atomic_write_text(json_out, json.dumps(rows, indent=2))
+    if save:
+        command = " ".join(["kvrewrite eval", str(directory), *([f"--baseline {baseline}"] if baseline else []),
+                            *([f"--rates {rates}"] if rates else []), f"--tokens {tokens}", f"--seq-len {seq_len}"])
+        try:
+            path = write_eval_results(directory, eval_results_document(rows, tokens=tokens, seq_len=seq_len, command=command))
+            console.print(f"saved {path}")
+        except OSError as exc:  # a read-only checkpoint (e.g. in the Hub cache) still gets its table printed
+            console.print(f"[yellow]warning:[/] could not save the results in {directory}: {exc}")
 
 
 @app.command()
@@ -129,6 +145,64 @@ def inspect(
     plot_rank_heatmap([l.key_ranks for l in spec.layers], [l.value_ranks for l in spec.layers], spec.head_dim, target,
                       title=f"{spec.source_model}: p = {spec.target_rate:.2f} ({spec.objective}/{spec.allocation})")
     console.print(f"heat map: {target}")
+
+
+@app.command()
+def card(
+    directory: Path = typer.Argument(..., help="A kvrewrite checkpoint directory."),
+    repo_id: Optional[str] = typer.Option(None, "--repo-id", help="Hub repo id the card's usage snippet loads from."),
+    base_model: Optional[str] = typer.Option(None, "--base-model", help="Hub id of the source model (default: from the spec)."),
+    license: Optional[str] = typer.Option(None, help="Licence of the weights (default: the bundled model's, else none)."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Where to write the card (default: DIR/README.md)."),
+) -> None:
+    """Write the Hub model card (README.md): metadata, compression spec, saved eval table, rank heat map."""
+    from kvrewrite.hub import ensure_heatmap
+    from kvrewrite.model_card import render_model_card, write_model_card
+
+    try:
+        ensure_heatmap(directory)
+        path = write_model_card(directory, render_model_card(directory, repo_id=repo_id, base_model=base_model, license=license), output)
+    except (KVRewriteError, ValueError) as exc:
+        _fail(exc)
+    console.print(f"[bold green]wrote[/] {path}")
+
+
+def _push(directory: Path, repo_id: str, **options) -> None:
+    from kvrewrite.hub import push_checkpoint
+
+    try:
+        result = push_checkpoint(directory, repo_id, **options)
+    except KVRewriteError as exc:
+        _fail(exc)
+    for note in result.notes:
+        console.print(f"note: {note}")
+    table = Table(title=f"{'would upload' if result.dry_run else 'uploaded'} to {repo_id}")
+    table.add_column("file")
+    table.add_column("size", justify="right")
+    for name in result.files:
+        table.add_row(name, f"{(Path(directory) / name).stat().st_size:,}")
+    console.print(table)
+    if result.dry_run:
+        console.print(f"dry run: card written to {Path(directory) / 'README.md'}; nothing was uploaded")
+        return
+    console.print(f"[bold green]pushed[/] {result.pr_url or result.commit_url or result.repo_url}")
+
+
+@app.command()
+def push(
+    directory: Path = typer.Argument(..., help="A kvrewrite checkpoint directory."),
+    repo_id: str = typer.Argument(..., help="Hub repo id, e.g. your-name/SmolLM2-135M-kvrewrite-p50."),
+    private: bool = typer.Option(False, "--private", help="Create the repo private (an existing repo keeps its visibility)."),
+    revision: Optional[str] = typer.Option(None, help="Branch to push to (created if missing)."),
+    create_pr: bool = typer.Option(False, "--create-pr", help="Open a pull request instead of committing to the branch."),
+    commit_message: Optional[str] = typer.Option(None, "--commit-message", "-m", help="Commit message."),
+    base_model: Optional[str] = typer.Option(None, "--base-model", help="Hub id of the source model for the card (default: from the spec)."),
+    license: Optional[str] = typer.Option(None, help="Licence of the weights for the card."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Check the checkpoint, write the card and list the files; upload nothing."),
+) -> None:
+    """Upload a checkpoint to the Hugging Face Hub with a generated model card (needs `hf auth login` or HF_TOKEN)."""
+    _push(directory, repo_id, private=private, revision=revision, create_pr=create_pr, commit_message=commit_message,
+          base_model=base_model, license=license, dry_run=dry_run)
 
 
 @app.command()

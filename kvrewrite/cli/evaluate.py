@@ -45,3 +45,4 @@ def result_rows(baseline_name: str, results: dict, rates: dict[str, float]) -> l
     for name, result in results.items():
         rows.append({"name": name, "rate": rates[name], **result.as_dict()})
     return rows
+
