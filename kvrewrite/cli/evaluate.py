@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from kvrewrite.errors import CorruptCheckpointError
+from kvrewrite.spec import CompressionSpec
 
 
 def evaluate_checkpoint(directory: Path, *, baseline: str | None = None, rates: list[float] | None = None,
@@ -16,7 +17,7 @@ def evaluate_checkpoint(directory: Path, *, baseline: str | None = None, rates: 
     from kvrewrite.calibration_data import evaluation_token_sequences
     from kvrewrite.evaluation import evaluate_many
     from kvrewrite.passes.load_checkpoint import load_fp32_model
-    from kvrewrite.runtime import load
+    from kvrewrite.runtime import load, verify_checkpoint_files
     from kvrewrite.sources import resolve_model_source
 
     config_path = Path(directory) / "config.json"
@@ -25,11 +26,15 @@ def evaluate_checkpoint(directory: Path, *, baseline: str | None = None, rates: 
     spec = json.loads(config_path.read_text()).get("kvrewrite")
     if spec is None:
         raise CorruptCheckpointError(f"{config_path} has no kvrewrite compression spec")
+    rate_list = rates if rates else [spec["target_rate"]]
+    parsed = CompressionSpec.from_dict(spec)
+    for rate in rate_list:
+        parsed.ranks_for_rate(rate)  # an unknown rate fails now, naming the table, not after loading two models
+    verify_checkpoint_files(Path(directory))  # likewise a damaged or edited checkpoint
     source = baseline or spec["source_model"]
     original = load_fp32_model(resolve_model_source(source).path)
     tokenizer = AutoTokenizer.from_pretrained(directory)
     windows = evaluation_token_sequences(tokenizer, tokens, seq_len)
-    rate_list = rates if rates else [spec["target_rate"]]
     models = {f"{Path(directory).name} p={rate:.2f}": load(directory, rate=rate) for rate in rate_list}
     results = evaluate_many(models, windows, baseline=original, progress=progress)
     return result_rows(source, results, dict(zip(models, rate_list)))

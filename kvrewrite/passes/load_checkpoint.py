@@ -8,7 +8,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from kvrewrite.adapters import adapter_for
-from kvrewrite.errors import ModelSourceError
+from kvrewrite.checkpoint_io import check_safetensors_files
+from kvrewrite.errors import CorruptCheckpointError, ModelSourceError
 from kvrewrite.passes.context import CompileContext
 from kvrewrite.sources import resolve_model_source
 
@@ -34,6 +35,20 @@ class LoadCheckpoint:
 
 
 def load_fp32_model(path):
-    """The original model, as the verify and eval steps use it."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    """The original model, as the verify and eval steps use it: safetensors only, and every weight present.
+
+    transformers would fill a missing weight (say a layer's k_proj) with random values and only warn; a compile on
+    such a model would be silently wrong, so a missing or mis-shaped weight is an error here.
+    """
+    check_safetensors_files(path)
+    model, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, use_safetensors=True,
+                                                       output_loading_info=True)
+    problems = {kind: sorted(str(k) for k in info.get(kind) or []) for kind in ("missing_keys", "mismatched_keys")}
+    if any(problems.values()):
+        listed = "; ".join(f"{kind.replace('_', ' ')}: {', '.join(keys[:6])}{' ...' if len(keys) > 6 else ''}"
+                           for kind, keys in problems.items() if keys)
+        raise CorruptCheckpointError(
+            f"the checkpoint in {path} lacks weights its config needs ({listed}); transformers would fill them with "
+            "random values. Re-download the model or fix its shards"
+        )
     return model.eval()

@@ -13,7 +13,8 @@ from kvrewrite.passes.build_calibration import BuildCalibration
 from kvrewrite.passes.collect_statistics import CollectStatistics
 from kvrewrite.passes.compute_transforms import ComputeTransforms
 from kvrewrite.passes.context import CompileContext
-from kvrewrite.passes.emit import Emit
+from kvrewrite.checkpoint_io import refuse_existing_output
+from kvrewrite.passes.emit import Emit, default_output_dir
 from kvrewrite.passes.fold_weights import FoldWeights
 from kvrewrite.passes.load_checkpoint import LoadCheckpoint
 from kvrewrite.passes.measure_sensitivity import MeasureSensitivity
@@ -52,6 +53,8 @@ def describe(passes: list) -> list[tuple[str, str]]:
 
 def compile_variants(plan: Plan, variants: dict[str, dict], output_root: Path, on_pass=None) -> tuple[CompileContext, dict[str, CompileContext]]:
     """Collect statistics once, then compile every variant (plan overrides) into output_root/<name>."""
+    for name in variants:
+        refuse_existing_output(Path(output_root) / name, plan.overwrite)  # before minutes of work, not after
     shared = CompileContext(plan=plan)
     timings = shared.report.setdefault("timings_s", {})
     for step in statistics_passes():
@@ -75,6 +78,8 @@ def compile_variants(plan: Plan, variants: dict[str, dict], output_root: Path, o
 
 
 def run_pipeline(plan: Plan, passes: list | None = None, on_pass=None) -> CompileContext:
+    # An existing output is refused before minutes of work, not after (Emit checks again: it may appear meanwhile).
+    refuse_existing_output(plan.output or default_output_dir(plan.model, plan.target_rate), plan.overwrite)
     ctx = CompileContext(plan=plan)
     timings = {}
     start = time.perf_counter()
