@@ -231,6 +231,9 @@ def test_push_create_pr_is_forwarded(evaluated, tmp_path, monkeypatch):
 def test_hand_written_card_is_kept(evaluated, tmp_path, monkeypatch):
     ckpt = copy_checkpoint(evaluated, tmp_path / "ckpt")
     (ckpt / "README.md").write_text("# my own card\n")
+    refused = runner.invoke(app, ["card", str(ckpt)])
+    assert refused.exit_code == 2 and "was not written by kvrewrite" in flat(refused.output)
+    assert (ckpt / "README.md").read_text() == "# my own card\n"
     hub = HubRecorder(monkeypatch)
     result = push_checkpoint(ckpt, "someone/tiny-p50", api=HfApi(token="hf_test"))
     assert not result.card_written and hub.uploaded["README.md"] == b"# my own card\n"

@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvrewrite.errors import KVRewriteError
+from kvrewrite.errors import InvalidArgumentError, KVRewriteError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Rewrite a Hugging Face causal LM so its KV cache is smaller.")
 # Off a terminal (logs, CI) rich would wrap tables at 80 columns; give them room instead.
@@ -157,9 +157,12 @@ def card(
 ) -> None:
     """Write the Hub model card (README.md): metadata, compression spec, saved eval table, rank heat map."""
     from kvrewrite.hub import ensure_heatmap
-    from kvrewrite.model_card import render_model_card, write_model_card
+    from kvrewrite.model_card import CARD_FILE, is_generated_card, render_model_card, write_model_card
 
     try:
+        target = output or directory / CARD_FILE
+        if target.is_file() and not is_generated_card(target):
+            raise InvalidArgumentError(f"{target} was not written by kvrewrite; delete it or write the card elsewhere with -o")
         ensure_heatmap(directory)
         path = write_model_card(directory, render_model_card(directory, repo_id=repo_id, base_model=base_model, license=license), output)
     except (KVRewriteError, ValueError) as exc:
