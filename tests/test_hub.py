@@ -257,7 +257,7 @@ def test_push_dry_run_lists_files_and_uploads_nothing(evaluated, tmp_path, monke
     result = runner.invoke(app, ["push", str(ckpt), "someone/tiny-p50", "--dry-run"])
     assert result.exit_code == 0, result.output
     assert hub.calls == [] and (ckpt / "README.md").is_file()
-    assert "would upload to someone/tiny-p50" in flat(result.output)
+    assert "would upload to someone/tiny-p50:" in flat(result.output)
     assert "model.safetensors" in result.output and ".tmp" not in result.output
     assert upload_file_list(ckpt) == sorted(upload_file_list(ckpt))
 

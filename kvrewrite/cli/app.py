@@ -179,7 +179,8 @@ def _push(directory: Path, repo_id: str, **options) -> None:
         _fail(exc)
     for note in result.notes:
         console.print(f"note: {note}")
-    table = Table(title=f"{'would upload' if result.dry_run else 'uploaded'} to {repo_id}")
+    console.print(f"{'would upload' if result.dry_run else 'uploaded'} to {repo_id}:")
+    table = Table()
     table.add_column("file")
     table.add_column("size", justify="right")
     for name in result.files:
