@@ -187,7 +187,7 @@ def _push(directory: Path, repo_id: str, **options) -> None:
         table.add_row(name, f"{(Path(directory) / name).stat().st_size:,}")
     console.print(table)
     if result.dry_run:
-        console.print(f"dry run: card written to {Path(directory) / 'README.md'}; nothing was uploaded")
+        console.print(f"dry run: card {'written to' if result.card_written else 'kept at'} {Path(directory) / 'README.md'}; nothing was uploaded")
         return
     console.print(f"[bold green]pushed[/] {result.pr_url or result.commit_url or result.repo_url}")
 
