@@ -13,7 +13,7 @@ CODEC_DEFAULTS: dict[str, dict[str, float]] = {
     "int4": {"bits": 4, "group_size": 32, "residual": 32},
     "int2": {"bits": 2, "group_size": 32, "residual": 32},
     # bits: the uniform deviation width when no budget search runs; mean_bits: the per-token shared mean.
-    "tada": {"bits": 4, "mean_bits": 8, "group_size": 32, "residual": 32},
+    "tada": {"bits": 4, "mean_bits": 4, "group_size": 32, "residual": 32},
     # rank: low-rank residual per block (power iteration); outlier_percent: top + bottom s% kept exactly.
     "gear": {"bits": 2, "rank": 2, "outlier_percent": 2.0, "power_iterations": 3, "group_size": 32, "residual": 32},
     "gear-l": {"bits": 2, "rank": 2, "outlier_percent": 0.0, "power_iterations": 3, "group_size": 32, "residual": 32},

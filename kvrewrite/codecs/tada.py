@@ -4,7 +4,8 @@ Per token, m = mean over heads of each head's latent (heads of lower rank are ze
 in dims they lack); the cache stores m and the deviations D_h = m - x_h, quantized KIVI-style (keys per
 channel, values per token), at a bit width per layer and side that `fitting.search_tada_bits` picks under a
 budget. The paper keeps m in 16 bits; with few KV heads (SmolLM2 has 3) that alone is a third of the fp16
-cache, so m is quantized per token too (`mean_bits`, default 8).
+cache, so m is quantized per token too (`mean_bits`, default 4: the deviations are taken from the stored
+mean, so its rounding only widens their range, it adds no error of its own).
 """
 
 from __future__ import annotations
