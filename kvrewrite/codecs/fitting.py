@@ -171,3 +171,31 @@ def codec_calibration_errors(codecs, latents: Latents) -> dict[str, list[float]]
     """Relative squared error of decode(encode(x)) per layer and side on the calibration latents."""
     return {side: [round(relative_error(c, layer[side], side), 6) if c.channels[side] else 0.0
                    for c, layer in zip(codecs, latents)] for side in SIDES}
+
+
+def fit_codec_tables(codec: CodecConfig, model, tokens: torch.Tensor, *, budget_bits: float | None = None,
+                     sensitivity: dict | None = None, batch_size: int = 4, progress: bool = False) -> tuple[dict, dict]:
+    """Fit what `codec` needs on the latents `model` (a compressed model at its final ranks) caches for `tokens`.
+
+    Returns (tables, report): tables for kv_codec.safetensors (empty for untrained codecs), and the calibration
+    error / bytes summary that goes into compress_report.json.
+    """
+    from kvrewrite.codecs import build_layer_codecs
+    from kvrewrite.progress import progress_bar
+
+    key_ranks, value_ranks = model._layer_ranks()
+    latents = collect_latents(model, tokens, batch_size)
+    tables: dict[str, torch.Tensor] = {}
+    report: dict = {"codec": codec.describe(), "fit_tokens": int(latents[0]["key"].shape[0])}
+    if codec.name == "tada" and budget_bits is not None:
+        table, info = search_tada_bits(codec, latents, key_ranks, value_ranks, budget_bits, sensitivity)
+        tables[BITS_TABLE] = table
+        report.update(info, bits=table.tolist())
+    if codec.name == "csr":
+        with progress_bar("fitting CSR dictionaries", len(latents), enabled=progress) as bar:
+            tables.update(fit_csr_dictionaries(codec, latents, key_ranks, value_ranks, bar.advance))
+    codecs = build_layer_codecs(codec, key_ranks, value_ranks, tables)
+    report["calibration_relative_sq_error"] = codec_calibration_errors(codecs, latents)
+    # Per token, excluding the float16 residual window (a fixed number of tokens per sequence).
+    report["coded_bytes_per_token"] = sum(c.block_bytes(side) for c in codecs for side in SIDES) / codec.block_tokens
+    return tables, report
