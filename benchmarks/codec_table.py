@@ -1,7 +1,7 @@
 """KV codecs on SmolLM2-135M: held-out ppl and stored bytes/token for fp16, each codec alone, and each codec on
 the p = 0.3 and p = 0.5 rank configurations (optimal objective, latent keys, sensitivity allocation).
 
-Run on demand, one step at a time (each stays under ~10 minutes, run it under the heavy-job lock):
+Run on demand under the heavy-job lock, all at once (`--step all --eval-tokens 4096`) or one step at a time:
   python benchmarks/codec_table.py --checkpoint DIR --step fit
   python benchmarks/codec_table.py --checkpoint DIR --step eval --rate 0.0   (then 0.3, 0.5)
   python benchmarks/codec_table.py --step report
@@ -140,7 +140,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--checkpoint", type=Path)
     parser.add_argument("--work", type=Path, default=Path("/tmp/kvrewrite-codec-table"))
-    parser.add_argument("--step", choices=("fit", "eval", "report"), required=True)
+    parser.add_argument("--step", choices=("fit", "eval", "all", "report"), required=True)
     parser.add_argument("--rate", type=float)
     parser.add_argument("--eval-tokens", type=int, default=8192)
     args = parser.parse_args()
@@ -149,6 +149,10 @@ def main() -> None:
         fit(args.checkpoint, args.work)
     elif args.step == "eval":
         evaluate(args.checkpoint, args.work, args.rate, args.eval_tokens)
+    elif args.step == "all":  # fit, then every rate; results are saved after each step
+        fit(args.checkpoint, args.work)
+        for rate in RATES:
+            evaluate(args.checkpoint, args.work, rate, args.eval_tokens)
     else:
         report()
 
