@@ -73,6 +73,15 @@ def _eval_mode(*models: torch.nn.Module | None) -> Iterator[None]:
             m.training = training
 
 
+# Chunk length of the chunked-prefill protocol, used automatically when a model stores a lossy (codec) cache.
+CODEC_EVAL_CHUNK = 64
+
+
+def default_chunk(models: Iterable[torch.nn.Module | None]) -> int | None:
+    """CODEC_EVAL_CHUNK if any model codes its cache (a one-shot forward would never read it), else None."""
+    return CODEC_EVAL_CHUNK if any(getattr(m, "kv_codec", None) is not None for m in models if m is not None) else None
+
+
 def new_kv_cache(model: torch.nn.Module) -> Cache:
     """The cache the model generates with: its own (e.g. a KV-codec cache) if it makes one, else a DynamicCache."""
     make = getattr(model, "make_kv_cache", None)
@@ -150,6 +159,7 @@ def perplexity_and_agreement(
     *,
     batch_size: int = 4,
     progress: bool = True,
+    chunk: int | None = None,
 ) -> QualityStats:
     """Perplexity of `model` on independent windows, plus KL/top-1 against `baseline` computed in the same pass.
 
@@ -157,7 +167,7 @@ def perplexity_and_agreement(
     but the last predicts the next token, so n_tokens = n_windows * (seq_len - 1). Sums are accumulated in float64;
     log-softmax is taken in float32 regardless of the model dtype.
     """
-    stats = perplexity_and_agreement_many({"model": model}, token_seqs, baseline, batch_size=batch_size, progress=progress)
+    stats = perplexity_and_agreement_many({"model": model}, token_seqs, baseline, batch_size=batch_size, progress=progress, chunk=chunk)
     return stats["model"]
 
 
@@ -173,7 +183,10 @@ def perplexity_and_agreement_many(
     """perplexity_and_agreement for several models in one pass: the baseline runs once per batch, not once per model.
 
     chunk: evaluate by chunked prefill through each model's cache (see _logits); the baseline uses the same protocol.
+        None: default_chunk(), i.e. chunked exactly when some model has a KV codec.
     """
+    if chunk is None:
+        chunk = default_chunk((*models.values(), baseline))
     if chunk is not None and chunk < 1:
         raise InvalidArgumentError(f"chunk must be >= 1, got {chunk}")
     if batch_size < 1:

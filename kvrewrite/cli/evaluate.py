@@ -8,9 +8,7 @@ from pathlib import Path
 import torch
 
 from kvrewrite.errors import CorruptCheckpointError
-from kvrewrite.evaluation import kv_cache_bytes_per_token_formula
-
-DEFAULT_CODEC_CHUNK = 64
+from kvrewrite.evaluation import default_chunk, kv_cache_bytes_per_token_formula
 
 
 def evaluate_checkpoint(directory: Path, *, baseline: str | None = None, rates: list[float] | None = None,
@@ -19,7 +17,7 @@ def evaluate_checkpoint(directory: Path, *, baseline: str | None = None, rates: 
     """Rows for the eval table: the baseline first, then the checkpoint at each rate (and each KV codec).
 
     kv_codecs: codecs to evaluate instead of the compiled one ("none" = the plain reduced cache).
-    chunk: chunked-prefill length; default DEFAULT_CODEC_CHUNK when any codec is in use (a one-shot forward would
+    chunk: chunked-prefill length; default evaluation.CODEC_EVAL_CHUNK when any codec is in use (a one-shot forward would
     never read the cache, so a lossy cache would go unmeasured), else one forward per window.
     """
     from transformers import AutoTokenizer
@@ -49,8 +47,7 @@ def evaluate_checkpoint(directory: Path, *, baseline: str | None = None, rates: 
             label = model.kv_codec.describe() if model.kv_codec is not None else "none"
             name = f"{Path(directory).name} p={rate:.2f}" + (f" +{label}" if label != "none" else "")
             models[name], model_rates[name] = model, rate
-    if chunk is None and any(m.kv_codec is not None for m in models.values()):
-        chunk = DEFAULT_CODEC_CHUNK
+    chunk = chunk if chunk is not None else default_chunk(models.values())
     results = evaluate_many(models, windows, baseline=original, progress=progress, chunk=chunk)
     rows = result_rows(source, results, model_rates)
     fp16 = kv_cache_bytes_per_token_formula(original.config, torch.float16)
