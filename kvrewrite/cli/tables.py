@@ -32,6 +32,10 @@ def summary_table(spec: CompressionSpec, report: dict | None = None) -> Table:
     table.add_row("target rate", f"{spec.target_rate:.3f}")
     table.add_row("achieved rate", f"{spec.achieved_rate:.4f}")
     table.add_row("KV elements per token", f"{spec.kept_elements_per_token} of {spec.baseline_elements_per_token}")
+    if spec.kv_codec:
+        codec = (report or {}).get("kv_codec", {})
+        coded = f", {codec['coded_bytes_per_token']:.0f} coded bytes/token + fp16 window" if "coded_bytes_per_token" in codec else ""
+        table.add_row("KV codec", f"{spec.kv_codec['name']} {spec.kv_codec['params']}{coded}")
     if report:
         verification = report.get("verification", {})
         if "full_rank_max_abs_logit_diff" in verification:
