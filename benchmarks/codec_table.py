@@ -58,6 +58,7 @@ def fit(checkpoint: Path, work: Path) -> None:
     from kvrewrite.calibration_data import calibration_token_sequences
     from kvrewrite.codecs import parse_codec
     from kvrewrite.codecs.fitting import fit_codec_tables
+    from kvrewrite.errors import InvalidArgumentError
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     tokens = calibration_token_sequences("wiki", tokenizer, 16384, 512, seed=0)[:FIT_WINDOWS]
@@ -67,7 +68,12 @@ def fit(checkpoint: Path, work: Path) -> None:
         tables, reports = {}, {}
         for name, budget in (("tada", TADA_BUDGET), ("csr", None)):
             t0 = time.perf_counter()
-            t, rep = fit_codec_tables(parse_codec(name), model, tokens, budget_bits=budget, sensitivity=_sensitivity(checkpoint))
+            try:
+                t, rep = fit_codec_tables(parse_codec(name), model, tokens, budget_bits=budget, sensitivity=_sensitivity(checkpoint))
+            except InvalidArgumentError as exc:  # budget below tada's 2-bit floor at these ranks: record it, use 2 bits
+                print(rate, name, exc)
+                t, rep = fit_codec_tables(parse_codec("tada:bits=2"), model, tokens)
+                rep["budget_error"] = str(exc)
             rep["fit_s"] = round(time.perf_counter() - t0, 1)
             tables.update(t)
             reports[name] = rep
