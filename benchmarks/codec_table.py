@@ -72,7 +72,8 @@ def fit(checkpoint: Path, work: Path) -> None:
                 t, rep = fit_codec_tables(parse_codec(name), model, tokens, budget_bits=budget, sensitivity=_sensitivity(checkpoint))
             except InvalidArgumentError as exc:  # budget below tada's 2-bit floor at these ranks: record it, use 2 bits
                 print(rate, name, exc)
-                t, rep = fit_codec_tables(parse_codec("tada:bits=2"), model, tokens)
+                _, rep = fit_codec_tables(parse_codec("tada:bits=2"), model, tokens)
+                t = {"tada.bits": torch.full((len(model.model.layers), 2), 2, dtype=torch.int32)}
                 rep["budget_error"] = str(exc)
             rep["fit_s"] = round(time.perf_counter() - t0, 1)
             tables.update(t)
