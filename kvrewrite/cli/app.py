@@ -30,7 +30,9 @@ def compress(
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Output directory (default: <model>-kvrewrite-pNN)."),
     objective: str = typer.Option("optimal", help="zack (paper-faithful SVD) or optimal (whitened, output-aware)."),
     allocation: str = typer.Option("sensitivity", help="eps (ZACK Eq. 6 shared removal rate), greedy (objective error), sensitivity (greedy weighted by measured KL per layer and side) or uniform."),
-    rope_mode: str = typer.Option("auto", "--rope-mode", help="auto, freq, post-rope or latent (key side of RoPE models)."),
+    rope_mode: str = typer.Option("auto", "--rope-mode", help="auto (chosen per layer by measured KL), freq, post-rope, latent or crosshead (key side of RoPE models)."),
+    prefer: str = typer.Option("quality", "--prefer", help="auto only: quality (every key mode) or zero-overhead (freq/post-rope/crosshead: no work that grows with context)."),
+    key_mode_cost: float = typer.Option(0.0, "--key-mode-cost", help="auto only: a mode of runtime cost c (latent 1, post-rope 0.1, freq/crosshead 0) must have (1 + W c) times less measured KL to be chosen."),
     calibration: str = typer.Option("wiki", help="wiki, synthetic, or a path to a text file / directory of .txt files."),
     calib_tokens: int = typer.Option(32768, "--calib-tokens", help="Calibration tokens (ZACK needs at least 16K)."),
     seq_len: int = typer.Option(512, "--seq-len", help="Calibration window length."),
@@ -50,7 +52,7 @@ def compress(
 
     try:
         plan = Plan(model=model, target_rate=target_rate, output=output, objective=objective, allocation=allocation,
-                    rope_mode=rope_mode, calibration=calibration, calib_tokens=calib_tokens, seq_len=seq_len,
+                    rope_mode=rope_mode, prefer=prefer, key_mode_cost=key_mode_cost, calibration=calibration, calib_tokens=calib_tokens, seq_len=seq_len,
                     batch_size=batch_size, reduce=reduce, min_rank=min_rank, rank_multiple=rank_multiple,
                     revision=revision, seed=seed, overwrite=overwrite)
         passes = default_pipeline()
