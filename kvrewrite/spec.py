@@ -171,6 +171,14 @@ class CompressionSpec:
         return cls.from_dict(json.loads(text))
 
 
+def per_head_key_ranks(layer: LayerSpec) -> list[int]:
+    """Key dims per KV head for display: a crosshead layer's shared block is split evenly over its heads."""
+    if layer.key_mode != KEY_MODE_CROSSHEAD:
+        return list(layer.key_ranks)
+    n, total = len(layer.key_ranks), layer.key_ranks[0]
+    return [total // n + (1 if g < total % n else 0) for g in range(n)]
+
+
 def _crosshead_problems(i: int, layer: LayerSpec, n_kv: int, d: int) -> list[str]:
     problems = []
     shared, rest = layer.key_ranks[0], layer.key_ranks[1:]

@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvrewrite.errors import KVRewriteError
+from kvrewrite.spec import per_head_key_ranks
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Rewrite a Hugging Face causal LM so its KV cache is smaller.")
 # Off a terminal (logs, CI) rich would wrap tables at 80 columns; give them room instead.
@@ -128,7 +129,7 @@ def inspect(
     console.print(summary_table(spec, report))
     console.print(ranks_table(spec))
     target = plot or directory / "rank_heatmap.png"
-    plot_rank_heatmap([l.key_ranks for l in spec.layers], [l.value_ranks for l in spec.layers], spec.head_dim, target,
+    plot_rank_heatmap([per_head_key_ranks(l) for l in spec.layers], [l.value_ranks for l in spec.layers], spec.head_dim, target,
                       title=f"{spec.source_model}: p = {spec.target_rate:.2f} ({spec.objective}/{spec.allocation})")
     console.print(f"heat map: {target}")
 
