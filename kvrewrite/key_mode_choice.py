@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from kvrewrite.compressed_model import build_compressed_model
-from kvrewrite.key_transforms import KeyTransform
+from kvrewrite.passes.fold_weights import build_spec, folded_state_dict
 from kvrewrite.progress import progress_bar
 from kvrewrite.spec import (
     KEY_MODE_CROSSHEAD,
@@ -48,8 +48,6 @@ def probe_key_rank(mode: str, num_kv_heads: int, head_dim: int, rate: float = PR
 
 def key_probe_kl(ctx, transforms: list, tokens: torch.Tensor, reference: torch.Tensor, progress=None) -> list[float]:
     """Per layer: KL to the original when only that layer's keys are truncated to the probe rank."""
-    from kvrewrite.passes.fold_weights import build_spec, folded_state_dict
-
     geo, d = ctx.geometry, ctx.geometry.head_dim
     full_values = [[d] * geo.num_key_value_heads for _ in range(geo.num_layers)]
     full_keys = [full_key_ranks(t.key.mode, geo.num_key_value_heads, d) for t in transforms]
@@ -68,22 +66,18 @@ def key_probe_kl(ctx, transforms: list, tokens: torch.Tensor, reference: torch.T
     return kls
 
 
-def choose_key_modes(ctx, candidates: dict[str, list[KeyTransform]], cost_weight: float) -> tuple[list[str], dict]:
-    """The chosen mode per layer, and a report of every probe. candidates: mode -> key transform per layer."""
+def choose_key_modes(ctx, candidates: dict[str, list], cost_weight: float) -> tuple[list[str], dict]:
+    """The chosen mode per layer, and a report of every probe. candidates: mode -> LayerTransforms per layer."""
     tokens = ctx.calibration_tokens[:PROBE_WINDOWS, :PROBE_TOKENS]
-    value_side = [t.value for t in ctx.transforms]
     with torch.inference_mode():
         reference = F.log_softmax(ctx.model(input_ids=tokens, use_cache=False).logits.float(), dim=-1)
-    from kvrewrite.passes.compute_transforms import LayerTransforms
-
     kl = {}
-    total = len(candidates) * len(value_side)
-    with progress_bar("choosing key modes", total, ctx.plan.progress) as bar:
-        for mode, keys in candidates.items():
-            transforms = [LayerTransforms(key=k, value=v) for k, v in zip(keys, value_side)]
+    num_layers = ctx.geometry.num_layers
+    with progress_bar("choosing key modes", len(candidates) * num_layers, ctx.plan.progress) as bar:
+        for mode, transforms in candidates.items():
             kl[mode] = key_probe_kl(ctx, transforms, tokens, reference, bar)
     chosen = []
-    for layer in range(len(value_side)):
+    for layer in range(num_layers):
         scores = {m: kl[m][layer] * (1 + cost_weight * RUNTIME_COST[m]) for m in candidates}
         chosen.append(min(scores, key=scores.get))
     report = {

@@ -28,12 +28,15 @@ class ComputeTransforms:
             for layer, stats in zip(layers, ctx.statistics.layers)
         ]
         modes = [plan.rope_mode] if plan.rope_mode != "auto" else list(PREFERENCES[plan.prefer])
-        keys = {m: [key_transform(m, plan.objective, stats, geo) for stats in ctx.statistics.layers] for m in modes}
-        ctx.transforms = [LayerTransforms(key=keys[modes[0]][i], value=v) for i, v in enumerate(values)]
+        candidates = {
+            m: [LayerTransforms(key_transform(m, plan.objective, stats, geo), v) for stats, v in zip(ctx.statistics.layers, values)]
+            for m in modes
+        }
+        ctx.transforms = candidates[modes[0]]
         ctx.report["transforms"] = {"objective": plan.objective, "key_mode": plan.rope_mode}
         if len(modes) > 1:
-            chosen, report = choose_key_modes(ctx, keys, plan.key_mode_cost)
-            ctx.transforms = [LayerTransforms(key=keys[m][i], value=v) for i, (m, v) in enumerate(zip(chosen, values))]
+            chosen, report = choose_key_modes(ctx, candidates, plan.key_mode_cost)
+            ctx.transforms = [candidates[m][i] for i, m in enumerate(chosen)]
             ctx.report["transforms"]["prefer"] = plan.prefer
             ctx.report["transforms"]["key_modes"] = chosen
             ctx.report["key_mode_choice"] = report
