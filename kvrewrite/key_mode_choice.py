@@ -46,7 +46,7 @@ def probe_key_rank(mode: str, num_kv_heads: int, head_dim: int, rate: float = PR
     return [per_head] * num_kv_heads
 
 
-def key_probe_kl(ctx, transforms: list, tokens: torch.Tensor, reference: torch.Tensor, progress=None) -> list[float]:
+def key_probe_kl(ctx, transforms: list, tokens: torch.Tensor, reference: torch.Tensor) -> list[float]:
     """Per layer: KL to the original when only that layer's keys are truncated to the probe rank."""
     geo, d = ctx.geometry, ctx.geometry.head_dim
     full_values = [[d] * geo.num_key_value_heads for _ in range(geo.num_layers)]
@@ -61,8 +61,6 @@ def key_probe_kl(ctx, transforms: list, tokens: torch.Tensor, reference: torch.T
             logp = F.log_softmax(model(input_ids=tokens, use_cache=False).logits.float(), dim=-1)
             attn.probe_ranks = None
             kls.append(float((reference.exp() * (reference - logp)).sum(-1).mean()))
-            if progress is not None:
-                progress.advance()
     return kls
 
 
@@ -75,7 +73,11 @@ def choose_key_modes(ctx, candidates: dict[str, list], cost_weight: float) -> tu
     num_layers = ctx.geometry.num_layers
     with progress_bar("choosing key modes", len(candidates) * num_layers, ctx.plan.progress) as bar:
         for mode, transforms in candidates.items():
-            kl[mode] = key_probe_kl(ctx, transforms, tokens, reference, bar)
+            cache_key = (ctx.plan.objective, mode)
+            if cache_key not in ctx.key_mode_probes:
+                ctx.key_mode_probes[cache_key] = key_probe_kl(ctx, transforms, tokens, reference)
+            kl[mode] = ctx.key_mode_probes[cache_key]
+            bar.advance(num_layers)
     chosen = []
     for layer in range(num_layers):
         scores = {m: kl[m][layer] * (1 + cost_weight * RUNTIME_COST[m]) for m in candidates}
