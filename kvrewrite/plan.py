@@ -10,6 +10,8 @@ from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.spec import ALLOCATIONS, KEY_MODES, OBJECTIVES, validate_rate
 
 ROPE_MODES = ("auto", *KEY_MODES)
+# --prefer for --rope-mode auto: every key mode, or only those whose runtime does not grow with context.
+PREFER = ("quality", "zero-overhead")
 REDUCERS = ("none", "kmeans")
 DEFAULT_RATE_GRID = tuple(round(0.05 * i, 2) for i in range(20))  # 0.00 .. 0.95
 
@@ -22,6 +24,8 @@ class Plan:
     objective: str = "optimal"
     allocation: str = "sensitivity"
     rope_mode: str = "auto"
+    prefer: str = "quality"  # auto only: which key modes compete (key_mode_choice.PREFERENCES)
+    key_mode_cost: float = 0.0  # auto only: weight on a mode's runtime cost against its measured KL
     calibration: str = "wiki"
     calib_tokens: int = 32768
     seq_len: int = 512
@@ -51,6 +55,7 @@ class Plan:
             "allocation": (self.allocation, ALLOCATIONS),
             "rope_mode": (self.rope_mode, ROPE_MODES),
             "reduce": (self.reduce, REDUCERS),
+            "prefer": (self.prefer, PREFER),
         }
         for name, (value, allowed) in choices.items():
             if value not in allowed:
@@ -58,6 +63,8 @@ class Plan:
         for name in ("calib_tokens", "seq_len", "batch_size", "rank_multiple", "kmeans_clusters"):
             if int(getattr(self, name)) < 1:
                 raise InvalidArgumentError(f"--{name.replace('_', '-')} must be a positive integer")
+        if not self.key_mode_cost >= 0:
+            raise InvalidArgumentError(f"--key-mode-cost must be >= 0, got {self.key_mode_cost!r}")
         if self.min_rank < 0:
             raise InvalidArgumentError("--min-rank must be >= 0")
         if not 0.0 < self.kmeans_keep_share <= 1.0:
@@ -73,7 +80,7 @@ class Plan:
             self.kv_bits_budget = float(self.kv_bits_budget)
 
     def key_mode(self) -> str:
-        """The key-side mode for every layer. `auto` is a fixed rule for now: latent for optimal, post-rope for zack."""
+        """A description of the key side: the fixed mode, or how auto chooses per layer."""
         if self.rope_mode != "auto":
             return self.rope_mode
-        return "latent" if self.objective == "optimal" else "post-rope"
+        return f"auto (per layer, prefer {self.prefer}, cost weight {self.key_mode_cost:g})"
