@@ -23,7 +23,7 @@ class Plan:
     output: Path | None = None
     objective: str = "optimal"
     allocation: str = "sensitivity"
-    rope_mode: str = "auto"
+    rope_mode: str = "latent"  # auto (per-layer choice) is opt-in until held-out numbers back it as a default
     prefer: str = "quality"  # auto only: which key modes compete (key_mode_choice.PREFERENCES)
     key_mode_cost: float = 0.0  # auto only: weight on a mode's runtime cost against its measured KL
     calibration: str = "wiki"

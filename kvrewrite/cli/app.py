@@ -31,7 +31,7 @@ def compress(
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Output directory (default: <model>-kvrewrite-pNN)."),
     objective: str = typer.Option("optimal", help="zack (paper-faithful SVD) or optimal (whitened, output-aware)."),
     allocation: str = typer.Option("sensitivity", help="eps (ZACK Eq. 6 shared removal rate), greedy (objective error), sensitivity (greedy weighted by measured KL per layer and side) or uniform."),
-    rope_mode: str = typer.Option("auto", "--rope-mode", help="auto (chosen per layer by measured KL), freq, post-rope, latent or crosshead (key side of RoPE models)."),
+    rope_mode: str = typer.Option("latent", "--rope-mode", help="latent (default), auto (chosen per layer by measured KL), freq, post-rope, latent or crosshead (key side of RoPE models)."),
     prefer: str = typer.Option("quality", "--prefer", help="auto only: quality (every key mode) or zero-overhead (freq/post-rope/crosshead: no work that grows with context)."),
     key_mode_cost: float = typer.Option(0.0, "--key-mode-cost", help="auto only: a mode of runtime cost c (latent 1, post-rope 0.1, freq/crosshead 0) must have (1 + W c) times less measured KL to be chosen."),
     calibration: str = typer.Option("wiki", help="wiki, synthetic, or a path to a text file / directory of .txt files."),
