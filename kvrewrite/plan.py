@@ -5,10 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvrewrite.codecs.config import parse_codec
 from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.spec import ALLOCATIONS, KEY_MODES, OBJECTIVES, validate_rate
 
 ROPE_MODES = ("auto", *KEY_MODES)
+# --prefer for --rope-mode auto: every key mode, or only those whose runtime does not grow with context.
+PREFER = ("quality", "zero-overhead")
 REDUCERS = ("none", "kmeans")
 DEFAULT_RATE_GRID = tuple(round(0.05 * i, 2) for i in range(20))  # 0.00 .. 0.95
 
@@ -20,7 +23,9 @@ class Plan:
     output: Path | None = None
     objective: str = "optimal"
     allocation: str = "sensitivity"
-    rope_mode: str = "auto"
+    rope_mode: str = "latent"  # auto (per-layer choice) is opt-in until held-out numbers back it as a default
+    prefer: str = "quality"  # auto only: which key modes compete (key_mode_choice.PREFERENCES)
+    key_mode_cost: float = 0.0  # auto only: weight on a mode's runtime cost against its measured KL
     calibration: str = "wiki"
     calib_tokens: int = 32768
     seq_len: int = 512
@@ -36,6 +41,10 @@ class Plan:
     seed: int = 0
     overwrite: bool = False
     progress: bool = True
+    # KV codec on top of the reduced cache: none, int4, int2, tada, gear, gear-l, csr, optionally with
+    # parameters ("gear:bits=4,rank=4"); kv_bits_budget: tada's search budget in stored bits per cached element.
+    kv_codec: str = "none"
+    kv_bits_budget: float | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -46,6 +55,7 @@ class Plan:
             "allocation": (self.allocation, ALLOCATIONS),
             "rope_mode": (self.rope_mode, ROPE_MODES),
             "reduce": (self.reduce, REDUCERS),
+            "prefer": (self.prefer, PREFER),
         }
         for name, (value, allowed) in choices.items():
             if value not in allowed:
@@ -53,15 +63,24 @@ class Plan:
         for name in ("calib_tokens", "seq_len", "batch_size", "rank_multiple", "kmeans_clusters"):
             if int(getattr(self, name)) < 1:
                 raise InvalidArgumentError(f"--{name.replace('_', '-')} must be a positive integer")
+        if not self.key_mode_cost >= 0:
+            raise InvalidArgumentError(f"--key-mode-cost must be >= 0, got {self.key_mode_cost!r}")
         if self.min_rank < 0:
             raise InvalidArgumentError("--min-rank must be >= 0")
         if not 0.0 < self.kmeans_keep_share <= 1.0:
             raise InvalidArgumentError("kmeans keep share must be in (0, 1]")
         if self.output is not None:
             self.output = Path(self.output).expanduser()
+        codec = parse_codec(self.kv_codec)  # raises InvalidArgumentError on unknown names / parameters
+        if self.kv_bits_budget is not None:
+            if codec is None or codec.name != "tada":
+                raise InvalidArgumentError("--kv-bits-budget applies to --kv-codec tada (its per-layer bit search)")
+            if not 0 < float(self.kv_bits_budget) <= 16:
+                raise InvalidArgumentError("--kv-bits-budget must be in (0, 16] bits per cached element")
+            self.kv_bits_budget = float(self.kv_bits_budget)
 
     def key_mode(self) -> str:
-        """The key-side mode for every layer. `auto` is a fixed rule for now: latent for optimal, post-rope for zack."""
+        """A description of the key side: the fixed mode, or how auto chooses per layer."""
         if self.rope_mode != "auto":
             return self.rope_mode
-        return "latent" if self.objective == "optimal" else "post-rope"
+        return f"auto (per layer, prefer {self.prefer}, cost weight {self.key_mode_cost:g})"

@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvrewrite.errors import InvalidArgumentError, KVRewriteError
+from kvrewrite.spec import per_head_key_ranks
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Rewrite a Hugging Face causal LM so its KV cache is smaller.")
 # Off a terminal (logs, CI) rich would wrap tables at 80 columns; give them room instead.
@@ -30,7 +31,9 @@ def compress(
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Output directory (default: <model>-kvrewrite-pNN)."),
     objective: str = typer.Option("optimal", help="zack (paper-faithful SVD) or optimal (whitened, output-aware)."),
     allocation: str = typer.Option("sensitivity", help="eps (ZACK Eq. 6 shared removal rate), greedy (objective error), sensitivity (greedy weighted by measured KL per layer and side) or uniform."),
-    rope_mode: str = typer.Option("auto", "--rope-mode", help="auto, freq, post-rope or latent (key side of RoPE models)."),
+    rope_mode: str = typer.Option("latent", "--rope-mode", help="latent (default), auto (chosen per layer by measured KL), freq, post-rope, latent or crosshead (key side of RoPE models)."),
+    prefer: str = typer.Option("quality", "--prefer", help="auto only: quality (every key mode) or zero-overhead (freq/post-rope/crosshead: no work that grows with context)."),
+    key_mode_cost: float = typer.Option(0.0, "--key-mode-cost", help="auto only: a mode of runtime cost c (latent 1, post-rope 0.1, freq/crosshead 0) must have (1 + W c) times less measured KL to be chosen."),
     calibration: str = typer.Option("wiki", help="wiki, synthetic, or a path to a text file / directory of .txt files."),
     calib_tokens: int = typer.Option(32768, "--calib-tokens", help="Calibration tokens (ZACK needs at least 16K)."),
     seq_len: int = typer.Option(512, "--seq-len", help="Calibration window length."),
@@ -41,6 +44,8 @@ def compress(
     revision: Optional[str] = typer.Option(None, help="Hub revision of the source model."),
     seed: int = typer.Option(0, help="Seed for calibration sampling."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
+    kv_codec: str = typer.Option("none", "--kv-codec", help="KV codec on the reduced cache: none, int4, int2, tada, gear, gear-l, csr; parameters as int4:group_size=64 (docs/codecs.md)."),
+    kv_bits_budget: Optional[float] = typer.Option(None, "--kv-bits-budget", help="tada: stored bits per cached element for the per-layer bit search."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and the pipeline, do nothing."),
     push_to_hub: Optional[str] = typer.Option(None, "--push-to-hub", help="Then upload the checkpoint (with a generated model card) to this Hub repo id."),
     hub_private: bool = typer.Option(False, "--hub-private", help="With --push-to-hub: create the repo private."),
@@ -52,9 +57,9 @@ def compress(
 
     try:
         plan = Plan(model=model, target_rate=target_rate, output=output, objective=objective, allocation=allocation,
-                    rope_mode=rope_mode, calibration=calibration, calib_tokens=calib_tokens, seq_len=seq_len,
+                    rope_mode=rope_mode, prefer=prefer, key_mode_cost=key_mode_cost, calibration=calibration, calib_tokens=calib_tokens, seq_len=seq_len,
                     batch_size=batch_size, reduce=reduce, min_rank=min_rank, rank_multiple=rank_multiple,
-                    revision=revision, seed=seed, overwrite=overwrite)
+                    revision=revision, seed=seed, overwrite=overwrite, kv_codec=kv_codec, kv_bits_budget=kv_bits_budget)
         passes = default_pipeline()
         if dry_run:
             table = Table(title=f"kvrewrite compress {model} --target-rate {plan.target_rate} (dry run)")
@@ -87,6 +92,8 @@ def evaluate_command(
     tokens: int = typer.Option(8192, help="Held-out evaluation tokens."),
     seq_len: int = typer.Option(512, "--seq-len", help="Evaluation window length."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the results as JSON here."),
+    kv_codec: Optional[str] = typer.Option(None, "--kv-codec", help="Evaluate with these codecs instead of the compiled one (';'-separated, e.g. 'none;int4;gear:bits=4')."),
+    chunk: Optional[int] = typer.Option(None, "--chunk", help="Chunked prefill through the cache, this many tokens per chunk (default: 64 when a codec is in use, else one forward)."),
     save: bool = typer.Option(True, "--save/--no-save", help="Save the results as DIR/eval_results.json (the model card's evaluation table)."),
 ) -> None:
     """Held-out perplexity, KL and top-1 agreement against the original, and KV bytes per token measured on the cache."""
@@ -95,7 +102,9 @@ def evaluate_command(
 
     try:
         rate_list = [float(r) for r in rates.split(",")] if rates else None
-        rows = evaluate_checkpoint(directory, baseline=baseline, rates=rate_list, tokens=tokens, seq_len=seq_len)
+        codec_list = kv_codec.split(";") if kv_codec else None
+        rows = evaluate_checkpoint(directory, baseline=baseline, rates=rate_list, tokens=tokens, seq_len=seq_len,
+                                   kv_codecs=codec_list, chunk=chunk)
     except (KVRewriteError, ValueError) as exc:
         _fail(exc)
     from kvrewrite.atomic_files import atomic_write_text
@@ -106,7 +115,8 @@ def evaluate_command(
         atomic_write_text(json_out, json.dumps(rows, indent=2))
     if save:
         command = " ".join(["kvrewrite eval", str(directory), *([f"--baseline {baseline}"] if baseline else []),
-                            *([f"--rates {rates}"] if rates else []), f"--tokens {tokens}", f"--seq-len {seq_len}"])
+                            *([f"--rates {rates}"] if rates else []), *([f"--kv-codec '{kv_codec}'"] if kv_codec else []),
+                            *([f"--chunk {chunk}"] if chunk else []), f"--tokens {tokens}", f"--seq-len {seq_len}"])
         try:
             path = write_eval_results(directory, eval_results_document(rows, tokens=tokens, seq_len=seq_len, command=command))
             console.print(f"saved {path}")
@@ -142,7 +152,7 @@ def inspect(
     console.print(summary_table(spec, report))
     console.print(ranks_table(spec))
     target = plot or directory / "rank_heatmap.png"
-    plot_rank_heatmap([l.key_ranks for l in spec.layers], [l.value_ranks for l in spec.layers], spec.head_dim, target,
+    plot_rank_heatmap([per_head_key_ranks(l) for l in spec.layers], [l.value_ranks for l in spec.layers], spec.head_dim, target,
                       title=f"{spec.source_model}: p = {spec.target_rate:.2f} ({spec.objective}/{spec.allocation})")
     console.print(f"heat map: {target}")
 

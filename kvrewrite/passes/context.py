@@ -30,6 +30,9 @@ class CompileContext:
     statistics: CalibrationStatistics | None = None
     # compute_transforms
     transforms: list | None = None  # list[LayerTransforms]
+    # compute_transforms (--rope-mode auto): (objective, mode) -> per-layer probe KL. They depend only on
+    # the statistics, so compile_variants' variants share this dict (dataclasses.replace keeps the object).
+    key_mode_probes: dict = field(default_factory=dict)
     # measure_sensitivity: (layer, "key"|"value") -> weight on that side's relative error
     sensitivity: dict | None = None
     # allocate_ranks
@@ -37,6 +40,8 @@ class CompileContext:
     # fold_weights
     spec: CompressionSpec | None = None
     folded_state_dict: dict[str, torch.Tensor] | None = None
+    # fit_kv_codec: trained codec tables (CSR dictionaries, TaDA bit widths), written to kv_codec.safetensors
+    codec_tables: dict = field(default_factory=dict)
     # verify
     verification: dict = field(default_factory=dict)
     # emit

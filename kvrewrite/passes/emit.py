@@ -7,9 +7,10 @@ from collections import defaultdict
 from pathlib import Path
 
 from kvrewrite.checkpoint_io import atomic_output_dir, write_checksums, write_safetensors_shards
+from kvrewrite.codecs.checkpoint import write_codec_tables
 from kvrewrite.compressed_model import compressed_config
 from kvrewrite.passes.context import CompileContext
-from kvrewrite.spec import CompressionSpec
+from kvrewrite.spec import KEY_MODE_CROSSHEAD, CompressionSpec
 
 HUB_MODELING_STUB = '''"""This checkpoint was rewritten by kvrewrite: its attention stores a compressed KV cache.
 
@@ -43,9 +44,11 @@ def kernel_metadata(spec: CompressionSpec, transforms) -> dict:
         layers.append(
             {
                 "key_mode": layer_spec.key_mode,
+                # "shared": one key block scored by every query head (crosshead), rank key_ranks[0].
+                "key_layout": "shared" if layer_spec.key_mode == KEY_MODE_CROSSHEAD else "per_kv_head",
                 "key_ranks": layer_spec.key_ranks,
                 "value_ranks": layer_spec.value_ranks,
-                "key_buckets": rank_buckets(layer_spec.key_ranks),
+                "key_buckets": rank_buckets(layer_spec.key_ranks[:1] if layer_spec.key_mode == KEY_MODE_CROSSHEAD else layer_spec.key_ranks),
                 "value_buckets": rank_buckets(layer_spec.value_ranks),
                 "key_spectra": t.key.spectrum.tolist(),
                 "value_spectra": t.value.spectrum.tolist(),
@@ -53,7 +56,9 @@ def kernel_metadata(spec: CompressionSpec, transforms) -> dict:
         )
     return {
         "format_version": spec.format_version,
-        "cache_layout": "per layer: keys [B, 1, S, sum(key_ranks)], values [B, 1, S, sum(value_ranks)], KV heads packed in order",
+        "cache_layout": ("per layer: keys [B, 1, S, sum(key_ranks)], values [B, 1, S, sum(value_ranks)], KV heads packed in order; "
+                         "key_layout 'shared' (crosshead): key_ranks = [R, 0, ...], one key block that every query head "
+                         "scores against with an R-dim query"),
         "bucket_multiple": BUCKET_MULTIPLE,
         "kept_elements_per_token": spec.kept_elements_per_token,
         "baseline_elements_per_token": spec.baseline_elements_per_token,
@@ -88,7 +93,7 @@ class Emit:
             report = {**ctx.report, "verification": ctx.verification, "spec_summary": spec_summary(spec)}
             report.pop("rate_table", None)  # lives in config.json and kernel_metadata.json
             (tmp / "compress_report.json").write_text(json.dumps(report, indent=2, default=str))
-            write_checksums(tmp, shards)
+            write_checksums(tmp, shards + write_codec_tables(tmp, ctx.codec_tables))
         ctx.output_dir = Path(out)
 
 
@@ -101,4 +106,5 @@ def spec_summary(spec: CompressionSpec) -> dict:
         "kept_elements_per_token": spec.kept_elements_per_token,
         "baseline_elements_per_token": spec.baseline_elements_per_token,
         "key_modes": sorted({layer.key_mode for layer in spec.layers}),
+        "kv_codec": spec.kv_codec,
     }
