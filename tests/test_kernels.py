@@ -47,10 +47,12 @@ def _compare(out, query, key, value, mask, layout, dtype, scaling=0.3):
 @pytest.mark.parametrize("ranks", RANK_MIXES)
 @pytest.mark.parametrize("q_len", [1, 6])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rank_buckets_match_reference(ranks, q_len, dtype):
+@pytest.mark.parametrize("route", ["block-diagonal", "windowed"])
+def test_rank_buckets_match_reference(ranks, q_len, dtype, route):
     layout = PackedLayout(*ranks)
     query, key, value, mask = _inputs(layout, 2, q_len, 11, dtype)
-    _compare(BucketedAttention(layout)(query, key, value, mask, 0.3), query, key, value, mask, layout, dtype)
+    runner = BucketedAttention(layout, block_diagonal_rows=10_000 if route == "block-diagonal" else 0)
+    _compare(runner(query, key, value, mask, 0.3), query, key, value, mask, layout, dtype)
 
 
 def test_buckets_group_equal_ranks_and_read_the_cache_in_place():
@@ -59,7 +61,7 @@ def test_buckets_group_equal_ranks_and_read_the_cache_in_place():
     assert [b.heads for b in buckets] == [(0, 2), (1, 3)]
     assert all(b.windowed for b in buckets)
     # The strided view SDPA reads must alias the cache storage (no copy of the cache per step).
-    runner = BucketedAttention(layout)
+    runner = BucketedAttention(layout, block_diagonal_rows=0)
     query, key, value, mask = _inputs(layout, 2, 1, 9, torch.float32)
     seen = []
     original = torch.nn.functional.scaled_dot_product_attention

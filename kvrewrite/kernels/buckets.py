@@ -14,6 +14,14 @@ and the whole bucket is one `scaled_dot_product_attention` call per layer:
 - a bucket whose heads are not evenly spaced in the packed row, or whose window does not fit, runs as
   matmul-softmax-matmul on per-head strided slices (still no cache copy).
 
+Decode (few query rows) takes another route, because on CPU every kernel that walks one head's columns
+of the packed rows (SDPA over a strided view, small-M bmm) runs far below memory speed, while whole-row
+GEMMs run at full speed (measured in docs/runtime.md): the layer's query heads are scattered into a
+block-diagonal query [B, T*H, sum rk] (head h's columns at its KV head's key offset, zeros elsewhere),
+so scores = one GEMM over the contiguous packed key rows, one softmax, and one GEMM with the packed
+value rows whose diagonal blocks are the per-head outputs. It computes n_kv times the useful flops but
+reads each cache row once, contiguously; at decode sizes that is the faster trade.
+
 Everything here is planned once per layout (at load time, after `set_ranks`) and reused every step.
 """
 
@@ -100,13 +108,31 @@ def plan_buckets(layout: PackedLayout) -> tuple[RankBucket, ...]:
 
 
 class BucketedAttention:
-    """Per-layer runner: holds the bucket plan and the index tensors of the packed query/output columns."""
+    """Per-layer runner: holds the bucket plan and the index tensors of the packed query/output columns.
 
-    def __init__(self, layout: PackedLayout):
+    block_diagonal_rows: queries with at most this many rows (T x query heads) take the block-diagonal
+    whole-row route (decode); 0 disables it.
+    """
+
+    def __init__(self, layout: PackedLayout, block_diagonal_rows: int = 64):
         self.layout = layout
         self.buckets = plan_buckets(layout)
+        self.block_diagonal_rows = block_diagonal_rows
         g = layout.group_size
         qo, oo = layout.query_offsets, layout.output_offsets
+        ko, vo = layout.key_offsets, layout.value_offsets
+        heads = len(layout.key_ranks) * g
+        # Block-diagonal route: packed query column -> flat [head, key column] position, and flat
+        # [head, value column] position -> packed output column.
+        self._diag_query = torch.tensor(
+            [(h * g + j) * ko[-1] + ko[h] + i for h, rk in enumerate(layout.key_ranks) for j in range(g) for i in range(rk)],
+            dtype=torch.long,
+        )
+        self._diag_output = torch.tensor(
+            [(h * g + j) * vo[-1] + vo[h] + i for h, rv in enumerate(layout.value_ranks) for j in range(g) for i in range(rv)],
+            dtype=torch.long,
+        )
+        self._heads = heads
         # Packed query columns of each bucket, ordered [head, group member, rank] (a small gather per step).
         self._query_index = [
             torch.tensor([qo[h] + j * b.key_rank + i for h in b.heads for j in range(g) for i in range(b.key_rank)], dtype=torch.long)
@@ -123,6 +149,8 @@ class BucketedAttention:
         if device != self._device:
             self._query_index = [t.to(device) for t in self._query_index]
             self._output_index = [t.to(device) for t in self._output_index]
+            self._diag_query = self._diag_query.to(device)
+            self._diag_output = self._diag_output.to(device)
             self._device = device
 
     def __call__(
@@ -139,6 +167,8 @@ class BucketedAttention:
         kv_len = key.shape[-2]
         g = self.layout.group_size
         allowed = boolean_mask(attention_mask, q_len, kv_len, query.device)  # [B|1, 1, T, S]
+        if q_len * self._heads <= self.block_diagonal_rows and key.stride(-2) == key.shape[-1] and value.stride(-2) == value.shape[-1]:
+            return self._block_diagonal(query, key, value, allowed, scaling)
         # Query rows are ordered (group member, position): repeat the mask over the group.
         rows_mask = allowed.expand(allowed.shape[0], 1, q_len, kv_len)
         if g > 1:
@@ -156,6 +186,26 @@ class BucketedAttention:
             out = out.view(batch, n, g, q_len, rv).permute(0, 3, 1, 2, 4).reshape(batch, q_len, n * g * rv)
             output[..., o_index] = out
         return output
+
+    def _block_diagonal(self, query, key, value, allowed, scaling) -> torch.Tensor:
+        batch, q_len, _ = query.shape
+        kv_len, key_total, value_total = key.shape[-2], key.shape[-1], value.shape[-1]
+        heads = self._heads
+        q = query.new_zeros(batch, q_len, heads * key_total)
+        q[..., self._diag_query] = query
+        # Rows ordered (position, head); the mask row of position t serves all heads.
+        bias = torch.zeros(allowed.shape[0], q_len, 1, kv_len, dtype=torch.float32, device=query.device)
+        bias = bias.masked_fill(~allowed[:, 0, :, None, :], torch.finfo(torch.float32).min)
+        bias = bias.expand(batch, q_len, heads, kv_len).reshape(batch, q_len * heads, kv_len)
+        keys = key.view(batch, kv_len, key_total)  # contiguous packed rows, no copy
+        rows = q.view(batch, q_len * heads, key_total)
+        if query.dtype == torch.float32:
+            scores = torch.baddbmm(bias, rows, keys.transpose(1, 2), alpha=scaling)
+        else:  # low-precision GEMM (fp32 accumulation inside), softmax in fp32
+            scores = torch.bmm(rows, keys.transpose(1, 2)).float() * scaling + bias
+        probs = torch.softmax(scores, dim=-1).to(value.dtype)
+        full = torch.bmm(probs, value.view(batch, kv_len, value_total))  # [B, T*H, Vsum]
+        return full.view(batch, q_len, heads * value_total)[..., self._diag_output]
 
     @staticmethod
     def _windowed(bucket: RankBucket, q, key, value, rows_mask, scaling) -> torch.Tensor:
