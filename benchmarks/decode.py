@@ -255,12 +255,6 @@ def main() -> None:
     if args.compile_only:
         return
     results = {}
-    for name in ["stock", *[m for m in args.models if m != "stock"]]:
-        cmd = [sys.executable, __file__, "--worker", name, "--root", str(args.root), "--steps", str(args.steps),
-               "--configs", *args.configs, "--prefill", *args.prefill]
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=os.environ.copy()).stdout
-        results[name] = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
-    add_ratios(results)
     record = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "device": device,
@@ -275,7 +269,14 @@ def main() -> None:
         "results": results,
     }
     RESULTS.mkdir(exist_ok=True)
-    target.write_text(json.dumps(record, indent=1))
+    for name in ["stock", *[m for m in args.models if m != "stock"]]:
+        cmd = [sys.executable, __file__, "--worker", name, "--root", str(args.root), "--steps", str(args.steps),
+               "--configs", *args.configs, "--prefill", *args.prefill]
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=os.environ.copy()).stdout
+        results[name] = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
+        add_ratios(results)
+        target.write_text(json.dumps(record, indent=1))  # after every model, so a cut-off run keeps its data
+        print("measured", name, flush=True)
     plot(record, target.with_suffix(".png"))
     print("wrote", target)
 
