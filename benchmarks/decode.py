@@ -231,6 +231,9 @@ def main() -> None:
     parser.add_argument("--prefill", nargs="*", default=["512x1", "1024x1"], help="LENGTHxBATCH prompt sizes")
     parser.add_argument("--configs", nargs="*", default=[f"{c}x{b}" for c, b in CONFIGS],
                         help="CONTEXTxBATCH decode sizes, in increasing cache size")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads per model process (1: on a shared machine a descheduled OpenMP thread "
+                             "stalls every parallel op for a time slice, which swamps millisecond kernels)")
     parser.add_argument("--compile-only", action="store_true")
     parser.add_argument("--plot-only", action="store_true")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -239,6 +242,9 @@ def main() -> None:
     configs = [tuple(int(x) for x in c.split("x")) for c in args.configs]
 
     if args.worker:  # one model per process, so its peak RSS is its own
+        import torch
+
+        torch.set_num_threads(args.threads)
         print("RESULT " + json.dumps(measure_model(args.worker, args.root, args.steps, configs, prefill)))
         return
 
@@ -259,7 +265,8 @@ def main() -> None:
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "device": device,
         "machine": f"{platform.node()}: {platform.machine()} {platform.processor() or ''}, {os.cpu_count()} CPUs, "
-                   f"torch {torch.__version__} ({torch.get_num_threads()} threads); shared with other jobs",
+                   f"torch {torch.__version__}, {args.threads} torch thread(s) per model; machine shared with other jobs "
+                   "(other compiles/tests ran during the measurement; ratios are same-run)",
         "gpu": "none available in this session (no device lent); Triton kernels verified under TRITON_INTERPRET=1 only"
                if device == "cpu" else torch.cuda.get_device_name(0),
         "dtype": "float32",
@@ -271,7 +278,7 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     for name in ["stock", *[m for m in args.models if m != "stock"]]:
         cmd = [sys.executable, __file__, "--worker", name, "--root", str(args.root), "--steps", str(args.steps),
-               "--configs", *args.configs, "--prefill", *args.prefill]
+               "--threads", str(args.threads), "--configs", *args.configs, "--prefill", *args.prefill]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=os.environ.copy()).stdout
         results[name] = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
         add_ratios(results)
