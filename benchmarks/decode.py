@@ -6,7 +6,7 @@ Run on demand (heavy: take the machine lock):
 
 Writes benchmarks/results/decode_<device>.json and decode_<device>.png.
 
-What is measured, per model (stock; freq at p = 0, 0.3, 0.5, 0.7; post-rope and latent at p = 0.5) and per
+What is measured, per model (stock; freq and post-rope at p = 0, 0.3, 0.5, 0.7; latent at p = 0.5) and per
 (context, batch):
 - decode: the cache is filled with random tensors of the model's own cache shapes and dtype (a DynamicCache
   with [B, H_kv, S, d] for stock and the packed [B, 1, S, sum r] for rewritten layers; prefilling 8K x 8
@@ -43,7 +43,10 @@ MODELS = {
     "freq p=0.3": ("freq", 0.3),
     "freq p=0.5": ("freq", 0.5),
     "freq p=0.7": ("freq", 0.7),
+    "post-rope p=0.0": ("post-rope", 0.0),
+    "post-rope p=0.3": ("post-rope", 0.3),
     "post-rope p=0.5": ("post-rope", 0.5),
+    "post-rope p=0.7": ("post-rope", 0.7),
     "latent p=0.5": ("latent", 0.5),
 }
 
