@@ -167,7 +167,7 @@ class BucketedAttention:
         kv_len = key.shape[-2]
         g = self.layout.group_size
         allowed = boolean_mask(attention_mask, q_len, kv_len, query.device)  # [B|1, 1, T, S]
-        if q_len * self._heads <= self.block_diagonal_rows and key.stride(-2) == key.shape[-1] and value.stride(-2) == value.shape[-1]:
+        if q_len * self._heads <= self.block_diagonal_rows and key[:, 0].is_contiguous() and value[:, 0].is_contiguous():
             return self._block_diagonal(query, key, value, allowed, scaling)
         # Query rows are ordered (group member, position): repeat the mask over the group.
         rows_mask = allowed.expand(allowed.shape[0], 1, q_len, kv_len)
