@@ -24,12 +24,13 @@ class ComputeTransforms:
         mode = plan.key_mode()
         layers = ctx.adapter.decoder_layers(ctx.model)
         ctx.transforms = []
-        for layer, stats in zip(layers, ctx.statistics.layers):
+        metrics = ctx.output_metric or [None] * len(layers)
+        for layer, stats, metric in zip(layers, ctx.statistics.layers, metrics):
             o_proj = ctx.adapter.attention(layer).o_proj.weight.detach()
             ctx.transforms.append(
                 LayerTransforms(
                     key=key_transform(mode, plan.objective, stats, geo),
-                    value=value_transform(plan.objective, stats, o_proj, geo),
+                    value=value_transform(plan.objective, stats, o_proj, geo, output_metric=metric),
                 )
             )
-        ctx.report["transforms"] = {"objective": plan.objective, "key_mode": mode}
+        ctx.report["transforms"] = {"objective": plan.objective, "key_mode": mode, "value_metric": plan.value_metric}

@@ -26,14 +26,19 @@ class CompileContext:
     geometry: AttentionGeometry | None = None
     # build_calibration
     calibration_tokens: torch.Tensor | None = None
+    # calibration windows held back from the statistics (quality budget search only)
+    budget_tokens: torch.Tensor | None = None
     # collect_statistics
     statistics: CalibrationStatistics | None = None
+    # collect_fisher: per layer [hidden, hidden] right factor on o_proj's output (None: identity)
+    output_metric: list | None = None
     # compute_transforms
     transforms: list | None = None  # list[LayerTransforms]
     # measure_sensitivity: (layer, "key"|"value") -> weight on that side's relative error
     sensitivity: dict | None = None
     # allocate_ranks
     allocation: Any = None  # RankAllocation
+    rank_solver: Any = None  # rate -> RankAllocation with the same items/order (quality budget search)
     # fold_weights
     spec: CompressionSpec | None = None
     folded_state_dict: dict[str, torch.Tensor] | None = None

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from kvrewrite.passes.allocate_ranks import AllocateRanks
 from kvrewrite.passes.build_calibration import BuildCalibration
+from kvrewrite.passes.collect_fisher import CollectFisher
 from kvrewrite.passes.collect_statistics import CollectStatistics
 from kvrewrite.passes.compute_transforms import ComputeTransforms
 from kvrewrite.passes.context import CompileContext
@@ -17,6 +18,7 @@ from kvrewrite.passes.emit import Emit
 from kvrewrite.passes.fold_weights import FoldWeights
 from kvrewrite.passes.load_checkpoint import LoadCheckpoint
 from kvrewrite.passes.measure_sensitivity import MeasureSensitivity
+from kvrewrite.passes.quality_budget import QualityBudget
 from kvrewrite.passes.verify import Verify
 from kvrewrite.plan import Plan
 
@@ -33,10 +35,12 @@ def statistics_passes() -> list:
 def rewrite_passes() -> list:
     """The part that depends on the objective, key mode and allocation."""
     return [
+        CollectFisher(),  # (--value-metric fisher) loss-gradient second moments at each attention output
         ComputeTransforms(),  # Grams -> key-side and value-side transforms
         MeasureSensitivity(),  # (sensitivity allocation) end-to-end KL per layer and side
         AllocateRanks(),  # spectra (and sensitivities) -> ranks per head, rate table
         FoldWeights(),  # transforms -> rewritten q/k/v/o weights, spec
+        QualityBudget(),  # (--max-ppl-increase / --max-kl) the largest rate within budget becomes the target
         Verify(),  # full-rank equivalence, compiled-rank error
         Emit(),  # checkpoint directory, written atomically
     ]
