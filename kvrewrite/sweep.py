@@ -15,11 +15,16 @@ import csv
 import dataclasses
 import io
 import json
+import os
+import platform
+import sys
 import time
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import torch
 
 from kvrewrite.atomic_files import atomic_write, atomic_write_text
 from kvrewrite.errors import InvalidArgumentError
@@ -211,6 +216,8 @@ def run_sweep(
     for i, row in enumerate(rows):
         row["pareto"] = i in front
     summary = {
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs; torch {torch.__version__}",
         "model": model, "rates": rates, "configs": {c.name: rows[1 + i * len(rates)]["overrides"] for i, c in enumerate(configs)},
         "calibration": plan.calibration, "calibration_tokens": int(shared.calibration_tokens.numel()),
         "eval_tokens": int(windows.numel()), "statistics_s": shared.report.get("timings_s", {}),
