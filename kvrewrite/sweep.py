@@ -46,8 +46,9 @@ NAMED_CONFIGS: dict[str, dict] = {
     "freq-sensitivity": {"objective": "optimal", "allocation": "sensitivity", "rope_mode": "freq"},
 }
 
-# Plan fields a sweep configuration may not override (the sweep owns them).
-RESERVED_FIELDS = ("model", "target_rate", "output", "rate_grid", "overwrite", "progress")
+# Plan fields a sweep configuration may not override: the sweep owns the rates, and a quality budget picks
+# its own rate (use `kvrewrite compress --max-ppl-increase`).
+RESERVED_FIELDS = ("model", "target_rate", "output", "rate_grid", "overwrite", "progress", "max_ppl_increase", "max_kl")
 
 
 @dataclass

@@ -162,11 +162,11 @@ def test_pareto_front():
 
 def test_parse_config():
     assert parse_config("zack-faithful").overrides == {"objective": "zack", "allocation": "eps", "rope_mode": "post-rope"}
-    cfg = parse_config("mine:base=latent-uniform,min_rank=4,probe_rates=0.25/0.5,max_ppl_increase=5%")
+    cfg = parse_config("mine:base=latent-uniform,min_rank=4,probe_rates=0.25/0.5,fisher_shrink=25%")
     assert cfg.name == "mine"
     assert cfg.overrides == {"objective": "optimal", "allocation": "uniform", "rope_mode": "latent", "min_rank": 4,
-                             "probe_rates": (0.25, 0.5), "max_ppl_increase": 0.05}
-    for bad in ("nope", "x:target_rate=0.3", "x:unknown=1", "x:min_rank=abc", "x:min_rank"):
+                             "probe_rates": (0.25, 0.5), "fisher_shrink": 0.25}
+    for bad in ("nope", "x:target_rate=0.3", "x:max_kl=0.1", "x:unknown=1", "x:min_rank=abc", "x:min_rank"):
         with pytest.raises(InvalidArgumentError):
             parse_config(bad)
 
