@@ -131,6 +131,18 @@ def sweep_rows_csv(rows: list[dict]) -> str:
     return buf.getvalue()
 
 
+def sweep_rows_markdown(rows: list[dict]) -> str:
+    """The table as Markdown, one row per (config, rate); Pareto points marked."""
+    lines = ["| config | rate | ppl | Δppl | KL (nats) | top-1 | KV bytes/token | Pareto |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["config"] == "original":
+            lines.append(f"| original | 0 | {r['perplexity']:.2f} | | | | {r['kv_bytes_per_token']:,.0f} | {'*' if r.get('pareto') else ''} |")
+            continue
+        lines.append(f"| {r['config']} | {r['rate']:.2f} | {r['perplexity']:.2f} | {r['ppl_increase']:+.1%} | {r['kl_mean']:.3f} | "
+                     f"{r['top1_agreement']:.3f} | {r['kv_bytes_per_token']:,.0f} | {'*' if r.get('pareto') else ''} |")
+    return "\n".join(lines) + "\n"
+
+
 def plot_pareto(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib
 
@@ -227,5 +239,6 @@ def run_sweep(
     output.mkdir(parents=True, exist_ok=True)
     atomic_write_text(output / "sweep_results.json", json.dumps(summary, indent=1))
     atomic_write_text(output / "sweep_results.csv", sweep_rows_csv(rows))
+    atomic_write_text(output / "sweep_results.md", sweep_rows_markdown(rows))
     plot_pareto(rows, output / "sweep_pareto.png", f"{Path(model).name}: held-out ppl vs KV bytes ({windows.numel()} tokens)")
     return summary

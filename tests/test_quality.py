@@ -179,7 +179,7 @@ def test_sweep_writes_table_and_plot_and_slices_equal_direct_compiles(tiny, tmp_
                         base_overrides={"calibration": str(text), "calib_tokens": 1024, "seq_len": 64}, eval_windows=windows)
     rows = summary["rows"]
     assert [r["config"] for r in rows] == ["original"] + [c.name for c in configs for _ in (0, 1)]
-    for name in ("sweep_results.json", "sweep_results.csv", "sweep_pareto.png"):
+    for name in ("sweep_results.json", "sweep_results.csv", "sweep_results.md", "sweep_pareto.png"):
         assert (tmp_path / "sweep" / name).stat().st_size > 0
     assert json.loads((tmp_path / "sweep" / "sweep_results.json").read_text())["rows"] == json.loads(json.dumps(rows))
     for r in rows[1:]:
