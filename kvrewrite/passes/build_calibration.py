@@ -17,7 +17,7 @@ class BuildCalibration:
         n_calib = -(-plan.calib_tokens // plan.seq_len)
         # One draw of distinct non-overlapping windows: the quality budget's windows never overlap the statistics'.
         windows = calibration_token_sequences(
-            plan.calibration, ctx.tokenizer, (n_calib + held_back) * plan.seq_len, plan.seq_len, model=ctx.model, seed=plan.seed
+            plan.calibration, ctx.tokenizer, plan.calib_tokens + held_back * plan.seq_len, plan.seq_len, model=ctx.model, seed=plan.seed
         )
         ctx.calibration_tokens = windows[:n_calib]
         ctx.budget_tokens = windows[n_calib:] if held_back else None

@@ -76,4 +76,8 @@ class MeasureSensitivity:
                             bar.advance()
                         curves[(idx, side)] = points
         ctx.sensitivity = curves
-        ctx.report["sensitivity"] = {"probe_rates": list(rates), "probe_tokens": int(tokens.numel()), "probes": probes}
+        # For reading the report: KL per unit of predicted error at the middle probe, mean-normalised.
+        slopes = {key: pts[len(pts) // 2][1] / max(pts[len(pts) // 2][0], 1e-12) for key, pts in curves.items()}
+        mean = sum(slopes.values()) / len(slopes)
+        ctx.report["sensitivity"] = {"probe_rates": list(rates), "probe_tokens": int(tokens.numel()), "probes": probes,
+                                     "weights": {f"{l}.{s}": w / mean for (l, s), w in slopes.items()}}
