@@ -110,6 +110,11 @@ def parse_config(text: str) -> SweepConfig:
     return SweepConfig(name, overrides)
 
 
+def rate_sliceable(overrides: dict) -> bool:
+    """Whether one compile at the largest rate, sliced through its rate table, equals a compile at each rate."""
+    return overrides.get("kv_codec", "none") in ("none", None)
+
+
 def pareto_front(points: list[tuple[float, float]]) -> list[int]:
     """Indices of the points no other point beats on both axes (fewer bytes and lower perplexity)."""
     front = []
@@ -199,14 +204,24 @@ def run_sweep(
                 rate_grid=tuple(sorted({*Plan.__dataclass_fields__["rate_grid"].default, *rates})), **(base_overrides or {}))
     for cfg in configs:  # fail on a bad override before any work
         dataclasses.replace(plan, **cfg.overrides)
-    shared, compiled = compile_variants(plan, {c.name: c.overrides for c in configs}, output / "checkpoints", on_pass=on_pass)
+    # A KV codec's tables are fitted at the compiled ranks, so a codec config is compiled at every rate
+    # rather than sliced from one checkpoint.
+    variants = {}
+    for c in configs:
+        if rate_sliceable(c.overrides):
+            variants[c.name] = c.overrides
+        else:
+            variants.update({f"{c.name}@{r:.2f}": {**c.overrides, "target_rate": r} for r in rates})
+    shared, compiled = compile_variants(plan, variants, output / "checkpoints", on_pass=on_pass)
     # The held-out wiki articles by default; tests pass their own windows.
     windows = eval_windows if eval_windows is not None else evaluation_token_sequences(shared.tokenizer, eval_tokens, plan.seq_len)
 
     rows: list[dict] = []
     for cfg in configs:
-        directory = compiled[cfg.name].output_dir
-        models = {rate: load(directory, rate=rate) for rate in rates}
+        if cfg.name in compiled:
+            models = {rate: load(compiled[cfg.name].output_dir, rate=rate) for rate in rates}
+        else:
+            models = {rate: load(compiled[f"{cfg.name}@{rate:.2f}"].output_dir) for rate in rates}
         results = evaluate_many({f"{r:.2f}": m for r, m in models.items()}, windows, baseline=shared.model, progress=False)
         del models
         for rate in rates:
@@ -220,8 +235,7 @@ def run_sweep(
                    "top1_agreement": res.top1_agreement, "kv_bytes_per_token": res.kv_bytes_per_token,
                    "kv_share": res.kv_bytes_per_token / res.baseline_kv_bytes_per_token,
                    "overrides": {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.overrides.items()},
-                   "compile_s": compiled[cfg.name].report.get("variant_compile_s"),
-                   "calibration_kl_at_max_rate": compiled[cfg.name].verification.get("compiled_rank", {}).get("kl_mean")}
+                   "compile_s": compiled.get(cfg.name, compiled.get(f"{cfg.name}@{rate:.2f}")).report.get("variant_compile_s")}
             rows.append(row)
             if on_result is not None:
                 on_result(row)

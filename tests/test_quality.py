@@ -194,3 +194,12 @@ def test_sweep_writes_table_and_plot_and_slices_equal_direct_compiles(tiny, tmp_
         assert torch.allclose(sliced(windows).logits, kvrewrite.load(direct.output_dir)(windows).logits, atol=1e-5)
     row = next(r for r in rows if r["config"] == "latent-sensitivity" and r["rate"] == 0.3)
     assert row["perplexity"] == pytest.approx(perplexity_and_agreement(sliced, windows, original, progress=False).perplexity, rel=1e-6)
+
+
+def test_sweep_compiles_codec_configs_at_every_rate(tiny, tmp_path):
+    src, text = tiny
+    summary = run_sweep(str(src), [0.3, 0.5], [parse_config("q:base=latent-uniform,kv_codec=int4")], tmp_path / "sweep",
+                        base_overrides={"calibration": str(text), "calib_tokens": 512, "seq_len": 64}, eval_windows=random_windows(2, 48, seed=9))
+    assert sorted(p.name for p in (tmp_path / "sweep" / "checkpoints").iterdir()) == ["q@0.30", "q@0.50"]
+    uncoded = {r["rate"]: r["kv_bytes_per_token"] for r in summary["rows"] if r["config"] == "q"}
+    assert uncoded[0.3] > uncoded[0.5]

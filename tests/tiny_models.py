@@ -13,6 +13,7 @@ from kvrewrite.passes.collect_fisher import CollectFisher
 from kvrewrite.passes.collect_statistics import CollectStatistics
 from kvrewrite.passes.compute_transforms import ComputeTransforms
 from kvrewrite.passes.emit import Emit
+from kvrewrite.passes.fit_kv_codec import FitKVCodec
 from kvrewrite.passes.fold_weights import FoldWeights
 from kvrewrite.passes.load_checkpoint import LoadCheckpoint
 from kvrewrite.passes.measure_sensitivity import MeasureSensitivity
@@ -88,5 +89,6 @@ def tiny_pipeline(tokens: torch.Tensor | None = None) -> list:
         FoldWeights(),
         QualityBudget(),
         Verify(),
+        FitKVCodec(),
         Emit(),
     ]
