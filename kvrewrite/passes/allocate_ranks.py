@@ -29,7 +29,7 @@ class AllocateRanks:
         order = None
         if plan.allocation == "sensitivity":
             # Measured KL curves per (layer, side): one removal order, every rate a prefix of it.
-            order = curve_removal_order(items, ctx.sensitivity, min_rank=plan.min_rank, rank_multiple=plan.rank_multiple)
+            order = curve_removal_order(items, ctx.sensitivity_curves, min_rank=plan.min_rank, rank_multiple=plan.rank_multiple)
 
         def solve(rate: float):
             if order is not None:

@@ -36,6 +36,8 @@ class CompileContext:
     transforms: list | None = None  # list[LayerTransforms]
     # measure_sensitivity: (layer, "key"|"value") -> weight on that side's relative error
     sensitivity: dict | None = None
+    # measure_sensitivity: (layer, "key"|"value") -> measured (predicted relative error, KL) points
+    sensitivity_curves: dict | None = None
     # allocate_ranks
     allocation: Any = None  # RankAllocation
     rank_solver: Any = None  # rate -> RankAllocation with the same items/order (quality budget search)

@@ -75,9 +75,11 @@ class MeasureSensitivity:
                             probes.setdefault(f"{idx}.{side}", []).append({"rate": rate, "rank": r, "kl": kl, "predicted_relative_error": predicted})
                             bar.advance()
                         curves[(idx, side)] = points
-        ctx.sensitivity = curves
-        # For reading the report: KL per unit of predicted error at the middle probe, mean-normalised.
+        ctx.sensitivity_curves = curves
+        # One weight per layer side (KL per unit of predicted error at the middle probe, mean-normalised), for
+        # the report and for passes that weigh layer sides (the tada codec's bit search).
         slopes = {key: pts[len(pts) // 2][1] / max(pts[len(pts) // 2][0], 1e-12) for key, pts in curves.items()}
         mean = sum(slopes.values()) / len(slopes)
+        ctx.sensitivity = {key: w / mean for key, w in slopes.items()}
         ctx.report["sensitivity"] = {"probe_rates": list(rates), "probe_tokens": int(tokens.numel()), "probes": probes,
-                                     "weights": {f"{l}.{s}": w / mean for (l, s), w in slopes.items()}}
+                                     "weights": {f"{l}.{s}": w for (l, s), w in ctx.sensitivity.items()}}

@@ -69,7 +69,7 @@ def compile_variants(plan: Plan, variants: dict[str, dict], output_root: Path, o
     compiled = {}
     for name, overrides in variants.items():
         variant_plan = dataclasses.replace(plan, output=Path(output_root) / name, **overrides)
-        ctx = dataclasses.replace(shared, plan=variant_plan, report=copy.deepcopy(shared.report), verification={}, sensitivity=None, codec_tables={})
+        ctx = dataclasses.replace(shared, plan=variant_plan, report=copy.deepcopy(shared.report), verification={}, sensitivity=None, sensitivity_curves=None, codec_tables={})
         t0 = time.perf_counter()
         for step in rewrite_passes():
             if on_pass is not None:
