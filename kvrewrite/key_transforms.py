@@ -6,6 +6,8 @@
 - latent: the cache holds an r-dim latent of the pre-RoPE key (folded into k_proj); attention rebuilds
   k with a per-head up-projection and rotates it. The basis minimises the error of the scores q.k
   under the group's query Gram (query-aware), not plain key PCA.
+- crosshead: per rotary frequency, a complex-linear mix across the layer's KV heads (crosshead_keys.py);
+  commutes with RoPE, folds into q_proj/k_proj, one shared key block per layer.
 """
 
 from __future__ import annotations
@@ -15,20 +17,23 @@ from dataclasses import dataclass
 import torch
 
 from kvrewrite.adapters.base import AttentionGeometry
+from kvrewrite.crosshead_keys import crosshead_maps
 from kvrewrite.linalg import kq_svd, principal_basis, psd_sqrt, whitened_projection
-from kvrewrite.spec import KEY_MODE_FREQ, KEY_MODE_LATENT, KEY_MODE_POST_ROPE
+from kvrewrite.spec import KEY_MODE_CROSSHEAD, KEY_MODE_FREQ, KEY_MODE_LATENT, KEY_MODE_POST_ROPE
 from kvrewrite.statistics import LayerStatistics
 
 
 @dataclass
 class KeyTransform:
     mode: str
-    spectrum: torch.Tensor  # [n_kv, d], descending; truncation error ~ sum of the removed squares
-    freq_order: torch.Tensor | None = None  # freq: [n_kv, d/2] frequency indices, most important first
+    spectrum: torch.Tensor  # [n_kv, d] ([1, n_kv*d] crosshead), descending; truncation error ~ removed squares
+    freq_order: torch.Tensor | None = None  # freq: [n_kv, d/2] ([1, n_kv*d/2] crosshead) frequencies, most important first
     q_map: torch.Tensor | None = None  # post-rope: [n_kv, d, d]
     k_map: torch.Tensor | None = None  # post-rope: [n_kv, d, d]
     down: torch.Tensor | None = None  # latent: [n_kv, d, d] folded into k_proj
     up: torch.Tensor | None = None  # latent: [n_kv, d, d] rebuilds the pre-RoPE key
+    k_fold: torch.Tensor | None = None  # crosshead: [n_kv*d, n_kv*d] new k_proj rows from the old ones
+    q_fold: torch.Tensor | None = None  # crosshead: [n_q, n_kv*d, d] new rows of each query head
 
 
 def frequency_pair_energy(query_gram: torch.Tensor, key_gram: torch.Tensor) -> torch.Tensor:
@@ -90,5 +95,9 @@ def key_transform(mode: str, objective: str, stats: LayerStatistics, geometry: A
             ups.append(pair.up)
             spectra.append(pair.spectrum)
         return KeyTransform(mode, torch.stack(spectra), down=torch.stack(downs), up=torch.stack(ups))
+
+    if mode == KEY_MODE_CROSSHEAD:
+        maps = crosshead_maps(stats, geometry)  # query-aware for both objectives (no paper version exists)
+        return KeyTransform(mode, maps.spectrum[None], freq_order=maps.freq_order[None], k_fold=maps.k_fold, q_fold=maps.q_fold)
 
     raise ValueError(f"unknown key mode {mode!r}")

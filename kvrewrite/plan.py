@@ -10,6 +10,8 @@ from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.spec import ALLOCATIONS, KEY_MODES, OBJECTIVES, validate_rate
 
 ROPE_MODES = ("auto", *KEY_MODES)
+# --prefer for --rope-mode auto: every key mode, or only those whose runtime does not grow with context.
+PREFER = ("quality", "zero-overhead")
 REDUCERS = ("none", "kmeans")
 VALUE_METRICS = ("output", "fisher")
 DEFAULT_RATE_GRID = tuple(round(0.05 * i, 2) for i in range(20))  # 0.00 .. 0.95
@@ -22,7 +24,9 @@ class Plan:
     output: Path | None = None
     objective: str = "optimal"
     allocation: str = "sensitivity"
-    rope_mode: str = "auto"
+    rope_mode: str = "latent"  # auto (per-layer choice) is opt-in until held-out numbers back it as a default
+    prefer: str = "quality"  # auto only: which key modes compete (key_mode_choice.PREFERENCES)
+    key_mode_cost: float = 0.0  # auto only: weight on a mode's runtime cost against its measured KL
     calibration: str = "wiki"
     calib_tokens: int = 32768
     seq_len: int = 512
@@ -67,6 +71,7 @@ class Plan:
             "rope_mode": (self.rope_mode, ROPE_MODES),
             "reduce": (self.reduce, REDUCERS),
             "value_metric": (self.value_metric, VALUE_METRICS),
+            "prefer": (self.prefer, PREFER),
         }
         for name, (value, allowed) in choices.items():
             if value not in allowed:
@@ -85,6 +90,8 @@ class Plan:
             raise InvalidArgumentError(f"--budget-tokens must be at least one window ({self.seq_len} tokens)")
         if not 0.0 <= self.fisher_shrink <= 1.0:
             raise InvalidArgumentError("--fisher-shrink must be in [0, 1]")
+        if not self.key_mode_cost >= 0:
+            raise InvalidArgumentError(f"--key-mode-cost must be >= 0, got {self.key_mode_cost!r}")
         if self.min_rank < 0:
             raise InvalidArgumentError("--min-rank must be >= 0")
         if not 0.0 < self.kmeans_keep_share <= 1.0:
@@ -103,7 +110,7 @@ class Plan:
         return self.max_ppl_increase is not None or self.max_kl is not None
 
     def key_mode(self) -> str:
-        """The key-side mode for every layer. `auto` is a fixed rule for now: latent for optimal, post-rope for zack."""
+        """A description of the key side: the fixed mode, or how auto chooses per layer."""
         if self.rope_mode != "auto":
             return self.rope_mode
-        return "latent" if self.objective == "optimal" else "post-rope"
+        return f"auto (per layer, prefer {self.prefer}, cost weight {self.key_mode_cost:g})"

@@ -39,7 +39,8 @@ class RankAllocation:
         return 1.0 - self.kept / self.total
 
     def as_lists(self, num_layers: int, num_kv_heads: int) -> tuple[list[list[int]], list[list[int]]]:
-        key = [[self.ranks[(l, g, "key")] for g in range(num_kv_heads)] for l in range(num_layers)]
+        # A crosshead layer has one shared key item (head 0): its other KV heads hold no key dims.
+        key = [[self.ranks.get((l, g, "key"), 0) for g in range(num_kv_heads)] for l in range(num_layers)]
         value = [[self.ranks[(l, g, "value")] for g in range(num_kv_heads)] for l in range(num_layers)]
         return key, value
 

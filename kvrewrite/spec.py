@@ -18,7 +18,21 @@ SPEC_FORMAT_VERSION = 1
 KEY_MODE_FREQ = "freq"  # keep whole rotary frequency pairs; folded into q_proj/k_proj, zero runtime cost
 KEY_MODE_POST_ROPE = "post-rope"  # project rotated q/k online by a [d_h, r] basis (ZACK §5.1)
 KEY_MODE_LATENT = "latent"  # cache a pre-RoPE latent; rebuild k and rotate it inside attention
-KEY_MODES = (KEY_MODE_FREQ, KEY_MODE_POST_ROPE, KEY_MODE_LATENT)
+# Mix each rotary frequency's 2-D components across the layer's KV heads with a complex-linear map: it
+# commutes with RoPE, so it folds into q_proj/k_proj (zero extra ops). The layer then caches ONE shared
+# key block; its rank is stored in key_ranks[0] (the other KV heads' entries are 0).
+KEY_MODE_CROSSHEAD = "crosshead"
+KEY_MODES = (KEY_MODE_FREQ, KEY_MODE_POST_ROPE, KEY_MODE_LATENT, KEY_MODE_CROSSHEAD)
+# Modes whose runtime work does not grow with the context (latent rebuilds every cached key each step):
+# freq and crosshead fold entirely into the projections, post-rope adds one small per-token projection.
+ZERO_OVERHEAD_KEY_MODES = (KEY_MODE_FREQ, KEY_MODE_POST_ROPE, KEY_MODE_CROSSHEAD)
+
+
+def full_key_ranks(mode: str, num_kv_heads: int, head_dim: int) -> list[int]:
+    """The key ranks of a layer at full rank: d per KV head, or one shared block of n_kv * d (crosshead)."""
+    if mode == KEY_MODE_CROSSHEAD:
+        return [num_kv_heads * head_dim] + [0] * (num_kv_heads - 1)
+    return [head_dim] * num_kv_heads
 
 OBJECTIVES = ("zack", "optimal")
 ALLOCATIONS = ("eps", "greedy", "sensitivity", "uniform")
@@ -46,6 +60,7 @@ class LayerSpec:
     value_ranks: list[int]
     # freq mode: per KV head, rotary frequency indices in the order their pairs are stored (most
     # important first). The runtime rotates stored pair i with frequency freq_order[g][i].
+    # crosshead mode: one list (the shared key block) of n_kv * d/2 entries, each frequency n_kv times.
     freq_order: list[list[int]] | None = None
 
 
@@ -123,7 +138,9 @@ class CompressionSpec:
             for side, ranks in (("key", layer.key_ranks), ("value", layer.value_ranks)):
                 if len(ranks) != self.num_key_value_heads:
                     problems.append(f"layer {i}: {len(ranks)} {side} ranks for {self.num_key_value_heads} KV heads")
-                if any(not (0 <= r <= self.head_dim) for r in ranks):
+                elif side == "key" and layer.key_mode == KEY_MODE_CROSSHEAD:
+                    problems += _crosshead_problems(i, layer, self.num_key_value_heads, self.head_dim)
+                elif any(not (0 <= r <= self.head_dim) for r in ranks):
                     problems.append(f"layer {i}: {side} ranks {ranks} outside [0, {self.head_dim}]")
             if layer.key_mode == KEY_MODE_FREQ:
                 if any(r % 2 for r in layer.key_ranks):
@@ -154,6 +171,25 @@ class CompressionSpec:
     @classmethod
     def from_json(cls, text: str) -> "CompressionSpec":
         return cls.from_dict(json.loads(text))
+
+
+def per_head_key_ranks(layer: LayerSpec) -> list[int]:
+    """Key dims per KV head for display: a crosshead layer's shared block is split evenly over its heads."""
+    if layer.key_mode != KEY_MODE_CROSSHEAD:
+        return list(layer.key_ranks)
+    n, total = len(layer.key_ranks), layer.key_ranks[0]
+    return [total // n + (1 if g < total % n else 0) for g in range(n)]
+
+
+def _crosshead_problems(i: int, layer: LayerSpec, n_kv: int, d: int) -> list[str]:
+    problems = []
+    shared, rest = layer.key_ranks[0], layer.key_ranks[1:]
+    if any(rest) or not (0 <= shared <= n_kv * d) or shared % 2:
+        problems.append(f"layer {i}: crosshead key ranks must be [R, 0, ...] with even R <= {n_kv * d}, got {layer.key_ranks}")
+    order = layer.freq_order or []
+    if len(order) != 1 or sorted(order[0]) != sorted(j for j in range(d // 2) for _ in range(n_kv)):
+        problems.append(f"layer {i}: crosshead freq_order must be one list holding each of range({d // 2}) {n_kv} times")
+    return problems
 
 
 def rate_key(rate: float) -> str:

@@ -15,6 +15,9 @@ import torch
 # paper's row-stack of the group's Q_h), except "output", kept per query head.
 KV_GROUP_KINDS = ("query_pre", "key_pre", "query_post", "key_post", "value")
 PER_QUERY_HEAD_KINDS = ("output",)
+# One [n_kv*d, n_kv*d] Gram per layer of the pre-RoPE keys of all KV heads side by side (the cross-head
+# covariances the crosshead key mode needs).
+PER_LAYER_KINDS = ("key_pre_layer",)
 
 
 @dataclass
@@ -42,6 +45,7 @@ class GramAccumulator:
             {
                 **{k: torch.zeros(num_kv_heads, head_dim, head_dim, dtype=torch.float64) for k in KV_GROUP_KINDS},
                 **{k: torch.zeros(num_heads, head_dim, head_dim, dtype=torch.float64) for k in PER_QUERY_HEAD_KINDS},
+                **{k: torch.zeros(1, num_kv_heads * head_dim, num_kv_heads * head_dim, dtype=torch.float64) for k in PER_LAYER_KINDS},
             }
             for _ in range(num_layers)
         ]

@@ -17,7 +17,7 @@ from kvrewrite.passes.pipeline import run_pipeline
 from kvrewrite.plan import Plan
 from tiny_models import random_windows, save_tiny_llama, tiny_pipeline
 
-MODES = ["freq", "post-rope", "latent"]
+MODES = ["freq", "post-rope", "latent", "crosshead"]
 OBJECTIVES = ["zack", "optimal"]
 
 
@@ -177,7 +177,7 @@ def test_sensitivity_probe_equals_real_truncation(sources, tmp_path, mode):
     compile_tiny(sources["gqa"], tmp_path / "out", rope_mode=mode)
     probed = kvrewrite.load(tmp_path / "out", rate=0.0)  # full rank
     truncated = kvrewrite.load(tmp_path / "out", rate=0.0)
-    keys, values = [6, 4], [10, 2]
+    keys, values = ([10, 0] if mode == "crosshead" else [6, 4]), [10, 2]  # crosshead: one shared key block
     probed.model.layers[1].self_attn.probe_ranks = (keys, values)
     truncated.model.layers[1].self_attn.set_ranks(keys, values)
     tokens = random_windows(2, 24, seed=8)

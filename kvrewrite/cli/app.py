@@ -13,6 +13,7 @@ from rich.table import Table
 
 from kvrewrite.errors import KVRewriteError
 from kvrewrite.sweep import NAMED_CONFIGS
+from kvrewrite.spec import per_head_key_ranks
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Rewrite a Hugging Face causal LM so its KV cache is smaller.")
 # Off a terminal (logs, CI) rich would wrap tables at 80 columns; give them room instead.
@@ -44,7 +45,9 @@ def compress(
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Output directory (default: <model>-kvrewrite-pNN)."),
     objective: str = typer.Option("optimal", help="zack (paper-faithful SVD) or optimal (whitened, output-aware)."),
     allocation: str = typer.Option("sensitivity", help="eps (ZACK Eq. 6 shared removal rate), greedy (objective error), sensitivity (greedy weighted by measured KL per layer and side) or uniform."),
-    rope_mode: str = typer.Option("auto", "--rope-mode", help="auto, freq, post-rope or latent (key side of RoPE models)."),
+    rope_mode: str = typer.Option("latent", "--rope-mode", help="latent (default), auto (chosen per layer by measured KL), freq, post-rope, latent or crosshead (key side of RoPE models)."),
+    prefer: str = typer.Option("quality", "--prefer", help="auto only: quality (every key mode) or zero-overhead (freq/post-rope/crosshead: no work that grows with context)."),
+    key_mode_cost: float = typer.Option(0.0, "--key-mode-cost", help="auto only: a mode of runtime cost c (latent 1, post-rope 0.1, freq/crosshead 0) must have (1 + W c) times less measured KL to be chosen."),
     calibration: str = typer.Option("wiki", help="wiki, synthetic, or a path to a text file / directory of .txt files."),
     calib_tokens: int = typer.Option(32768, "--calib-tokens", help="Calibration tokens (ZACK needs at least 16K)."),
     seq_len: int = typer.Option(512, "--seq-len", help="Calibration window length."),
@@ -71,7 +74,7 @@ def compress(
 
     try:
         plan = Plan(model=model, target_rate=target_rate, output=output, objective=objective, allocation=allocation,
-                    rope_mode=rope_mode, calibration=calibration, calib_tokens=calib_tokens, seq_len=seq_len,
+                    rope_mode=rope_mode, prefer=prefer, key_mode_cost=key_mode_cost, calibration=calibration, calib_tokens=calib_tokens, seq_len=seq_len,
                     batch_size=batch_size, reduce=reduce, min_rank=min_rank, rank_multiple=rank_multiple,
                     revision=revision, seed=seed, overwrite=overwrite, max_ppl_increase=_fraction(max_ppl_increase),
                     max_kl=max_kl, budget_tokens=budget_tokens, value_metric=value_metric,
@@ -161,7 +164,7 @@ def inspect(
     console.print(summary_table(spec, report))
     console.print(ranks_table(spec))
     target = plot or directory / "rank_heatmap.png"
-    plot_rank_heatmap([l.key_ranks for l in spec.layers], [l.value_ranks for l in spec.layers], spec.head_dim, target,
+    plot_rank_heatmap([per_head_key_ranks(l) for l in spec.layers], [l.value_ranks for l in spec.layers], spec.head_dim, target,
                       title=f"{spec.source_model}: p = {spec.target_rate:.2f} ({spec.objective}/{spec.allocation})")
     console.print(f"heat map: {target}")
 

@@ -5,6 +5,9 @@ Layout (one decoder layer):
   layer packed into one pseudo-head, KV head g at a fixed column offset;
 - queries are packed as [B, T, sum_h rk_{g(h)}], query heads in order, each with its group's key rank;
 - the output is packed as [B, T, sum_h rv_{g(h)}], which is exactly o_proj's (folded) input layout.
+
+Crosshead-key layers (shared_key_attention) cache ONE key block [B, 1, S, R] scored by every query
+head (queries [B, T, n_q * R]); key_ranks is then (R, 0, ..., 0) and values keep the per-KV-head layout.
 """
 
 from __future__ import annotations
@@ -85,5 +88,28 @@ def packed_attention(
     for g, (rk, rv) in enumerate(zip(layout.key_ranks, layout.value_ranks)):
         q = query[..., qo[g] : qo[g + 1]].view(batch, q_len, layout.group_size, rk).transpose(1, 2)
         out = grouped_attention(q, key[..., ko[g] : ko[g + 1]], value[..., vo[g] : vo[g + 1]], allowed, scaling)
+        outputs.append(out.transpose(1, 2).reshape(batch, q_len, layout.group_size * rv))
+    return torch.cat(outputs, dim=-1)
+
+
+def shared_key_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    layout: PackedLayout,
+) -> torch.Tensor:
+    """query [B, T, n_q * R], key [B, 1, S, R] shared by all query heads, value [B, 1, S, Vsum] -> [B, T, Osum]."""
+    batch, q_len, _ = query.shape
+    kv_len, rank = key.shape[-2], key.shape[-1]
+    allowed = boolean_mask(attention_mask, q_len, kv_len, query.device)
+    n_q = layout.group_size * len(layout.value_ranks)
+    queries = query.view(batch, q_len, n_q, rank).transpose(1, 2)
+    vo = layout.value_offsets
+    outputs = []
+    for g, rv in enumerate(layout.value_ranks):
+        q = queries[:, g * layout.group_size : (g + 1) * layout.group_size]
+        out = grouped_attention(q, key, value[..., vo[g] : vo[g + 1]], allowed, scaling)
         outputs.append(out.transpose(1, 2).reshape(batch, q_len, layout.group_size * rv))
     return torch.cat(outputs, dim=-1)

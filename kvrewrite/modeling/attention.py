@@ -13,8 +13,8 @@ from torch import nn
 
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from kvrewrite.kernels.reference import PackedLayout, boolean_mask, grouped_attention, packed_attention
-from kvrewrite.spec import KEY_MODE_FREQ, KEY_MODE_LATENT, KEY_MODE_POST_ROPE, LayerSpec
+from kvrewrite.kernels.reference import PackedLayout, boolean_mask, grouped_attention, packed_attention, shared_key_attention
+from kvrewrite.spec import KEY_MODE_CROSSHEAD, KEY_MODE_FREQ, KEY_MODE_LATENT, KEY_MODE_POST_ROPE, LayerSpec, full_key_ranks
 
 PACKED_ATTENTION = "kvrewrite_packed"
 
@@ -51,7 +51,9 @@ class CompressedAttention(nn.Module):
         self._apply_rope = apply_rope
 
         hidden, d = config.hidden_size, self.head_dim
-        self.q_proj = nn.Linear(hidden, self.num_heads * d, bias=False)
+        # crosshead: each query head scores against the layer's whole shared key block (n_kv*d at full rank).
+        q_width = self.num_kv_heads * d if self.key_mode == KEY_MODE_CROSSHEAD else d
+        self.q_proj = nn.Linear(hidden, self.num_heads * q_width, bias=False)
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=False)
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=False)
         self.o_proj = nn.Linear(self.num_heads * d, hidden, bias=False)
@@ -63,7 +65,7 @@ class CompressedAttention(nn.Module):
         # Plain data, not buffers: transformers builds models on the meta device and materialises only
         # what the checkpoint holds, so index tensors are built lazily on first use.
         self.freq_order = layer_spec.freq_order
-        self.key_ranks = [d] * self.num_kv_heads
+        self.key_ranks = full_key_ranks(self.key_mode, self.num_kv_heads, d)
         self.value_ranks = [d] * self.num_kv_heads
         self.layout = PackedLayout(tuple(self.key_ranks), tuple(self.value_ranks), self.group_size)
         self._indices: dict[str, torch.Tensor] | None = None
@@ -79,11 +81,14 @@ class CompressedAttention(nn.Module):
             raise ValueError(f"layer {self.layer_idx}: ranks can only shrink ({self.key_ranks} -> {key_ranks})")
         g = self.group_size
         with torch.no_grad():
-            if self.key_mode in (KEY_MODE_FREQ, KEY_MODE_LATENT):
+            if self.key_mode in (KEY_MODE_FREQ, KEY_MODE_LATENT, KEY_MODE_CROSSHEAD):
                 self.k_proj.weight = nn.Parameter(_block_prefix_rows(self.k_proj.weight, self.key_ranks, key_ranks))
             if self.key_mode == KEY_MODE_FREQ:
                 old_q = [r for r in self.key_ranks for _ in range(g)]
                 new_q = [r for r in key_ranks for _ in range(g)]
+                self.q_proj.weight = nn.Parameter(_block_prefix_rows(self.q_proj.weight, old_q, new_q))
+            if self.key_mode == KEY_MODE_CROSSHEAD:
+                old_q, new_q = [self.key_ranks[0]] * self.num_heads, [key_ranks[0]] * self.num_heads
                 self.q_proj.weight = nn.Parameter(_block_prefix_rows(self.q_proj.weight, old_q, new_q))
             self.v_proj.weight = nn.Parameter(_block_prefix_rows(self.v_proj.weight, self.value_ranks, value_ranks))
             old_o = [r for r in self.value_ranks for _ in range(g)]
@@ -110,6 +115,10 @@ class CompressedAttention(nn.Module):
             key_freqs = [self.freq_order[h][: r // 2] for h, r in enumerate(self.key_ranks)]
             indices["key_pair_freq"] = torch.tensor([f for fs in key_freqs for f in fs], dtype=torch.long)
             indices["query_pair_freq"] = torch.tensor([f for fs in key_freqs for _ in range(g) for f in fs], dtype=torch.long)
+        if self.key_mode == KEY_MODE_CROSSHEAD:
+            shared = self.freq_order[0][: self.key_ranks[0] // 2]
+            indices["key_pair_freq"] = torch.tensor(shared, dtype=torch.long)
+            indices["query_pair_freq"] = torch.tensor(shared * self.num_heads, dtype=torch.long)
         if self.key_mode == KEY_MODE_POST_ROPE:
             # Column indices that keep the first r of each head's d projected dims.
             q_ranks = [r for r in self.key_ranks for _ in range(g)]
@@ -132,7 +141,7 @@ class CompressedAttention(nn.Module):
         key = self.k_proj(hidden_states)
         value = self.v_proj(hidden_states)
 
-        if self.key_mode == KEY_MODE_FREQ:
+        if self.key_mode in (KEY_MODE_FREQ, KEY_MODE_CROSSHEAD):
             q_freq, k_freq = self._index("query_pair_freq", query.device), self._index("key_pair_freq", query.device)
             query = _rotate_interleaved_pairs(query, cos[..., q_freq], sin[..., q_freq])
             key = _rotate_interleaved_pairs(key, cos[..., k_freq], sin[..., k_freq])
@@ -156,6 +165,8 @@ class CompressedAttention(nn.Module):
 
         if self.key_mode == KEY_MODE_LATENT:
             output = self._latent_attention(query, key, value, attention_mask, past_len)
+        elif self.key_mode == KEY_MODE_CROSSHEAD:
+            output = shared_key_attention(query, key, value, attention_mask, self.scaling, self.layout)
         else:
             attend = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
             output, _ = attend(self, query, key, value, attention_mask, scaling=self.scaling, dropout=0.0, **kwargs)
@@ -164,9 +175,9 @@ class CompressedAttention(nn.Module):
     def _apply_probe(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Zero every head's latent dims beyond the probe ranks (the model must be at full rank)."""
         key_keep, value_keep = self.probe_ranks
-        d = self.head_dim
-        key_mask = torch.cat([(torch.arange(d) < r).to(key.dtype) for r in key_keep]).to(key.device)
-        value_mask = torch.cat([(torch.arange(d) < r).to(value.dtype) for r in value_keep]).to(value.device)
+        # Block widths are the current (full) ranks: d per head, or [n_kv*d, 0, ...] for crosshead keys.
+        key_mask = torch.cat([(torch.arange(w) < r).to(key.dtype) for w, r in zip(self.key_ranks, key_keep)]).to(key.device)
+        value_mask = torch.cat([(torch.arange(w) < r).to(value.dtype) for w, r in zip(self.value_ranks, value_keep)]).to(value.device)
         return key * key_mask, value * value_mask
 
     def _latent_attention(self, query, key_latent, value, attention_mask, past_len: int) -> torch.Tensor:

@@ -6,16 +6,18 @@ from kvrewrite.curve_allocation import curve_removal_order
 from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.passes.context import CompileContext
 from kvrewrite.rank_allocation import RankItem, allocate, allocate_greedy
-from kvrewrite.spec import KEY_MODE_FREQ, rate_key
+from kvrewrite.spec import KEY_MODE_CROSSHEAD, KEY_MODE_FREQ, rate_key
 
 
 def rank_items(transforms) -> list[RankItem]:
     items = []
     for layer, t in enumerate(transforms):
-        key_step = 2 if t.key.mode == KEY_MODE_FREQ else 1
+        key_step = 2 if t.key.mode in (KEY_MODE_FREQ, KEY_MODE_CROSSHEAD) else 1
+        # One key item per stored key block: per KV head, or one shared block (crosshead, head 0).
+        for g in range(t.key.spectrum.shape[0]):
+            items.append(RankItem(layer, g, "key", t.key.spectrum[g].numpy(), step=key_step, weight=weight(layer, "key")))
         for g in range(t.value.spectrum.shape[0]):
-            items.append(RankItem(layer, g, "key", t.key.spectrum[g].numpy(), step=key_step))
-            items.append(RankItem(layer, g, "value", t.value.spectrum[g].numpy()))
+            items.append(RankItem(layer, g, "value", t.value.spectrum[g].numpy(), weight=weight(layer, "value")))
     return items
 
 

@@ -79,6 +79,7 @@ def collect_statistics(
                 sink.add(layer_idx, "key_pre", g, k[:, g])
                 sink.add(layer_idx, "key_post", g, k_post[:, g])
                 sink.add(layer_idx, "value", g, v[:, g])
+            sink.add(layer_idx, "key_pre_layer", 0, acts["k"])
             for h in range(n_q):
                 sink.add(layer_idx, "output", h, o[:, h])
             sink.count(layer_idx, batch * length)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvrewrite.key_mode_choice import PREFERENCES, choose_key_modes
 from kvrewrite.key_transforms import KeyTransform, key_transform
 from kvrewrite.passes.context import CompileContext
 from kvrewrite.value_transforms import ValueTransform, value_transform
@@ -21,16 +22,22 @@ class ComputeTransforms:
 
     def run(self, ctx: CompileContext) -> None:
         plan, geo = ctx.plan, ctx.geometry
-        mode = plan.key_mode()
         layers = ctx.adapter.decoder_layers(ctx.model)
-        ctx.transforms = []
         metrics = ctx.output_metric or [None] * len(layers)
-        for layer, stats, metric in zip(layers, ctx.statistics.layers, metrics):
-            o_proj = ctx.adapter.attention(layer).o_proj.weight.detach()
-            ctx.transforms.append(
-                LayerTransforms(
-                    key=key_transform(mode, plan.objective, stats, geo),
-                    value=value_transform(plan.objective, stats, o_proj, geo, output_metric=metric),
-                )
-            )
-        ctx.report["transforms"] = {"objective": plan.objective, "key_mode": mode, "value_metric": plan.value_metric}
+        values = [
+            value_transform(plan.objective, stats, ctx.adapter.attention(layer).o_proj.weight.detach(), geo, output_metric=metric)
+            for layer, stats, metric in zip(layers, ctx.statistics.layers, metrics)
+        ]
+        modes = [plan.rope_mode] if plan.rope_mode != "auto" else list(PREFERENCES[plan.prefer])
+        candidates = {
+            m: [LayerTransforms(key_transform(m, plan.objective, stats, geo), v) for stats, v in zip(ctx.statistics.layers, values)]
+            for m in modes
+        }
+        ctx.transforms = candidates[modes[0]]
+        ctx.report["transforms"] = {"objective": plan.objective, "key_mode": plan.rope_mode, "value_metric": plan.value_metric}
+        if len(modes) > 1:
+            chosen, report = choose_key_modes(ctx, candidates, plan.key_mode_cost)
+            ctx.transforms = [candidates[m][i] for i, m in enumerate(chosen)]
+            ctx.report["transforms"]["prefer"] = plan.prefer
+            ctx.report["transforms"]["key_modes"] = chosen
+            ctx.report["key_mode_choice"] = report

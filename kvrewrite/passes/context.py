@@ -34,6 +34,9 @@ class CompileContext:
     output_metric: list | None = None
     # compute_transforms
     transforms: list | None = None  # list[LayerTransforms]
+    # compute_transforms (--rope-mode auto): (objective, mode) -> per-layer probe KL. They depend only on
+    # the statistics, so compile_variants' variants share this dict (dataclasses.replace keeps the object).
+    key_mode_probes: dict = field(default_factory=dict)
     # measure_sensitivity: (layer, "key"|"value") -> weight on that side's relative error
     sensitivity: dict | None = None
     # measure_sensitivity: (layer, "key"|"value") -> measured (predicted relative error, KL) points

@@ -10,7 +10,7 @@ from kvrewrite.checkpoint_io import atomic_output_dir, write_checksums, write_sa
 from kvrewrite.codecs.checkpoint import write_codec_tables
 from kvrewrite.compressed_model import compressed_config
 from kvrewrite.passes.context import CompileContext
-from kvrewrite.spec import CompressionSpec
+from kvrewrite.spec import KEY_MODE_CROSSHEAD, CompressionSpec
 
 HUB_MODELING_STUB = '''"""This checkpoint was rewritten by kvrewrite: its attention stores a compressed KV cache.
 
@@ -44,9 +44,11 @@ def kernel_metadata(spec: CompressionSpec, transforms) -> dict:
         layers.append(
             {
                 "key_mode": layer_spec.key_mode,
+                # "shared": one key block scored by every query head (crosshead), rank key_ranks[0].
+                "key_layout": "shared" if layer_spec.key_mode == KEY_MODE_CROSSHEAD else "per_kv_head",
                 "key_ranks": layer_spec.key_ranks,
                 "value_ranks": layer_spec.value_ranks,
-                "key_buckets": rank_buckets(layer_spec.key_ranks),
+                "key_buckets": rank_buckets(layer_spec.key_ranks[:1] if layer_spec.key_mode == KEY_MODE_CROSSHEAD else layer_spec.key_ranks),
                 "value_buckets": rank_buckets(layer_spec.value_ranks),
                 "key_spectra": t.key.spectrum.tolist(),
                 "value_spectra": t.value.spectrum.tolist(),
@@ -54,7 +56,9 @@ def kernel_metadata(spec: CompressionSpec, transforms) -> dict:
         )
     return {
         "format_version": spec.format_version,
-        "cache_layout": "per layer: keys [B, 1, S, sum(key_ranks)], values [B, 1, S, sum(value_ranks)], KV heads packed in order",
+        "cache_layout": ("per layer: keys [B, 1, S, sum(key_ranks)], values [B, 1, S, sum(value_ranks)], KV heads packed in order; "
+                         "key_layout 'shared' (crosshead): key_ranks = [R, 0, ...], one key block that every query head "
+                         "scores against with an R-dim query"),
         "bucket_multiple": BUCKET_MULTIPLE,
         "kept_elements_per_token": spec.kept_elements_per_token,
         "baseline_elements_per_token": spec.baseline_elements_per_token,

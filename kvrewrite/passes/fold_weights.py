@@ -9,7 +9,7 @@ import torch
 
 from kvrewrite.key_transforms import interleaved_pair_rows
 from kvrewrite.passes.context import CompileContext
-from kvrewrite.spec import KEY_MODE_FREQ, KEY_MODE_LATENT, KEY_MODE_POST_ROPE, CompressionSpec, LayerSpec
+from kvrewrite.spec import KEY_MODE_CROSSHEAD, KEY_MODE_FREQ, KEY_MODE_LATENT, KEY_MODE_POST_ROPE, CompressionSpec, LayerSpec
 
 
 def fold_layer(attn, transforms, geometry) -> dict[str, torch.Tensor]:
@@ -38,6 +38,10 @@ def fold_layer(attn, transforms, geometry) -> dict[str, torch.Tensor]:
                 new_q[h * d : (h + 1) * d] = w_q[h * d : (h + 1) * d][rows]
         elif key.mode == KEY_MODE_LATENT:
             new_k[kv_rows] = key.down[g].T @ w_k[kv_rows]
+    if key.mode == KEY_MODE_CROSSHEAD:
+        # Every query head now scores against the whole shared key block: n_kv*d rows per head at full rank.
+        new_k = key.k_fold @ w_k
+        new_q = torch.cat([key.q_fold[h] @ w_q[h * d : (h + 1) * d] for h in range(geometry.num_attention_heads)])
     out["q_proj.weight"] = new_q
     out["k_proj.weight"] = new_k
     out["v_proj.weight"] = new_v
@@ -63,10 +67,11 @@ def folded_state_dict(model, adapter, transforms, geometry) -> dict[str, torch.T
     return state
 
 
-def build_spec(ctx: CompileContext, key_ranks: list[list[int]], value_ranks: list[list[int]]) -> CompressionSpec:
+def build_spec(ctx: CompileContext, key_ranks: list[list[int]], value_ranks: list[list[int]], transforms: list | None = None) -> CompressionSpec:
+    """The spec of ctx.transforms (or of `transforms`, e.g. a candidate key mode) at the given ranks."""
     plan, geo = ctx.plan, ctx.geometry
     layer_specs = []
-    for idx, transforms in enumerate(ctx.transforms):
+    for idx, transforms in enumerate(transforms if transforms is not None else ctx.transforms):
         freq_order = transforms.key.freq_order.tolist() if transforms.key.freq_order is not None else None
         layer_specs.append(LayerSpec(transforms.key.mode, key_ranks[idx], value_ranks[idx], freq_order))
     spec = CompressionSpec(

@@ -17,7 +17,7 @@ from kvrewrite.compressed_model import build_compressed_model
 from kvrewrite.passes.context import CompileContext
 from kvrewrite.passes.fold_weights import build_spec, folded_state_dict
 from kvrewrite.progress import progress_bar
-from kvrewrite.spec import KEY_MODE_FREQ
+from kvrewrite.spec import KEY_MODE_CROSSHEAD, KEY_MODE_FREQ, full_key_ranks
 
 PROBE_TOKENS = 256
 # Fixed probe rates, not the target: the curves (and so the whole rate table) are then a function of
@@ -42,8 +42,9 @@ class MeasureSensitivity:
         if ctx.plan.allocation != "sensitivity":
             return
         geo, d = ctx.geometry, ctx.geometry.head_dim
-        full = [[d] * geo.num_key_value_heads for _ in range(geo.num_layers)]
-        spec = build_spec(ctx, full, full)
+        full_values = [[d] * geo.num_key_value_heads for _ in range(geo.num_layers)]
+        full_keys = [full_key_ranks(t.key.mode, geo.num_key_value_heads, d) for t in ctx.transforms]
+        spec = build_spec(ctx, full_keys, full_values)
         # Rank-independent, so FoldWeights reuses it instead of folding again.
         ctx.folded_state_dict = folded_state_dict(ctx.model, ctx.adapter, ctx.transforms, geo)
         model = build_compressed_model(ctx.model.config, spec, ctx.folded_state_dict)
@@ -61,16 +62,19 @@ class MeasureSensitivity:
             with progress_bar("measuring sensitivity", 2 * len(layers) * len(rates), ctx.plan.progress) as bar:
                 for idx, (layer, transforms) in enumerate(zip(layers, ctx.transforms)):
                     attn = layer.self_attn
-                    key_step = 2 if transforms.key.mode == KEY_MODE_FREQ else 1
+                    key_step = 2 if transforms.key.mode in (KEY_MODE_FREQ, KEY_MODE_CROSSHEAD) else 1
                     for side, spectra, step in (("key", transforms.key.spectrum, key_step), ("value", transforms.value.spectrum, 1)):
                         points = []
                         for rate in rates:
                             r = probe_rank(d, rate, step)
                             keep = [r] * geo.num_key_value_heads
-                            attn.probe_ranks = (keep, [d] * len(keep)) if side == "key" else ([d] * len(keep), keep)
+                            if side == "key" and transforms.key.mode == KEY_MODE_CROSSHEAD:
+                                keep = [r * geo.num_key_value_heads] + [0] * (geo.num_key_value_heads - 1)
+                            full_k, full_v = full_keys[idx], full_values[idx]
+                            attn.probe_ranks = (keep, full_v) if side == "key" else (full_k, keep)
                             kl = kl_now()
                             attn.probe_ranks = None
-                            predicted = relative_error(spectra, r)
+                            predicted = relative_error(spectra, sum(keep) // spectra.shape[0])
                             points.append((predicted, kl))
                             probes.setdefault(f"{idx}.{side}", []).append({"rate": rate, "rank": r, "kl": kl, "predicted_relative_error": predicted})
                             bar.advance()

@@ -20,7 +20,7 @@ from kvrewrite.compressed_model import build_compressed_model
 from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.passes.context import CompileContext
 from kvrewrite.passes.fold_weights import build_spec
-from kvrewrite.spec import rate_key
+from kvrewrite.spec import full_key_ranks, rate_key
 
 RATE_STEP = 0.01
 MAX_RATE = 0.95
@@ -59,8 +59,9 @@ class QualityBudget:
         if ctx.budget_tokens is None or len(ctx.budget_tokens) == 0:
             raise InvalidArgumentError("a quality budget needs held-back calibration windows; set it on the plan that builds the calibration")
         geo, d = ctx.geometry, ctx.geometry.head_dim
-        full = [[d] * geo.num_key_value_heads for _ in range(geo.num_layers)]
-        model = build_compressed_model(ctx.model.config, build_spec(ctx, full, full), ctx.folded_state_dict)
+        full_values = [[d] * geo.num_key_value_heads for _ in range(geo.num_layers)]
+        full_keys = [full_key_ranks(t.key.mode, geo.num_key_value_heads, d) for t in ctx.transforms]
+        model = build_compressed_model(ctx.model.config, build_spec(ctx, full_keys, full_values), ctx.folded_state_dict)
         batches = list(ctx.budget_tokens.split(EVAL_BATCH))
         with torch.inference_mode():
             reference = [F.log_softmax(ctx.model(input_ids=b, use_cache=False).logits.float(), dim=-1)[:, :-1] for b in batches]

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from kvrewrite.compressed_model import build_compressed_model
 from kvrewrite.errors import VerificationError
 from kvrewrite.passes.context import CompileContext
+from kvrewrite.spec import full_key_ranks
 
 VERIFY_WINDOWS = 2
 VERIFY_TOKENS = 256
@@ -58,7 +59,7 @@ class Verify:
 
         d = ctx.geometry.head_dim
         full = ctx.spec.with_ranks(
-            [[d] * len(layer.key_ranks) for layer in ctx.spec.layers],
+            [full_key_ranks(layer.key_mode, len(layer.key_ranks), d) for layer in ctx.spec.layers],
             [[d] * len(layer.value_ranks) for layer in ctx.spec.layers],
             0.0,
         )
