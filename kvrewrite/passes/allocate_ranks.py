@@ -9,8 +9,9 @@ from kvrewrite.rank_allocation import RankItem, allocate, allocate_greedy
 from kvrewrite.spec import KEY_MODE_CROSSHEAD, KEY_MODE_FREQ, rate_key
 
 
-def rank_items(transforms) -> list[RankItem]:
+def rank_items(transforms, sensitivity: dict | None = None) -> list[RankItem]:
     items = []
+    weight = (lambda layer, side: sensitivity[(layer, side)]) if sensitivity else (lambda layer, side: 1.0)
     for layer, t in enumerate(transforms):
         key_step = 2 if t.key.mode in (KEY_MODE_FREQ, KEY_MODE_CROSSHEAD) else 1
         # One key item per stored key block: per KV head, or one shared block (crosshead, head 0).
