@@ -13,6 +13,7 @@ ROPE_MODES = ("auto", *KEY_MODES)
 # --prefer for --rope-mode auto: every key mode, or only those whose runtime does not grow with context.
 PREFER = ("quality", "zero-overhead")
 REDUCERS = ("none", "kmeans")
+VALUE_METRICS = ("output", "fisher")
 DEFAULT_RATE_GRID = tuple(round(0.05 * i, 2) for i in range(20))  # 0.00 .. 0.95
 
 
@@ -36,6 +37,20 @@ class Plan:
     rank_multiple: int = 1
     min_rank: int = 0
     rate_grid: tuple[float, ...] = DEFAULT_RATE_GRID
+    # Sensitivity allocation: uniform truncation rates each (layer, side) is probed at, and how many
+    # 256-token calibration windows the probe KL is measured on.
+    # Value objective's output metric: "output" (every hidden direction alike) or "fisher" (weighted by the
+    # loss gradient's second moment at the attention output; passes/collect_fisher.py).
+    value_metric: str = "output"
+    fisher_tokens: int = 8192
+    fisher_shrink: float = 0.5
+    probe_rates: tuple[float, ...] = (0.5,)
+    probe_windows: int = 2
+    # Quality budget (passes/quality_budget.py): instead of target_rate, the largest rate whose perplexity
+    # increase (a fraction: 0.05 = 5%) and/or mean KL on held-back calibration text stays within budget.
+    max_ppl_increase: float | None = None
+    max_kl: float | None = None
+    budget_tokens: int = 4096
     verify_tolerance: float = 1e-4
     revision: str | None = None
     seed: int = 0
@@ -55,14 +70,26 @@ class Plan:
             "allocation": (self.allocation, ALLOCATIONS),
             "rope_mode": (self.rope_mode, ROPE_MODES),
             "reduce": (self.reduce, REDUCERS),
+            "value_metric": (self.value_metric, VALUE_METRICS),
             "prefer": (self.prefer, PREFER),
         }
         for name, (value, allowed) in choices.items():
             if value not in allowed:
                 raise InvalidArgumentError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}; got {value!r}")
-        for name in ("calib_tokens", "seq_len", "batch_size", "rank_multiple", "kmeans_clusters"):
+        self.probe_rates = tuple(sorted({round(validate_rate(r, "probe rate"), 4) for r in self.probe_rates}))
+        if not self.probe_rates or 0.0 in self.probe_rates:
+            raise InvalidArgumentError("probe rates must be one or more rates in (0, 1)")
+        for name in ("calib_tokens", "seq_len", "batch_size", "rank_multiple", "kmeans_clusters", "probe_windows", "fisher_tokens"):
             if int(getattr(self, name)) < 1:
                 raise InvalidArgumentError(f"--{name.replace('_', '-')} must be a positive integer")
+        for name in ("max_ppl_increase", "max_kl"):
+            value = getattr(self, name)
+            if value is not None and not (float(value) > 0.0 and float(value) == float(value)):
+                raise InvalidArgumentError(f"--{name.replace('_', '-')} must be a positive number, got {value!r}")
+        if self.has_quality_budget() and int(self.budget_tokens) < self.seq_len:
+            raise InvalidArgumentError(f"--budget-tokens must be at least one window ({self.seq_len} tokens)")
+        if not 0.0 <= self.fisher_shrink <= 1.0:
+            raise InvalidArgumentError("--fisher-shrink must be in [0, 1]")
         if not self.key_mode_cost >= 0:
             raise InvalidArgumentError(f"--key-mode-cost must be >= 0, got {self.key_mode_cost!r}")
         if self.min_rank < 0:
@@ -78,6 +105,9 @@ class Plan:
             if not 0 < float(self.kv_bits_budget) <= 16:
                 raise InvalidArgumentError("--kv-bits-budget must be in (0, 16] bits per cached element")
             self.kv_bits_budget = float(self.kv_bits_budget)
+
+    def has_quality_budget(self) -> bool:
+        return self.max_ppl_increase is not None or self.max_kl is not None
 
     def key_mode(self) -> str:
         """A description of the key side: the fixed mode, or how auto chooses per layer."""

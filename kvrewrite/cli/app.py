@@ -1,4 +1,4 @@
-"""`kvrewrite` command line: compress, eval, inspect, card, push, demo."""
+"""`kvrewrite` command line: compress, eval, inspect, card, push, sweep, demo."""
 
 from __future__ import annotations
 
@@ -12,11 +12,23 @@ from rich.console import Console
 from rich.table import Table
 
 from kvrewrite.errors import InvalidArgumentError, KVRewriteError
+from kvrewrite.sweep import NAMED_CONFIGS
 from kvrewrite.spec import per_head_key_ranks
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Rewrite a Hugging Face causal LM so its KV cache is smaller.")
 # Off a terminal (logs, CI) rich would wrap tables at 80 columns; give them room instead.
 console = Console() if sys.stdout.isatty() else Console(width=140)
+
+
+def _fraction(text: str | None) -> float | None:
+    """'5%' -> 0.05; '0.05' -> 0.05."""
+    if text is None:
+        return None
+    text = text.strip()
+    try:
+        return float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        raise InvalidArgumentError(f"--max-ppl-increase must be a percentage (5%) or a fraction (0.05), got {text!r}") from None
 
 
 def _fail(exc: Exception) -> None:
@@ -41,6 +53,11 @@ def compress(
     reduce: str = typer.Option("none", help="none or kmeans (ZDC §5.1 pruning + k-means reducer)."),
     min_rank: int = typer.Option(0, "--min-rank", help="Floor on every head's rank."),
     rank_multiple: int = typer.Option(1, "--rank-multiple", help="Round ranks to multiples of this (8 or 16 for kernels)."),
+    max_ppl_increase: Optional[str] = typer.Option(None, "--max-ppl-increase", help="Quality budget instead of a rate: the largest rate whose perplexity rises at most this much on held-back calibration text (e.g. 5% or 0.05)."),
+    max_kl: Optional[float] = typer.Option(None, "--max-kl", help="Quality budget: the largest rate whose mean next-token KL (nats) on held-back calibration text stays within this."),
+    budget_tokens: int = typer.Option(4096, "--budget-tokens", help="Calibration tokens held back from the statistics for the quality budget search."),
+    value_metric: str = typer.Option("output", "--value-metric", help="output (attention-output error) or fisher (weighted by the loss gradient at the attention output)."),
+    probe_rates: str = typer.Option("0.5", "--probe-rates", help="Sensitivity allocation: comma-separated truncation rates each layer side is probed at (one point, or a KL curve)."),
     revision: Optional[str] = typer.Option(None, help="Hub revision of the source model."),
     seed: int = typer.Option(0, help="Seed for calibration sampling."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
@@ -59,7 +76,10 @@ def compress(
         plan = Plan(model=model, target_rate=target_rate, output=output, objective=objective, allocation=allocation,
                     rope_mode=rope_mode, prefer=prefer, key_mode_cost=key_mode_cost, calibration=calibration, calib_tokens=calib_tokens, seq_len=seq_len,
                     batch_size=batch_size, reduce=reduce, min_rank=min_rank, rank_multiple=rank_multiple,
-                    revision=revision, seed=seed, overwrite=overwrite, kv_codec=kv_codec, kv_bits_budget=kv_bits_budget)
+                    revision=revision, seed=seed, overwrite=overwrite, max_ppl_increase=_fraction(max_ppl_increase),
+                    max_kl=max_kl, budget_tokens=budget_tokens, value_metric=value_metric,
+                    probe_rates=tuple(float(r) for r in probe_rates.split(",") if r.strip()),
+                    kv_codec=kv_codec, kv_bits_budget=kv_bits_budget)
         passes = default_pipeline()
         if dry_run:
             table = Table(title=f"kvrewrite compress {model} --target-rate {plan.target_rate} (dry run)")
@@ -71,12 +91,19 @@ def compress(
             console.print(table)
             console.print(f"key mode: {plan.key_mode()}, objective: {plan.objective}, allocation: {plan.allocation}, "
                           f"calibration: {plan.calibration} ({plan.calib_tokens} tokens)")
+            if plan.has_quality_budget():
+                console.print(f"quality budget: ppl increase <= {plan.max_ppl_increase}, KL <= {plan.max_kl} "
+                              f"on {plan.budget_tokens} held-back calibration tokens (replaces --target-rate)")
             return
         counter = iter(range(1, len(passes) + 1))
         ctx = run_pipeline(plan, passes, on_pass=lambda p: console.print(f"[cyan][{next(counter)}/{len(passes)}][/] {p.name}: {p.description}"))
-    except KVRewriteError as exc:
+    except (KVRewriteError, ValueError) as exc:
         _fail(exc)
     report = {**ctx.report, "verification": ctx.verification}
+    if "quality_budget" in report:
+        chosen = report["quality_budget"]["chosen"]
+        console.print(f"quality budget: rate {chosen['rate']:.2f} is the largest within budget on held-back calibration text "
+                      f"(ppl {chosen['ppl_increase']:+.1%}, KL {chosen['kl_mean']:.4f})")
     console.print(summary_table(ctx.spec, report))
     console.print(ranks_table(ctx.spec))
     console.print(f"[bold green]wrote[/] {ctx.output_dir}")
@@ -233,6 +260,37 @@ def demo(
         run_demo(output, [float(r) for r in rates.split(",")], calib_tokens, eval_tokens, console)
     except (KVRewriteError, ValueError) as exc:
         _fail(exc)
+
+
+@app.command()
+def sweep(
+    model: str = typer.Argument(..., help="Hub id, local directory, or 'smollm2-135m' (bundled)."),
+    rates: str = typer.Option("0.3,0.5,0.7", help="Comma-separated rates to evaluate (sliced from one checkpoint per config)."),
+    configs: str = typer.Option("zack-faithful,latent-uniform,latent-sensitivity", help="Comma-separated named configs: " + ", ".join(NAMED_CONFIGS) + "."),
+    config: Optional[list[str]] = typer.Option(None, "--config", help="A custom config, repeatable: NAME:field=value,field=value (Plan fields; base=NAMED to start from a named one; tuples as a/b/c)."),
+    output: Path = typer.Option(Path("kvrewrite-sweep"), "--output", "-o", help="Directory for checkpoints/, sweep_results.json/.csv and sweep_pareto.png."),
+    calibration: str = typer.Option("wiki", help="Calibration source for every config."),
+    calib_tokens: int = typer.Option(32768, "--calib-tokens", help="Calibration tokens (statistics are collected once)."),
+    eval_tokens: int = typer.Option(8192, "--eval-tokens", help="Held-out wiki tokens for perplexity."),
+) -> None:
+    """Compile a grid of configurations x rates, evaluate each on held-out text, write a table and a Pareto plot."""
+    from kvrewrite.sweep import parse_config, run_sweep
+
+    try:
+        rate_list = [float(r) for r in rates.split(",") if r.strip()]
+        chosen = [parse_config(c) for c in configs.split(",") if c.strip()] + [parse_config(c) for c in (config or [])]
+        summary = run_sweep(
+            model, rate_list, chosen, output, base_overrides={"calibration": calibration, "calib_tokens": calib_tokens},
+            eval_tokens=eval_tokens,
+            on_pass=lambda variant, step: console.print(f"[cyan]{variant}[/] {step.name}"),
+            on_result=lambda row: console.print(f"  {row['config']} p={row['rate']:.2f}: ppl {row['perplexity']:.2f} ({row['ppl_increase']:+.1%})"),
+        )
+    except (KVRewriteError, ValueError) as exc:
+        _fail(exc)
+    from kvrewrite.cli.tables import sweep_table
+
+    console.print(sweep_table(summary["rows"], title=f"sweep: {model} on {summary['eval_tokens']} held-out tokens"))
+    console.print(f"results: {output / 'sweep_results.json'}, {output / 'sweep_results.csv'}; plot: {output / 'sweep_pareto.png'}")
 
 
 def main() -> None:

@@ -23,9 +23,10 @@ class ComputeTransforms:
     def run(self, ctx: CompileContext) -> None:
         plan, geo = ctx.plan, ctx.geometry
         layers = ctx.adapter.decoder_layers(ctx.model)
+        metrics = ctx.output_metric or [None] * len(layers)
         values = [
-            value_transform(plan.objective, stats, ctx.adapter.attention(layer).o_proj.weight.detach(), geo)
-            for layer, stats in zip(layers, ctx.statistics.layers)
+            value_transform(plan.objective, stats, ctx.adapter.attention(layer).o_proj.weight.detach(), geo, output_metric=metric)
+            for layer, stats, metric in zip(layers, ctx.statistics.layers, metrics)
         ]
         modes = [plan.rope_mode] if plan.rope_mode != "auto" else list(PREFERENCES[plan.prefer])
         candidates = {
@@ -33,7 +34,7 @@ class ComputeTransforms:
             for m in modes
         }
         ctx.transforms = candidates[modes[0]]
-        ctx.report["transforms"] = {"objective": plan.objective, "key_mode": plan.rope_mode}
+        ctx.report["transforms"] = {"objective": plan.objective, "key_mode": plan.rope_mode, "value_metric": plan.value_metric}
         if len(modes) > 1:
             chosen, report = choose_key_modes(ctx, candidates, plan.key_mode_cost)
             ctx.transforms = [candidates[m][i] for i, m in enumerate(chosen)]

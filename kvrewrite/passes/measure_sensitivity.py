@@ -2,9 +2,10 @@
 
 Layers differ in sensitivity by orders of magnitude, so one unit of the objective's relative error
 does not cost the same everywhere. For every (layer, side) we truncate that side alone, to the
-uniform rank of a fixed probe rate (0.5), and measure the KL divergence of the next-token distribution against
-the original on calibration text. The weight of the (layer, side) is then that KL divided by the
-relative error the allocator predicts for the probe, so the greedy allocator trades KL, not raw error.
+uniform rank of each probe rate (`Plan.probe_rates`, default 0.5), and measure the KL divergence of the
+next-token distribution against the original on calibration text. Each probe gives a point (relative
+error the allocator predicts, measured KL); curve_allocation turns the points into a KL curve per
+(layer, side), so the greedy allocator trades measured KL, not raw error.
 """
 
 from __future__ import annotations
@@ -18,11 +19,9 @@ from kvrewrite.passes.fold_weights import build_spec, folded_state_dict
 from kvrewrite.progress import progress_bar
 from kvrewrite.spec import KEY_MODE_CROSSHEAD, KEY_MODE_FREQ, full_key_ranks
 
-PROBE_WINDOWS = 2
 PROBE_TOKENS = 256
-# One fixed probe rate, not the target: the weights (and so the whole rate table) are then a function of
+# Fixed probe rates, not the target: the curves (and so the whole rate table) are then a function of
 # the statistics alone, and slicing rate q from a checkpoint equals compiling for q directly.
-PROBE_RATE = 0.5
 
 
 def probe_rank(head_dim: int, rate: float, step: int) -> int:
@@ -49,8 +48,8 @@ class MeasureSensitivity:
         # Rank-independent, so FoldWeights reuses it instead of folding again.
         ctx.folded_state_dict = folded_state_dict(ctx.model, ctx.adapter, ctx.transforms, geo)
         model = build_compressed_model(ctx.model.config, spec, ctx.folded_state_dict)
-        tokens = ctx.calibration_tokens[:PROBE_WINDOWS, :PROBE_TOKENS]
-        rate = PROBE_RATE
+        tokens = ctx.calibration_tokens[: ctx.plan.probe_windows, :PROBE_TOKENS]
+        rates = ctx.plan.probe_rates
         with torch.inference_mode():
             reference = F.log_softmax(ctx.model(input_ids=tokens, use_cache=False).logits.float(), dim=-1)
 
@@ -58,26 +57,33 @@ class MeasureSensitivity:
                 logp = F.log_softmax(model(input_ids=tokens, use_cache=False).logits.float(), dim=-1)
                 return float((reference.exp() * (reference - logp)).sum(-1).mean())
 
-            weights, probes = {}, {}
+            curves, probes = {}, {}
             layers = model.model.layers
-            with progress_bar("measuring sensitivity", 2 * len(layers), ctx.plan.progress) as bar:
+            with progress_bar("measuring sensitivity", 2 * len(layers) * len(rates), ctx.plan.progress) as bar:
                 for idx, (layer, transforms) in enumerate(zip(layers, ctx.transforms)):
                     attn = layer.self_attn
                     key_step = 2 if transforms.key.mode in (KEY_MODE_FREQ, KEY_MODE_CROSSHEAD) else 1
                     for side, spectra, step in (("key", transforms.key.spectrum, key_step), ("value", transforms.value.spectrum, 1)):
-                        r = probe_rank(d, rate, step)
-                        keep = [r] * geo.num_key_value_heads
-                        if side == "key" and transforms.key.mode == KEY_MODE_CROSSHEAD:
-                            keep = [r * geo.num_key_value_heads] + [0] * (geo.num_key_value_heads - 1)
-                        full_k, full_v = full_keys[idx], full_values[idx]
-                        attn.probe_ranks = (keep, full_v) if side == "key" else (full_k, keep)
-                        kl = kl_now()
-                        attn.probe_ranks = None
-                        predicted = relative_error(spectra, sum(keep) // spectra.shape[0])
-                        probes[f"{idx}.{side}"] = {"rank": r, "kl": kl, "predicted_relative_error": predicted}
-                        weights[(idx, side)] = kl / max(predicted, 1e-12)
-                        bar.advance()
-        mean = sum(weights.values()) / len(weights)
-        ctx.sensitivity = {key: w / mean for key, w in weights.items()}
-        ctx.report["sensitivity"] = {"probe_rate": rate, "probe_tokens": int(tokens.numel()), "probes": probes,
+                        points = []
+                        for rate in rates:
+                            r = probe_rank(d, rate, step)
+                            keep = [r] * geo.num_key_value_heads
+                            if side == "key" and transforms.key.mode == KEY_MODE_CROSSHEAD:
+                                keep = [r * geo.num_key_value_heads] + [0] * (geo.num_key_value_heads - 1)
+                            full_k, full_v = full_keys[idx], full_values[idx]
+                            attn.probe_ranks = (keep, full_v) if side == "key" else (full_k, keep)
+                            kl = kl_now()
+                            attn.probe_ranks = None
+                            predicted = relative_error(spectra, sum(keep) // spectra.shape[0])
+                            points.append((predicted, kl))
+                            probes.setdefault(f"{idx}.{side}", []).append({"rate": rate, "rank": r, "kl": kl, "predicted_relative_error": predicted})
+                            bar.advance()
+                        curves[(idx, side)] = points
+        ctx.sensitivity_curves = curves
+        # One weight per layer side (KL per unit of predicted error at the middle probe, mean-normalised), for
+        # the report and for passes that weigh layer sides (the tada codec's bit search).
+        slopes = {key: pts[len(pts) // 2][1] / max(pts[len(pts) // 2][0], 1e-12) for key, pts in curves.items()}
+        mean = sum(slopes.values()) / len(slopes)
+        ctx.sensitivity = {key: w / mean for key, w in slopes.items()}
+        ctx.report["sensitivity"] = {"probe_rates": list(rates), "probe_tokens": int(tokens.numel()), "probes": probes,
                                      "weights": {f"{l}.{s}": w for (l, s), w in ctx.sensitivity.items()}}

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from kvrewrite.passes.allocate_ranks import AllocateRanks
 from kvrewrite.passes.build_calibration import BuildCalibration
+from kvrewrite.passes.collect_fisher import CollectFisher
 from kvrewrite.passes.collect_statistics import CollectStatistics
 from kvrewrite.passes.compute_transforms import ComputeTransforms
 from kvrewrite.passes.context import CompileContext
@@ -19,6 +20,7 @@ from kvrewrite.passes.fit_kv_codec import FitKVCodec
 from kvrewrite.passes.fold_weights import FoldWeights
 from kvrewrite.passes.load_checkpoint import LoadCheckpoint
 from kvrewrite.passes.measure_sensitivity import MeasureSensitivity
+from kvrewrite.passes.quality_budget import QualityBudget
 from kvrewrite.passes.verify import Verify
 from kvrewrite.plan import Plan
 
@@ -35,10 +37,12 @@ def statistics_passes() -> list:
 def rewrite_passes() -> list:
     """The part that depends on the objective, key mode and allocation."""
     return [
+        CollectFisher(),  # (--value-metric fisher) loss-gradient second moments at each attention output
         ComputeTransforms(),  # Grams -> key-side and value-side transforms
         MeasureSensitivity(),  # (sensitivity allocation) end-to-end KL per layer and side
         AllocateRanks(),  # spectra (and sensitivities) -> ranks per head, rate table
         FoldWeights(),  # transforms -> rewritten q/k/v/o weights, spec
+        QualityBudget(),  # (--max-ppl-increase / --max-kl) the largest rate within budget becomes the target
         Verify(),  # full-rank equivalence, compiled-rank error
         FitKVCodec(),  # (--kv-codec) codec tables fitted on the compiled model's calibration latents
         Emit(),  # checkpoint directory, written atomically
@@ -68,7 +72,7 @@ def compile_variants(plan: Plan, variants: dict[str, dict], output_root: Path, o
     compiled = {}
     for name, overrides in variants.items():
         variant_plan = dataclasses.replace(plan, output=Path(output_root) / name, **overrides)
-        ctx = dataclasses.replace(shared, plan=variant_plan, report=copy.deepcopy(shared.report), verification={}, sensitivity=None, codec_tables={})
+        ctx = dataclasses.replace(shared, plan=variant_plan, report=copy.deepcopy(shared.report), verification={}, sensitivity=None, sensitivity_curves=None, codec_tables={})
         t0 = time.perf_counter()
         for step in rewrite_passes():
             if on_pass is not None:
