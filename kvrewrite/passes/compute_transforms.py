@@ -21,11 +21,11 @@ class ComputeTransforms:
 
     def run(self, ctx: CompileContext) -> None:
         plan, geo = ctx.plan, ctx.geometry
-        mode = plan.key_mode()
+        mode = ctx.key_mode
         layers = ctx.adapter.decoder_layers(ctx.model)
         ctx.transforms = []
         for layer, stats in zip(layers, ctx.statistics.layers):
-            o_proj = ctx.adapter.attention(layer).o_proj.weight.detach()
+            o_proj = ctx.adapter.projections(ctx.adapter.attention(layer)).o_weight
             ctx.transforms.append(
                 LayerTransforms(
                     key=key_transform(mode, plan.objective, stats, geo),
