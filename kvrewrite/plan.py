@@ -61,7 +61,9 @@ class Plan:
             self.output = Path(self.output).expanduser()
 
     def key_mode(self) -> str:
-        """The key-side mode for every layer. `auto` is a fixed rule for now: latent for optimal, post-rope for zack."""
+        """The key-side mode of a plain RoPE model (Llama-like). `auto` is a fixed rule for now: latent for optimal,
+        post-rope for zack. The compile resolves the mode against the model's adapter instead
+        (ArchitectureAdapter.resolve_key_mode: post-rope for q/k-norm families, folded without RoPE)."""
         if self.rope_mode != "auto":
             return self.rope_mode
         return "latent" if self.objective == "optimal" else "post-rope"

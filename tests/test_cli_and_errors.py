@@ -53,7 +53,7 @@ def test_unsupported_architecture_fails_before_loading_weights(tmp_path, monkeyp
 
     monkeypatch.setattr("kvrewrite.passes.load_checkpoint.AutoModelForCausalLM.from_pretrained", no_weights)
     ctx = CompileContext(plan=Plan(model=str(tmp_path / "gpt2"), progress=False))
-    with pytest.raises(UnsupportedModelError, match="'gpt2'.*supported model types: llama, mistral"):
+    with pytest.raises(UnsupportedModelError, match="'gpt2'.*supported model types: gemma3_text, llama, mistral, opt, phi3, qwen2, qwen3"):
         LoadCheckpoint().run(ctx)
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
     OPTConfig,
@@ -30,6 +31,9 @@ TINY_CONFIGS = {
     "qwen2-sliding": lambda: Qwen2Config(**COMMON, **ROPE, use_sliding_window=True, sliding_window=12, max_window_layers=1),
     "qwen3": lambda: Qwen3Config(**COMMON, **ROPE),
     "phi3": lambda: Phi3Config(**COMMON, **ROPE),
+    # One sliding (12-token window, its own RoPE table) and one full-attention layer; score scale 1/sqrt(24).
+    "gemma3": lambda: Gemma3TextConfig(**COMMON, **ROPE, layer_types=["sliding_attention", "full_attention"],
+                                       sliding_window=12, query_pre_attn_scalar=24),
     "opt": lambda: OPTConfig(**COMMON, ffn_dim=96, word_embed_proj_dim=HEADS * HEAD_DIM, dropout=0.0),
 }
 

@@ -155,6 +155,14 @@ class ArchitectureAdapter:
     def rotary_embedding(self, model: nn.Module) -> nn.Module | None:
         return model.model.rotary_emb
 
+    def rope_tables(self, model: nn.Module, probe: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Per decoder layer, the (cos, sin) the stock model rotates that layer with; None without RoPE."""
+        rotary = self.rotary_embedding(model)
+        if rotary is None:
+            return None
+        table = rotary(probe, positions)
+        return [table] * self.geometry(model.config).num_layers
+
     def apply_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate x [B, heads, T, d] with HF's cos/sin [B, T, d] (rotate_half convention)."""
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)

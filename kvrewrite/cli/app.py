@@ -30,7 +30,7 @@ def compress(
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Output directory (default: <model>-kvrewrite-pNN)."),
     objective: str = typer.Option("optimal", help="zack (paper-faithful SVD) or optimal (whitened, output-aware)."),
     allocation: str = typer.Option("sensitivity", help="eps (ZACK Eq. 6 shared removal rate), greedy (objective error), sensitivity (greedy weighted by measured KL per layer and side) or uniform."),
-    rope_mode: str = typer.Option("auto", "--rope-mode", help="auto, freq, post-rope or latent (key side of RoPE models)."),
+    rope_mode: str = typer.Option("auto", "--rope-mode", help="auto, freq, post-rope, latent (RoPE models) or folded (models without RoPE); checked against the model's family (docs/adapters.md)."),
     calibration: str = typer.Option("wiki", help="wiki, synthetic, or a path to a text file / directory of .txt files."),
     calib_tokens: int = typer.Option(32768, "--calib-tokens", help="Calibration tokens (ZACK needs at least 16K)."),
     seq_len: int = typer.Option(512, "--seq-len", help="Calibration window length."),
@@ -62,7 +62,7 @@ def compress(
             for i, (name, text) in enumerate(describe(passes), 1):
                 table.add_row(str(i), name, text)
             console.print(table)
-            console.print(f"key mode: {plan.key_mode()}, objective: {plan.objective}, allocation: {plan.allocation}, "
+            console.print(f"key mode: {plan.key_mode()} (for a plain RoPE model; the family may force another, docs/adapters.md), objective: {plan.objective}, allocation: {plan.allocation}, "
                           f"calibration: {plan.calibration} ({plan.calib_tokens} tokens)")
             return
         counter = iter(range(1, len(passes) + 1))

@@ -53,7 +53,7 @@ def collect_statistics(
         sink = GramAccumulator(geo.num_layers, n_kv, n_q, d)
 
     captured: dict[int, dict[str, torch.Tensor]] = {}
-    rope: dict[str, torch.Tensor] = {}
+    rope: dict[str, list | None] = {}  # "tables": per layer (cos, sin) of the current batch
 
     def keep_output(layer_idx: int, read):
         def hook(_module, _inputs, output):
@@ -71,9 +71,10 @@ def collect_statistics(
             k = acts["k"].reshape(batch, length, n_kv, d).transpose(1, 2)
             v = acts["v"].reshape(batch, length, n_kv, d).transpose(1, 2)
             o = inputs[0].detach().view(batch, length, n_q, d).transpose(1, 2)
-            if rope:
-                q_post = adapter.apply_rope(q, rope["cos"], rope["sin"])
-                k_post = adapter.apply_rope(k, rope["cos"], rope["sin"])
+            if rope["tables"] is not None:
+                cos, sin = rope["tables"][layer_idx]
+                q_post = adapter.apply_rope(q, cos, sin)
+                k_post = adapter.apply_rope(k, cos, sin)
             else:  # no RoPE: post-RoPE statistics are the pre-RoPE ones
                 q_post, k_post = q, k
             for g in range(n_kv):
@@ -94,17 +95,15 @@ def collect_statistics(
         attn = adapter.attention(layer)
         handles += [module.register_forward_hook(keep_output(idx, read)) for module, read in adapter.activation_taps(attn)]
         handles.append(adapter.output_projection(attn).register_forward_pre_hook(on_attention_output(idx)))
-    rotary = adapter.rotary_embedding(model)
     try:
         batches = torch.split(token_windows, batch_size)
         with torch.inference_mode(), progress_bar("collecting statistics", len(batches), progress) as bar:
             for batch in batches:
                 if isinstance(sink, KMeansGramReducer):
                     sink.start_batch()
-                if rotary is not None:
-                    positions = torch.arange(batch.shape[1]).expand(batch.shape[0], -1)
-                    probe = torch.empty(0, dtype=next(model.parameters()).dtype)
-                    rope["cos"], rope["sin"] = rotary(probe, positions)
+                positions = torch.arange(batch.shape[1]).expand(batch.shape[0], -1)
+                probe = torch.empty(0, dtype=next(model.parameters()).dtype)
+                rope["tables"] = adapter.rope_tables(model, probe, positions)
                 model(input_ids=batch, use_cache=False)
                 bar.advance()
     finally:
