@@ -22,7 +22,8 @@ from tiny_models import random_windows, tiny_pipeline
 
 FAMILIES = list(TINY_CONFIGS)
 COMPRESSED_TYPE = {"llama": "kvrewrite_llama", "mistral": "kvrewrite_llama", "qwen2": "kvrewrite_qwen2",
-                   "qwen2-sliding": "kvrewrite_qwen2", "qwen3": "kvrewrite_qwen3", "phi3": "kvrewrite_phi3", "gemma3": "kvrewrite_gemma3", "opt": "kvrewrite_opt"}
+                   "qwen2-sliding": "kvrewrite_qwen2", "qwen3": "kvrewrite_qwen3", "phi3": "kvrewrite_phi3", "gemma3": "kvrewrite_gemma3", "opt": "kvrewrite_opt",
+                   "gpt2": "kvrewrite_gpt2"}
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +112,7 @@ def assert_checkpoint_declares_family(out, family):
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
 
 
-@pytest.mark.parametrize("family,mode", [("qwen3", "latent"), ("gemma3", "freq"), ("opt", "post-rope"), ("llama", "folded"), ("qwen2-sliding", "latent")])
+@pytest.mark.parametrize("family,mode", [("qwen3", "latent"), ("gemma3", "freq"), ("opt", "post-rope"), ("gpt2", "latent"), ("llama", "folded"), ("qwen2-sliding", "latent")])
 def test_impossible_key_mode_fails_before_statistics(sources, tmp_path, family, mode):
     plan = Plan(model=str(sources[family]), output=tmp_path / "out", progress=False, rope_mode=mode)
     started = []
@@ -121,7 +122,7 @@ def test_impossible_key_mode_fails_before_statistics(sources, tmp_path, family, 
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("model_type", ["gpt2", "gpt_neox"])
+@pytest.mark.parametrize("model_type", ["gpt_neox", "falcon"])
 def test_unsupported_architecture_names_type_and_supported_ones(tmp_path, model_type):
     config = AutoConfig.for_model(model_type, vocab_size=64, num_hidden_layers=1)
     with pytest.raises(UnsupportedModelError) as err:
@@ -130,4 +131,4 @@ def test_unsupported_architecture_names_type_and_supported_ones(tmp_path, model_
     assert repr(model_type) in message
     for supported in supported_model_types():
         assert supported in message
-    assert supported_model_types() == ["gemma3_text", "llama", "mistral", "opt", "phi3", "qwen2", "qwen3"]
+    assert supported_model_types() == ["gemma3_text", "gpt2", "llama", "mistral", "opt", "phi3", "qwen2", "qwen3"]

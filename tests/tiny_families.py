@@ -8,6 +8,7 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     Gemma3TextConfig,
+    GPT2Config,
     LlamaConfig,
     MistralConfig,
     OPTConfig,
@@ -35,6 +36,9 @@ TINY_CONFIGS = {
     "gemma3": lambda: Gemma3TextConfig(**COMMON, **ROPE, layer_types=["sliding_attention", "full_attention"],
                                        sliding_window=12, query_pre_attn_scalar=24),
     "opt": lambda: OPTConfig(**COMMON, ffn_dim=96, word_embed_proj_dim=HEADS * HEAD_DIM, dropout=0.0),
+    "gpt2": lambda: GPT2Config(vocab_size=VOCAB, n_embd=HEADS * HEAD_DIM, n_layer=2, n_head=HEADS, n_positions=256,
+                               tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
 }
 
 
@@ -44,10 +48,14 @@ def save_tiny_family(directory: Path, family: str, seed: int = 0) -> Path:
     model = AutoModelForCausalLM.from_config(TINY_CONFIGS[family]()).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if ".self_attn." not in name:
+            if ".self_attn." not in name and ".attn." not in name:
                 continue
+            if name.endswith("c_attn.weight"):  # GPT-2 Conv1D [in, q | k | v]
+                param[:, : 2 * HEADS * HEAD_DIM].mul_(4.0)
+            elif name.endswith("c_attn.bias"):
+                param.copy_(torch.randn_like(param) * 0.5)
             # Random init gives near-uniform attention; sharpen q/k so attention patterns matter in tests.
-            if name.endswith(("q_proj.weight", "k_proj.weight")):
+            elif name.endswith(("q_proj.weight", "k_proj.weight")):
                 param.mul_(4.0)
             elif name.endswith("qkv_proj.weight"):
                 param[: (HEADS + KV_HEADS) * HEAD_DIM].mul_(4.0)  # the q and k rows of [q; k; v]
