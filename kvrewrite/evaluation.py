@@ -73,12 +73,34 @@ def _eval_mode(*models: torch.nn.Module | None) -> Iterator[None]:
             m.training = training
 
 
-def _logits(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-    out = model(input_ids=input_ids, use_cache=False)
-    logits = getattr(out, "logits", None)
-    if logits is None:
-        logits = out[0]
-    return logits
+# Chunk length of the chunked-prefill protocol, used automatically when a model stores a lossy (codec) cache.
+CODEC_EVAL_CHUNK = 64
+
+
+def default_chunk(models: Iterable[torch.nn.Module | None]) -> int | None:
+    """CODEC_EVAL_CHUNK if any model codes its cache (a one-shot forward would never read it), else None."""
+    return CODEC_EVAL_CHUNK if any(getattr(m, "kv_codec", None) is not None for m in models if m is not None) else None
+
+
+def new_kv_cache(model: torch.nn.Module) -> Cache:
+    """The cache the model generates with: its own (e.g. a KV-codec cache) if it makes one, else a DynamicCache."""
+    make = getattr(model, "make_kv_cache", None)
+    return make() if callable(make) else DynamicCache(config=model.config)
+
+
+def _logits(model: torch.nn.Module, input_ids: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
+    """One forward without a cache, or (chunk given) a chunked prefill in which every chunk attends to the
+    previous chunks through the model's cache: the protocol that makes a lossy cache (a KV codec) count."""
+    if chunk is None:
+        out = model(input_ids=input_ids, use_cache=False)
+        logits = getattr(out, "logits", None)
+        return out[0] if logits is None else logits
+    cache = new_kv_cache(model)
+    pieces = []
+    for start in range(0, input_ids.shape[1], chunk):
+        out = model(input_ids=input_ids[:, start : start + chunk], past_key_values=cache, use_cache=True)
+        pieces.append(out.logits)
+    return torch.cat(pieces, dim=1)
 
 
 def _vocab_limit(model: torch.nn.Module) -> int | None:
@@ -137,6 +159,7 @@ def perplexity_and_agreement(
     *,
     batch_size: int = 4,
     progress: bool = True,
+    chunk: int | None = None,
 ) -> QualityStats:
     """Perplexity of `model` on independent windows, plus KL/top-1 against `baseline` computed in the same pass.
 
@@ -144,7 +167,7 @@ def perplexity_and_agreement(
     but the last predicts the next token, so n_tokens = n_windows * (seq_len - 1). Sums are accumulated in float64;
     log-softmax is taken in float32 regardless of the model dtype.
     """
-    stats = perplexity_and_agreement_many({"model": model}, token_seqs, baseline, batch_size=batch_size, progress=progress)
+    stats = perplexity_and_agreement_many({"model": model}, token_seqs, baseline, batch_size=batch_size, progress=progress, chunk=chunk)
     return stats["model"]
 
 
@@ -155,8 +178,17 @@ def perplexity_and_agreement_many(
     *,
     batch_size: int = 4,
     progress: bool = True,
+    chunk: int | None = None,
 ) -> dict[str, QualityStats]:
-    """perplexity_and_agreement for several models in one pass: the baseline runs once per batch, not once per model."""
+    """perplexity_and_agreement for several models in one pass: the baseline runs once per batch, not once per model.
+
+    chunk: evaluate by chunked prefill through each model's cache (see _logits); the baseline uses the same protocol.
+        None: default_chunk(), i.e. chunked exactly when some model has a KV codec.
+    """
+    if chunk is None:
+        chunk = default_chunk((*models.values(), baseline))
+    if chunk is not None and chunk < 1:
+        raise InvalidArgumentError(f"chunk must be >= 1, got {chunk}")
     if batch_size < 1:
         raise InvalidArgumentError(f"batch size must be >= 1, got {batch_size}")
     if not models:
@@ -181,12 +213,12 @@ def perplexity_and_agreement_many(
             targets = batch[:, 1:].to(device)
             base_logp = None
             if baseline is not None:
-                base_logits = _logits(baseline, batch.to(base_device))[:, :-1].to(device)
+                base_logits = _logits(baseline, batch.to(base_device), chunk)[:, :-1].to(device)
                 base_logp = torch.log_softmax(base_logits.float(), dim=-1)
                 base_nll_sum -= base_logp.gather(-1, targets.unsqueeze(-1)).double().sum()
             for name, model in models.items():
                 # Each model runs on its own device; sums live on the first model's device.
-                logits = _logits(model, batch.to(_model_device(model)))[:, :-1].to(device)
+                logits = _logits(model, batch.to(_model_device(model)), chunk)[:, :-1].to(device)
                 if base_logp is not None and base_logp.shape != logits.shape:
                     raise InvalidArgumentError(
                         f"baseline logits have shape {tuple(base_logp.shape)} but {name}'s have "
@@ -289,7 +321,10 @@ def cache_tensor_bytes(cache: Any) -> int:
 
 
 def kv_cache_bytes_per_token(model: torch.nn.Module, seq_len: int = 256, *, batch_size: int = 1) -> float:
-    """Cache bytes per token, measured on the tensors left in a fresh DynamicCache after one forward pass.
+    """Cache bytes per token, measured on the tensors left in a fresh cache after one forward pass.
+
+    The cache is the one the model generates with (new_kv_cache): a codec cache holds packed codes, scales,
+    sparse parts and its full-precision residual window, all of which are counted.
 
     Uses random token ids (fixed seed); the cache layout does not depend on the token values.
     """
@@ -302,7 +337,7 @@ def kv_cache_bytes_per_token(model: torch.nn.Module, seq_len: int = 256, *, batc
         raise InvalidArgumentError("cannot tell the model's vocabulary size; its config has no vocab_size")
     device = _model_device(model)
     tokens = torch.randint(0, int(vocab), (batch_size, seq_len), generator=torch.Generator().manual_seed(0))
-    cache = DynamicCache(config=config)
+    cache = new_kv_cache(model)
     with torch.inference_mode(), _eval_mode(model):
         out = model(input_ids=tokens.to(device), use_cache=True, past_key_values=cache)
     returned = getattr(out, "past_key_values", None)
@@ -349,12 +384,13 @@ def evaluate(
     *,
     batch_size: int = 4,
     progress: bool = True,
+    chunk: int | None = None,
 ) -> EvalResult:
     """Perplexity (and KL/top-1 against `baseline`) on `token_seqs`, plus the measured KV-cache bytes per token.
 
     The cache is measured with one window of the evaluation length, so sliding-window caches are sized as used.
     """
-    return evaluate_many({"model": model}, token_seqs, baseline, batch_size=batch_size, progress=progress)["model"]
+    return evaluate_many({"model": model}, token_seqs, baseline, batch_size=batch_size, progress=progress, chunk=chunk)["model"]
 
 
 def evaluate_many(
@@ -364,9 +400,10 @@ def evaluate_many(
     *,
     batch_size: int = 4,
     progress: bool = True,
+    chunk: int | None = None,
 ) -> dict[str, EvalResult]:
     """evaluate() for several models sharing one pass over the data (and one baseline forward per batch)."""
-    stats = perplexity_and_agreement_many(models, token_seqs, baseline, batch_size=batch_size, progress=progress)
+    stats = perplexity_and_agreement_many(models, token_seqs, baseline, batch_size=batch_size, progress=progress, chunk=chunk)
     seq_len = int(token_seqs.shape[1])
     base_bytes = kv_cache_bytes_per_token(baseline, seq_len) if baseline is not None else None
     return {

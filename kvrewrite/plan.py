@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvrewrite.codecs.config import parse_codec
 from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.spec import ALLOCATIONS, KEY_MODES, OBJECTIVES, validate_rate
 
@@ -36,6 +37,10 @@ class Plan:
     seed: int = 0
     overwrite: bool = False
     progress: bool = True
+    # KV codec on top of the reduced cache: none, int4, int2, tada, gear, gear-l, csr, optionally with
+    # parameters ("gear:bits=4,rank=4"); kv_bits_budget: tada's search budget in stored bits per cached element.
+    kv_codec: str = "none"
+    kv_bits_budget: float | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -59,6 +64,13 @@ class Plan:
             raise InvalidArgumentError("kmeans keep share must be in (0, 1]")
         if self.output is not None:
             self.output = Path(self.output).expanduser()
+        codec = parse_codec(self.kv_codec)  # raises InvalidArgumentError on unknown names / parameters
+        if self.kv_bits_budget is not None:
+            if codec is None or codec.name != "tada":
+                raise InvalidArgumentError("--kv-bits-budget applies to --kv-codec tada (its per-layer bit search)")
+            if not 0 < float(self.kv_bits_budget) <= 16:
+                raise InvalidArgumentError("--kv-bits-budget must be in (0, 16] bits per cached element")
+            self.kv_bits_budget = float(self.kv_bits_budget)
 
     def key_mode(self) -> str:
         """The key-side mode of a plain RoPE model (Llama-like). `auto` is a fixed rule for now: latent for optimal,

@@ -12,6 +12,7 @@ from kvrewrite.passes.allocate_ranks import AllocateRanks
 from kvrewrite.passes.collect_statistics import CollectStatistics
 from kvrewrite.passes.compute_transforms import ComputeTransforms
 from kvrewrite.passes.emit import Emit
+from kvrewrite.passes.fit_kv_codec import FitKVCodec
 from kvrewrite.passes.fold_weights import FoldWeights
 from kvrewrite.passes.load_checkpoint import LoadCheckpoint
 from kvrewrite.passes.measure_sensitivity import MeasureSensitivity
@@ -84,5 +85,6 @@ def tiny_pipeline(tokens: torch.Tensor | None = None) -> list:
         AllocateRanks(),
         FoldWeights(),
         Verify(),
+        FitKVCodec(),
         Emit(),
     ]

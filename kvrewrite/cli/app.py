@@ -41,6 +41,8 @@ def compress(
     revision: Optional[str] = typer.Option(None, help="Hub revision of the source model."),
     seed: int = typer.Option(0, help="Seed for calibration sampling."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
+    kv_codec: str = typer.Option("none", "--kv-codec", help="KV codec on the reduced cache: none, int4, int2, tada, gear, gear-l, csr; parameters as int4:group_size=64 (docs/codecs.md)."),
+    kv_bits_budget: Optional[float] = typer.Option(None, "--kv-bits-budget", help="tada: stored bits per cached element for the per-layer bit search."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and the pipeline, do nothing."),
 ) -> None:
     """Compile MODEL into a checkpoint whose KV cache keeps (1 - target_rate) of its elements."""
@@ -52,7 +54,7 @@ def compress(
         plan = Plan(model=model, target_rate=target_rate, output=output, objective=objective, allocation=allocation,
                     rope_mode=rope_mode, calibration=calibration, calib_tokens=calib_tokens, seq_len=seq_len,
                     batch_size=batch_size, reduce=reduce, min_rank=min_rank, rank_multiple=rank_multiple,
-                    revision=revision, seed=seed, overwrite=overwrite)
+                    revision=revision, seed=seed, overwrite=overwrite, kv_codec=kv_codec, kv_bits_budget=kv_bits_budget)
         passes = default_pipeline()
         if dry_run:
             table = Table(title=f"kvrewrite compress {model} --target-rate {plan.target_rate} (dry run)")
@@ -83,6 +85,8 @@ def evaluate_command(
     tokens: int = typer.Option(8192, help="Held-out evaluation tokens."),
     seq_len: int = typer.Option(512, "--seq-len", help="Evaluation window length."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the results as JSON here."),
+    kv_codec: Optional[str] = typer.Option(None, "--kv-codec", help="Evaluate with these codecs instead of the compiled one (';'-separated, e.g. 'none;int4;gear:bits=4')."),
+    chunk: Optional[int] = typer.Option(None, "--chunk", help="Chunked prefill through the cache, this many tokens per chunk (default: 64 when a codec is in use, else one forward)."),
 ) -> None:
     """Held-out perplexity, KL and top-1 agreement against the original, and KV bytes per token measured on the cache."""
     from kvrewrite.cli.evaluate import evaluate_checkpoint
@@ -90,7 +94,9 @@ def evaluate_command(
 
     try:
         rate_list = [float(r) for r in rates.split(",")] if rates else None
-        rows = evaluate_checkpoint(directory, baseline=baseline, rates=rate_list, tokens=tokens, seq_len=seq_len)
+        codec_list = kv_codec.split(";") if kv_codec else None
+        rows = evaluate_checkpoint(directory, baseline=baseline, rates=rate_list, tokens=tokens, seq_len=seq_len,
+                                   kv_codecs=codec_list, chunk=chunk)
     except (KVRewriteError, ValueError) as exc:
         _fail(exc)
     console.print(eval_table(rows))

@@ -5,12 +5,21 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
 from kvrewrite.errors import CorruptCheckpointError
+from kvrewrite.evaluation import default_chunk, kv_cache_bytes_per_token_formula
 
 
 def evaluate_checkpoint(directory: Path, *, baseline: str | None = None, rates: list[float] | None = None,
-                        tokens: int = 8192, seq_len: int = 512, progress: bool = True) -> list[dict]:
-    """Rows for the eval table: the baseline first, then the checkpoint at each rate."""
+                        tokens: int = 8192, seq_len: int = 512, progress: bool = True,
+                        kv_codecs: list[str] | None = None, chunk: int | None = None) -> list[dict]:
+    """Rows for the eval table: the baseline first, then the checkpoint at each rate (and each KV codec).
+
+    kv_codecs: codecs to evaluate instead of the compiled one ("none" = the plain reduced cache).
+    chunk: chunked-prefill length; default evaluation.CODEC_EVAL_CHUNK when any codec is in use (a one-shot forward would
+    never read the cache, so a lossy cache would go unmeasured), else one forward per window.
+    """
     from transformers import AutoTokenizer
 
     from kvrewrite.calibration_data import evaluation_token_sequences
@@ -30,9 +39,22 @@ def evaluate_checkpoint(directory: Path, *, baseline: str | None = None, rates: 
     tokenizer = AutoTokenizer.from_pretrained(directory)
     windows = evaluation_token_sequences(tokenizer, tokens, seq_len)
     rate_list = rates if rates else [spec["target_rate"]]
-    models = {f"{Path(directory).name} p={rate:.2f}": load(directory, rate=rate) for rate in rate_list}
-    results = evaluate_many(models, windows, baseline=original, progress=progress)
-    return result_rows(source, results, dict(zip(models, rate_list)))
+    codec_list = kv_codecs if kv_codecs else ["compiled"]
+    models, model_rates = {}, {}
+    for rate in rate_list:
+        for codec in codec_list:
+            model = load(directory, rate=rate, kv_codec=codec)
+            label = model.kv_codec.describe() if model.kv_codec is not None else "none"
+            name = f"{Path(directory).name} p={rate:.2f}" + (f" +{label}" if label != "none" else "")
+            models[name], model_rates[name] = model, rate
+    chunk = chunk if chunk is not None else default_chunk(models.values())
+    results = evaluate_many(models, windows, baseline=original, progress=progress, chunk=chunk)
+    rows = result_rows(source, results, model_rates)
+    fp16 = kv_cache_bytes_per_token_formula(original.config, torch.float16)
+    for row in rows:
+        row["fp16_kv_bytes_per_token"] = fp16
+        row["chunk"] = chunk
+    return rows
 
 
 def result_rows(baseline_name: str, results: dict, rates: dict[str, float]) -> list[dict]:

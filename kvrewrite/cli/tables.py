@@ -32,6 +32,10 @@ def summary_table(spec: CompressionSpec, report: dict | None = None) -> Table:
     table.add_row("target rate", f"{spec.target_rate:.3f}")
     table.add_row("achieved rate", f"{spec.achieved_rate:.4f}")
     table.add_row("KV elements per token", f"{spec.kept_elements_per_token} of {spec.baseline_elements_per_token}")
+    if spec.kv_codec:
+        codec = (report or {}).get("kv_codec", {})
+        coded = f", {codec['coded_bytes_per_token']:.0f} coded bytes/token + fp16 window" if "coded_bytes_per_token" in codec else ""
+        table.add_row("KV codec", f"{spec.kv_codec['name']} {spec.kv_codec['params']}{coded}")
     if report:
         verification = report.get("verification", {})
         if "full_rank_max_abs_logit_diff" in verification:
@@ -51,12 +55,18 @@ def eval_table(rows: list[dict], title: str = "evaluation on held-out wiki text"
     for name, justify in (("model", "left"), ("rate", "right"), ("ppl", "right"), ("Δppl", "right"),
                           ("KL (nats)", "right"), ("top-1", "right"), ("KV bytes/token", "right"), ("vs baseline", "right")):
         table.add_column(name, justify=justify)
+    fp16 = any("fp16_kv_bytes_per_token" in r for r in rows)
+    if fp16:  # codecs store float16 and packed integers: compare with the float16 cache of the original
+        table.add_column("vs fp16", justify="right")
     base = next((r for r in rows if r.get("baseline")), None)
     for r in rows:
         delta = f"{(r['perplexity'] / base['perplexity'] - 1):+.1%}" if base and not r.get("baseline") else ""
         ratio = f"{r['kv_bytes_per_token'] / base['kv_bytes_per_token']:.3f}" if base else ""
         kl = "" if r.get("kl_mean") is None else f"{r['kl_mean']:.4f}"
         top1 = "" if r.get("top1_agreement") is None else f"{r['top1_agreement']:.3f}"
-        table.add_row(r["name"], f"{r.get('rate', 0.0):.2f}", f"{r['perplexity']:.2f}", delta, kl, top1,
-                      f"{r['kv_bytes_per_token']:.0f}", ratio)
+        cells = [r["name"], f"{r.get('rate', 0.0):.2f}", f"{r['perplexity']:.2f}", delta, kl, top1,
+                 f"{r['kv_bytes_per_token']:.0f}", ratio]
+        if fp16:
+            cells.append(f"{r['kv_bytes_per_token'] / r['fp16_kv_bytes_per_token']:.3f}" if r.get("fp16_kv_bytes_per_token") else "")
+        table.add_row(*cells)
     return table

@@ -38,6 +38,8 @@ class CompileContext:
     # fold_weights
     spec: CompressionSpec | None = None
     folded_state_dict: dict[str, torch.Tensor] | None = None
+    # fit_kv_codec: trained codec tables (CSR dictionaries, TaDA bit widths), written to kv_codec.safetensors
+    codec_tables: dict = field(default_factory=dict)
     # verify
     verification: dict = field(default_factory=dict)
     # emit

@@ -7,6 +7,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from kvrewrite.checkpoint_io import atomic_output_dir, write_checksums, write_safetensors_shards
+from kvrewrite.codecs.checkpoint import write_codec_tables
 from kvrewrite.compressed_model import compressed_classes, compressed_config
 from kvrewrite.passes.context import CompileContext
 from kvrewrite.spec import CompressionSpec
@@ -88,7 +89,7 @@ class Emit:
             report = {**ctx.report, "verification": ctx.verification, "spec_summary": spec_summary(spec)}
             report.pop("rate_table", None)  # lives in config.json and kernel_metadata.json
             (tmp / "compress_report.json").write_text(json.dumps(report, indent=2, default=str))
-            write_checksums(tmp, shards)
+            write_checksums(tmp, shards + write_codec_tables(tmp, ctx.codec_tables))
         ctx.output_dir = Path(out)
 
 
@@ -107,4 +108,5 @@ def spec_summary(spec: CompressionSpec) -> dict:
         "kept_elements_per_token": spec.kept_elements_per_token,
         "baseline_elements_per_token": spec.baseline_elements_per_token,
         "key_modes": sorted({layer.key_mode for layer in spec.layers}),
+        "kv_codec": spec.kv_codec,
     }

@@ -14,6 +14,7 @@ from kvrewrite.passes.collect_statistics import CollectStatistics
 from kvrewrite.passes.compute_transforms import ComputeTransforms
 from kvrewrite.passes.context import CompileContext
 from kvrewrite.passes.emit import Emit
+from kvrewrite.passes.fit_kv_codec import FitKVCodec
 from kvrewrite.passes.fold_weights import FoldWeights
 from kvrewrite.passes.load_checkpoint import LoadCheckpoint
 from kvrewrite.passes.measure_sensitivity import MeasureSensitivity
@@ -38,6 +39,7 @@ def rewrite_passes() -> list:
         AllocateRanks(),  # spectra (and sensitivities) -> ranks per head, rate table
         FoldWeights(),  # transforms -> rewritten q/k/v/o weights, spec
         Verify(),  # full-rank equivalence, compiled-rank error
+        FitKVCodec(),  # (--kv-codec) codec tables fitted on the compiled model's calibration latents
         Emit(),  # checkpoint directory, written atomically
     ]
 
@@ -63,7 +65,7 @@ def compile_variants(plan: Plan, variants: dict[str, dict], output_root: Path, o
     compiled = {}
     for name, overrides in variants.items():
         variant_plan = dataclasses.replace(plan, output=Path(output_root) / name, **overrides)
-        ctx = dataclasses.replace(shared, plan=variant_plan, report=copy.deepcopy(shared.report), verification={}, sensitivity=None)
+        ctx = dataclasses.replace(shared, plan=variant_plan, report=copy.deepcopy(shared.report), verification={}, sensitivity=None, codec_tables={})
         t0 = time.perf_counter()
         for step in rewrite_passes():
             if on_pass is not None:

@@ -1,0 +1,128 @@
+"""A transformers cache whose layers store codec-coded K/V latents plus a short float16 residual window.
+
+`update()` appends the new tokens to the residual window; whenever the window holds more than `residual`
+tokens, its oldest whole blocks of G tokens are encoded and appended to the coded store. Attention gets
+decode(coded store) followed by the residual window, i.e. exactly what the cache holds, so the attention code
+needs no change. Everything kept per token is a tensor attribute of the layer (packed codes, scales, sparse
+parts, the residual window), so the cache size is measured on what is really stored.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from kvrewrite.codecs.base import LayerCodec
+from kvrewrite.errors import InvalidArgumentError
+
+RESIDUAL_DTYPE = torch.float16
+
+
+class CodecLayer(DynamicLayer):
+    is_croppable = True
+
+    def __init__(self, codec: LayerCodec, residual: int):
+        super().__init__()
+        self.codec = codec
+        self.residual_length = residual
+        self.cumulative_length = 0
+        self.coded_keys: dict[str, torch.Tensor] | None = None
+        self.coded_values: dict[str, torch.Tensor] | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys = key_states.new_empty((key_states.shape[0], 1, 0, key_states.shape[-1]), dtype=RESIDUAL_DTYPE)
+        self.values = value_states.new_empty((value_states.shape[0], 1, 0, value_states.shape[-1]), dtype=RESIDUAL_DTYPE)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.cumulative_length += key_states.shape[-2]
+        self.keys = torch.cat([self.keys, key_states.to(RESIDUAL_DTYPE)], dim=-2)
+        self.values = torch.cat([self.values, value_states.to(RESIDUAL_DTYPE)], dim=-2)
+        g = self.codec.block_tokens
+        n_blocks = max(0, self.keys.shape[-2] - self.residual_length) // g
+        if n_blocks:
+            self.coded_keys = self._encode_append(self.coded_keys, self.keys, n_blocks, "key")
+            self.coded_values = self._encode_append(self.coded_values, self.values, n_blocks, "value")
+            self.keys = self.keys[..., n_blocks * g :, :].contiguous()
+            self.values = self.values[..., n_blocks * g :, :].contiguous()
+        return self._read("key", key_states.dtype), self._read("value", value_states.dtype)
+
+    def _encode_append(self, store, residual, n_blocks: int, side: str):
+        batch, _, _, c = residual.shape
+        g = self.codec.block_tokens
+        blocks = residual[:, 0, : n_blocks * g].float().reshape(batch, n_blocks, g, c)
+        coded = self.codec.encode(blocks, side)
+        if store is None:
+            return coded
+        return {name: torch.cat([store[name], coded[name]], dim=1) for name in store}
+
+    def _read(self, side: str, dtype: torch.dtype) -> torch.Tensor:
+        """What attention sees: the decoded blocks, then the residual window."""
+        store, residual = (self.coded_keys, self.keys) if side == "key" else (self.coded_values, self.values)
+        if store is None:
+            return residual.to(dtype)
+        decoded = self.codec.decode(store, side)  # [B, n, G, C]
+        batch, n, g, c = decoded.shape
+        return torch.cat([decoded.reshape(batch, 1, n * g, c).to(dtype), residual.to(dtype)], dim=-2)
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def reset(self) -> None:
+        super().reset()
+        self.coded_keys = self.coded_values = None
+
+    # ---- batch bookkeeping: every stored tensor is batch-first -------------------------------------------
+    def _map_batch(self, fn) -> None:
+        if not self.is_initialized:
+            return
+        self.keys, self.values = fn(self.keys), fn(self.values)
+        for name in ("coded_keys", "coded_values"):
+            store = getattr(self, name)
+            if store is not None:
+                setattr(self, name, {k: fn(v) for k, v in store.items()})
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_batch(lambda t: t[indices, ...])
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative number of tokens to remove")
+        remove = -tokens_to_remove
+        if remove == 0 or not self.is_initialized:
+            return
+        if remove > self.keys.shape[-2]:
+            # Coded blocks are not split; cropping is supported within the full-precision window only.
+            raise InvalidArgumentError(
+                f"cannot crop {remove} tokens from a codec cache whose full-precision window holds {self.keys.shape[-2]}"
+            )
+        self.keys, self.values = self.keys[..., :-remove, :], self.values[..., :-remove, :]
+        self.cumulative_length -= remove
+
+    def offload(self):
+        self._map_batch(lambda t: t.to("cpu", non_blocking=True))
+
+    def prefetch(self):
+        if self.is_initialized and self.keys.device != self.device:
+            self._map_batch(lambda t: t.to(self.device, non_blocking=True))
+
+
+class CodecCache(Cache):
+    """One CodecLayer per decoder layer; pass it as `past_key_values` or let the model's generate() make it."""
+
+    def __init__(self, layer_codecs: list[LayerCodec], residual: int):
+        super().__init__(layers=[CodecLayer(codec, residual) for codec in layer_codecs])
+
+    def stored_bytes(self) -> int:
+        from kvrewrite.evaluation import cache_tensor_bytes
+
+        return cache_tensor_bytes(self)

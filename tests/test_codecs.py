@@ -1,0 +1,282 @@
+"""KV codecs: storage primitives, each codec's error bound against the dense input, packed sizes against the
+formula, the codec cache inside generate() (batch, left padding, beam search), and codec checkpoints."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import kvrewrite
+from kvrewrite.codecs import build_layer_codecs, make_codec_cache, parse_codec
+from kvrewrite.codecs.csr import matching_pursuit, reconstruct
+from kvrewrite.codecs.fitting import fit_dictionary, search_tada_bits
+from kvrewrite.codecs.packing import pack_bits, packed_length, unpack_bits
+from kvrewrite.errors import CorruptCheckpointError, InvalidArgumentError
+from kvrewrite.evaluation import _logits, cache_tensor_bytes
+from kvrewrite.passes.pipeline import run_pipeline
+from kvrewrite.plan import Plan
+from tiny_models import random_windows, save_tiny_llama, tiny_pipeline
+
+KEY_RANKS, VALUE_RANKS = [16, 7, 12], [16, 16, 5]  # ragged ranks, as a rank-reduced layer has
+ALL_CODECS = ["int4", "int2", "tada", "gear", "gear-l", "csr"]
+
+
+def latents(seed: int = 0, batch: int = 2, blocks: int = 3, g: int = 32, c: int = 35) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, blocks, g, c, generator=gen)
+    x[..., 3] *= 20  # an outlier channel, as real keys have
+    return x
+
+
+def one_codec(name: str, tables=None):
+    k, v = KEY_RANKS, VALUE_RANKS
+    if name == "csr" and tables is None:
+        gen = torch.Generator().manual_seed(1)
+        tables = {}
+        for side, ranks in (("key", k), ("value", v)):
+            for h, r in enumerate(ranks):
+                atoms = torch.randn(256, r, generator=gen)
+                tables[f"csr.layer0.{side}.head{h}"] = atoms / atoms.norm(dim=1, keepdim=True)
+    return build_layer_codecs(parse_codec(name), [k], [v], tables)[0]
+
+
+# ---- primitives ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("n", [1, 7, 64, 123])
+def test_pack_unpack_round_trip_and_size(bits, n):
+    codes = torch.randint(0, 1 << bits, (3, n), dtype=torch.uint8)
+    packed = pack_bits(codes, bits)
+    assert packed.dtype == torch.uint8 and packed.shape[-1] == packed_length(n, bits)
+    assert torch.equal(unpack_bits(packed, bits, n), codes)
+
+
+# ---- error bounds against the dense input ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("side", ["key", "value"])
+def test_kivi_error_is_at_most_half_a_step(bits, side):
+    codec = one_codec(f"int{bits}")
+    x = latents(c=codec.channels[side])
+    coded = codec.encode(x, side)
+    err = (codec.decode(coded, side) - x).abs()
+    if side == "key":  # one step per channel per block
+        step = coded["scale"].float().unsqueeze(2).expand_as(x)
+    else:  # one step per token per group of 32 channels
+        step = coded["scale"].float()[..., torch.arange(x.shape[-1]) // 32]
+    assert (err <= 0.5 * step + 1e-3 * x.abs() + 1e-5).all()
+
+
+@pytest.mark.parametrize("side", ["key", "value"])
+def test_tada_error_is_the_deviation_rounding_only(side):
+    codec = one_codec("tada")
+    x = latents(seed=2, c=codec.channels[side])
+    coded = codec.encode(x, side)
+    err = (codec.decode(coded, side) - x).abs()
+    scale = coded["dev_scale"].float()
+    step = scale.unsqueeze(2).expand_as(x) if side == "key" else scale[..., torch.arange(x.shape[-1]) // 32]
+    assert (err <= 0.5 * step + 1e-3 * x.abs() + 1e-4).all()
+
+
+@pytest.mark.parametrize("side", ["key", "value"])
+def test_gear_beats_its_backbone_and_keeps_outliers_exact(side):
+    x = latents(seed=3, c=sum(KEY_RANKS if side == "key" else VALUE_RANKS))
+    int2 = one_codec("int2")
+    gear_l, gear = one_codec("gear-l"), one_codec("gear")
+    base_err = (int2.decode(int2.encode(x, side), side) - x).norm()
+    # The low-rank part is an orthogonal projection of the residual: it can only shrink the error.
+    low_rank_err = (gear_l.decode(gear_l.encode(x, side), side) - x).norm()
+    assert low_rank_err <= base_err
+    coded = gear.encode(x, side)
+    decoded = gear.decode(coded, side)
+    assert (decoded - x).norm() < low_rank_err
+    flat_x, flat_d = x.reshape(*x.shape[:2], -1), decoded.reshape(*x.shape[:2], -1)
+    index = coded["outlier_index"].long()
+    assert torch.allclose(flat_d.gather(-1, index), flat_x.gather(-1, index), rtol=1e-3)
+    assert index.shape[-1] == 2 * int(0.02 * 32 * x.shape[-1] / 2)
+
+
+def test_matching_pursuit_is_exact_on_a_complete_basis_and_never_worse_than_zero():
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(50, 12, generator=gen)
+    basis = torch.linalg.qr(torch.randn(12, 12, generator=gen))[0].T  # orthonormal atoms
+    idx, coef = matching_pursuit(x, basis, 12)
+    assert torch.allclose(reconstruct(idx, coef, basis), x, atol=5e-3)
+    atoms = torch.randn(64, 12, generator=gen)
+    atoms = atoms / atoms.norm(dim=1, keepdim=True)
+    errors = [(reconstruct(*matching_pursuit(x, atoms, s), atoms) - x).norm() for s in (1, 2, 4, 8)]
+    assert errors[0] < x.norm() and all(a >= b for a, b in zip(errors, errors[1:]))
+
+
+def test_fitted_dictionary_beats_a_random_one():
+    gen = torch.Generator().manual_seed(5)
+    mix = torch.randn(6, 16, generator=gen)
+    x = torch.randn(2000, 6, generator=gen) @ mix + 0.05 * torch.randn(2000, 16, generator=gen)  # low-dim structure
+    fitted = fit_dictionary(x[:1500], 64, 2, 10, 5)
+    rand = torch.randn(64, 16, generator=gen)
+    rand = rand / rand.norm(dim=1, keepdim=True)
+    test = x[1500:]
+    err = lambda d: (reconstruct(*matching_pursuit(test, d, 2), d) - test).norm() / test.norm()  # noqa: E731
+    assert torch.allclose(fitted.norm(dim=1), torch.ones(64), atol=1e-4)
+    assert err(fitted) < 0.5 * err(rand)
+
+
+def test_tada_bit_search_respects_the_budget_and_spends_more_when_given_more():
+    config = parse_codec("tada")
+    gen = torch.Generator().manual_seed(6)
+    lat = [{"key": torch.randn(256, 35, generator=gen) * (i + 1), "value": torch.randn(256, 37, generator=gen)} for i in range(3)]
+    ks, vs = [KEY_RANKS] * 3, [VALUE_RANKS] * 3
+    small, info_small = search_tada_bits(config, lat, ks, vs, 7.0)
+    large, info_large = search_tada_bits(config, lat, ks, vs, 12.0)
+    assert info_small["bits_per_element"] <= 7.0 and info_large["bits_per_element"] <= 12.0
+    assert (large >= small).all() and large.sum() > small.sum()
+    with pytest.raises(InvalidArgumentError, match="below what tada needs"):
+        search_tada_bits(config, lat, ks, vs, 2.0)
+
+
+# ---- packed sizes -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ALL_CODECS)
+def test_stored_bytes_match_the_formula(name):
+    codec = one_codec(name)
+    for side in ("key", "value"):
+        coded = codec.encode(latents(c=codec.channels[side], batch=1, blocks=1), side)
+        assert sum(t.numel() * t.element_size() for t in coded.values()) == codec.block_bytes(side)
+    # In a cache: whole blocks coded, the rest in the float16 window; nothing else is held per token.
+    tables = None
+    if name == "csr":
+        tables = {k.replace("layer0", f"layer{i}"): v for i in range(2) for k, v in _csr_tables().items()}
+    cache = make_codec_cache(parse_codec(name), [KEY_RANKS] * 2, [VALUE_RANKS] * 2, tables)
+    batch, seq = 3, 100
+    for i in range(2):
+        cache.update(torch.randn(batch, 1, seq, 35), torch.randn(batch, 1, seq, 37), i)
+    residual = 32 + (seq - 32) % 32  # 36 tokens stay in float16
+    blocks = (seq - residual) // 32
+    expected = 2 * batch * (blocks * (codec.block_bytes("key") + codec.block_bytes("value")) + residual * (35 + 37) * 2)
+    assert cache_tensor_bytes(cache) == expected
+    assert cache.get_seq_length(0) == seq
+
+
+def _csr_tables():
+    """The random layer-0 dictionaries of one_codec("csr"), as checkpoint tables."""
+    dictionaries = one_codec("csr").dictionaries
+    return {f"csr.layer0.{side}.head{h}": a for side, heads in dictionaries.items() for h, a in enumerate(heads)}
+
+
+# ---- the codec cache inside the model -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    root = tmp_path_factory.mktemp("codecs")
+    src = save_tiny_llama(root / "src", seed=0, num_kv_heads=2, num_heads=4)
+    out = {}
+    for codec in ("none", "csr", "tada"):
+        plan = Plan(model=str(src), output=root / codec, progress=False, target_rate=0.5, kv_codec=codec,
+                    kv_bits_budget=12.0 if codec == "tada" else None)
+        run_pipeline(plan, tiny_pipeline(random_windows(8, 64)))
+        out[codec] = root / codec
+    return out
+
+
+# Logit tolerances on the tiny model (every token older than the window is coded: residual 8, blocks of 8).
+TOLERANCE = {"int4": 0.05, "int2": 0.5, "tada": 0.05, "gear": 0.3, "gear-l": 0.4, "csr": 0.3}
+
+
+@pytest.mark.parametrize("name", ALL_CODECS)
+def test_coded_model_tracks_the_uncoded_one(compiled, name):
+    directory = compiled["csr"] if name == "csr" else compiled["none"]
+    plain = kvrewrite.load(directory, kv_codec="none")
+    spec = "csr" if name == "csr" else name
+    coded = kvrewrite.load(directory, kv_codec=f"{spec}:group_size=8,residual=8")
+    tokens = random_windows(2, 72, seed=9)
+    with torch.no_grad():
+        reference = plain(tokens).logits
+        chunked = _logits(coded, tokens, chunk=16)
+    diff = (chunked - reference).abs().max().item()
+    assert 0 < diff < TOLERANCE[name]  # > 0: the chunks really read lossy coded K/V
+    # Generation goes through the codec cache by default; greedy tokens of a good codec match the plain model.
+    prompt = tokens[:, :40]
+    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert type(coded.make_kv_cache()).__name__ == "CodecCache"
+    out = coded.generate(prompt, **kwargs)
+    if name in ("int4", "tada"):
+        assert out.tolist() == plain.generate(prompt, **kwargs).tolist()
+
+
+@pytest.mark.parametrize("name", ["int4", "gear"])
+def test_left_padding_and_beam_search_with_a_codec_cache(compiled, name):
+    # A window longer than the whole sequence codes nothing: generation must then equal the plain model exactly,
+    # which checks the cache plumbing (padding, beam reordering) separately from the codec's rounding.
+    plain = kvrewrite.load(compiled["none"], kv_codec="none")
+    lossless = kvrewrite.load(compiled["none"], kv_codec=f"{name}:residual=64")
+    coded = kvrewrite.load(compiled["none"], kv_codec=f"{name}:group_size=4,residual=4")
+    batch = torch.tensor([[0, 0, 0, 5, 6, 7, 8, 9, 10], [9, 10, 11, 12, 13, 14, 15, 16, 17]])
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1], [1] * 9])
+    kwargs = dict(max_new_tokens=10, do_sample=False, pad_token_id=0)
+    for extra in ({}, {"num_beams": 3}):
+        expected = plain.generate(input_ids=batch, attention_mask=mask, **kwargs, **extra)
+        assert lossless.generate(input_ids=batch, attention_mask=mask, **kwargs, **extra).tolist() == expected.tolist()
+        got = coded.generate(input_ids=batch, attention_mask=mask, **kwargs, **extra)
+        assert got.shape == expected.shape  # runs through the coded path (blocks of 4 with padding and beams)
+
+
+def test_codec_checkpoint_records_codec_and_tables(compiled):
+    config = json.loads((compiled["csr"] / "config.json").read_text())
+    assert config["kvrewrite"]["kv_codec"]["name"] == "csr"
+    sums = json.loads((compiled["csr"] / "kvrewrite_checksums.json").read_text())
+    assert "kv_codec.safetensors" in sums
+    model = kvrewrite.load(compiled["csr"])
+    assert model.kv_codec.name == "csr" and len(model.kv_codec_tables) == 2 * 2 * 2
+    tada = kvrewrite.load(compiled["tada"])
+    assert tada.kv_codec_tables["tada.bits"].shape == (2, 2)
+    assert kvrewrite.load(compiled["csr"], kv_codec="none").kv_codec is None
+    assert kvrewrite.load(compiled["none"]).kv_codec is None
+    # Dictionaries are trained for the compiled ranks; another rate cannot use them.
+    with pytest.raises(CorruptCheckpointError, match="csr dictionary"):
+        kvrewrite.load(compiled["csr"], rate=0.3)
+    with pytest.raises(CorruptCheckpointError, match="csr dictionary"):
+        kvrewrite.load(compiled["none"], kv_codec="csr")
+
+
+def test_tampered_codec_tables_are_refused(compiled, tmp_path):
+    import shutil
+
+    copy_dir = tmp_path / "copy"
+    shutil.copytree(compiled["csr"], copy_dir)
+    with open(copy_dir / "kv_codec.safetensors", "r+b") as f:
+        f.seek(-8, 2)
+        f.write(b"\x00" * 8)
+    with pytest.raises(CorruptCheckpointError):
+        kvrewrite.load(copy_dir)
+
+
+def test_bad_codec_options_are_refused():
+    with pytest.raises(InvalidArgumentError, match="--kv-codec must be one of"):
+        Plan(model="x", kv_codec="int3")
+    with pytest.raises(InvalidArgumentError, match="no parameter"):
+        Plan(model="x", kv_codec="int4:rank=2")
+    with pytest.raises(InvalidArgumentError, match="applies to --kv-codec tada"):
+        Plan(model="x", kv_codec="int4", kv_bits_budget=4)
+    with pytest.raises(InvalidArgumentError, match="1, 2, 4 or 8"):
+        parse_codec("int4:bits=3")
+
+
+def test_evaluation_reads_the_codec_cache(compiled):
+    from kvrewrite.evaluation import perplexity_and_agreement, perplexity_and_agreement_many
+
+    plain = kvrewrite.load(compiled["none"], kv_codec="none")
+    coded = kvrewrite.load(compiled["none"], kv_codec="int2:group_size=8,residual=8")
+    windows = random_windows(3, 64, seed=12)
+    one_shot = perplexity_and_agreement(plain, windows, progress=False)
+    # Without a codec the chunked protocol is exact: it equals one forward over the window.
+    chunked = perplexity_and_agreement(plain, windows, progress=False, chunk=16)
+    assert abs(chunked.perplexity / one_shot.perplexity - 1) < 1e-5
+    # With a codec the chunked protocol is chosen automatically, and the lossy cache shows in the numbers.
+    stats = perplexity_and_agreement_many({"coded": coded}, windows, plain, progress=False)["coded"]
+    assert stats.kl_mean > 1e-4 and stats.perplexity != one_shot.perplexity
