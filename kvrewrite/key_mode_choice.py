@@ -55,8 +55,8 @@ def key_probe_kl(ctx, transforms: list, tokens: torch.Tensor, reference: torch.T
     model = build_compressed_model(ctx.model.config, spec, folded_state_dict(ctx.model, ctx.adapter, transforms, geo))
     kls = []
     with torch.inference_mode():
-        for idx, (layer, t) in enumerate(zip(model.model.layers, transforms)):
-            attn = layer.self_attn
+        for idx, (layer, t) in enumerate(zip(ctx.adapter.decoder_layers(model), transforms)):
+            attn = ctx.adapter.attention(layer)
             attn.probe_ranks = (probe_key_rank(t.key.mode, geo.num_key_value_heads, d), full_values[idx])
             logp = F.log_softmax(model(input_ids=tokens, use_cache=False).logits.float(), dim=-1)
             attn.probe_ranks = None

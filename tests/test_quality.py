@@ -104,7 +104,7 @@ def test_output_fisher_equals_autograd_of_each_attention_output(tiny):
     src, _ = tiny
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     tokens = random_windows(2, 24, seed=4)
-    sums = output_fisher(model, model.model.layers, tokens)
+    sums = output_fisher(model, [layer.self_attn.o_proj for layer in model.model.layers], tokens)
     # Reference: keep every o_proj output, take the loss gradient with respect to each in one autograd call.
     outputs = []
     handles = [layer.self_attn.o_proj.register_forward_hook(lambda _m, _i, out: outputs.append(out)) for layer in model.model.layers]

@@ -1,6 +1,6 @@
 """Pass 3: one streamed forward pass over the calibration windows, accumulating float64 Grams.
 
-Per layer and KV head: pre- and post-RoPE queries (stacked over the group's query heads) and keys,
+Per layer and KV head: pre- and post-RoPE queries (read where the adapter's taps say: after any q/k norm) (stacked over the group's query heads) and keys,
 values; per query head: the attention outputs O_h = P_h V_g that o_proj sees.
 """
 
@@ -53,25 +53,30 @@ def collect_statistics(
         sink = GramAccumulator(geo.num_layers, n_kv, n_q, d)
 
     captured: dict[int, dict[str, torch.Tensor]] = {}
-    rope: dict[str, torch.Tensor] = {}
+    rope: dict[str, list | None] = {}  # "tables": per layer (cos, sin) of the current batch
 
-    def keep_output(layer_idx: int, kind: str):
+    def keep_output(layer_idx: int, read):
         def hook(_module, _inputs, output):
-            captured.setdefault(layer_idx, {})[kind] = output.detach()
+            for kind, tensor in read(output).items():
+                captured.setdefault(layer_idx, {})[kind] = tensor.detach()
 
         return hook
 
     def on_attention_output(layer_idx: int):
-        # o_proj's input is the last thing a layer's attention computes: all its activations are known.
+        # The output projection's input is the last thing a layer's attention computes: all its activations are known.
         def hook(_module, inputs):
             acts = captured.pop(layer_idx)
             batch, length, _ = inputs[0].shape
-            q = acts["q"].view(batch, length, n_q, d).transpose(1, 2)
-            k = acts["k"].view(batch, length, n_kv, d).transpose(1, 2)
-            v = acts["v"].view(batch, length, n_kv, d).transpose(1, 2)
+            q = acts["q"].reshape(batch, length, n_q, d).transpose(1, 2)
+            k = acts["k"].reshape(batch, length, n_kv, d).transpose(1, 2)
+            v = acts["v"].reshape(batch, length, n_kv, d).transpose(1, 2)
             o = inputs[0].detach().view(batch, length, n_q, d).transpose(1, 2)
-            q_post = adapter.apply_rope(q, rope["cos"], rope["sin"])
-            k_post = adapter.apply_rope(k, rope["cos"], rope["sin"])
+            if rope["tables"] is not None:
+                cos, sin = rope["tables"][layer_idx]
+                q_post = adapter.apply_rope(q, cos, sin)
+                k_post = adapter.apply_rope(k, cos, sin)
+            else:  # no RoPE: post-RoPE statistics are the pre-RoPE ones
+                q_post, k_post = q, k
             for g in range(n_kv):
                 heads = slice(g * group, (g + 1) * group)
                 sink.add(layer_idx, "query_pre", g, q[:, heads])
@@ -89,13 +94,8 @@ def collect_statistics(
     handles = []
     for idx, layer in enumerate(adapter.decoder_layers(model)):
         attn = adapter.attention(layer)
-        handles += [
-            attn.q_proj.register_forward_hook(keep_output(idx, "q")),
-            attn.k_proj.register_forward_hook(keep_output(idx, "k")),
-            attn.v_proj.register_forward_hook(keep_output(idx, "v")),
-            attn.o_proj.register_forward_pre_hook(on_attention_output(idx)),
-        ]
-    rotary = adapter.rotary_embedding(model)
+        handles += [module.register_forward_hook(keep_output(idx, read)) for module, read in adapter.activation_taps(attn)]
+        handles.append(adapter.output_projection(attn).register_forward_pre_hook(on_attention_output(idx)))
     try:
         batches = torch.split(token_windows, batch_size)
         with torch.inference_mode(), progress_bar("collecting statistics", len(batches), progress) as bar:
@@ -104,7 +104,7 @@ def collect_statistics(
                     sink.start_batch()
                 positions = torch.arange(batch.shape[1]).expand(batch.shape[0], -1)
                 probe = torch.empty(0, dtype=next(model.parameters()).dtype)
-                rope["cos"], rope["sin"] = rotary(probe, positions)
+                rope["tables"] = adapter.rope_tables(model, probe, positions)
                 model(input_ids=batch, use_cache=False)
                 bar.advance()
     finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvrewrite.errors import UnsupportedModelError
 from kvrewrite.key_mode_choice import PREFERENCES, choose_key_modes
 from kvrewrite.key_transforms import KeyTransform, key_transform
 from kvrewrite.passes.context import CompileContext
@@ -25,16 +26,21 @@ class ComputeTransforms:
         layers = ctx.adapter.decoder_layers(ctx.model)
         metrics = ctx.output_metric or [None] * len(layers)
         values = [
-            value_transform(plan.objective, stats, ctx.adapter.attention(layer).o_proj.weight.detach(), geo, output_metric=metric)
+            value_transform(plan.objective, stats, ctx.adapter.projections(ctx.adapter.attention(layer)).o_weight, geo, output_metric=metric)
             for layer, stats, metric in zip(layers, ctx.statistics.layers, metrics)
         ]
-        modes = [plan.rope_mode] if plan.rope_mode != "auto" else list(PREFERENCES[plan.prefer])
+        # ctx.key_mode is resolved against the family in load_checkpoint; `auto` = every mode the family allows
+        # (and the preference admits) competes per layer.
+        allowed = ctx.adapter.allowed_key_modes(ctx.config)
+        modes = [ctx.key_mode] if ctx.key_mode != "auto" else [m for m in PREFERENCES[plan.prefer] if m in allowed]
+        if not modes:
+            raise UnsupportedModelError(f"--prefer {plan.prefer} leaves no key mode for this model (allowed: {', '.join(allowed)})")
         candidates = {
             m: [LayerTransforms(key_transform(m, plan.objective, stats, geo), v) for stats, v in zip(ctx.statistics.layers, values)]
             for m in modes
         }
         ctx.transforms = candidates[modes[0]]
-        ctx.report["transforms"] = {"objective": plan.objective, "key_mode": plan.rope_mode, "value_metric": plan.value_metric}
+        ctx.report["transforms"] = {"objective": plan.objective, "key_mode": modes[0] if len(modes) == 1 else "auto", "value_metric": plan.value_metric}
         if len(modes) > 1:
             chosen, report = choose_key_modes(ctx, candidates, plan.key_mode_cost)
             ctx.transforms = [candidates[m][i] for i, m in enumerate(chosen)]

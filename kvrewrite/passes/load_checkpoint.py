@@ -25,6 +25,7 @@ class LoadCheckpoint:
         # Fail on an unsupported architecture before reading any weight.
         ctx.adapter = adapter_for(config)
         ctx.geometry = ctx.adapter.geometry(config)
+        ctx.key_mode = ctx.adapter.resolve_key_mode(config, ctx.plan.rope_mode, ctx.plan.objective)
         try:
             ctx.model = load_fp32_model(resolved.path)
             ctx.tokenizer = AutoTokenizer.from_pretrained(resolved.path)

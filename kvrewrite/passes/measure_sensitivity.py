@@ -58,10 +58,10 @@ class MeasureSensitivity:
                 return float((reference.exp() * (reference - logp)).sum(-1).mean())
 
             curves, probes = {}, {}
-            layers = model.model.layers
+            layers = ctx.adapter.decoder_layers(model)
             with progress_bar("measuring sensitivity", 2 * len(layers) * len(rates), ctx.plan.progress) as bar:
                 for idx, (layer, transforms) in enumerate(zip(layers, ctx.transforms)):
-                    attn = layer.self_attn
+                    attn = ctx.adapter.attention(layer)
                     key_step = 2 if transforms.key.mode in (KEY_MODE_FREQ, KEY_MODE_CROSSHEAD) else 1
                     for side, spectra, step in (("key", transforms.key.spectrum, key_step), ("value", transforms.value.spectrum, 1)):
                         points = []

@@ -73,8 +73,8 @@ class QualityBudget:
             if rate not in probes:
                 allocation = ctx.rank_solver(rate)
                 # Zeroing the latent dims beyond each rank is exactly that truncation (tested), and keeps one model.
-                for layer, k, v in zip(model.model.layers, *allocation.as_lists(geo.num_layers, geo.num_key_value_heads)):
-                    layer.self_attn.probe_ranks = (k, v)
+                for layer, k, v in zip(ctx.adapter.decoder_layers(model), *allocation.as_lists(geo.num_layers, geo.num_key_value_heads)):
+                    ctx.adapter.attention(layer).probe_ranks = (k, v)
                 nll, kl = nll_and_kl(model, reference, batches)
                 increase = math.exp(nll - base_nll) - 1
                 probes[rate] = {"rate": rate, "ppl_increase": increase, "kl_mean": kl, "ok": within_budget(plan, increase, kl)}

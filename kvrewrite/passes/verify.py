@@ -26,10 +26,13 @@ VERIFY_TOKENS = 256
 FLOAT64_VERIFY_MAX_PARAMS = 1_000_000_000
 
 
-def attention_outputs(model, layers_of, tokens) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Logits and every layer's attention output (o_proj output) for one batch."""
+def attention_outputs(model, adapter, tokens) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Logits and every layer's attention output (output projection's output) for one batch."""
     captured: list[torch.Tensor] = []
-    handles = [layer.self_attn.o_proj.register_forward_hook(lambda _m, _i, out: captured.append(out)) for layer in layers_of(model)]
+    handles = [
+        adapter.output_projection(adapter.attention(layer)).register_forward_hook(lambda _m, _i, out: captured.append(out))
+        for layer in adapter.decoder_layers(model)
+    ]
     try:
         with torch.inference_mode():
             logits = model(input_ids=tokens, use_cache=False).logits
@@ -54,8 +57,7 @@ class Verify:
 
     def run(self, ctx: CompileContext) -> None:
         tokens = ctx.calibration_tokens[:VERIFY_WINDOWS, :VERIFY_TOKENS]
-        layers_of = ctx.adapter.decoder_layers
-        ref_logits, ref_outputs = attention_outputs(ctx.model, layers_of, tokens)
+        ref_logits, ref_outputs = attention_outputs(ctx.model, ctx.adapter, tokens)
 
         d = ctx.geometry.head_dim
         full = ctx.spec.with_ranks(
@@ -64,18 +66,18 @@ class Verify:
             0.0,
         )
         full_model = build_compressed_model(ctx.model.config, full, ctx.folded_state_dict)
-        full_logits, _ = attention_outputs(full_model, layers_of, tokens)
+        full_logits, _ = attention_outputs(full_model, ctx.adapter, tokens)
         ctx.verification["full_rank_max_abs_logit_diff_fp32"] = (full_logits - ref_logits).abs().max().item()
 
         n_params = sum(p.numel() for p in ctx.model.parameters())
         dtype = torch.float64 if n_params <= FLOAT64_VERIFY_MAX_PARAMS else torch.float32
         if dtype == torch.float64:
             reference = copy.deepcopy(ctx.model).to(dtype)
-            exact_ref, _ = attention_outputs(reference, layers_of, tokens)
+            exact_ref, _ = attention_outputs(reference, ctx.adapter, tokens)
             # The stock model's own rounding noise, for context: fp32 vs float64 logits.
             ctx.verification["original_fp32_vs_fp64_max_abs_logit_diff"] = (ref_logits.double() - exact_ref).abs().max().item()
             del reference
-            full_logits, _ = attention_outputs(full_model.to(dtype), layers_of, tokens)
+            full_logits, _ = attention_outputs(full_model.to(dtype), ctx.adapter, tokens)
             ref = exact_ref
         else:
             ref = ref_logits
@@ -92,7 +94,7 @@ class Verify:
         # The same model, back in fp32 (an exact round trip) and sliced to the compiled ranks.
         model = full_model.to(torch.float32)
         model.set_ranks([layer.key_ranks for layer in ctx.spec.layers], [layer.value_ranks for layer in ctx.spec.layers])
-        logits, outputs = attention_outputs(model, layers_of, tokens)
+        logits, outputs = attention_outputs(model, ctx.adapter, tokens)
         kl, top1 = next_token_kl(ref_logits, logits)
         layer_errors = [
             ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item() for out, ref in zip(outputs, ref_outputs)
