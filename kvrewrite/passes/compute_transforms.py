@@ -31,7 +31,7 @@ class ComputeTransforms:
         ]
         # ctx.key_mode is resolved against the family in load_checkpoint; `auto` = every mode the family allows
         # (and the preference admits) competes per layer.
-        allowed = ctx.adapter.allowed_key_modes(ctx.config)
+        allowed = ctx.adapter.allowed_key_modes(ctx.model.config)
         modes = [ctx.key_mode] if ctx.key_mode != "auto" else [m for m in PREFERENCES[plan.prefer] if m in allowed]
         if not modes:
             raise UnsupportedModelError(f"--prefer {plan.prefer} leaves no key mode for this model (allowed: {', '.join(allowed)})")
