@@ -29,8 +29,10 @@ class ComputeTransforms:
             value_transform(plan.objective, stats, ctx.adapter.projections(ctx.adapter.attention(layer)).o_weight, geo, output_metric=metric)
             for layer, stats, metric in zip(layers, ctx.statistics.layers, metrics)
         ]
-        # ctx.key_mode is resolved against the family in load_checkpoint; `auto` = every mode the family allows
-        # (and the preference admits) competes per layer.
+        # Resolved again from this plan: load_checkpoint's early check ran on the shared plan, and variants of
+        # compile_variants (sweep, demo) may override rope_mode. `auto` = every mode the family allows (and the
+        # preference admits) competes per layer.
+        ctx.key_mode = ctx.adapter.resolve_key_mode(ctx.model.config, plan.rope_mode, plan.objective)
         allowed = ctx.adapter.allowed_key_modes(ctx.model.config)
         modes = [ctx.key_mode] if ctx.key_mode != "auto" else [m for m in PREFERENCES[plan.prefer] if m in allowed]
         if not modes:
