@@ -16,6 +16,8 @@ ROPE_MODES = ("default", "auto", *KEY_MODES)
 PREFER = ("quality", "zero-overhead")
 REDUCERS = ("none", "kmeans")
 VALUE_METRICS = ("output", "fisher")
+# none, or output: least-squares refit of o_proj at the compiled ranks (passes/refit_output.py).
+REFITS = ("none", "output")
 DEFAULT_RATE_GRID = tuple(round(0.05 * i, 2) for i in range(20))  # 0.00 .. 0.95
 
 
@@ -48,6 +50,12 @@ class Plan:
     fisher_shrink: float = 0.5
     probe_rates: tuple[float, ...] = (0.5,)
     probe_windows: int = 2
+    # Output refit (passes/refit_output.py): o_proj refitted by least squares at the compiled ranks against the
+    # original attention outputs, layer by layer on refit_tokens calibration tokens; ridge is relative to the
+    # mean diagonal of the latents' Gram. A refitted checkpoint serves its compiled rate only.
+    refit: str = "none"
+    refit_tokens: int = 8192
+    refit_ridge: float = 1e-4
     # Quality budget (passes/quality_budget.py): instead of target_rate, the largest rate whose perplexity
     # increase (a fraction: 0.05 = 5%) and/or mean KL on held-back calibration text stays within budget.
     max_ppl_increase: float | None = None
@@ -73,6 +81,7 @@ class Plan:
             "rope_mode": (self.rope_mode, ROPE_MODES),
             "reduce": (self.reduce, REDUCERS),
             "value_metric": (self.value_metric, VALUE_METRICS),
+            "refit": (self.refit, REFITS),
             "prefer": (self.prefer, PREFER),
         }
         for name, (value, allowed) in choices.items():
@@ -81,7 +90,7 @@ class Plan:
         self.probe_rates = tuple(sorted({round(validate_rate(r, "probe rate"), 4) for r in self.probe_rates}))
         if not self.probe_rates or 0.0 in self.probe_rates:
             raise InvalidArgumentError("probe rates must be one or more rates in (0, 1)")
-        for name in ("calib_tokens", "seq_len", "batch_size", "rank_multiple", "kmeans_clusters", "probe_windows", "fisher_tokens"):
+        for name in ("calib_tokens", "seq_len", "batch_size", "rank_multiple", "kmeans_clusters", "probe_windows", "fisher_tokens", "refit_tokens"):
             if int(getattr(self, name)) < 1:
                 raise InvalidArgumentError(f"--{name.replace('_', '-')} must be a positive integer")
         for name in ("max_ppl_increase", "max_kl"):
@@ -92,6 +101,8 @@ class Plan:
             raise InvalidArgumentError(f"--budget-tokens must be at least one window ({self.seq_len} tokens)")
         if not 0.0 <= self.fisher_shrink <= 1.0:
             raise InvalidArgumentError("--fisher-shrink must be in [0, 1]")
+        if not self.refit_ridge >= 0:
+            raise InvalidArgumentError(f"--refit-ridge must be >= 0, got {self.refit_ridge!r}")
         if not self.key_mode_cost >= 0:
             raise InvalidArgumentError(f"--key-mode-cost must be >= 0, got {self.key_mode_cost!r}")
         if self.min_rank < 0:

@@ -112,7 +112,7 @@ def parse_config(text: str) -> SweepConfig:
 
 def rate_sliceable(overrides: dict) -> bool:
     """Whether one compile at the largest rate, sliced through its rate table, equals a compile at each rate."""
-    return overrides.get("kv_codec", "none") in ("none", None)
+    return overrides.get("kv_codec", "none") in ("none", None) and overrides.get("refit", "none") == "none"
 
 
 def pareto_front(points: list[tuple[float, float]]) -> list[int]:

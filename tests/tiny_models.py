@@ -18,6 +18,7 @@ from kvrewrite.passes.fold_weights import FoldWeights
 from kvrewrite.passes.load_checkpoint import LoadCheckpoint
 from kvrewrite.passes.measure_sensitivity import MeasureSensitivity
 from kvrewrite.passes.quality_budget import QualityBudget
+from kvrewrite.passes.refit_output import RefitOutput
 from kvrewrite.passes.verify import Verify
 
 VOCAB = 96
@@ -89,6 +90,7 @@ def tiny_pipeline(tokens: torch.Tensor | None = None) -> list:
         FoldWeights(),
         QualityBudget(),
         Verify(),
+        RefitOutput(),
         FitKVCodec(),
         Emit(),
     ]

@@ -57,6 +57,8 @@ def compress(
     max_kl: Optional[float] = typer.Option(None, "--max-kl", help="Quality budget: the largest rate whose mean next-token KL (nats) on held-back calibration text stays within this."),
     budget_tokens: int = typer.Option(4096, "--budget-tokens", help="Calibration tokens held back from the statistics for the quality budget search."),
     value_metric: str = typer.Option("output", "--value-metric", help="output (attention-output error) or fisher (weighted by the loss gradient at the attention output)."),
+    refit: str = typer.Option("none", "--refit", help="none, or output: refit every o_proj by least squares at the compiled ranks against the original attention outputs (serves the compiled rate only; docs/refit.md)."),
+    refit_tokens: int = typer.Option(8192, "--refit-tokens", help="Calibration tokens the output refit is fitted on."),
     probe_rates: str = typer.Option("0.5", "--probe-rates", help="Sensitivity allocation: comma-separated truncation rates each layer side is probed at (one point, or a KL curve)."),
     revision: Optional[str] = typer.Option(None, help="Hub revision of the source model."),
     seed: int = typer.Option(0, help="Seed for calibration sampling."),
@@ -77,7 +79,7 @@ def compress(
                     rope_mode=rope_mode, prefer=prefer, key_mode_cost=key_mode_cost, calibration=calibration, calib_tokens=calib_tokens, seq_len=seq_len,
                     batch_size=batch_size, reduce=reduce, min_rank=min_rank, rank_multiple=rank_multiple,
                     revision=revision, seed=seed, overwrite=overwrite, max_ppl_increase=_fraction(max_ppl_increase),
-                    max_kl=max_kl, budget_tokens=budget_tokens, value_metric=value_metric,
+                    max_kl=max_kl, budget_tokens=budget_tokens, value_metric=value_metric, refit=refit, refit_tokens=refit_tokens,
                     probe_rates=tuple(float(r) for r in probe_rates.split(",") if r.strip()),
                     kv_codec=kv_codec, kv_bits_budget=kv_bits_budget)
         passes = default_pipeline()

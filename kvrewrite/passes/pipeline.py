@@ -21,6 +21,7 @@ from kvrewrite.passes.fold_weights import FoldWeights
 from kvrewrite.passes.load_checkpoint import LoadCheckpoint
 from kvrewrite.passes.measure_sensitivity import MeasureSensitivity
 from kvrewrite.passes.quality_budget import QualityBudget
+from kvrewrite.passes.refit_output import RefitOutput
 from kvrewrite.passes.verify import Verify
 from kvrewrite.plan import Plan
 
@@ -44,6 +45,7 @@ def rewrite_passes() -> list:
         FoldWeights(),  # transforms -> rewritten q/k/v/o weights, spec
         QualityBudget(),  # (--max-ppl-increase / --max-kl) the largest rate within budget becomes the target
         Verify(),  # full-rank equivalence, compiled-rank error
+        RefitOutput(),  # (--refit output) o_proj refitted by least squares at the compiled ranks
         FitKVCodec(),  # (--kv-codec) codec tables fitted on the compiled model's calibration latents
         Emit(),  # checkpoint directory, written atomically
     ]

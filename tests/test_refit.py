@@ -1,0 +1,85 @@
+"""Output refit (--refit output): o_proj refitted by least squares at the compiled ranks, layer by layer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+import kvrewrite
+from kvrewrite.errors import InvalidArgumentError
+from kvrewrite.evaluation import perplexity_and_agreement
+from kvrewrite.passes.pipeline import run_pipeline
+from kvrewrite.plan import Plan
+from tiny_models import random_windows, save_tiny_llama, tiny_pipeline
+
+CALIB = random_windows(12, 48, seed=5)
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    root = tmp_path_factory.mktemp("refit")
+    src = save_tiny_llama(root / "src", seed=7, num_kv_heads=2, num_heads=4, layers=3)
+    plans = {name: Plan(model=str(src), output=root / name, progress=False, target_rate=0.5, allocation="uniform",
+                        refit=name, refit_tokens=int(CALIB.numel()), refit_ridge=0.0) for name in ("none", "output")}
+    contexts = {name: run_pipeline(plan, tiny_pipeline(CALIB)) for name, plan in plans.items()}
+    return src, contexts
+
+
+def dense_attention(attn, rotary, hidden: torch.Tensor) -> torch.Tensor:
+    """The stock Llama attention written out in float64 (GQA by repetition, causal softmax, o_proj)."""
+    b, t, _ = hidden.shape
+    n_q, n_kv = attn.config.num_attention_heads, attn.config.num_key_value_heads
+    d = attn.head_dim
+    x = hidden.double()
+    q = (x @ attn.q_proj.weight.double().T).view(b, t, n_q, d).transpose(1, 2)
+    k = (x @ attn.k_proj.weight.double().T).view(b, t, n_kv, d).transpose(1, 2)
+    v = (x @ attn.v_proj.weight.double().T).view(b, t, n_kv, d).transpose(1, 2)
+    cos, sin = rotary(hidden, torch.arange(t)[None].expand(b, t))
+    q, k = apply_rotary_pos_emb(q, k, cos.double(), sin.double())
+    k, v = (z.repeat_interleave(n_q // n_kv, dim=1) for z in (k, v))
+    scores = (q @ k.transpose(-1, -2)) * d**-0.5
+    scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+    out = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, n_q * d)
+    return out @ attn.o_proj.weight.double().T
+
+
+def test_every_layer_is_the_least_squares_fit_on_refitted_inputs(compiled):
+    """Each refitted o_proj is lstsq(z, t): z = its own latents at the compiled ranks, t = the dense original
+    attention on the hidden states the (already refitted) earlier layers produce."""
+    src, contexts = compiled
+    original = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    model = kvrewrite.load(contexts["output"].output_dir)
+    seen: dict = {}
+    handles = []
+    for idx, layer in enumerate(model.model.layers):
+        handles.append(layer.self_attn.register_forward_pre_hook(
+            lambda _m, args, kwargs, i=idx: seen.__setitem__(("x", i), kwargs["hidden_states"]), with_kwargs=True))
+        handles.append(layer.self_attn.o_proj.register_forward_pre_hook(lambda _m, inp, i=idx: seen.__setitem__(("z", i), inp[0])))
+    with torch.no_grad():
+        model(input_ids=CALIB, use_cache=False)
+    for handle in handles:
+        handle.remove()
+    for idx, layer in enumerate(model.model.layers):
+        z = seen[("z", idx)].reshape(-1, seen[("z", idx)].shape[-1]).double()
+        with torch.no_grad():
+            t = dense_attention(original.model.layers[idx].self_attn, original.model.rotary_emb, seen[("x", idx)])
+        reference = torch.linalg.lstsq(z, t.reshape(-1, t.shape[-1])).solution.T
+        assert torch.allclose(layer.self_attn.o_proj.weight.double(), reference, rtol=1e-4, atol=1e-5), idx
+
+
+def test_refit_lowers_the_error_on_other_text_and_serves_only_its_rate(compiled):
+    src, contexts = compiled
+    original = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    held_out = random_windows(8, 48, seed=11)
+    kl = {name: perplexity_and_agreement(kvrewrite.load(ctx.output_dir), held_out, original, progress=False).kl_mean
+          for name, ctx in contexts.items()}
+    assert kl["output"] < 0.9 * kl["none"], kl
+    report = contexts["output"].report["refit"]
+    assert all(a <= b + 1e-9 for a, b in zip(report["layer_relative_error_after"], report["layer_relative_error_before"]))
+    assert list(contexts["output"].spec.rate_table) == ["0.50"]
+    with pytest.raises(InvalidArgumentError, match="rate table"):
+        kvrewrite.load(contexts["output"].output_dir, rate=0.3)
+    # Without the refit nothing changes: the full rate table, and every rate loads.
+    assert "0.30" in contexts["none"].spec.rate_table
