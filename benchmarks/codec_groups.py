@@ -9,6 +9,9 @@ Quality: held-out wiki, chunked prefill in 64-token chunks against the coded cac
 same protocol. `--seq-len` sets the evaluation window: at 512 a G = 128 codec keeps up to 32 + 127 tokens of each
 window in float16, which flatters it; 2048-token windows show the long-cache quality.
 
+`--refit-tokens N` applies the output refit (`--refit output`, kvrewrite/output_refit.py) to each sliced rate first,
+on the first N wiki calibration tokens, as a compile with --refit output at that rate does.
+
 Run under the heavy-job lock, one rate per call:
   flock /tmp/kvrewrite-heavy.lock python benchmarks/codec_groups.py --checkpoint DIR --rates 0.3 --seq-len 512
   python benchmarks/codec_groups.py --report
@@ -36,11 +39,14 @@ def _record() -> dict:
     return json.loads(RESULTS.read_text()) if RESULTS.is_file() else {"runs": []}
 
 
-def run(checkpoint: Path, rates: list[float], codecs: list[str], seq_len: int, eval_tokens: int, tag: str) -> None:
+def run(checkpoint: Path, rates: list[float], codecs: list[str], seq_len: int, eval_tokens: int, tag: str,
+        refit_tokens: int = 0) -> None:
     from transformers import AutoTokenizer
 
     import kvrewrite
-    from kvrewrite.calibration_data import evaluation_token_sequences
+    from kvrewrite.adapters import adapter_for
+    from kvrewrite.calibration_data import calibration_token_sequences, evaluation_token_sequences
+    from kvrewrite.output_refit import refit_output_projections
     from kvrewrite.evaluation import kv_cache_bytes_per_token, perplexity_and_agreement_many
     from kvrewrite.passes.load_checkpoint import load_fp32_model
     from kvrewrite.sources import resolve_model_source
@@ -51,6 +57,9 @@ def run(checkpoint: Path, rates: list[float], codecs: list[str], seq_len: int, e
     record = _record()
     for rate in rates:
         base = kvrewrite.load(checkpoint, rate=rate, kv_codec="none")
+        if refit_tokens:  # what `--refit output` compiles at this rate, applied to the sliced model
+            calib = calibration_token_sequences("wiki", tokenizer, 16384, 512, seed=0)[: -(-refit_tokens // 512)]
+            refit_output_projections(base, original, adapter_for(original.config), calib)
         models = {}
         for name in codecs:
             view = copy.copy(base)  # shares every weight; only the codec differs
@@ -60,7 +69,7 @@ def run(checkpoint: Path, rates: list[float], codecs: list[str], seq_len: int, e
         stats = perplexity_and_agreement_many(models, windows, original, chunk=CHUNK, progress=False)
         eval_s = round(time.perf_counter() - t0, 1)
         for name, st in stats.items():
-            row = {"checkpoint": str(checkpoint), "tag": tag, "rate": rate, "codec": name, "seq_len": seq_len,
+            row = {"checkpoint": str(checkpoint), "tag": tag, "refit_tokens": refit_tokens, "rate": rate, "codec": name, "seq_len": seq_len,
                    "eval_tokens": int(windows.numel()), "perplexity": st.perplexity,
                    "baseline_perplexity": st.baseline_perplexity, "kl_mean": st.kl_mean,
                    "top1_agreement": st.top1_agreement, "eval_s": eval_s}
@@ -96,13 +105,14 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--eval-tokens", type=int, default=4096)
     parser.add_argument("--tag", default="default", help="names the checkpoint's configuration in the table")
+    parser.add_argument("--refit-tokens", type=int, default=0, help="apply the output refit (--refit output) at each rate")
     parser.add_argument("--report", action="store_true")
     args = parser.parse_args()
     if args.report:
         report()
         return
     run(args.checkpoint, [float(r) for r in args.rates.split(",")], args.codecs.split(";"), args.seq_len,
-        args.eval_tokens, args.tag)
+        args.eval_tokens, args.tag, args.refit_tokens)
 
 
 if __name__ == "__main__":

@@ -9,8 +9,10 @@ fixed by refitting o_proj, which reads the latents of every query head (nothing 
     W_O' = argmin_W  sum over calibration tokens || z W^T - t ||^2 + lam ||W||^2
 
 where z is what the compressed layer feeds its o_proj (the packed attention output in the value latents, at the
-compiled ranks) and t the ORIGINAL layer's attention output on the same input hidden states (bias removed). It
-runs layer by layer in one forward pass over the calibration windows, GPTQ-style: each layer is refitted before
+compiled ranks) and t, bias removed, either the original MODEL's attention output of that layer (target "model",
+`--refit output`: the drift the earlier layers left in the residual stream is absorbed too, as far as this o_proj
+can; measured better on SmolLM2) or the original LAYER's attention on the compressed model's own input hidden
+states (target "layer", `--refit output-local`: only this layer's error). It runs layer by layer in one forward pass over the calibration windows, GPTQ-style: each layer is refitted before
 the next one runs, so later layers are fitted on the activations of the already refitted earlier ones.
 
 The refit depends on the ranks, so a refitted checkpoint serves its compiled rate only.
@@ -36,16 +38,35 @@ def least_squares_output(z: torch.Tensor, target: torch.Tensor, ridge: float) ->
     return torch.linalg.solve(gram + lam * torch.eye(gram.shape[0], dtype=gram.dtype), z.T @ target).T
 
 
-def refit_output_projections(compressed, original, adapter, windows: torch.Tensor, ridge: float = 1e-4) -> list[RefitLayerReport]:
-    """Refit, in place and layer by layer, the o_proj of every compressed attention against the original layer.
+def original_attention_outputs(original, adapter, windows: torch.Tensor) -> list[torch.Tensor]:
+    """Every layer's attention output (o_proj's output) of the original model on its own hidden states."""
+    outputs: list[torch.Tensor] = []
+    handles = [adapter.output_projection(adapter.attention(layer)).register_forward_hook(lambda _m, _i, out: outputs.append(out))
+               for layer in adapter.decoder_layers(original)]
+    try:
+        with torch.no_grad():
+            original.get_decoder()(input_ids=windows, use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return outputs
+
+
+def refit_output_projections(compressed, original, adapter, windows: torch.Tensor, ridge: float = 1e-4,
+                             target: str = "model") -> list[RefitLayerReport]:
+    """Refit, in place and layer by layer, the o_proj of every compressed attention against the original.
 
     compressed: the rewritten model at its compiled ranks (modified in place); original: the stock model.
     windows: [n, seq_len] calibration token ids, all run as one batch (memory: one layer's activations of them).
+    target: "layer": the original attention on the compressed model's own hidden states (fix this layer's error);
+    "model": the original model's attention output on the original hidden states (also absorb the drift the
+    earlier layers left in the residual stream, as far as this o_proj can).
     """
     c_layers = list(adapter.decoder_layers(compressed))
     o_layers = list(adapter.decoder_layers(original))
     call: dict = {}
     reports: list[RefitLayerReport] = []
+    model_targets = original_attention_outputs(original, adapter, windows) if target == "model" else None
 
     def on_attention_call(_module, args, kwargs):
         call["args"], call["kwargs"] = args, kwargs
@@ -53,7 +74,11 @@ def refit_output_projections(compressed, original, adapter, windows: torch.Tenso
     def on_output_projection(idx: int):
         def hook(module, inputs):
             # The original attention on exactly the hidden states (and positions, mask) the compressed one got.
-            target = adapter.attention(o_layers[idx])(*call["args"], **call["kwargs"])[0]
+            if model_targets is not None:
+                target = model_targets[idx]
+                model_targets[idx] = None  # free it once used
+            else:
+                target = adapter.attention(o_layers[idx])(*call["args"], **call["kwargs"])[0]
             if module.bias is not None:
                 target = target - module.bias
             z = inputs[0].reshape(-1, inputs[0].shape[-1]).double()

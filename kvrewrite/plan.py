@@ -16,8 +16,10 @@ ROPE_MODES = ("default", "auto", *KEY_MODES)
 PREFER = ("quality", "zero-overhead")
 REDUCERS = ("none", "kmeans")
 VALUE_METRICS = ("output", "fisher")
-# none, or output: least-squares refit of o_proj at the compiled ranks (passes/refit_output.py).
-REFITS = ("none", "output")
+# Least-squares refit of o_proj at the compiled ranks (passes/refit_output.py): none; output (target: the original
+# model's attention outputs, so upstream drift is absorbed too); output-local (target: the original layer on the
+# compressed model's own hidden states).
+REFITS = ("none", "output", "output-local")
 DEFAULT_RATE_GRID = tuple(round(0.05 * i, 2) for i in range(20))  # 0.00 .. 0.95
 
 

@@ -22,7 +22,7 @@ def compiled(tmp_path_factory):
     root = tmp_path_factory.mktemp("refit")
     src = save_tiny_llama(root / "src", seed=7, num_kv_heads=2, num_heads=4, layers=3)
     plans = {name: Plan(model=str(src), output=root / name, progress=False, target_rate=0.5, allocation="uniform",
-                        refit=name, refit_tokens=int(CALIB.numel()), refit_ridge=0.0) for name in ("none", "output")}
+                        refit=name, refit_tokens=int(CALIB.numel()), refit_ridge=0.0) for name in ("none", "output", "output-local")}
     contexts = {name: run_pipeline(plan, tiny_pipeline(CALIB)) for name, plan in plans.items()}
     return src, contexts
 
@@ -45,26 +45,39 @@ def dense_attention(attn, rotary, hidden: torch.Tensor) -> torch.Tensor:
     return out @ attn.o_proj.weight.double().T
 
 
-def test_every_layer_is_the_least_squares_fit_on_refitted_inputs(compiled):
-    """Each refitted o_proj is lstsq(z, t): z = its own latents at the compiled ranks, t = the dense original
-    attention on the hidden states the (already refitted) earlier layers produce."""
-    src, contexts = compiled
-    original = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
-    model = kvrewrite.load(contexts["output"].output_dir)
+def _refit_inputs(model, original):
+    """Per layer: the attention's input hidden states and o_proj's input in `model`, and the original model's
+    attention input hidden states, on CALIB."""
     seen: dict = {}
     handles = []
-    for idx, layer in enumerate(model.model.layers):
-        handles.append(layer.self_attn.register_forward_pre_hook(
-            lambda _m, args, kwargs, i=idx: seen.__setitem__(("x", i), kwargs["hidden_states"]), with_kwargs=True))
-        handles.append(layer.self_attn.o_proj.register_forward_pre_hook(lambda _m, inp, i=idx: seen.__setitem__(("z", i), inp[0])))
+    for tag, net in (("c", model), ("o", original)):
+        for idx, layer in enumerate(net.model.layers):
+            handles.append(layer.self_attn.register_forward_pre_hook(
+                lambda _m, args, kwargs, i=idx, t=tag: seen.__setitem__((t, "x", i), kwargs["hidden_states"]), with_kwargs=True))
+            handles.append(layer.self_attn.o_proj.register_forward_pre_hook(
+                lambda _m, inp, i=idx, t=tag: seen.__setitem__((t, "z", i), inp[0])))
     with torch.no_grad():
         model(input_ids=CALIB, use_cache=False)
+        original(input_ids=CALIB, use_cache=False)
     for handle in handles:
         handle.remove()
+    return seen
+
+
+@pytest.mark.parametrize("refit", ["output", "output-local"])
+def test_every_layer_is_the_least_squares_fit_on_refitted_inputs(compiled, refit):
+    """Each refitted o_proj is lstsq(z, t): z = its own latents at the compiled ranks (behind the already refitted
+    earlier layers), t = a dense float64 original attention on the original model's hidden states (output) or on
+    the refitted model's own hidden states (output-local)."""
+    src, contexts = compiled
+    original = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    model = kvrewrite.load(contexts[refit].output_dir)
+    seen = _refit_inputs(model, original)
     for idx, layer in enumerate(model.model.layers):
-        z = seen[("z", idx)].reshape(-1, seen[("z", idx)].shape[-1]).double()
+        z = seen[("c", "z", idx)].reshape(-1, seen[("c", "z", idx)].shape[-1]).double()
+        hidden = seen[("o" if refit == "output" else "c", "x", idx)]
         with torch.no_grad():
-            t = dense_attention(original.model.layers[idx].self_attn, original.model.rotary_emb, seen[("x", idx)])
+            t = dense_attention(original.model.layers[idx].self_attn, original.model.rotary_emb, hidden)
         reference = torch.linalg.lstsq(z, t.reshape(-1, t.shape[-1])).solution.T
         assert torch.allclose(layer.self_attn.o_proj.weight.double(), reference, rtol=1e-4, atol=1e-5), idx
 
@@ -76,6 +89,7 @@ def test_refit_lowers_the_error_on_other_text_and_serves_only_its_rate(compiled)
     kl = {name: perplexity_and_agreement(kvrewrite.load(ctx.output_dir), held_out, original, progress=False).kl_mean
           for name, ctx in contexts.items()}
     assert kl["output"] < 0.9 * kl["none"], kl
+    assert kl["output-local"] < 0.9 * kl["none"], kl
     report = contexts["output"].report["refit"]
     assert all(a <= b + 1e-9 for a, b in zip(report["layer_relative_error_after"], report["layer_relative_error_before"]))
     assert list(contexts["output"].spec.rate_table) == ["0.50"]

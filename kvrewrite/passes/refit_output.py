@@ -1,4 +1,4 @@
-"""Pass (only with --refit output): least-squares refit of every o_proj at the compiled ranks (output_refit.py).
+"""Pass (only with --refit output / output-local): least-squares refit of every o_proj at the compiled ranks (output_refit.py).
 
 Runs after verify (which checks the full-rank fold against the original) and before the codec fit and emit. The
 refitted columns replace the prefix of each query head's o_proj block in the folded state dict, so the checkpoint
@@ -28,7 +28,8 @@ class RefitOutput:
         n_windows = max(1, -(-plan.refit_tokens // ctx.calibration_tokens.shape[1]))
         windows = ctx.calibration_tokens[:n_windows]
         model = build_compressed_model(ctx.model.config, ctx.spec, ctx.folded_state_dict)
-        layers = refit_output_projections(model, ctx.model, ctx.adapter, windows, ridge=plan.refit_ridge)
+        target = "layer" if plan.refit == "output-local" else "model"
+        layers = refit_output_projections(model, ctx.model, ctx.adapter, windows, ridge=plan.refit_ridge, target=target)
 
         state = dict(ctx.folded_state_dict)
         for layer_spec, layer in zip(ctx.spec.layers, ctx.adapter.decoder_layers(model)):
@@ -49,7 +50,7 @@ class RefitOutput:
         logits, _ = attention_outputs(build_compressed_model(ctx.model.config, ctx.spec, state), ctx.adapter, tokens)
         kl, top1 = next_token_kl(ref_logits, logits)
         ctx.report["refit"] = {
-            "method": plan.refit, "tokens": int(windows.numel()), "ridge": plan.refit_ridge,
+            "method": plan.refit, "target": target, "tokens": int(windows.numel()), "ridge": plan.refit_ridge,
             "layer_relative_error_before": [round(r.relative_error_before, 5) for r in layers],
             "layer_relative_error_after": [round(r.relative_error_after, 5) for r in layers],
             "verify_kl_before": verified.get("kl_mean"), "verify_kl_after": kl, "verify_top1_after": top1,
