@@ -43,6 +43,8 @@ NAMED_CONFIGS: dict[str, dict] = {
     # Sensitivity measured as a KL curve (three probe rates) instead of one point.
     "latent-sensitivity-curve": {"objective": "optimal", "allocation": "sensitivity", "rope_mode": "latent",
                                  "probe_rates": (0.25, 0.5, 0.75)},
+    # The default plus the output refit at each rate (rank-specific, so compiled at every swept rate).
+    "latent-sensitivity-refit": {"objective": "optimal", "allocation": "sensitivity", "rope_mode": "latent", "refit": "output"},
     "freq-sensitivity": {"objective": "optimal", "allocation": "sensitivity", "rope_mode": "freq"},
 }
 

@@ -12,6 +12,7 @@ from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.evaluation import perplexity_and_agreement
 from kvrewrite.passes.pipeline import run_pipeline
 from kvrewrite.plan import Plan
+from kvrewrite.sweep import parse_config, rate_sliceable
 from tiny_models import random_windows, save_tiny_llama, tiny_pipeline
 
 CALIB = random_windows(12, 48, seed=5)
@@ -97,3 +98,11 @@ def test_refit_lowers_the_error_on_other_text_and_serves_only_its_rate(compiled)
         kvrewrite.load(contexts["output"].output_dir, rate=0.3)
     # Without the refit nothing changes: the full rate table, and every rate loads.
     assert "0.30" in contexts["none"].spec.rate_table
+
+
+def test_sweep_compiles_refit_configs_at_every_rate():
+    assert not rate_sliceable(parse_config("latent-sensitivity-refit").overrides)
+    assert not rate_sliceable(parse_config("r:base=latent-sensitivity,refit=output-local").overrides)
+    assert rate_sliceable(parse_config("latent-sensitivity").overrides)
+    with pytest.raises(InvalidArgumentError, match="refit"):
+        Plan(model="x", refit="bogus")
