@@ -56,7 +56,7 @@ class Plan:
     # original attention outputs, layer by layer on refit_tokens calibration tokens; ridge is relative to the
     # mean diagonal of the latents' Gram. A refitted checkpoint serves its compiled rate only.
     refit: str = "none"
-    refit_tokens: int = 8192
+    refit_tokens: int = 16384
     refit_ridge: float = 1e-4
     # Quality budget (passes/quality_budget.py): instead of target_rate, the largest rate whose perplexity
     # increase (a fraction: 0.05 = 5%) and/or mean KL on held-back calibration text stays within budget.

@@ -58,7 +58,7 @@ def compress(
     budget_tokens: int = typer.Option(4096, "--budget-tokens", help="Calibration tokens held back from the statistics for the quality budget search."),
     value_metric: str = typer.Option("output", "--value-metric", help="output (attention-output error) or fisher (weighted by the loss gradient at the attention output)."),
     refit: str = typer.Option("none", "--refit", help="none; output: refit every o_proj by least squares at the compiled ranks against the original model's attention outputs; output-local: against the original layer on the compressed hidden states (the checkpoint serves its compiled rate only; docs/refit.md)."),
-    refit_tokens: int = typer.Option(8192, "--refit-tokens", help="Calibration tokens the output refit is fitted on."),
+    refit_tokens: int = typer.Option(16384, "--refit-tokens", help="Calibration tokens the output refit is fitted on."),
     probe_rates: str = typer.Option("0.5", "--probe-rates", help="Sensitivity allocation: comma-separated truncation rates each layer side is probed at (one point, or a KL curve)."),
     revision: Optional[str] = typer.Option(None, help="Hub revision of the source model."),
     seed: int = typer.Option(0, help="Seed for calibration sampling."),
