@@ -73,11 +73,10 @@ def refit_output_projections(compressed, original, adapter, windows: torch.Tenso
 
     def on_output_projection(idx: int):
         def hook(module, inputs):
-            # The original attention on exactly the hidden states (and positions, mask) the compressed one got.
             if model_targets is not None:
                 target = model_targets[idx]
                 model_targets[idx] = None  # free it once used
-            else:
+            else:  # the original attention on exactly the hidden states (and positions, mask) the compressed one got
                 target = adapter.attention(o_layers[idx])(*call["args"], **call["kwargs"])[0]
             if module.bias is not None:
                 target = target - module.bias
