@@ -18,7 +18,7 @@ from kvrewrite.spec import rate_key
 
 class RefitOutput:
     name = "refit_output"
-    description = "(--refit output) refit every o_proj by least squares at the compiled ranks, layer by layer, against the original attention outputs"
+    description = "(--refit output|output-local) refit every o_proj by least squares at the compiled ranks, layer by layer, against the original attention outputs"
 
     def run(self, ctx: CompileContext) -> None:
         plan = ctx.plan
