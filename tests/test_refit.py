@@ -94,6 +94,8 @@ def test_refit_lowers_the_error_on_other_text_and_serves_only_its_rate(compiled)
     report = contexts["output"].report["refit"]
     assert all(a <= b + 1e-9 for a, b in zip(report["layer_relative_error_after"], report["layer_relative_error_before"]))
     assert list(contexts["output"].spec.rate_table) == ["0.50"]
+    assert report["verify_kl_after"] < report["verify_kl_before"]
+    assert contexts["output"].verification["compiled_rank"]["kl_mean"] == report["verify_kl_after"]
     with pytest.raises(InvalidArgumentError, match="rate table"):
         kvrewrite.load(contexts["output"].output_dir, rate=0.3)
     # Without the refit nothing changes: the full rate table, and every rate loads.

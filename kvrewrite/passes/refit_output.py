@@ -43,15 +43,22 @@ class RefitOutput:
         ctx.spec = dataclasses.replace(ctx.spec, rate_table={key: ctx.spec.rate_table[key]} if key in ctx.spec.rate_table else {})
         ctx.report["rate_table"] = ctx.spec.rate_table
 
-        # Compiled-rank error after the refit, on the same tokens verify used before it.
-        verified = ctx.verification.get("compiled_rank", {})
+        # Compiled-rank error after the refit, on the tokens verify used before it; verify's figures are replaced
+        # (they describe the emitted checkpoint) and kept in the refit report.
+        verified = dict(ctx.verification.get("compiled_rank", {}))
         tokens = ctx.calibration_tokens[:2, :256]
-        ref_logits, _ = attention_outputs(ctx.model, ctx.adapter, tokens)
-        logits, _ = attention_outputs(build_compressed_model(ctx.model.config, ctx.spec, state), ctx.adapter, tokens)
+        ref_logits, ref_outputs = attention_outputs(ctx.model, ctx.adapter, tokens)
+        logits, outputs = attention_outputs(build_compressed_model(ctx.model.config, ctx.spec, state), ctx.adapter, tokens)
         kl, top1 = next_token_kl(ref_logits, logits)
+        if verified:
+            ctx.verification["compiled_rank"] = {
+                **verified, "kl_mean": kl, "top1_agreement": top1,
+                "layer_attention_relative_error": [((o - r).norm() / r.norm().clamp_min(1e-30)).item() for o, r in zip(outputs, ref_outputs)],
+            }
         ctx.report["refit"] = {
             "method": plan.refit, "target": target, "tokens": int(windows.numel()), "ridge": plan.refit_ridge,
             "layer_relative_error_before": [round(r.relative_error_before, 5) for r in layers],
             "layer_relative_error_after": [round(r.relative_error_after, 5) for r in layers],
-            "verify_kl_before": verified.get("kl_mean"), "verify_kl_after": kl, "verify_top1_after": top1,
+            "verify_kl_before": verified.get("kl_mean"), "verify_top1_before": verified.get("top1_agreement"),
+            "verify_kl_after": kl, "verify_top1_after": top1,
         }
