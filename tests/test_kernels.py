@@ -153,3 +153,18 @@ def test_triton_kernels_match_reference(ranks, q_len, dtype):
     # heads split into several row blocks.
     runner = triton_attention.TritonPackedAttention(layout, workers=3, base_rows=2)
     _compare(runner(query, key, value, mask, 0.3), query, key, value, mask, layout, dtype)
+
+
+@pytest.mark.parametrize("ranks", [RANK_MIXES[0], RANK_MIXES[2], RANK_MIXES[3]], ids=["equal", "mixed", "rank0-value"])
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_column_decode_without_padding_matches_reference(ranks, q_len):
+    """No padding, causal only (mask None or HF's boolean mask): at q_len 1 nothing is masked and the route
+    skips the additive mask; at q_len 3 the causal part still needs it."""
+    layout = PackedLayout(*ranks)
+    query, key, value, _ = _inputs(layout, 2, q_len, 11, torch.float32)
+    causal = torch.ones(2, 1, q_len, 11, dtype=torch.bool).tril(11 - q_len)
+    stored_key = packed_view(to_storage(key[:, 0].contiguous(), COLUMNS).contiguous())
+    stored_value = packed_view(to_storage(value[:, 0].contiguous(), COLUMNS).contiguous())
+    runner = BucketedAttention(layout)
+    for mask in (None, causal):
+        _compare(runner(query, stored_key, stored_value, mask, 0.3), query, key, value, causal, layout, torch.float32)

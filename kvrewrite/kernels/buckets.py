@@ -145,6 +145,13 @@ class BucketedAttention:
             dtype=torch.long,
         )
         self._heads = heads
+        # Column-major decode: (first head, head count) per GEMM pair; all heads at once when they share
+        # one rank pair, else one head each (rank-0 value heads have no output columns and are skipped).
+        rank_pairs = set(zip(layout.key_ranks, layout.value_ranks))
+        if len(rank_pairs) == 1 and layout.value_ranks[0] > 0:
+            self._column_runs = [(0, len(layout.key_ranks))]
+        else:
+            self._column_runs = [(h, 1) for h, rv in enumerate(layout.value_ranks) if rv > 0]
         # Packed query columns of each bucket, ordered [head, group member, rank] (a small gather per step).
         self._query_index = [
             torch.tensor([qo[h] + j * b.key_rank + i for h in b.heads for j in range(g) for i in range(b.key_rank)], dtype=torch.long)
@@ -205,32 +212,38 @@ class BucketedAttention:
         return output
 
     def _columns(self, query, key, value, allowed, scaling) -> torch.Tensor:
-        """Decode over a COLUMNS cache: per KV head, GEMM with its contiguous K_g^T, softmax, GEMM with V_g."""
+        """Decode over a COLUMNS cache: per KV head, GEMM with its contiguous K_g^T, softmax, GEMM with V_g.
+
+        A layer whose heads all share one rank pair (every layer at p = 0) runs all heads as one batched GEMM
+        pair: [B, n*rk, S] views as [B*n, rk, S] without a copy.
+        """
         batch, q_len, _ = query.shape
         kv_len, g = key.shape[-2], self.layout.group_size
         qo, ko, vo = self.layout.query_offsets, self.layout.key_offsets, self.layout.value_offsets
         keys_t = key[:, 0].transpose(1, 2)  # [B, Ksum, S], unit stride along S: the cache storage itself
         values_t = value[:, 0].transpose(1, 2)  # [B, Vsum, S]
-        # Additive mask; query rows are ordered (position, group member), each position's row serves the group.
-        bias = torch.zeros(allowed.shape[0], q_len, 1, kv_len, dtype=torch.float32, device=query.device)
-        bias = bias.masked_fill(~allowed[:, 0, :, None, :], torch.finfo(torch.float32).min)
-        bias = bias.expand(batch, q_len, g, kv_len).reshape(batch, q_len * g, kv_len)
+        query = query * scaling  # tiny; saves a pass over the scores
+        # Additive mask [B|1, 1, T, 1, S] (query rows are ordered (position, group member)); none when all allowed.
+        bias = None
+        if not bool(allowed.all()):
+            bias = torch.zeros(allowed.shape[0], 1, q_len, 1, kv_len, dtype=torch.float32, device=query.device)
+            bias = bias.masked_fill(~allowed[:, :, :, None, :], torch.finfo(torch.float32).min)
         outputs = []
-        for h, (rk, rv) in enumerate(zip(self.layout.key_ranks, self.layout.value_ranks)):
-            if rv == 0:  # no output columns
-                continue
-            q = query[..., qo[h] : qo[h + 1]].reshape(batch, q_len * g, rk)
-            k_t = keys_t[:, ko[h] : ko[h + 1]]  # [B, rk, S]
-            if query.dtype == torch.float32:
-                scores = torch.baddbmm(bias, q, k_t, alpha=scaling)
-            else:  # low-precision GEMM (fp32 accumulation inside), softmax in fp32
-                scores = torch.bmm(q, k_t).float() * scaling + bias
+        for h, n in self._column_runs:
+            rk, rv = self.layout.key_ranks[h], self.layout.value_ranks[h]
+            q = query[..., qo[h] : qo[h + n]].view(batch, q_len, n, g * rk).transpose(1, 2).reshape(batch * n, q_len * g, rk)
+            k_t = keys_t[:, ko[h] : ko[h + n]].reshape(batch * n, rk, kv_len)  # a view: the run is the whole row
+            scores = torch.bmm(q, k_t)
+            scores = scores if scores.dtype == torch.float32 else scores.float()  # softmax in fp32
+            if bias is not None:
+                scores.view(batch, n, q_len, g, kv_len).add_(bias)
             probs = torch.softmax(scores, dim=-1).to(value.dtype)
-            out = torch.bmm(probs, values_t[:, vo[h] : vo[h + 1]].transpose(1, 2))  # [B, T*G, rv]
-            outputs.append(out.view(batch, q_len, g * rv))
+            v = values_t[:, vo[h] : vo[h + n]].reshape(batch * n, rv, kv_len).transpose(1, 2)  # [B*n, S, rv]
+            out = torch.bmm(probs, v)  # [B*n, T*G, rv]
+            outputs.append(out.view(batch, n, q_len, g * rv).transpose(1, 2).reshape(batch, q_len, n * g * rv))
         if not outputs:
             return query.new_zeros(batch, q_len, 0)
-        return torch.cat(outputs, dim=-1)
+        return torch.cat(outputs, dim=-1) if len(outputs) > 1 else outputs[0]
 
     def _block_diagonal(self, query, key, value, allowed, scaling) -> torch.Tensor:
         batch, q_len, _ = query.shape
