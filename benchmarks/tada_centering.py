@@ -27,6 +27,7 @@ def main() -> None:
 
     import kvrewrite
     from kvrewrite.calibration_data import calibration_token_sequences
+    from kvrewrite.kernels.cache_layout import packed_view
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--checkpoint", type=Path, required=True)
@@ -43,6 +44,7 @@ def main() -> None:
     for idx, attn in enumerate(model.compressed_attentions()):
         layer = cache.layers[idx]
         for side, packed, ranks in (("key", layer.keys, attn.key_ranks), ("value", layer.values, attn.value_ranks)):
+            packed = packed_view(packed)  # either memory order -> the logical [B, 1, S, sum r]
             x = packed[:, 0].reshape(-1, packed.shape[-1]).double()  # [tokens, sum r]
             width = min(ranks)
             if width == 0 or len(ranks) < 2:
