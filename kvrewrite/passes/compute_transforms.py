@@ -22,10 +22,11 @@ class ComputeTransforms:
     def run(self, ctx: CompileContext) -> None:
         plan, geo = ctx.plan, ctx.geometry
         mode = plan.key_mode()
-        layers = ctx.adapter.decoder_layers(ctx.model)
         ctx.transforms = []
-        for layer, stats in zip(layers, ctx.statistics.layers):
-            o_proj = ctx.adapter.attention(layer).o_proj.weight.detach()
+        for idx, stats in enumerate(ctx.statistics.layers):
+            # The value side needs W_O: read that one tensor of the layer from the shards.
+            name = f"{ctx.source.attention_prefix(idx)}.o_proj.weight"
+            o_proj = ctx.source.read([name])[name].double()
             ctx.transforms.append(
                 LayerTransforms(
                     key=key_transform(mode, plan.objective, stats, geo),
