@@ -27,13 +27,3 @@ def compressed_config(original_config, spec: CompressionSpec, dtype: torch.dtype
     config.auto_map = dict(AUTO_MAP)
     config.dtype = dtype
     return config
-
-
-def build_compressed_model(original_config, spec: CompressionSpec, state_dict: dict[str, torch.Tensor]) -> KVRewriteLlamaForCausalLM:
-    """The rewritten model at full rank with the folded weights loaded strictly, then sliced to the spec's ranks."""
-    config = compressed_config(original_config, spec)
-    model = KVRewriteLlamaForCausalLM(config)
-    model.load_state_dict(state_dict, strict=True)
-    model.eval()
-    model.set_ranks([layer.key_ranks for layer in spec.layers], [layer.value_ranks for layer in spec.layers])
-    return model

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from kvrewrite.codecs.config import parse_codec
 from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.spec import ALLOCATIONS, KEY_MODES, OBJECTIVES, validate_rate
@@ -13,6 +15,9 @@ ROPE_MODES = ("auto", *KEY_MODES)
 # --prefer for --rope-mode auto: every key mode, or only those whose runtime does not grow with context.
 PREFER = ("quality", "zero-overhead")
 REDUCERS = ("none", "kmeans")
+DTYPES = ("float32", "bfloat16")
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16"}
+DEVICES = ("cpu", "cuda")
 DEFAULT_RATE_GRID = tuple(round(0.05 * i, 2) for i in range(20))  # 0.00 .. 0.95
 
 
@@ -37,6 +42,11 @@ class Plan:
     min_rank: int = 0
     rate_grid: tuple[float, ...] = DEFAULT_RATE_GRID
     verify_tolerance: float = 1e-4
+    verify_tokens: int = 512
+    # Where layers run and in which dtype they compute and are written out (Grams are float64 regardless).
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_shard_size: str = "1GB"
     revision: str | None = None
     seed: int = 0
     overwrite: bool = False
@@ -49,6 +59,7 @@ class Plan:
 
     def __post_init__(self) -> None:
         self.target_rate = validate_rate(self.target_rate)
+        self.dtype = DTYPE_ALIASES.get(str(self.dtype).lower(), str(self.dtype).lower())
         self.rate_grid = tuple(sorted({round(validate_rate(r, "rate grid entry"), 4) for r in self.rate_grid}))
         choices = {
             "objective": (self.objective, OBJECTIVES),
@@ -56,11 +67,17 @@ class Plan:
             "rope_mode": (self.rope_mode, ROPE_MODES),
             "reduce": (self.reduce, REDUCERS),
             "prefer": (self.prefer, PREFER),
+            "dtype": (self.dtype, DTYPES),
         }
         for name, (value, allowed) in choices.items():
             if value not in allowed:
                 raise InvalidArgumentError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}; got {value!r}")
-        for name in ("calib_tokens", "seq_len", "batch_size", "rank_multiple", "kmeans_clusters"):
+        if self.device.split(":")[0] not in DEVICES:
+            raise InvalidArgumentError(f"--device must be cpu or cuda (optionally cuda:N); got {self.device!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise InvalidArgumentError("--device cuda was asked for but torch sees no CUDA device here")
+        parse_size(self.max_shard_size)
+        for name in ("calib_tokens", "seq_len", "batch_size", "rank_multiple", "kmeans_clusters", "verify_tokens"):
             if int(getattr(self, name)) < 1:
                 raise InvalidArgumentError(f"--{name.replace('_', '-')} must be a positive integer")
         if not self.key_mode_cost >= 0:
@@ -79,8 +96,31 @@ class Plan:
                 raise InvalidArgumentError("--kv-bits-budget must be in (0, 16] bits per cached element")
             self.kv_bits_budget = float(self.kv_bits_budget)
 
+    def compute_dtype(self) -> torch.dtype:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.dtype]
+
     def key_mode(self) -> str:
         """A description of the key side: the fixed mode, or how auto chooses per layer."""
         if self.rope_mode != "auto":
             return self.rope_mode
         return f"auto (per layer, prefer {self.prefer}, cost weight {self.key_mode_cost:g})"
+
+
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes in a size like 1073741824, "1GB" or "500MiB"."""
+    if isinstance(size, int):
+        value = size
+    else:
+        text = str(size).strip().upper().replace(" ", "")
+        number = text.rstrip("KMGIB")
+        unit = text[len(number):]
+        try:
+            value = int(float(number) * _SIZE_UNITS[unit])
+        except (ValueError, KeyError):
+            raise InvalidArgumentError(f"--max-shard-size must be a size like 1GB or 500MB; got {size!r}") from None
+    if value < 1:
+        raise InvalidArgumentError(f"--max-shard-size must be positive; got {size!r}")
+    return value

@@ -47,6 +47,10 @@ class ArchitectureAdapter:
     def rotary_embedding(self, model: nn.Module) -> nn.Module:
         raise NotImplementedError
 
+    def final_norm(self, model: nn.Module) -> nn.Module:
+        """The norm between the last decoder layer and the LM head (the layer-streaming runner needs it)."""
+        raise NotImplementedError
+
     def apply_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate x [B, heads, T, d] with HF's cos/sin [B, T, d]."""
         raise NotImplementedError

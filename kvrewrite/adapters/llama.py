@@ -57,6 +57,9 @@ class LlamaAdapter(ArchitectureAdapter):
     def rotary_embedding(self, model: nn.Module) -> nn.Module:
         return model.model.rotary_emb
 
+    def final_norm(self, model: nn.Module) -> nn.Module:
+        return model.model.norm
+
     def apply_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         return x * cos + rotate_half(x) * sin

@@ -42,6 +42,10 @@ def compress(
     min_rank: int = typer.Option(0, "--min-rank", help="Floor on every head's rank."),
     rank_multiple: int = typer.Option(1, "--rank-multiple", help="Round ranks to multiples of this (8 or 16 for kernels)."),
     revision: Optional[str] = typer.Option(None, help="Hub revision of the source model."),
+    device: str = typer.Option("cpu", help="Where decoder layers run: cpu or cuda (statistics are float64 on the CPU either way)."),
+    dtype: str = typer.Option("float32", help="Compute and output dtype: float32 (fp32) or bfloat16 (bf16)."),
+    max_shard_size: str = typer.Option("1GB", "--max-shard-size", help="Largest output shard; shards are written as they fill."),
+    verify_tokens: int = typer.Option(512, "--verify-tokens", help="Calibration tokens the verify pass runs (float64, layer by layer)."),
     seed: int = typer.Option(0, help="Seed for calibration sampling."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
     kv_codec: str = typer.Option("none", "--kv-codec", help="KV codec on the reduced cache: none, int4, int2, tada, gear, gear-l, csr; parameters as int4:group_size=64 (docs/codecs.md)."),
@@ -57,7 +61,8 @@ def compress(
         plan = Plan(model=model, target_rate=target_rate, output=output, objective=objective, allocation=allocation,
                     rope_mode=rope_mode, prefer=prefer, key_mode_cost=key_mode_cost, calibration=calibration, calib_tokens=calib_tokens, seq_len=seq_len,
                     batch_size=batch_size, reduce=reduce, min_rank=min_rank, rank_multiple=rank_multiple,
-                    revision=revision, seed=seed, overwrite=overwrite, kv_codec=kv_codec, kv_bits_budget=kv_bits_budget)
+                    revision=revision, seed=seed, overwrite=overwrite, device=device, dtype=dtype,
+                    max_shard_size=max_shard_size, verify_tokens=verify_tokens, kv_codec=kv_codec, kv_bits_budget=kv_bits_budget)
         passes = default_pipeline()
         if dry_run:
             table = Table(title=f"kvrewrite compress {model} --target-rate {plan.target_rate} (dry run)")
@@ -68,7 +73,7 @@ def compress(
                 table.add_row(str(i), name, text)
             console.print(table)
             console.print(f"key mode: {plan.key_mode()}, objective: {plan.objective}, allocation: {plan.allocation}, "
-                          f"calibration: {plan.calibration} ({plan.calib_tokens} tokens)")
+                          f"calibration: {plan.calibration} ({plan.calib_tokens} tokens), device: {plan.device}, dtype: {plan.dtype}")
             return
         counter = iter(range(1, len(passes) + 1))
         ctx = run_pipeline(plan, passes, on_pass=lambda p: console.print(f"[cyan][{next(counter)}/{len(passes)}][/] {p.name}: {p.description}"))

@@ -13,8 +13,10 @@ class BuildCalibration:
         from kvrewrite.calibration_data import calibration_token_sequences  # gensim is slow to import
 
         plan = ctx.plan
+        # Only synthetic text needs the whole model (it generates with it); other sources never load it.
+        model = ctx.original_model() if plan.calibration == "synthetic" else None
         ctx.calibration_tokens = calibration_token_sequences(
-            plan.calibration, ctx.tokenizer, plan.calib_tokens, plan.seq_len, model=ctx.model, seed=plan.seed
+            plan.calibration, ctx.tokenizer, plan.calib_tokens, plan.seq_len, model=model, seed=plan.seed
         )
         ctx.report["calibration"] = {
             "source": plan.calibration,

@@ -22,11 +22,12 @@ class ComputeTransforms:
 
     def run(self, ctx: CompileContext) -> None:
         plan, geo = ctx.plan, ctx.geometry
-        layers = ctx.adapter.decoder_layers(ctx.model)
-        values = [
-            value_transform(plan.objective, stats, ctx.adapter.attention(layer).o_proj.weight.detach(), geo)
-            for layer, stats in zip(layers, ctx.statistics.layers)
-        ]
+        values = []
+        for idx, stats in enumerate(ctx.statistics.layers):
+            # The value side needs W_O: read that one tensor of the layer from the shards.
+            name = f"{ctx.source.attention_prefix(idx)}.o_proj.weight"
+            o_proj = ctx.source.read([name])[name].double()
+            values.append(value_transform(plan.objective, stats, o_proj, geo))
         modes = [plan.rope_mode] if plan.rope_mode != "auto" else list(PREFERENCES[plan.prefer])
         candidates = {
             m: [LayerTransforms(key_transform(m, plan.objective, stats, geo), v) for stats, v in zip(ctx.statistics.layers, values)]
