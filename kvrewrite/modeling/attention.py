@@ -13,7 +13,8 @@ from torch import nn
 
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from kvrewrite.kernels.reference import PackedLayout, boolean_mask, grouped_attention, packed_attention, shared_key_attention
+from kvrewrite.kernels.dispatch import PackedAttentionFn, build_attention, resolve_backend
+from kvrewrite.kernels.reference import PackedLayout, boolean_mask, grouped_attention, shared_key_attention
 from kvrewrite.spec import KEY_MODE_CROSSHEAD, KEY_MODE_FREQ, KEY_MODE_LATENT, KEY_MODE_POST_ROPE, LayerSpec, full_key_ranks
 
 PACKED_ATTENTION = "kvrewrite_packed"
@@ -69,6 +70,8 @@ class CompressedAttention(nn.Module):
         self.value_ranks = [d] * self.num_kv_heads
         self.layout = PackedLayout(tuple(self.key_ranks), tuple(self.value_ranks), self.group_size)
         self._indices: dict[str, torch.Tensor] | None = None
+        # The attention implementation for the current layout and device (kernels.dispatch), built lazily.
+        self._runner: tuple[str, torch.device, PackedAttentionFn] | None = None
         # Sensitivity probing: zeroing the trailing latent dims is exactly a truncation to that rank.
         self.probe_ranks: tuple[list[int], list[int]] | None = None
 
@@ -101,6 +104,14 @@ class CompressedAttention(nn.Module):
         self.key_ranks, self.value_ranks = list(key_ranks), list(value_ranks)
         self.layout = PackedLayout(tuple(self.key_ranks), tuple(self.value_ranks), self.group_size)
         self._indices = None
+        self._runner = None
+
+    def packed_attention_runner(self, device: torch.device) -> PackedAttentionFn:
+        """The packed attention for this layer's layout: Triton on CUDA, torch rank buckets otherwise."""
+        backend = resolve_backend(device)
+        if self._runner is None or self._runner[:2] != (backend, device):
+            self._runner = (backend, device, build_attention(self.layout, backend))
+        return self._runner[2]
 
     def _index(self, name: str, device) -> torch.Tensor:
         if self._indices is None or next(iter(self._indices.values())).device != device:
@@ -119,12 +130,24 @@ class CompressedAttention(nn.Module):
             shared = self.freq_order[0][: self.key_ranks[0] // 2]
             indices["key_pair_freq"] = torch.tensor(shared, dtype=torch.long)
             indices["query_pair_freq"] = torch.tensor(shared * self.num_heads, dtype=torch.long)
-        if self.key_mode == KEY_MODE_POST_ROPE:
-            # Column indices that keep the first r of each head's d projected dims.
-            q_ranks = [r for r in self.key_ranks for _ in range(g)]
-            indices["key_keep"] = torch.tensor([h * d + i for h, r in enumerate(self.key_ranks) for i in range(r)], dtype=torch.long)
-            indices["query_keep"] = torch.tensor([h * d + i for h, r in enumerate(q_ranks) for i in range(r)], dtype=torch.long)
         return indices
+
+    def _post_rope_map(self) -> torch.Tensor:
+        """Block-diagonal [(H + H_kv) * d, Qsum + Ksum]: every head's kept [d, r] map, q heads then k heads.
+
+        One matmul of the rotated [q | k] rows with it yields the packed query and key at once.
+        """
+        maps = self._indices.get("post_rope_map") if self._indices is not None else None
+        if maps is not None and maps.dtype == self.q_map.dtype and maps.device == self.q_map.device:
+            return maps
+        g = self.group_size
+        with torch.no_grad():
+            blocks = [self.q_map[h // g, :, : self.key_ranks[h // g]] for h in range(self.num_heads)]
+            blocks += [self.k_map[h, :, : self.key_ranks[h]] for h in range(self.num_kv_heads)]
+            maps = torch.block_diag(*blocks).contiguous()
+        self._index("empty", maps.device)  # make sure the index cache exists on this device
+        self._indices["post_rope_map"] = maps
+        return maps
 
     def kv_elements_per_token(self) -> int:
         return sum(self.key_ranks) + sum(self.value_ranks)
@@ -148,9 +171,9 @@ class CompressedAttention(nn.Module):
         elif self.key_mode == KEY_MODE_POST_ROPE:
             q = self._apply_rope(self._heads(query, self.num_heads), cos, sin)
             k = self._apply_rope(self._heads(key, self.num_kv_heads), cos, sin)
-            q_maps = self.q_map.repeat_interleave(self.group_size, dim=0)
-            query = torch.einsum("bhtd,hde->bthe", q, q_maps).flatten(2)[..., self._index("query_keep", q.device)]
-            key = torch.einsum("bhtd,hde->bthe", k, self.k_map).flatten(2)[..., self._index("key_keep", k.device)]
+            rotated = torch.cat((q.transpose(1, 2).flatten(2), k.transpose(1, 2).flatten(2)), dim=-1)
+            projected = rotated @ self._post_rope_map()  # q and k maps of every head in one matmul
+            query, key = projected.split((self.layout.query_offsets[-1], self.layout.key_offsets[-1]), dim=-1)
         # latent: key stays the pre-RoPE latent from the folded k_proj; it is rotated inside attention.
 
         if self.probe_ranks is not None:
@@ -207,5 +230,5 @@ class CompressedAttention(nn.Module):
 
 
 def packed_attention_forward(module: CompressedAttention, query, key, value, attention_mask, scaling, **kwargs):
-    """AttentionInterface entry: packed variable-rank attention (torch reference path)."""
-    return packed_attention(query, key, value, attention_mask, scaling, module.layout), None
+    """AttentionInterface entry: packed variable-rank attention (rank buckets on CPU, Triton on CUDA)."""
+    return module.packed_attention_runner(query.device)(query, key, value, attention_mask, scaling), None
