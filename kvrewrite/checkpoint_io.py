@@ -24,7 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from kvrewrite.atomic_files import current_umask
-from kvrewrite.errors import CorruptCheckpointError, InvalidArgumentError
+from kvrewrite.errors import CorruptCheckpointError, InvalidArgumentError, ModelSourceError
 
 CHECKSUM_FILE = "kvrewrite_checksums.json"
 SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
@@ -56,6 +56,14 @@ def _remove_path(path: Path) -> None:
             path.unlink()
 
 
+def refuse_existing_output(out_dir: Path, overwrite: bool) -> None:
+    """An existing output is never replaced unless asked (checked before a compile starts, and again at the end)."""
+    if os.path.lexists(out_dir) and not overwrite:
+        raise InvalidArgumentError(
+            f"output directory {out_dir} already exists; pass --overwrite to replace it or choose another -o path"
+        )
+
+
 @contextlib.contextmanager
 def atomic_output_dir(out_dir: Path, overwrite: bool = False) -> Iterator[Path]:
     """Yield a fresh temporary directory that replaces `out_dir` only if the block finishes without an exception.
@@ -65,10 +73,7 @@ def atomic_output_dir(out_dir: Path, overwrite: bool = False) -> Iterator[Path]:
     previous `out_dir` is left untouched.
     """
     out_dir = Path(out_dir)
-    if os.path.lexists(out_dir) and not overwrite:
-        raise InvalidArgumentError(
-            f"output directory {out_dir} already exists; pass --overwrite to replace it or choose another -o path"
-        )
+    refuse_existing_output(out_dir, overwrite)
     parent = out_dir.parent
     parent.mkdir(parents=True, exist_ok=True)
     name = out_dir.name
@@ -276,6 +281,36 @@ def read_safetensors_metadata(directory: Path) -> dict[str, str]:
     if not path.is_file():
         raise CorruptCheckpointError(f"{path} is listed in the index but missing; re-run the compile")
     return dict(_open_safetensors_header(path))
+
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def check_safetensors_files(directory: Path) -> list[str]:
+    """Check that every weight file of a checkpoint exists and is complete before anything reads it.
+
+    Used on source models (which carry no checksums) so a missing or truncated shard fails with its file name
+    instead of deep inside transformers. Only safetensors are accepted: kvrewrite never unpickles weights.
+    """
+    directory = Path(directory)
+    shards = _shard_filenames(directory)
+    if not shards:
+        pickled = sorted(p.name for p in directory.iterdir() if p.suffix in PICKLE_SUFFIXES) if directory.is_dir() else []
+        if pickled:
+            raise ModelSourceError(
+                f"{directory} holds only pickled weights ({', '.join(pickled)}); kvrewrite reads safetensors only, "
+                "because unpickling can run code. Convert them first (load with transformers and "
+                "`save_pretrained(..., safe_serialization=True)`) or use the repo's safetensors revision"
+            )
+        raise CorruptCheckpointError(f"no *.safetensors weights found in {directory}")
+    index = directory / SAFETENSORS_INDEX_FILE
+    for name in shards:
+        path = directory / name
+        if not path.is_file():
+            where = f"listed in {index}" if index.is_file() else "expected"
+            raise CorruptCheckpointError(f"{path} is {where} but missing; re-download the model or re-run the compile")
+        _open_safetensors_header(path)  # a truncated file fails here, naming itself
+    return shards
 
 
 def _open_safetensors_header(path: Path) -> dict[str, str]:

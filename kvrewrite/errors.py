@@ -27,3 +27,7 @@ class CorruptCheckpointError(KVRewriteError):
 
 class VerificationError(KVRewriteError):
     """The rewritten model failed the full-rank equivalence check against the original."""
+
+
+class HubError(KVRewriteError):
+    """Talking to the Hugging Face Hub failed: not logged in, no write access, offline, or the network is down."""

@@ -18,6 +18,7 @@ REDUCERS = ("none", "kmeans")
 DTYPES = ("float32", "bfloat16")
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16"}
 DEVICES = ("cpu", "cuda")
+VALUE_METRICS = ("output", "fisher")
 DEFAULT_RATE_GRID = tuple(round(0.05 * i, 2) for i in range(20))  # 0.00 .. 0.95
 
 
@@ -41,6 +42,20 @@ class Plan:
     rank_multiple: int = 1
     min_rank: int = 0
     rate_grid: tuple[float, ...] = DEFAULT_RATE_GRID
+    # Sensitivity allocation: uniform truncation rates each (layer, side) is probed at, and how many
+    # 256-token calibration windows the probe KL is measured on.
+    # Value objective's output metric: "output" (every hidden direction alike) or "fisher" (weighted by the
+    # loss gradient's second moment at the attention output; passes/collect_fisher.py).
+    value_metric: str = "output"
+    fisher_tokens: int = 8192
+    fisher_shrink: float = 0.5
+    probe_rates: tuple[float, ...] = (0.5,)
+    probe_windows: int = 2
+    # Quality budget (passes/quality_budget.py): instead of target_rate, the largest rate whose perplexity
+    # increase (a fraction: 0.05 = 5%) and/or mean KL on held-back calibration text stays within budget.
+    max_ppl_increase: float | None = None
+    max_kl: float | None = None
+    budget_tokens: int = 4096
     verify_tolerance: float = 1e-4
     verify_tokens: int = 512
     # Where layers run and in which dtype they compute and are written out (Grams are float64 regardless).
@@ -66,20 +81,32 @@ class Plan:
             "allocation": (self.allocation, ALLOCATIONS),
             "rope_mode": (self.rope_mode, ROPE_MODES),
             "reduce": (self.reduce, REDUCERS),
+            "value_metric": (self.value_metric, VALUE_METRICS),
             "prefer": (self.prefer, PREFER),
             "dtype": (self.dtype, DTYPES),
         }
         for name, (value, allowed) in choices.items():
             if value not in allowed:
                 raise InvalidArgumentError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}; got {value!r}")
+        self.probe_rates = tuple(sorted({round(validate_rate(r, "probe rate"), 4) for r in self.probe_rates}))
+        if not self.probe_rates or 0.0 in self.probe_rates:
+            raise InvalidArgumentError("probe rates must be one or more rates in (0, 1)")
         if self.device.split(":")[0] not in DEVICES:
             raise InvalidArgumentError(f"--device must be cpu or cuda (optionally cuda:N); got {self.device!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise InvalidArgumentError("--device cuda was asked for but torch sees no CUDA device here")
         parse_size(self.max_shard_size)
-        for name in ("calib_tokens", "seq_len", "batch_size", "rank_multiple", "kmeans_clusters", "verify_tokens"):
+        for name in ("calib_tokens", "seq_len", "batch_size", "rank_multiple", "kmeans_clusters", "probe_windows", "fisher_tokens", "verify_tokens"):
             if int(getattr(self, name)) < 1:
                 raise InvalidArgumentError(f"--{name.replace('_', '-')} must be a positive integer")
+        for name in ("max_ppl_increase", "max_kl"):
+            value = getattr(self, name)
+            if value is not None and not (float(value) > 0.0 and float(value) == float(value)):
+                raise InvalidArgumentError(f"--{name.replace('_', '-')} must be a positive number, got {value!r}")
+        if self.has_quality_budget() and int(self.budget_tokens) < self.seq_len:
+            raise InvalidArgumentError(f"--budget-tokens must be at least one window ({self.seq_len} tokens)")
+        if not 0.0 <= self.fisher_shrink <= 1.0:
+            raise InvalidArgumentError("--fisher-shrink must be in [0, 1]")
         if not self.key_mode_cost >= 0:
             raise InvalidArgumentError(f"--key-mode-cost must be >= 0, got {self.key_mode_cost!r}")
         if self.min_rank < 0:
@@ -98,6 +125,9 @@ class Plan:
 
     def compute_dtype(self) -> torch.dtype:
         return {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.dtype]
+
+    def has_quality_budget(self) -> bool:
+        return self.max_ppl_increase is not None or self.max_kl is not None
 
     def key_mode(self) -> str:
         """A description of the key side: the fixed mode, or how auto chooses per layer."""

@@ -45,6 +45,44 @@ def verify_checkpoint_files(directory: Path) -> None:
     from kvrewrite.checkpoint_io import verify_checksums
 
     verify_checksums(directory)
+    check_spec_matches_weights(directory)
+
+
+# What the tensors were folded for. Ranks and the target rate are not here: they are a run-time choice among the
+# rate table, and the weights serve them all.
+_STRUCTURAL_FIELDS = ("format_version", "base_model_type", "num_layers", "num_attention_heads", "num_key_value_heads",
+                      "head_dim", "objective")
+
+
+def check_spec_matches_weights(directory: Path) -> None:
+    """Refuse a config.json spec that differs from the spec the weights were written with (kept in the shards).
+
+    A changed key mode or rotary-pair order would otherwise load without any shape error and compute garbage.
+    """
+    from kvrewrite.checkpoint_io import _shard_filenames, read_safetensors_metadata
+
+    written_json = read_safetensors_metadata(directory).get("kvrewrite_spec")
+    config_path = Path(directory) / "config.json"
+    try:
+        config_spec = json.loads(config_path.read_text())["kvrewrite"]
+    except (OSError, ValueError, KeyError) as exc:
+        raise CorruptCheckpointError(f"{config_path}: unreadable or has no kvrewrite spec ({exc})") from exc
+    if written_json is None or config_spec is None:
+        return  # weights re-saved by plain transformers carry no spec to compare with
+    written = json.loads(written_json)
+    shard = Path(directory) / _shard_filenames(Path(directory))[0]
+    problems = [f"{name} is {config_spec.get(name)!r} in config.json but {written.get(name)!r} in the weights"
+                for name in _STRUCTURAL_FIELDS if config_spec.get(name) != written.get(name)]
+    for i, (have, want) in enumerate(zip(config_spec.get("layers", []), written.get("layers", []))):
+        for name in ("key_mode", "freq_order"):
+            if have.get(name) != want.get(name):
+                problems.append(f"layer {i} {name} is {have.get(name)!r} in config.json but {want.get(name)!r} in the weights")
+    if problems:
+        shown = "; ".join(problems[:4]) + (f" (and {len(problems) - 4} more)" if len(problems) > 4 else "")
+        raise CorruptCheckpointError(
+            f"{config_path} does not match the weights in {shard}: {shown}. The checkpoint was edited after "
+            "compiling; restore config.json or re-run the compile"
+        )
 
 
 def ensure_complete_load(info: dict, directory: Path) -> None:

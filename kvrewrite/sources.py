@@ -35,6 +35,7 @@ _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _SMOLLM2_CACHE_NAME = "smollm2-135m-instruct"
 # The upstream checkpoint the GGUF was made from; used as the model's name in the converted config.
 _SMOLLM2_UPSTREAM = "HuggingFaceTB/SmolLM2-135M-Instruct"
+BUNDLED_UPSTREAM = _SMOLLM2_UPSTREAM  # the Hub repo a bundled-model checkpoint derives from (model cards)
 
 BUNDLED_SOURCE_ID = "smollm2-135m"
 BUNDLED_ALIASES = frozenset({"smollm2-135m", "smollm2", "bundled"})

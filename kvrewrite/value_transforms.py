@@ -30,8 +30,11 @@ def stacked_output_rows(o_proj_weight: torch.Tensor, geometry: AttentionGeometry
 
 
 def value_transform(
-    objective: str, stats: LayerStatistics, o_proj_weight: torch.Tensor, geometry: AttentionGeometry
+    objective: str, stats: LayerStatistics, o_proj_weight: torch.Tensor, geometry: AttentionGeometry,
+    output_metric: torch.Tensor | None = None,
 ) -> ValueTransform:
+    """output_metric: optional [hidden, hidden] right factor M on what o_proj writes (optimal objective only):
+    the error is then measured as ||... W_O M||, e.g. M = F^{1/2} for a Fisher-weighted objective."""
     downs, ups, spectra = [], [], []
     for g in range(geometry.num_key_value_heads):
         w_o = stacked_output_rows(o_proj_weight, geometry, g)
@@ -42,6 +45,9 @@ def value_transform(
             # Output-aware: minimise E||O_h (I - A_r B_r) W_O^h||^2 with the Gram of the attention
             # outputs O_h = P_h V_g (what W_O actually sees), summed over the group's query heads.
             outputs = sum(stats.gram("output", h) for h in geometry.query_heads_of(g))
+            if output_metric is not None:
+                hidden = output_metric.shape[0]
+                w_o = torch.cat([block @ output_metric for block in w_o.split(hidden, dim=1)], dim=1)
             pair = whitened_projection(outputs, w_o)
         downs.append(pair.down)
         ups.append(pair.up)

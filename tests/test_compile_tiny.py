@@ -190,7 +190,7 @@ def test_sensitivity_allocation_weights_layers_by_measured_kl(sources, tmp_path)
     weights = ctx.report["sensitivity"]["weights"]
     assert set(weights) == {"0.key", "0.value", "1.key", "1.value"}
     assert sum(weights.values()) / 4 == pytest.approx(1.0)
-    assert all(p["kl"] > 0 for p in ctx.report["sensitivity"]["probes"].values())
+    assert all(p["kl"] > 0 for points in ctx.report["sensitivity"]["probes"].values() for p in points)
     assert ctx.spec.allocation == "sensitivity" and abs(ctx.spec.achieved_rate - 0.5) < 0.02
     # Other allocations skip the probe entirely.
     assert "sensitivity" not in compile_tiny(sources["gqa"], tmp_path / "g", allocation="greedy").report

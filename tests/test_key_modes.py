@@ -46,7 +46,8 @@ def test_crosshead_error_never_exceeds_frequency_selection(source):
 
 def test_mixed_key_modes_per_layer_are_exact_and_cache_what_the_spec_says(source, tmp_path):
     ctx = statistics_context(source, output=tmp_path / "out", target_rate=0.5, allocation="greedy")
-    steps = tiny_pipeline()[3:]  # compute transforms .. emit
+    pipeline = tiny_pipeline()
+    steps = pipeline[[s.name for s in pipeline].index("compute_transforms") :]  # compute transforms .. emit
     steps[0].run(ctx)  # default transforms; then give each layer another key mode
     modes = ["crosshead", "freq", "latent"]
     ctx.transforms = [

@@ -148,12 +148,14 @@ def test_sharded_output_equals_single_shard_and_is_equivalent_at_full_rank(shard
 def test_streamed_sensitivity_equals_whole_model_probe(tmp_path):
     src = save_tiny_llama(tmp_path / "src", seed=2, layers=3)
     tokens = random_windows(8, 48)
-    ctx = compile_source(src, tmp_path / "out", allocation="sensitivity", rope_mode="latent")
+    ctx = compile_source(src, tmp_path / "out", allocation="sensitivity", rope_mode="latent", probe_rates=(0.5, 0.75))
     probe_tokens = tokens[:2, :256]
     original = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     model = kvrewrite.load(tmp_path / "out", rate=0.0)
-    for idx, side in ((0, "value"), (1, "key"), (2, "value")):
-        probe = ctx.report["sensitivity"]["probes"][f"{idx}.{side}"]
+    checks = [(idx, side, probe) for idx, side in ((0, "value"), (1, "key"), (2, "value"))
+              for probe in ctx.report["sensitivity"]["probes"][f"{idx}.{side}"]]
+    assert len(checks) == 6  # two probe rates per layer side (a KL curve), all from one streamed pass
+    for idx, side, probe in checks:
         r, d = probe["rank"], model.config.head_dim
         keep = [r] * model.config.num_key_value_heads
         full = [d] * len(keep)

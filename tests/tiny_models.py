@@ -9,6 +9,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTraine
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from kvrewrite.passes.allocate_ranks import AllocateRanks
+from kvrewrite.passes.collect_fisher import CollectFisher
 from kvrewrite.passes.collect_statistics import CollectStatistics
 from kvrewrite.passes.compute_transforms import ComputeTransforms
 from kvrewrite.passes.emit import Emit
@@ -16,6 +17,7 @@ from kvrewrite.passes.fit_kv_codec import FitKVCodec
 from kvrewrite.passes.fold_weights import FoldWeights
 from kvrewrite.passes.load_checkpoint import LoadCheckpoint
 from kvrewrite.passes.measure_sensitivity import MeasureSensitivity
+from kvrewrite.passes.quality_budget import QualityBudget
 from kvrewrite.passes.verify import Verify
 
 VOCAB = 96
@@ -80,10 +82,12 @@ def tiny_pipeline(tokens: torch.Tensor | None = None) -> list:
         LoadCheckpoint(),
         FixedCalibration(random_windows() if tokens is None else tokens),
         CollectStatistics(),
+        CollectFisher(),
         ComputeTransforms(),
         MeasureSensitivity(),
         AllocateRanks(),
         FoldWeights(),
+        QualityBudget(),
         Verify(),
         FitKVCodec(),
         Emit(),

@@ -1,4 +1,4 @@
-"""`kvrewrite` command line: compress, eval, inspect, demo."""
+"""`kvrewrite` command line: compress, eval, inspect, card, push, sweep, demo."""
 
 from __future__ import annotations
 
@@ -11,12 +11,24 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvrewrite.errors import KVRewriteError
+from kvrewrite.errors import InvalidArgumentError, KVRewriteError
+from kvrewrite.sweep import NAMED_CONFIGS
 from kvrewrite.spec import per_head_key_ranks
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Rewrite a Hugging Face causal LM so its KV cache is smaller.")
 # Off a terminal (logs, CI) rich would wrap tables at 80 columns; give them room instead.
 console = Console() if sys.stdout.isatty() else Console(width=140)
+
+
+def _fraction(text: str | None) -> float | None:
+    """'5%' -> 0.05; '0.05' -> 0.05."""
+    if text is None:
+        return None
+    text = text.strip()
+    try:
+        return float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        raise InvalidArgumentError(f"--max-ppl-increase must be a percentage (5%) or a fraction (0.05), got {text!r}") from None
 
 
 def _fail(exc: Exception) -> None:
@@ -41,6 +53,11 @@ def compress(
     reduce: str = typer.Option("none", help="none or kmeans (ZDC §5.1 pruning + k-means reducer)."),
     min_rank: int = typer.Option(0, "--min-rank", help="Floor on every head's rank."),
     rank_multiple: int = typer.Option(1, "--rank-multiple", help="Round ranks to multiples of this (8 or 16 for kernels)."),
+    max_ppl_increase: Optional[str] = typer.Option(None, "--max-ppl-increase", help="Quality budget instead of a rate: the largest rate whose perplexity rises at most this much on held-back calibration text (e.g. 5% or 0.05)."),
+    max_kl: Optional[float] = typer.Option(None, "--max-kl", help="Quality budget: the largest rate whose mean next-token KL (nats) on held-back calibration text stays within this."),
+    budget_tokens: int = typer.Option(4096, "--budget-tokens", help="Calibration tokens held back from the statistics for the quality budget search."),
+    value_metric: str = typer.Option("output", "--value-metric", help="output (attention-output error) or fisher (weighted by the loss gradient at the attention output)."),
+    probe_rates: str = typer.Option("0.5", "--probe-rates", help="Sensitivity allocation: comma-separated truncation rates each layer side is probed at (one point, or a KL curve)."),
     revision: Optional[str] = typer.Option(None, help="Hub revision of the source model."),
     device: str = typer.Option("cpu", help="Where decoder layers run: cpu or cuda (statistics are float64 on the CPU either way)."),
     dtype: str = typer.Option("float32", help="Compute and output dtype: float32 (fp32) or bfloat16 (bf16)."),
@@ -51,6 +68,8 @@ def compress(
     kv_codec: str = typer.Option("none", "--kv-codec", help="KV codec on the reduced cache: none, int4, int2, tada, gear, gear-l, csr; parameters as int4:group_size=64 (docs/codecs.md)."),
     kv_bits_budget: Optional[float] = typer.Option(None, "--kv-bits-budget", help="tada: stored bits per cached element for the per-layer bit search."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and the pipeline, do nothing."),
+    push_to_hub: Optional[str] = typer.Option(None, "--push-to-hub", help="Then upload the checkpoint (with a generated model card) to this Hub repo id."),
+    hub_private: bool = typer.Option(False, "--hub-private", help="With --push-to-hub: create the repo private."),
 ) -> None:
     """Compile MODEL into a checkpoint whose KV cache keeps (1 - target_rate) of its elements."""
     from kvrewrite.cli.tables import ranks_table, summary_table
@@ -61,8 +80,11 @@ def compress(
         plan = Plan(model=model, target_rate=target_rate, output=output, objective=objective, allocation=allocation,
                     rope_mode=rope_mode, prefer=prefer, key_mode_cost=key_mode_cost, calibration=calibration, calib_tokens=calib_tokens, seq_len=seq_len,
                     batch_size=batch_size, reduce=reduce, min_rank=min_rank, rank_multiple=rank_multiple,
-                    revision=revision, seed=seed, overwrite=overwrite, device=device, dtype=dtype,
-                    max_shard_size=max_shard_size, verify_tokens=verify_tokens, kv_codec=kv_codec, kv_bits_budget=kv_bits_budget)
+                    revision=revision, seed=seed, overwrite=overwrite, max_ppl_increase=_fraction(max_ppl_increase),
+                    max_kl=max_kl, budget_tokens=budget_tokens, value_metric=value_metric,
+                    probe_rates=tuple(float(r) for r in probe_rates.split(",") if r.strip()),
+                    device=device, dtype=dtype, max_shard_size=max_shard_size, verify_tokens=verify_tokens,
+                    kv_codec=kv_codec, kv_bits_budget=kv_bits_budget)
         passes = default_pipeline()
         if dry_run:
             table = Table(title=f"kvrewrite compress {model} --target-rate {plan.target_rate} (dry run)")
@@ -74,15 +96,24 @@ def compress(
             console.print(table)
             console.print(f"key mode: {plan.key_mode()}, objective: {plan.objective}, allocation: {plan.allocation}, "
                           f"calibration: {plan.calibration} ({plan.calib_tokens} tokens), device: {plan.device}, dtype: {plan.dtype}")
+            if plan.has_quality_budget():
+                console.print(f"quality budget: ppl increase <= {plan.max_ppl_increase}, KL <= {plan.max_kl} "
+                              f"on {plan.budget_tokens} held-back calibration tokens (replaces --target-rate)")
             return
         counter = iter(range(1, len(passes) + 1))
         ctx = run_pipeline(plan, passes, on_pass=lambda p: console.print(f"[cyan][{next(counter)}/{len(passes)}][/] {p.name}: {p.description}"))
-    except KVRewriteError as exc:
+    except (KVRewriteError, ValueError) as exc:
         _fail(exc)
     report = {**ctx.report, "verification": ctx.verification}
+    if "quality_budget" in report:
+        chosen = report["quality_budget"]["chosen"]
+        console.print(f"quality budget: rate {chosen['rate']:.2f} is the largest within budget on held-back calibration text "
+                      f"(ppl {chosen['ppl_increase']:+.1%}, KL {chosen['kl_mean']:.4f})")
     console.print(summary_table(ctx.spec, report))
     console.print(ranks_table(ctx.spec))
     console.print(f"[bold green]wrote[/] {ctx.output_dir}")
+    if push_to_hub:
+        _push(ctx.output_dir, push_to_hub, private=hub_private)
 
 
 @app.command("eval")
@@ -95,6 +126,7 @@ def evaluate_command(
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the results as JSON here."),
     kv_codec: Optional[str] = typer.Option(None, "--kv-codec", help="Evaluate with these codecs instead of the compiled one (';'-separated, e.g. 'none;int4;gear:bits=4')."),
     chunk: Optional[int] = typer.Option(None, "--chunk", help="Chunked prefill through the cache, this many tokens per chunk (default: 64 when a codec is in use, else one forward)."),
+    save: bool = typer.Option(True, "--save/--no-save", help="Save the results as DIR/eval_results.json (the model card's evaluation table)."),
 ) -> None:
     """Held-out perplexity, KL and top-1 agreement against the original, and KV bytes per token measured on the cache."""
     from kvrewrite.cli.evaluate import evaluate_checkpoint
@@ -107,9 +139,21 @@ def evaluate_command(
                                    kv_codecs=codec_list, chunk=chunk)
     except (KVRewriteError, ValueError) as exc:
         _fail(exc)
+    from kvrewrite.atomic_files import atomic_write_text
+    from kvrewrite.eval_results import eval_results_document, write_eval_results
+
     console.print(eval_table(rows))
     if json_out:
-        json_out.write_text(json.dumps(rows, indent=2))
+        atomic_write_text(json_out, json.dumps(rows, indent=2))
+    if save:
+        command = " ".join(["kvrewrite eval", str(directory), *([f"--baseline {baseline}"] if baseline else []),
+                            *([f"--rates {rates}"] if rates else []), *([f"--kv-codec '{kv_codec}'"] if kv_codec else []),
+                            *([f"--chunk {chunk}"] if chunk else []), f"--tokens {tokens}", f"--seq-len {seq_len}"])
+        try:
+            path = write_eval_results(directory, eval_results_document(rows, tokens=tokens, seq_len=seq_len, command=command))
+            console.print(f"saved {path}")
+        except OSError as exc:  # a read-only checkpoint (e.g. in the Hub cache) still gets its table printed
+            console.print(f"[yellow]warning:[/] could not save the results in {directory}: {exc}")
 
 
 @app.command()
@@ -146,6 +190,68 @@ def inspect(
 
 
 @app.command()
+def card(
+    directory: Path = typer.Argument(..., help="A kvrewrite checkpoint directory."),
+    repo_id: Optional[str] = typer.Option(None, "--repo-id", help="Hub repo id the card's usage snippet loads from."),
+    base_model: Optional[str] = typer.Option(None, "--base-model", help="Hub id of the source model (default: from the spec)."),
+    license: Optional[str] = typer.Option(None, help="Licence of the weights (default: the bundled model's, else none)."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Where to write the card (default: DIR/README.md)."),
+) -> None:
+    """Write the Hub model card (README.md): metadata, compression spec, saved eval table, rank heat map."""
+    from kvrewrite.hub import ensure_heatmap
+    from kvrewrite.model_card import CARD_FILE, is_generated_card, render_model_card, write_model_card
+
+    try:
+        target = output or directory / CARD_FILE
+        if target.is_file() and not is_generated_card(target):
+            raise InvalidArgumentError(f"{target} was not written by kvrewrite; delete it or write the card elsewhere with -o")
+        ensure_heatmap(directory)
+        path = write_model_card(directory, render_model_card(directory, repo_id=repo_id, base_model=base_model, license=license), output)
+    except (KVRewriteError, ValueError) as exc:
+        _fail(exc)
+    console.print(f"[bold green]wrote[/] {path}")
+
+
+def _push(directory: Path, repo_id: str, **options) -> None:
+    from kvrewrite.hub import push_checkpoint
+
+    try:
+        result = push_checkpoint(directory, repo_id, **options)
+    except KVRewriteError as exc:
+        _fail(exc)
+    for note in result.notes:
+        console.print(f"note: {note}")
+    console.print(f"{'would upload' if result.dry_run else 'uploaded'} to {repo_id}:")
+    table = Table()
+    table.add_column("file")
+    table.add_column("size", justify="right")
+    for name in result.files:
+        table.add_row(name, f"{(Path(directory) / name).stat().st_size:,}")
+    console.print(table)
+    if result.dry_run:
+        console.print(f"dry run: card {'written to' if result.card_written else 'kept at'} {Path(directory) / 'README.md'}; nothing was uploaded")
+        return
+    console.print(f"[bold green]pushed[/] {result.pr_url or result.commit_url or result.repo_url}")
+
+
+@app.command()
+def push(
+    directory: Path = typer.Argument(..., help="A kvrewrite checkpoint directory."),
+    repo_id: str = typer.Argument(..., help="Hub repo id, e.g. your-name/SmolLM2-135M-kvrewrite-p50."),
+    private: bool = typer.Option(False, "--private", help="Create the repo private (an existing repo keeps its visibility)."),
+    revision: Optional[str] = typer.Option(None, help="Branch to push to (created if missing)."),
+    create_pr: bool = typer.Option(False, "--create-pr", help="Open a pull request instead of committing to the branch."),
+    commit_message: Optional[str] = typer.Option(None, "--commit-message", "-m", help="Commit message."),
+    base_model: Optional[str] = typer.Option(None, "--base-model", help="Hub id of the source model for the card (default: from the spec)."),
+    license: Optional[str] = typer.Option(None, help="Licence of the weights for the card."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Check the checkpoint, write the card and list the files; upload nothing."),
+) -> None:
+    """Upload a checkpoint to the Hugging Face Hub with a generated model card (needs `hf auth login` or HF_TOKEN)."""
+    _push(directory, repo_id, private=private, revision=revision, create_pr=create_pr, commit_message=commit_message,
+          base_model=base_model, license=license, dry_run=dry_run)
+
+
+@app.command()
 def demo(
     output: Path = typer.Option(Path("kvrewrite-demo"), "--output", "-o", help="Where the demo writes its checkpoints and results."),
     rates: str = typer.Option("0.3,0.5,0.6", help="Rates to evaluate."),
@@ -159,6 +265,37 @@ def demo(
         run_demo(output, [float(r) for r in rates.split(",")], calib_tokens, eval_tokens, console)
     except (KVRewriteError, ValueError) as exc:
         _fail(exc)
+
+
+@app.command()
+def sweep(
+    model: str = typer.Argument(..., help="Hub id, local directory, or 'smollm2-135m' (bundled)."),
+    rates: str = typer.Option("0.3,0.5,0.7", help="Comma-separated rates to evaluate (sliced from one checkpoint per config)."),
+    configs: str = typer.Option("zack-faithful,latent-uniform,latent-sensitivity", help="Comma-separated named configs: " + ", ".join(NAMED_CONFIGS) + "."),
+    config: Optional[list[str]] = typer.Option(None, "--config", help="A custom config, repeatable: NAME:field=value,field=value (Plan fields; base=NAMED to start from a named one; tuples as a/b/c)."),
+    output: Path = typer.Option(Path("kvrewrite-sweep"), "--output", "-o", help="Directory for checkpoints/, sweep_results.json/.csv and sweep_pareto.png."),
+    calibration: str = typer.Option("wiki", help="Calibration source for every config."),
+    calib_tokens: int = typer.Option(32768, "--calib-tokens", help="Calibration tokens (statistics are collected once)."),
+    eval_tokens: int = typer.Option(8192, "--eval-tokens", help="Held-out wiki tokens for perplexity."),
+) -> None:
+    """Compile a grid of configurations x rates, evaluate each on held-out text, write a table and a Pareto plot."""
+    from kvrewrite.sweep import parse_config, run_sweep
+
+    try:
+        rate_list = [float(r) for r in rates.split(",") if r.strip()]
+        chosen = [parse_config(c) for c in configs.split(",") if c.strip()] + [parse_config(c) for c in (config or [])]
+        summary = run_sweep(
+            model, rate_list, chosen, output, base_overrides={"calibration": calibration, "calib_tokens": calib_tokens},
+            eval_tokens=eval_tokens,
+            on_pass=lambda variant, step: console.print(f"[cyan]{variant}[/] {step.name}"),
+            on_result=lambda row: console.print(f"  {row['config']} p={row['rate']:.2f}: ppl {row['perplexity']:.2f} ({row['ppl_increase']:+.1%})"),
+        )
+    except (KVRewriteError, ValueError) as exc:
+        _fail(exc)
+    from kvrewrite.cli.tables import sweep_table
+
+    console.print(sweep_table(summary["rows"], title=f"sweep: {model} on {summary['eval_tokens']} held-out tokens"))
+    console.print(f"results: {output / 'sweep_results.json'}, {output / 'sweep_results.csv'}; plot: {output / 'sweep_pareto.png'}")
 
 
 def main() -> None:

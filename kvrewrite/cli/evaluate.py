@@ -9,6 +9,7 @@ import torch
 
 from kvrewrite.errors import CorruptCheckpointError
 from kvrewrite.evaluation import default_chunk, kv_cache_bytes_per_token_formula
+from kvrewrite.spec import CompressionSpec
 
 
 def evaluate_checkpoint(directory: Path, *, baseline: str | None = None, rates: list[float] | None = None,
@@ -25,7 +26,7 @@ def evaluate_checkpoint(directory: Path, *, baseline: str | None = None, rates: 
     from kvrewrite.calibration_data import evaluation_token_sequences
     from kvrewrite.evaluation import evaluate_many
     from kvrewrite.passes.load_checkpoint import load_fp32_model
-    from kvrewrite.runtime import load
+    from kvrewrite.runtime import load, verify_checkpoint_files
     from kvrewrite.sources import resolve_model_source
 
     config_path = Path(directory) / "config.json"
@@ -34,11 +35,15 @@ def evaluate_checkpoint(directory: Path, *, baseline: str | None = None, rates: 
     spec = json.loads(config_path.read_text()).get("kvrewrite")
     if spec is None:
         raise CorruptCheckpointError(f"{config_path} has no kvrewrite compression spec")
+    rate_list = rates if rates else [spec["target_rate"]]
+    parsed = CompressionSpec.from_dict(spec)
+    for rate in rate_list:
+        parsed.ranks_for_rate(rate)  # an unknown rate fails now, naming the table, not after loading two models
+    verify_checkpoint_files(Path(directory))  # likewise a damaged or edited checkpoint
     source = baseline or spec["source_model"]
     original = load_fp32_model(resolve_model_source(source).path)
     tokenizer = AutoTokenizer.from_pretrained(directory)
     windows = evaluation_token_sequences(tokenizer, tokens, seq_len)
-    rate_list = rates if rates else [spec["target_rate"]]
     codec_list = kv_codecs if kv_codecs else ["compiled"]
     models, model_rates = {}, {}
     for rate in rate_list:
@@ -67,3 +72,4 @@ def result_rows(baseline_name: str, results: dict, rates: dict[str, float]) -> l
     for name, result in results.items():
         rows.append({"name": name, "rate": rates[name], **result.as_dict()})
     return rows
+

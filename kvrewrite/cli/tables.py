@@ -70,3 +70,16 @@ def eval_table(rows: list[dict], title: str = "evaluation on held-out wiki text"
             cells.append(f"{r['kv_bytes_per_token'] / r['fp16_kv_bytes_per_token']:.3f}" if r.get("fp16_kv_bytes_per_token") else "")
         table.add_row(*cells)
     return table
+
+
+def sweep_table(rows: list[dict], title: str = "sweep") -> Table:
+    table = Table(title=title)
+    for name, justify in (("config", "left"), ("rate", "right"), ("ppl", "right"), ("Δppl", "right"), ("KL (nats)", "right"),
+                          ("top-1", "right"), ("KV bytes/token", "right"), ("Pareto", "center")):
+        table.add_column(name, justify=justify)
+    for r in rows:
+        original = r["config"] == "original"
+        table.add_row(r["config"], f"{r['rate']:.2f}", f"{r['perplexity']:.2f}", "" if original else f"{r['ppl_increase']:+.1%}",
+                      "" if original else f"{r['kl_mean']:.4f}", "" if original else f"{r['top1_agreement']:.3f}",
+                      f"{r['kv_bytes_per_token']:.0f}", "*" if r.get("pareto") else "")
+    return table

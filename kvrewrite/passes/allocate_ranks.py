@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from kvrewrite.curve_allocation import curve_removal_order
 from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.passes.context import CompileContext
-from kvrewrite.rank_allocation import RankItem, allocate
+from kvrewrite.rank_allocation import RankItem, allocate, allocate_greedy
 from kvrewrite.spec import KEY_MODE_CROSSHEAD, KEY_MODE_FREQ, rate_key
 
 
@@ -27,11 +28,18 @@ class AllocateRanks:
 
     def run(self, ctx: CompileContext) -> None:
         plan, geo = ctx.plan, ctx.geometry
-        items = rank_items(ctx.transforms, ctx.sensitivity)
+        items = rank_items(ctx.transforms)
+        order = None
+        if plan.allocation == "sensitivity":
+            # Measured KL curves per (layer, side): one removal order, every rate a prefix of it.
+            order = curve_removal_order(items, ctx.sensitivity_curves, min_rank=plan.min_rank, rank_multiple=plan.rank_multiple)
 
         def solve(rate: float):
+            if order is not None:
+                return allocate_greedy(items, rate, min_rank=plan.min_rank, rank_multiple=plan.rank_multiple, order=order)
             return allocate(items, rate, plan.allocation, min_rank=plan.min_rank, rank_multiple=plan.rank_multiple)
 
+        ctx.rank_solver = solve
         ctx.allocation = solve(plan.target_rate)
         table = {}
         for rate in sorted({*plan.rate_grid, plan.target_rate}):

@@ -30,8 +30,12 @@ class CompileContext:
     geometry: AttentionGeometry | None = None
     # build_calibration
     calibration_tokens: torch.Tensor | None = None
+    # calibration windows held back from the statistics (quality budget search only)
+    budget_tokens: torch.Tensor | None = None
     # collect_statistics
     statistics: CalibrationStatistics | None = None
+    # collect_fisher: per layer [hidden, hidden] right factor on o_proj's output (None: identity)
+    output_metric: list | None = None
     # compute_transforms
     transforms: list | None = None  # list[LayerTransforms]
     # compute_transforms (--rope-mode auto): (objective, mode) -> per-layer probe KL. They depend only on
@@ -39,8 +43,11 @@ class CompileContext:
     key_mode_probes: dict = field(default_factory=dict)
     # measure_sensitivity: (layer, "key"|"value") -> weight on that side's relative error
     sensitivity: dict | None = None
+    # measure_sensitivity: (layer, "key"|"value") -> measured (predicted relative error, KL) points
+    sensitivity_curves: dict | None = None
     # allocate_ranks
     allocation: Any = None  # RankAllocation
+    rank_solver: Any = None  # rate -> RankAllocation with the same items/order (quality budget search)
     # fold_weights
     spec: CompressionSpec | None = None
     folded: FoldedWeights | None = None  # folds one layer at a time, on demand

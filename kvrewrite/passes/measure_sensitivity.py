@@ -2,9 +2,10 @@
 
 Layers differ in sensitivity by orders of magnitude, so one unit of the objective's relative error
 does not cost the same everywhere. For every (layer, side) we truncate that side alone, to the
-uniform rank of a fixed probe rate (0.5), and measure the KL divergence of the next-token distribution against
-the original on calibration text. The weight of the (layer, side) is then that KL divided by the
-relative error the allocator predicts for the probe, so the greedy allocator trades KL, not raw error.
+uniform rank of each probe rate (`Plan.probe_rates`, default 0.5), and measure the KL divergence of the
+next-token distribution against the original on calibration text. Each probe gives a point (relative
+error the allocator predicts, measured KL); curve_allocation turns the points into a KL curve per
+(layer, side), so the greedy allocator trades measured KL, not raw error.
 """
 
 from __future__ import annotations
@@ -19,11 +20,9 @@ from kvrewrite.passes.fold_weights import build_spec
 from kvrewrite.progress import progress_bar
 from kvrewrite.spec import KEY_MODE_CROSSHEAD, KEY_MODE_FREQ, full_key_ranks
 
-PROBE_WINDOWS = 2
 PROBE_TOKENS = 256
-# One fixed probe rate, not the target: the weights (and so the whole rate table) are then a function of
+# Fixed probe rates, not the target: the curves (and so the whole rate table) are then a function of
 # the statistics alone, and slicing rate q from a checkpoint equals compiling for q directly.
-PROBE_RATE = 0.5
 
 
 def probe_rank(head_dim: int, rate: float, step: int) -> int:
@@ -50,31 +49,38 @@ class MeasureSensitivity:
         spec = build_spec(ctx, full_keys, full_values)
         # Rank-independent, so FoldWeights reuses it.
         ctx.folded = FoldedWeights(ctx.source, ctx.transforms, geo)
-        tokens = ctx.calibration_tokens[:PROBE_WINDOWS, :PROBE_TOKENS]
-        ranks, layer_probes = {}, []
+        tokens = ctx.calibration_tokens[: plan.probe_windows, :PROBE_TOKENS]
+        rates = plan.probe_rates
+        # Every (layer, side, rate) probe: (key ranks, value ranks) of that layer, all others at full rank.
+        layer_probes, meta = [], {}
         for idx, transforms in enumerate(ctx.transforms):
             crosshead = transforms.key.mode == KEY_MODE_CROSSHEAD
             key_step = 2 if transforms.key.mode in (KEY_MODE_FREQ, KEY_MODE_CROSSHEAD) else 1
-            key_r, value_r = probe_rank(d, PROBE_RATE, key_step), probe_rank(d, PROBE_RATE, 1)
-            # crosshead: one shared key block, truncated to the same number of kept key dims in all.
-            keep_keys = [key_r * n_kv] + [0] * (n_kv - 1) if crosshead else [key_r] * n_kv
-            layer_probes.append({"key": (keep_keys, full_values[idx]), "value": (full_keys[idx], [value_r] * n_kv)})
-            ranks[(idx, "key")], ranks[(idx, "value")] = key_r, value_r
+            probes_here = {}
+            for side, spectra, step in (("key", transforms.key.spectrum, key_step), ("value", transforms.value.spectrum, 1)):
+                for rate in rates:
+                    r = probe_rank(d, rate, step)
+                    # crosshead: one shared key block, truncated to the same number of kept key dims in all.
+                    keep = [r * n_kv] + [0] * (n_kv - 1) if side == "key" and crosshead else [r] * n_kv
+                    probes_here[f"{side}@{rate}"] = (keep, full_values[idx]) if side == "key" else (full_keys[idx], keep)
+                    # Kept dims per row of the spectra (a crosshead spectrum is one row of n_kv * d values).
+                    meta[(idx, f"{side}@{rate}")] = (side, rate, r, relative_error(spectra, sum(keep) // spectra.shape[0]))
+            layer_probes.append(probes_here)
         kls = probe_kls(ctx.source.streamed(plan.compute_dtype(), plan.device),
                         ctx.folded.streamed(spec, plan.compute_dtype(), plan.device),
                         layer_probes, tokens, plan.progress)
-        weights, probes = {}, {}
-        for (idx, side), kl in kls.items():
-            transforms = ctx.transforms[idx]
-            spectra = transforms.key.spectrum if side == "key" else transforms.value.spectrum
-            # Kept dims per row of the spectra (a crosshead spectrum is one row of n_kv * d values).
-            kept = sum(layer_probes[idx][side][0 if side == "key" else 1]) // spectra.shape[0]
-            predicted = relative_error(spectra, kept)
-            probes[f"{idx}.{side}"] = {"rank": ranks[(idx, side)], "kl": kl, "predicted_relative_error": predicted}
-            weights[(idx, side)] = kl / max(predicted, 1e-12)
-        mean = sum(weights.values()) / len(weights)
-        ctx.sensitivity = {key: w / mean for key, w in weights.items()}
-        ctx.report["sensitivity"] = {"probe_rate": PROBE_RATE, "probe_tokens": int(tokens.numel()), "probes": probes,
+        curves, probes = {}, {}
+        for (idx, name), (side, rate, r, predicted) in meta.items():  # in probe-rate order per (layer, side)
+            kl = kls[(idx, name)]
+            curves.setdefault((idx, side), []).append((predicted, kl))
+            probes.setdefault(f"{idx}.{side}", []).append({"rate": rate, "rank": r, "kl": kl, "predicted_relative_error": predicted})
+        ctx.sensitivity_curves = curves
+        # One weight per layer side (KL per unit of predicted error at the middle probe, mean-normalised), for
+        # the report and for passes that weigh layer sides (the tada codec's bit search).
+        slopes = {key: pts[len(pts) // 2][1] / max(pts[len(pts) // 2][0], 1e-12) for key, pts in curves.items()}
+        mean = sum(slopes.values()) / len(slopes)
+        ctx.sensitivity = {key: w / mean for key, w in slopes.items()}
+        ctx.report["sensitivity"] = {"probe_rates": list(rates), "probe_tokens": int(tokens.numel()), "probes": probes,
                                      "weights": {f"{l}.{s}": w for (l, s), w in ctx.sensitivity.items()}}
 
 

@@ -10,14 +10,17 @@ from pathlib import Path
 
 from kvrewrite.passes.allocate_ranks import AllocateRanks
 from kvrewrite.passes.build_calibration import BuildCalibration
+from kvrewrite.passes.collect_fisher import CollectFisher
 from kvrewrite.passes.collect_statistics import CollectStatistics
 from kvrewrite.passes.compute_transforms import ComputeTransforms
 from kvrewrite.passes.context import CompileContext
-from kvrewrite.passes.emit import Emit
+from kvrewrite.checkpoint_io import refuse_existing_output
+from kvrewrite.passes.emit import Emit, default_output_dir
 from kvrewrite.passes.fit_kv_codec import FitKVCodec
 from kvrewrite.passes.fold_weights import FoldWeights
 from kvrewrite.passes.load_checkpoint import LoadCheckpoint
 from kvrewrite.passes.measure_sensitivity import MeasureSensitivity
+from kvrewrite.passes.quality_budget import QualityBudget
 from kvrewrite.passes.verify import Verify
 from kvrewrite.plan import Plan
 
@@ -34,10 +37,12 @@ def statistics_passes() -> list:
 def rewrite_passes() -> list:
     """The part that depends on the objective, key mode and allocation."""
     return [
+        CollectFisher(),  # (--value-metric fisher) loss-gradient second moments at each attention output
         ComputeTransforms(),  # Grams -> key-side and value-side transforms
         MeasureSensitivity(),  # (sensitivity allocation) end-to-end KL per layer and side
         AllocateRanks(),  # spectra (and sensitivities) -> ranks per head, rate table
         FoldWeights(),  # transforms -> rewritten q/k/v/o weights, spec
+        QualityBudget(),  # (--max-ppl-increase / --max-kl) the largest rate within budget becomes the target
         Verify(),  # full-rank equivalence, compiled-rank error
         FitKVCodec(),  # (--kv-codec) codec tables fitted on the compiled model's calibration latents
         Emit(),  # checkpoint directory, written atomically
@@ -54,6 +59,8 @@ def describe(passes: list) -> list[tuple[str, str]]:
 
 def compile_variants(plan: Plan, variants: dict[str, dict], output_root: Path, on_pass=None) -> tuple[CompileContext, dict[str, CompileContext]]:
     """Collect statistics once, then compile every variant (plan overrides) into output_root/<name>."""
+    for name in variants:
+        refuse_existing_output(Path(output_root) / name, plan.overwrite)  # before minutes of work, not after
     shared = CompileContext(plan=plan)
     timings = shared.report.setdefault("timings_s", {})
     for step in statistics_passes():
@@ -65,7 +72,7 @@ def compile_variants(plan: Plan, variants: dict[str, dict], output_root: Path, o
     compiled = {}
     for name, overrides in variants.items():
         variant_plan = dataclasses.replace(plan, output=Path(output_root) / name, **overrides)
-        ctx = dataclasses.replace(shared, plan=variant_plan, report=copy.deepcopy(shared.report), verification={}, sensitivity=None, codec_tables={})
+        ctx = dataclasses.replace(shared, plan=variant_plan, report=copy.deepcopy(shared.report), verification={}, sensitivity=None, sensitivity_curves=None, codec_tables={})
         t0 = time.perf_counter()
         for step in rewrite_passes():
             if on_pass is not None:
@@ -77,6 +84,8 @@ def compile_variants(plan: Plan, variants: dict[str, dict], output_root: Path, o
 
 
 def run_pipeline(plan: Plan, passes: list | None = None, on_pass=None) -> CompileContext:
+    # An existing output is refused before minutes of work, not after (Emit checks again: it may appear meanwhile).
+    refuse_existing_output(plan.output or default_output_dir(plan.model, plan.target_rate), plan.overwrite)
     ctx = CompileContext(plan=plan)
     timings = {}
     start = time.perf_counter()
