@@ -24,7 +24,7 @@ from kvrewrite.evaluation import evaluate_many
 from kvrewrite.passes.pipeline import compile_variants
 from kvrewrite.plan import Plan
 from kvrewrite.runtime import load
-from kvrewrite.spec import KEY_MODE_CROSSHEAD, KEY_MODES
+from kvrewrite.spec import KEY_MODE_CROSSHEAD, ROPE_KEY_MODES
 
 RESULTS = Path(__file__).parent / "results" / "key_modes.json"
 FULL_VARIANTS = {
@@ -71,7 +71,7 @@ def main() -> None:
                 overwrite=True, progress=False)
     if args.part == "key-only":
         # Greedy allocation: no sensitivity probe needed, the ranks are set by hand below anyway.
-        variants = {m: {"rope_mode": m, "allocation": "greedy"} for m in KEY_MODES}
+        variants = {m: {"rope_mode": m, "allocation": "greedy"} for m in ROPE_KEY_MODES}
     else:
         names = (args.variants or "crosshead,auto,auto-zero-overhead").split(",")
         variants = {n: FULL_VARIANTS[n] for n in names}

@@ -9,56 +9,93 @@ from __future__ import annotations
 
 import torch
 
-from kvrewrite.compressed_model import compressed_config
+from kvrewrite.adapters.base import Projections
+from kvrewrite.compressed_model import compressed_classes, compressed_config
 from kvrewrite.key_transforms import interleaved_pair_rows
 from kvrewrite.layer_streaming import SourceModel, StreamedModel, empty_model
-from kvrewrite.modeling.llama import KVRewriteLlamaForCausalLM
-from kvrewrite.spec import KEY_MODE_CROSSHEAD, KEY_MODE_FREQ, KEY_MODE_LATENT, KEY_MODE_POST_ROPE, CompressionSpec, full_key_ranks
+from kvrewrite.spec import (
+    KEY_MODE_CROSSHEAD,
+    KEY_MODE_FOLDED,
+    KEY_MODE_FREQ,
+    KEY_MODE_LATENT,
+    KEY_MODE_POST_ROPE,
+    CompressionSpec,
+    full_key_ranks,
+)
 
 
-def fold_layer(weights: dict[str, torch.Tensor], transforms, geometry) -> dict[str, torch.Tensor]:
-    """New attention tensors of one layer (float64), keyed by their name inside the attention module.
+def fold_layer(projections: Projections, transforms, geometry, kept: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """New attention tensors of one layer, keyed by their name inside CompressedAttention, in the dtype of
+    `projections` (products formed in float64).
 
-    `weights` holds the original attention tensors under the same names; any tensor the fold does not
-    touch is passed through unchanged.
+    A bias row is transformed exactly like its weight row (the bias is the weight's column for a constant 1).
+    Fused or differently named originals (Phi-3's qkv_proj, GPT-2's c_attn, OPT's out_proj) are not passed
+    through: the compressed attention always has separate q_proj/k_proj/v_proj/o_proj.
     """
     d = geometry.head_dim
-    w_q = weights["q_proj.weight"].double()
-    w_k = weights["k_proj.weight"].double()
-    w_v = weights["v_proj.weight"].double()
-    w_o = weights["o_proj.weight"].double()
-    key, value = transforms.key, transforms.value
-    out: dict[str, torch.Tensor] = dict(weights)
+    dtype = projections.q_weight.dtype
 
-    new_q, new_k, new_v, new_o = w_q.clone(), w_k.clone(), w_v.clone(), w_o.clone()
+    def f64(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.detach().double()
+
+    w_q, w_k, w_v, w_o = (f64(t) for t in (projections.q_weight, projections.k_weight, projections.v_weight, projections.o_weight))
+    b_q, b_k, b_v = f64(projections.q_bias), f64(projections.k_bias), f64(projections.v_bias)
+    key, value = transforms.key, transforms.value
+    original = {"q": (w_q, b_q), "k": (w_k, b_k), "v": (w_v, b_v)}
+    new = {side: (w.clone(), None if b is None else b.clone()) for side, (w, b) in original.items()}
+    new_o = w_o.clone()
+
+    def transform_rows(side: str, rows: slice, fn) -> None:
+        """Rows `rows` of side's weight and bias become fn(original rows)."""
+        (weight, bias), (new_weight, new_b) = original[side], new[side]
+        new_weight[rows] = fn(weight[rows])
+        if bias is not None:
+            new_b[rows] = fn(bias[rows])
+
     for g in range(geometry.num_key_value_heads):
         kv_rows = slice(g * d, (g + 1) * d)
-        # Value side: v latents = v @ down  =>  rows of W_v become down^T W_v; o_proj columns of every
-        # query head in the group absorb up (W_o[:, h] -> W_o[:, h] up^T).
-        new_v[kv_rows] = value.down[g].T @ w_v[kv_rows]
-        for h in geometry.query_heads_of(g):
-            new_o[:, h * d : (h + 1) * d] = w_o[:, h * d : (h + 1) * d] @ value.up[g].T
+        q_rows = [slice(h * d, (h + 1) * d) for h in geometry.query_heads_of(g)]
+        # Value side: v latents = v @ down  =>  rows of W_v (and b_v) become down^T W_v; o_proj columns of
+        # every query head in the group absorb up (W_o[:, h] -> W_o[:, h] up^T). o_proj's bias is unchanged.
+        transform_rows("v", kv_rows, lambda x, m=value.down[g]: m.T @ x)
+        for rows in q_rows:
+            new_o[:, rows] = w_o[:, rows] @ value.up[g].T
         if key.mode == KEY_MODE_FREQ:
-            rows = interleaved_pair_rows(key.freq_order[g], d)
-            new_k[kv_rows] = w_k[kv_rows][rows]
-            for h in geometry.query_heads_of(g):
-                new_q[h * d : (h + 1) * d] = w_q[h * d : (h + 1) * d][rows]
+            perm = interleaved_pair_rows(key.freq_order[g], d)
+            transform_rows("k", kv_rows, lambda x, p=perm: x[p])
+            for rows in q_rows:
+                transform_rows("q", rows, lambda x, p=perm: x[p])
         elif key.mode == KEY_MODE_LATENT:
-            new_k[kv_rows] = key.down[g].T @ w_k[kv_rows]
+            transform_rows("k", kv_rows, lambda x, m=key.down[g]: m.T @ x)
+        elif key.mode == KEY_MODE_FOLDED:
+            # No RoPE: q.k = (q Q).(k K) with the pair's maps folded into both projections (ZACK Fig. 8).
+            transform_rows("k", kv_rows, lambda x, m=key.k_map[g]: m.T @ x)
+            for rows in q_rows:
+                transform_rows("q", rows, lambda x, m=key.q_map[g]: m.T @ x)
+
     if key.mode == KEY_MODE_CROSSHEAD:
         # Every query head now scores against the whole shared key block: n_kv*d rows per head at full rank.
-        new_k = key.k_fold.double() @ w_k
-        new_q = torch.cat([key.q_fold[h].double() @ w_q[h * d : (h + 1) * d] for h in range(geometry.num_attention_heads)])
-    out["q_proj.weight"] = new_q
-    out["k_proj.weight"] = new_k
-    out["v_proj.weight"] = new_v
-    out["o_proj.weight"] = new_o
+        new["k"] = (key.k_fold @ w_k, None if b_k is None else key.k_fold @ b_k)
+        heads = range(geometry.num_attention_heads)
+        new["q"] = (
+            torch.cat([key.q_fold[h] @ w_q[h * d : (h + 1) * d] for h in heads]),
+            None if b_q is None else torch.cat([key.q_fold[h] @ b_q[h * d : (h + 1) * d] for h in heads]),
+        )
+
+    out: dict[str, torch.Tensor] = {"o_proj.weight": new_o}
+    for side, (weight, bias) in new.items():
+        out[f"{side}_proj.weight"] = weight
+        if bias is not None:
+            out[f"{side}_proj.bias"] = bias
+    if projections.o_bias is not None:
+        out["o_proj.bias"] = projections.o_bias
     if key.mode == KEY_MODE_POST_ROPE:
         out["q_map"] = key.q_map
         out["k_map"] = key.k_map
     elif key.mode == KEY_MODE_LATENT:
         out["k_up"] = key.up
-    return {name: t.double().contiguous() for name, t in out.items()}
+    out.update(kept or {})
+    return {name: t.to(dtype).contiguous() for name, t in out.items()}
 
 
 def full_rank(spec: CompressionSpec) -> CompressionSpec:
@@ -86,12 +123,8 @@ class FoldedWeights:
         """Folded tensors of one layer's attention (float64), keyed by their name inside the attention module."""
         if self._last is None or self._last[0] != layer_idx:
             self._last = None  # drop the previous layer before folding the next
-            prefix = self.attention_prefixes[layer_idx]
-            names = [n for n in self.source.checkpoint.names() if n.startswith(prefix + ".")]
-            original = self.source.read(names)
-            local = {n[len(prefix) + 1 :]: t for n, t in original.items()}
-            del original
-            self._last = (layer_idx, fold_layer(local, self.transforms[layer_idx], self.geometry))
+            projections, kept = self.source.attention_weights(layer_idx)
+            self._last = (layer_idx, fold_layer(projections, self.transforms[layer_idx], self.geometry, kept))
             self.layers_folded += 1
         return self._last[1]
 
@@ -109,7 +142,8 @@ class FoldedWeights:
 
     def skeleton(self, spec: CompressionSpec):
         """The rewritten model on the meta device, at full rank (the shapes the checkpoint stores)."""
-        return empty_model(KVRewriteLlamaForCausalLM, compressed_config(self.source.config, full_rank(spec)))
+        _, model_class = compressed_classes(self.source.config)
+        return empty_model(model_class, compressed_config(self.source.config, full_rank(spec)))
 
     def streamed(self, spec: CompressionSpec, dtype: torch.dtype, device: str = "cpu") -> StreamedModel:
         """The rewritten model at full rank, run layer by layer (slice a layer with set_ranks / probe_ranks)."""

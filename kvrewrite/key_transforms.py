@@ -3,6 +3,7 @@
 - freq: keep whole rotary frequency pairs ranked by score energy; a pure selection commutes with RoPE,
   so it folds into q_proj/k_proj (pairs stored interleaved, most important first).
 - post-rope: q and k are projected after RoPE by per-head [d, r] maps (ZACK §5.1).
+- folded (models without RoPE): the post-rope maps, folded into q_proj/k_proj (ZACK Fig. 8).
 - latent: the cache holds an r-dim latent of the pre-RoPE key (folded into k_proj); attention rebuilds
   k with a per-head up-projection and rotates it. The basis minimises the error of the scores q.k
   under the group's query Gram (query-aware), not plain key PCA.
@@ -19,7 +20,7 @@ import torch
 from kvrewrite.adapters.base import AttentionGeometry
 from kvrewrite.crosshead_keys import crosshead_maps
 from kvrewrite.linalg import kq_svd, principal_basis, psd_sqrt, whitened_projection
-from kvrewrite.spec import KEY_MODE_CROSSHEAD, KEY_MODE_FREQ, KEY_MODE_LATENT, KEY_MODE_POST_ROPE
+from kvrewrite.spec import KEY_MODE_CROSSHEAD, KEY_MODE_FOLDED, KEY_MODE_FREQ, KEY_MODE_LATENT, KEY_MODE_POST_ROPE
 from kvrewrite.statistics import LayerStatistics
 
 
@@ -64,7 +65,9 @@ def key_transform(mode: str, objective: str, stats: LayerStatistics, geometry: A
             spectra.append(per_dim)
         return KeyTransform(mode, torch.stack(spectra), freq_order=torch.stack(orders))
 
-    if mode == KEY_MODE_POST_ROPE:
+    if mode in (KEY_MODE_POST_ROPE, KEY_MODE_FOLDED):
+        # folded (no RoPE): the same maps, folded into W_Q/W_K instead of applied online; post-RoPE
+        # Grams equal pre-RoPE ones there.
         q_maps, k_maps, spectra = [], [], []
         for g in range(n_kv):
             s, t = stats.gram("query_post", g), stats.gram("key_post", g)

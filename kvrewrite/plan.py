@@ -11,7 +11,9 @@ from kvrewrite.codecs.config import parse_codec
 from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.spec import ALLOCATIONS, KEY_MODES, OBJECTIVES, validate_rate
 
-ROPE_MODES = ("auto", *KEY_MODES)
+# default: the family's best fixed mode; auto: chosen per layer by measured KL (opt-in until held-out numbers
+# back it as a default); or one explicit mode.
+ROPE_MODES = ("default", "auto", *KEY_MODES)
 # --prefer for --rope-mode auto: every key mode, or only those whose runtime does not grow with context.
 PREFER = ("quality", "zero-overhead")
 REDUCERS = ("none", "kmeans")
@@ -29,7 +31,7 @@ class Plan:
     output: Path | None = None
     objective: str = "optimal"
     allocation: str = "sensitivity"
-    rope_mode: str = "latent"  # auto (per-layer choice) is opt-in until held-out numbers back it as a default
+    rope_mode: str = "default"
     prefer: str = "quality"  # auto only: which key modes compete (key_mode_choice.PREFERENCES)
     key_mode_cost: float = 0.0  # auto only: weight on a mode's runtime cost against its measured KL
     calibration: str = "wiki"
@@ -130,7 +132,13 @@ class Plan:
         return self.max_ppl_increase is not None or self.max_kl is not None
 
     def key_mode(self) -> str:
-        """A description of the key side: the fixed mode, or how auto chooses per layer."""
+        """A description of the key side: the fixed mode, the family's default, or how auto chooses per layer.
+
+        The compile resolves it against the model's adapter (ArchitectureAdapter.resolve_key_mode): `default` is
+        latent for optimal / post-rope for zack on plain RoPE models, post-rope for q/k-norm families and folded
+        without RoPE."""
+        if self.rope_mode == "default":
+            return "default (latent for optimal, post-rope for zack; the family may force post-rope or folded)"
         if self.rope_mode != "auto":
             return self.rope_mode
         return f"auto (per layer, prefer {self.prefer}, cost weight {self.key_mode_cost:g})"

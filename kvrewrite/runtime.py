@@ -11,9 +11,9 @@ from transformers.modeling_utils import AttentionInterface
 
 from kvrewrite.errors import CorruptCheckpointError
 from kvrewrite.modeling.attention import PACKED_ATTENTION, packed_attention_forward
-from kvrewrite.modeling.llama import KVRewriteLlamaConfig, KVRewriteLlamaForCausalLM
+from kvrewrite.modeling.families import COMPRESSED_FAMILIES
 
-COMPRESSED_MODEL_CLASSES = {"kvrewrite_llama": KVRewriteLlamaForCausalLM}
+COMPRESSED_MODEL_CLASSES = {model_type: model_class for model_type, (_, model_class) in COMPRESSED_FAMILIES.items()}
 
 
 def _packed_attention_mask(*args, **kwargs):
@@ -27,8 +27,9 @@ def register() -> None:
     """Make `AutoModelForCausalLM.from_pretrained(dir)` load kvrewrite checkpoints (idempotent)."""
     AttentionInterface.register(PACKED_ATTENTION, packed_attention_forward)
     AttentionMaskInterface.register(PACKED_ATTENTION, _packed_attention_mask)
-    AutoConfig.register("kvrewrite_llama", KVRewriteLlamaConfig, exist_ok=True)
-    AutoModelForCausalLM.register(KVRewriteLlamaConfig, KVRewriteLlamaForCausalLM, exist_ok=True)
+    for model_type, (config_class, model_class) in COMPRESSED_FAMILIES.items():
+        AutoConfig.register(model_type, config_class, exist_ok=True)
+        AutoModelForCausalLM.register(config_class, model_class, exist_ok=True)
 
 
 def checkpoint_directory(name_or_path, revision: str | None = None) -> Path:

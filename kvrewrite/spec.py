@@ -14,7 +14,7 @@ from kvrewrite.errors import CorruptCheckpointError, InvalidArgumentError
 
 SPEC_FORMAT_VERSION = 1
 
-# Key-side modes for RoPE models (DESIGN.md §1).
+# Key-side modes (DESIGN.md §1); the first three are for RoPE models.
 KEY_MODE_FREQ = "freq"  # keep whole rotary frequency pairs; folded into q_proj/k_proj, zero runtime cost
 KEY_MODE_POST_ROPE = "post-rope"  # project rotated q/k online by a [d_h, r] basis (ZACK §5.1)
 KEY_MODE_LATENT = "latent"  # cache a pre-RoPE latent; rebuild k and rotate it inside attention
@@ -22,7 +22,11 @@ KEY_MODE_LATENT = "latent"  # cache a pre-RoPE latent; rebuild k and rotate it i
 # commutes with RoPE, so it folds into q_proj/k_proj (zero extra ops). The layer then caches ONE shared
 # key block; its rank is stored in key_ranks[0] (the other KV heads' entries are 0).
 KEY_MODE_CROSSHEAD = "crosshead"
-KEY_MODES = (KEY_MODE_FREQ, KEY_MODE_POST_ROPE, KEY_MODE_LATENT, KEY_MODE_CROSSHEAD)
+# Models without RoPE (OPT, GPT-2): the key-side transform folds exactly into W_Q/W_K (ZACK Fig. 8).
+KEY_MODE_FOLDED = "folded"
+KEY_MODES = (KEY_MODE_FREQ, KEY_MODE_POST_ROPE, KEY_MODE_LATENT, KEY_MODE_CROSSHEAD, KEY_MODE_FOLDED)
+# Modes that compete in --rope-mode auto (RoPE models; folded is the only mode of models without RoPE).
+ROPE_KEY_MODES = (KEY_MODE_FREQ, KEY_MODE_POST_ROPE, KEY_MODE_LATENT, KEY_MODE_CROSSHEAD)
 # Modes whose runtime work does not grow with the context (latent rebuilds every cached key each step):
 # freq and crosshead fold entirely into the projections, post-rope adds one small per-token projection.
 ZERO_OVERHEAD_KEY_MODES = (KEY_MODE_FREQ, KEY_MODE_POST_ROPE, KEY_MODE_CROSSHEAD)

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 from typer.testing import CliRunner
 
 from kvrewrite.cli.app import app
@@ -44,16 +44,16 @@ def test_cli_rate_error_exits_nonzero_with_message():
 
 
 def test_unsupported_architecture_fails_before_loading_weights(tmp_path, monkeypatch):
-    config = GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=96, n_positions=64)
-    GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
-    word_tokenizer().save_pretrained(tmp_path / "gpt2")
+    config = GPTNeoXConfig(num_hidden_layers=1, num_attention_heads=2, hidden_size=32, intermediate_size=64, vocab_size=96)
+    GPTNeoXForCausalLM(config).save_pretrained(tmp_path / "neox")
+    word_tokenizer().save_pretrained(tmp_path / "neox")
 
     def no_weights(*args, **kwargs):
         raise AssertionError("weights were loaded before the architecture check")
 
     monkeypatch.setattr("kvrewrite.passes.load_checkpoint.AutoModelForCausalLM.from_pretrained", no_weights)
-    ctx = CompileContext(plan=Plan(model=str(tmp_path / "gpt2"), progress=False))
-    with pytest.raises(UnsupportedModelError, match="'gpt2'.*supported model types: llama, mistral"):
+    ctx = CompileContext(plan=Plan(model=str(tmp_path / "neox"), progress=False))
+    with pytest.raises(UnsupportedModelError, match="'gpt_neox'.*supported model types: gemma3_text, gpt2, llama, mistral, opt, phi3, qwen2, qwen3"):
         LoadCheckpoint().run(ctx)
 
 

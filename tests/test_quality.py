@@ -104,7 +104,7 @@ def test_output_fisher_equals_autograd_of_each_attention_output(tiny):
     src, _ = tiny
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     tokens = random_windows(2, 24, seed=4)
-    sums = output_fisher(model, model.model.layers, tokens)
+    sums = output_fisher(model, [layer.self_attn.o_proj for layer in model.model.layers], tokens)
     # Reference: keep every o_proj output, take the loss gradient with respect to each in one autograd call.
     outputs = []
     handles = [layer.self_attn.o_proj.register_forward_hook(lambda _m, _i, out: outputs.append(out)) for layer in model.model.layers]
@@ -203,3 +203,20 @@ def test_sweep_compiles_codec_configs_at_every_rate(tiny, tmp_path):
     assert sorted(p.name for p in (tmp_path / "sweep" / "checkpoints").iterdir()) == ["q@0.30", "q@0.50"]
     uncoded = {r["rate"]: r["kv_bytes_per_token"] for r in summary["rows"] if r["config"] == "q"}
     assert uncoded[0.3] > uncoded[0.5]
+
+
+def test_each_variant_compiles_its_own_key_mode(tiny, tmp_path):
+    """Statistics are shared between variants, the key mode is not: each variant's --rope-mode decides it."""
+    from kvrewrite.passes.pipeline import compile_variants
+
+    src, text = tiny
+    plan = Plan(model=str(src), target_rate=0.5, allocation="greedy", calibration=str(text), calib_tokens=1024,
+                seq_len=64, progress=False)
+    variants = {"freq": {"rope_mode": "freq"}, "post": {"rope_mode": "post-rope"}, "latent": {"rope_mode": "latent"},
+                "zack": {"objective": "zack", "rope_mode": "default"}}
+    expected = {"freq": "freq", "post": "post-rope", "latent": "latent", "zack": "post-rope"}
+    compile_variants(plan, variants, tmp_path / "out")
+    for name, mode in expected.items():
+        config = json.loads((tmp_path / "out" / name / "config.json").read_text())
+        modes = {layer["key_mode"] for layer in config["kvrewrite"]["layers"]}
+        assert modes == {mode}, (name, modes)

@@ -17,6 +17,14 @@ def supported_model_types() -> list[str]:
     return sorted(_ADAPTERS)
 
 
+def all_adapters() -> list[ArchitectureAdapter]:
+    """Every registered adapter once, in registration order."""
+    seen: dict[int, ArchitectureAdapter] = {}
+    for adapter in _ADAPTERS.values():
+        seen.setdefault(id(adapter), adapter)
+    return list(seen.values())
+
+
 def adapter_for(config) -> ArchitectureAdapter:
     """The adapter for a transformers config; raises before any work if the architecture is unsupported."""
     model_type = getattr(config, "model_type", None)

@@ -43,7 +43,7 @@ def compress(
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Output directory (default: <model>-kvrewrite-pNN)."),
     objective: str = typer.Option("optimal", help="zack (paper-faithful SVD) or optimal (whitened, output-aware)."),
     allocation: str = typer.Option("sensitivity", help="eps (ZACK Eq. 6 shared removal rate), greedy (objective error), sensitivity (greedy weighted by measured KL per layer and side) or uniform."),
-    rope_mode: str = typer.Option("latent", "--rope-mode", help="latent (default), auto (chosen per layer by measured KL), freq, post-rope, latent or crosshead (key side of RoPE models)."),
+    rope_mode: str = typer.Option("default", "--rope-mode", help="default (latent for optimal, post-rope for zack, or what the family allows), auto (chosen per layer by measured KL), freq, post-rope, latent, crosshead (RoPE models) or folded (models without RoPE); checked against the model's family (docs/adapters.md)."),
     prefer: str = typer.Option("quality", "--prefer", help="auto only: quality (every key mode) or zero-overhead (freq/post-rope/crosshead: no work that grows with context)."),
     key_mode_cost: float = typer.Option(0.0, "--key-mode-cost", help="auto only: a mode of runtime cost c (latent 1, post-rope 0.1, freq/crosshead 0) must have (1 + W c) times less measured KL to be chosen."),
     calibration: str = typer.Option("wiki", help="wiki, synthetic, or a path to a text file / directory of .txt files."),
@@ -94,7 +94,7 @@ def compress(
             for i, (name, text) in enumerate(describe(passes), 1):
                 table.add_row(str(i), name, text)
             console.print(table)
-            console.print(f"key mode: {plan.key_mode()}, objective: {plan.objective}, allocation: {plan.allocation}, "
+            console.print(f"key mode: {plan.key_mode()} (for a plain RoPE model; the family may force another, docs/adapters.md), objective: {plan.objective}, allocation: {plan.allocation}, "
                           f"calibration: {plan.calibration} ({plan.calib_tokens} tokens), device: {plan.device}, dtype: {plan.dtype}")
             if plan.has_quality_budget():
                 console.print(f"quality budget: ppl increase <= {plan.max_ppl_increase}, KL <= {plan.max_kl} "

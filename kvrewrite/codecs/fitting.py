@@ -66,10 +66,9 @@ def collect_latents_streamed(streamed, layer_ranks: list[tuple[list[int], list[i
         for idx, (key_ranks, value_ranks) in enumerate(layer_ranks):
             recorder = _LatentRecorder()
             with streamed.layer(idx) as layer:
-                layer.self_attn.set_ranks(key_ranks, value_ranks)
+                streamed.adapter.attention(layer).set_ranks(key_ranks, value_ranks)
                 for b in range(len(hidden)):
-                    out = layer(hidden[b], past_key_values=recorder, use_cache=True, **inputs[b])
-                    hidden[b] = out[0] if isinstance(out, tuple) else out
+                    hidden[b] = streamed.run_layer(layer, hidden[b], inputs[b], past_key_values=recorder, use_cache=True)
             latents.append({"key": torch.cat(recorder.keys), "value": torch.cat(recorder.values)})
             bar.advance()
     return latents

@@ -6,16 +6,15 @@ importance) and sliced to the requested ranks once after loading (`set_ranks`).
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 from torch import nn
 
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from kvrewrite.errors import CorruptCheckpointError
 from kvrewrite.kernels.dispatch import PackedAttentionFn, build_attention, resolve_backend
 from kvrewrite.kernels.reference import PackedLayout, boolean_mask, grouped_attention, shared_key_attention
-from kvrewrite.spec import KEY_MODE_CROSSHEAD, KEY_MODE_FREQ, KEY_MODE_LATENT, KEY_MODE_POST_ROPE, LayerSpec, full_key_ranks
+from kvrewrite.spec import KEY_MODE_CROSSHEAD, KEY_MODE_FOLDED, KEY_MODE_FREQ, KEY_MODE_LATENT, KEY_MODE_POST_ROPE, LayerSpec, full_key_ranks
 
 PACKED_ATTENTION = "kvrewrite_packed"
 
@@ -29,6 +28,14 @@ def _block_prefix_rows(weight: torch.Tensor, block_sizes: list[int], keep: list[
     return torch.cat(pieces, dim=0).contiguous()
 
 
+def _slice_linear_rows(linear: nn.Linear, block_sizes: list[int], keep: list[int]) -> None:
+    """Keep a prefix of every head's output rows of a linear layer (weight and bias alike)."""
+    linear.weight = nn.Parameter(_block_prefix_rows(linear.weight, block_sizes, keep))
+    if linear.bias is not None:
+        linear.bias = nn.Parameter(_block_prefix_rows(linear.bias, block_sizes, keep))
+    linear.out_features = linear.weight.shape[0]
+
+
 def _rotate_interleaved_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs stored as (a0, b0, a1, b1, ...) with per-pair cos/sin [B, T, P]."""
     a, b = x[..., 0::2], x[..., 1::2]
@@ -36,28 +43,39 @@ def _rotate_interleaved_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
 
 
 class CompressedAttention(nn.Module):
-    def __init__(self, config, layer_idx: int, layer_spec: LayerSpec, rotary_embedding: nn.Module, apply_rope: Callable):
+    """The compressed attention of any supported family; `adapter` says which biases, norms and RoPE it has."""
+
+    def __init__(self, config, layer_idx: int, layer_spec: LayerSpec, rotary_embedding: nn.Module | None, adapter):
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
         self.key_mode = layer_spec.key_mode
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.group_size = self.num_heads // self.num_kv_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        self.scaling = self.head_dim**-0.5  # the original model's scale, whatever the kept rank
+        geometry, features = adapter.geometry(config), adapter.features(config)
+        if self.key_mode not in adapter.allowed_key_modes(config):
+            raise CorruptCheckpointError(
+                f"layer {layer_idx}: key mode {self.key_mode!r} is impossible for {adapter.family} "
+                f"(allowed: {', '.join(adapter.allowed_key_modes(config))})"
+            )
+        self.num_heads = geometry.num_attention_heads
+        self.num_kv_heads = geometry.num_key_value_heads
+        self.group_size = geometry.group_size
+        self.head_dim = geometry.head_dim
+        # The original model's scale, whatever the kept rank.
+        self.scaling = features.scaling if features.scaling is not None else self.head_dim**-0.5
         self.is_causal = True
         # Held in a tuple so the shared rotary module is not registered (and saved) once per layer.
         self._rotary = (rotary_embedding,)
-        self._apply_rope = apply_rope
+        self._apply_rope = adapter.apply_rope
 
-        hidden, d = config.hidden_size, self.head_dim
+        hidden, d = geometry.hidden_size, self.head_dim
         # crosshead: each query head scores against the layer's whole shared key block (n_kv*d at full rank).
         q_width = self.num_kv_heads * d if self.key_mode == KEY_MODE_CROSSHEAD else d
-        self.q_proj = nn.Linear(hidden, self.num_heads * q_width, bias=False)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * d, hidden, bias=False)
+        self.q_proj = nn.Linear(hidden, self.num_heads * q_width, bias=features.q_bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=features.k_bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=features.v_bias)
+        self.o_proj = nn.Linear(self.num_heads * d, hidden, bias=features.o_bias)
+        norms = adapter.make_qk_norms(config) if features.qk_norm else None
+        self.q_norm, self.k_norm = norms if norms is not None else (None, None)
         if self.key_mode == KEY_MODE_POST_ROPE:
             self.q_map = nn.Parameter(torch.empty(self.num_kv_heads, d, d))
             self.k_map = nn.Parameter(torch.empty(self.num_kv_heads, d, d))
@@ -83,24 +101,21 @@ class CompressedAttention(nn.Module):
         ):
             raise ValueError(f"layer {self.layer_idx}: ranks can only shrink ({self.key_ranks} -> {key_ranks})")
         g = self.group_size
+        old_q = [r for r in self.key_ranks for _ in range(g)]
+        new_q = [r for r in key_ranks for _ in range(g)]
         with torch.no_grad():
-            if self.key_mode in (KEY_MODE_FREQ, KEY_MODE_LATENT, KEY_MODE_CROSSHEAD):
-                self.k_proj.weight = nn.Parameter(_block_prefix_rows(self.k_proj.weight, self.key_ranks, key_ranks))
-            if self.key_mode == KEY_MODE_FREQ:
-                old_q = [r for r in self.key_ranks for _ in range(g)]
-                new_q = [r for r in key_ranks for _ in range(g)]
-                self.q_proj.weight = nn.Parameter(_block_prefix_rows(self.q_proj.weight, old_q, new_q))
+            # Key rows are stored prefix-ordered per head in every mode that compresses k_proj itself.
+            if self.key_mode in (KEY_MODE_FREQ, KEY_MODE_LATENT, KEY_MODE_FOLDED, KEY_MODE_CROSSHEAD):
+                _slice_linear_rows(self.k_proj, self.key_ranks, key_ranks)
+            if self.key_mode in (KEY_MODE_FREQ, KEY_MODE_FOLDED):
+                _slice_linear_rows(self.q_proj, old_q, new_q)
             if self.key_mode == KEY_MODE_CROSSHEAD:
-                old_q, new_q = [self.key_ranks[0]] * self.num_heads, [key_ranks[0]] * self.num_heads
-                self.q_proj.weight = nn.Parameter(_block_prefix_rows(self.q_proj.weight, old_q, new_q))
-            self.v_proj.weight = nn.Parameter(_block_prefix_rows(self.v_proj.weight, self.value_ranks, value_ranks))
+                _slice_linear_rows(self.q_proj, [self.key_ranks[0]] * self.num_heads, [key_ranks[0]] * self.num_heads)
+            _slice_linear_rows(self.v_proj, self.value_ranks, value_ranks)
             old_o = [r for r in self.value_ranks for _ in range(g)]
             new_o = [r for r in value_ranks for _ in range(g)]
             self.o_proj.weight = nn.Parameter(_block_prefix_rows(self.o_proj.weight.T, old_o, new_o).T.contiguous())
-        self.k_proj.out_features = self.k_proj.weight.shape[0]
-        self.q_proj.out_features = self.q_proj.weight.shape[0]
-        self.v_proj.out_features = self.v_proj.weight.shape[0]
-        self.o_proj.in_features = self.o_proj.weight.shape[1]
+            self.o_proj.in_features = self.o_proj.weight.shape[1]
         self.key_ranks, self.value_ranks = list(key_ranks), list(value_ranks)
         self.layout = PackedLayout(tuple(self.key_ranks), tuple(self.value_ranks), self.group_size)
         self._indices = None
@@ -159,10 +174,13 @@ class CompressedAttention(nn.Module):
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
         batch, q_len, _ = hidden_states.shape
-        cos, sin = position_embeddings
+        cos, sin = position_embeddings if position_embeddings is not None else (None, None)
         query = self.q_proj(hidden_states)
         key = self.k_proj(hidden_states)
         value = self.v_proj(hidden_states)
+        if self.q_norm is not None:  # per-head q/k norms (post-rope mode only: the maps come after them)
+            query = self.q_norm(query.view(batch, q_len, self.num_heads, self.head_dim)).flatten(2)
+            key = self.k_norm(key.view(batch, q_len, self.num_kv_heads, self.head_dim)).flatten(2)
 
         if self.key_mode in (KEY_MODE_FREQ, KEY_MODE_CROSSHEAD):
             q_freq, k_freq = self._index("query_pair_freq", query.device), self._index("key_pair_freq", query.device)
@@ -174,6 +192,7 @@ class CompressedAttention(nn.Module):
             rotated = torch.cat((q.transpose(1, 2).flatten(2), k.transpose(1, 2).flatten(2)), dim=-1)
             projected = rotated @ self._post_rope_map()  # q and k maps of every head in one matmul
             query, key = projected.split((self.layout.query_offsets[-1], self.layout.key_offsets[-1]), dim=-1)
+        # folded (no RoPE): q_proj/k_proj already produce the compressed query and key.
         # latent: key stays the pre-RoPE latent from the folded k_proj; it is rotated inside attention.
 
         if self.probe_ranks is not None:

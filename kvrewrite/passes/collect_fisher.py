@@ -24,10 +24,12 @@ from kvrewrite.progress import progress_bar
 FISHER_BATCH = 2
 
 
-def output_fisher(model, layers, windows: torch.Tensor, show_progress: bool = False) -> list[torch.Tensor]:
-    """Per layer, the float64 sum over tokens of g^T g for g = d(next-token NLL)/d(attention output)."""
+def output_fisher(model, out_projections, windows: torch.Tensor, show_progress: bool = False) -> list[torch.Tensor]:
+    """Per layer, the float64 sum over tokens of g^T g for g = d(next-token NLL)/d(attention output).
+
+    out_projections: each layer's output projection (o_proj, OPT's out_proj, ...); its output is hooked."""
     hidden = model.config.hidden_size
-    sums = [torch.zeros(hidden, hidden, dtype=torch.float64) for _ in layers]
+    sums = [torch.zeros(hidden, hidden, dtype=torch.float64) for _ in out_projections]
 
     def hook_for(idx):
         def forward_hook(_module, _inputs, output):
@@ -39,7 +41,7 @@ def output_fisher(model, layers, windows: torch.Tensor, show_progress: bool = Fa
 
         return forward_hook
 
-    handles = [layer.self_attn.o_proj.register_forward_hook(hook_for(i)) for i, layer in enumerate(layers)]
+    handles = [module.register_forward_hook(hook_for(i)) for i, module in enumerate(out_projections)]
     flags = [p.requires_grad for p in model.parameters()]
     for p in model.parameters():
         p.requires_grad_(False)
@@ -80,8 +82,9 @@ class CollectFisher:
         windows = ctx.calibration_tokens[:n_windows]
         # Gradients need the whole model: loaded here (fp32) only for --value-metric fisher, not layer-streamed.
         model = ctx.original_model()
-        layers = ctx.adapter.decoder_layers(model)
+        adapter = ctx.adapter
+        out_projections = [adapter.output_projection(adapter.attention(layer)) for layer in adapter.decoder_layers(model)]
         with torch.enable_grad():
-            sums = output_fisher(model, layers, windows, plan.progress)
+            sums = output_fisher(model, out_projections, windows, plan.progress)
         ctx.output_metric = [shrunk_sqrt(s, plan.fisher_shrink) for s in sums]
         ctx.report["fisher"] = {"tokens": int(windows.numel()), "shrink": plan.fisher_shrink}

@@ -28,6 +28,7 @@ class CompileContext:
     tokenizer: Any = None
     adapter: ArchitectureAdapter | None = None
     geometry: AttentionGeometry | None = None
+    key_mode: str | None = None  # resolved against the adapter before any work
     # build_calibration
     calibration_tokens: torch.Tensor | None = None
     # calibration windows held back from the statistics (quality budget search only)

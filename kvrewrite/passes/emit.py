@@ -9,7 +9,7 @@ from pathlib import Path
 
 from kvrewrite.checkpoint_io import ShardWriter, atomic_output_dir, write_checksums
 from kvrewrite.codecs.checkpoint import write_codec_tables
-from kvrewrite.compressed_model import compressed_config
+from kvrewrite.compressed_model import compressed_classes, compressed_config
 from kvrewrite.passes.context import CompileContext
 from kvrewrite.plan import parse_size
 from kvrewrite.progress import progress_bar
@@ -22,7 +22,7 @@ Loading it needs the kvrewrite package: `pip install kvrewrite`, then `import kv
 """
 
 try:
-    from kvrewrite.modeling.llama import KVRewriteLlamaConfig, KVRewriteLlamaForCausalLM  # noqa: F401
+    from kvrewrite.modeling.families import {config_class}, {model_class}  # noqa: F401
 except ImportError as exc:  # pragma: no cover - only hit without kvrewrite installed
     raise ImportError(
         "This is a kvrewrite checkpoint: install kvrewrite (`pip install kvrewrite`) and `import kvrewrite` "
@@ -96,13 +96,19 @@ class Emit:
             if ctx.generation_config is not None:
                 ctx.generation_config.save_pretrained(tmp)
             ctx.tokenizer.save_pretrained(tmp)
-            (tmp / "modeling_kvrewrite.py").write_text(HUB_MODELING_STUB)
+            (tmp / "modeling_kvrewrite.py").write_text(modeling_stub(ctx.config))
             (tmp / "kernel_metadata.json").write_text(json.dumps(kernel_metadata(spec, ctx.transforms), indent=1))
             report = {**ctx.report, "verification": ctx.verification, "spec_summary": spec_summary(spec)}
             report.pop("rate_table", None)  # lives in config.json and kernel_metadata.json
             (tmp / "compress_report.json").write_text(json.dumps(report, indent=2, default=str))
             write_checksums(tmp, shards + write_codec_tables(tmp, ctx.codec_tables))
         ctx.output_dir = Path(out)
+
+
+def modeling_stub(original_config) -> str:
+    """The checkpoint's modeling_kvrewrite.py: imports this family's classes from kvrewrite (or says to install it)."""
+    config_class, model_class = compressed_classes(original_config)
+    return HUB_MODELING_STUB.replace("{config_class}", config_class.__name__).replace("{model_class}", model_class.__name__)
 
 
 def spec_summary(spec: CompressionSpec) -> dict:

@@ -39,7 +39,7 @@ def build_spec(ctx: CompileContext, key_ranks: list[list[int]], value_ranks: lis
 
 class FoldWeights:
     name = "fold_weights"
-    description = "fold the transforms into q_proj/k_proj/v_proj/o_proj (full rank, ordered) and build the spec"
+    description = "fold the transforms into q_proj/k_proj/v_proj/o_proj and biases (full rank, ordered) and build the spec"
 
     def run(self, ctx: CompileContext) -> None:
         geo = ctx.geometry

@@ -27,6 +27,7 @@ class LoadCheckpoint:
         ctx.adapter = adapter_for(config)
         ctx.geometry = ctx.adapter.geometry(config)
         ctx.config = config
+        ctx.key_mode = ctx.adapter.resolve_key_mode(config, ctx.plan.rope_mode, ctx.plan.objective)
         # A missing/truncated shard or pickle-only weights fail here, naming the file, before any pass reads.
         check_safetensors_files(resolved.path)
         try:

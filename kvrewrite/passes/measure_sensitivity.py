@@ -117,10 +117,11 @@ def probe_kls(original: StreamedModel, rewritten: StreamedModel, layer_probes: l
             with rewritten.layer(idx) as layer:
                 for key in streams:
                     streams[key] = rewritten.run_layer(layer, streams[key], rewritten_inputs)
+                attn = rewritten.adapter.attention(layer)
                 for name, ranks in probes.items():
-                    layer.self_attn.probe_ranks = ranks
+                    attn.probe_ranks = ranks
                     streams[(idx, name)] = rewritten.run_layer(layer, hidden, rewritten_inputs)
-                    layer.self_attn.probe_ranks = None
+                    attn.probe_ranks = None
             if idx + 1 < len(layer_probes) or reference is None:  # the last layer's output only feeds the reference
                 with original.layer(idx) as layer:
                     hidden = original.run_layer(layer, hidden, inputs)

@@ -38,9 +38,12 @@ def streamed_log_probs(model: StreamedModel, batches: list[torch.Tensor], layer_
         inputs = [model.layer_inputs(h) for h in hidden]
         for idx in range(len(model.layers)):
             with model.layer(idx) as layer:
-                layer.self_attn.probe_ranks = layer_ranks[idx] if layer_ranks is not None else None
+                attn = model.adapter.attention(layer)
+                if layer_ranks is not None:
+                    attn.probe_ranks = layer_ranks[idx]
                 hidden = [model.run_layer(layer, h, i) for h, i in zip(hidden, inputs)]
-                layer.self_attn.probe_ranks = None
+                if layer_ranks is not None:
+                    attn.probe_ranks = None
         with model.output_head() as head:
             return [F.log_softmax(head(h).float(), dim=-1)[:, :-1] for h in hidden]
 

@@ -41,9 +41,9 @@ def next_token_kl(reference_logits: torch.Tensor, logits: torch.Tensor) -> tuple
 
 
 def run_with_attention_output(model, layer, hidden, inputs, adapter) -> tuple[torch.Tensor, torch.Tensor]:
-    """A layer's output and its attention output (what o_proj returns)."""
+    """A layer's output and its attention output (what the output projection returns)."""
     captured = []
-    handle = adapter.attention(layer).o_proj.register_forward_hook(lambda _m, _i, out: captured.append(out))
+    handle = adapter.output_projection(adapter.attention(layer)).register_forward_hook(lambda _m, _i, out: captured.append(out))
     try:
         out = model.run_layer(layer, hidden, inputs)
     finally:
@@ -79,7 +79,7 @@ class Verify:
                 with exact_full.layer(idx) as layer:
                     h_full = exact_full.run_layer(layer, h_full, in_full)
                 with compiled.layer(idx) as layer:
-                    layer.self_attn.set_ranks(layer_spec.key_ranks, layer_spec.value_ranks)
+                    adapter.attention(layer).set_ranks(layer_spec.key_ranks, layer_spec.value_ranks)
                     h_compiled, attn_compiled = run_with_attention_output(compiled, layer, h_compiled, in_compiled, adapter)
                 # End to end: each layer sees the (already perturbed) output of the layers before it.
                 layer_errors.append(((attn_compiled.float() - attn_ref.float()).norm() / attn_ref.float().norm().clamp_min(1e-30)).item())

@@ -1,0 +1,135 @@
+"""The adapter test matrix: every supported family x (full-rank equivalence, cached decoding, cache shrink, Auto loading).
+
+Each family is a tiny random model built from its transformers config class (tests/tiny_families.py),
+with random biases and norm weights so that folding them wrongly shows up in the logits.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+
+import kvrewrite  # noqa: F401  (registers the kvrewrite_<family> model types)
+from kvrewrite.adapters import adapter_for, supported_model_types
+from kvrewrite.errors import UnsupportedModelError
+from kvrewrite.passes.pipeline import run_pipeline
+from kvrewrite.plan import Plan
+from tiny_families import TINY_CONFIGS, save_tiny_family
+from tiny_models import random_windows, tiny_pipeline
+
+FAMILIES = list(TINY_CONFIGS)
+COMPRESSED_TYPE = {"llama": "kvrewrite_llama", "mistral": "kvrewrite_llama", "qwen2": "kvrewrite_qwen2",
+                   "qwen2-sliding": "kvrewrite_qwen2", "qwen3": "kvrewrite_qwen3", "phi3": "kvrewrite_phi3",
+                   "gemma3": "kvrewrite_gemma3", "opt": "kvrewrite_opt", "gpt2": "kvrewrite_gpt2"}
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    return {family: save_tiny_family(root / family, family, seed=i) for i, family in enumerate(FAMILIES)}
+
+
+def compile_family(src, out, **options):
+    plan = Plan(model=str(src), output=out, progress=False, **{"target_rate": 0.5, "allocation": "greedy", **options})
+    return run_pipeline(plan, tiny_pipeline())
+
+
+def stock(src):
+    return AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+
+
+def allowed_modes(family):
+    config = TINY_CONFIGS[family]()
+    return adapter_for(config).allowed_key_modes(config)
+
+
+# Every allowed key mode where the layout changes how the key side folds (biases, fused qkv, sliding layers);
+# the Llama modes are covered in test_compile_tiny.py, so the other families run their auto mode (for
+# Qwen3/Gemma3/OPT/GPT-2 the only mode there is).
+FAMILY_MODES = [(family, mode) for family in FAMILIES for mode in
+                (allowed_modes(family) if family in ("qwen2", "qwen2-sliding", "phi3") else ("auto",))]
+
+
+@pytest.mark.parametrize("family,mode", FAMILY_MODES)
+def test_full_rank_rewrite_keeps_logits(sources, tmp_path, family, mode):
+    src = sources[family]
+    ctx = compile_family(src, tmp_path / "out", target_rate=0.0, rope_mode=mode)
+    assert ctx.spec.achieved_rate == 0.0
+    assert ctx.verification["full_rank_max_abs_logit_diff"] < 1e-6  # float64 check inside the compile
+    # Loads through the Auto classes after `import kvrewrite`, as the family's own compressed type.
+    rewritten = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert rewritten.config.model_type == COMPRESSED_TYPE[family]
+    tokens = random_windows(2, 40, seed=11)  # not the calibration tokens; longer than qwen2-sliding's window
+    with torch.no_grad():
+        diff = (rewritten(tokens).logits - stock(src)(tokens).logits).abs().max().item()
+    assert diff < 1e-4
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cached_decoding_matches_one_shot_and_cache_shrinks(sources, tmp_path, family):
+    src = sources[family]
+    ctx = compile_family(src, tmp_path / "out")
+    assert abs(ctx.spec.achieved_rate - 0.5) <= 0.05
+    assert_checkpoint_declares_family(tmp_path / "out", family)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    original = stock(src)
+    tokens = random_windows(2, 36, seed=3)
+    with torch.no_grad():
+        one_shot = model(tokens).logits
+        cache = DynamicCache(config=model.config)
+        prefix = model(tokens[:, :20], past_key_values=cache, use_cache=True).logits
+        steps = [model(tokens[:, t : t + 1], past_key_values=cache, use_cache=True).logits for t in range(20, 36)]
+        stock_cache = DynamicCache(config=original.config)
+        original(tokens, past_key_values=stock_cache, use_cache=True)
+    cached = torch.cat([prefix, *steps], dim=1)
+    assert (cached - one_shot).abs().max().item() < 1e-4
+
+    # The cache really holds the reduced latents, layer by layer, against the stock model's own cache
+    # (a sliding-window layer keeps as many positions as the stock one does).
+    baseline_per_layer = 2 * ctx.spec.num_key_value_heads * ctx.spec.head_dim
+    total, stock_total = 0, 0
+    for layer, stock_layer, layer_spec in zip(cache.layers, stock_cache.layers, ctx.spec.layers):
+        positions = stock_layer.keys.shape[-2]
+        assert layer.keys.shape == (2, 1, positions, sum(layer_spec.key_ranks))
+        assert layer.values.shape == (2, 1, positions, sum(layer_spec.value_ranks))
+        assert stock_layer.keys.numel() + stock_layer.values.numel() == 2 * positions * baseline_per_layer
+        total += layer.keys.numel() + layer.values.numel()
+        stock_total += stock_layer.keys.numel() + stock_layer.values.numel()
+    if family not in ("qwen2-sliding", "gemma3"):  # all layers full attention: the ratio is exactly the achieved rate
+        assert total / stock_total == pytest.approx(1 - ctx.spec.achieved_rate)
+
+
+def assert_checkpoint_declares_family(out, family):
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == COMPRESSED_TYPE[family]
+    model_class = config["architectures"][0]
+    assert config["auto_map"]["AutoModelForCausalLM"] == f"modeling_kvrewrite.{model_class}"
+    assert model_class in (out / "modeling_kvrewrite.py").read_text()
+    # A stricter load than from_pretrained's default: nothing missing, nothing unexpected.
+    _, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+
+
+@pytest.mark.parametrize("family,mode", [("qwen3", "latent"), ("gemma3", "freq"), ("opt", "post-rope"), ("gpt2", "latent"), ("llama", "folded"), ("qwen2-sliding", "latent")])
+def test_impossible_key_mode_fails_before_statistics(sources, tmp_path, family, mode):
+    plan = Plan(model=str(sources[family]), output=tmp_path / "out", progress=False, rope_mode=mode)
+    started = []
+    with pytest.raises(UnsupportedModelError, match=f"--rope-mode {mode} is not possible for model type"):
+        run_pipeline(plan, tiny_pipeline(), on_pass=lambda step: started.append(step.name))
+    assert started == ["load_checkpoint"]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("model_type", ["gpt_neox", "falcon"])
+def test_unsupported_architecture_names_type_and_supported_ones(tmp_path, model_type):
+    config = AutoConfig.for_model(model_type, vocab_size=64, num_hidden_layers=1)
+    with pytest.raises(UnsupportedModelError) as err:
+        adapter_for(config)
+    message = str(err.value)
+    assert repr(model_type) in message
+    for supported in supported_model_types():
+        assert supported in message
+    assert supported_model_types() == ["gemma3_text", "gpt2", "llama", "mistral", "opt", "phi3", "qwen2", "qwen3"]
