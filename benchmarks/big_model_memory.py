@@ -50,6 +50,56 @@ def time_v_field(stderr: str, label: str) -> str:
     return match.group(1).strip()
 
 
+def load_check(source: Path, compressed: Path, tokens: int, vocab: int) -> dict:
+    """Load the compressed output with stock transformers (after `import kvrewrite`) and the source, one after the
+    other, and compare next-token predictions on `tokens` random tokens: at full rank (rate 0 of the rate table,
+    which must equal the source up to bf16 rounding) and at the compiled rate."""
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    import kvrewrite
+
+    ids = torch.randint(3, vocab, (1, tokens), generator=torch.Generator().manual_seed(7))
+    out: dict = {"tokens": tokens}
+
+    def logits_of(load) -> torch.Tensor:
+        t0 = time.perf_counter()
+        model = load()
+        loaded = time.perf_counter() - t0
+        with torch.inference_mode():
+            logits = model(input_ids=ids, use_cache=False).logits.float()
+        del model
+        return logits, round(loaded, 1)
+
+    original, out["source_load_s"] = logits_of(lambda: AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16).eval())
+    full, out["compressed_full_rank_load_s"] = logits_of(lambda: kvrewrite.load(compressed, rate=0.0, dtype=torch.bfloat16).eval())
+    compiled, out["compressed_load_s"] = logits_of(lambda: AutoModelForCausalLM.from_pretrained(compressed, dtype=torch.bfloat16).eval())
+    ref = F.log_softmax(original, -1)
+    for name, logits in (("full_rank", full), ("compiled_rate", compiled)):
+        logp = F.log_softmax(logits, -1)
+        out[name] = {
+            "max_abs_logit_diff_vs_source": (logits - original).abs().max().item(),
+            "top1_agreement": (logits.argmax(-1) == original.argmax(-1)).float().mean().item(),
+            "kl_mean": float((ref.exp() * (ref - logp)).sum(-1).mean()),
+        }
+    return out
+
+
+def run_load_check(args, model_dir: Path, out_dir: Path, env: dict) -> dict:
+    """load_check in its own process, under /usr/bin/time -v for its peak RSS (whole-model loads, one at a time)."""
+    command = [sys.executable, str(Path(__file__).resolve()), "--load-check", str(model_dir), str(out_dir),
+               "--load-check-tokens", str(args.load_check_tokens), "--vocab", str(args.vocab)]
+    print("running:", shlex.join(command))
+    run = subprocess.run(["/usr/bin/time", "-v", *command], env=env, capture_output=True, text=True)
+    if run.returncode != 0:
+        print(run.stdout[-3000:], run.stderr[-6000:])
+        raise SystemExit(f"load check failed with exit code {run.returncode}")
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    result["command"] = shlex.join(command)
+    result["peak_rss_mib"] = round(int(time_v_field(run.stderr, "Maximum resident set size (kbytes)")) / 1024, 1)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/kvrewrite-big-model"))
@@ -67,8 +117,14 @@ def main() -> None:
     parser.add_argument("--allocation", default="greedy")
     parser.add_argument("--target-rate", type=float, default=0.5)
     parser.add_argument("--keep", action="store_true", help="keep the random model and the output")
+    parser.add_argument("--skip-load-check", action="store_true", help="do not load the output whole afterwards")
+    parser.add_argument("--load-check-tokens", type=int, default=64)
+    parser.add_argument("--load-check", nargs=2, type=Path, metavar=("SOURCE", "COMPRESSED"), help=argparse.SUPPRESS)
     parser.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results" / "big_model_memory.json")
     args = parser.parse_args()
+    if args.load_check:
+        print(json.dumps(load_check(*args.load_check, args.load_check_tokens, args.vocab)))
+        return
 
     config = LlamaConfig(
         vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
@@ -131,6 +187,7 @@ def main() -> None:
         "calibration": report.get("calibration"),
         "allocation": report.get("allocation"),
         "verification": {k: v for k, v in report.get("verification", {}).items() if not isinstance(v, list)},
+        "load_check": None if args.skip_load_check else run_load_check(args, model_dir, out_dir, env),
     }
     args.results.parent.mkdir(parents=True, exist_ok=True)
     args.results.write_text(json.dumps(results, indent=2) + "\n")
