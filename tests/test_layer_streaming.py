@@ -19,6 +19,7 @@ from kvrewrite.passes.collect_statistics import collect_statistics
 from kvrewrite.passes.pipeline import run_pipeline
 from kvrewrite.plan import Plan
 from sharded_random_llama import write_random_llama
+from tiny_families import TINY_CONFIGS, save_tiny_family
 from tiny_models import random_windows, save_tiny_llama, tiny_pipeline
 
 
@@ -197,3 +198,28 @@ def test_device_and_dtype_options_are_validated():
             Plan(model="x", device="cuda")
     with pytest.raises(InvalidArgumentError, match="max-shard-size"):
         Plan(model="x", max_shard_size="lots")
+
+
+@pytest.mark.parametrize("family", list(TINY_CONFIGS))
+def test_streamed_forward_of_every_family_equals_the_stock_model(tmp_path, family):
+    """Layer by layer (learned positions, sliding-window masks, Gemma's scaled embeddings and per-layer RoPE,
+    fused qkv, q/k norms, biases) the runner reproduces the stock forward, holding one layer at a time."""
+    src = save_tiny_family(tmp_path / family, family)
+    tokens = random_windows(2, 20, seed=4)  # longer than the 12-token sliding windows
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float64).eval()(tokens, use_cache=False).logits
+    source = open_source(src)
+    model = source.streamed(torch.float64)
+    with torch.inference_mode():
+        hidden = model.embed(tokens)
+        inputs = model.layer_inputs(hidden)
+        for idx in range(len(model.layers)):
+            with model.layer(idx) as layer:
+                hidden = model.run_layer(layer, hidden, inputs)
+        logits = model.logits(hidden)
+    assert (logits - expected).abs().max().item() < 1e-10
+    biggest_layer = max(sum(p.numel() for p in layer.parameters()) for layer in model.layers)
+    prelude = sum(p.numel() for m in model.prelude for p in m.parameters())
+    head = source.skeleton.get_output_embeddings().weight.numel() + sum(p.numel() for m in model.final_modules for p in m.parameters())
+    assert model.peak_resident_params == max(biggest_layer, prelude, head) < source.num_parameters()
+    assert model.resident_params == 0 and all(p.device.type == "meta" for p in source.skeleton.parameters())
