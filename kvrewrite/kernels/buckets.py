@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvrewrite.kernels.reference import PackedLayout, boolean_mask
+from kvrewrite.kernels.reference import PackedLayout, boolean_mask, softmax_dtype
 
 
 @dataclass(frozen=True)
@@ -194,15 +194,16 @@ class BucketedAttention:
         q = query.new_zeros(batch, q_len, heads * key_total)
         q[..., self._diag_query] = query
         # Rows ordered (position, head); the mask row of position t serves all heads.
-        bias = torch.zeros(allowed.shape[0], q_len, 1, kv_len, dtype=torch.float32, device=query.device)
-        bias = bias.masked_fill(~allowed[:, 0, :, None, :], torch.finfo(torch.float32).min)
+        score_dtype = softmax_dtype(query.dtype)
+        bias = torch.zeros(allowed.shape[0], q_len, 1, kv_len, dtype=score_dtype, device=query.device)
+        bias = bias.masked_fill(~allowed[:, 0, :, None, :], torch.finfo(score_dtype).min)
         bias = bias.expand(batch, q_len, heads, kv_len).reshape(batch, q_len * heads, kv_len)
         keys = key.view(batch, kv_len, key_total)  # contiguous packed rows, no copy
         rows = q.view(batch, q_len * heads, key_total)
-        if query.dtype == torch.float32:
+        if query.dtype == score_dtype:
             scores = torch.baddbmm(bias, rows, keys.transpose(1, 2), alpha=scaling)
         else:  # low-precision GEMM (fp32 accumulation inside), softmax in fp32
-            scores = torch.bmm(rows, keys.transpose(1, 2)).float() * scaling + bias
+            scores = torch.bmm(rows, keys.transpose(1, 2)).to(score_dtype) * scaling + bias
         probs = torch.softmax(scores, dim=-1).to(value.dtype)
         full = torch.bmm(probs, value.view(batch, kv_len, value_total))  # [B, T*H, Vsum]
         return full.view(batch, q_len, heads * value_total)[..., self._diag_output]
@@ -228,7 +229,7 @@ class BucketedAttention:
         for j, h in enumerate(bucket.heads):
             k = key[:, 0, :, ko[h] : ko[h + 1]]
             v = value[:, 0, :, vo[h] : vo[h + 1]]
-            scores = torch.matmul(q[:, j], k.transpose(-1, -2)).float() * scaling
-            scores = scores.masked_fill(~rows_mask[:, 0], torch.finfo(torch.float32).min)
+            scores = torch.matmul(q[:, j], k.transpose(-1, -2)).to(softmax_dtype(q.dtype)) * scaling
+            scores = scores.masked_fill(~rows_mask[:, 0], torch.finfo(scores.dtype).min)
             outs.append(torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v))
         return torch.stack(outs, dim=1)
