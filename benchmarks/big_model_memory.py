@@ -114,6 +114,8 @@ def main() -> None:
     parser.add_argument("--calib-tokens", type=int, default=1024)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--verify-tokens", type=int, default=256)
+    parser.add_argument("--verify-tolerance", type=float, default=1e-4,
+                        help="compress --verify-tolerance (28 random layers with sharpened q/k amplify float64 rounding)")
     parser.add_argument("--allocation", default="greedy")
     parser.add_argument("--target-rate", type=float, default=0.5)
     parser.add_argument("--keep", action="store_true", help="keep the random model and the output")
@@ -148,6 +150,7 @@ def main() -> None:
         sys.executable, "-m", "kvrewrite.cli.app", "compress", str(model_dir), "-o", str(out_dir), "--overwrite",
         "--target-rate", str(args.target_rate), "--allocation", args.allocation, "--calibration", str(calib),
         "--calib-tokens", str(args.calib_tokens), "--seq-len", str(args.seq_len), "--verify-tokens", str(args.verify_tokens),
+        "--verify-tolerance", str(args.verify_tolerance),
         "--dtype", args.dtype,
     ]
     print("running:", shlex.join(command))
@@ -186,7 +189,7 @@ def main() -> None:
         "output_shards": len(set(LazyCheckpoint(out_dir).weight_map.values())),
         "calibration": report.get("calibration"),
         "allocation": report.get("allocation"),
-        "verification": {k: v for k, v in report.get("verification", {}).items() if not isinstance(v, list)},
+        "verification": report.get("verification", {}),
         "load_check": None if args.skip_load_check else run_load_check(args, model_dir, out_dir, env),
     }
     args.results.parent.mkdir(parents=True, exist_ok=True)

@@ -63,6 +63,7 @@ def compress(
     dtype: str = typer.Option("float32", help="Compute and output dtype: float32 (fp32) or bfloat16 (bf16)."),
     max_shard_size: str = typer.Option("1GB", "--max-shard-size", help="Largest output shard; shards are written as they fill."),
     verify_tokens: int = typer.Option(512, "--verify-tokens", help="Calibration tokens the verify pass runs (float64, layer by layer)."),
+    verify_tolerance: float = typer.Option(1e-4, "--verify-tolerance", help="Largest full-rank float64 logit difference the compile accepts (deep models with sharp attention amplify float64 rounding)."),
     seed: int = typer.Option(0, help="Seed for calibration sampling."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
     kv_codec: str = typer.Option("none", "--kv-codec", help="KV codec on the reduced cache: none, int4, int2, tada, gear, gear-l, csr; parameters as int4:group_size=64 (docs/codecs.md)."),
@@ -83,7 +84,7 @@ def compress(
                     revision=revision, seed=seed, overwrite=overwrite, max_ppl_increase=_fraction(max_ppl_increase),
                     max_kl=max_kl, budget_tokens=budget_tokens, value_metric=value_metric,
                     probe_rates=tuple(float(r) for r in probe_rates.split(",") if r.strip()),
-                    device=device, dtype=dtype, max_shard_size=max_shard_size, verify_tokens=verify_tokens,
+                    device=device, dtype=dtype, max_shard_size=max_shard_size, verify_tokens=verify_tokens, verify_tolerance=verify_tolerance,
                     kv_codec=kv_codec, kv_bits_budget=kv_bits_budget)
         passes = default_pipeline()
         if dry_run:
