@@ -9,7 +9,8 @@ Writes benchmarks/results/decode_<device>.json and decode_<device>.png.
 What is measured, per model (stock; freq and post-rope at p = 0, 0.3, 0.5, 0.7; latent at p = 0.5) and per
 (context, batch):
 - decode: the cache is filled with random tensors of the model's own cache shapes and dtype (a DynamicCache
-  with [B, H_kv, S, d] for stock and the packed [B, 1, S, sum r] for rewritten layers; prefilling 8K x 8
+  with [B, H_kv, S, d] for stock and the packed latents for rewritten layers, in the memory order the layer
+  stores them: column-major [B, sum r, S, 1] for the CPU rank-bucket runner; prefilling 8K x 8
   through the model would take many minutes on 2 CPU cores and attention cost does not depend on the cache
   values), then `steps` single-token forward passes; tokens/s = batch / median step time;
 - attention time: wall time inside the attention function (stock: transformers' sdpa function; rewritten:
@@ -92,17 +93,22 @@ def _fill_cache(model, batch: int, context: int, stock: bool):
     import torch
     from transformers import DynamicCache
 
+    from kvrewrite.kernels.cache_layout import to_storage
+
     cfg = model.config
     dtype = next(model.parameters()).dtype
     cache = DynamicCache(config=cfg)
     g = torch.Generator().manual_seed(0)
     for i, layer in enumerate(model.model.layers):
         if stock:
-            shape_k = shape_v = (batch, cfg.num_key_value_heads, context, cfg.head_dim)
-        else:
+            shape = (batch, cfg.num_key_value_heads, context, cfg.head_dim)
+            keys, values = torch.randn(shape, generator=g, dtype=dtype), torch.randn(shape, generator=g, dtype=dtype)
+        else:  # the packed latents in the memory order the layer itself stores them in
             attn = layer.self_attn
-            shape_k, shape_v = (batch, 1, context, sum(attn.key_ranks)), (batch, 1, context, sum(attn.value_ranks))
-        cache.update(torch.randn(shape_k, generator=g, dtype=dtype), torch.randn(shape_v, generator=g, dtype=dtype), i)
+            order = attn.cache_order(cache, torch.device("cpu"))
+            keys = to_storage(torch.randn(batch, context, sum(attn.key_ranks), generator=g, dtype=dtype), order)
+            values = to_storage(torch.randn(batch, context, sum(attn.value_ranks), generator=g, dtype=dtype), order)
+        cache.update(keys.contiguous(), values.contiguous(), i)
     nbytes = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
     return cache, nbytes
 
@@ -179,7 +185,9 @@ def measure_model(name: str, root: Path, steps: int, configs: list[tuple[int, in
                 t.__exit__(None, None, None)
     if not stock:
         attn = model.model.layers[0].self_attn
-        record["attention_backend"] = type(attn.packed_attention_runner(torch.device("cpu"))).__name__
+        runner = attn.packed_attention_runner(torch.device("cpu"))
+        record["attention_backend"] = type(runner).__name__
+        record["cache_order"] = attn.cache_order(_fill_cache(model, 1, 1, False)[0], torch.device("cpu"))
         record["kv_elements_per_token"] = model.kv_elements_per_token()
     return record
 

@@ -13,6 +13,7 @@ import kvrewrite
 from kvrewrite.checkpoint_io import write_checksums
 from kvrewrite.errors import CorruptCheckpointError
 from kvrewrite.evaluation import kv_cache_bytes_per_token
+from kvrewrite.kernels.cache_layout import COLUMNS, ROWS, packed_view
 from kvrewrite.passes.pipeline import run_pipeline
 from kvrewrite.plan import Plan
 from tiny_models import random_windows, save_tiny_llama, tiny_pipeline
@@ -70,11 +71,15 @@ def test_cached_decoding_matches_one_shot_and_cache_shrinks(sources, tmp_path, g
     cached = torch.cat([prefix, *steps], dim=1)
     assert (cached - one_shot).abs().max().item() < 1e-4
 
-    # The cache really holds the reduced latents: one packed pseudo-head per layer.
+    # The cache really holds the reduced latents: one packed pseudo-head per layer, stored column-major
+    # ([B, C, S, 1]) for the CPU rank-bucket runner, token-major rows for latent and crosshead keys (own torch attention).
     kept = ctx.spec.kept_elements_per_token
+    order = ROWS if mode in ("latent", "crosshead") else COLUMNS
     for layer, layer_spec in zip(cache.layers, ctx.spec.layers):
-        assert layer.keys.shape == (2, 1, 36, sum(layer_spec.key_ranks))
-        assert layer.values.shape == (2, 1, 36, sum(layer_spec.value_ranks))
+        rk, rv = sum(layer_spec.key_ranks), sum(layer_spec.value_ranks)
+        assert packed_view(layer.keys).shape == (2, 1, 36, rk)
+        assert packed_view(layer.values).shape == (2, 1, 36, rv)
+        assert layer.keys.shape == ((2, rk, 36, 1) if order == COLUMNS else (2, 1, 36, rk))
     measured = kv_cache_bytes_per_token(model, seq_len=32)
     baseline = kv_cache_bytes_per_token(original(src), seq_len=32)
     assert measured == kept * 4

@@ -15,6 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 import kvrewrite  # noqa: F401  (registers the kvrewrite_<family> model types)
 from kvrewrite.adapters import adapter_for, supported_model_types
 from kvrewrite.errors import UnsupportedModelError
+from kvrewrite.kernels.cache_layout import packed_view
 from kvrewrite.passes.pipeline import run_pipeline
 from kvrewrite.plan import Plan
 from tiny_families import TINY_CONFIGS, save_tiny_family
@@ -93,8 +94,8 @@ def test_cached_decoding_matches_one_shot_and_cache_shrinks(sources, tmp_path, f
     total, stock_total = 0, 0
     for layer, stock_layer, layer_spec in zip(cache.layers, stock_cache.layers, ctx.spec.layers):
         positions = stock_layer.keys.shape[-2]
-        assert layer.keys.shape == (2, 1, positions, sum(layer_spec.key_ranks))
-        assert layer.values.shape == (2, 1, positions, sum(layer_spec.value_ranks))
+        assert packed_view(layer.keys).shape == (2, 1, positions, sum(layer_spec.key_ranks))
+        assert packed_view(layer.values).shape == (2, 1, positions, sum(layer_spec.value_ranks))
         assert stock_layer.keys.numel() + stock_layer.values.numel() == 2 * positions * baseline_per_layer
         total += layer.keys.numel() + layer.values.numel()
         stock_total += stock_layer.keys.numel() + stock_layer.values.numel()

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvrewrite.kernels.buckets import BucketedAttention, plan_buckets
+from kvrewrite.kernels.cache_layout import COLUMNS, packed_view, to_storage
 from kvrewrite.kernels.reference import PackedLayout, packed_attention
 from kvrewrite.kernels.scheduling import head_work, lpt_decode_schedule, prefill_row_blocks, prefill_tasks
 
@@ -47,12 +48,43 @@ def _compare(out, query, key, value, mask, layout, dtype, scaling=0.3):
 @pytest.mark.parametrize("ranks", RANK_MIXES)
 @pytest.mark.parametrize("q_len", [1, 6])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("route", ["block-diagonal", "windowed"])
+@pytest.mark.parametrize("route", ["block-diagonal", "windowed", "columns", "columns-prefill"])
 def test_rank_buckets_match_reference(ranks, q_len, dtype, route):
     layout = PackedLayout(*ranks)
     query, key, value, mask = _inputs(layout, 2, q_len, 11, dtype)
-    runner = BucketedAttention(layout, block_diagonal_rows=10_000 if route == "block-diagonal" else 0)
-    _compare(runner(query, key, value, mask, 0.3), query, key, value, mask, layout, dtype)
+    runner = BucketedAttention(layout, decode_rows=0 if route in ("windowed", "columns-prefill") else 10_000)
+    attend_key, attend_value = key, value
+    if route.startswith("columns"):  # the cache's column-major memory order, seen through the packed view
+        attend_key = packed_view(to_storage(key[:, 0].contiguous(), COLUMNS).contiguous())
+        attend_value = packed_view(to_storage(value[:, 0].contiguous(), COLUMNS).contiguous())
+        assert (attend_key.stride(-2), attend_key.shape) == (1, key.shape) and torch.equal(attend_key, key)
+    _compare(runner(query, attend_key, attend_value, mask, 0.3), query, key, value, mask, layout, dtype)
+
+
+def test_column_decode_reads_each_head_in_place():
+    """The column-major decode route hands GEMMs views of the cache storage, never a copy of it."""
+    layout = PackedLayout((16, 8, 0), (8, 0, 24), 3)
+    query, key, value, mask = _inputs(layout, 2, 1, 9, torch.float32)
+    stored_key = to_storage(key[:, 0].contiguous(), COLUMNS).contiguous()
+    stored_value = to_storage(value[:, 0].contiguous(), COLUMNS).contiguous()
+    storages = {stored_key.untyped_storage().data_ptr(), stored_value.untyped_storage().data_ptr()}
+    seen = []
+    originals = torch.bmm, torch.baddbmm
+
+    def spy(original):
+        def call(*args, **kwargs):
+            seen.extend(t.untyped_storage().data_ptr() for t in args if isinstance(t, torch.Tensor) and t.dim() == 3)
+            return original(*args, **kwargs)
+        return call
+
+    torch.bmm, torch.baddbmm = spy(torch.bmm), spy(torch.baddbmm)
+    try:
+        out = BucketedAttention(layout)(query, packed_view(stored_key), packed_view(stored_value), mask, 0.3)
+    finally:
+        torch.bmm, torch.baddbmm = originals
+    _compare(out, query, key, value, mask, layout, torch.float32)
+    # Two heads have value columns (rank-0 value head skipped): 2 key GEMMs + 2 value GEMMs on the storage.
+    assert sum(ptr in storages for ptr in seen) == 4
 
 
 def test_buckets_group_equal_ranks_and_read_the_cache_in_place():
@@ -61,7 +93,7 @@ def test_buckets_group_equal_ranks_and_read_the_cache_in_place():
     assert [b.heads for b in buckets] == [(0, 2), (1, 3)]
     assert all(b.windowed for b in buckets)
     # The strided view SDPA reads must alias the cache storage (no copy of the cache per step).
-    runner = BucketedAttention(layout, block_diagonal_rows=0)
+    runner = BucketedAttention(layout, decode_rows=0)
     query, key, value, mask = _inputs(layout, 2, 1, 9, torch.float32)
     seen = []
     original = torch.nn.functional.scaled_dot_product_attention
@@ -139,7 +171,7 @@ def _dense_float64(query, key, value, mask, scaling, layout):
 
 
 @pytest.mark.parametrize("ranks", RANK_MIXES)
-@pytest.mark.parametrize("route", ["reference", "block-diagonal", "windowed"])
+@pytest.mark.parametrize("route", ["reference", "block-diagonal", "windowed", "columns"])
 def test_float64_attention_stays_float64(ranks, route):
     """The compile's full-rank check runs rewrites in float64: no path may round through float32."""
     layout = PackedLayout(*ranks)
@@ -147,9 +179,28 @@ def test_float64_attention_stays_float64(ranks, route):
     if route == "reference":
         out = packed_attention(query, key, value, mask, 0.3, layout)
     else:
-        runner = BucketedAttention(layout, block_diagonal_rows=10_000 if route == "block-diagonal" else 0)
-        out = runner(query, key, value, mask, 0.3)
+        runner = BucketedAttention(layout, decode_rows=0 if route == "windowed" else 10_000)
+        attend_key, attend_value = key, value
+        if route == "columns":
+            attend_key = packed_view(to_storage(key[:, 0].contiguous(), COLUMNS).contiguous())
+            attend_value = packed_view(to_storage(value[:, 0].contiguous(), COLUMNS).contiguous())
+        out = runner(query, attend_key, attend_value, mask, 0.3)
     attended = mask[:, 0].any(-1)
     expected = _dense_float64(query, key, value, mask, 0.3, layout)
     assert out.dtype == torch.float64
     assert (out - expected)[attended].abs().max().item() < 1e-12
+
+
+@pytest.mark.parametrize("ranks", [RANK_MIXES[0], RANK_MIXES[2], RANK_MIXES[3]], ids=["equal", "mixed", "rank0-value"])
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_column_decode_without_padding_matches_reference(ranks, q_len):
+    """No padding, causal only (mask None or HF's boolean mask): at q_len 1 nothing is masked and the route
+    skips the additive mask; at q_len 3 the causal part still needs it."""
+    layout = PackedLayout(*ranks)
+    query, key, value, _ = _inputs(layout, 2, q_len, 11, torch.float32)
+    causal = torch.ones(2, 1, q_len, 11, dtype=torch.bool).tril(11 - q_len)
+    stored_key = packed_view(to_storage(key[:, 0].contiguous(), COLUMNS).contiguous())
+    stored_value = packed_view(to_storage(value[:, 0].contiguous(), COLUMNS).contiguous())
+    runner = BucketedAttention(layout)
+    for mask in (None, causal):
+        _compare(runner(query, stored_key, stored_value, mask, 0.3), query, key, value, causal, layout, torch.float32)

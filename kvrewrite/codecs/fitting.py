@@ -14,6 +14,7 @@ from kvrewrite.codecs.config import CodecConfig
 from kvrewrite.codecs.csr import dictionary_name, matching_pursuit
 from kvrewrite.codecs.tada import BITS_TABLE, TadaCodec
 from kvrewrite.errors import InvalidArgumentError
+from kvrewrite.kernels.cache_layout import packed_view
 
 TADA_WIDTHS = (2, 4, 8)
 
@@ -30,8 +31,9 @@ def collect_latents(model, tokens: torch.Tensor, batch_size: int = 4) -> Latents
             for i, layer in enumerate(cache.layers):
                 if len(per_layer) <= i:
                     per_layer.append({"key": [], "value": []})
-                per_layer[i]["key"].append(layer.keys[:, 0].reshape(-1, layer.keys.shape[-1]).float())
-                per_layer[i]["value"].append(layer.values[:, 0].reshape(-1, layer.values.shape[-1]).float())
+                keys, values = packed_view(layer.keys), packed_view(layer.values)  # either memory order
+                per_layer[i]["key"].append(keys[:, 0].reshape(-1, keys.shape[-1]).float())
+                per_layer[i]["value"].append(values[:, 0].reshape(-1, values.shape[-1]).float())
     return [{side: torch.cat(parts[side]) for side in SIDES} for parts in per_layer]
 
 

@@ -14,13 +14,22 @@ and the whole bucket is one `scaled_dot_product_attention` call per layer:
 - a bucket whose heads are not evenly spaced in the packed row, or whose window does not fit, runs as
   matmul-softmax-matmul on per-head strided slices (still no cache copy).
 
-Decode (few query rows) takes another route, because on CPU every kernel that walks one head's columns
-of the packed rows (SDPA over a strided view, small-M bmm) runs far below memory speed, while whole-row
-GEMMs run at full speed (measured in docs/runtime.md): the layer's query heads are scattered into a
-block-diagonal query [B, T*H, sum rk] (head h's columns at its KV head's key offset, zeros elsewhere),
-so scores = one GEMM over the contiguous packed key rows, one softmax, and one GEMM with the packed
-value rows whose diagonal blocks are the per-head outputs. It computes n_kv times the useful flops but
-reads each cache row once, contiguously; at decode sizes that is the faster trade.
+Decode (few query rows) takes one of two routes, picked by the cache's memory order
+(kernels.cache_layout); on CPU every kernel that walks one head's columns of token-major packed rows
+(SDPA over a strided view, small-M bmm) runs far below memory speed (measured in docs/runtime.md):
+
+- COLUMNS (the order this runner asks the cache for): each KV head's keys are a contiguous [rk, S] block
+  K_g^T and its values a contiguous [rv, S] block, so a head is one GEMM `q_g [T*G, rk] @ K_g^T`, one
+  softmax and one GEMM with V_g: exact flops, every cache byte read once, contiguously. GQA by reshape
+  (the group's query heads are rows of its KV head's GEMM); K/V are never copied;
+- ROWS (a cache that keeps token-major rows, e.g. the codec cache): the layer's query heads are
+  scattered into a block-diagonal query [B, T*H, sum rk] (head h's columns at its KV head's key offset,
+  zeros elsewhere), so scores = one GEMM over the contiguous packed key rows, one softmax, and one GEMM
+  with the packed value rows whose diagonal blocks are the per-head outputs. It computes n_kv times the
+  useful flops but reads each cache row once, contiguously.
+
+Prefill over a COLUMNS cache first copies the layer's cache to token-major rows (one transpose per
+prefill, small next to the prefill's own work) and then runs the buckets.
 
 Everything here is planned once per layout (at load time, after `set_ranks`) and reused every step.
 """
@@ -32,6 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvrewrite.kernels.cache_layout import COLUMNS, is_column_major
 from kvrewrite.kernels.reference import PackedLayout, boolean_mask, softmax_dtype
 
 
@@ -110,14 +120,16 @@ def plan_buckets(layout: PackedLayout) -> tuple[RankBucket, ...]:
 class BucketedAttention:
     """Per-layer runner: holds the bucket plan and the index tensors of the packed query/output columns.
 
-    block_diagonal_rows: queries with at most this many rows (T x query heads) take the block-diagonal
-    whole-row route (decode); 0 disables it.
+    decode_rows: queries with at most this many rows (T x query heads) take a decode route (per-head GEMMs
+    on a COLUMNS cache, the block-diagonal whole-row GEMM on a ROWS cache); 0 disables both.
     """
 
-    def __init__(self, layout: PackedLayout, block_diagonal_rows: int = 64):
+    cache_layout = COLUMNS  # the memory order CompressedAttention stores this layer's cache in
+
+    def __init__(self, layout: PackedLayout, decode_rows: int = 64):
         self.layout = layout
         self.buckets = plan_buckets(layout)
-        self.block_diagonal_rows = block_diagonal_rows
+        self.decode_rows = decode_rows
         g = layout.group_size
         qo, oo = layout.query_offsets, layout.output_offsets
         ko, vo = layout.key_offsets, layout.value_offsets
@@ -133,6 +145,13 @@ class BucketedAttention:
             dtype=torch.long,
         )
         self._heads = heads
+        # Column-major decode: (first head, head count) per GEMM pair; all heads at once when they share
+        # one rank pair, else one head each (rank-0 value heads have no output columns and are skipped).
+        rank_pairs = set(zip(layout.key_ranks, layout.value_ranks))
+        if len(rank_pairs) == 1 and layout.value_ranks[0] > 0:
+            self._column_runs = [(0, len(layout.key_ranks))]
+        else:
+            self._column_runs = [(h, 1) for h, rv in enumerate(layout.value_ranks) if rv > 0]
         # Packed query columns of each bucket, ordered [head, group member, rank] (a small gather per step).
         self._query_index = [
             torch.tensor([qo[h] + j * b.key_rank + i for h in b.heads for j in range(g) for i in range(b.key_rank)], dtype=torch.long)
@@ -167,7 +186,12 @@ class BucketedAttention:
         kv_len = key.shape[-2]
         g = self.layout.group_size
         allowed = boolean_mask(attention_mask, q_len, kv_len, query.device)  # [B|1, 1, T, S]
-        if q_len * self._heads <= self.block_diagonal_rows and key[:, 0].is_contiguous() and value[:, 0].is_contiguous():
+        decode = q_len * self._heads <= self.decode_rows
+        if is_column_major(key) or is_column_major(value):
+            if decode:
+                return self._columns(query, key, value, allowed, scaling)
+            key, value = key.contiguous(), value.contiguous()  # prefill: token-major rows for the buckets
+        if decode and key[:, 0].is_contiguous() and value[:, 0].is_contiguous():
             return self._block_diagonal(query, key, value, allowed, scaling)
         # Query rows are ordered (group member, position): repeat the mask over the group.
         rows_mask = allowed.expand(allowed.shape[0], 1, q_len, kv_len)
@@ -186,6 +210,41 @@ class BucketedAttention:
             out = out.view(batch, n, g, q_len, rv).permute(0, 3, 1, 2, 4).reshape(batch, q_len, n * g * rv)
             output[..., o_index] = out
         return output
+
+    def _columns(self, query, key, value, allowed, scaling) -> torch.Tensor:
+        """Decode over a COLUMNS cache: per KV head, GEMM with its contiguous K_g^T, softmax, GEMM with V_g.
+
+        A layer whose heads all share one rank pair (every layer at p = 0) runs all heads as one batched GEMM
+        pair: [B, n*rk, S] views as [B*n, rk, S] without a copy.
+        """
+        batch, q_len, _ = query.shape
+        kv_len, g = key.shape[-2], self.layout.group_size
+        qo, ko, vo = self.layout.query_offsets, self.layout.key_offsets, self.layout.value_offsets
+        keys_t = key[:, 0].transpose(1, 2)  # [B, Ksum, S], unit stride along S: the cache storage itself
+        values_t = value[:, 0].transpose(1, 2)  # [B, Vsum, S]
+        query = query * scaling  # tiny; saves a pass over the scores
+        # Additive mask [B|1, 1, T, 1, S] (query rows are ordered (position, group member)); none when all allowed.
+        bias = None
+        if not bool(allowed.all()):
+            score_dtype = softmax_dtype(query.dtype)
+            bias = torch.zeros(allowed.shape[0], 1, q_len, 1, kv_len, dtype=score_dtype, device=query.device)
+            bias = bias.masked_fill(~allowed[:, :, :, None, :], torch.finfo(score_dtype).min)
+        outputs = []
+        for h, n in self._column_runs:
+            rk, rv = self.layout.key_ranks[h], self.layout.value_ranks[h]
+            q = query[..., qo[h] : qo[h + n]].view(batch, q_len, n, g * rk).transpose(1, 2).reshape(batch * n, q_len * g, rk)
+            k_t = keys_t[:, ko[h] : ko[h + n]].reshape(batch * n, rk, kv_len)  # a view: the run is the whole row
+            scores = torch.bmm(q, k_t)
+            scores = scores.to(softmax_dtype(scores.dtype))  # softmax in fp32 (float64 stays float64)
+            if bias is not None:
+                scores.view(batch, n, q_len, g, kv_len).add_(bias)
+            probs = torch.softmax(scores, dim=-1).to(value.dtype)
+            v = values_t[:, vo[h] : vo[h + n]].reshape(batch * n, rv, kv_len).transpose(1, 2)  # [B*n, S, rv]
+            out = torch.bmm(probs, v)  # [B*n, T*G, rv]
+            outputs.append(out.view(batch, n, q_len, g * rv).transpose(1, 2).reshape(batch, q_len, n * g * rv))
+        if not outputs:
+            return query.new_zeros(batch, q_len, 0)
+        return torch.cat(outputs, dim=-1) if len(outputs) > 1 else outputs[0]
 
     def _block_diagonal(self, query, key, value, allowed, scaling) -> torch.Tensor:
         batch, q_len, _ = query.shape

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 import torch
 
+from kvrewrite.kernels.cache_layout import ROWS
 from kvrewrite.kernels.reference import PackedLayout, boolean_mask
 from kvrewrite.kernels.scheduling import head_work, lpt_decode_schedule, prefill_tasks
 
@@ -160,6 +161,8 @@ def _pow2(n: int, floor: int = 16) -> int:
 
 class TritonPackedAttention:
     """Per-layer runner with the rank tables on the device and cached decode schedules."""
+
+    cache_layout = ROWS  # the kernels read token-major packed rows (unit column stride)
 
     def __init__(self, layout: PackedLayout, causal: bool = True, workers: int | None = None, base_rows: int = 32):
         self.layout = layout

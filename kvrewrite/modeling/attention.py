@@ -9,14 +9,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kvrewrite.errors import CorruptCheckpointError
+from kvrewrite.kernels.cache_layout import ROWS, packed_view, to_storage
 from kvrewrite.kernels.dispatch import PackedAttentionFn, build_attention, resolve_backend
 from kvrewrite.kernels.reference import PackedLayout, boolean_mask, grouped_attention, shared_key_attention
 from kvrewrite.spec import KEY_MODE_CROSSHEAD, KEY_MODE_FOLDED, KEY_MODE_FREQ, KEY_MODE_LATENT, KEY_MODE_POST_ROPE, LayerSpec, full_key_ranks
 
 PACKED_ATTENTION = "kvrewrite_packed"
+# Cache layers that may hold column-major packed latents (see CompressedAttention.cache_order).
+_COLUMN_CACHE_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
 
 
 def _block_prefix_rows(weight: torch.Tensor, block_sizes: list[int], keep: list[int]) -> torch.Tensor:
@@ -201,7 +205,9 @@ class CompressedAttention(nn.Module):
         past_len = 0
         if past_key_values is not None:
             past_len = past_key_values.get_seq_length(self.layer_idx)
-            key, value = past_key_values.update(key.unsqueeze(1), value.unsqueeze(1), self.layer_idx)
+            order = self.cache_order(past_key_values, query.device)
+            key, value = past_key_values.update(to_storage(key, order), to_storage(value, order), self.layer_idx)
+            key, value = packed_view(key), packed_view(value)  # logical [B, 1, S, C] views, no copy
         else:
             key, value = key.unsqueeze(1), value.unsqueeze(1)
 
@@ -213,6 +219,25 @@ class CompressedAttention(nn.Module):
             attend = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
             output, _ = attend(self, query, key, value, attention_mask, scaling=self.scaling, dropout=0.0, **kwargs)
         return self.o_proj(output), None
+
+    def cache_order(self, cache, device: torch.device) -> str:
+        """Memory order of this layer's cache tensors (kernels.cache_layout): the packed runner's choice.
+
+        COLUMNS tensors are [B, sum rk, S, 1] for keys and [B, sum rv, S, 1] for values, so only cache layers
+        that size keys and values independently take them: transformers' DynamicLayer and its sliding-window
+        variant (also under offloading). Static layers size values by the keys' dim 1, quantized and codec
+        layers code whole token rows: those keep token-major rows, as do latent and crosshead layers, which
+        attend with their own torch code.
+        """
+        layers = getattr(cache, "layers", None)
+        layer = layers[self.layer_idx] if layers is not None and self.layer_idx < len(layers) else None
+        if (
+            type(layer) not in _COLUMN_CACHE_LAYERS
+            or self.key_mode in (KEY_MODE_LATENT, KEY_MODE_CROSSHEAD)
+            or self.config._attn_implementation != PACKED_ATTENTION
+        ):
+            return ROWS
+        return getattr(self.packed_attention_runner(device), "cache_layout", ROWS)
 
     def _apply_probe(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Zero every head's latent dims beyond the probe ranks (the model must be at full rank)."""

@@ -59,7 +59,9 @@ def kernel_metadata(spec: CompressionSpec, transforms) -> dict:
         )
     return {
         "format_version": spec.format_version,
-        "cache_layout": ("per layer: keys [B, 1, S, sum(key_ranks)], values [B, 1, S, sum(value_ranks)], KV heads packed in order; "
+        "cache_layout": ("per layer: keys [B, 1, S, sum(key_ranks)], values [B, 1, S, sum(value_ranks)], KV heads packed in order "
+                         "(logical layout; the CPU torch runtime keeps it column-major in DynamicCache layers, tensors "
+                         "[B, sum(ranks), S, 1], and kvrewrite.kernels.cache_layout.packed_view gives the logical view); "
                          "key_layout 'shared' (crosshead): key_ranks = [R, 0, ...], one key block that every query head "
                          "scores against with an R-dim query"),
         "bucket_multiple": BUCKET_MULTIPLE,
