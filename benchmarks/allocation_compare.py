@@ -38,7 +38,7 @@ def main() -> None:
 
     windows = evaluation_token_sequences(shared.tokenizer, args.eval_tokens, plan.seq_len)
     models = {f"{a} p={r}": load(args.out / a, rate=r) for a in ALLOCATIONS for r in RATES}
-    results = {name: r.as_dict() for name, r in evaluate_many(models, windows, baseline=shared.model, progress=False).items()}
+    results = {name: r.as_dict() for name, r in evaluate_many(models, windows, baseline=shared.original_model(), progress=False).items()}
     for name, r in results.items():
         print(f"{name:20s} ppl {r['perplexity']:.2f} (orig {r['baseline_perplexity']:.2f}) KL {r['kl_mean']:.4f} top-1 {r['top1_agreement']:.3f}")
     record = {

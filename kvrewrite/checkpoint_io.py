@@ -197,6 +197,62 @@ def write_safetensors_shards(
     return filenames
 
 
+class ShardWriter:
+    """Write tensors to safetensors shards as they come, so a checkpoint never sits in memory whole.
+
+    Tensors are buffered until the next one would push the shard past `max_shard_size` bytes; then the
+    shard is written and the buffer freed. `finish` names the shards the Hugging Face way
+    (`model.safetensors`, or `model-0000i-of-0000n.safetensors` + `model.safetensors.index.json`) and
+    returns their names. Use it inside `atomic_output_dir`: a failure part-way leaves nothing behind.
+    """
+
+    def __init__(self, directory: Path, metadata: dict[str, str], max_shard_size: int):
+        self.directory = Path(directory)
+        self.metadata = {**metadata, "format": "pt"}
+        self.max_shard_size = int(max_shard_size)
+        self._buffer: dict[str, torch.Tensor] = {}
+        self._buffer_bytes = 0
+        self._parts: list[tuple[str, list[str]]] = []  # (temporary file name, tensor names)
+        self.total_size = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self._buffer or any(name in names for _, names in self._parts):
+            raise InvalidArgumentError(f"tensor {name!r} was written twice")
+        size = tensor.numel() * tensor.element_size()
+        if self._buffer and self._buffer_bytes + size > self.max_shard_size:
+            self.flush()
+        self._buffer.update(_prepare_tensors({name: tensor}))
+        self._buffer_bytes += size
+        self.total_size += size
+
+    def flush(self) -> None:
+        if not self._buffer:
+            return
+        part = f".part-{len(self._parts) + 1:05d}.safetensors"
+        save_file(self._buffer, str(self.directory / part), metadata=self.metadata)
+        self._parts.append((part, list(self._buffer)))
+        self._buffer, self._buffer_bytes = {}, 0
+
+    @property
+    def shards_written(self) -> int:
+        return len(self._parts)
+
+    def finish(self) -> list[str]:
+        self.flush()
+        if not self._parts:
+            raise InvalidArgumentError("no tensors were written")
+        n = len(self._parts)
+        names = [SINGLE_SHARD_FILE] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+        weight_map = {}
+        for (part, tensors), final in zip(self._parts, names):
+            os.replace(self.directory / part, self.directory / final)
+            weight_map.update({t: final for t in tensors})
+        if n > 1:
+            index = {"metadata": {"total_size": self.total_size}, "weight_map": dict(sorted(weight_map.items()))}
+            (self.directory / SAFETENSORS_INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+        return names
+
+
 def _shard_filenames(directory: Path) -> list[str]:
     """The checkpoint's shard filenames: from the index if sharded, else the single file, else any *.safetensors."""
     index_path = directory / SAFETENSORS_INDEX_FILE

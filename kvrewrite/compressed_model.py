@@ -37,14 +37,3 @@ def compressed_config(original_config, spec: CompressionSpec, dtype: torch.dtype
     config.auto_map = auto_map(original_config)
     config.dtype = dtype
     return config
-
-
-def build_compressed_model(original_config, spec: CompressionSpec, state_dict: dict[str, torch.Tensor]):
-    """The rewritten model at full rank with the folded weights loaded strictly, then sliced to the spec's ranks."""
-    config = compressed_config(original_config, spec)
-    _, model_class = compressed_classes(original_config)
-    model = model_class(config)
-    model.load_state_dict(state_dict, strict=True)
-    model.eval()
-    model.set_ranks([layer.key_ranks for layer in spec.layers], [layer.value_ranks for layer in spec.layers])
-    return model

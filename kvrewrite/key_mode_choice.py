@@ -1,8 +1,9 @@
 """`--rope-mode auto`: choose the key mode of every layer by measured quality against runtime cost.
 
-For each candidate mode we fold the whole model in that mode at full rank (exact, so every other layer
-is the original), then truncate ONE layer's keys to the probe rank and measure the KL divergence of the
-next-token distribution against the original on calibration text. The layer takes the mode with the
+For each candidate mode the rewrite in that mode runs at full rank (exact, so every other layer is the
+original), with ONE layer's keys truncated to the probe rank, and we measure the KL divergence of the
+next-token distribution against the original on calibration text. Layer-streamed like the sensitivity
+pass (measure_sensitivity.probe_kls: one pass over the weights per mode, all layers' probes side by side). The layer takes the mode with the
 smallest  KL x (1 + cost_weight x RUNTIME_COST[mode]):  cost_weight 0 is quality only; with weight W a
 mode of runtime cost c must be (1 + W c) times better than a free one to be chosen.
 """
@@ -10,11 +11,11 @@ mode of runtime cost c must be (1 + W c) times better than a free one to be chos
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from kvrewrite.compressed_model import build_compressed_model
-from kvrewrite.passes.fold_weights import build_spec, folded_state_dict
-from kvrewrite.progress import progress_bar
+from kvrewrite.folded_weights import FoldedWeights
+from kvrewrite.layer_streaming import StreamedModel
+from kvrewrite.passes.fold_weights import build_spec
+from kvrewrite.passes.measure_sensitivity import original_log_probs, probe_kls
 from kvrewrite.spec import (
     KEY_MODE_CROSSHEAD,
     KEY_MODE_FREQ,
@@ -46,38 +47,35 @@ def probe_key_rank(mode: str, num_kv_heads: int, head_dim: int, rate: float = PR
     return [per_head] * num_kv_heads
 
 
-def key_probe_kl(ctx, transforms: list, tokens: torch.Tensor, reference: torch.Tensor) -> list[float]:
+def key_probe_kl(ctx, transforms: list, original: StreamedModel, tokens: torch.Tensor, reference: torch.Tensor,
+                 label: str = "key mode probes") -> list[float]:
     """Per layer: KL to the original when only that layer's keys are truncated to the probe rank."""
-    geo, d = ctx.geometry, ctx.geometry.head_dim
+    plan, geo, d = ctx.plan, ctx.geometry, ctx.geometry.head_dim
     full_values = [[d] * geo.num_key_value_heads for _ in range(geo.num_layers)]
     full_keys = [full_key_ranks(t.key.mode, geo.num_key_value_heads, d) for t in transforms]
     spec = build_spec(ctx, full_keys, full_values, transforms=transforms)
-    model = build_compressed_model(ctx.model.config, spec, folded_state_dict(ctx.model, ctx.adapter, transforms, geo))
-    kls = []
-    with torch.inference_mode():
-        for idx, (layer, t) in enumerate(zip(ctx.adapter.decoder_layers(model), transforms)):
-            attn = ctx.adapter.attention(layer)
-            attn.probe_ranks = (probe_key_rank(t.key.mode, geo.num_key_value_heads, d), full_values[idx])
-            logp = F.log_softmax(model(input_ids=tokens, use_cache=False).logits.float(), dim=-1)
-            attn.probe_ranks = None
-            kls.append(float((reference.exp() * (reference - logp)).sum(-1).mean()))
-    return kls
+    rewritten = FoldedWeights(ctx.source, transforms, geo).streamed(spec, plan.compute_dtype(), plan.device)
+    layer_probes = [{"key": (probe_key_rank(t.key.mode, geo.num_key_value_heads, d), full_values[idx])}
+                    for idx, t in enumerate(transforms)]
+    kls = probe_kls(original, rewritten, layer_probes, tokens, plan.progress, label=label, reference=reference)
+    return [kls[(idx, "key")] for idx in range(len(transforms))]
 
 
 def choose_key_modes(ctx, candidates: dict[str, list], cost_weight: float) -> tuple[list[str], dict]:
     """The chosen mode per layer, and a report of every probe. candidates: mode -> LayerTransforms per layer."""
     tokens = ctx.calibration_tokens[:PROBE_WINDOWS, :PROBE_TOKENS]
-    with torch.inference_mode():
-        reference = F.log_softmax(ctx.model(input_ids=tokens, use_cache=False).logits.float(), dim=-1)
+    original = ctx.source.streamed(ctx.plan.compute_dtype(), ctx.plan.device)
+    reference = None
     kl = {}
     num_layers = ctx.geometry.num_layers
-    with progress_bar("choosing key modes", len(candidates) * num_layers, ctx.plan.progress) as bar:
-        for mode, transforms in candidates.items():
-            cache_key = (ctx.plan.objective, mode)
-            if cache_key not in ctx.key_mode_probes:
-                ctx.key_mode_probes[cache_key] = key_probe_kl(ctx, transforms, tokens, reference)
-            kl[mode] = ctx.key_mode_probes[cache_key]
-            bar.advance(num_layers)
+    for mode, transforms in candidates.items():
+        cache_key = (ctx.plan.objective, mode)
+        if cache_key not in ctx.key_mode_probes:
+            if reference is None:
+                reference = original_log_probs(original, tokens)
+            ctx.key_mode_probes[cache_key] = key_probe_kl(ctx, transforms, original, tokens, reference,
+                                                          label=f"key mode probes ({mode})")
+        kl[mode] = ctx.key_mode_probes[cache_key]
     chosen = []
     for layer in range(num_layers):
         scores = {m: kl[m][layer] * (1 + cost_weight * RUNTIME_COST[m]) for m in candidates}

@@ -65,7 +65,9 @@ def whitened_projection(input_gram: torch.Tensor, output_map: torch.Tensor) -> L
     down = C^{-1/2} U, up = U^T C^{1/2}.
     """
     root, inv_root = sqrt_and_inv_sqrt(input_gram)
-    u, _, _ = torch.linalg.svd(root @ output_map.double(), full_matrices=True)
+    # Only the d x d left factor is needed: with m >= d columns the thin SVD gives all of it without forming
+    # the m x m right factor (m = group x hidden: 9216 for a 3B Llama, where the full SVD took 12 s per head).
+    u, _, _ = torch.linalg.svd(root @ output_map.double(), full_matrices=output_map.shape[1] < root.shape[0])
     # The spectrum (which drives rank allocation) is taken without the ridge, so small tails are exact.
     s = torch.linalg.svdvals(unregularised_sqrt(input_gram) @ output_map.double())
     spectrum = torch.zeros(root.shape[0], dtype=torch.float64)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from kvrewrite.codecs.config import parse_codec
 from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.spec import ALLOCATIONS, KEY_MODES, OBJECTIVES, validate_rate
@@ -15,6 +17,9 @@ ROPE_MODES = ("default", "auto", *KEY_MODES)
 # --prefer for --rope-mode auto: every key mode, or only those whose runtime does not grow with context.
 PREFER = ("quality", "zero-overhead")
 REDUCERS = ("none", "kmeans")
+DTYPES = ("float32", "bfloat16")
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16"}
+DEVICES = ("cpu", "cuda")
 VALUE_METRICS = ("output", "fisher")
 # Least-squares refit of o_proj at the compiled ranks (passes/refit_output.py): none; output (target: the original
 # model's attention outputs, so upstream drift is absorbed too); output-local (target: the original layer on the
@@ -64,6 +69,11 @@ class Plan:
     max_kl: float | None = None
     budget_tokens: int = 4096
     verify_tolerance: float = 1e-4
+    verify_tokens: int = 512
+    # Where layers run and in which dtype they compute and are written out (Grams are float64 regardless).
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_shard_size: str = "1GB"
     revision: str | None = None
     seed: int = 0
     overwrite: bool = False
@@ -76,6 +86,7 @@ class Plan:
 
     def __post_init__(self) -> None:
         self.target_rate = validate_rate(self.target_rate)
+        self.dtype = DTYPE_ALIASES.get(str(self.dtype).lower(), str(self.dtype).lower())
         self.rate_grid = tuple(sorted({round(validate_rate(r, "rate grid entry"), 4) for r in self.rate_grid}))
         choices = {
             "objective": (self.objective, OBJECTIVES),
@@ -85,6 +96,7 @@ class Plan:
             "value_metric": (self.value_metric, VALUE_METRICS),
             "refit": (self.refit, REFITS),
             "prefer": (self.prefer, PREFER),
+            "dtype": (self.dtype, DTYPES),
         }
         for name, (value, allowed) in choices.items():
             if value not in allowed:
@@ -92,7 +104,12 @@ class Plan:
         self.probe_rates = tuple(sorted({round(validate_rate(r, "probe rate"), 4) for r in self.probe_rates}))
         if not self.probe_rates or 0.0 in self.probe_rates:
             raise InvalidArgumentError("probe rates must be one or more rates in (0, 1)")
-        for name in ("calib_tokens", "seq_len", "batch_size", "rank_multiple", "kmeans_clusters", "probe_windows", "fisher_tokens", "refit_tokens"):
+        if self.device.split(":")[0] not in DEVICES:
+            raise InvalidArgumentError(f"--device must be cpu or cuda (optionally cuda:N); got {self.device!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise InvalidArgumentError("--device cuda was asked for but torch sees no CUDA device here")
+        parse_size(self.max_shard_size)
+        for name in ("calib_tokens", "seq_len", "batch_size", "rank_multiple", "kmeans_clusters", "probe_windows", "fisher_tokens", "refit_tokens", "verify_tokens"):
             if int(getattr(self, name)) < 1:
                 raise InvalidArgumentError(f"--{name.replace('_', '-')} must be a positive integer")
         for name in ("max_ppl_increase", "max_kl"):
@@ -121,6 +138,9 @@ class Plan:
                 raise InvalidArgumentError("--kv-bits-budget must be in (0, 16] bits per cached element")
             self.kv_bits_budget = float(self.kv_bits_budget)
 
+    def compute_dtype(self) -> torch.dtype:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.dtype]
+
     def has_quality_budget(self) -> bool:
         return self.max_ppl_increase is not None or self.max_kl is not None
 
@@ -135,3 +155,23 @@ class Plan:
         if self.rope_mode != "auto":
             return self.rope_mode
         return f"auto (per layer, prefer {self.prefer}, cost weight {self.key_mode_cost:g})"
+
+
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes in a size like 1073741824, "1GB" or "500MiB"."""
+    if isinstance(size, int):
+        value = size
+    else:
+        text = str(size).strip().upper().replace(" ", "")
+        number = text.rstrip("KMGIB")
+        unit = text[len(number):]
+        try:
+            value = int(float(number) * _SIZE_UNITS[unit])
+        except (ValueError, KeyError):
+            raise InvalidArgumentError(f"--max-shard-size must be a size like 1GB or 500MB; got {size!r}") from None
+    if value < 1:
+        raise InvalidArgumentError(f"--max-shard-size must be positive; got {size!r}")
+    return value

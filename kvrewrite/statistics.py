@@ -53,7 +53,8 @@ class GramAccumulator:
 
     def add(self, layer: int, kind: str, head: int, rows: torch.Tensor) -> None:
         rows = rows.reshape(-1, rows.shape[-1]).double()
-        self.grams[layer][kind][head] += rows.T @ rows
+        target = self.grams[layer][kind]
+        target[head] += (rows.T @ rows).to(target.device)  # Grams stay on the CPU whatever the compute device
 
     def count(self, layer: int, tokens: int) -> None:
         self.tokens[layer] += tokens
@@ -77,6 +78,13 @@ class KMeansGramReducer(GramAccumulator):
         self._rng = np.random.default_rng(seed)
         self.keep_batch = True
         self.group_size = num_heads // num_kv_heads
+
+    def batch_rng_state(self) -> dict:
+        """The batch-sampling state, so a layer-by-layer run keeps the same batches at every layer."""
+        return self._rng.bit_generator.state
+
+    def restore_batch_rng_state(self, state: dict) -> None:
+        self._rng.bit_generator.state = state
 
     def start_batch(self) -> None:
         # Sequence pruning: decide once per batch whether its vectors are kept for clustering.

@@ -224,7 +224,7 @@ def run_sweep(
             models = {rate: load(compiled[cfg.name].output_dir, rate=rate) for rate in rates}
         else:
             models = {rate: load(compiled[f"{cfg.name}@{rate:.2f}"].output_dir) for rate in rates}
-        results = evaluate_many({f"{r:.2f}": m for r, m in models.items()}, windows, baseline=shared.model, progress=False)
+        results = evaluate_many({f"{r:.2f}": m for r, m in models.items()}, windows, baseline=shared.original_model(), progress=False)
         del models
         for rate in rates:
             res = results[f"{rate:.2f}"]

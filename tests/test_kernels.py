@@ -155,6 +155,42 @@ def test_triton_kernels_match_reference(ranks, q_len, dtype):
     _compare(runner(query, key, value, mask, 0.3), query, key, value, mask, layout, dtype)
 
 
+def _dense_float64(query, key, value, mask, scaling, layout):
+    """Per query head, softmax(q k^T * scaling) v in float64 with plain torch ops (independent of the kernels)."""
+    ko, vo = layout.key_offsets, layout.value_offsets
+    g = layout.group_size
+    outs, q_at = [], 0
+    for h, (rk, rv) in enumerate(zip(layout.key_ranks, layout.value_ranks)):
+        k, v = key[:, 0, :, ko[h] : ko[h + 1]], value[:, 0, :, vo[h] : vo[h + 1]]
+        for _ in range(g):
+            q = query[..., q_at : q_at + rk]
+            q_at += rk
+            scores = (q @ k.transpose(-1, -2) * scaling).masked_fill(~mask[:, 0], float("-inf"))
+            outs.append(torch.softmax(scores, dim=-1) @ v)
+    return torch.cat(outs, dim=-1)
+
+
+@pytest.mark.parametrize("ranks", RANK_MIXES)
+@pytest.mark.parametrize("route", ["reference", "block-diagonal", "windowed", "columns"])
+def test_float64_attention_stays_float64(ranks, route):
+    """The compile's full-rank check runs rewrites in float64: no path may round through float32."""
+    layout = PackedLayout(*ranks)
+    query, key, value, mask = _inputs(layout, 2, 6, 11, torch.float64)
+    if route == "reference":
+        out = packed_attention(query, key, value, mask, 0.3, layout)
+    else:
+        runner = BucketedAttention(layout, decode_rows=0 if route == "windowed" else 10_000)
+        attend_key, attend_value = key, value
+        if route == "columns":
+            attend_key = packed_view(to_storage(key[:, 0].contiguous(), COLUMNS).contiguous())
+            attend_value = packed_view(to_storage(value[:, 0].contiguous(), COLUMNS).contiguous())
+        out = runner(query, attend_key, attend_value, mask, 0.3)
+    attended = mask[:, 0].any(-1)
+    expected = _dense_float64(query, key, value, mask, 0.3, layout)
+    assert out.dtype == torch.float64
+    assert (out - expected)[attended].abs().max().item() < 1e-12
+
+
 @pytest.mark.parametrize("ranks", [RANK_MIXES[0], RANK_MIXES[2], RANK_MIXES[3]], ids=["equal", "mixed", "rank0-value"])
 @pytest.mark.parametrize("q_len", [1, 3])
 def test_column_decode_without_padding_matches_reference(ranks, q_len):

@@ -11,6 +11,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from kvrewrite.adapters import adapter_for
 from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.key_transforms import frequency_pair_energy
+from kvrewrite.layer_streaming import SourceModel
 from kvrewrite.linalg import kq_svd, principal_basis, psd_sqrt, whitened_projection
 from kvrewrite.passes.collect_statistics import collect_statistics
 from kvrewrite.rank_allocation import RankItem, allocate_eps, allocate_greedy
@@ -144,7 +145,7 @@ def test_statistics_match_dense_activations(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     adapter = adapter_for(model.config)
     windows = random_windows(3, 24, seed=9)
-    stats = collect_statistics(model, adapter, windows, batch_size=2, progress=False)
+    stats = collect_statistics(SourceModel.open(src, model.config, adapter).streamed(), windows, batch_size=2, progress=False)
 
     # Independent recomputation of layer 1 from its own input (captured with a plain hook).
     layer = model.model.layers[1]
@@ -177,8 +178,9 @@ def test_kmeans_reducer_approximates_the_exact_grams(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     adapter = adapter_for(model.config)
     windows = random_windows(8, 32, seed=2)
-    exact = collect_statistics(model, adapter, windows, batch_size=2, progress=False)
-    reduced = collect_statistics(model, adapter, windows, batch_size=2, reduce="kmeans", kmeans_clusters=48, kmeans_keep_share=0.5, progress=False)
+    streamed = SourceModel.open(src, model.config, adapter).streamed()
+    exact = collect_statistics(streamed, windows, batch_size=2, progress=False)
+    reduced = collect_statistics(streamed, windows, batch_size=2, reduce="kmeans", kmeans_clusters=48, kmeans_keep_share=0.5, progress=False)
     assert reduced.reduce == "kmeans"
     a, b = exact.layers[0].gram("value", 0), reduced.layers[0].gram("value", 0)
     assert ((a - b).norm() / a.norm()).item() < 0.5  # same scale and roughly the same shape

@@ -37,7 +37,7 @@ def test_full_rank_equivalence_and_real_cache_shrink(compiled, name):
 
     model = AutoModelForCausalLM.from_pretrained(ctx.output_dir)
     measured = kv_cache_bytes_per_token(model, seq_len=64)
-    baseline = kv_cache_bytes_per_token(shared.model, seq_len=64)
+    baseline = kv_cache_bytes_per_token(shared.original_model(), seq_len=64)
     assert measured == pytest.approx((1 - 0.5) * baseline, rel=0.01)
 
 

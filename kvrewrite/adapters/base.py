@@ -169,6 +169,15 @@ class ArchitectureAdapter:
         table = rotary(probe, positions)
         return [table] * self.geometry(model.config).num_layers
 
+    def final_modules(self, model: nn.Module) -> list[nn.Module]:
+        """The modules between the last decoder layer and the LM head, in order (the layer-streaming runner
+        applies them; everything before the first layer it takes from the stock forward)."""
+        return [model.model.norm]
+
+    def finish_logits(self, config, logits: torch.Tensor) -> torch.Tensor:
+        """What the stock ForCausalLM does to the LM head's output (e.g. soft-capping); nothing by default."""
+        return logits
+
     def apply_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate x [B, heads, T, d] with HF's cos/sin [B, T, d] (rotate_half convention)."""
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)

@@ -46,6 +46,10 @@ class Gemma3Adapter(ArchitectureAdapter):
         tables = {kind: rotary(probe, positions, kind) for kind in set(layer_types)}
         return [tables[kind] for kind in layer_types]
 
+    def finish_logits(self, config, logits: torch.Tensor) -> torch.Tensor:
+        cap = getattr(config, "final_logit_softcapping", None)
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
     def make_qk_norms(self, config) -> tuple[nn.Module, nn.Module]:
         d = self.geometry(config).head_dim
         return Gemma3RMSNorm(d, eps=config.rms_norm_eps), Gemma3RMSNorm(d, eps=config.rms_norm_eps)

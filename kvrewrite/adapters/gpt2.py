@@ -41,6 +41,9 @@ class GPT2Adapter(ArchitectureAdapter):
     def rotary_embedding(self, model: nn.Module) -> None:
         return None
 
+    def final_modules(self, model: nn.Module) -> list[nn.Module]:
+        return [model.transformer.ln_f]
+
     def projections(self, attn: nn.Module) -> Projections:
         if not hasattr(attn, "c_attn"):
             raise UnsupportedModelError(f"attention module {type(attn).__name__} has no fused c_attn")

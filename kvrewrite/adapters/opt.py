@@ -41,6 +41,10 @@ class OPTAdapter(ArchitectureAdapter):
     def rotary_embedding(self, model: nn.Module) -> None:
         return None
 
+    def final_modules(self, model: nn.Module) -> list[nn.Module]:
+        decoder = model.model.decoder
+        return [m for m in (decoder.final_layer_norm, decoder.project_out) if m is not None]
+
     def projections(self, attn: nn.Module) -> Projections:
         if not hasattr(attn, "out_proj"):
             return super().projections(attn)

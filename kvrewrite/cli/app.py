@@ -61,6 +61,11 @@ def compress(
     refit_tokens: int = typer.Option(16384, "--refit-tokens", help="Calibration tokens the output refit is fitted on."),
     probe_rates: str = typer.Option("0.5", "--probe-rates", help="Sensitivity allocation: comma-separated truncation rates each layer side is probed at (one point, or a KL curve)."),
     revision: Optional[str] = typer.Option(None, help="Hub revision of the source model."),
+    device: str = typer.Option("cpu", help="Where decoder layers run: cpu or cuda (statistics are float64 on the CPU either way)."),
+    dtype: str = typer.Option("float32", help="Compute and output dtype: float32 (fp32) or bfloat16 (bf16)."),
+    max_shard_size: str = typer.Option("1GB", "--max-shard-size", help="Largest output shard; shards are written as they fill."),
+    verify_tokens: int = typer.Option(512, "--verify-tokens", help="Calibration tokens the verify pass runs (float64, layer by layer)."),
+    verify_tolerance: float = typer.Option(1e-4, "--verify-tolerance", help="Largest full-rank float64 logit difference the compile accepts (deep models with sharp attention amplify float64 rounding)."),
     seed: int = typer.Option(0, help="Seed for calibration sampling."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
     kv_codec: str = typer.Option("none", "--kv-codec", help="KV codec on the reduced cache: none, int4, int2, tada, gear, gear-l, csr; parameters as int4:group_size=64 (docs/codecs.md)."),
@@ -81,6 +86,7 @@ def compress(
                     revision=revision, seed=seed, overwrite=overwrite, max_ppl_increase=_fraction(max_ppl_increase),
                     max_kl=max_kl, budget_tokens=budget_tokens, value_metric=value_metric, refit=refit, refit_tokens=refit_tokens,
                     probe_rates=tuple(float(r) for r in probe_rates.split(",") if r.strip()),
+                    device=device, dtype=dtype, max_shard_size=max_shard_size, verify_tokens=verify_tokens, verify_tolerance=verify_tolerance,
                     kv_codec=kv_codec, kv_bits_budget=kv_bits_budget)
         passes = default_pipeline()
         if dry_run:
@@ -92,7 +98,7 @@ def compress(
                 table.add_row(str(i), name, text)
             console.print(table)
             console.print(f"key mode: {plan.key_mode()} (for a plain RoPE model; the family may force another, docs/adapters.md), objective: {plan.objective}, allocation: {plan.allocation}, "
-                          f"calibration: {plan.calibration} ({plan.calib_tokens} tokens)")
+                          f"calibration: {plan.calibration} ({plan.calib_tokens} tokens), device: {plan.device}, dtype: {plan.dtype}")
             if plan.has_quality_budget():
                 console.print(f"quality budget: ppl increase <= {plan.max_ppl_increase}, KL <= {plan.max_kl} "
                               f"on {plan.budget_tokens} held-back calibration tokens (replaces --target-rate)")

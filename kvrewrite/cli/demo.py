@@ -48,7 +48,7 @@ def run_demo(output: Path, rates: list[float], calib_tokens: int, eval_tokens: i
             label = f"{name} p={rate:.2f}"
             models[label], model_rates[label] = load(output / name, rate=rate), rate
     console.print(f"evaluating {len(models)} variants and the original on {windows.numel()} held-out wiki tokens")
-    results = evaluate_many(models, windows, baseline=shared.model)
+    results = evaluate_many(models, windows, baseline=shared.original_model())
     rows = result_rows("SmolLM2-135M-Instruct", results, model_rates)
     console.print(eval_table(rows, title=f"SmolLM2-135M on held-out wiki ({windows.numel()} tokens)"))
 

@@ -37,6 +37,45 @@ def collect_latents(model, tokens: torch.Tensor, batch_size: int = 4) -> Latents
     return [{side: torch.cat(parts[side]) for side in SIDES} for parts in per_layer]
 
 
+class _LatentRecorder:
+    """Stands in for the cache of one layer-streamed forward: keeps what the attention would cache."""
+
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # every window is a fresh prefill
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args, **kwargs):
+        self.keys.append(keys[:, 0].reshape(-1, keys.shape[-1]).float())
+        self.values.append(values[:, 0].reshape(-1, values.shape[-1]).float())
+        return keys, values
+
+
+def collect_latents_streamed(streamed, layer_ranks: list[tuple[list[int], list[int]]], tokens: torch.Tensor,
+                             batch_size: int = 4, progress: bool = False) -> Latents:
+    """collect_latents for a layer-streamed rewrite (a StreamedModel at full rank): each layer is sliced to
+    its (key ranks, value ranks) and run on every batch while it holds its weights, so only one layer's
+    weights are resident however big the model is."""
+    from kvrewrite.progress import progress_bar
+
+    latents: Latents = []
+    with torch.inference_mode(), progress_bar("collecting codec latents", len(layer_ranks), enabled=progress) as bar:
+        batches = list(torch.split(tokens, batch_size))
+        hidden = streamed.embed_batches(batches)
+        inputs = [streamed.layer_inputs(h) for h in hidden]
+        for idx, (key_ranks, value_ranks) in enumerate(layer_ranks):
+            recorder = _LatentRecorder()
+            with streamed.layer(idx) as layer:
+                streamed.adapter.attention(layer).set_ranks(key_ranks, value_ranks)
+                for b in range(len(hidden)):
+                    hidden[b] = streamed.run_layer(layer, hidden[b], inputs[b], past_key_values=recorder, use_cache=True)
+            latents.append({"key": torch.cat(recorder.keys), "value": torch.cat(recorder.values)})
+            bar.advance()
+    return latents
+
+
 def as_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     """[T, C] -> [1, n, G, C] (whole blocks only)."""
     n = x.shape[0] // block
@@ -182,11 +221,19 @@ def fit_codec_tables(codec: CodecConfig, model, tokens: torch.Tensor, *, budget_
     Returns (tables, report): tables for kv_codec.safetensors (empty for untrained codecs), and the calibration
     error / bytes summary that goes into compress_report.json.
     """
+    key_ranks, value_ranks = model._layer_ranks()
+    latents = collect_latents(model, tokens, batch_size)
+    return fit_codec_tables_on_latents(codec, latents, key_ranks, value_ranks, budget_bits=budget_bits,
+                                       sensitivity=sensitivity, progress=progress)
+
+
+def fit_codec_tables_on_latents(codec: CodecConfig, latents: Latents, key_ranks, value_ranks, *,
+                                budget_bits: float | None = None, sensitivity: dict | None = None,
+                                progress: bool = False) -> tuple[dict, dict]:
+    """fit_codec_tables on latents already collected (the compile pass collects them layer-streamed)."""
     from kvrewrite.codecs import build_layer_codecs
     from kvrewrite.progress import progress_bar
 
-    key_ranks, value_ranks = model._layer_ranks()
-    latents = collect_latents(model, tokens, batch_size)
     tables: dict[str, torch.Tensor] = {}
     report: dict = {"codec": codec.describe(), "fit_tokens": int(latents[0]["key"].shape[0])}
     if codec.name == "tada" and budget_bits is not None:

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from kvrewrite.kernels.cache_layout import COLUMNS, is_column_major
-from kvrewrite.kernels.reference import PackedLayout, boolean_mask
+from kvrewrite.kernels.reference import PackedLayout, boolean_mask, softmax_dtype
 
 
 @dataclass(frozen=True)
@@ -226,15 +226,16 @@ class BucketedAttention:
         # Additive mask [B|1, 1, T, 1, S] (query rows are ordered (position, group member)); none when all allowed.
         bias = None
         if not bool(allowed.all()):
-            bias = torch.zeros(allowed.shape[0], 1, q_len, 1, kv_len, dtype=torch.float32, device=query.device)
-            bias = bias.masked_fill(~allowed[:, :, :, None, :], torch.finfo(torch.float32).min)
+            score_dtype = softmax_dtype(query.dtype)
+            bias = torch.zeros(allowed.shape[0], 1, q_len, 1, kv_len, dtype=score_dtype, device=query.device)
+            bias = bias.masked_fill(~allowed[:, :, :, None, :], torch.finfo(score_dtype).min)
         outputs = []
         for h, n in self._column_runs:
             rk, rv = self.layout.key_ranks[h], self.layout.value_ranks[h]
             q = query[..., qo[h] : qo[h + n]].view(batch, q_len, n, g * rk).transpose(1, 2).reshape(batch * n, q_len * g, rk)
             k_t = keys_t[:, ko[h] : ko[h + n]].reshape(batch * n, rk, kv_len)  # a view: the run is the whole row
             scores = torch.bmm(q, k_t)
-            scores = scores if scores.dtype == torch.float32 else scores.float()  # softmax in fp32
+            scores = scores.to(softmax_dtype(scores.dtype))  # softmax in fp32 (float64 stays float64)
             if bias is not None:
                 scores.view(batch, n, q_len, g, kv_len).add_(bias)
             probs = torch.softmax(scores, dim=-1).to(value.dtype)
@@ -252,15 +253,16 @@ class BucketedAttention:
         q = query.new_zeros(batch, q_len, heads * key_total)
         q[..., self._diag_query] = query
         # Rows ordered (position, head); the mask row of position t serves all heads.
-        bias = torch.zeros(allowed.shape[0], q_len, 1, kv_len, dtype=torch.float32, device=query.device)
-        bias = bias.masked_fill(~allowed[:, 0, :, None, :], torch.finfo(torch.float32).min)
+        score_dtype = softmax_dtype(query.dtype)
+        bias = torch.zeros(allowed.shape[0], q_len, 1, kv_len, dtype=score_dtype, device=query.device)
+        bias = bias.masked_fill(~allowed[:, 0, :, None, :], torch.finfo(score_dtype).min)
         bias = bias.expand(batch, q_len, heads, kv_len).reshape(batch, q_len * heads, kv_len)
         keys = key.view(batch, kv_len, key_total)  # contiguous packed rows, no copy
         rows = q.view(batch, q_len * heads, key_total)
-        if query.dtype == torch.float32:
+        if query.dtype == score_dtype:
             scores = torch.baddbmm(bias, rows, keys.transpose(1, 2), alpha=scaling)
         else:  # low-precision GEMM (fp32 accumulation inside), softmax in fp32
-            scores = torch.bmm(rows, keys.transpose(1, 2)).float() * scaling + bias
+            scores = torch.bmm(rows, keys.transpose(1, 2)).to(score_dtype) * scaling + bias
         probs = torch.softmax(scores, dim=-1).to(value.dtype)
         full = torch.bmm(probs, value.view(batch, kv_len, value_total))  # [B, T*H, Vsum]
         return full.view(batch, q_len, heads * value_total)[..., self._diag_output]
@@ -286,7 +288,7 @@ class BucketedAttention:
         for j, h in enumerate(bucket.heads):
             k = key[:, 0, :, ko[h] : ko[h + 1]]
             v = value[:, 0, :, vo[h] : vo[h + 1]]
-            scores = torch.matmul(q[:, j], k.transpose(-1, -2)).float() * scaling
-            scores = scores.masked_fill(~rows_mask[:, 0], torch.finfo(torch.float32).min)
+            scores = torch.matmul(q[:, j], k.transpose(-1, -2)).to(softmax_dtype(q.dtype)) * scaling
+            scores = scores.masked_fill(~rows_mask[:, 0], torch.finfo(scores.dtype).min)
             outs.append(torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v))
         return torch.stack(outs, dim=1)

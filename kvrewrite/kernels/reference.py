@@ -43,6 +43,12 @@ class PackedLayout:
         return [0, *accumulate(r * self.group_size for r in self.value_ranks)]
 
 
+def softmax_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Scores and softmax run in float32 for low-precision inputs, in float64 for float64 ones (the compile's
+    exact full-rank check runs the rewrite in float64 and must not lose precision here)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def boolean_mask(attention_mask: torch.Tensor | None, q_len: int, kv_len: int, device) -> torch.Tensor:
     """True where a query may attend; accepts HF's bool or additive float masks, or None (causal)."""
     if attention_mask is None:
@@ -66,7 +72,8 @@ def grouped_attention(
     GQA is a broadcast over the n_rep axis, never a copy of K/V per query head.
     """
     scores = torch.matmul(queries, keys.transpose(-1, -2)) * scaling
-    scores = scores.float().masked_fill(~allowed, torch.finfo(torch.float32).min)
+    scores = scores.to(softmax_dtype(scores.dtype))
+    scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
     probs = torch.softmax(scores, dim=-1).to(values.dtype)
     return torch.matmul(probs, values)
 

@@ -15,9 +15,11 @@ class BuildCalibration:
         plan = ctx.plan
         held_back = -(-plan.budget_tokens // plan.seq_len) if plan.has_quality_budget() else 0
         n_calib = -(-plan.calib_tokens // plan.seq_len)
+        # Only synthetic text needs the whole model (it generates with it); other sources never load it.
+        model = ctx.original_model() if plan.calibration == "synthetic" else None
         # One draw of distinct non-overlapping windows: the quality budget's windows never overlap the statistics'.
         windows = calibration_token_sequences(
-            plan.calibration, ctx.tokenizer, plan.calib_tokens + held_back * plan.seq_len, plan.seq_len, model=ctx.model, seed=plan.seed
+            plan.calibration, ctx.tokenizer, plan.calib_tokens + held_back * plan.seq_len, plan.seq_len, model=model, seed=plan.seed
         )
         ctx.calibration_tokens = windows[:n_calib]
         ctx.budget_tokens = windows[n_calib:] if held_back else None

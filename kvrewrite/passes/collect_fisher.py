@@ -80,9 +80,11 @@ class CollectFisher:
             return
         n_windows = max(1, -(-plan.fisher_tokens // ctx.calibration_tokens.shape[1]))
         windows = ctx.calibration_tokens[:n_windows]
+        # Gradients need the whole model: loaded here (fp32) only for --value-metric fisher, not layer-streamed.
+        model = ctx.original_model()
         adapter = ctx.adapter
-        out_projections = [adapter.output_projection(adapter.attention(layer)) for layer in adapter.decoder_layers(ctx.model)]
+        out_projections = [adapter.output_projection(adapter.attention(layer)) for layer in adapter.decoder_layers(model)]
         with torch.enable_grad():
-            sums = output_fisher(ctx.model, out_projections, windows, plan.progress)
+            sums = output_fisher(model, out_projections, windows, plan.progress)
         ctx.output_metric = [shrunk_sqrt(s, plan.fisher_shrink) for s in sums]
         ctx.report["fisher"] = {"tokens": int(windows.numel()), "shrink": plan.fisher_shrink}

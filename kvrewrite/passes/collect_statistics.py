@@ -1,13 +1,15 @@
-"""Pass 3: one streamed forward pass over the calibration windows, accumulating float64 Grams.
+"""Pass 3: the calibration windows streamed through the model one decoder layer at a time, accumulating float64 Grams.
 
-Per layer and KV head: pre- and post-RoPE queries (read where the adapter's taps say: after any q/k norm) (stacked over the group's query heads) and keys,
-values; per query head: the attention outputs O_h = P_h V_g that o_proj sees.
+Per layer and KV head: pre- and post-RoPE queries (stacked over the group's query heads) and keys, read
+where the adapter's taps say (after any q/k norm), and values; per query head: the attention outputs
+O_h = P_h V_g that the output projection sees.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kvrewrite.layer_streaming import StreamedModel
 from kvrewrite.passes.context import CompileContext
 from kvrewrite.progress import progress_bar
 from kvrewrite.statistics import CalibrationStatistics, GramAccumulator, KMeansGramReducer
@@ -15,13 +17,12 @@ from kvrewrite.statistics import CalibrationStatistics, GramAccumulator, KMeansG
 
 class CollectStatistics:
     name = "collect_statistics"
-    description = "stream calibration tokens through the model, accumulate d_h x d_h Grams per layer and head"
+    description = "stream calibration windows through the model layer by layer, accumulate d_h x d_h Grams per head"
 
     def run(self, ctx: CompileContext) -> None:
         plan = ctx.plan
         ctx.statistics = collect_statistics(
-            ctx.model,
-            ctx.adapter,
+            ctx.source.streamed(plan.compute_dtype(), plan.device),
             ctx.calibration_tokens,
             batch_size=plan.batch_size,
             reduce=plan.reduce,
@@ -34,8 +35,7 @@ class CollectStatistics:
 
 
 def collect_statistics(
-    model,
-    adapter,
+    model: StreamedModel,
     token_windows: torch.Tensor,
     *,
     batch_size: int = 4,
@@ -45,7 +45,13 @@ def collect_statistics(
     seed: int = 0,
     progress: bool = True,
 ) -> CalibrationStatistics:
-    geo = adapter.geometry(model.config)
+    """Layer by layer: every calibration batch goes through layer i (the only one holding weights), then i + 1.
+
+    The hidden states of all windows are carried between layers (windows x seq_len x hidden in the
+    compute dtype); the Grams are summed in float64 whatever the compute dtype.
+    """
+    adapter = model.adapter
+    geo = adapter.geometry(model.skeleton.config)
     d, n_kv, n_q, group = geo.head_dim, geo.num_key_value_heads, geo.num_attention_heads, geo.group_size
     if reduce == "kmeans":
         sink = KMeansGramReducer(geo.num_layers, n_kv, n_q, d, clusters=kmeans_clusters, keep_share=kmeans_keep_share, seed=seed)
@@ -84,28 +90,41 @@ def collect_statistics(
                 sink.add(layer_idx, "key_pre", g, k[:, g])
                 sink.add(layer_idx, "key_post", g, k_post[:, g])
                 sink.add(layer_idx, "value", g, v[:, g])
-            sink.add(layer_idx, "key_pre_layer", 0, acts["k"])
+            sink.add(layer_idx, "key_pre_layer", 0, acts["k"])  # [B, L, n_kv * d]: all KV heads side by side
             for h in range(n_q):
                 sink.add(layer_idx, "output", h, o[:, h])
             sink.count(layer_idx, batch * length)
 
         return hook
 
+    # Hooks on the skeleton's modules: they stay the same objects while their weights come and go.
     handles = []
-    for idx, layer in enumerate(adapter.decoder_layers(model)):
+    for idx, layer in enumerate(model.layers):
         attn = adapter.attention(layer)
         handles += [module.register_forward_hook(keep_output(idx, read)) for module, read in adapter.activation_taps(attn)]
         handles.append(adapter.output_projection(attn).register_forward_pre_hook(on_attention_output(idx)))
+    batches = torch.split(token_windows, batch_size)
     try:
-        batches = torch.split(token_windows, batch_size)
-        with torch.inference_mode(), progress_bar("collecting statistics", len(batches), progress) as bar:
-            for batch in batches:
-                if isinstance(sink, KMeansGramReducer):
-                    sink.start_batch()
-                positions = torch.arange(batch.shape[1]).expand(batch.shape[0], -1)
-                probe = torch.empty(0, dtype=next(model.parameters()).dtype)
-                rope["tables"] = adapter.rope_tables(model, probe, positions)
-                model(input_ids=batch, use_cache=False)
+        with torch.inference_mode(), progress_bar("collecting statistics", geo.num_layers + 1, progress) as bar:
+            hidden = model.embed_batches(list(batches))
+            inputs = [model.layer_inputs(h) for h in hidden]
+            # Per batch, the (cos, sin) each layer is rotated with (None without RoPE), as the stock model makes them.
+            tables = []
+            for h in hidden:
+                positions = torch.arange(h.shape[1], device=h.device).expand(h.shape[0], -1)
+                tables.append(adapter.rope_tables(model.skeleton, torch.empty(0, dtype=h.dtype, device=h.device), positions))
+            bar.advance()
+            for idx in range(geo.num_layers):
+                # The k-means reducer samples whole batches; the same batches must be kept at every layer.
+                rng_state = sink.batch_rng_state() if isinstance(sink, KMeansGramReducer) else None
+                with model.layer(idx) as layer:
+                    for b, (h, extra) in enumerate(zip(hidden, inputs)):
+                        if rng_state is not None:
+                            sink.start_batch()
+                        rope["tables"] = tables[b]
+                        hidden[b] = model.run_layer(layer, h, extra)
+                if rng_state is not None:
+                    sink.restore_batch_rng_state(rng_state)
                 bar.advance()
     finally:
         for handle in handles:

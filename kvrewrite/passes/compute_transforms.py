@@ -23,17 +23,17 @@ class ComputeTransforms:
 
     def run(self, ctx: CompileContext) -> None:
         plan, geo = ctx.plan, ctx.geometry
-        layers = ctx.adapter.decoder_layers(ctx.model)
-        metrics = ctx.output_metric or [None] * len(layers)
-        values = [
-            value_transform(plan.objective, stats, ctx.adapter.projections(ctx.adapter.attention(layer)).o_weight, geo, output_metric=metric)
-            for layer, stats, metric in zip(layers, ctx.statistics.layers, metrics)
-        ]
+        metrics = ctx.output_metric or [None] * len(ctx.statistics.layers)
+        values = []
+        for idx, stats in enumerate(ctx.statistics.layers):
+            # The value side needs W_O: that layer's attention is read from the shards (split if stored fused).
+            o_weight = ctx.source.attention_weights(idx)[0].o_weight
+            values.append(value_transform(plan.objective, stats, o_weight, geo, output_metric=metrics[idx]))
         # Resolved again from this plan: load_checkpoint's early check ran on the shared plan, and variants of
         # compile_variants (sweep, demo) may override rope_mode. `auto` = every mode the family allows (and the
         # preference admits) competes per layer.
-        ctx.key_mode = ctx.adapter.resolve_key_mode(ctx.model.config, plan.rope_mode, plan.objective)
-        allowed = ctx.adapter.allowed_key_modes(ctx.model.config)
+        ctx.key_mode = ctx.adapter.resolve_key_mode(ctx.config, plan.rope_mode, plan.objective)
+        allowed = ctx.adapter.allowed_key_modes(ctx.config)
         modes = [ctx.key_mode] if ctx.key_mode != "auto" else [m for m in PREFERENCES[plan.prefer] if m in allowed]
         if not modes:
             raise UnsupportedModelError(f"--prefer {plan.prefer} leaves no key mode for this model (allowed: {', '.join(allowed)})")

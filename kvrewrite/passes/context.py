@@ -9,6 +9,8 @@ from typing import Any
 import torch
 
 from kvrewrite.adapters.base import ArchitectureAdapter, AttentionGeometry
+from kvrewrite.folded_weights import FoldedWeights
+from kvrewrite.layer_streaming import SourceModel
 from kvrewrite.plan import Plan
 from kvrewrite.spec import CompressionSpec
 from kvrewrite.statistics import CalibrationStatistics
@@ -20,7 +22,9 @@ class CompileContext:
     # load_checkpoint
     source_dir: Path | None = None
     source_revision: str | None = None
-    model: Any = None  # the original transformers model (fp32, eval mode)
+    source: SourceModel | None = None  # config, lazily read weights, meta-device skeleton
+    config: Any = None  # the original model's transformers config
+    generation_config: Any = None
     tokenizer: Any = None
     adapter: ArchitectureAdapter | None = None
     geometry: AttentionGeometry | None = None
@@ -47,7 +51,7 @@ class CompileContext:
     rank_solver: Any = None  # rate -> RankAllocation with the same items/order (quality budget search)
     # fold_weights
     spec: CompressionSpec | None = None
-    folded_state_dict: dict[str, torch.Tensor] | None = None
+    folded: FoldedWeights | None = None  # folds one layer at a time, on demand
     # fit_kv_codec: trained codec tables (CSR dictionaries, TaDA bit widths), written to kv_codec.safetensors
     codec_tables: dict = field(default_factory=dict)
     # verify
@@ -56,3 +60,13 @@ class CompileContext:
     output_dir: Path | None = None
     # timings and notes for compress_report.json
     report: dict = field(default_factory=dict)
+    # The whole original model in fp32, loaded only where something needs it whole (synthetic calibration
+    # text generation, evaluation baselines); the compile passes themselves stream layers.
+    model: Any = None
+
+    def original_model(self):
+        if self.model is None:
+            from kvrewrite.passes.load_checkpoint import load_fp32_model
+
+            self.model = load_fp32_model(self.source.directory)
+        return self.model

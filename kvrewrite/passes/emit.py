@@ -1,4 +1,5 @@
-"""Pass 8: write the checkpoint atomically: shards, config, tokenizer, kernel metadata, report, checksums."""
+"""Pass 8: write the checkpoint atomically: shards (written layer by layer as they fill), config, tokenizer,
+kernel metadata, report, checksums."""
 
 from __future__ import annotations
 
@@ -6,10 +7,12 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from kvrewrite.checkpoint_io import atomic_output_dir, write_checksums, write_safetensors_shards
+from kvrewrite.checkpoint_io import ShardWriter, atomic_output_dir, write_checksums
 from kvrewrite.codecs.checkpoint import write_codec_tables
 from kvrewrite.compressed_model import compressed_classes, compressed_config
 from kvrewrite.passes.context import CompileContext
+from kvrewrite.plan import parse_size
+from kvrewrite.progress import progress_bar
 from kvrewrite.spec import KEY_MODE_CROSSHEAD, CompressionSpec
 
 HUB_MODELING_STUB = '''"""This checkpoint was rewritten by kvrewrite: its attention stores a compressed KV cache.
@@ -81,16 +84,21 @@ class Emit:
     def run(self, ctx: CompileContext) -> None:
         plan, spec = ctx.plan, ctx.spec
         out = plan.output or default_output_dir(plan.model, plan.target_rate)
-        state = dict(ctx.folded_state_dict)
-        if getattr(ctx.model.config, "tie_word_embeddings", False):
-            state.pop("lm_head.weight", None)  # tied: stored once, as the embedding
+        dtype = plan.compute_dtype()
         with atomic_output_dir(out, overwrite=plan.overwrite) as tmp:
-            shards = write_safetensors_shards(tmp, state, {"format": "pt", "kvrewrite_spec": spec.to_json()})
-            compressed_config(ctx.model.config, spec, dtype=next(iter(state.values())).dtype).save_pretrained(tmp)
-            if getattr(ctx.model, "generation_config", None) is not None:
-                ctx.model.generation_config.save_pretrained(tmp)
+            # Layer by layer: each layer is folded, cast and buffered; a shard is written whenever it is full.
+            writer = ShardWriter(tmp, {"kvrewrite_spec": spec.to_json()}, parse_size(plan.max_shard_size))
+            names = ctx.folded.output_names(spec)
+            with progress_bar("writing shards", len(names), plan.progress) as bar:
+                for name in names:
+                    writer.add(name, ctx.folded.read([name])[name].to(dtype))
+                    bar.advance()
+            shards = writer.finish()
+            compressed_config(ctx.config, spec, dtype=dtype).save_pretrained(tmp)
+            if ctx.generation_config is not None:
+                ctx.generation_config.save_pretrained(tmp)
             ctx.tokenizer.save_pretrained(tmp)
-            (tmp / "modeling_kvrewrite.py").write_text(modeling_stub(ctx.model.config))
+            (tmp / "modeling_kvrewrite.py").write_text(modeling_stub(ctx.config))
             (tmp / "kernel_metadata.json").write_text(json.dumps(kernel_metadata(spec, ctx.transforms), indent=1))
             report = {**ctx.report, "verification": ctx.verification, "spec_summary": spec_summary(spec)}
             report.pop("rate_table", None)  # lives in config.json and kernel_metadata.json

@@ -10,8 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvrewrite.codecs import parse_codec
-from kvrewrite.codecs.fitting import fit_codec_tables
-from kvrewrite.compressed_model import build_compressed_model
+from kvrewrite.codecs.fitting import collect_latents_streamed, fit_codec_tables_on_latents
 from kvrewrite.passes.context import CompileContext
 
 FIT_WINDOWS = 8  # calibration windows whose latents the codec is fitted on (8 x 512 tokens by default)
@@ -27,8 +26,14 @@ class FitKVCodec:
         if codec is None:
             ctx.spec = dataclasses.replace(ctx.spec, kv_codec=None)
             return
-        model = build_compressed_model(ctx.model.config, ctx.spec, ctx.folded_state_dict)
-        ctx.codec_tables, ctx.report["kv_codec"] = fit_codec_tables(
-            codec, model, ctx.calibration_tokens[:FIT_WINDOWS], budget_bits=ctx.plan.kv_bits_budget,
-            sensitivity=ctx.sensitivity, batch_size=ctx.plan.batch_size, progress=ctx.plan.progress)
+        plan, spec = ctx.plan, ctx.spec
+        # The compiled model, layer-streamed from the folded weights, each layer sliced to its compiled ranks.
+        streamed = ctx.folded.streamed(spec, plan.compute_dtype(), plan.device)
+        key_ranks = [layer.key_ranks for layer in spec.layers]
+        value_ranks = [layer.value_ranks for layer in spec.layers]
+        latents = collect_latents_streamed(streamed, list(zip(key_ranks, value_ranks)), ctx.calibration_tokens[:FIT_WINDOWS],
+                                           batch_size=plan.batch_size, progress=plan.progress)
+        ctx.codec_tables, ctx.report["kv_codec"] = fit_codec_tables_on_latents(
+            codec, latents, key_ranks, value_ranks, budget_bits=plan.kv_bits_budget,
+            sensitivity=ctx.sensitivity, progress=plan.progress)
         ctx.spec = dataclasses.replace(ctx.spec, kv_codec=codec.to_dict())

@@ -1,102 +1,14 @@
-"""Pass 6: fold the transforms into q/k/v/o weights (full rank, ordered) and write the spec.
+"""Pass 6: the spec, and the folded q/k/v/o weights (full rank, ordered) as a layer-by-layer source.
 
-All products are formed in float64 and cast back to the model's dtype once.
+Nothing is folded here for the whole model at once: `FoldedWeights` folds a layer when verify or emit
+runs it (kvrewrite/folded_weights.py).
 """
 
 from __future__ import annotations
 
-import torch
-
-from kvrewrite.adapters.base import Projections
-from kvrewrite.key_transforms import interleaved_pair_rows
+from kvrewrite.folded_weights import FoldedWeights
 from kvrewrite.passes.context import CompileContext
-from kvrewrite.spec import KEY_MODE_CROSSHEAD, KEY_MODE_FOLDED, KEY_MODE_FREQ, KEY_MODE_LATENT, KEY_MODE_POST_ROPE, CompressionSpec, LayerSpec
-
-
-def fold_layer(projections: Projections, transforms, geometry, kept: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """New attention tensors of one layer, keyed by their name inside CompressedAttention.
-
-    A bias row is transformed exactly like its weight row (the bias is the weight's column for a constant 1).
-    """
-    d = geometry.head_dim
-    dtype = projections.q_weight.dtype
-
-    def f64(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.detach().double()
-
-    w_q, w_k, w_v, w_o = (f64(t) for t in (projections.q_weight, projections.k_weight, projections.v_weight, projections.o_weight))
-    b_q, b_k, b_v = f64(projections.q_bias), f64(projections.k_bias), f64(projections.v_bias)
-    key, value = transforms.key, transforms.value
-    original = {"q": (w_q, b_q), "k": (w_k, b_k), "v": (w_v, b_v)}
-    new = {side: (w.clone(), None if b is None else b.clone()) for side, (w, b) in original.items()}
-    new_o = w_o.clone()
-
-    def transform_rows(side: str, rows: slice, fn) -> None:
-        """Rows `rows` of side's weight and bias become fn(original rows)."""
-        (weight, bias), (new_weight, new_b) = original[side], new[side]
-        new_weight[rows] = fn(weight[rows])
-        if bias is not None:
-            new_b[rows] = fn(bias[rows])
-
-    for g in range(geometry.num_key_value_heads):
-        kv_rows = slice(g * d, (g + 1) * d)
-        q_rows = [slice(h * d, (h + 1) * d) for h in geometry.query_heads_of(g)]
-        # Value side: v latents = v @ down  =>  rows of W_v (and b_v) become down^T W_v; o_proj columns of
-        # every query head in the group absorb up (W_o[:, h] -> W_o[:, h] up^T). o_proj's bias is unchanged.
-        transform_rows("v", kv_rows, lambda x, m=value.down[g]: m.T @ x)
-        for rows in q_rows:
-            new_o[:, rows] = w_o[:, rows] @ value.up[g].T
-        if key.mode == KEY_MODE_FREQ:
-            perm = interleaved_pair_rows(key.freq_order[g], d)
-            transform_rows("k", kv_rows, lambda x, p=perm: x[p])
-            for rows in q_rows:
-                transform_rows("q", rows, lambda x, p=perm: x[p])
-        elif key.mode == KEY_MODE_LATENT:
-            transform_rows("k", kv_rows, lambda x, m=key.down[g]: m.T @ x)
-        elif key.mode == KEY_MODE_FOLDED:
-            # No RoPE: q.k = (q Q).(k K) with the pair's maps folded into both projections (ZACK Fig. 8).
-            transform_rows("k", kv_rows, lambda x, m=key.k_map[g]: m.T @ x)
-            for rows in q_rows:
-                transform_rows("q", rows, lambda x, m=key.q_map[g]: m.T @ x)
-
-    if key.mode == KEY_MODE_CROSSHEAD:
-        # Every query head now scores against the whole shared key block: n_kv*d rows per head at full rank.
-        new["k"] = (key.k_fold @ w_k, None if b_k is None else key.k_fold @ b_k)
-        heads = range(geometry.num_attention_heads)
-        new["q"] = (
-            torch.cat([key.q_fold[h] @ w_q[h * d : (h + 1) * d] for h in heads]),
-            None if b_q is None else torch.cat([key.q_fold[h] @ b_q[h * d : (h + 1) * d] for h in heads]),
-        )
-
-    out: dict[str, torch.Tensor] = {"o_proj.weight": new_o}
-    for side, (weight, bias) in new.items():
-        out[f"{side}_proj.weight"] = weight
-        if bias is not None:
-            out[f"{side}_proj.bias"] = bias
-    if projections.o_bias is not None:
-        out["o_proj.bias"] = projections.o_bias
-    if key.mode == KEY_MODE_POST_ROPE:
-        out["q_map"] = key.q_map
-        out["k_map"] = key.k_map
-    elif key.mode == KEY_MODE_LATENT:
-        out["k_up"] = key.up
-    out.update(kept or {})
-    return {name: t.to(dtype).contiguous() for name, t in out.items()}
-
-
-def folded_state_dict(model, adapter, transforms, geometry) -> dict[str, torch.Tensor]:
-    """The whole model's state dict with every layer's attention rewritten (full rank)."""
-    state = {name: t.detach() for name, t in model.state_dict().items()}
-    for layer, layer_transforms in zip(adapter.decoder_layers(model), transforms):
-        attn = adapter.attention(layer)
-        prefix = next(n for n, m in model.named_modules() if m is attn)
-        # The compressed attention's tensors all come from the fold (fused or renamed originals dropped).
-        for name in [n for n in state if n.startswith(prefix + ".")]:
-            state.pop(name)
-        folded = fold_layer(adapter.projections(attn), layer_transforms, geometry, adapter.kept_attention_state(attn))
-        for name, tensor in folded.items():
-            state[f"{prefix}.{name}"] = tensor
-    return state
+from kvrewrite.spec import CompressionSpec, LayerSpec
 
 
 def build_spec(ctx: CompileContext, key_ranks: list[list[int]], value_ranks: list[list[int]], transforms: list | None = None) -> CompressionSpec:
@@ -109,7 +21,7 @@ def build_spec(ctx: CompileContext, key_ranks: list[list[int]], value_ranks: lis
     spec = CompressionSpec(
         source_model=ctx.report["source"]["model"],
         source_revision=ctx.source_revision,
-        base_model_type=ctx.model.config.model_type,
+        base_model_type=ctx.config.model_type,
         num_layers=geo.num_layers,
         num_attention_heads=geo.num_attention_heads,
         num_key_value_heads=geo.num_key_value_heads,
@@ -132,6 +44,6 @@ class FoldWeights:
     def run(self, ctx: CompileContext) -> None:
         geo = ctx.geometry
         key_ranks, value_ranks = ctx.allocation.as_lists(geo.num_layers, geo.num_key_value_heads)
-        if ctx.folded_state_dict is None:  # measure_sensitivity may have folded already
-            ctx.folded_state_dict = folded_state_dict(ctx.model, ctx.adapter, ctx.transforms, geo)
+        if ctx.folded is None:  # measure_sensitivity may have made it already
+            ctx.folded = FoldedWeights(ctx.source, ctx.transforms, geo)
         ctx.spec = build_spec(ctx, key_ranks, value_ranks)

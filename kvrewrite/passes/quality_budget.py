@@ -1,11 +1,12 @@
 """Pass (only with --max-ppl-increase / --max-kl): the largest rate that meets a quality budget.
 
-ZDC §5.2 targets a perplexity budget rather than a rate. One full-rank folded model serves every rate
+ZDC §5.2 targets a perplexity budget rather than a rate. One full-rank folded rewrite serves every rate
 (the allocator's ranks for any rate are a prefix slice of the same transforms), so the search only
 changes ranks: it bisects over rates in steps of RATE_STEP, measuring perplexity and KL against the
 original on calibration windows held back from the statistics (never the held-out evaluation
 articles). Perplexity grows with the rate in practice; the bisection assumes it, and the report keeps
 every probe so a non-monotone case is visible. The chosen rate becomes the compiled target rate.
+Layer-streamed: each probed rate is one pass over the folded weights (one layer resident at a time).
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kvrewrite.compressed_model import build_compressed_model
 from kvrewrite.errors import InvalidArgumentError
+from kvrewrite.layer_streaming import StreamedModel
 from kvrewrite.passes.context import CompileContext
 from kvrewrite.passes.fold_weights import build_spec
 from kvrewrite.spec import full_key_ranks, rate_key
@@ -27,15 +28,33 @@ MAX_RATE = 0.95
 EVAL_BATCH = 4
 
 
-def nll_and_kl(model, reference_logprobs: list[torch.Tensor], batches: list[torch.Tensor]) -> tuple[float, float]:
+def streamed_log_probs(model: StreamedModel, batches: list[torch.Tensor], layer_ranks: list | None = None) -> list[torch.Tensor]:
+    """Next-token log-probabilities of every batch (all but the last position), layer-streamed.
+
+    layer_ranks[i]: (key ranks, value ranks) layer i is truncated to (probe_ranks on a full-rank rewrite).
+    """
+    with torch.inference_mode():
+        hidden = model.embed_batches(batches)
+        inputs = [model.layer_inputs(h) for h in hidden]
+        for idx in range(len(model.layers)):
+            with model.layer(idx) as layer:
+                attn = model.adapter.attention(layer)
+                if layer_ranks is not None:
+                    attn.probe_ranks = layer_ranks[idx]
+                hidden = [model.run_layer(layer, h, i) for h, i in zip(hidden, inputs)]
+                if layer_ranks is not None:
+                    attn.probe_ranks = None
+        with model.output_head() as head:
+            return [F.log_softmax(head(h).float(), dim=-1)[:, :-1] for h in hidden]
+
+
+def nll_and_kl(logprobs: list[torch.Tensor], reference_logprobs: list[torch.Tensor], batches: list[torch.Tensor]) -> tuple[float, float]:
     """Mean next-token NLL on the data and mean KL(original || model) over the same positions."""
     nll, kl, count = 0.0, 0.0, 0
-    with torch.inference_mode():
-        for tokens, ref in zip(batches, reference_logprobs):
-            logp = F.log_softmax(model(input_ids=tokens, use_cache=False).logits.float(), dim=-1)[:, :-1]
-            nll += float(-logp.gather(-1, tokens[:, 1:, None]).sum())
-            kl += float((ref.exp() * (ref - logp)).sum())
-            count += tokens[:, 1:].numel()
+    for tokens, logp, ref in zip(batches, logprobs, reference_logprobs):
+        nll += float(-logp.gather(-1, tokens[:, 1:, None]).sum())
+        kl += float((ref.exp() * (ref - logp)).sum())
+        count += tokens[:, 1:].numel()
     return nll / count, kl / count
 
 
@@ -61,10 +80,9 @@ class QualityBudget:
         geo, d = ctx.geometry, ctx.geometry.head_dim
         full_values = [[d] * geo.num_key_value_heads for _ in range(geo.num_layers)]
         full_keys = [full_key_ranks(t.key.mode, geo.num_key_value_heads, d) for t in ctx.transforms]
-        model = build_compressed_model(ctx.model.config, build_spec(ctx, full_keys, full_values), ctx.folded_state_dict)
+        model = ctx.folded.streamed(build_spec(ctx, full_keys, full_values), plan.compute_dtype(), plan.device)
         batches = list(ctx.budget_tokens.split(EVAL_BATCH))
-        with torch.inference_mode():
-            reference = [F.log_softmax(ctx.model(input_ids=b, use_cache=False).logits.float(), dim=-1)[:, :-1] for b in batches]
+        reference = streamed_log_probs(ctx.source.streamed(plan.compute_dtype(), plan.device), batches)
         base_nll = sum(float(-r.gather(-1, b[:, 1:, None]).sum()) for r, b in zip(reference, batches)) / sum(b[:, 1:].numel() for b in batches)
 
         probes: dict[float, dict] = {}
@@ -73,9 +91,8 @@ class QualityBudget:
             if rate not in probes:
                 allocation = ctx.rank_solver(rate)
                 # Zeroing the latent dims beyond each rank is exactly that truncation (tested), and keeps one model.
-                for layer, k, v in zip(ctx.adapter.decoder_layers(model), *allocation.as_lists(geo.num_layers, geo.num_key_value_heads)):
-                    ctx.adapter.attention(layer).probe_ranks = (k, v)
-                nll, kl = nll_and_kl(model, reference, batches)
+                ranks = list(zip(*allocation.as_lists(geo.num_layers, geo.num_key_value_heads)))
+                nll, kl = nll_and_kl(streamed_log_probs(model, batches, ranks), reference, batches)
                 increase = math.exp(nll - base_nll) - 1
                 probes[rate] = {"rate": rate, "ppl_increase": increase, "kl_mean": kl, "ok": within_budget(plan, increase, kl)}
             return probes[rate]["ok"]

@@ -1,7 +1,7 @@
 """Pass (only with --refit output / output-local): least-squares refit of every o_proj at the compiled ranks (output_refit.py).
 
 Runs after verify (which checks the full-rank fold against the original) and before the codec fit and emit. The
-refitted columns replace the prefix of each query head's o_proj block in the folded state dict, so the checkpoint
+refitted columns replace the prefix of each query head's o_proj block (FoldedWeights.overrides), so the checkpoint
 keeps its full-rank layout; its rate table keeps only the compiled rate, which is the only one the refit is for.
 """
 
@@ -9,11 +9,46 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvrewrite.compressed_model import build_compressed_model
+import torch
+
+from kvrewrite.compressed_model import compressed_classes, compressed_config
+from kvrewrite.folded_weights import FoldedWeights, full_rank
 from kvrewrite.output_refit import refit_output_projections, scatter_refit_columns
 from kvrewrite.passes.context import CompileContext
-from kvrewrite.passes.verify import attention_outputs, next_token_kl
-from kvrewrite.spec import rate_key
+from kvrewrite.passes.verify import next_token_kl, verification_tokens
+from kvrewrite.spec import CompressionSpec, rate_key
+
+
+def whole_compressed_model(folded: FoldedWeights, spec: CompressionSpec):
+    """The rewritten model materialised whole in fp32 at the spec's ranks.
+
+    The refit runs every layer on the activations of the already refitted earlier ones against the original model,
+    so unlike the other passes it holds both models whole (like --value-metric fisher; docs/big-models.md)."""
+    _, model_class = compressed_classes(folded.source.config)
+    model = model_class(compressed_config(folded.source.config, full_rank(spec)))
+    names = folded.output_names(spec)
+    state = {name: tensor.float() for name, tensor in folded.read(names).items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    untied = [name for name in missing if name not in set(model.state_dict()) - set(names)]
+    if untied or unexpected:
+        raise RuntimeError(f"rewritten weights do not match the model: missing {untied}, unexpected {unexpected}")
+    model.tie_weights()
+    model.eval()
+    model.set_ranks([layer.key_ranks for layer in spec.layers], [layer.value_ranks for layer in spec.layers])
+    return model
+
+
+def logits_and_attention_outputs(model, adapter, tokens: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    outputs: list[torch.Tensor] = []
+    handles = [adapter.output_projection(adapter.attention(layer)).register_forward_hook(lambda _m, _i, out: outputs.append(out))
+               for layer in adapter.decoder_layers(model)]
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=tokens, use_cache=False).logits
+    finally:
+        for handle in handles:
+            handle.remove()
+    return logits, outputs
 
 
 class RefitOutput:
@@ -27,17 +62,21 @@ class RefitOutput:
         geo = ctx.geometry
         n_windows = max(1, -(-plan.refit_tokens // ctx.calibration_tokens.shape[1]))
         windows = ctx.calibration_tokens[:n_windows]
-        model = build_compressed_model(ctx.model.config, ctx.spec, ctx.folded_state_dict)
+        original = ctx.original_model()
+        model = whole_compressed_model(ctx.folded, ctx.spec)
         target = "layer" if plan.refit == "output-local" else "model"
-        layers = refit_output_projections(model, ctx.model, ctx.adapter, windows, ridge=plan.refit_ridge, target=target)
+        layers = refit_output_projections(model, original, ctx.adapter, windows, ridge=plan.refit_ridge, target=target)
 
-        state = dict(ctx.folded_state_dict)
+        # The refitted columns replace the prefix of each query head's block in the full-rank o_proj the checkpoint
+        # stores; FoldedWeights serves the overrides to emit and the codec fit.
+        names = {id(m): n for n, m in model.named_modules()}
         for layer_spec, layer in zip(ctx.spec.layers, ctx.adapter.decoder_layers(model)):
             o_proj = ctx.adapter.output_projection(ctx.adapter.attention(layer))
-            name = next(n for n, m in model.named_modules() if m is o_proj) + ".weight"
-            state[name] = scatter_refit_columns(state[name], o_proj.weight.detach(), layer_spec.value_ranks,
-                                                geo.group_size, geo.head_dim).contiguous()
-        ctx.folded_state_dict = state
+            name = names[id(o_proj)] + ".weight"
+            folded_weight = ctx.folded.read([name])[name]
+            ctx.folded.overrides[name] = scatter_refit_columns(folded_weight, o_proj.weight.detach().to(folded_weight.dtype),
+                                                               layer_spec.value_ranks, geo.group_size, geo.head_dim).contiguous()
+        del model
         # The refit is for the compiled ranks only: every other rate is dropped from the table.
         key = rate_key(plan.target_rate)
         ctx.spec = dataclasses.replace(ctx.spec, rate_table={key: ctx.spec.rate_table[key]} if key in ctx.spec.rate_table else {})
@@ -46,9 +85,9 @@ class RefitOutput:
         # Compiled-rank error after the refit, on the tokens verify used before it; verify's figures are replaced
         # (they describe the emitted checkpoint) and kept in the refit report.
         verified = dict(ctx.verification.get("compiled_rank", {}))
-        tokens = ctx.calibration_tokens[:2, :256]
-        ref_logits, ref_outputs = attention_outputs(ctx.model, ctx.adapter, tokens)
-        logits, outputs = attention_outputs(build_compressed_model(ctx.model.config, ctx.spec, state), ctx.adapter, tokens)
+        tokens = verification_tokens(ctx.calibration_tokens, plan.verify_tokens)
+        ref_logits, ref_outputs = logits_and_attention_outputs(original, ctx.adapter, tokens)
+        logits, outputs = logits_and_attention_outputs(whole_compressed_model(ctx.folded, ctx.spec), ctx.adapter, tokens)
         kl, top1 = next_token_kl(ref_logits, logits)
         if verified:
             ctx.verification["compiled_rank"] = {

@@ -3,43 +3,32 @@
 At full rank every transform is invertible, so any difference beyond rounding is a bug in the
 statistics, the transforms or the fold; the compile fails rather than emit such a checkpoint.
 
-The check runs in float64 (both models) where memory allows: a stock fp32 model already differs from
-itself in float64 by about 1e-4 in the logits (SmolLM2-135M: 1.0e-4, eager vs SDPA 7e-5), so an fp32
-comparison at 1e-4 cannot tell a folding bug from rounding. The fp32 difference is reported as well.
+The check runs in float64 (both models): a stock fp32 model already differs from itself in float64 by
+about 1e-4 in the logits (SmolLM2-135M: 1.0e-4, eager vs SDPA 7e-5), so an fp32 comparison at 1e-4
+cannot tell a folding bug from rounding. Everything is layer-streamed (one decoder layer holds weights
+at a time, float64 included), so this holds for models of any size; four hidden-state streams run side
+by side: the original in the compute dtype and in float64, the rewrite at full rank in float64 and at
+the compiled ranks in the compute dtype.
 """
 
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.nn.functional as F
 
-from kvrewrite.compressed_model import build_compressed_model
 from kvrewrite.errors import VerificationError
+from kvrewrite.folded_weights import full_rank
 from kvrewrite.passes.context import CompileContext
-from kvrewrite.spec import full_key_ranks
+from kvrewrite.progress import progress_bar
 
-VERIFY_WINDOWS = 2
-VERIFY_TOKENS = 256
-# Above this many parameters the float64 copies would cost too much memory; verify in fp32 instead.
-FLOAT64_VERIFY_MAX_PARAMS = 1_000_000_000
+VERIFY_WINDOW = 256  # tokens per verification window (at most)
 
 
-def attention_outputs(model, adapter, tokens) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Logits and every layer's attention output (output projection's output) for one batch."""
-    captured: list[torch.Tensor] = []
-    handles = [
-        adapter.output_projection(adapter.attention(layer)).register_forward_hook(lambda _m, _i, out: captured.append(out))
-        for layer in adapter.decoder_layers(model)
-    ]
-    try:
-        with torch.inference_mode():
-            logits = model(input_ids=tokens, use_cache=False).logits
-    finally:
-        for handle in handles:
-            handle.remove()
-    return logits, captured
+def verification_tokens(windows: torch.Tensor, tokens: int) -> torch.Tensor:
+    """The first calibration windows, cut to VERIFY_WINDOW tokens, about `tokens` tokens in all."""
+    length = min(windows.shape[1], VERIFY_WINDOW)
+    count = max(1, min(windows.shape[0], tokens // length))
+    return windows[:count, :length]
 
 
 def next_token_kl(reference_logits: torch.Tensor, logits: torch.Tensor) -> tuple[float, float]:
@@ -51,58 +40,75 @@ def next_token_kl(reference_logits: torch.Tensor, logits: torch.Tensor) -> tuple
     return kl, top1
 
 
+def run_with_attention_output(model, layer, hidden, inputs, adapter) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's output and its attention output (what the output projection returns)."""
+    captured = []
+    handle = adapter.output_projection(adapter.attention(layer)).register_forward_hook(lambda _m, _i, out: captured.append(out))
+    try:
+        out = model.run_layer(layer, hidden, inputs)
+    finally:
+        handle.remove()
+    return out, captured[0]
+
+
 class Verify:
     name = "verify"
-    description = "check full-rank equivalence (logits, in float64) and measure the error at the compiled ranks"
+    description = "check full-rank equivalence (logits, in float64) and measure the error at the compiled ranks, layer-streamed"
 
     def run(self, ctx: CompileContext) -> None:
-        tokens = ctx.calibration_tokens[:VERIFY_WINDOWS, :VERIFY_TOKENS]
-        ref_logits, ref_outputs = attention_outputs(ctx.model, ctx.adapter, tokens)
+        plan, adapter, spec = ctx.plan, ctx.adapter, ctx.spec
+        tokens = verification_tokens(ctx.calibration_tokens, plan.verify_tokens)
+        compute = plan.compute_dtype()
+        reference = ctx.source.streamed(compute, plan.device)
+        exact_reference = ctx.source.streamed(torch.float64, plan.device)
+        exact_full = ctx.folded.streamed(spec, torch.float64, plan.device)
+        compiled = ctx.folded.streamed(spec, compute, plan.device)
 
-        d = ctx.geometry.head_dim
-        full = ctx.spec.with_ranks(
-            [full_key_ranks(layer.key_mode, len(layer.key_ranks), d) for layer in ctx.spec.layers],
-            [[d] * len(layer.value_ranks) for layer in ctx.spec.layers],
-            0.0,
-        )
-        full_model = build_compressed_model(ctx.model.config, full, ctx.folded_state_dict)
-        full_logits, _ = attention_outputs(full_model, ctx.adapter, tokens)
-        ctx.verification["full_rank_max_abs_logit_diff_fp32"] = (full_logits - ref_logits).abs().max().item()
+        with torch.inference_mode(), progress_bar("verifying", ctx.geometry.num_layers + 1, plan.progress) as bar:
+            h_ref = reference.embed(tokens)
+            h_exact = exact_reference.embed(tokens)
+            h_full, h_compiled = h_exact.clone(), h_ref.clone()
+            in_ref, in_exact = reference.layer_inputs(h_ref), exact_reference.layer_inputs(h_exact)
+            in_full, in_compiled = exact_full.layer_inputs(h_full), compiled.layer_inputs(h_compiled)
+            layer_errors, layer_full_diff = [], []
+            for idx, layer_spec in enumerate(spec.layers):
+                with reference.layer(idx) as layer:
+                    h_ref, attn_ref = run_with_attention_output(reference, layer, h_ref, in_ref, adapter)
+                with exact_reference.layer(idx) as layer:
+                    h_exact = exact_reference.run_layer(layer, h_exact, in_exact)
+                with exact_full.layer(idx) as layer:
+                    h_full = exact_full.run_layer(layer, h_full, in_full)
+                with compiled.layer(idx) as layer:
+                    adapter.attention(layer).set_ranks(layer_spec.key_ranks, layer_spec.value_ranks)
+                    h_compiled, attn_compiled = run_with_attention_output(compiled, layer, h_compiled, in_compiled, adapter)
+                # End to end: each layer sees the (already perturbed) output of the layers before it.
+                layer_errors.append(((attn_compiled.float() - attn_ref.float()).norm() / attn_ref.float().norm().clamp_min(1e-30)).item())
+                layer_full_diff.append((h_full - h_exact).abs().max().item())
+                bar.advance()
+            ref_logits = reference.logits(h_ref)
+            exact_logits = exact_reference.logits(h_exact)
+            full_logits = exact_full.logits(h_full)
+            logits = compiled.logits(h_compiled)
+            bar.advance()
 
-        n_params = sum(p.numel() for p in ctx.model.parameters())
-        dtype = torch.float64 if n_params <= FLOAT64_VERIFY_MAX_PARAMS else torch.float32
-        if dtype == torch.float64:
-            reference = copy.deepcopy(ctx.model).to(dtype)
-            exact_ref, _ = attention_outputs(reference, ctx.adapter, tokens)
-            # The stock model's own rounding noise, for context: fp32 vs float64 logits.
-            ctx.verification["original_fp32_vs_fp64_max_abs_logit_diff"] = (ref_logits.double() - exact_ref).abs().max().item()
-            del reference
-            full_logits, _ = attention_outputs(full_model.to(dtype), ctx.adapter, tokens)
-            ref = exact_ref
-        else:
-            ref = ref_logits
-        max_diff = (full_logits - ref).abs().max().item()
-        tolerance = ctx.plan.verify_tolerance
+        max_diff = (full_logits - exact_logits).abs().max().item()
+        tolerance = plan.verify_tolerance
         ctx.verification["full_rank_max_abs_logit_diff"] = max_diff
-        ctx.verification["verify_dtype"] = str(dtype).removeprefix("torch.")
+        ctx.verification["full_rank_layer_max_abs_hidden_diff"] = layer_full_diff
+        ctx.verification["verify_dtype"] = "float64"
+        ctx.verification["compute_dtype"] = plan.dtype
+        # The stock model's own rounding noise, for context: compute dtype vs float64 logits.
+        ctx.verification["original_compute_dtype_vs_fp64_max_abs_logit_diff"] = (ref_logits.double() - exact_logits).abs().max().item()
         ctx.verification["tolerance"] = tolerance
         if not max_diff < tolerance:
             raise VerificationError(
-                f"full-rank rewrite changed the logits by up to {max_diff:.3g} in {dtype} (tolerance {tolerance:g}); "
+                f"full-rank rewrite changed the logits by up to {max_diff:.3g} in float64 (tolerance {tolerance:g}); "
                 "nothing was written"
             )
-        # The same model, back in fp32 (an exact round trip) and sliced to the compiled ranks.
-        model = full_model.to(torch.float32)
-        model.set_ranks([layer.key_ranks for layer in ctx.spec.layers], [layer.value_ranks for layer in ctx.spec.layers])
-        logits, outputs = attention_outputs(model, ctx.adapter, tokens)
         kl, top1 = next_token_kl(ref_logits, logits)
-        layer_errors = [
-            ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item() for out, ref in zip(outputs, ref_outputs)
-        ]
         ctx.verification["compiled_rank"] = {
             "tokens": int(tokens.numel()),
             "kl_mean": kl,
             "top1_agreement": top1,
-            # End to end: each layer sees the (already perturbed) output of the layers before it.
             "layer_attention_relative_error": layer_errors,
         }
