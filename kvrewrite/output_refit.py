@@ -38,18 +38,26 @@ def least_squares_output(z: torch.Tensor, target: torch.Tensor, ridge: float) ->
     return torch.linalg.solve(gram + lam * torch.eye(gram.shape[0], dtype=gram.dtype), z.T @ target).T
 
 
-def original_attention_outputs(original, adapter, windows: torch.Tensor) -> list[torch.Tensor]:
-    """Every layer's attention output (o_proj's output) of the original model on its own hidden states."""
+def record_attention_outputs(model, adapter, tokens: torch.Tensor, with_logits: bool = False) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    """Every layer's attention output (what the output projection returns) of one forward on tokens, and the
+    logits when asked for (otherwise only the decoder stack runs: the LM head over a big batch is not needed)."""
     outputs: list[torch.Tensor] = []
     handles = [adapter.output_projection(adapter.attention(layer)).register_forward_hook(lambda _m, _i, out: outputs.append(out))
-               for layer in adapter.decoder_layers(original)]
+               for layer in adapter.decoder_layers(model)]
     try:
         with torch.no_grad():
-            original.get_decoder()(input_ids=windows, use_cache=False)
+            if with_logits:
+                return model(input_ids=tokens, use_cache=False).logits, outputs
+            model.get_decoder()(input_ids=tokens, use_cache=False)
+            return None, outputs
     finally:
         for handle in handles:
             handle.remove()
-    return outputs
+
+
+def original_attention_outputs(original, adapter, windows: torch.Tensor) -> list[torch.Tensor]:
+    """Every layer's attention output (o_proj's output) of the original model on its own hidden states."""
+    return record_attention_outputs(original, adapter, windows)[1]
 
 
 def refit_output_projections(compressed, original, adapter, windows: torch.Tensor, ridge: float = 1e-4,

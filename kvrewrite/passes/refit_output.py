@@ -13,7 +13,7 @@ import torch
 
 from kvrewrite.compressed_model import compressed_classes, compressed_config
 from kvrewrite.folded_weights import FoldedWeights, full_rank
-from kvrewrite.output_refit import refit_output_projections, scatter_refit_columns
+from kvrewrite.output_refit import record_attention_outputs, refit_output_projections, scatter_refit_columns
 from kvrewrite.passes.context import CompileContext
 from kvrewrite.passes.verify import next_token_kl, verification_tokens
 from kvrewrite.spec import CompressionSpec, rate_key
@@ -36,19 +36,6 @@ def whole_compressed_model(folded: FoldedWeights, spec: CompressionSpec):
     model.eval()
     model.set_ranks([layer.key_ranks for layer in spec.layers], [layer.value_ranks for layer in spec.layers])
     return model
-
-
-def logits_and_attention_outputs(model, adapter, tokens: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    outputs: list[torch.Tensor] = []
-    handles = [adapter.output_projection(adapter.attention(layer)).register_forward_hook(lambda _m, _i, out: outputs.append(out))
-               for layer in adapter.decoder_layers(model)]
-    try:
-        with torch.no_grad():
-            logits = model(input_ids=tokens, use_cache=False).logits
-    finally:
-        for handle in handles:
-            handle.remove()
-    return logits, outputs
 
 
 class RefitOutput:
@@ -86,8 +73,8 @@ class RefitOutput:
         # (they describe the emitted checkpoint) and kept in the refit report.
         verified = dict(ctx.verification.get("compiled_rank", {}))
         tokens = verification_tokens(ctx.calibration_tokens, plan.verify_tokens)
-        ref_logits, ref_outputs = logits_and_attention_outputs(original, ctx.adapter, tokens)
-        logits, outputs = logits_and_attention_outputs(whole_compressed_model(ctx.folded, ctx.spec), ctx.adapter, tokens)
+        ref_logits, ref_outputs = record_attention_outputs(original, ctx.adapter, tokens, with_logits=True)
+        logits, outputs = record_attention_outputs(whole_compressed_model(ctx.folded, ctx.spec), ctx.adapter, tokens, with_logits=True)
         kl, top1 = next_token_kl(ref_logits, logits)
         if verified:
             ctx.verification["compiled_rank"] = {
