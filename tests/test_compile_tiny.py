@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import AutoModelForCausalLM
 
 import kvrewrite
 from kvrewrite.checkpoint_io import write_checksums
@@ -16,7 +16,7 @@ from kvrewrite.evaluation import kv_cache_bytes_per_token
 from kvrewrite.kernels.cache_layout import COLUMNS, ROWS, packed_view
 from kvrewrite.passes.pipeline import run_pipeline
 from kvrewrite.plan import Plan
-from tiny_models import random_windows, save_tiny_llama, tiny_pipeline
+from tiny_models import one_shot_and_cached_logits, random_windows, save_tiny_llama, tiny_pipeline
 
 MODES = ["freq", "post-rope", "latent", "crosshead"]
 OBJECTIVES = ["zack", "optimal"]
@@ -63,12 +63,7 @@ def test_cached_decoding_matches_one_shot_and_cache_shrinks(sources, tmp_path, g
     ctx = compile_tiny(src, tmp_path / "out", rope_mode=mode, allocation="greedy")
     model = kvrewrite.load(tmp_path / "out")
     tokens = random_windows(2, 36, seed=3)
-    with torch.no_grad():
-        one_shot = model(tokens).logits
-        cache = DynamicCache(config=model.config)
-        prefix = model(tokens[:, :20], past_key_values=cache, use_cache=True).logits
-        steps = [model(tokens[:, t : t + 1], past_key_values=cache, use_cache=True).logits for t in range(20, 36)]
-    cached = torch.cat([prefix, *steps], dim=1)
+    one_shot, cached, cache = one_shot_and_cached_logits(model, tokens)
     assert (cached - one_shot).abs().max().item() < 1e-4
 
     # The cache really holds the reduced latents: one packed pseudo-head per layer, stored column-major

@@ -19,7 +19,7 @@ from kvrewrite.kernels.cache_layout import packed_view
 from kvrewrite.passes.pipeline import run_pipeline
 from kvrewrite.plan import Plan
 from tiny_families import TINY_CONFIGS, save_tiny_family
-from tiny_models import random_windows, tiny_pipeline
+from tiny_models import one_shot_and_cached_logits, random_windows, tiny_pipeline
 
 FAMILIES = list(TINY_CONFIGS)
 COMPRESSED_TYPE = {"llama": "kvrewrite_llama", "mistral": "kvrewrite_llama", "qwen2": "kvrewrite_qwen2",
@@ -78,14 +78,10 @@ def test_cached_decoding_matches_one_shot_and_cache_shrinks(sources, tmp_path, f
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     original = stock(src)
     tokens = random_windows(2, 36, seed=3)
+    one_shot, cached, cache = one_shot_and_cached_logits(model, tokens)
     with torch.no_grad():
-        one_shot = model(tokens).logits
-        cache = DynamicCache(config=model.config)
-        prefix = model(tokens[:, :20], past_key_values=cache, use_cache=True).logits
-        steps = [model(tokens[:, t : t + 1], past_key_values=cache, use_cache=True).logits for t in range(20, 36)]
         stock_cache = DynamicCache(config=original.config)
         original(tokens, past_key_values=stock_cache, use_cache=True)
-    cached = torch.cat([prefix, *steps], dim=1)
     assert (cached - one_shot).abs().max().item() < 1e-4
 
     # The cache really holds the reduced latents, layer by layer, against the stock model's own cache

@@ -94,3 +94,16 @@ def tiny_pipeline(tokens: torch.Tensor | None = None) -> list:
         FitKVCodec(),
         Emit(),
     ]
+
+
+def one_shot_and_cached_logits(model, tokens: torch.Tensor, prefix: int = 20):
+    """Logits of one forward over tokens, and of prefilling `prefix` tokens into a DynamicCache then decoding the rest
+    one token at a time; also returns that cache (what the model really stores)."""
+    from transformers import DynamicCache
+
+    with torch.no_grad():
+        one_shot = model(tokens).logits
+        cache = DynamicCache(config=model.config)
+        first = model(tokens[:, :prefix], past_key_values=cache, use_cache=True).logits
+        steps = [model(tokens[:, t : t + 1], past_key_values=cache, use_cache=True).logits for t in range(prefix, tokens.shape[1])]
+    return one_shot, torch.cat([first, *steps], dim=1), cache
