@@ -63,6 +63,13 @@ class Plan:
     refit: str = "none"
     refit_tokens: int = 16384
     refit_ridge: float = 1e-4
+    # Distillation (passes/distill_attention.py): the attention weights trained at the compiled ranks against the
+    # original model's next-token distribution on distill_tokens calibration tokens (1/16 held back for
+    # validation). A distilled checkpoint serves its compiled rate only.
+    distill: bool = False
+    distill_tokens: int = 32768
+    distill_epochs: float = 2.0
+    distill_lr: float = 1e-5
     # Quality budget (passes/quality_budget.py): instead of target_rate, the largest rate whose perplexity
     # increase (a fraction: 0.05 = 5%) and/or mean KL on held-back calibration text stays within budget.
     max_ppl_increase: float | None = None
@@ -109,7 +116,7 @@ class Plan:
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise InvalidArgumentError("--device cuda was asked for but torch sees no CUDA device here")
         parse_size(self.max_shard_size)
-        for name in ("calib_tokens", "seq_len", "batch_size", "rank_multiple", "kmeans_clusters", "probe_windows", "fisher_tokens", "refit_tokens", "verify_tokens"):
+        for name in ("calib_tokens", "seq_len", "batch_size", "rank_multiple", "kmeans_clusters", "probe_windows", "fisher_tokens", "refit_tokens", "distill_tokens", "verify_tokens"):
             if int(getattr(self, name)) < 1:
                 raise InvalidArgumentError(f"--{name.replace('_', '-')} must be a positive integer")
         for name in ("max_ppl_increase", "max_kl"):
@@ -122,6 +129,10 @@ class Plan:
             raise InvalidArgumentError("--fisher-shrink must be in [0, 1]")
         if not self.refit_ridge >= 0:
             raise InvalidArgumentError(f"--refit-ridge must be >= 0, got {self.refit_ridge!r}")
+        if not 0 < self.distill_epochs <= 100:
+            raise InvalidArgumentError(f"--distill-epochs must be in (0, 100], got {self.distill_epochs!r}")
+        if not 0 < self.distill_lr < 1:
+            raise InvalidArgumentError(f"--distill-lr must be in (0, 1), got {self.distill_lr!r}")
         if not self.key_mode_cost >= 0:
             raise InvalidArgumentError(f"--key-mode-cost must be >= 0, got {self.key_mode_cost!r}")
         if self.min_rank < 0:

@@ -45,6 +45,8 @@ NAMED_CONFIGS: dict[str, dict] = {
                                  "probe_rates": (0.25, 0.5, 0.75)},
     # The default plus the output refit at each rate (rank-specific, so compiled at every swept rate).
     "latent-sensitivity-refit": {"objective": "optimal", "allocation": "sensitivity", "rope_mode": "latent", "refit": "output"},
+    # ... and the distillation on top of the refit (docs/distill.md): the best quality per byte, the slowest compile.
+    "latent-sensitivity-distill": {"objective": "optimal", "allocation": "sensitivity", "rope_mode": "latent", "refit": "output", "distill": True},
     "freq-sensitivity": {"objective": "optimal", "allocation": "sensitivity", "rope_mode": "freq"},
 }
 
@@ -114,7 +116,8 @@ def parse_config(text: str) -> SweepConfig:
 
 def rate_sliceable(overrides: dict) -> bool:
     """Whether one compile at the largest rate, sliced through its rate table, equals a compile at each rate."""
-    return overrides.get("kv_codec", "none") in ("none", None) and overrides.get("refit", "none") == "none"
+    return (overrides.get("kv_codec", "none") in ("none", None) and overrides.get("refit", "none") == "none"
+            and not overrides.get("distill", False))
 
 
 def pareto_front(points: list[tuple[float, float]]) -> list[int]:

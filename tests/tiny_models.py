@@ -12,6 +12,7 @@ from kvrewrite.passes.allocate_ranks import AllocateRanks
 from kvrewrite.passes.collect_fisher import CollectFisher
 from kvrewrite.passes.collect_statistics import CollectStatistics
 from kvrewrite.passes.compute_transforms import ComputeTransforms
+from kvrewrite.passes.distill_attention import DistillAttention
 from kvrewrite.passes.emit import Emit
 from kvrewrite.passes.fit_kv_codec import FitKVCodec
 from kvrewrite.passes.fold_weights import FoldWeights
@@ -91,6 +92,7 @@ def tiny_pipeline(tokens: torch.Tensor | None = None) -> list:
         QualityBudget(),
         Verify(),
         RefitOutput(),
+        DistillAttention(),
         FitKVCodec(),
         Emit(),
     ]

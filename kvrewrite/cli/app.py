@@ -59,6 +59,10 @@ def compress(
     value_metric: str = typer.Option("output", "--value-metric", help="output (attention-output error) or fisher (weighted by the loss gradient at the attention output)."),
     refit: str = typer.Option("none", "--refit", help="none; output: refit every o_proj by least squares at the compiled ranks against the original model's attention outputs; output-local: against the original layer on the compressed hidden states (the checkpoint serves its compiled rate only; docs/refit.md)."),
     refit_tokens: int = typer.Option(16384, "--refit-tokens", help="Calibration tokens the output refit is fitted on."),
+    distill: bool = typer.Option(False, "--distill", help="Train the attention weights at the compiled ranks against the original model's next-token distribution (zero runtime cost; the checkpoint serves its compiled rate only; docs/distill.md)."),
+    distill_tokens: int = typer.Option(32768, "--distill-tokens", help="Calibration tokens the distillation trains on (1/16 of them held back for validation)."),
+    distill_epochs: float = typer.Option(2.0, "--distill-epochs", help="Passes over the distillation tokens (the best epoch on the validation windows is kept)."),
+    distill_lr: float = typer.Option(1e-5, "--distill-lr", help="Adam learning rate of the distillation (cosine decay)."),
     probe_rates: str = typer.Option("0.5", "--probe-rates", help="Sensitivity allocation: comma-separated truncation rates each layer side is probed at (one point, or a KL curve)."),
     revision: Optional[str] = typer.Option(None, help="Hub revision of the source model."),
     device: str = typer.Option("cpu", help="Where decoder layers run: cpu or cuda (statistics are float64 on the CPU either way)."),
@@ -85,6 +89,7 @@ def compress(
                     batch_size=batch_size, reduce=reduce, min_rank=min_rank, rank_multiple=rank_multiple,
                     revision=revision, seed=seed, overwrite=overwrite, max_ppl_increase=_fraction(max_ppl_increase),
                     max_kl=max_kl, budget_tokens=budget_tokens, value_metric=value_metric, refit=refit, refit_tokens=refit_tokens,
+                    distill=distill, distill_tokens=distill_tokens, distill_epochs=distill_epochs, distill_lr=distill_lr,
                     probe_rates=tuple(float(r) for r in probe_rates.split(",") if r.strip()),
                     device=device, dtype=dtype, max_shard_size=max_shard_size, verify_tokens=verify_tokens, verify_tolerance=verify_tolerance,
                     kv_codec=kv_codec, kv_bits_budget=kv_bits_budget)

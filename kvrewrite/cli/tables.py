@@ -43,6 +43,10 @@ def summary_table(spec: CompressionSpec, report: dict | None = None) -> Table:
         compiled = verification.get("compiled_rank", {})
         if compiled:
             table.add_row("calibration KL / top-1", f"{compiled['kl_mean']:.4f} nats / {compiled['top1_agreement']:.3f}")
+        distill = report.get("distill")
+        if distill:
+            kept = f"epoch {distill['kept_epoch']} kept" if distill["kept_epoch"] else "no epoch helped, weights unchanged"
+            table.add_row("distillation validation KL", f"{distill['validation_kl_before']:.4f} -> {distill['validation_kl_after']:.4f} nats ({kept})")
         if "timings_s" in report:
             table.add_row("compile time", f"{report['timings_s'].get('total', 0):.1f} s")
         if "peak_rss_mib" in report:

@@ -15,6 +15,7 @@ from kvrewrite.passes.collect_statistics import CollectStatistics
 from kvrewrite.passes.compute_transforms import ComputeTransforms
 from kvrewrite.passes.context import CompileContext
 from kvrewrite.checkpoint_io import refuse_existing_output
+from kvrewrite.passes.distill_attention import DistillAttention
 from kvrewrite.passes.emit import Emit, default_output_dir
 from kvrewrite.passes.fit_kv_codec import FitKVCodec
 from kvrewrite.passes.fold_weights import FoldWeights
@@ -46,6 +47,7 @@ def rewrite_passes() -> list:
         QualityBudget(),  # (--max-ppl-increase / --max-kl) the largest rate within budget becomes the target
         Verify(),  # full-rank equivalence, compiled-rank error
         RefitOutput(),  # (--refit output) o_proj refitted by least squares at the compiled ranks
+        DistillAttention(),  # (--distill) attention weights trained against the original's next-token distribution
         FitKVCodec(),  # (--kv-codec) codec tables fitted on the compiled model's calibration latents
         Emit(),  # checkpoint directory, written atomically
     ]

@@ -19,8 +19,8 @@ from kvrewrite.passes.verify import next_token_kl, verification_tokens
 from kvrewrite.spec import CompressionSpec, rate_key
 
 
-def whole_compressed_model(folded: FoldedWeights, spec: CompressionSpec):
-    """The rewritten model materialised whole in fp32 at the spec's ranks.
+def whole_compressed_model(folded: FoldedWeights, spec: CompressionSpec, sliced: bool = True):
+    """The rewritten model materialised whole in fp32 at the spec's ranks (sliced) or at full rank (not sliced).
 
     The refit runs every layer on the activations of the already refitted earlier ones against the original model,
     so unlike the other passes it holds both models whole (like --value-metric fisher; docs/big-models.md)."""
@@ -35,8 +35,33 @@ def whole_compressed_model(folded: FoldedWeights, spec: CompressionSpec):
         raise RuntimeError(f"rewritten weights do not match the model: missing {sorted(set(missing) - tied)}, unexpected {unexpected}")
     model.tie_weights()
     model.eval()
-    model.set_ranks([layer.key_ranks for layer in spec.layers], [layer.value_ranks for layer in spec.layers])
+    if sliced:
+        model.set_ranks([layer.key_ranks for layer in spec.layers], [layer.value_ranks for layer in spec.layers])
     return model
+
+
+def keep_only_compiled_rate(ctx: CompileContext) -> None:
+    """A rank-specific weight update (refit, distillation) is for the compiled ranks only: drop every other rate."""
+    key = rate_key(ctx.plan.target_rate)
+    ctx.spec = dataclasses.replace(ctx.spec, rate_table={key: ctx.spec.rate_table[key]} if key in ctx.spec.rate_table else {})
+    ctx.report["rate_table"] = ctx.spec.rate_table
+
+
+def remeasure_compiled_rank(ctx: CompileContext, original) -> tuple[dict, float, float]:
+    """Verify's compiled-rank KL, top-1 and per-layer attention error again, with the weights emit will write
+    (FoldedWeights with its overrides), on the tokens verify used. Replaces verify's figures (they describe the
+    emitted checkpoint); returns verify's figures from before, and the new KL and top-1."""
+    verified = dict(ctx.verification.get("compiled_rank", {}))
+    tokens = verification_tokens(ctx.calibration_tokens, ctx.plan.verify_tokens)
+    ref_logits, ref_outputs = record_attention_outputs(original, ctx.adapter, tokens, with_logits=True)
+    logits, outputs = record_attention_outputs(whole_compressed_model(ctx.folded, ctx.spec), ctx.adapter, tokens, with_logits=True)
+    kl, top1 = next_token_kl(ref_logits, logits)
+    if verified:
+        ctx.verification["compiled_rank"] = {
+            **verified, "kl_mean": kl, "top1_agreement": top1,
+            "layer_attention_relative_error": [((o - r).norm() / r.norm().clamp_min(1e-30)).item() for o, r in zip(outputs, ref_outputs)],
+        }
+    return verified, kl, top1
 
 
 class RefitOutput:
@@ -65,23 +90,8 @@ class RefitOutput:
             ctx.folded.overrides[name] = scatter_refit_columns(folded_weight, o_proj.weight.detach().to(folded_weight.dtype),
                                                                layer_spec.value_ranks, geo.group_size, geo.head_dim).contiguous()
         del model
-        # The refit is for the compiled ranks only: every other rate is dropped from the table.
-        key = rate_key(plan.target_rate)
-        ctx.spec = dataclasses.replace(ctx.spec, rate_table={key: ctx.spec.rate_table[key]} if key in ctx.spec.rate_table else {})
-        ctx.report["rate_table"] = ctx.spec.rate_table
-
-        # Compiled-rank error after the refit, on the tokens verify used before it; verify's figures are replaced
-        # (they describe the emitted checkpoint) and kept in the refit report.
-        verified = dict(ctx.verification.get("compiled_rank", {}))
-        tokens = verification_tokens(ctx.calibration_tokens, plan.verify_tokens)
-        ref_logits, ref_outputs = record_attention_outputs(original, ctx.adapter, tokens, with_logits=True)
-        logits, outputs = record_attention_outputs(whole_compressed_model(ctx.folded, ctx.spec), ctx.adapter, tokens, with_logits=True)
-        kl, top1 = next_token_kl(ref_logits, logits)
-        if verified:
-            ctx.verification["compiled_rank"] = {
-                **verified, "kl_mean": kl, "top1_agreement": top1,
-                "layer_attention_relative_error": [((o - r).norm() / r.norm().clamp_min(1e-30)).item() for o, r in zip(outputs, ref_outputs)],
-            }
+        keep_only_compiled_rate(ctx)
+        verified, kl, top1 = remeasure_compiled_rank(ctx, original)
         ctx.report["refit"] = {
             "method": plan.refit, "target": target, "tokens": int(windows.numel()), "ridge": plan.refit_ridge,
             "layer_relative_error_before": [round(r.relative_error_before, 5) for r in layers],

@@ -1,0 +1,168 @@
+"""End-to-end distillation of the rewritten attention weights at the compiled ranks (zero runtime cost).
+
+Every closed-form step before this one (the transforms, the rank allocation, the output refit) optimises a
+per-layer proxy: an attention output, a Gram-weighted error. What users pay for is the next-token distribution
+after thirty layers of small errors compounding. This step trains exactly that:
+
+    min over the attention weights   mean over calibration tokens  KL( p_original(. | x) || p_rewritten(. | x) )
+
+The trained parameters are the rewritten attention's own weights: q/k/v/o projections (weights and biases) and
+the latent key up-projection. Every other weight (embeddings, MLPs, norms, LM head) stays the original's, and
+the target is the original model's distribution rather than the text's next token, so the best the training can
+reach is the original model itself: it recovers what the rank cut lost and cannot adapt the model to the
+calibration domain.
+
+The model is trained at FULL rank with every attention's probe ranks set to the compiled ranks: zeroing the
+latent dims beyond a rank is exactly the truncation to that rank (CompressedAttention._apply_probe), and those
+dims then get zero gradient, so Adam (no weight decay) leaves every weight the compiled ranks do not read
+bit-for-bit unchanged. The trained state dict therefore has the checkpoint's full-rank layout as it is.
+Post-RoPE key maps (q_map/k_map) are not trained: the runtime builds their block-diagonal product outside autograd.
+
+Like the output refit, the result depends on the ranks, so a distilled checkpoint serves its compiled rate only.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from kvrewrite.progress import progress_bar
+
+# Parameters of CompressedAttention that the runtime multiplies outside autograd (post-rope maps) are left out.
+_FROZEN_ATTENTION_PARAMETERS = ("q_map", "k_map")
+
+
+@dataclass
+class DistillSettings:
+    epochs: float = 2.0
+    learning_rate: float = 1e-5
+    batch_windows: int = 4
+    warmup_steps: int = 4
+    seed: int = 0
+
+
+@dataclass
+class DistillReport:
+    steps: int
+    train_tokens: int
+    validation_tokens: int
+    trained_parameters: int
+    validation_kl_before: float
+    validation_kl_after: float  # of the weights kept (the best epoch, or the starting weights if none improved)
+    validation_kl_per_epoch: list[float] = field(default_factory=list)
+    train_loss_per_epoch: list[float] = field(default_factory=list)
+    kept_epoch: int = 0  # 0: no epoch beat the starting weights on the validation windows, nothing was changed
+    seconds: float = 0.0
+
+
+def distilled_attention_parameters(model, adapter) -> dict[str, torch.nn.Parameter]:
+    """Name -> parameter of every attention weight the distillation trains (names as in the model's state dict)."""
+    found: dict[str, torch.nn.Parameter] = {}
+    prefix = {id(m): n for n, m in model.named_modules()}
+    for layer in adapter.decoder_layers(model):
+        attention = adapter.attention(layer)
+        for name, parameter in attention.named_parameters():
+            if name.split(".")[0] in _FROZEN_ATTENTION_PARAMETERS or name.startswith(("q_norm", "k_norm")):
+                continue
+            found[f"{prefix[id(attention)]}.{name}"] = parameter
+    return found
+
+
+def set_compiled_ranks_as_probes(model, adapter, key_ranks: list[list[int]], value_ranks: list[list[int]]) -> None:
+    """Make a full-rank rewritten model compute exactly as at the given ranks (and pass gradients only there)."""
+    for layer, keys, values in zip(adapter.decoder_layers(model), key_ranks, value_ranks):
+        adapter.attention(layer).probe_ranks = (list(keys), list(values))
+
+
+def _log_probs(model, tokens: torch.Tensor) -> torch.Tensor:
+    return F.log_softmax(model(input_ids=tokens, use_cache=False).logits.float(), dim=-1)
+
+
+def _kl(reference_log_probs: torch.Tensor, log_probs: torch.Tensor) -> torch.Tensor:
+    """Mean over tokens of KL(reference || model), in nats."""
+    return F.kl_div(log_probs.flatten(0, -2), reference_log_probs.flatten(0, -2), log_target=True, reduction="batchmean")
+
+
+def mean_kl(student, teacher, windows: torch.Tensor, batch_windows: int) -> float:
+    """Mean next-token KL(teacher || student) over windows, no gradients."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, windows.shape[0], batch_windows):
+            batch = windows[start : start + batch_windows]
+            total += _kl(_log_probs(teacher, batch), _log_probs(student, batch)).item() * batch.numel()
+            count += batch.numel()
+    return total / max(count, 1)
+
+
+def distill_attention(student, teacher, adapter, train_windows: torch.Tensor, validation_windows: torch.Tensor,
+                      settings: DistillSettings, progress: bool = True) -> DistillReport:
+    """Train the student's attention weights in place against the teacher's next-token distribution.
+
+    student: the rewritten model at full rank with its compiled ranks set as probes (set_compiled_ranks_as_probes);
+    teacher: the original model. Windows are [n, seq_len] token ids. After every epoch the validation KL is
+    measured; the student ends with the weights of the best epoch, or unchanged when no epoch beat its start.
+    """
+    t0 = time.perf_counter()
+    trained = distilled_attention_parameters(student, adapter)
+    for parameter in student.parameters():
+        parameter.requires_grad_(False)
+    for parameter in trained.values():
+        parameter.requires_grad_(True)
+    teacher.eval()
+    student.eval()  # no dropout: the rewritten model computes exactly what it will serve
+
+    batch = max(1, int(settings.batch_windows))
+    steps_per_epoch = math.ceil(train_windows.shape[0] / batch)
+    epochs = max(1, math.ceil(settings.epochs))
+    total_steps = max(1, round(settings.epochs * steps_per_epoch))
+    optimizer = torch.optim.AdamW(list(trained.values()), lr=settings.learning_rate, betas=(0.9, 0.99), weight_decay=0.0)
+    warmup = max(1, min(settings.warmup_steps, total_steps))
+    # Linear warm-up, then cosine decay to zero over the whole run.
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1.0 + math.cos(math.pi * min(s, total_steps) / total_steps)))
+    generator = torch.Generator().manual_seed(settings.seed)
+
+    before = mean_kl(student, teacher, validation_windows, batch)
+    report = DistillReport(steps=total_steps, train_tokens=int(train_windows.numel()), validation_tokens=int(validation_windows.numel()),
+                           trained_parameters=sum(p.numel() for p in trained.values()),
+                           validation_kl_before=before, validation_kl_after=before)
+    best = {name: p.detach().clone() for name, p in trained.items()}
+    step = 0
+    try:
+        with progress_bar("distill attention", total_steps, enabled=progress) as bar:
+            for epoch in range(1, epochs + 1):
+                order = torch.randperm(train_windows.shape[0], generator=generator)
+                losses = []
+                for start in range(0, len(order), batch):
+                    if step >= total_steps:
+                        break
+                    tokens = train_windows[order[start : start + batch]]
+                    with torch.no_grad():
+                        reference = _log_probs(teacher, tokens)
+                    loss = _kl(reference, _log_probs(student, tokens))
+                    loss.backward()
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    schedule.step()
+                    losses.append(loss.item())
+                    step += 1
+                    bar.advance()
+                if not losses:
+                    break
+                report.train_loss_per_epoch.append(sum(losses) / len(losses))
+                kl = mean_kl(student, teacher, validation_windows, batch)
+                report.validation_kl_per_epoch.append(kl)
+                if kl < report.validation_kl_after:
+                    report.validation_kl_after, report.kept_epoch = kl, epoch
+                    best = {name: p.detach().clone() for name, p in trained.items()}
+    finally:
+        with torch.no_grad():
+            for name, parameter in trained.items():
+                parameter.copy_(best[name])
+                parameter.requires_grad_(False)
+    report.seconds = time.perf_counter() - t0
+    return report
