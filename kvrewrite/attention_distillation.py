@@ -126,7 +126,7 @@ def distill_attention(student, teacher, adapter, train_windows: torch.Tensor, va
         optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1.0 + math.cos(math.pi * min(s, total_steps) / total_steps)))
     generator = torch.Generator().manual_seed(settings.seed)
 
-    before = mean_kl(student, teacher, validation_windows, batch)
+    before = mean_kl(student, teacher, validation_windows, 1)
     report = DistillReport(steps=total_steps, train_tokens=int(train_windows.numel()), validation_tokens=int(validation_windows.numel()),
                            trained_parameters=sum(p.numel() for p in trained.values()),
                            validation_kl_before=before, validation_kl_after=before)
@@ -141,20 +141,25 @@ def distill_attention(student, teacher, adapter, train_windows: torch.Tensor, va
                     if step >= total_steps:
                         break
                     tokens = train_windows[order[start : start + batch]]
-                    with torch.no_grad():
-                        reference = _log_probs(teacher, tokens)
-                    loss = _kl(reference, _log_probs(student, tokens))
-                    loss.backward()
+                    # One window at a time, gradients accumulated: the same mean-over-tokens loss, with the
+                    # logits (tokens x vocabulary, the bulk of the memory) of one window live instead of a batch.
+                    loss = 0.0
+                    for window in tokens.split(1):
+                        with torch.no_grad():
+                            reference = _log_probs(teacher, window)
+                        part = _kl(reference, _log_probs(student, window)) * (window.numel() / tokens.numel())
+                        part.backward()
+                        loss += part.item()
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
                     schedule.step()
-                    losses.append(loss.item())
+                    losses.append(loss)
                     step += 1
                     bar.advance()
                 if not losses:
                     break
                 report.train_loss_per_epoch.append(sum(losses) / len(losses))
-                kl = mean_kl(student, teacher, validation_windows, batch)
+                kl = mean_kl(student, teacher, validation_windows, 1)
                 report.validation_kl_per_epoch.append(kl)
                 if kl < report.validation_kl_after:
                     report.validation_kl_after, report.kept_epoch = kl, epoch
