@@ -42,6 +42,9 @@ class DistillSettings:
     learning_rate: float = 1e-5
     batch_windows: int = 4
     warmup_steps: int = 4
+    # An epoch that does not beat the best validation KL so far is undone (best weights back, Adam's moments
+    # cleared) and training goes on at this fraction of the learning rate, warmed up again.
+    backoff: float = 1 / 3
     seed: int = 0
 
 
@@ -56,6 +59,7 @@ class DistillReport:
     validation_kl_per_epoch: list[float] = field(default_factory=list)
     train_loss_per_epoch: list[float] = field(default_factory=list)
     kept_epoch: int = 0  # 0: no epoch beat the starting weights on the validation windows, nothing was changed
+    learning_rate_per_epoch: list[float] = field(default_factory=list)  # peak rate of each epoch (after back-offs)
     seconds: float = 0.0
 
 
@@ -104,7 +108,8 @@ def distill_attention(student, teacher, adapter, train_windows: torch.Tensor, va
 
     student: the rewritten model at full rank with its compiled ranks set as probes (set_compiled_ranks_as_probes);
     teacher: the original model. Windows are [n, seq_len] token ids. After every epoch the validation KL is
-    measured; the student ends with the weights of the best epoch, or unchanged when no epoch beat its start.
+    measured: an epoch that is no better than the best so far is undone and the rate lowered (settings.backoff);
+    the student ends with the weights of the best epoch, or unchanged when no epoch beat its start.
     """
     t0 = time.perf_counter()
     trained = distilled_attention_parameters(student, adapter)
@@ -121,9 +126,11 @@ def distill_attention(student, teacher, adapter, train_windows: torch.Tensor, va
     total_steps = max(1, round(settings.epochs * steps_per_epoch))
     optimizer = torch.optim.AdamW(list(trained.values()), lr=settings.learning_rate, betas=(0.9, 0.99), weight_decay=0.0)
     warmup = max(1, min(settings.warmup_steps, total_steps))
-    # Linear warm-up, then cosine decay to zero over the whole run.
+    # Linear warm-up (again after every back-off), then cosine decay to zero over the whole run.
+    phase = {"scale": 1.0, "start": 0}
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1.0 + math.cos(math.pi * min(s, total_steps) / total_steps)))
+        optimizer, lambda s: phase["scale"] * min(1.0, (s - phase["start"] + 1) / warmup)
+        * 0.5 * (1.0 + math.cos(math.pi * min(s, total_steps) / total_steps)))
     generator = torch.Generator().manual_seed(settings.seed)
 
     before = mean_kl(student, teacher, validation_windows, 1)
@@ -137,6 +144,7 @@ def distill_attention(student, teacher, adapter, train_windows: torch.Tensor, va
             for epoch in range(1, epochs + 1):
                 order = torch.randperm(train_windows.shape[0], generator=generator)
                 losses = []
+                report.learning_rate_per_epoch.append(settings.learning_rate * phase["scale"])
                 for start in range(0, len(order), batch):
                     if step >= total_steps:
                         break
@@ -164,6 +172,13 @@ def distill_attention(student, teacher, adapter, train_windows: torch.Tensor, va
                 if kl < report.validation_kl_after:
                     report.validation_kl_after, report.kept_epoch = kl, epoch
                     best = {name: p.detach().clone() for name, p in trained.items()}
+                elif epoch < epochs:  # too large a step for what is left to fix: undo it, go on more gently
+                    with torch.no_grad():
+                        for name, parameter in trained.items():
+                            parameter.copy_(best[name])
+                    optimizer.state.clear()
+                    phase["scale"] *= settings.backoff
+                    phase["start"] = step
     finally:
         with torch.no_grad():
             for name, parameter in trained.items():

@@ -27,6 +27,9 @@ def compiled(tmp_path_factory):
     plans = {
         "none": Plan(output=root / "none", **common),
         "distill": Plan(output=root / "distill", distill=True, distill_epochs=6, distill_lr=3e-4, **common),
+        # Too large a rate for this model (measured: the first epoch at 3e-3 raises the KL fourfold): the failed
+        # epochs are undone and the rate lowered until one helps.
+        "backoff": Plan(output=root / "backoff", distill=True, distill_epochs=4, distill_lr=3e-3, **common),
         # A learning rate that wrecks the model: no epoch beats the start, so nothing may change.
         "diverged": Plan(output=root / "diverged", distill=True, distill_epochs=1, distill_lr=0.5, **common),
     }
@@ -116,6 +119,19 @@ def test_a_run_that_never_helps_changes_nothing_and_still_serves_one_rate(compil
         with pytest.raises(InvalidArgumentError, match="rate table"):
             kvrewrite.load(contexts[name].output_dir, rate=0.3)
     assert "0.30" in contexts["none"].spec.rate_table
+
+
+def test_an_epoch_that_makes_things_worse_is_undone_and_the_rate_lowered(compiled):
+    _, contexts = compiled
+    report = contexts["backoff"].report["distill"]
+    rates, kls = report["learning_rate_per_epoch"], report["validation_kl_per_epoch"]
+    assert kls[0] > report["validation_kl_before"]  # the first epoch overshoots...
+    assert rates[1] == pytest.approx(rates[0] / 3)  # ...so the next one starts from the best weights, gentler
+    assert report["kept_epoch"] >= 2 and report["validation_kl_after"] < report["validation_kl_before"]
+    assert all(rates[i + 1] <= rates[i] for i in range(len(rates) - 1))
+    # Each epoch is scored from the best weights so far: a failed epoch must not leak into the next one.
+    kept = report["kept_epoch"]
+    assert report["validation_kl_after"] == kls[kept - 1] == min([report["validation_kl_before"], *kls])
 
 
 def test_validation_windows_are_never_trained_on():

@@ -62,6 +62,7 @@ class DistillAttention:
             "train_loss_per_epoch": report.train_loss_per_epoch,
             "validation_kl_before": report.validation_kl_before, "validation_kl_per_epoch": report.validation_kl_per_epoch,
             "validation_kl_after": report.validation_kl_after, "kept_epoch": report.kept_epoch,
+            "learning_rate_per_epoch": report.learning_rate_per_epoch,
             "verify_kl_before": verified.get("kl_mean"), "verify_top1_before": verified.get("top1_agreement"),
             "verify_kl_after": kl, "verify_top1_after": top1,
         }
