@@ -53,7 +53,7 @@ class DistillReport:
     steps: int
     train_tokens: int
     validation_tokens: int
-    trained_parameters: int
+    trained_tensor_elements: int  # of the trained tensors at full rank; those beyond the compiled ranks never change
     validation_kl_before: float
     validation_kl_after: float  # of the weights kept (the best epoch, or the starting weights if none improved)
     validation_kl_per_epoch: list[float] = field(default_factory=list)
@@ -135,7 +135,7 @@ def distill_attention(student, teacher, adapter, train_windows: torch.Tensor, va
 
     before = mean_kl(student, teacher, validation_windows, 1)
     report = DistillReport(steps=total_steps, train_tokens=int(train_windows.numel()), validation_tokens=int(validation_windows.numel()),
-                           trained_parameters=sum(p.numel() for p in trained.values()),
+                           trained_tensor_elements=sum(p.numel() for p in trained.values()),
                            validation_kl_before=before, validation_kl_after=before)
     best = {name: p.detach().clone() for name, p in trained.items()}
     step = 0

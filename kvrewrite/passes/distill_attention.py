@@ -58,7 +58,7 @@ class DistillAttention:
         ctx.report["distill"] = {
             "tokens": report.train_tokens, "validation_tokens": report.validation_tokens, "epochs": plan.distill_epochs,
             "learning_rate": plan.distill_lr, "batch_windows": settings.batch_windows, "steps": report.steps,
-            "trained_parameters": report.trained_parameters, "seconds": round(report.seconds, 1),
+            "trained_tensor_elements": report.trained_tensor_elements, "seconds": round(report.seconds, 1),
             "train_loss_per_epoch": report.train_loss_per_epoch,
             "validation_kl_before": report.validation_kl_before, "validation_kl_per_epoch": report.validation_kl_per_epoch,
             "validation_kl_after": report.validation_kl_after, "kept_epoch": report.kept_epoch,
