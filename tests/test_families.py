@@ -154,18 +154,17 @@ def test_output_refit_lowers_kl_on_every_family(sources, tmp_path, family):
         assert kls["output"] < kls["none"], kls
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_distillation_trains_through_every_family(sources, tmp_path, family):
-    """--distill trains through every family's attention (fused qkv, biases, q/k norms, every key mode) at full rank
-    with probe ranks; the emitted checkpoint, loaded by stock transformers at its compiled ranks, reproduces the
-    validation KL the training measured, and that KL is no higher than before (lower wherever there is loss)."""
+def check_distillation(src, out, **options) -> None:
+    """Compile src with --distill at p = 0.75: the emitted checkpoint, loaded by stock transformers at its compiled
+    ranks, reproduces the validation KL the training measured with its full-rank probe model, and that KL is no
+    higher than before (lower wherever there is loss to recover)."""
     windows = random_windows(48, 48, seed=5)
-    plan = Plan(model=str(sources[family]), output=tmp_path / "d", progress=False, target_rate=0.75, allocation="greedy",
-                distill=True, distill_tokens=int(windows.numel()), distill_epochs=3, distill_lr=3e-5)
+    plan = Plan(model=str(src), output=out, progress=False, target_rate=0.75, allocation="greedy",
+                distill=True, distill_tokens=int(windows.numel()), distill_epochs=3, distill_lr=3e-5, **options)
     report = run_pipeline(plan, tiny_pipeline(windows)).report["distill"]
-    validation = windows[-3:]  # split_distill_windows: the last 1/16 of the 48 windows
-    original = stock(sources[family])
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "d", dtype=torch.float32).eval()
+    validation = windows[-3:]  # the last 1/16 of the 48 windows are held back
+    original = stock(src)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     with torch.no_grad():
         ref, new = original(validation).logits.double().log_softmax(-1), model(validation).logits.double().log_softmax(-1)
     kl = (ref.exp() * (ref - new)).sum(-1).mean().item()
@@ -173,3 +172,16 @@ def test_distillation_trains_through_every_family(sources, tmp_path, family):
     assert report["validation_kl_after"] <= report["validation_kl_before"]
     if report["validation_kl_before"] > 1e-4:  # the tiny no-RoPE / full-width models lose almost nothing here
         assert report["kept_epoch"] >= 1 and report["validation_kl_after"] < report["validation_kl_before"], report
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_distillation_trains_through_every_family(sources, tmp_path, family):
+    """--distill through every family's attention at its default key mode (latent, post-rope or folded; fused qkv,
+    biases, q/k norms, sliding windows)."""
+    check_distillation(sources[family], tmp_path / "d")
+
+
+@pytest.mark.parametrize(("family", "rope_mode"), [("llama", "freq"), ("mistral", "crosshead")])
+def test_distillation_trains_the_other_key_modes(sources, tmp_path, family, rope_mode):
+    """The key modes no family defaults to: frequency-pair selection and the cross-head mode."""
+    check_distillation(sources[family], tmp_path / "d", rope_mode=rope_mode)

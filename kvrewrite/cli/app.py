@@ -49,7 +49,7 @@ def compress(
     calibration: str = typer.Option("wiki", help="wiki, synthetic, or a path to a text file / directory of .txt files."),
     calib_tokens: int = typer.Option(32768, "--calib-tokens", help="Calibration tokens (ZACK needs at least 16K)."),
     seq_len: int = typer.Option(512, "--seq-len", help="Calibration window length."),
-    batch_size: int = typer.Option(4, "--batch-size", help="Calibration windows per forward pass."),
+    batch_size: int = typer.Option(4, "--batch-size", help="Calibration windows per forward pass (and per --distill optimiser step)."),
     reduce: str = typer.Option("none", help="none or kmeans (ZDC §5.1 pruning + k-means reducer)."),
     min_rank: int = typer.Option(0, "--min-rank", help="Floor on every head's rank."),
     rank_multiple: int = typer.Option(1, "--rank-multiple", help="Round ranks to multiples of this (8 or 16 for kernels)."),

@@ -48,13 +48,16 @@ class DistillAttention:
         report = distill_attention(student, original, ctx.adapter, train.to(device), validation.to(device), settings, progress=plan.progress)
         original.to("cpu")
 
+        keep_only_compiled_rate(ctx)
         if report.kept_epoch > 0:
             # Full-rank names are the checkpoint's names; dims beyond the compiled ranks were never touched.
             for name, parameter in distilled_attention_parameters(student, ctx.adapter).items():
                 ctx.folded.overrides[name] = parameter.detach().to("cpu", torch.float32).contiguous()  # emit casts
-        del student
-        keep_only_compiled_rate(ctx)
-        verified, kl, top1 = remeasure_compiled_rank(ctx, original)
+            del student
+            verified, kl, top1 = remeasure_compiled_rank(ctx, original)
+        else:  # nothing changed: verify's (or the refit's) figures still describe the checkpoint
+            verified = dict(ctx.verification.get("compiled_rank", {}))
+            kl, top1 = verified.get("kl_mean"), verified.get("top1_agreement")
         ctx.report["distill"] = {
             "tokens": report.train_tokens, "validation_tokens": report.validation_tokens, "epochs": plan.distill_epochs,
             "learning_rate": plan.distill_lr, "batch_windows": settings.batch_windows, "steps": report.steps,
@@ -66,4 +69,3 @@ class DistillAttention:
             "verify_kl_before": verified.get("kl_mean"), "verify_top1_before": verified.get("top1_agreement"),
             "verify_kl_after": kl, "verify_top1_after": top1,
         }
-
