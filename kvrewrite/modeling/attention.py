@@ -177,6 +177,24 @@ class CompressedAttention(nn.Module):
         return x.view(batch, length, n, self.head_dim).transpose(1, 2)
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
+        query, key, value = self.project(hidden_states, position_embeddings)
+
+        if getattr(past_key_values, "is_tiered", False):
+            # kvrewrite.tiers: full-rank recent window, older tokens at fewer dims; the cache attends tier by tier.
+            return self.o_proj(past_key_values.attend(self, query, key, value, attention_mask)), None
+
+        past_len = 0
+        if past_key_values is not None:
+            past_len = past_key_values.get_seq_length(self.layer_idx)
+            order = self.cache_order(past_key_values, query.device)
+            key, value = past_key_values.update(to_storage(key, order), to_storage(value, order), self.layer_idx)
+            key, value = packed_view(key), packed_view(value)  # logical [B, 1, S, C] views, no copy
+        else:
+            key, value = key.unsqueeze(1), value.unsqueeze(1)
+        return self.o_proj(self.attend(query, key, value, attention_mask, past_len, **kwargs)), None
+
+    def project(self, hidden_states: torch.Tensor, position_embeddings=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The new tokens' packed query [B, T, Qsum] and the key and value latents [B, T, Ksum / Vsum] they cache."""
         batch, q_len, _ = hidden_states.shape
         cos, sin = position_embeddings if position_embeddings is not None else (None, None)
         query = self.q_proj(hidden_states)
@@ -201,24 +219,18 @@ class CompressedAttention(nn.Module):
 
         if self.probe_ranks is not None:
             key, value = self._apply_probe(key, value)
+        return query, key, value
 
-        past_len = 0
-        if past_key_values is not None:
-            past_len = past_key_values.get_seq_length(self.layer_idx)
-            order = self.cache_order(past_key_values, query.device)
-            key, value = past_key_values.update(to_storage(key, order), to_storage(value, order), self.layer_idx)
-            key, value = packed_view(key), packed_view(value)  # logical [B, 1, S, C] views, no copy
-        else:
-            key, value = key.unsqueeze(1), value.unsqueeze(1)
-
+    def attend(self, query, key, value, attention_mask, past_len: int, **kwargs) -> torch.Tensor:
+        """Attention of the new queries over the packed keys/values [B, 1, S, C] (cache indices 0..S-1; the
+        queries sit at past_len..past_len+T-1) -> o_proj's input [B, T, Osum]."""
         if self.key_mode == KEY_MODE_LATENT:
-            output = self._latent_attention(query, key, value, attention_mask, past_len)
-        elif self.key_mode == KEY_MODE_CROSSHEAD:
-            output = shared_key_attention(query, key, value, attention_mask, self.scaling, self.layout)
-        else:
-            attend = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
-            output, _ = attend(self, query, key, value, attention_mask, scaling=self.scaling, dropout=0.0, **kwargs)
-        return self.o_proj(output), None
+            return self._latent_attention(query, key, value, attention_mask, past_len)
+        if self.key_mode == KEY_MODE_CROSSHEAD:
+            return shared_key_attention(query, key, value, attention_mask, self.scaling, self.layout)
+        attend = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
+        output, _ = attend(self, query, key, value, attention_mask, scaling=self.scaling, dropout=0.0, **kwargs)
+        return output
 
     def cache_order(self, cache, device: torch.device) -> str:
         """Memory order of this layer's cache tensors (kernels.cache_layout): the packed runner's choice.

@@ -44,7 +44,15 @@ def compressed_family(adapter: ArchitectureAdapter) -> tuple[type, type]:
             # kv_codec.safetensors (see kvrewrite.codecs.checkpoint).
             self.kv_codec: CodecConfig | None = CodecConfig.from_dict(spec.kv_codec) if spec.kv_codec else None
             self.kv_codec_tables: dict = {}
+            # Token tiers (kvrewrite.tiers): set by load(recent_window=...); the model then stays at full rank.
+            self.tier_policy = None
             self.post_init()
+
+        def forward(self, *args, past_key_values=None, **kwargs):
+            if self.tier_policy is not None and past_key_values is None:
+                # The tiers live in the cache: without one, attention would read every token at full rank.
+                past_key_values = self.make_kv_cache()
+            return super().forward(*args, past_key_values=past_key_values, **kwargs)
 
         def compressed_attentions(self) -> list[CompressedAttention]:
             return [adapter.attention(layer) for layer in adapter.decoder_layers(self)]
@@ -78,18 +86,23 @@ def compressed_family(adapter: ArchitectureAdapter) -> tuple[type, type]:
             return [a.key_ranks for a in attns], [a.value_ranks for a in attns]
 
         def make_kv_cache(self):
-            """The cache this model generates with: a CodecCache when a codec is set, else a DynamicCache."""
+            """The cache this model generates with: a TieredCache with a tier policy, a CodecCache when a codec is
+            set, else a DynamicCache."""
             from transformers import DynamicCache
 
             from kvrewrite.codecs import make_codec_cache
 
+            if self.tier_policy is not None:
+                from kvrewrite.tiers.build import make_tiered_cache
+
+                return make_tiered_cache(self, self.tier_policy)
             if self.kv_codec is None:
                 return DynamicCache(config=self.config)
             return make_codec_cache(self.kv_codec, *self._layer_ranks(), self.kv_codec_tables)
 
         def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
             # generate() without a user cache: use the configured codec cache, so no extra code is needed.
-            if (self.kv_codec is not None and model_kwargs.get("past_key_values") is None
+            if ((self.kv_codec is not None or self.tier_policy is not None) and model_kwargs.get("past_key_values") is None
                     and generation_config.use_cache is not False and generation_config.cache_implementation is None):
                 model_kwargs["past_key_values"] = self.make_kv_cache()
                 return
@@ -103,6 +116,7 @@ def compressed_family(adapter: ArchitectureAdapter) -> tuple[type, type]:
             rate: float | None = None,
             kv_codec: str | CodecConfig | None = "compiled",
             verify_checksums: bool = True,
+            recent_window: int | None = None,
             **kwargs,
         ):
             """Load a kvrewrite checkpoint strictly (a missing or mis-shaped weight raises) and slice its ranks.
@@ -110,6 +124,9 @@ def compressed_family(adapter: ArchitectureAdapter) -> tuple[type, type]:
             rate: another point of the checkpoint's rate table; default: the rate it was compiled for.
             kv_codec: "compiled" (default: the codec recorded in the checkpoint), "none", or a codec such as "int4" or
                 "gear:bits=4"; codecs with trained tables (csr, tada's searched bits) use the checkpoint's tables.
+            recent_window: keep the model at full rank and cache through kvrewrite.tiers: each query reads the
+                last `recent_window` tokens with all dims and older tokens at `rate`'s ranks (coded by kv_codec,
+                if one is given). None (default): every token at `rate`'s ranks.
             """
             from kvrewrite.runtime import checkpoint_directory, ensure_complete_load, verify_checkpoint_files
 
@@ -119,14 +136,19 @@ def compressed_family(adapter: ArchitectureAdapter) -> tuple[type, type]:
             want_info = kwargs.pop("output_loading_info", False)
             model, info = super().from_pretrained(directory, *args, output_loading_info=True, **kwargs)
             ensure_complete_load(info, directory)
+            from kvrewrite.codecs.checkpoint import read_codec_tables
+
             spec = model.compression_spec
+            if recent_window is not None:
+                from kvrewrite.tiers.build import enable_tiers
+
+                enable_tiers(model, spec, rate, recent_window, kv_codec, read_codec_tables(directory))
+                return (model, info) if want_info else model
             if rate is not None:
                 key_ranks, value_ranks = spec.ranks_for_rate(rate)
                 spec = spec.with_ranks(key_ranks, value_ranks, rate)
             model.set_ranks([layer.key_ranks for layer in spec.layers], [layer.value_ranks for layer in spec.layers])
             model.config.kvrewrite = spec.to_dict()
-            from kvrewrite.codecs.checkpoint import read_codec_tables
-
             chosen = model.kv_codec if kv_codec == "compiled" else kv_codec
             model.set_kv_codec(chosen, read_codec_tables(directory))
             return (model, info) if want_info else model

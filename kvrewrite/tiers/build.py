@@ -1,0 +1,48 @@
+"""Switching a loaded compressed model to token tiers, and building its TieredCache."""
+
+from __future__ import annotations
+
+from kvrewrite.errors import InvalidArgumentError
+import torch
+
+from kvrewrite.tiers.cache import STORAGE_DTYPE, TieredCache
+from kvrewrite.tiers.policy import TierPolicy, tier_policy_for_rate
+
+
+def enable_tiers(model, spec, rate: float | None, window: int, kv_codec, tables: dict) -> TierPolicy:
+    """Keep `model` at full rank and make it cache through a TieredCache with aged tokens at `rate`'s ranks.
+
+    kv_codec: "compiled" (the checkpoint's codec, if any), None / "none", or a codec for the aged tier.
+    """
+    from kvrewrite.codecs import build_layer_codecs
+    from kvrewrite.codecs.config import CodecConfig, parse_codec
+    from kvrewrite.tiers.attention import check_full_rank
+
+    for attention in model.compressed_attentions():
+        check_full_rank(attention)
+    if model.kvrewrite_adapter.features(model.config).sliding_layers:
+        raise InvalidArgumentError(
+            f"{model.kvrewrite_adapter.family} has sliding-window layers; a tiered cache (recent window) does not support them yet"
+        )
+    codec = model.kv_codec if kv_codec == "compiled" else kv_codec
+    codec = parse_codec(codec) if isinstance(codec, str) or codec is None else codec
+    policy = tier_policy_for_rate(spec, spec.target_rate if rate is None else rate, window,
+                                  codec.to_dict() if isinstance(codec, CodecConfig) else None)
+    if codec is not None:
+        build_layer_codecs(codec, [list(k) for k in policy.aged_key_ranks], [list(v) for v in policy.aged_value_ranks], tables)
+    model.kv_codec, model.kv_codec_tables = None, dict(tables)
+    model.tier_policy = policy
+    return policy
+
+
+def make_tiered_cache(model, policy: TierPolicy, storage_dtype: torch.dtype = STORAGE_DTYPE) -> TieredCache:
+    """The TieredCache a tiered model attends through (its aged-tier codecs built for the aged ranks)."""
+    from kvrewrite.codecs import build_layer_codecs
+    from kvrewrite.codecs.config import CodecConfig
+
+    codecs = None
+    if policy.codec is not None:
+        codecs = build_layer_codecs(CodecConfig.from_dict(policy.codec), [list(k) for k in policy.aged_key_ranks],
+                                    [list(v) for v in policy.aged_value_ranks], model.kv_codec_tables)
+    head_dim = model.compressed_attentions()[0].head_dim
+    return TieredCache(policy, head_dim, codecs, storage_dtype)

@@ -1,0 +1,173 @@
+"""Token tiers: a full-rank recent window over the compressed latents, older tokens at their rate's ranks.
+
+The reference is a dense, per-query computation that shares nothing with kvrewrite.tiers: for query t, every
+key/value latent j with t - j > window gets its dims beyond the aged ranks zeroed (which is the rank
+truncation, see the probe tests), and the module's ordinary one-query attention runs over them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvrewrite
+from kvrewrite.errors import InvalidArgumentError
+from kvrewrite.evaluation import cache_tensor_bytes
+from kvrewrite.modeling.attention import CompressedAttention
+from kvrewrite.passes.pipeline import run_pipeline
+from kvrewrite.plan import Plan
+from kvrewrite.tiers import TieredCache
+from kvrewrite.tiers.build import make_tiered_cache
+from tiny_models import random_windows, save_tiny_llama, tiny_pipeline
+
+MODES = ("latent", "freq", "post-rope")
+RATE = 0.5
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiers")
+    src = save_tiny_llama(root / "src", seed=5, num_kv_heads=2, num_heads=4)
+    out = {}
+    for mode in MODES:
+        plan = Plan(model=str(src), output=root / mode, progress=False, target_rate=RATE, rope_mode=mode)
+        run_pipeline(plan, tiny_pipeline())
+        out[mode] = root / mode
+    return out
+
+
+def _head_mask(ranks, d: int) -> torch.Tensor:
+    return torch.cat([(torch.arange(d) < r).float() for r in ranks])
+
+
+def dense_reference_logits(directory, tokens: torch.Tensor, window: int, attention_mask=None) -> torch.Tensor:
+    """Logits of the full-rank model in which query t reads keys/values older than `window` truncated to RATE's ranks."""
+    model = kvrewrite.load(directory, rate=0.0).eval()
+    key_ranks, value_ranks = model.compression_spec.ranks_for_rate(RATE)
+    d = model.compressed_attentions()[0].head_dim
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
+        query, key, value = self.project(hidden_states, position_embeddings)
+        key_mask = _head_mask(key_ranks[self.layer_idx], d)
+        value_mask = _head_mask(value_ranks[self.layer_idx], d)
+        outputs = []
+        for t in range(query.shape[1]):
+            aged = (t - torch.arange(t + 1) > window)[:, None]
+            k = torch.where(aged, key[:, : t + 1] * key_mask, key[:, : t + 1])
+            v = torch.where(aged, value[:, : t + 1] * value_mask, value[:, : t + 1])
+            mask = attention_mask[..., t : t + 1, : t + 1] if attention_mask is not None else None
+            outputs.append(self.attend(query[:, t : t + 1], k.unsqueeze(1), v.unsqueeze(1), mask, past_len=t))
+        return self.o_proj(torch.cat(outputs, dim=1)), None
+
+    original = CompressedAttention.forward
+    CompressedAttention.forward = forward
+    try:
+        with torch.no_grad():
+            return model(tokens, attention_mask=attention_mask).logits
+    finally:
+        CompressedAttention.forward = original
+
+
+def tiered_model(directory, window: int, codec=None):
+    return kvrewrite.load(directory, rate=RATE, recent_window=window, kv_codec=codec).eval()
+
+
+def run_chunks(model, tokens: torch.Tensor, chunk: int, cache) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.cat([model(tokens[:, s : s + chunk], past_key_values=cache, use_cache=True).logits
+                          for s in range(0, tokens.shape[1], chunk)], dim=1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("window", [0, 5, 16])
+def test_tiered_attention_equals_dense_reference(compiled, mode, window):
+    tokens = random_windows(n=2, length=40, seed=1)
+    reference = dense_reference_logits(compiled[mode], tokens, window)
+    model = tiered_model(compiled[mode], window)
+    cache = make_tiered_cache(model, model.tier_policy, storage_dtype=torch.float32)
+    with torch.no_grad():
+        one_shot = model(tokens, past_key_values=cache, use_cache=True).logits
+    torch.testing.assert_close(one_shot, reference, rtol=1e-4, atol=1e-4)
+    # The window matters: the same model with every token at the aged ranks differs.
+    truncated = kvrewrite.load(compiled[mode], rate=RATE).eval()
+    with torch.no_grad():
+        assert (truncated(tokens).logits - reference).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_cached_decoding_equals_one_shot(compiled, mode):
+    tokens = random_windows(n=2, length=36, seed=2)
+    model = tiered_model(compiled[mode], window=6)
+    one_shot = run_chunks(model, tokens, 36, make_tiered_cache(model, model.tier_policy, torch.float32))
+    for chunk in (1, 5, 16):
+        chunked = run_chunks(model, tokens, chunk, make_tiered_cache(model, model.tier_policy, torch.float32))
+        torch.testing.assert_close(chunked, one_shot, rtol=1e-4, atol=1e-4)
+
+
+def test_aged_tokens_truncate_exactly_and_bytes_match_formula(compiled):
+    window, length = 7, 30
+    tokens = random_windows(n=2, length=length, seed=3)
+    model = tiered_model(compiled["freq"], window)
+    cache = make_tiered_cache(model, model.tier_policy)  # float16 storage, as served
+    run_chunks(model, tokens, 4, cache)
+    # Layer 0's full-rank latents (its input is the embeddings, the same in both models), from a plain cache
+    # of the full-rank model.
+    full = kvrewrite.load(compiled["freq"], rate=0.0).eval()
+    from transformers import DynamicCache
+
+    plain = DynamicCache(config=full.config)
+    with torch.no_grad():
+        full(tokens, past_key_values=plain, use_cache=True)
+    policy, d = model.tier_policy, model.compressed_attentions()[0].head_dim
+    expected_bytes = 0
+    for i, layer in enumerate(cache.layers):
+        keys = plain.layers[i].keys
+        values = plain.layers[i].values
+        keys = keys if keys.shape[1] == 1 else keys.permute(0, 3, 2, 1)  # COLUMNS storage -> [B, 1, S, C]
+        values = values if values.shape[1] == 1 else values.permute(0, 3, 2, 1)
+        assert layer.keys.shape[-2] == window and layer.aged_keys.shape[-2] == length - window
+        if i == 0:
+            torch.testing.assert_close(layer.keys.float(), keys[..., -window:, :].half().float())
+            key_cols = [g * d + c for g, r in enumerate(policy.aged_key_ranks[i]) for c in range(r)]
+            value_cols = [g * d + c for g, r in enumerate(policy.aged_value_ranks[i]) for c in range(r)]
+            assert len(key_cols) < keys.shape[-1] and len(value_cols) < values.shape[-1]
+            torch.testing.assert_close(layer.aged_keys.float(), keys[..., : length - window, key_cols].half().float())
+            torch.testing.assert_close(layer.aged_values.float(), values[..., : length - window, value_cols].half().float())
+        full_elements = 2 * len(policy.aged_key_ranks[i]) * d
+        expected_bytes += 2 * tokens.shape[0] * (window * full_elements + (length - window) * policy.aged_elements_per_token(i))
+    assert cache_tensor_bytes(cache) == expected_bytes
+    assert cache.get_seq_length() == length
+
+
+def test_generate_left_padding_and_beam_search(compiled):
+    model = tiered_model(compiled["latent"], window=4)
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16, 17, 18]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1], [1] * 8])
+    with torch.no_grad():
+        batched = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        alone = model.generate(input_ids=ids[:1, 2:], max_new_tokens=6, do_sample=False, pad_token_id=0)
+        beams = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, num_beams=3, do_sample=False, pad_token_id=0)
+    assert torch.equal(batched[0, 2:], alone[0])  # left padding changes nothing
+    assert beams.shape == (2, 12)
+
+
+def test_aged_tier_codec_bytes_and_error(compiled):
+    window, length = 8, 8 + 64
+    tokens = random_windows(n=1, length=length, seed=4)
+    plain = tiered_model(compiled["latent"], window)
+    coded = tiered_model(compiled["latent"], window, codec="int4")
+    plain_cache, coded_cache = make_tiered_cache(plain, plain.tier_policy), make_tiered_cache(coded, coded.tier_policy)
+    a, b = run_chunks(plain, tokens, 8, plain_cache), run_chunks(coded, tokens, 8, coded_cache)
+    assert cache_tensor_bytes(coded_cache) < 0.6 * cache_tensor_bytes(plain_cache)
+    assert coded_cache.layers[0].coded_length > 0
+    assert 0 < (a - b).abs().max() < 0.5 * (a.max() - a.min())
+
+
+def test_bad_tier_settings_are_refused(compiled):
+    with pytest.raises(InvalidArgumentError, match="recent window"):
+        kvrewrite.load(compiled["freq"], rate=RATE, recent_window=-1)
+    model = kvrewrite.load(compiled["freq"], rate=RATE)
+    with pytest.raises(InvalidArgumentError, match="full rank"):
+        with torch.no_grad():
+            model(torch.tensor([[5, 6]]), past_key_values=TieredCache(
+                tiered_model(compiled["freq"], 2).tier_policy, model.compressed_attentions()[0].head_dim))
