@@ -171,3 +171,35 @@ def test_bad_tier_settings_are_refused(compiled):
         with torch.no_grad():
             model(torch.tensor([[5, 6]]), past_key_values=TieredCache(
                 tiered_model(compiled["freq"], 2).tier_policy, model.compressed_attentions()[0].head_dim))
+
+
+def test_eval_reports_tiered_rows_with_bytes_measured_at_the_window_length(compiled):
+    from kvrewrite.cli.evaluate import evaluate_checkpoint
+
+    rows = evaluate_checkpoint(compiled["latent"], tokens=96, seq_len=48, progress=False, recent_windows=[8])
+    tiered = rows[1]
+    assert tiered["name"].endswith("+W=8")
+    d = 16
+    spec = kvrewrite.load(compiled["latent"]).compression_spec
+    key_ranks, value_ranks = spec.ranks_for_rate(RATE)
+    aged = sum(sum(k) + sum(v) for k, v in zip(key_ranks, value_ranks))
+    full = 2 * spec.num_layers * spec.num_key_value_heads * d
+    assert tiered["kv_bytes_per_token"] == pytest.approx(2 * (8 * full + 40 * aged) / 48)  # float16, 48-token windows
+    # On token windows the tiny model can read, the full-rank window brings the model closer to the original.
+    from kvrewrite.evaluation import evaluate_many
+    from kvrewrite.passes.load_checkpoint import load_fp32_model
+
+    original = load_fp32_model(spec.source_model)
+    results = evaluate_many({"plain": kvrewrite.load(compiled["latent"]), "tiered": tiered_model(compiled["latent"], 8)},
+                            random_windows(n=4, length=48, seed=6), baseline=original, progress=False)
+    assert 0 < results["tiered"].kl_mean < results["plain"].kl_mean
+
+
+def test_recent_window_option_rejects_bad_values():
+    from kvrewrite.cli.app import _parse_windows
+
+    with pytest.raises(InvalidArgumentError, match="--recent-window 'abc'"):
+        _parse_windows("abc")
+    with pytest.raises(InvalidArgumentError, match=">= 0"):
+        _parse_windows("64,-1")
+    assert _parse_windows("0, 64,128") == [0, 64, 128]

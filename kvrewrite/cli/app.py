@@ -124,6 +124,16 @@ def compress(
         _push(ctx.output_dir, push_to_hub, private=hub_private)
 
 
+def _parse_windows(text: str) -> list[int]:
+    try:
+        windows = [int(w) for w in text.split(",") if w.strip()]
+    except ValueError:
+        raise InvalidArgumentError(f"--recent-window {text!r}: expected comma-separated whole numbers of tokens, e.g. 64,128") from None
+    if not windows or any(w < 0 for w in windows):
+        raise InvalidArgumentError(f"--recent-window {text!r}: windows must be >= 0 tokens")
+    return windows
+
+
 @app.command("eval")
 def evaluate_command(
     directory: Path = typer.Argument(..., help="A kvrewrite checkpoint directory."),
@@ -134,6 +144,7 @@ def evaluate_command(
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the results as JSON here."),
     kv_codec: Optional[str] = typer.Option(None, "--kv-codec", help="Evaluate with these codecs instead of the compiled one (';'-separated, e.g. 'none;int4;gear:bits=4')."),
     chunk: Optional[int] = typer.Option(None, "--chunk", help="Chunked prefill through the cache, this many tokens per chunk (default: 64 when a codec is in use, else one forward)."),
+    recent_window: Optional[str] = typer.Option(None, "--recent-window", help="Token tiers: comma-separated windows W; each query reads its last W tokens at full rank, older ones at the rate's ranks (docs/tiers.md)."),
     save: bool = typer.Option(True, "--save/--no-save", help="Save the results as DIR/eval_results.json (the model card's evaluation table)."),
 ) -> None:
     """Held-out perplexity, KL and top-1 agreement against the original, and KV bytes per token measured on the cache."""
@@ -143,8 +154,9 @@ def evaluate_command(
     try:
         rate_list = [float(r) for r in rates.split(",")] if rates else None
         codec_list = kv_codec.split(";") if kv_codec else None
+        window_list = _parse_windows(recent_window) if recent_window else None
         rows = evaluate_checkpoint(directory, baseline=baseline, rates=rate_list, tokens=tokens, seq_len=seq_len,
-                                   kv_codecs=codec_list, chunk=chunk)
+                                   kv_codecs=codec_list, chunk=chunk, recent_windows=window_list)
     except (KVRewriteError, ValueError) as exc:
         _fail(exc)
     from kvrewrite.atomic_files import atomic_write_text
@@ -156,7 +168,8 @@ def evaluate_command(
     if save:
         command = " ".join(["kvrewrite eval", str(directory), *([f"--baseline {baseline}"] if baseline else []),
                             *([f"--rates {rates}"] if rates else []), *([f"--kv-codec '{kv_codec}'"] if kv_codec else []),
-                            *([f"--chunk {chunk}"] if chunk else []), f"--tokens {tokens}", f"--seq-len {seq_len}"])
+                            *([f"--chunk {chunk}"] if chunk else []), *([f"--recent-window {recent_window}"] if recent_window else []),
+                            f"--tokens {tokens}", f"--seq-len {seq_len}"])
         try:
             path = write_eval_results(directory, eval_results_document(rows, tokens=tokens, seq_len=seq_len, command=command))
             console.print(f"saved {path}")

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from kvrewrite.codecs.config import CodecConfig
 from kvrewrite.errors import CorruptCheckpointError
 from kvrewrite.evaluation import default_chunk, kv_cache_bytes_per_token_formula
 from kvrewrite.spec import CompressionSpec
@@ -14,10 +15,13 @@ from kvrewrite.spec import CompressionSpec
 
 def evaluate_checkpoint(directory: Path, *, baseline: str | None = None, rates: list[float] | None = None,
                         tokens: int = 8192, seq_len: int = 512, progress: bool = True,
-                        kv_codecs: list[str] | None = None, chunk: int | None = None) -> list[dict]:
+                        kv_codecs: list[str] | None = None, chunk: int | None = None,
+                        recent_windows: list[int] | None = None) -> list[dict]:
     """Rows for the eval table: the baseline first, then the checkpoint at each rate (and each KV codec).
 
     kv_codecs: codecs to evaluate instead of the compiled one ("none" = the plain reduced cache).
+    recent_windows: token tiers (kvrewrite.tiers) to evaluate instead of the plain cache: each query reads its last W
+    tokens at full rank. A tiered forward reads its own cache, so one forward per window measures it exactly.
     chunk: chunked-prefill length; default evaluation.CODEC_EVAL_CHUNK when any codec is in use (a one-shot forward would
     never read the cache, so a lossy cache would go unmeasured), else one forward per window.
     """
@@ -48,10 +52,14 @@ def evaluate_checkpoint(directory: Path, *, baseline: str | None = None, rates: 
     models, model_rates = {}, {}
     for rate in rate_list:
         for codec in codec_list:
-            model = load(directory, rate=rate, kv_codec=codec)
-            label = model.kv_codec.describe() if model.kv_codec is not None else "none"
-            name = f"{Path(directory).name} p={rate:.2f}" + (f" +{label}" if label != "none" else "")
-            models[name], model_rates[name] = model, rate
+            for window in recent_windows or [None]:
+                model = load(directory, rate=rate, kv_codec=codec, recent_window=window)
+                policy_codec = model.tier_policy.codec if window is not None else None
+                codec_config = model.kv_codec if window is None else (CodecConfig.from_dict(policy_codec) if policy_codec else None)
+                label = codec_config.describe() if codec_config is not None else "none"
+                name = (f"{Path(directory).name} p={rate:.2f}" + (f" +W={window}" if window is not None else "")
+                        + (f" +{label}" if label != "none" else ""))
+                models[name], model_rates[name] = model, rate
     chunk = chunk if chunk is not None else default_chunk(models.values())
     results = evaluate_many(models, windows, baseline=original, progress=progress, chunk=chunk)
     rows = result_rows(source, results, model_rates)

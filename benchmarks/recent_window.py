@@ -1,0 +1,111 @@
+"""The recent window's effect at equal bytes: continuation perplexity of one checkpoint with and without token tiers.
+
+    python benchmarks/recent_window.py --checkpoint DIR [--windows 8] [--length 1024] [--context 512]
+
+Protocol: held-out wiki windows of --length tokens; the first --context tokens are context, the rest are scored
+(continuation ppl, Δ against the original in the same run). Because a tiered query reads key j at full rank
+exactly when t - j <= W, one forward over the window gives the same logits as a chunked prefill followed by
+decoding (tests/test_tiers.py checks this), so each method is one forward per window. Bytes are measured on
+the real cache tensors after the whole window, as a share of the original's float16 K/V bytes.
+Rows are written to benchmarks/results/recent_window.json with the command, commit and machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+import kvrewrite
+from kvrewrite.calibration_data import evaluation_token_sequences
+from kvrewrite.evaluation import cache_tensor_bytes
+from kvrewrite.passes.load_checkpoint import load_fp32_model
+from kvrewrite.sources import resolve_model_source
+
+RESULTS = Path(__file__).parent / "results" / "recent_window.json"
+
+
+def continuation_nll(model, windows: torch.Tensor, context: int, make_cache, chunk: int | None = None) -> tuple[float, int, float]:
+    """Summed NLL of the continuation tokens, their count, and cache bytes held per token (after the window).
+
+    chunk: feed the window this many tokens at a time (a coded aged tier is coded only between forwards).
+    """
+    total, count, held = 0.0, 0, []
+    for window in windows:
+        ids = window[None]
+        cache = make_cache()
+        step = chunk or ids.shape[1]
+        with torch.no_grad():
+            logits = torch.cat([model(ids[:, s : s + step], past_key_values=cache, use_cache=True).logits
+                                for s in range(0, ids.shape[1], step)], dim=1)[0, context - 1 : -1].float()
+        targets = ids[0, context:]
+        total += torch.nn.functional.cross_entropy(logits, targets, reduction="sum").item()
+        count += targets.numel()
+        held.append(cache_tensor_bytes(cache) / ids.shape[1])
+    return total, count, sum(held) / len(held)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--checkpoint", required=True)
+    parser.add_argument("--baseline", default="smollm2-135m")
+    parser.add_argument("--windows", type=int, default=8)
+    parser.add_argument("--length", type=int, default=1024)
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--point", action="append", default=None,
+                        help="RATE or RATE@WINDOW (e.g. 0.5@128) or RATE@WINDOW:CODEC; repeatable")
+    args = parser.parse_args()
+    points = args.point or ["0.5", "0.5@16", "0.5@64", "0.5@128", "0.5@256", "0.6@128", "0.65@64"]
+
+    source = resolve_model_source(args.baseline)
+    tokenizer = AutoTokenizer.from_pretrained(source.path)
+    windows = evaluation_token_sequences(tokenizer, args.windows * args.length, args.length)
+    original = load_fp32_model(source.path).eval()
+    config = original.config
+    fp16_bytes = 2 * 2 * config.num_hidden_layers * config.num_key_value_heads * (config.hidden_size // config.num_attention_heads)
+    from transformers import DynamicCache
+
+    rows = {}
+    t0 = time.perf_counter()
+    nll, n, held = continuation_nll(original, windows, args.context, lambda: DynamicCache(config=config))
+    base_ppl = math.exp(nll / n)
+    rows["original"] = {"ppl": base_ppl, "delta_ppl": 0.0, "bytes_per_token": held, "fp16_share": held / fp16_bytes / 2}
+    print(f"original: ppl {base_ppl:.3f}  (fp32 cache {held:.0f} B/token)", flush=True)
+    for point in points:
+        rate_part, _, rest = point.partition("@")
+        window_part, _, codec = rest.partition(":")
+        rate = float(rate_part)
+        if window_part:
+            model = kvrewrite.load(args.checkpoint, rate=rate, recent_window=int(window_part), kv_codec=codec or None).eval()
+        else:
+            model = kvrewrite.load(args.checkpoint, rate=rate, kv_codec=codec or None).eval()
+        nll, n, held = continuation_nll(model, windows, args.context, model.make_kv_cache, 64 if codec else None)
+        ppl = math.exp(nll / n)
+        # Plain caches store the model's float32; the tiered and codec caches store float16 or codes.
+        plain_fp32 = not window_part and not codec
+        share = held / fp16_bytes / (2 if plain_fp32 else 1)
+        rows[point] = {"rate": rate, "window": int(window_part or 0), "codec": codec or None, "ppl": ppl,
+                       "delta_ppl": ppl / base_ppl - 1, "bytes_per_token": held, "fp16_share": share}
+        print(f"{point:>16}: ppl {ppl:.3f}  Δ {100 * (ppl / base_ppl - 1):+.1f}%  fp16 share {share:.3f}", flush=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({
+        "command": "python " + " ".join(sys.argv), "commit": commit,
+        "machine": f"{platform.machine()} {platform.processor() or ''} cpus={torch.get_num_threads()}",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "seconds": round(time.perf_counter() - t0, 1),
+        "protocol": {"windows": args.windows, "length": args.length, "context": args.context, "text": "held-out wiki"},
+        "rows": rows,
+    }, indent=1))
+
+
+if __name__ == "__main__":
+    main()
