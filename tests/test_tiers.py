@@ -40,21 +40,28 @@ def _head_mask(ranks, d: int) -> torch.Tensor:
     return torch.cat([(torch.arange(d) < r).float() for r in ranks])
 
 
-def dense_reference_logits(directory, tokens: torch.Tensor, window: int, attention_mask=None) -> torch.Tensor:
-    """Logits of the full-rank model in which query t reads keys/values older than `window` truncated to RATE's ranks."""
+def dense_reference_logits(directory, tokens: torch.Tensor, window: int, attention_mask=None, masks=None) -> torch.Tensor:
+    """Logits of the full-rank model in which query t reads keys/values older than `window` truncated to RATE's ranks.
+
+    masks(layer, t) -> (key_mask, value_mask) [t + 1, C] overrides which dims query t reads of each token.
+    """
     model = kvrewrite.load(directory, rate=0.0).eval()
     key_ranks, value_ranks = model.compression_spec.ranks_for_rate(RATE)
     d = model.compressed_attentions()[0].head_dim
 
+    def default_masks(layer: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        aged = (t - torch.arange(t + 1) > window)[:, None]
+        return (torch.where(aged, _head_mask(key_ranks[layer], d), 1.0),
+                torch.where(aged, _head_mask(value_ranks[layer], d), 1.0))
+
+    masks = masks or default_masks
+
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
         query, key, value = self.project(hidden_states, position_embeddings)
-        key_mask = _head_mask(key_ranks[self.layer_idx], d)
-        value_mask = _head_mask(value_ranks[self.layer_idx], d)
         outputs = []
         for t in range(query.shape[1]):
-            aged = (t - torch.arange(t + 1) > window)[:, None]
-            k = torch.where(aged, key[:, : t + 1] * key_mask, key[:, : t + 1])
-            v = torch.where(aged, value[:, : t + 1] * value_mask, value[:, : t + 1])
+            key_mask, value_mask = masks(self.layer_idx, t)
+            k, v = key[:, : t + 1] * key_mask, value[:, : t + 1] * value_mask
             mask = attention_mask[..., t : t + 1, : t + 1] if attention_mask is not None else None
             outputs.append(self.attend(query[:, t : t + 1], k.unsqueeze(1), v.unsqueeze(1), mask, past_len=t))
         return self.o_proj(torch.cat(outputs, dim=1)), None
@@ -203,3 +210,102 @@ def test_recent_window_option_rejects_bad_values():
     with pytest.raises(InvalidArgumentError, match=">= 0"):
         _parse_windows("64,-1")
     assert _parse_windows("0, 64,128") == [0, 64, 128]
+
+
+IMPORTANT_RATE, SHARE, POOL = 0.25, 0.25, 8
+
+
+def adaptive_model(directory, window: int, score: str = "attention"):
+    important = {"rate": IMPORTANT_RATE, "share": SHARE, "score": score, "pool": POOL}
+    return kvrewrite.load(directory, rate=RATE, recent_window=window, important=important).eval()
+
+
+@pytest.mark.parametrize("mode", ["latent", "freq"])
+@pytest.mark.parametrize("score", ["attention", "denominator"])
+def test_token_adaptive_dims_equal_dense_reference(compiled, mode, score):
+    """Prefill L tokens (tokens beyond the window are read at the important ranks until classified), then one
+    decode step reads each classified token at its tier's ranks: both against the dense per-query reference."""
+    window, length = 4, 4 + 3 * POOL + 5
+    tokens = random_windows(n=2, length=length + 1, seed=7)
+    model = adaptive_model(compiled[mode], window, score)
+    cache = make_tiered_cache(model, model.tier_policy, torch.float32)
+    with torch.no_grad():
+        prefill = model(tokens[:, :length], past_key_values=cache, use_cache=True).logits
+        step = model(tokens[:, length:], past_key_values=cache, use_cache=True).logits
+    spec = model.compression_spec
+    aged_k, aged_v = spec.ranks_for_rate(RATE)
+    imp_k, imp_v = spec.ranks_for_rate(IMPORTANT_RATE)
+    d = model.compressed_attentions()[0].head_dim
+    for i, layer in enumerate(cache.layers):  # classification of the prefill: round(g * pool) per full pool
+        assert layer.important_positions.shape == (2, 3 * round(SHARE * POOL))
+        assert layer.aged_positions.shape == (2, 3 * POOL - 3 * round(SHARE * POOL))
+        held = torch.sort(torch.cat([layer.important_positions, layer.aged_positions], dim=-1), dim=-1).values
+        assert torch.equal(held, torch.arange(3 * POOL, dtype=held.dtype).expand(2, -1))
+
+    # Classification may differ per batch row; compare row by row with that row's assignment.
+    for row in range(2):
+        def row_masks(layer: int, t: int, row=row):
+            n = t + 1
+            key_mask, value_mask = torch.ones(n, 2 * d), torch.ones(n, 2 * d)
+            layer_cache = cache.layers[layer]
+            for j in range(n):
+                if t - j <= window:
+                    continue
+                aged = t == length and bool((layer_cache.aged_positions[row] == j).any())
+                kr, vr = (aged_k[layer], aged_v[layer]) if aged else (imp_k[layer], imp_v[layer])
+                key_mask[j], value_mask[j] = _head_mask(kr, d), _head_mask(vr, d)
+            return key_mask, value_mask
+
+        reference = dense_reference_logits(compiled[mode], tokens[row : row + 1], window, masks=row_masks)
+        torch.testing.assert_close(prefill[row], reference[0, :length], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(step[row], reference[0, length:], rtol=1e-4, atol=1e-4)
+
+
+def test_token_adaptive_bytes_match_formula(compiled):
+    window, length = 4, 4 + 2 * POOL + 3
+    model = adaptive_model(compiled["latent"], window)
+    cache = make_tiered_cache(model, model.tier_policy)
+    run_chunks(model, random_windows(n=1, length=length, seed=8), 5, cache)
+    spec = model.compression_spec
+    aged_k, aged_v = spec.ranks_for_rate(RATE)
+    imp_k, imp_v = spec.ranks_for_rate(IMPORTANT_RATE)
+    full = 2 * spec.num_key_value_heads * spec.head_dim
+    n_imp = 2 * round(SHARE * POOL)
+    expected = 0
+    for i, layer in enumerate(cache.layers):
+        n_recent = layer.keys.shape[-2]
+        assert n_recent == length - 2 * POOL
+        elements = n_recent * full + n_imp * (sum(imp_k[i]) + sum(imp_v[i])) + (2 * POOL - n_imp) * (sum(aged_k[i]) + sum(aged_v[i]))
+        expected += 2 * elements + 4 * 2 * POOL + 4 * n_recent  # float16 latents, int32 positions, float32 scores
+    assert cache_tensor_bytes(cache) == expected
+
+
+@pytest.mark.parametrize("score", ["attention", "denominator"])
+def test_classification_keeps_the_top_scored_share_of_each_pool(score):
+    from kvrewrite.tiers import TieredLayer
+
+    window, pool, share, d = 3, 8, 0.375, 4
+    layer = TieredLayer(window, d, (2,), (1,), important_key_ranks=(3,), important_value_ranks=(2,),
+                        important_share=share, score=score, pool=pool)
+    gen = torch.Generator().manual_seed(0)
+    n = window + 2 * pool + 1
+    keys, values = torch.randn(2, 1, n, d, generator=gen), torch.randn(2, 1, n, d, generator=gen)
+    layer.update(keys, values)
+    received, denominators = torch.rand(2, n, generator=gen), torch.randn(2, n, generator=gen)
+    layer.add_scores(received, denominators)
+    layer.settle()
+    k = round(share * pool)
+    if score == "attention":  # mean over the queries that read each token: n - j of them after one forward
+        evidence = received / (n - torch.arange(n)).float()
+    else:
+        evidence = denominators
+    for row in range(2):
+        expected = set()
+        for start in range(0, 2 * pool, pool):
+            expected |= set((start + evidence[row, start : start + pool].topk(k).indices).tolist())
+        assert set(layer.important_positions[row].tolist()) == expected
+        important = sorted(expected)
+        torch.testing.assert_close(layer.important_keys[row, 0].float(), keys[row, 0, important, :3].half().float())
+        aged = sorted(set(range(2 * pool)) - expected)
+        torch.testing.assert_close(layer.aged_values[row, 0].float(), values[row, 0, aged, :1].half().float())
+    assert layer.keys.shape[-2] == n - 2 * pool  # the window plus the unclassified rest of the pool

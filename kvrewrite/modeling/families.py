@@ -117,6 +117,7 @@ def compressed_family(adapter: ArchitectureAdapter) -> tuple[type, type]:
             kv_codec: str | CodecConfig | None = "compiled",
             verify_checksums: bool = True,
             recent_window: int | None = None,
+            important: dict | None = None,
             **kwargs,
         ):
             """Load a kvrewrite checkpoint strictly (a missing or mis-shaped weight raises) and slice its ranks.
@@ -127,6 +128,8 @@ def compressed_family(adapter: ArchitectureAdapter) -> tuple[type, type]:
             recent_window: keep the model at full rank and cache through kvrewrite.tiers: each query reads the
                 last `recent_window` tokens with all dims and older tokens at `rate`'s ranks (coded by kv_codec,
                 if one is given). None (default): every token at `rate`'s ranks.
+            important: with recent_window, token-adaptive dims: {"rate": r, "share": g, "score": "attention" or
+                "denominator", "pool": 64}: the share g of aged tokens with the highest score keep rate r's ranks.
             """
             from kvrewrite.runtime import checkpoint_directory, ensure_complete_load, verify_checkpoint_files
 
@@ -139,10 +142,14 @@ def compressed_family(adapter: ArchitectureAdapter) -> tuple[type, type]:
             from kvrewrite.codecs.checkpoint import read_codec_tables
 
             spec = model.compression_spec
+            if important is not None and recent_window is None:
+                from kvrewrite.errors import InvalidArgumentError
+
+                raise InvalidArgumentError("important= (token-adaptive dims) needs recent_window= (kvrewrite.tiers)")
             if recent_window is not None:
                 from kvrewrite.tiers.build import enable_tiers
 
-                enable_tiers(model, spec, rate, recent_window, kv_codec, read_codec_tables(directory))
+                enable_tiers(model, spec, rate, recent_window, kv_codec, read_codec_tables(directory), important)
                 return (model, info) if want_info else model
             if rate is not None:
                 key_ranks, value_ranks = spec.ranks_for_rate(rate)

@@ -1,19 +1,22 @@
-"""Attention over a tiered cache: each query reads its recent window at full rank and older tokens at aged ranks.
+"""Attention over a tiered cache: each query reads its recent window at full rank and older tokens at fewer dims.
 
-A query at cache index t reads key j with all dims when t - j <= window, and with the aged ranks otherwise.
-Scores against the aged tier and the recent tier are computed separately, concatenated on the key axis and
-normalised by one softmax, so the result is the exact attention over the mixed-rank keys; nothing is copied
-out of the cache. Inside one forward, a recent-tier token can already be too old for the later queries of a
-long chunk: for those pairs the scores and values use the token's aged prefix, so a chunked prefill gives
-the same result as token-by-token decoding.
+A query at cache index t reads key j with all dims when t - j <= window. Older keys are read at their tier's
+ranks: aged (and, with token-adaptive dims, important) tokens at the ranks they were stored with, and a
+recent-tier token that is already too old for a later query of a long chunk at the ranks it will be stored
+with (the aged ranks; the important ones while token-adaptive dims have not classified it yet). Scores
+against every tier are computed separately, concatenated on the key axis and normalised by one softmax, so
+the result is the exact attention over the mixed-rank keys; nothing is copied out of the cache. Without
+token-adaptive dims or a codec, a chunked prefill therefore gives the same result as one forward.
 
 A key's prefix of r dims is the rank-r truncation in every key mode: freq / post-rope / folded queries and
 keys are packed latents whose first r dims are the kept ones (the query's other dims meet zeros), latent
 keys are rebuilt from their first r latent dims through the first r rows of k_up. Values likewise: o_proj
-reads zeros beyond a head's value rank, which is what padding the output of the aged part does.
+reads zeros beyond a head's value rank, which is what padding the output of a truncated tier does.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -35,10 +38,48 @@ def check_full_rank(module) -> None:
         )
 
 
-def _rotated_latent_keys(module, latents: torch.Tensor, g: int, rank: int, cos, sin) -> torch.Tensor:
-    """latent mode: KV head g's keys [B, 1, S, d] rebuilt from the first `rank` latent dims, rotated by position."""
-    keys = latents[..., :rank] @ module.k_up[g, :rank]
-    return module._apply_rope(keys, cos, sin)
+@dataclass
+class _Tier:
+    """One stored tier as attention reads it: packed latents, per-KV-head ranks, cache indices, allowed mask."""
+
+    keys: torch.Tensor  # [B, 1, S_t, sum key ranks]
+    values: torch.Tensor  # [B, 1, S_t, sum value ranks]
+    key_ranks: tuple[int, ...]
+    value_ranks: tuple[int, ...]
+    positions: torch.Tensor  # [B, S_t] cache indices
+    allowed: torch.Tensor  # [B, 1, T, S_t]
+
+    def key_block(self, g: int) -> torch.Tensor:
+        start = sum(self.key_ranks[:g])
+        return self.keys[..., start : start + self.key_ranks[g]]
+
+    def value_block(self, g: int) -> torch.Tensor:
+        start = sum(self.value_ranks[:g])
+        return self.values[..., start : start + self.value_ranks[g]]
+
+
+def _gather_columns(allowed: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    batch, n = positions.shape
+    expanded = allowed.expand(batch, -1, -1, -1)
+    return expanded.gather(-1, positions[:, None, None, :].expand(batch, 1, allowed.shape[-2], n))
+
+
+def _stored_tiers(layer, dtype, allowed: torch.Tensor, batch: int) -> list[_Tier]:
+    device = allowed.device
+    aged_k, aged_v = layer.aged_latents(dtype)
+    tiers = []
+    if layer.adaptive:
+        aged_pos = layer.aged_positions.long()
+        tiers.append(_Tier(aged_k, aged_v, layer.aged_key_ranks, layer.aged_value_ranks, aged_pos, _gather_columns(allowed, aged_pos)))
+        imp_pos = layer.important_positions.long()
+        tiers.append(_Tier(layer.important_keys.to(dtype), layer.important_values.to(dtype), layer.important_key_ranks,
+                           layer.important_value_ranks, imp_pos, _gather_columns(allowed, imp_pos)))
+    else:  # the aged tier holds cache indices 0..S_aged-1 in order
+        n = aged_k.shape[-2]
+        positions = torch.arange(n, device=device)[None].expand(batch, n)
+        tiers.append(_Tier(aged_k, aged_v, layer.aged_key_ranks, layer.aged_value_ranks, positions,
+                           allowed[..., :n].expand(batch, -1, -1, -1)))
+    return tiers
 
 
 def tiered_attention(module, query: torch.Tensor, layer, attention_mask: torch.Tensor | None) -> torch.Tensor:
@@ -47,61 +88,70 @@ def tiered_attention(module, query: torch.Tensor, layer, attention_mask: torch.T
     batch, q_len, _ = query.shape
     dtype, device = query.dtype, query.device
     d, group = module.head_dim, module.group_size
-    aged_k, aged_v = layer.aged_latents(dtype)
-    recent_k, recent_v = layer.keys.to(dtype), layer.values.to(dtype)
-    n_aged, n_recent = aged_k.shape[-2], recent_k.shape[-2]
-    kv_len = n_aged + n_recent
+    kv_len = layer.get_seq_length()
     allowed = boolean_mask(attention_mask, q_len, kv_len, device)
-    allowed_aged, allowed_recent = allowed[..., :n_aged], allowed[..., n_aged:]
+    recent_k, recent_v = layer.keys.to(dtype), layer.values.to(dtype)
+    n_recent = recent_k.shape[-2]
+    recent_pos = torch.arange(kv_len - n_recent, kv_len, device=device)
     q_pos = torch.arange(kv_len - q_len, kv_len, device=device)
-    recent_pos = torch.arange(n_aged, kv_len, device=device)
     full = (q_pos[:, None] - recent_pos[None, :]) <= layer.window  # [T, S_recent]: pairs read at full rank
-    any_aged_recent = not bool(full.all())
+    any_beyond = not bool(full.all())
+    beyond_k_ranks, beyond_v_ranks = layer.beyond_window_ranks
+    tiers = _stored_tiers(layer, dtype, allowed, batch)
+    allowed_recent = allowed[..., kv_len - n_recent :].expand(batch, -1, -1, -1)
 
     heads = query.view(batch, q_len, module.num_heads, d).transpose(1, 2)  # [B, H, T, d]
     latent = module.key_mode == KEY_MODE_LATENT
     if latent:
         # Positions are cache indices, as in CompressedAttention._latent_attention (padding-consistent offsets).
-        positions = torch.arange(kv_len, device=device)[None].expand(batch, kv_len)
-        cos, sin = module._rotary[0](query, positions)
+        cos, sin = module._rotary[0](query, torch.arange(kv_len, device=device)[None].expand(batch, kv_len))
         heads = module._apply_rope(heads, cos[:, kv_len - q_len :], sin[:, kv_len - q_len :])
-        cos_a, sin_a, cos_r, sin_r = cos[:, :n_aged], sin[:, :n_aged], cos[:, n_aged:], sin[:, n_aged:]
 
-    key_offsets = [0]
-    for r in layer.aged_key_ranks:
-        key_offsets.append(key_offsets[-1] + r)
-    value_offsets = [0]
-    for r in layer.aged_value_ranks:
-        value_offsets.append(value_offsets[-1] + r)
+        def rope_at(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            index = positions[..., None].expand(-1, -1, cos.shape[-1])
+            return cos.gather(1, index), sin.gather(1, index)
 
-    outputs = []
-    for g, (rk, rv) in enumerate(zip(layer.aged_key_ranks, layer.aged_value_ranks)):
-        q = heads[:, g * group : (g + 1) * group]  # [B, G, T, d]
-        k_aged = aged_k[..., key_offsets[g] : key_offsets[g + 1]]
-        v_aged = aged_v[..., value_offsets[g] : value_offsets[g + 1]]
-        k_recent = recent_k[..., g * d : (g + 1) * d]
-        v_recent = recent_v[..., g * d : (g + 1) * d]
+        tier_rope = [rope_at(t.positions) for t in tiers]
+        recent_rope = rope_at(recent_pos[None].expand(batch, n_recent))
+
+    def scores(q: torch.Tensor, latents: torch.Tensor, g: int, rank: int, rope) -> torch.Tensor:
         if latent:
-            s_aged = q @ _rotated_latent_keys(module, k_aged, g, rk, cos_a, sin_a).transpose(-1, -2)
-            s_recent = q @ _rotated_latent_keys(module, k_recent, g, d, cos_r, sin_r).transpose(-1, -2)
-            if any_aged_recent:
-                s_old = q @ _rotated_latent_keys(module, k_recent, g, rk, cos_r, sin_r).transpose(-1, -2)
-        else:
-            s_aged = q[..., :rk] @ k_aged.transpose(-1, -2)
-            s_recent = q @ k_recent.transpose(-1, -2)
-            if any_aged_recent:
-                s_old = q[..., :rk] @ k_recent[..., :rk].transpose(-1, -2)
-        if any_aged_recent:
+            keys = module._apply_rope(latents[..., :rank] @ module.k_up[g, :rank], *rope)
+            return q @ keys.transpose(-1, -2)
+        return q[..., :rank] @ latents[..., :rank].transpose(-1, -2)
+
+    received = torch.zeros(batch, n_recent, dtype=torch.float32, device=device)
+    log_denominator = torch.full((batch, q_len), float("-inf"), dtype=torch.float32, device=device)
+    outputs = []
+    for g in range(module.num_kv_heads):
+        q = heads[:, g * group : (g + 1) * group]  # [B, G, T, d]
+        k_recent, v_recent = recent_k[..., g * d : (g + 1) * d], recent_v[..., g * d : (g + 1) * d]
+        parts = [scores(q, t.key_block(g), g, t.key_ranks[g], tier_rope[i] if latent else None) for i, t in enumerate(tiers)]
+        s_recent = scores(q, k_recent, g, d, recent_rope if latent else None)
+        if any_beyond:
+            s_old = scores(q, k_recent, g, beyond_k_ranks[g], recent_rope if latent else None)
             s_recent = torch.where(full, s_recent, s_old)
-        scores = torch.cat([s_aged, s_recent], dim=-1) * module.scaling
-        scores = scores.to(softmax_dtype(scores.dtype))
-        scores = scores.masked_fill(~torch.cat([allowed_aged, allowed_recent], dim=-1), torch.finfo(scores.dtype).min)
-        probs = torch.softmax(scores, dim=-1).to(dtype)
-        p_aged, p_recent = probs[..., :n_aged], probs[..., n_aged:]
-        out = F.pad(p_aged @ v_aged, (0, d - rv))
-        if any_aged_recent:
+        parts.append(s_recent)
+        logits = torch.cat(parts, dim=-1) * module.scaling
+        logits = logits.to(softmax_dtype(logits.dtype))
+        mask = torch.cat([t.allowed for t in tiers] + [allowed_recent], dim=-1)
+        logits = logits.masked_fill(~mask, torch.finfo(logits.dtype).min)
+        if layer.adaptive:
+            log_denominator = torch.logaddexp(log_denominator, torch.logsumexp(logits.float(), dim=-1).logsumexp(dim=1))
+        probs = torch.softmax(logits, dim=-1).to(dtype)
+        pieces = probs.split([t.keys.shape[-2] for t in tiers] + [n_recent], dim=-1)
+        out = torch.zeros(batch, group, q_len, d, dtype=dtype, device=device)
+        for t, p in zip(tiers, pieces[:-1]):
+            out = out + F.pad(p @ t.value_block(g), (0, d - t.value_ranks[g]))
+        p_recent = pieces[-1]
+        if layer.adaptive:
+            received += p_recent.float().sum(dim=(1, 2))
+        if any_beyond:
+            rv = beyond_v_ranks[g]
             out = out + (p_recent * full) @ v_recent + F.pad((p_recent * ~full) @ v_recent[..., :rv], (0, d - rv))
         else:
             out = out + p_recent @ v_recent
         outputs.append(out.transpose(1, 2).reshape(batch, q_len, group * d))
+    if layer.adaptive:
+        layer.add_scores(received, log_denominator)
     return torch.cat(outputs, dim=-1)

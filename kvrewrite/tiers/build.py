@@ -9,10 +9,13 @@ from kvrewrite.tiers.cache import STORAGE_DTYPE, TieredCache
 from kvrewrite.tiers.policy import TierPolicy, tier_policy_for_rate
 
 
-def enable_tiers(model, spec, rate: float | None, window: int, kv_codec, tables: dict) -> TierPolicy:
+def enable_tiers(model, spec, rate: float | None, window: int, kv_codec, tables: dict,
+                 important: dict | None = None) -> TierPolicy:
     """Keep `model` at full rank and make it cache through a TieredCache with aged tokens at `rate`'s ranks.
 
     kv_codec: "compiled" (the checkpoint's codec, if any), None / "none", or a codec for the aged tier.
+    important: token-adaptive dims, {"rate": r_i, "share": g (or one per layer), "score": "attention" |
+        "denominator", "pool": tokens classified together}; see kvrewrite.tiers.policy.
     """
     from kvrewrite.codecs import build_layer_codecs
     from kvrewrite.codecs.config import CodecConfig, parse_codec
@@ -26,8 +29,15 @@ def enable_tiers(model, spec, rate: float | None, window: int, kv_codec, tables:
         )
     codec = model.kv_codec if kv_codec == "compiled" else kv_codec
     codec = parse_codec(codec) if isinstance(codec, str) or codec is None else codec
+    options = {}
+    if important:
+        unknown = set(important) - {"rate", "share", "score", "pool"}
+        if unknown or "rate" not in important or "share" not in important:
+            raise InvalidArgumentError(f"important= takes rate, share and optionally score and pool; got {sorted(important)}")
+        options = dict(important_rate=important["rate"], important_share=important["share"],
+                       score=important.get("score", "attention"), pool=important.get("pool", 64))
     policy = tier_policy_for_rate(spec, spec.target_rate if rate is None else rate, window,
-                                  codec.to_dict() if isinstance(codec, CodecConfig) else None)
+                                  codec.to_dict() if isinstance(codec, CodecConfig) else None, **options)
     if codec is not None:
         build_layer_codecs(codec, [list(k) for k in policy.aged_key_ranks], [list(v) for v in policy.aged_value_ranks], tables)
     model.kv_codec, model.kv_codec_tables = None, dict(tables)

@@ -1,10 +1,16 @@
-"""A transformers cache whose layers hold two tiers of one latent: a full-rank recent window, and aged tokens.
+"""A transformers cache whose layers hold tiers of one latent: a full-rank recent window, and older tokens.
 
 Every token enters the recent tier with all its latent dims. After each forward, tokens that no later query
 reads at full rank (older than the last `window` tokens) move to the aged tier, keeping only each head's
 prefix of `aged` ranks: the other dims are dropped, so the cache really holds fewer numbers. With a codec,
-aged tokens are coded in blocks (a float16 staging run holds the tokens of an incomplete block). Every
-stored tensor is an attribute of the layer, so kvrewrite.evaluation.cache_tensor_bytes measures what is held.
+aged tokens are coded in blocks (a float16 staging run holds the tokens of an incomplete block).
+
+With token-adaptive dims (policy.adaptive), tokens beyond the window stay in the recent tier as a pool until
+`pool` of them have left it; then the share g_l with the highest importance score moves to the important tier
+(important ranks) and the rest to the aged tier. Those two tiers interleave positions, so they keep each
+token's cache index (int32, counted as held bytes).
+
+Every stored tensor is an attribute of the layer, so kvrewrite.evaluation.cache_tensor_bytes measures what is held.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from kvrewrite.errors import InvalidArgumentError
 
 STORAGE_DTYPE = torch.float16
+POSITION_DTYPE = torch.int32
 
 
 def prefix_columns(block_width: int, ranks: tuple[int, ...]) -> list[int]:
@@ -28,27 +35,55 @@ class TieredLayer(DynamicLayer):
     is_croppable = True
 
     def __init__(self, window: int, head_dim: int, aged_key_ranks: tuple[int, ...], aged_value_ranks: tuple[int, ...],
-                 codec=None, storage_dtype: torch.dtype = STORAGE_DTYPE):
+                 codec=None, storage_dtype: torch.dtype = STORAGE_DTYPE, *, important_key_ranks=None,
+                 important_value_ranks=None, important_share: float | None = None, score: str = "attention", pool: int = 64):
         super().__init__()
         self.window = window
         self.head_dim = head_dim
         self.aged_key_ranks, self.aged_value_ranks = tuple(aged_key_ranks), tuple(aged_value_ranks)
         self.codec = codec
         self.storage_dtype = storage_dtype
+        self.adaptive = important_share is not None
+        self.important_key_ranks = tuple(important_key_ranks) if self.adaptive else None
+        self.important_value_ranks = tuple(important_value_ranks) if self.adaptive else None
+        self.important_share = important_share
+        self.score = score
+        self.pool = pool if self.adaptive else 0
         self.cumulative_length = 0
         self.coded_length = 0  # aged tokens held as codec blocks (the rest of the aged tier is the staging run)
         self.aged_keys: torch.Tensor | None = None
         self.aged_values: torch.Tensor | None = None
         self.coded_keys: dict[str, torch.Tensor] | None = None
         self.coded_values: dict[str, torch.Tensor] | None = None
+        # Adaptive only: the important tier, each tier's cache indices, and the recent tokens' importance scores.
+        self.important_keys: torch.Tensor | None = None
+        self.important_values: torch.Tensor | None = None
+        self.aged_positions: torch.Tensor | None = None
+        self.important_positions: torch.Tensor | None = None
+        self.recent_scores: torch.Tensor | None = None
+
+    @property
+    def beyond_window_ranks(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Ranks a recent-tier token is read at by queries more than `window` tokens later."""
+        if self.adaptive:
+            return self.important_key_ranks, self.important_value_ranks
+        return self.aged_key_ranks, self.aged_value_ranks
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         batch = key_states.shape[0]
-        self.keys = key_states.new_empty((batch, 1, 0, key_states.shape[-1]), dtype=self.storage_dtype)
-        self.values = value_states.new_empty((batch, 1, 0, value_states.shape[-1]), dtype=self.storage_dtype)
-        self.aged_keys = key_states.new_empty((batch, 1, 0, sum(self.aged_key_ranks)), dtype=self.storage_dtype)
-        self.aged_values = value_states.new_empty((batch, 1, 0, sum(self.aged_value_ranks)), dtype=self.storage_dtype)
+
+        def empty(width: int) -> torch.Tensor:
+            return key_states.new_empty((batch, 1, 0, width), dtype=self.storage_dtype)
+
+        self.keys, self.values = empty(key_states.shape[-1]), empty(value_states.shape[-1])
+        self.aged_keys, self.aged_values = empty(sum(self.aged_key_ranks)), empty(sum(self.aged_value_ranks))
+        if self.adaptive:
+            self.important_keys = empty(sum(self.important_key_ranks))
+            self.important_values = empty(sum(self.important_value_ranks))
+            self.aged_positions = key_states.new_empty((batch, 0), dtype=POSITION_DTYPE)
+            self.important_positions = key_states.new_empty((batch, 0), dtype=POSITION_DTYPE)
+            self.recent_scores = key_states.new_zeros((batch, 0), dtype=torch.float32)
         self.is_initialized = True
 
     # ---- writes --------------------------------------------------------------------------------------------
@@ -59,22 +94,73 @@ class TieredLayer(DynamicLayer):
         self.cumulative_length += key_states.shape[-2]
         self.keys = torch.cat([self.keys, key_states.to(self.storage_dtype)], dim=-2)
         self.values = torch.cat([self.values, value_states.to(self.storage_dtype)], dim=-2)
+        if self.adaptive:
+            new = self.recent_scores.new_zeros((key_states.shape[0], key_states.shape[-2]))
+            self.recent_scores = torch.cat([self.recent_scores, new], dim=-1)
         return self.keys, self.values
 
+    def add_scores(self, received: torch.Tensor, denominators: torch.Tensor) -> None:
+        """One forward's importance evidence: attention each recent token received [B, S_recent] (summed over heads
+        and queries), and the new tokens' own log softmax denominators [B, T] (combined over heads)."""
+        if self.score == "attention":
+            self.recent_scores = self.recent_scores + received
+        else:
+            self.recent_scores = torch.cat([self.recent_scores[:, : -denominators.shape[-1]], denominators], dim=-1)
+
     def settle(self) -> None:
-        """Move every token older than the window to the aged tier, truncated to the aged ranks (then coded)."""
-        moving = self.keys.shape[-2] - self.window
+        """Move every token no later query reads at full rank out of the recent tier (see the module docstring)."""
+        beyond = self.keys.shape[-2] - self.window
+        moving = (beyond // self.pool) * self.pool if self.adaptive else beyond
         if moving <= 0:
             return
-        device = self.keys.device
-        key_cols = torch.tensor(prefix_columns(self.head_dim, self.aged_key_ranks), dtype=torch.long, device=device)
-        value_cols = torch.tensor(prefix_columns(self.head_dim, self.aged_value_ranks), dtype=torch.long, device=device)
-        self.aged_keys = torch.cat([self.aged_keys, self.keys[..., :moving, :].index_select(-1, key_cols)], dim=-2)
-        self.aged_values = torch.cat([self.aged_values, self.values[..., :moving, :].index_select(-1, value_cols)], dim=-2)
+        if self.adaptive:
+            self._classify(moving)
+        else:
+            key_cols = self._columns(self.aged_key_ranks)
+            value_cols = self._columns(self.aged_value_ranks)
+            self.aged_keys = torch.cat([self.aged_keys, self.keys[..., :moving, :].index_select(-1, key_cols)], dim=-2)
+            self.aged_values = torch.cat([self.aged_values, self.values[..., :moving, :].index_select(-1, value_cols)], dim=-2)
         self.keys = self.keys[..., moving:, :].contiguous()
         self.values = self.values[..., moving:, :].contiguous()
+        if self.adaptive:
+            self.recent_scores = self.recent_scores[:, moving:].contiguous()
         if self.codec is not None:
             self._code_full_blocks()
+
+    def _columns(self, ranks: tuple[int, ...]) -> torch.Tensor:
+        return torch.tensor(prefix_columns(self.head_dim, ranks), dtype=torch.long, device=self.keys.device)
+
+    def _classify(self, moving: int) -> None:
+        """Split the oldest `moving` recent tokens, pool by pool, into the important and aged tiers by score."""
+        batch = self.keys.shape[0]
+        first = self.cumulative_length - self.keys.shape[-2]  # cache index of the oldest recent token
+        positions = torch.arange(first, first + moving, device=self.keys.device)
+        scores = self.recent_scores[:, :moving]
+        if self.score == "attention":
+            # Mean over the queries that have read the token so far (older tokens were read by more of them).
+            scores = scores / (self.cumulative_length - positions).to(scores.dtype)
+        n_important = round(self.important_share * self.pool)
+        pools = scores.view(batch, moving // self.pool, self.pool)
+        top = pools.topk(n_important, dim=-1).indices if n_important else pools.new_zeros((batch, moving // self.pool, 0), dtype=torch.long)
+        important = torch.zeros_like(pools, dtype=torch.bool).scatter_(-1, top, True).view(batch, moving)
+        order = torch.argsort((~important).to(torch.int8), dim=-1, stable=True)  # important first, positions kept in order
+        n_imp = n_important * (moving // self.pool)
+        imp_idx, aged_idx = order[:, :n_imp], order[:, n_imp:]
+        tokens_k, tokens_v = self.keys[:, 0, :moving], self.values[:, 0, :moving]  # [B, moving, C]
+
+        def take(tokens: torch.Tensor, index: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+            picked = tokens.gather(1, index[..., None].expand(-1, -1, tokens.shape[-1]))
+            return picked.index_select(-1, cols).unsqueeze(1)
+
+        ik, iv = self._columns(self.important_key_ranks), self._columns(self.important_value_ranks)
+        ak, av = self._columns(self.aged_key_ranks), self._columns(self.aged_value_ranks)
+        self.important_keys = torch.cat([self.important_keys, take(tokens_k, imp_idx, ik)], dim=-2)
+        self.important_values = torch.cat([self.important_values, take(tokens_v, imp_idx, iv)], dim=-2)
+        self.aged_keys = torch.cat([self.aged_keys, take(tokens_k, aged_idx, ak)], dim=-2)
+        self.aged_values = torch.cat([self.aged_values, take(tokens_v, aged_idx, av)], dim=-2)
+        pos = positions.to(POSITION_DTYPE)[None].expand(batch, moving)
+        self.important_positions = torch.cat([self.important_positions, pos.gather(1, imp_idx)], dim=-1)
+        self.aged_positions = torch.cat([self.aged_positions, pos.gather(1, aged_idx)], dim=-1)
 
     def _code_full_blocks(self) -> None:
         g = self.codec.block_tokens
@@ -103,8 +189,8 @@ class TieredLayer(DynamicLayer):
         if self.coded_keys is None:
             return keys, values
         decoded = []
-        for store, staged in ((self.coded_keys, keys), (self.coded_values, values)):
-            blocks = self.codec.decode(store, "key" if store is self.coded_keys else "value")  # [B, n, G, C]
+        for side, store, staged in (("key", self.coded_keys, keys), ("value", self.coded_values, values)):
+            blocks = self.codec.decode(store, side)  # [B, n, G, C]
             batch, n, g, c = blocks.shape
             decoded.append(torch.cat([blocks.reshape(batch, 1, n * g, c).to(dtype), staged], dim=-2))
         return decoded[0], decoded[1]
@@ -118,15 +204,19 @@ class TieredLayer(DynamicLayer):
     def reset(self) -> None:
         super().reset()
         self.cumulative_length = self.coded_length = 0
-        self.aged_keys = self.aged_values = None
-        self.coded_keys = self.coded_values = None
+        for name in ("aged_keys", "aged_values", "coded_keys", "coded_values", "important_keys", "important_values",
+                     "aged_positions", "important_positions", "recent_scores"):
+            setattr(self, name, None)
 
     # ---- batch bookkeeping: every stored tensor is batch-first -------------------------------------------------
     def _map_batch(self, fn) -> None:
         if not self.is_initialized:
             return
-        self.keys, self.values = fn(self.keys), fn(self.values)
-        self.aged_keys, self.aged_values = fn(self.aged_keys), fn(self.aged_values)
+        for name in ("keys", "values", "aged_keys", "aged_values", "important_keys", "important_values",
+                     "aged_positions", "important_positions", "recent_scores"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, fn(value))
         for name in ("coded_keys", "coded_values"):
             store = getattr(self, name)
             if store is not None:
@@ -153,6 +243,8 @@ class TieredLayer(DynamicLayer):
                 f"cannot crop {remove} tokens from a tiered cache whose full-rank window holds {self.keys.shape[-2]}"
             )
         self.keys, self.values = self.keys[..., :-remove, :], self.values[..., :-remove, :]
+        if self.adaptive:
+            self.recent_scores = self.recent_scores[:, :-remove]
         self.cumulative_length -= remove
 
     def offload(self):
@@ -170,14 +262,19 @@ class TieredCache(Cache):
 
     def __init__(self, policy, head_dim: int, layer_codecs: list | None = None, storage_dtype: torch.dtype = STORAGE_DTYPE):
         codecs = layer_codecs if layer_codecs is not None else [None] * policy.num_layers
-        super().__init__(layers=[
-            TieredLayer(policy.window, head_dim, policy.aged_key_ranks[i], policy.aged_value_ranks[i], codecs[i], storage_dtype)
-            for i in range(policy.num_layers)
-        ])
+        layers = []
+        for i in range(policy.num_layers):
+            adaptive = {}
+            if policy.adaptive:
+                adaptive = dict(important_key_ranks=policy.important_key_ranks[i], important_value_ranks=policy.important_value_ranks[i],
+                                important_share=policy.important_share[i], score=policy.score, pool=policy.pool)
+            layers.append(TieredLayer(policy.window, head_dim, policy.aged_key_ranks[i], policy.aged_value_ranks[i],
+                                      codecs[i], storage_dtype, **adaptive))
+        super().__init__(layers=layers)
         self.policy = policy
 
     def attend(self, module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask) -> torch.Tensor:
-        """Store the new tokens, attend over both tiers, then age what left the window. Returns o_proj's input."""
+        """Store the new tokens, attend over every tier, then age what left the window. Returns o_proj's input."""
         from kvrewrite.tiers.attention import tiered_attention
 
         layer = self.layers[module.layer_idx]
