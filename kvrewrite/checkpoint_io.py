@@ -24,7 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from kvrewrite.atomic_files import current_umask, directory_lock, exchange_paths, rename_no_replace
-from kvrewrite.errors import CorruptCheckpointError, InvalidArgumentError, ModelSourceError
+from kvrewrite.errors import CorruptCheckpointError, InvalidArgumentError, ModelSourceError, OutputError
 from kvrewrite.fault_injection import exchange_disabled, fault_point
 
 CHECKSUM_FILE = "kvrewrite_checksums.json"
@@ -98,6 +98,11 @@ def atomic_output_dir(out_dir: Path, overwrite: bool = False) -> Iterator[Path]:
             fault_point("emit:tmp")
             yield tmp
             _swap_into_place(tmp, out_dir, overwrite)
+        except OSError as exc:
+            _remove_path(tmp)
+            kept = "the previous output is unchanged" if os.path.lexists(out_dir) else "nothing was left behind"
+            what = f"{exc.strerror} ({exc.filename})" if exc.strerror and exc.filename else str(exc)
+            raise OutputError(f"could not write the checkpoint to {out_dir}: {what}; {kept}") from exc
         except BaseException:
             _remove_path(tmp)
             raise
@@ -139,8 +144,8 @@ def _swap_into_place(tmp: Path, out_dir: Path, overwrite: bool) -> None:
         else:
             old = _unused_sibling(out_dir.parent, f".{out_dir.name}.old-")
             os.rename(out_dir, old)
-            fault_point("swap:old-moved")
             try:
+                fault_point("swap:old-moved")
                 os.replace(tmp, out_dir)
             except BaseException:
                 # Put the previous output back so a failed swap leaves things as they were.
@@ -152,7 +157,7 @@ def _swap_into_place(tmp: Path, out_dir: Path, overwrite: bool) -> None:
                         stacklevel=3,
                     )
                 raise
-            fault_point("swap:replaced")
+        fault_point("swap:replaced")
     _remove_path(old)
     if os.path.lexists(old):
         warnings.warn(f"could not delete the replaced output at {old}; delete it by hand", stacklevel=3)
@@ -219,7 +224,7 @@ def write_safetensors_shards(
     filenames = list(split.filename_to_tensors.keys())
     for filename in filenames:
         shard = {name: tensors[name] for name in split.filename_to_tensors[filename]}
-        save_file(shard, str(directory / filename), metadata=meta)
+        _save_shard(shard, directory / filename, meta)
 
     if split.is_sharded:
         index = {
@@ -228,6 +233,15 @@ def write_safetensors_shards(
         }
         (directory / SAFETENSORS_INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
     return filenames
+
+
+def _save_shard(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except OSError:
+        raise
+    except Exception as exc:  # safetensors reports a full disk as its own SafetensorError
+        raise OSError(f"{exc} while writing {path.name}") from exc
 
 
 class ShardWriter:
@@ -262,7 +276,7 @@ class ShardWriter:
         if not self._buffer:
             return
         part = f".part-{len(self._parts) + 1:05d}.safetensors"
-        save_file(self._buffer, str(self.directory / part), metadata=self.metadata)
+        _save_shard(self._buffer, self.directory / part, self.metadata)
         fault_point(f"emit:shard-{len(self._parts) + 1}")
         self._parts.append((part, list(self._buffer)))
         self._buffer, self._buffer_bytes = {}, 0

@@ -35,3 +35,7 @@ class HubError(KVRewriteError):
 
 class KVRewriteWarning(UserWarning):
     """Something the user should know that does not stop the run (the CLI prints it as one `warning:` line)."""
+
+
+class OutputError(KVRewriteError):
+    """The output could not be written (disk full, read-only, permissions); nothing at the output was changed."""
