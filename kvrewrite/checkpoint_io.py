@@ -23,8 +23,9 @@ from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from kvrewrite.atomic_files import current_umask
-from kvrewrite.errors import CorruptCheckpointError, InvalidArgumentError, ModelSourceError
+from kvrewrite.atomic_files import current_umask, directory_lock, exchange_paths, rename_no_replace
+from kvrewrite.errors import CorruptCheckpointError, InvalidArgumentError, ModelSourceError, OutputError
+from kvrewrite.fault_injection import exchange_disabled, fault_point
 
 CHECKSUM_FILE = "kvrewrite_checksums.json"
 SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
@@ -57,10 +58,20 @@ def _remove_path(path: Path) -> None:
 
 
 def refuse_existing_output(out_dir: Path, overwrite: bool) -> None:
-    """An existing output is never replaced unless asked (checked before a compile starts, and again at the end)."""
-    if os.path.lexists(out_dir) and not overwrite:
+    """An existing output is never replaced unless asked, and --overwrite replaces only a kvrewrite checkpoint
+    (checked before a compile starts, and again at the final swap)."""
+    from kvrewrite.output_safety import is_kvrewrite_checkpoint
+
+    if not os.path.lexists(out_dir):
+        return
+    if not overwrite:
         raise InvalidArgumentError(
             f"output directory {out_dir} already exists; pass --overwrite to replace it or choose another -o path"
+        )
+    if not is_kvrewrite_checkpoint(out_dir):
+        raise InvalidArgumentError(
+            f"output {out_dir} exists and is not a kvrewrite checkpoint; --overwrite only replaces a directory "
+            "kvrewrite wrote, so nothing was deleted. Move it away or choose another -o path"
         )
 
 
@@ -68,9 +79,10 @@ def refuse_existing_output(out_dir: Path, overwrite: bool) -> None:
 def atomic_output_dir(out_dir: Path, overwrite: bool = False) -> Iterator[Path]:
     """Yield a fresh temporary directory that replaces `out_dir` only if the block finishes without an exception.
 
-    The temporary directory lives in the same parent as `out_dir` so the final `os.replace` is a rename within one
+    The temporary directory lives in the same parent as `out_dir` so the final swap is a rename within one
     filesystem (atomic). On any exception — KeyboardInterrupt included — the temporary directory is deleted and a
-    previous `out_dir` is left untouched.
+    previous `out_dir` is left untouched. The temporary directory is flock'ed while it is written, so the next
+    run can tell a live concurrent write from a partial one left by a killed process (output_safety.py).
     """
     out_dir = Path(out_dir)
     refuse_existing_output(out_dir, overwrite)
@@ -80,49 +92,75 @@ def atomic_output_dir(out_dir: Path, overwrite: bool = False) -> Iterator[Path]:
     if not name:
         raise InvalidArgumentError(f"output path {out_dir!s} has no directory name; choose another -o path")
 
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent))
-    # mkdtemp makes the directory 0700; give the final output the permissions a plain mkdir would have.
-    os.chmod(tmp, 0o777 & ~current_umask())
-    try:
-        yield tmp
-    except BaseException:
-        _remove_path(tmp)
-        raise
+    with contextlib.ExitStack() as held:
+        tmp = _locked_temp_dir(parent, f".{name}.tmp-", held)
+        try:
+            fault_point("emit:tmp")
+            yield tmp
+            _swap_into_place(tmp, out_dir, overwrite)
+        except OSError as exc:
+            _remove_path(tmp)
+            kept = "the previous output is unchanged" if os.path.lexists(out_dir) else "nothing was left behind"
+            what = f"{exc.strerror} ({exc.filename})" if exc.strerror and exc.filename else str(exc)
+            raise OutputError(f"could not write the checkpoint to {out_dir}: {what}; {kept}") from exc
+        except BaseException:
+            _remove_path(tmp)
+            raise
 
-    try:
-        _swap_into_place(tmp, out_dir, overwrite)
-    except BaseException:
-        _remove_path(tmp)
-        raise
+
+def _locked_temp_dir(parent: Path, prefix: str, held: contextlib.ExitStack) -> Path:
+    for _ in range(10):
+        tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+        held.enter_context(directory_lock(tmp))
+        # A cleanup in another process may have removed it between mkdtemp and the lock; then take another.
+        if tmp.is_dir():
+            # mkdtemp makes the directory 0700; give the final output the permissions a plain mkdir would have.
+            os.chmod(tmp, 0o777 & ~current_umask())
+            return tmp
+    raise InvalidArgumentError(f"could not create a temporary directory in {parent}; is another process deleting it?")
 
 
 def _swap_into_place(tmp: Path, out_dir: Path, overwrite: bool) -> None:
-    old: Path | None = None
-    if os.path.lexists(out_dir):
-        if not overwrite:
-            # Someone created it while we were writing; never clobber it silently.
-            raise InvalidArgumentError(
-                f"output directory {out_dir} appeared while writing; pass --overwrite or choose another -o path"
-            )
-        old = _unused_sibling(out_dir.parent, f".{out_dir.name}.old-")
-        os.rename(out_dir, old)
-    try:
-        os.replace(tmp, out_dir)
-    except BaseException:
-        if old is not None:
-            # Put the previous output back so a failed swap leaves things as they were.
+    """Put the finished `tmp` at `out_dir`: one atomic exchange where the system has it, else two renames that the
+    next run can finish (output_safety.recover_leftovers restores an `.old-*` left without its output)."""
+    fault_point("swap:start")
+    with directory_lock(out_dir.parent):  # one swap at a time, and never while a recovery looks at the leftovers
+        if not os.path.lexists(out_dir):
             try:
-                os.rename(old, out_dir)
-            except OSError as exc:
-                warnings.warn(
-                    f"could not restore previous output {out_dir} from {old}: {exc}; rename it back by hand",
-                    stacklevel=3,
-                )
-        raise
-    if old is not None:
-        _remove_path(old)
-        if os.path.lexists(old):
-            warnings.warn(f"could not delete the replaced output at {old}; delete it by hand", stacklevel=3)
+                rename_no_replace(tmp, out_dir)
+            except FileExistsError:
+                raise InvalidArgumentError(
+                    f"output directory {out_dir} appeared while writing; pass --overwrite or choose another -o path"
+                ) from None
+            return
+        try:
+            refuse_existing_output(out_dir, overwrite)
+        except InvalidArgumentError as exc:
+            # Someone created it while we were writing; never clobber it silently.
+            raise InvalidArgumentError(f"{exc} (it appeared while writing)") from None
+        if not exchange_disabled() and exchange_paths(tmp, out_dir):
+            fault_point("swap:exchanged")
+            old = tmp  # the exchange left the previous output at the temporary name
+        else:
+            old = _unused_sibling(out_dir.parent, f".{out_dir.name}.old-")
+            os.rename(out_dir, old)
+            try:
+                fault_point("swap:old-moved")
+                os.replace(tmp, out_dir)
+            except BaseException:
+                # Put the previous output back so a failed swap leaves things as they were.
+                try:
+                    os.rename(old, out_dir)
+                except OSError as exc:
+                    warnings.warn(
+                        f"could not restore previous output {out_dir} from {old}: {exc}; rename it back by hand",
+                        stacklevel=3,
+                    )
+                raise
+        fault_point("swap:replaced")
+    _remove_path(old)
+    if os.path.lexists(old):
+        warnings.warn(f"could not delete the replaced output at {old}; delete it by hand", stacklevel=3)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -186,7 +224,7 @@ def write_safetensors_shards(
     filenames = list(split.filename_to_tensors.keys())
     for filename in filenames:
         shard = {name: tensors[name] for name in split.filename_to_tensors[filename]}
-        save_file(shard, str(directory / filename), metadata=meta)
+        _save_shard(shard, directory / filename, meta)
 
     if split.is_sharded:
         index = {
@@ -195,6 +233,15 @@ def write_safetensors_shards(
         }
         (directory / SAFETENSORS_INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
     return filenames
+
+
+def _save_shard(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except OSError:
+        raise
+    except Exception as exc:  # safetensors reports a full disk as its own SafetensorError
+        raise OSError(f"{exc} while writing {path.name}") from exc
 
 
 class ShardWriter:
@@ -229,7 +276,8 @@ class ShardWriter:
         if not self._buffer:
             return
         part = f".part-{len(self._parts) + 1:05d}.safetensors"
-        save_file(self._buffer, str(self.directory / part), metadata=self.metadata)
+        _save_shard(self._buffer, self.directory / part, self.metadata)
+        fault_point(f"emit:shard-{len(self._parts) + 1}")
         self._parts.append((part, list(self._buffer)))
         self._buffer, self._buffer_bytes = {}, 0
 
@@ -281,6 +329,23 @@ def read_safetensors_metadata(directory: Path) -> dict[str, str]:
     if not path.is_file():
         raise CorruptCheckpointError(f"{path} is listed in the index but missing; re-run the compile")
     return dict(_open_safetensors_header(path))
+
+
+def estimated_output_bytes(directory: Path, dtype: torch.dtype) -> int | None:
+    """Bytes of the source's tensors re-stored in `dtype`, read from the shard headers (None if unreadable)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    total = 0
+    try:
+        for name in _shard_filenames(Path(directory)):
+            with safe_open(str(Path(directory) / name), framework="pt") as f:
+                for key in f.keys():
+                    numel = 1
+                    for dim in f.get_slice(key).get_shape():
+                        numel *= dim
+                    total += numel * itemsize
+    except Exception:  # a damaged source is reported, naming the file, when it is loaded
+        return None
+    return total or None
 
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")

@@ -31,3 +31,11 @@ class VerificationError(KVRewriteError):
 
 class HubError(KVRewriteError):
     """Talking to the Hugging Face Hub failed: not logged in, no write access, offline, or the network is down."""
+
+
+class KVRewriteWarning(UserWarning):
+    """Something the user should know that does not stop the run (the CLI prints it as one `warning:` line)."""
+
+
+class OutputError(KVRewriteError):
+    """The output could not be written (disk full, read-only, permissions); nothing at the output was changed."""

@@ -87,16 +87,35 @@ def check_spec_matches_weights(directory: Path) -> None:
 
 
 def ensure_complete_load(info: dict, directory: Path) -> None:
-    """Refuse a load in which transformers would have re-initialised or dropped any weight."""
+    """Refuse a load in which transformers would have re-initialised or dropped any weight (naming file and tensor)."""
+    from kvrewrite.layer_streaming import LazyCheckpoint
+
+    try:
+        where = LazyCheckpoint(directory).weight_map
+    except Exception:  # the names alone still say what is wrong
+        where = {}
+
+    def named(key) -> str:
+        if isinstance(key, (tuple, list)) and key:  # mismatched keys: (name, stored shape, expected shape)
+            name, shapes = str(key[0]), [list(s) for s in key[1:] if hasattr(s, "__len__")]
+            shape_text = f" (shape {shapes[0]} in the file, the spec needs {shapes[1]})" if len(shapes) == 2 else ""
+        else:
+            name, shape_text = str(key), ""
+        file = f" in {Path(directory) / where[name]}" if name in where else ""
+        return f"{name!r}{file}{shape_text}"
+
     problems = []
     for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
-        keys = sorted(str(k) for k in info.get(kind) or [])
+        keys = sorted(info.get(kind) or [], key=str)
         if keys:
-            problems.append(f"{kind.replace('_', ' ')}: {', '.join(keys[:8])}{' ...' if len(keys) > 8 else ''}")
+            problems.append(f"{kind.replace('_', ' ')}: {', '.join(named(k) for k in keys[:8])}{' ...' if len(keys) > 8 else ''}")
     if info.get("error_msgs"):
         problems.append("; ".join(info["error_msgs"]))
     if problems:
-        raise CorruptCheckpointError(f"checkpoint {directory} does not match its compression spec: " + " | ".join(problems))
+        raise CorruptCheckpointError(
+            f"checkpoint {directory} does not match its compression spec: " + " | ".join(problems)
+            + ". Re-download it or re-run the compile"
+        )
 
 
 def load(name_or_path, rate: float | None = None, **kwargs):

@@ -25,6 +25,7 @@ __all__ = [
     "ResolvedModel",
     "bundled_smollm2_path",
     "cache_dir",
+    "local_source_dir",
     "resolve_model_source",
 ]
 
@@ -216,7 +217,12 @@ def _hub_offline() -> bool:
 
 def _looks_local(name: str) -> bool:
     prefixes = ("./", "../", "/", "~", ".\\", "..\\")
-    return name in (".", "..") or name.startswith(prefixes) or Path(name).is_absolute() or os.path.lexists(name)
+    if name in (".", "..") or name.startswith(prefixes) or Path(name).is_absolute() or os.path.lexists(name):
+        return True
+    # A Hub id is "name" or "org/name": more parts, a trailing slash, or a first part that is a local
+    # directory mean a path (e.g. `models/llama/` or `proj/model` typed in proj's parent).
+    parts = name.replace("\\", "/").split("/")
+    return len(parts) > 2 or name.endswith(("/", "\\")) or (len(parts) == 2 and Path(parts[0]).is_dir())
 
 
 def _describe_contents(directory: Path) -> str:
@@ -285,14 +291,15 @@ def _resolve_hub(repo_id: str, revision: str | None) -> ResolvedModel:
         ) from exc
     except RepositoryNotFoundError as exc:
         raise ModelSourceError(
-            f"Hub model {repo_id!r} was not found (or is private and no valid token was given). "
+            f"{repo_id!r} is not a local directory, and as a Hub model id it was not found (or is private and no "
+            "valid token was given). "
             f"Check the spelling, or log in with `hf auth login`. {_hub_hint(repo_id)}"
         ) from exc
     except LocalEntryNotFoundError as exc:
         why = "offline mode is on (HF_HUB_OFFLINE=1)" if offline else "the Hub could not be reached"
         raise ModelSourceError(
-            f"Hub model {repo_id!r}{rev_text} is not in the local HF cache ({_hub_cache_dir()}) and {why}. "
-            f"{_hub_hint(repo_id)}"
+            f"{repo_id!r} is not a local directory (no such path in {Path.cwd()}), and as a Hub model id{rev_text} "
+            f"it is not in the local HF cache ({_hub_cache_dir()}) and {why}. Check the path; for the Hub model: {_hub_hint(repo_id)}"
         ) from exc
     except (OSError, ValueError) as exc:  # incomplete snapshot, network errors, disk errors
         raise ModelSourceError(f"Could not fetch Hub model {repo_id!r}{rev_text}: {exc}. {_hub_hint(repo_id)}") from exc
@@ -310,6 +317,15 @@ def _resolve_hub(repo_id: str, revision: str | None) -> ResolvedModel:
     # In the HF cache layout the snapshot folder is named after the commit hash.
     commit = path.name if _COMMIT_RE.match(path.name) else None
     return ResolvedModel(path=path, source_id=repo_id, revision=commit)
+
+
+def local_source_dir(name_or_path: str) -> Path | None:
+    """Where a source lives on disk if that is known without resolving it (local directory or bundled model)."""
+    name = name_or_path.strip()
+    if name.lower() in BUNDLED_ALIASES:
+        return cache_dir() / "models" / _SMOLLM2_CACHE_NAME
+    local = Path(name).expanduser()
+    return local.resolve() if name and local.is_dir() else None
 
 
 def resolve_model_source(name_or_path: str, revision: str | None = None) -> ResolvedModel:

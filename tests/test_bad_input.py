@@ -243,9 +243,15 @@ def test_existing_output_directory_needs_overwrite(source, calib_text, tmp_path)
     (out / "results.txt").write_text("last week's numbers")
     fails_with(compress_args(source, out, calib_text), f"output directory {out} already exists", "--overwrite")
     assert [p.name for p in out.iterdir()] == ["results.txt"]
+    # --overwrite replaces only what kvrewrite wrote (issue 14): a directory of user files is refused, intact.
+    fails_with(compress_args(source, out, calib_text, "--overwrite"), "is not a kvrewrite checkpoint", "nothing was deleted")
+    assert [p.name for p in out.iterdir()] == ["results.txt"]
+    (out / "results.txt").unlink()
+    out.rmdir()
+    assert runner.invoke(app, compress_args(source, out, calib_text)).exit_code == 0
     ok = runner.invoke(app, compress_args(source, out, calib_text, "--overwrite"))
     assert ok.exit_code == 0, ok.output
-    assert (out / "config.json").is_file() and not (out / "results.txt").exists()
+    assert (out / "config.json").is_file()
 
 
 @pytest.mark.parametrize("where", ["first shard written", "config written"])

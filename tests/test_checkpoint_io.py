@@ -20,7 +20,8 @@ from kvrewrite.checkpoint_io import (
     write_checksums,
     write_safetensors_shards,
 )
-from kvrewrite.errors import CorruptCheckpointError, InvalidArgumentError
+from kvrewrite.errors import CorruptCheckpointError, InvalidArgumentError, OutputError
+from kvrewrite.fault_injection import NO_EXCHANGE_ENV
 
 
 def _tree(root: Path) -> dict[str, bytes]:
@@ -71,9 +72,16 @@ def test_atomic_dir_refuses_existing_without_overwrite(tmp_path: Path) -> None:
     assert _siblings(tmp_path) == ["out"]
 
 
+def _mark_checkpoint(directory: Path) -> Path:
+    """What makes a directory a kvrewrite checkpoint that --overwrite may replace (output_safety.py)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text('{"kvrewrite": {}}')
+    (directory / "kvrewrite_checksums.json").write_text("{}")
+    return directory
+
+
 def test_atomic_dir_overwrite_replaces_and_cleans_old(tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    out.mkdir()
+    out = _mark_checkpoint(tmp_path / "out")
     (out / "old.txt").write_text("old")
     with atomic_output_dir(out, overwrite=True) as tmp:
         (tmp / "new.txt").write_text("new")
@@ -95,7 +103,7 @@ def test_atomic_dir_exception_removes_temp(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("exc_type", [KeyboardInterrupt, RuntimeError])
 def test_atomic_dir_interrupt_keeps_previous_output_intact(tmp_path: Path, exc_type: type[BaseException]) -> None:
-    out = tmp_path / "out"
+    out = _mark_checkpoint(tmp_path / "out")
     (out / "sub").mkdir(parents=True)
     (out / "model.safetensors").write_bytes(bytes(range(256)) * 10)
     (out / "sub" / "config.json").write_text('{"a": 1}')
@@ -109,16 +117,16 @@ def test_atomic_dir_interrupt_keeps_previous_output_intact(tmp_path: Path, exc_t
 
 
 def test_atomic_dir_failed_swap_restores_previous(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    out = tmp_path / "out"
-    out.mkdir()
+    out = _mark_checkpoint(tmp_path / "out")
     (out / "weights.bin").write_bytes(b"previous")
+    monkeypatch.setenv(NO_EXCHANGE_ENV, "1")  # the two-rename swap, whose second rename fails here
     before = _tree(out)
 
     def failing_replace(src: object, dst: object) -> None:
         raise OSError("simulated rename failure")
 
     monkeypatch.setattr(checkpoint_io.os, "replace", failing_replace)
-    with pytest.raises(OSError, match="simulated"):
+    with pytest.raises(OutputError, match="simulated"):
         with atomic_output_dir(out, overwrite=True) as tmp:
             (tmp / "weights.bin").write_bytes(b"new")
     monkeypatch.undo()

@@ -65,8 +65,10 @@ def test_existing_output_is_kept_without_overwrite(tmp_path):
     with pytest.raises(InvalidArgumentError, match="--overwrite"):
         run_pipeline(Plan(model=str(src), output=out, progress=False), tiny_pipeline())
     assert (out / "keep.txt").read_text() == "previous result"
-    run_pipeline(Plan(model=str(src), output=out, overwrite=True, progress=False), tiny_pipeline())
-    assert not (out / "keep.txt").exists() and (out / "config.json").is_file()
+    # --overwrite replaces only a kvrewrite checkpoint: user files are never deleted (issue 14).
+    with pytest.raises(InvalidArgumentError, match="not a kvrewrite checkpoint"):
+        run_pipeline(Plan(model=str(src), output=out, overwrite=True, progress=False), tiny_pipeline())
+    assert (out / "keep.txt").read_text() == "previous result"
 
 
 def test_interrupted_compile_leaves_no_output(tmp_path, monkeypatch):

@@ -121,7 +121,7 @@ def test_hub_revision_not_in_cache_raises(offline_hub: Path) -> None:
 
 def test_invalid_repo_id_raises(offline_hub: Path) -> None:
     with pytest.raises(ModelSourceError, match="valid Hub repo id"):
-        resolve_model_source("not a/valid/repo id")
+        resolve_model_source("not a/valid repo id")
 
 
 @pytest.mark.parametrize("alias", ["smollm2-135m", "smollm2", "bundled", "SmolLM2-135M"])

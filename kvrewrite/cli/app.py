@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import signal
 import sys
+import threading
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -11,7 +14,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvrewrite.errors import InvalidArgumentError, KVRewriteError
+from kvrewrite.errors import InvalidArgumentError, KVRewriteError, KVRewriteWarning
 from kvrewrite.sweep import NAMED_CONFIGS
 from kvrewrite.spec import per_head_key_ranks
 
@@ -31,6 +34,51 @@ def _fraction(text: str | None) -> float | None:
         raise InvalidArgumentError(f"--max-ppl-increase must be a percentage (5%) or a fraction (0.05), got {text!r}") from None
 
 
+def _number(text: str, option: str) -> float:
+    """A fraction given on the command line; '50%' is refused with the fraction it probably meant."""
+    text = text.strip()
+    if text.endswith("%"):
+        try:
+            hint = f"; for {text} pass {float(text[:-1]) / 100:g}"
+        except ValueError:
+            hint = ""
+        raise InvalidArgumentError(f"{option} takes a fraction in [0, 1), not a percentage: got {text!r}{hint}")
+    try:
+        return float(text)
+    except ValueError:
+        raise InvalidArgumentError(f"{option} must be a number such as 0.5, got {text!r}") from None
+
+
+def _numbers(text: str, option: str) -> list[float]:
+    """A comma-separated list of fractions, e.g. --probe-rates 0.3,0.5."""
+    values = [_number(part, option) for part in text.split(",") if part.strip()]
+    if not values:
+        raise InvalidArgumentError(f"{option} needs at least one number, got {text!r}")
+    return values
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    if issubclass(category, KVRewriteWarning):
+        console.print(f"[yellow]warning:[/] {message}")
+    else:
+        _default_showwarning(message, category, filename, lineno, file, line)
+
+
+def _terminate(signum, frame) -> None:
+    # SIGTERM unwinds like Ctrl-C, so the atomic writers delete their temporary files on the way out.
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+_default_showwarning = warnings.showwarning
+
+
+@app.callback()
+def _setup() -> None:
+    warnings.showwarning = _show_warning
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminate)
+
+
 def _fail(exc: Exception) -> None:
     console.print(f"[bold red]error:[/] {exc}")
     raise typer.Exit(code=2)
@@ -39,7 +87,7 @@ def _fail(exc: Exception) -> None:
 @app.command()
 def compress(
     model: str = typer.Argument(..., help="Hub id (e.g. meta-llama/Llama-3.1-8B), local directory, or 'smollm2-135m' (bundled)."),
-    target_rate: float = typer.Option(0.5, "--target-rate", "-p", help="Share of KV-cache elements removed, in [0, 1)."),
+    target_rate: str = typer.Option("0.5", "--target-rate", "-p", help="Share of KV-cache elements removed, in [0, 1) (0.5, not 50%)."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Output directory (default: <model>-kvrewrite-pNN)."),
     objective: str = typer.Option("optimal", help="zack (paper-faithful SVD) or optimal (whitened, output-aware)."),
     allocation: str = typer.Option("sensitivity", help="eps (ZACK Eq. 6 shared removal rate), greedy (objective error), sensitivity (greedy weighted by measured KL per layer and side) or uniform."),
@@ -84,13 +132,13 @@ def compress(
     from kvrewrite.plan import Plan
 
     try:
-        plan = Plan(model=model, target_rate=target_rate, output=output, objective=objective, allocation=allocation,
+        plan = Plan(model=model, target_rate=_number(target_rate, "--target-rate"), output=output, objective=objective, allocation=allocation,
                     rope_mode=rope_mode, prefer=prefer, key_mode_cost=key_mode_cost, calibration=calibration, calib_tokens=calib_tokens, seq_len=seq_len,
                     batch_size=batch_size, reduce=reduce, min_rank=min_rank, rank_multiple=rank_multiple,
                     revision=revision, seed=seed, overwrite=overwrite, max_ppl_increase=_fraction(max_ppl_increase),
                     max_kl=max_kl, budget_tokens=budget_tokens, value_metric=value_metric, refit=refit, refit_tokens=refit_tokens,
                     distill=distill, distill_tokens=distill_tokens, distill_epochs=distill_epochs, distill_lr=distill_lr,
-                    probe_rates=tuple(float(r) for r in probe_rates.split(",") if r.strip()),
+                    probe_rates=tuple(_numbers(probe_rates, "--probe-rates")),
                     device=device, dtype=dtype, max_shard_size=max_shard_size, verify_tokens=verify_tokens, verify_tolerance=verify_tolerance,
                     kv_codec=kv_codec, kv_bits_budget=kv_bits_budget)
         passes = default_pipeline()
@@ -150,11 +198,14 @@ def evaluate_command(
     """Held-out perplexity, KL and top-1 agreement against the original, and KV bytes per token measured on the cache."""
     from kvrewrite.cli.evaluate import evaluate_checkpoint
     from kvrewrite.cli.tables import eval_table
+    from kvrewrite.output_safety import check_writable_file
 
     try:
-        rate_list = [float(r) for r in rates.split(",")] if rates else None
+        rate_list = _numbers(rates, "--rates") if rates else None
         codec_list = kv_codec.split(";") if kv_codec else None
         window_list = _parse_windows(recent_window) if recent_window else None
+        if json_out:  # found now, not after minutes of evaluation
+            check_writable_file(json_out, "--json")
         rows = evaluate_checkpoint(directory, baseline=baseline, rates=rate_list, tokens=tokens, seq_len=seq_len,
                                    kv_codecs=codec_list, chunk=chunk, recent_windows=window_list)
     except (KVRewriteError, ValueError) as exc:
@@ -185,6 +236,7 @@ def inspect(
 ) -> None:
     """Ranks per layer and KV head as a table and a PNG heat map."""
     from kvrewrite.cli.tables import ranks_table, summary_table
+    from kvrewrite.output_safety import check_writable_file
     from kvrewrite.rank_plot import plot_rank_heatmap
     from kvrewrite.spec import CompressionSpec
 
@@ -200,11 +252,21 @@ def inspect(
             spec = spec.with_ranks(*spec.ranks_for_rate(rate), rate)
         report_path = directory / "compress_report.json"
         report = json.loads(report_path.read_text()) if report_path.is_file() and rate is None else None
+        target = plot or directory / "rank_heatmap.png"
+        if plot is not None:
+            check_writable_file(plot, "--plot")
+        else:
+            try:
+                check_writable_file(target, "the heat map")
+            except InvalidArgumentError as exc:  # a read-only checkpoint (Hub cache, shared disk) still gets its tables
+                target = None
+                warnings.warn(f"{exc}; no heat map written (pass --plot PATH to write it elsewhere)", KVRewriteWarning)
     except (KVRewriteError, ValueError) as exc:
         _fail(exc)
     console.print(summary_table(spec, report))
     console.print(ranks_table(spec))
-    target = plot or directory / "rank_heatmap.png"
+    if target is None:
+        return
     plot_rank_heatmap([per_head_key_ranks(l) for l in spec.layers], [l.value_ranks for l in spec.layers], spec.head_dim, target,
                       title=f"{spec.source_model}: p = {spec.target_rate:.2f} ({spec.objective}/{spec.allocation})")
     console.print(f"heat map: {target}")

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from kvrewrite.codecs.config import CodecConfig
-from kvrewrite.errors import CorruptCheckpointError
+from kvrewrite.errors import CorruptCheckpointError, InvalidArgumentError
 from kvrewrite.evaluation import default_chunk, kv_cache_bytes_per_token_formula
 from kvrewrite.spec import CompressionSpec
 
@@ -45,8 +45,10 @@ def evaluate_checkpoint(directory: Path, *, baseline: str | None = None, rates: 
         parsed.ranks_for_rate(rate)  # an unknown rate fails now, naming the table, not after loading two models
     verify_checkpoint_files(Path(directory))  # likewise a damaged or edited checkpoint
     source = baseline or spec["source_model"]
-    original = load_fp32_model(resolve_model_source(source).path)
-    tokenizer = AutoTokenizer.from_pretrained(directory)
+    baseline_dir = resolve_model_source(source).path
+    refuse_compressed_baseline(Path(directory), baseline_dir, given=baseline is not None)
+    original = load_fp32_model(baseline_dir)
+    tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=False)
     windows = evaluation_token_sequences(tokenizer, tokens, seq_len)
     codec_list = kv_codecs if kv_codecs else ["compiled"]
     models, model_rates = {}, {}
@@ -68,6 +70,22 @@ def evaluate_checkpoint(directory: Path, *, baseline: str | None = None, rates: 
         row["fp16_kv_bytes_per_token"] = fp16
         row["chunk"] = chunk
     return rows
+
+
+def refuse_compressed_baseline(checkpoint: Path, baseline_dir: Path, given: bool) -> None:
+    """The baseline must be an original model: comparing a checkpoint with itself reports a perfect, false result."""
+    where = "--baseline" if given else "the source model recorded in its spec"
+    fix = "pass --baseline with the original (uncompressed) model"
+    if baseline_dir.resolve() == checkpoint.resolve():
+        raise InvalidArgumentError(f"the baseline ({where}) is {checkpoint} itself; {fix}")
+    try:
+        compressed = "kvrewrite" in json.loads((baseline_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, TypeError):
+        return  # an unreadable baseline is reported, naming its file, when it is loaded
+    if compressed:
+        raise InvalidArgumentError(
+            f"the baseline {baseline_dir} ({where}) is itself a kvrewrite checkpoint, not the original model; {fix}"
+        )
 
 
 def result_rows(baseline_name: str, results: dict, rates: dict[str, float]) -> list[dict]:

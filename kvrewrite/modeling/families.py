@@ -137,6 +137,10 @@ def compressed_family(adapter: ArchitectureAdapter) -> tuple[type, type]:
             if verify_checksums:
                 verify_checkpoint_files(directory)
             want_info = kwargs.pop("output_loading_info", False)
+            # A mis-shaped tensor is reported by ensure_complete_load (naming file and tensor), not raised by
+            # transformers as a bare RuntimeError; the half-loaded model is discarded either way.
+            kwargs.setdefault("ignore_mismatched_sizes", True)
+            kwargs["trust_remote_code"] = False
             model, info = super().from_pretrained(directory, *args, output_loading_info=True, **kwargs)
             ensure_complete_load(info, directory)
             from kvrewrite.codecs.checkpoint import read_codec_tables

@@ -10,6 +10,7 @@ from pathlib import Path
 from kvrewrite.checkpoint_io import ShardWriter, atomic_output_dir, write_checksums
 from kvrewrite.codecs.checkpoint import write_codec_tables
 from kvrewrite.compressed_model import compressed_classes, compressed_config
+from kvrewrite.fault_injection import fault_point
 from kvrewrite.passes.context import CompileContext
 from kvrewrite.plan import parse_size
 from kvrewrite.progress import progress_bar
@@ -30,6 +31,7 @@ except ImportError as exc:  # pragma: no cover - only hit without kvrewrite inst
     ) from exc
 '''
 
+MODELING_FILE = "modeling_kvrewrite.py"
 BUCKET_MULTIPLE = 8
 
 
@@ -94,17 +96,31 @@ class Emit:
                     writer.add(name, ctx.folded.read([name])[name].to(dtype))
                     bar.advance()
             shards = writer.finish()
+            fault_point("emit:shards")
             compressed_config(ctx.config, spec, dtype=dtype).save_pretrained(tmp)
+            fault_point("emit:config")
             if ctx.generation_config is not None:
                 ctx.generation_config.save_pretrained(tmp)
             ctx.tokenizer.save_pretrained(tmp)
-            (tmp / "modeling_kvrewrite.py").write_text(modeling_stub(ctx.config))
+            remove_foreign_code(tmp)
+            fault_point("emit:tokenizer")
+            (tmp / MODELING_FILE).write_text(modeling_stub(ctx.config))
             (tmp / "kernel_metadata.json").write_text(json.dumps(kernel_metadata(spec, ctx.transforms), indent=1))
+            fault_point("emit:metadata")
             report = {**ctx.report, "verification": ctx.verification, "spec_summary": spec_summary(spec)}
             report.pop("rate_table", None)  # lives in config.json and kernel_metadata.json
             (tmp / "compress_report.json").write_text(json.dumps(report, indent=2, default=str))
+            fault_point("emit:report")
             write_checksums(tmp, shards + write_codec_tables(tmp, ctx.codec_tables))
+            fault_point("emit:checksums")
         ctx.output_dir = Path(out)
+
+
+def remove_foreign_code(directory: Path) -> None:
+    """Delete any Python file a save_pretrained copied from the source: a checkpoint carries only our stub."""
+    for path in directory.rglob("*.py"):
+        if path.relative_to(directory) != Path(MODELING_FILE):
+            path.unlink()
 
 
 def modeling_stub(original_config) -> str:

@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import resource
 import time
+import warnings
 from pathlib import Path
 
 from kvrewrite.passes.allocate_ranks import AllocateRanks
@@ -14,7 +15,9 @@ from kvrewrite.passes.collect_fisher import CollectFisher
 from kvrewrite.passes.collect_statistics import CollectStatistics
 from kvrewrite.passes.compute_transforms import ComputeTransforms
 from kvrewrite.passes.context import CompileContext
-from kvrewrite.checkpoint_io import refuse_existing_output
+from kvrewrite.checkpoint_io import estimated_output_bytes
+from kvrewrite.errors import KVRewriteWarning
+from kvrewrite.output_safety import check_output_location, recover_leftovers
 from kvrewrite.passes.distill_attention import DistillAttention
 from kvrewrite.passes.emit import Emit, default_output_dir
 from kvrewrite.passes.fit_kv_codec import FitKVCodec
@@ -25,6 +28,7 @@ from kvrewrite.passes.quality_budget import QualityBudget
 from kvrewrite.passes.refit_output import RefitOutput
 from kvrewrite.passes.verify import Verify
 from kvrewrite.plan import Plan
+from kvrewrite.sources import local_source_dir
 
 
 def statistics_passes() -> list:
@@ -61,10 +65,20 @@ def describe(passes: list) -> list[tuple[str, str]]:
     return [(p.name, p.description) for p in passes]
 
 
+def prepare_output(out: Path, plan: Plan) -> None:
+    """Before any work: finish or remove what interrupted runs left at `out`, then check the location is safe
+    (not the source, not holding it, writable, room for the weights)."""
+    for note in recover_leftovers(out):
+        warnings.warn(note, KVRewriteWarning, stacklevel=2)
+    source = local_source_dir(plan.model)
+    need = estimated_output_bytes(source, plan.compute_dtype()) if source is not None else None
+    check_output_location(out, source=source, overwrite=plan.overwrite, need_bytes=need)
+
+
 def compile_variants(plan: Plan, variants: dict[str, dict], output_root: Path, on_pass=None) -> tuple[CompileContext, dict[str, CompileContext]]:
     """Collect statistics once, then compile every variant (plan overrides) into output_root/<name>."""
     for name in variants:
-        refuse_existing_output(Path(output_root) / name, plan.overwrite)  # before minutes of work, not after
+        prepare_output(Path(output_root) / name, plan)  # before minutes of work, not after
     shared = CompileContext(plan=plan)
     timings = shared.report.setdefault("timings_s", {})
     for step in statistics_passes():
@@ -88,8 +102,8 @@ def compile_variants(plan: Plan, variants: dict[str, dict], output_root: Path, o
 
 
 def run_pipeline(plan: Plan, passes: list | None = None, on_pass=None) -> CompileContext:
-    # An existing output is refused before minutes of work, not after (Emit checks again: it may appear meanwhile).
-    refuse_existing_output(plan.output or default_output_dir(plan.model, plan.target_rate), plan.overwrite)
+    # A bad output is refused before minutes of work, not after (Emit checks again: it may appear meanwhile).
+    prepare_output(plan.output or default_output_dir(plan.model, plan.target_rate), plan)
     ctx = CompileContext(plan=plan)
     timings = {}
     start = time.perf_counter()

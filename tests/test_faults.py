@@ -1,0 +1,383 @@
+"""Issue 14's fault suite: nothing lost, nothing run, no tracebacks.
+
+* every case of tests/fault_cases.py ends in one `error:` line and exit 2, and the user's files are intact;
+* kills (SIGINT, SIGTERM, SIGKILL) at every write step of emit, through the KVREWRITE_FAULT hook: after each,
+  the old or the new output is complete in place, and after the next run's recovery nothing hidden remains;
+* read-only and full outputs, concurrent compiles to one output, and code in a model directory never running.
+
+Kills run Emit in a forked child of this process (the compile before it is done once), so each costs
+milliseconds instead of an interpreter start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+from fault_cases import CASES, SENTINEL_NAME, custom_tokenizer_source, error_line, run_cli
+from kvrewrite.checkpoint_io import verify_checksums
+from kvrewrite.errors import CorruptCheckpointError, KVRewriteWarning, ModelSourceError, OutputError
+from kvrewrite.fault_injection import FAULT_ENV, NO_EXCHANGE_ENV
+from kvrewrite.output_safety import recover_leftovers
+from kvrewrite.passes.context import CompileContext
+from kvrewrite.passes.emit import MODELING_FILE, Emit
+from kvrewrite.passes.load_checkpoint import LoadCheckpoint
+from kvrewrite.passes.pipeline import prepare_output, run_pipeline
+from kvrewrite.plan import Plan
+from tiny_models import save_tiny_llama, tiny_pipeline
+
+OLD_MARKER = "old-output-marker.txt"
+IS_ROOT = os.geteuid() == 0
+
+
+def tree_digest(directory: Path) -> str:
+    h = hashlib.sha256()
+    for path in sorted(p for p in Path(directory).rglob("*") if p.is_file()):
+        h.update(str(path.relative_to(directory)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def hidden(parent: Path) -> list[str]:
+    return sorted(p.name for p in parent.iterdir() if p.name.startswith("."))
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("faults")
+
+
+@pytest.fixture(scope="module")
+def source(root):
+    d = save_tiny_llama(root / "src")
+    (d / "helper.py").write_text("raise SystemExit('a source .py must never be copied or run')\n")
+    return d
+
+
+@pytest.fixture(scope="module")
+def compiled(root, source):
+    """A finished compile: the context just before Emit (for kills) and its checkpoint."""
+    ckpt = root / "ckpt"
+    passes = tiny_pipeline()
+    ctx = run_pipeline(Plan(model=str(source), output=ckpt, progress=False), passes)
+    return ctx, ckpt
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Every case: one error line, exit 2, nothing lost
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_fault_case_is_one_error_line(case, tmp_path, source, compiled, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    src = shutil.copytree(source, tmp_path / "src-copy")
+    before = tree_digest(src)
+    args = case.setup(tmp_path, src, compiled[1])
+    code, output = run_cli(args, case.stdin)
+    assert code == 2 and "error:" in output and "Traceback" not in output, output
+    message = error_line(output)
+    for needle in case.needles:
+        assert needle in message, f"{needle!r} not in {message}"
+    assert tree_digest(src) == before  # the source is untouched whatever happened
+    assert not (tmp_path / "out").exists()
+    assert not (tmp_path / SENTINEL_NAME).exists()
+
+
+def test_data_loss_cases_keep_every_user_file(tmp_path, source):
+    selfsrc = shutil.copytree(source, tmp_path / "selfsrc")
+    proj = tmp_path / "proj"
+    shutil.copytree(source, proj / "model")
+    (proj / "notes.txt").write_text("my notes")
+    digests = {p: tree_digest(p) for p in (selfsrc, proj)}
+    assert run_cli(["compress", str(selfsrc), "-p", "0.5", "-o", str(selfsrc), "--overwrite"])[0] == 2
+    assert run_cli(["compress", str(proj / "model"), "-o", str(proj), "--overwrite"])[0] == 2
+    assert {p: tree_digest(p) for p in digests} == digests
+    assert hidden(tmp_path) == []
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Kills at every write step
+# ---------------------------------------------------------------------------------------------------------------------
+
+EMIT_POINTS = ["emit:tmp", "emit:shard-1", "emit:shard-2", "emit:shards", "emit:config", "emit:tokenizer",
+               "emit:metadata", "emit:report", "emit:checksums", "swap:start", "swap:exchanged"]
+# The two-rename swap (systems without RENAME_EXCHANGE) has a moment with no output in place; recovery covers it.
+FALLBACK_POINTS = ["swap:old-moved", "swap:replaced"]
+SIGNALS = ["SIGINT", "SIGTERM", "SIGKILL"]
+
+
+def child_setup() -> None:
+    """In a forked child: one torch thread (OpenMP's pool does not survive fork and would hang), default
+    signal handling, and a watchdog so a hang fails the test instead of blocking the suite."""
+    import faulthandler
+
+    import torch
+
+    torch.set_num_threads(1)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    faulthandler.dump_traceback_later(60, exit=True)
+
+
+def emit_in_child(ctx: CompileContext, out: Path, env: dict[str, str], overwrite: bool = True) -> int:
+    """Run Emit into `out` in a forked child with `env` set; its wait status (signal or exit code 0/3)."""
+    # Small shards, so the kills also land between two shard writes.
+    plan = dataclasses.replace(ctx.plan, output=out, overwrite=overwrite, max_shard_size="100KB")
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        code = 0
+        try:
+            child_setup()
+            os.environ.update(env)
+            Emit().run(dataclasses.replace(ctx, plan=plan))
+        except BaseException as exc:  # noqa: BLE001 - the child reports by exit code only
+            code = 4 if isinstance(exc, OutputError) else 3
+            if os.environ.get("KVREWRITE_TEST_DEBUG"):
+                print(repr(exc), file=sys.stderr)
+        finally:
+            os._exit(code)
+    return os.waitpid(pid, 0)[1]
+
+
+def old_output(ctx, where: Path) -> Path:
+    """A complete previous output, told apart from a new one by a marker file."""
+    status = emit_in_child(ctx, where, {}, overwrite=False)
+    assert status == 0 and where.is_dir()
+    (where / OLD_MARKER).write_text("old")
+    return where
+
+
+def state_of(out: Path) -> str:
+    if not out.is_dir():
+        return "missing"
+    verify_checksums(out)  # complete: every listed file present and matching
+    assert (out / "config.json").is_file() and (out / "tokenizer.json").is_file()
+    return "old" if (out / OLD_MARKER).is_file() else "new"
+
+
+@pytest.mark.parametrize("sig", SIGNALS)
+@pytest.mark.parametrize("point", EMIT_POINTS + FALLBACK_POINTS)
+def test_kill_at_every_write_step(point, sig, tmp_path, compiled):
+    ctx = compiled[0]
+    out = old_output(ctx, tmp_path / "out")
+    env = {FAULT_ENV: f"{point}:{sig}", "TOKENIZERS_PARALLELISM": "false"}
+    if point in FALLBACK_POINTS:
+        env[NO_EXCHANGE_ENV] = "1"
+    status = emit_in_child(ctx, out, env)
+    assert status != 0, "the fault point was never reached"
+    state = state_of(out)
+    # Before the swap the old output stands; after it the new one. Only a hard kill between the two renames of
+    # the fallback swap leaves no output in place, and the next run restores the old one.
+    before_swap = point.startswith("emit:") or point == "swap:start" or (point == "swap:old-moved" and sig == "SIGINT")
+    if point == "swap:old-moved" and sig != "SIGINT":
+        assert state == "missing"
+    else:
+        assert state == ("old" if before_swap else "new"), (point, sig, state)
+    if sig == "SIGINT":  # an interrupt cleans up after itself at once (bar the deletion of the replaced copy)
+        assert hidden(tmp_path) == [] or point == "swap:replaced"
+    with warnings.catch_warnings(record=True):
+        notes = recover_leftovers(out)  # what the next run does first
+    assert state_of(out) == ("old" if state == "missing" else state)
+    assert hidden(tmp_path) == [], notes
+
+
+def test_next_run_reports_and_clears_leftovers(tmp_path, compiled, source):
+    ctx = compiled[0]
+    out = old_output(ctx, tmp_path / "out")
+    assert emit_in_child(ctx, out, {FAULT_ENV: "emit:config:SIGKILL"}) != 0
+    assert emit_in_child(ctx, out, {FAULT_ENV: "swap:old-moved:SIGKILL", NO_EXCHANGE_ENV: "1"}) != 0
+    assert not out.exists() and len(hidden(tmp_path)) == 3  # two partial writes and the moved-aside output
+    plan = Plan(model=str(source), output=out, overwrite=True, progress=False)
+    with pytest.warns(KVRewriteWarning) as caught:
+        prepare_output(out, plan)
+    messages = " | ".join(str(w.message) for w in caught)
+    assert "partial checkpoint left by an interrupted run" in messages and f"restored {out}" in messages
+    assert state_of(out) == "old" and hidden(tmp_path) == []
+
+
+def test_live_write_is_left_alone(tmp_path, compiled):
+    """Recovery never removes the temporary directory of a compile that is still running (it holds the lock)."""
+    from kvrewrite.checkpoint_io import atomic_output_dir
+
+    out = tmp_path / "out"
+    with atomic_output_dir(out) as tmp:
+        notes = recover_leftovers(out)
+        assert tmp.is_dir() and any("another kvrewrite run" in n for n in notes)
+
+
+def test_concurrent_compiles_to_one_output(tmp_path, compiled):
+    ctx = compiled[0]
+    out = tmp_path / "out"
+    plan = dataclasses.replace(ctx.plan, output=out, overwrite=False)
+    children = []
+    for _ in range(2):
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - child
+            code = 0
+            try:
+                child_setup()
+                Emit().run(dataclasses.replace(ctx, plan=plan))
+            except Exception as exc:  # noqa: BLE001
+                code = 5 if "already exists" in str(exc) or "appeared while writing" in str(exc) else 3
+            finally:
+                os._exit(code)
+        children.append(pid)
+    codes = sorted(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in children)
+    assert codes == [0, 5], codes  # one wins, the other is refused with a message; neither clobbers
+    assert state_of(out) == "new" and hidden(tmp_path) == []
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Read-only and full outputs
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _mount_tmpfs(where: Path, options: str) -> bool:
+    where.mkdir(parents=True, exist_ok=True)
+    if not IS_ROOT:
+        return False
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True).returncode == 0
+
+
+def _umount(where: Path) -> None:
+    subprocess.run(["umount", str(where)], capture_output=True)
+
+
+@pytest.fixture
+def read_only_dir(tmp_path, compiled):
+    """A read-only directory holding a checkpoint: a read-only tmpfs as root (root ignores chmod), else chmod 555."""
+    where = tmp_path / "ro"
+    if _mount_tmpfs(where, "size=16m,mode=0755"):
+        shutil.copytree(compiled[1], where / "ckpt")
+        assert subprocess.run(["mount", "-o", "remount,ro", str(where)], capture_output=True).returncode == 0
+        yield where
+        _umount(where)
+        return
+    if IS_ROOT:
+        pytest.skip("running as root without permission to mount a tmpfs: root ignores chmod, so no read-only directory")
+    shutil.copytree(compiled[1], where / "ckpt")
+    os.chmod(where / "ckpt", 0o555)
+    os.chmod(where, 0o555)
+    yield where
+    os.chmod(where, 0o755)
+    os.chmod(where / "ckpt", 0o755)
+
+
+def test_read_only_output_refused_before_work(read_only_dir, source):
+    code, output = run_cli(["compress", str(source), "-o", str(read_only_dir / "out")])
+    assert code == 2 and "is not writable" in error_line(output) and "[1/" not in output, output
+    code, output = run_cli(["eval", str(read_only_dir / "ckpt"), "--json", str(read_only_dir / "x.json")])
+    assert code == 2 and "--json" in error_line(output) and "not writable" in error_line(output), output
+
+
+def test_inspect_read_only_checkpoint_prints_tables(read_only_dir):
+    code, output = run_cli(["inspect", str(read_only_dir / "ckpt")])
+    assert code == 0 and "warning:" in output and "--plot" in output and "Traceback" not in output, output
+
+
+def test_full_output_refused_before_work(tmp_path, source):
+    where = tmp_path / "full"
+    if not _mount_tmpfs(where, "size=1m"):
+        pytest.skip("needs root and permission to mount a 1 MiB tmpfs (a full disk cannot be faked otherwise)")
+    try:
+        code, output = run_cli(["compress", str(source), "-o", str(where / "out")])
+        assert code == 2 and "not enough free space" in error_line(output) and "[1/" not in output, output
+    finally:
+        _umount(where)
+
+
+def test_disk_full_during_emit_keeps_old_output(tmp_path, compiled):
+    """Space running out mid-write (another process filled the disk): an error, and the old output intact."""
+    where = tmp_path / "tiny"
+    if not _mount_tmpfs(where, "size=200k"):
+        pytest.skip("needs root and permission to mount a small tmpfs")
+    try:
+        ctx = compiled[0]
+        out = where / "out"
+        out.mkdir()  # a small old output: the new one cannot fit beside it
+        shutil.copy(compiled[1] / "config.json", out)
+        (out / "kvrewrite_checksums.json").write_text("{}")
+        (out / OLD_MARKER).write_text("old")
+        before = tree_digest(out)
+        status = emit_in_child(ctx, out, {})
+        assert os.waitstatus_to_exitcode(status) == 4  # OutputError, not a traceback
+        assert tree_digest(out) == before and hidden(where) == []
+    finally:
+        _umount(where)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Code in a model directory never runs; nothing of it is copied
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_custom_code_never_runs_with_y_on_stdin(tmp_path, source):
+    remote = custom_tokenizer_source(tmp_path, source)
+    code, output = run_cli(["compress", str(remote), "-o", str(tmp_path / "out")], "y\n" * 5)
+    assert code == 2 and "never runs code" in output
+    with pytest.raises(ModelSourceError):
+        LoadCheckpoint().run(CompileContext(plan=Plan(model=str(remote), progress=False)))
+    assert not (tmp_path / SENTINEL_NAME).exists()
+
+
+def test_config_auto_map_is_ignored(tmp_path, source):
+    """A supported model_type with an auto_map loads the built-in class; the shipped modeling code never runs."""
+    import json
+
+    d = shutil.copytree(source, tmp_path / "automap")
+    (d / "modeling_evil.py").write_text(f"import pathlib\npathlib.Path({str(tmp_path / SENTINEL_NAME)!r}).write_text('ran')\n")
+    config = json.loads((d / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "modeling_evil.C", "AutoModelForCausalLM": "modeling_evil.M"}
+    (d / "config.json").write_text(json.dumps(config))
+    ctx = CompileContext(plan=Plan(model=str(d), progress=False))
+    LoadCheckpoint().run(ctx)
+    assert type(ctx.config).__module__.startswith("transformers.")
+    assert not (tmp_path / SENTINEL_NAME).exists()
+
+
+def test_compressed_checkpoint_code_is_not_run(tmp_path, compiled):
+    """A tampered modeling_kvrewrite.py in a checkpoint is never imported by kvrewrite.load or inspect."""
+    import kvrewrite
+
+    ckpt = shutil.copytree(compiled[1], tmp_path / "ckpt")
+    (ckpt / MODELING_FILE).write_text(f"import pathlib\npathlib.Path({str(tmp_path / SENTINEL_NAME)!r}).write_text('ran')\n")
+    kvrewrite.load(ckpt)
+    assert run_cli(["inspect", str(ckpt)])[0] == 0
+    assert not (tmp_path / SENTINEL_NAME).exists()
+
+
+def test_output_holds_no_source_code(compiled):
+    assert sorted(p.name for p in compiled[1].rglob("*.py")) == [MODELING_FILE]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Messages that are warnings, and the load-time mismatch as an exception type
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_extra_tensor_is_named_in_a_warning(tmp_path, source):
+    from fault_cases import _edit_tensors
+
+    d = shutil.copytree(source, tmp_path / "extra")
+    _edit_tensors(d, lambda t: t.__setitem__("model.stray_adapter.weight", __import__("torch").zeros(3)))
+    with pytest.warns(KVRewriteWarning, match=r"model\.stray_adapter\.weight \(model\.safetensors\)"):
+        LoadCheckpoint().run(CompileContext(plan=Plan(model=str(d), progress=False)))
+
+
+def test_misshaped_compressed_tensor_is_corrupt_checkpoint(tmp_path, source, compiled):
+    import kvrewrite
+    from fault_cases import _misshaped_compressed
+
+    _misshaped_compressed(tmp_path, source, compiled[1])
+    with pytest.raises(CorruptCheckpointError, match=r"k_proj\.weight' in .*model\.safetensors"):
+        kvrewrite.load(tmp_path / "ckpt-bad")
