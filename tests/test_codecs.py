@@ -292,11 +292,11 @@ def test_evaluation_reads_the_codec_cache(compiled):
 
     plain = kvrewrite.load(compiled["none"], kv_codec="none")
     coded = kvrewrite.load(compiled["none"], kv_codec="int2:group_size=8,residual=8")
-    windows = random_windows(3, 64, seed=12)
+    windows = random_windows(3, 128, seed=12)  # longer than one 64-token chunk: later chunks read the coded past
     one_shot = perplexity_and_agreement(plain, windows, progress=False)
     # Without a codec the chunked protocol is exact: it equals one forward over the window.
     chunked = perplexity_and_agreement(plain, windows, progress=False, chunk=16)
     assert abs(chunked.perplexity / one_shot.perplexity - 1) < 1e-5
     # With a codec the chunked protocol is chosen automatically, and the lossy cache shows in the numbers.
     stats = perplexity_and_agreement_many({"coded": coded}, windows, plain, progress=False)["coded"]
-    assert stats.kl_mean > 1e-4 and stats.perplexity != one_shot.perplexity
+    assert stats.kl_mean > 1e-6 and stats.perplexity != one_shot.perplexity  # float noise is ~1e-9
