@@ -2,8 +2,9 @@
 
 `update()` appends the new tokens to the residual window; whenever the window holds more than `residual`
 tokens, its oldest whole blocks of G tokens are encoded and appended to the coded store. Attention gets
-decode(coded store) followed by the residual window, i.e. exactly what the cache holds, so the attention code
-needs no change. Everything kept per token is a tensor attribute of the layer (packed codes, scales, sparse
+decode(coded store) followed by the residual window as it was before that encoding: tokens coded by earlier
+updates are read back decoded, the current update's own tokens at float16 (as KIVI's prefill attends at full
+precision and quantizes afterwards), so the attention code needs no change. Everything kept per token is a tensor attribute of the layer (packed codes, scales, sparse
 parts, the residual window), so the cache size is measured on what is really stored.
 """
 
@@ -41,6 +42,11 @@ class CodecLayer(DynamicLayer):
         self.cumulative_length += key_states.shape[-2]
         self.keys = torch.cat([self.keys, key_states.to(RESIDUAL_DTYPE)], dim=-2)
         self.values = torch.cat([self.values, value_states.to(RESIDUAL_DTYPE)], dim=-2)
+        # Attention reads what was coded by *earlier* updates, then the window including this update's tokens at
+        # float16: like KIVI's prefill, the tokens of the current forward attend to each other at full precision
+        # and are coded for storage afterwards. (Coding first made every chunk of a chunked prefill read its own
+        # oldest tokens back quantized, the attention sink of the first chunk included.)
+        out = self._read("key", key_states.dtype), self._read("value", value_states.dtype)
         g = self.codec.block_tokens
         n_blocks = max(0, self.keys.shape[-2] - self.residual_length) // g
         if n_blocks:
@@ -48,7 +54,7 @@ class CodecLayer(DynamicLayer):
             self.coded_values = self._encode_append(self.coded_values, self.values, n_blocks, "value")
             self.keys = self.keys[..., n_blocks * g :, :].contiguous()
             self.values = self.values[..., n_blocks * g :, :].contiguous()
-        return self._read("key", key_states.dtype), self._read("value", value_states.dtype)
+        return out
 
     def _encode_append(self, store, residual, n_blocks: int, side: str):
         batch, _, _, c = residual.shape
