@@ -1,11 +1,13 @@
 """The recent window's effect at equal bytes: continuation perplexity of one checkpoint with and without token tiers.
 
-    python benchmarks/recent_window.py --checkpoint DIR [--windows 8] [--length 1024] [--context 512]
+    python benchmarks/recent_window.py --checkpoint DIR [--windows 8] [--length 1024] [--context 512] \
+        [--point "rate=0.6;window=64"] [--point "rate=0.7;window=64;imp=0.3;share=0.25;score=denominator"] ...
 
 Protocol: held-out wiki windows of --length tokens; the first --context tokens are context, the rest are scored
 (continuation ppl, Δ against the original in the same run). Because a tiered query reads key j at full rank
 exactly when t - j <= W, one forward over the window gives the same logits as a chunked prefill followed by
-decoding (tests/test_tiers.py checks this), so each method is one forward per window. Bytes are measured on
+decoding (tests/test_tiers.py checks this), so each method is one forward per window; points with a coded or
+token-adaptive tier change between forwards and are fed 64 tokens at a time, as decoding would. Bytes are measured on
 the real cache tensors after the whole window, as a share of the original's float16 K/V bytes.
 Rows are written to benchmarks/results/recent_window.json with the command, commit and machine.
 """
@@ -61,10 +63,12 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=8)
     parser.add_argument("--length", type=int, default=1024)
     parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--out", type=Path, default=RESULTS, help="results JSON (default: benchmarks/results/recent_window.json)")
     parser.add_argument("--point", action="append", default=None,
-                        help="RATE or RATE@WINDOW (e.g. 0.5@128) or RATE@WINDOW:CODEC; repeatable")
+                        help="';'-separated settings: rate=0.5;window=64[;codec=int4][;imp=0.3;share=0.25|ramp;score=attention|denominator]; repeatable")
     args = parser.parse_args()
-    points = args.point or ["0.5", "0.5@16", "0.5@64", "0.5@128", "0.5@256", "0.6@128", "0.65@64"]
+    points = args.point or ["rate=0.5", "rate=0.5;window=16", "rate=0.5;window=64", "rate=0.5;window=128",
+                            "rate=0.5;window=256", "rate=0.6;window=128", "rate=0.65;window=64"]
 
     source = resolve_model_source(args.baseline)
     tokenizer = AutoTokenizer.from_pretrained(source.path)
@@ -81,24 +85,32 @@ def main() -> None:
     rows["original"] = {"ppl": base_ppl, "delta_ppl": 0.0, "bytes_per_token": held, "fp16_share": held / fp16_bytes / 2}
     print(f"original: ppl {base_ppl:.3f}  (fp32 cache {held:.0f} B/token)", flush=True)
     for point in points:
-        rate_part, _, rest = point.partition("@")
-        window_part, _, codec = rest.partition(":")
-        rate = float(rate_part)
-        if window_part:
-            model = kvrewrite.load(args.checkpoint, rate=rate, recent_window=int(window_part), kv_codec=codec or None).eval()
-        else:
-            model = kvrewrite.load(args.checkpoint, rate=rate, kv_codec=codec or None).eval()
-        nll, n, held = continuation_nll(model, windows, args.context, model.make_kv_cache, 64 if codec else None)
+        settings = dict(item.split("=", 1) for item in point.split(";"))
+        rate, window, codec = float(settings["rate"]), settings.get("window"), settings.get("codec")
+        important = None
+        if "imp" in settings:
+            share = settings["share"]
+            if share == "ramp":  # g_l growing linearly with depth, mean 0.25 (ZDC: deeper layers keep more)
+                n_layers = config.num_hidden_layers
+                share = [0.05 + 0.4 * i / (n_layers - 1) for i in range(n_layers)]
+            else:
+                share = float(share)
+            important = {"rate": float(settings["imp"]), "share": share, "score": settings.get("score", "attention")}
+        model = kvrewrite.load(args.checkpoint, rate=rate, kv_codec=codec,
+                               recent_window=int(window) if window is not None else None, important=important).eval()
+        # A coded or token-adaptive tier changes between forwards: feed 64-token chunks, as decoding would.
+        chunk = 64 if codec or important else None
+        nll, n, held = continuation_nll(model, windows, args.context, model.make_kv_cache, chunk)
         ppl = math.exp(nll / n)
         # Plain caches store the model's float32; the tiered and codec caches store float16 or codes.
-        plain_fp32 = not window_part and not codec
+        plain_fp32 = window is None and not codec
         share = held / fp16_bytes / (2 if plain_fp32 else 1)
-        rows[point] = {"rate": rate, "window": int(window_part or 0), "codec": codec or None, "ppl": ppl,
+        rows[point] = {"settings": settings, "chunk": chunk, "ppl": ppl,
                        "delta_ppl": ppl / base_ppl - 1, "bytes_per_token": held, "fp16_share": share}
         print(f"{point:>16}: ppl {ppl:.3f}  Δ {100 * (ppl / base_ppl - 1):+.1f}%  fp16 share {share:.3f}", flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
         "command": "python " + " ".join(sys.argv), "commit": commit,
         "machine": f"{platform.machine()} {platform.processor() or ''} cpus={torch.get_num_threads()}",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "seconds": round(time.perf_counter() - t0, 1),
