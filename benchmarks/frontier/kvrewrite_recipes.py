@@ -1,0 +1,46 @@
+"""kvrewrite's recipes on the frontier: one compressed checkpoint, read through token tiers and codecs.
+
+    KVREWRITE_FRONTIER_CHECKPOINT=DIR python benchmarks/frontier/run.py eval \
+        --module benchmarks.frontier.kvrewrite_recipes:recipes [--only NAME ...]
+
+DIR is a kvrewrite checkpoint of the benchmark's model (the default compile: `kvrewrite compress smollm2-135m
+-p 0.5 --calib-tokens 16384 -o DIR`); every recipe below is a load() of that one checkpoint (docs/tiers.md).
+Set KVREWRITE_FRONTIER_RECIPES to a comma-separated subset of names to run only those.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .methods import Method
+
+# name -> load() keyword arguments; rates are points of the checkpoint's rate table.
+RECIPES: dict[str, dict[str, Any]] = {
+    "kvrewrite-p0.5": {"rate": 0.5},
+    "kvrewrite-p0.6-W64-imp0.3x0.25": {"rate": 0.6, "recent_window": 64,
+                                       "important": {"rate": 0.3, "share": 0.25, "score": "attention"}},
+    "kvrewrite-p0.3-W64-int4": {"rate": 0.3, "recent_window": 64, "kv_codec": "int4"},
+    "kvrewrite-p0.6-W64-int4": {"rate": 0.6, "recent_window": 64, "kv_codec": "int4"},
+    "kvrewrite-p0.3-W64-int2": {"rate": 0.3, "recent_window": 64, "kv_codec": "int2"},
+}
+
+
+def _method(name: str, directory: str, options: dict[str, Any]) -> Method:
+    def load(_original_path: str) -> Any:
+        import kvrewrite
+
+        return kvrewrite.load(directory, **options).eval()
+
+    return Method(name, "kvrewrite", new_cache=lambda model: model.make_kv_cache(), load=load,
+                  settings={"checkpoint": directory, **{k: v for k, v in options.items()}})
+
+
+def recipes() -> list[Method]:
+    directory = os.environ.get("KVREWRITE_FRONTIER_CHECKPOINT")
+    if not directory:
+        raise SystemExit("set KVREWRITE_FRONTIER_CHECKPOINT to a kvrewrite checkpoint of the benchmark's model")
+    chosen = [n.strip() for n in os.environ.get("KVREWRITE_FRONTIER_RECIPES", "").split(",") if n.strip()]
+    unknown = set(chosen) - set(RECIPES)
+    if unknown:
+        raise SystemExit(f"unknown recipes {sorted(unknown)}; known: {', '.join(RECIPES)}")
+    return [_method(name, directory, RECIPES[name]) for name in (chosen or RECIPES)]
