@@ -1,0 +1,78 @@
+"""Summary table (rich) and the frontier plot: quality against bytes held per token, one panel per protocol."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+REGIME_LABELS = {"512-1K": "Δppl 512–1K", "2K-4K": "Δppl 2K–4K"}
+
+
+def _share(r: dict[str, Any], key: str) -> float | None:
+    """Bytes share of one protocol point: a regime name or 'passkey'."""
+    point = r.get("passkey") if key == "passkey" else r.get("continuation", {}).get(key)
+    return None if point is None else point["bytes_share"]
+
+
+def print_table(results: list[dict[str, Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="frontier: quality vs KV bytes held per token (share of the original's fp16 cache)")
+    for col in ("method", "family", "bytes 512–1K", "Δppl 512–1K", "bytes 2K–4K", "Δppl 2K–4K", "bytes passkey",
+                "passkey acc", "s"):
+        table.add_column(col, justify="left" if col in ("method", "family") else "right")
+    fmt_share = lambda v: "—" if v is None else f"{100 * v:.1f}%"  # noqa: E731
+    for r in results:
+        cont = r.get("continuation", {})
+        cells = [r["name"], r["family"]]
+        for regime in REGIME_LABELS:
+            c = cont.get(regime)
+            cells += [fmt_share(_share(r, regime)), "—" if c is None else f"{c.get('delta_ppl_pct', 0):+.1f}%"]
+        pk = r.get("passkey")
+        cells += [fmt_share(_share(r, "passkey")), "—" if pk is None else f"{pk['accuracy']:.0%} ({pk['n']})"]
+        cells.append(f"{r['seconds']:.0f}")
+        table.add_row(*cells)
+    Console().print(table)
+
+
+def write_plot(results: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(k, v) for k, v in REGIME_LABELS.items() if any(k in r.get("continuation", {}) for r in results)]
+    if any("passkey" in r for r in results):
+        panels.append(("passkey", "passkey accuracy"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 5.5), squeeze=False)
+    # Series: a press kind across ratios is one line; every other method is one point.
+    series: dict[str, list[dict[str, Any]]] = {}
+    for r in results:
+        series.setdefault(r["settings"].get("press", r["name"]) if r["family"] == "peer" else r["name"], []).append(r)
+    markers = {"original": "*", "peer": "o", "kvrewrite": "s"}
+    for ax, (key, label) in zip(axes[0], panels):
+        for name, rows in series.items():
+            pts = []
+            for r in rows:
+                x = _share(r, key)
+                if x is None:
+                    continue
+                y = r["passkey"]["accuracy"] * 100 if key == "passkey" else r["continuation"][key]["delta_ppl_pct"]
+                pts.append((100 * x, y))
+            if not pts:
+                continue
+            pts.sort()
+            fam = rows[0]["family"]
+            ax.plot(*zip(*pts), marker=markers.get(fam, "o"), linestyle="-" if len(pts) > 1 else "none",
+                    markersize=12 if fam == "original" else 6, label=name)
+        ax.set_xlabel("KV bytes held per token (% of original fp16)")
+        ax.set_ylabel("accuracy (%)" if key == "passkey" else "Δppl vs original (%)")
+        if key != "passkey":
+            ax.set_yscale("symlog", linthresh=10)
+        ax.set_title(label)
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
