@@ -35,9 +35,12 @@ def quantized(nbits: int, kivi: bool, residual_length: int = 128, q_group_size: 
 
 
 def fp8() -> Method:
-    from .fp8_cache import FP8Cache
+    def new_cache(model: Any) -> Any:
+        from .fp8_cache import FP8Cache
 
-    return Method("fp8-e4m3", "peer", new_cache=lambda model: FP8Cache(model.config), settings={"dtype": "float8_e4m3fn"})
+        return FP8Cache(model.config)
+
+    return Method("fp8-e4m3", "peer", new_cache=new_cache, settings={"dtype": "float8_e4m3fn"})
 
 
 def _scorer(kind: str, ratio: float, decoding: bool) -> Any:
@@ -78,25 +81,33 @@ def _token_interval_decoding_press(base: Any, ratio: float, interval: int) -> An
 
 def press(kind: str, ratio: float, interval: int = 64) -> Method:
     """A kvpress scorer press at prefill plus the same scorer as a decoding press (every ``interval`` tokens)."""
-    from kvpress import PrefillDecodingPress
 
-    p = PrefillDecodingPress(
-        prefilling_press=_scorer(kind, ratio, decoding=False),
-        decoding_press=_token_interval_decoding_press(_scorer(kind, 0.0, decoding=True), ratio, interval),
-    )
+    def context(model: Any) -> Any:
+        from kvpress import PrefillDecodingPress
+
+        # A fresh press per window: decoding presses keep per-layer buffers and step counts.
+        p = PrefillDecodingPress(
+            prefilling_press=_scorer(kind, ratio, decoding=False),
+            decoding_press=_token_interval_decoding_press(_scorer(kind, 0.0, decoding=True), ratio, interval),
+        )
+        return p(model)
+
     return Method(
-        f"{kind}-{1 - ratio:g}", "peer", context=lambda model: p(model), prefill_chunk=None,
+        f"{kind}-{1 - ratio:g}", "peer", context=context, prefill_chunk=None,
         settings={"press": kind, "compression_ratio": ratio, "decoding_interval_tokens": interval},
     )
 
 
 def think(ratio: float = 0.5) -> Method:
     """ThinK prunes key channels at prefill; kvpress zeroes them in place, so real bytes do not shrink."""
-    from kvpress import ThinKPress
 
-    p = ThinKPress(key_channel_compression_ratio=ratio)
+    def context(model: Any) -> Any:
+        from kvpress import ThinKPress
+
+        return ThinKPress(key_channel_compression_ratio=ratio)(model)
+
     return Method(
-        f"think-keys-{ratio:g}", "peer", context=lambda model: p(model), prefill_chunk=None,
+        f"think-keys-{ratio:g}", "peer", context=context, prefill_chunk=None,
         nominal_share=1 - ratio / 2, settings={"press": "think", "key_channel_compression_ratio": ratio},
     )
 

@@ -24,7 +24,7 @@ def print_table(results: list[dict[str, Any]]) -> None:
     fmt_share = lambda v: "—" if v is None else f"{100 * v:.1f}%"  # noqa: E731
     for r in results:
         cont = r.get("continuation", {})
-        cells = [r["name"], r["family"]]
+        cells = [r["name"] + (" (failed)" if "error" in r else ""), r["family"]]
         for regime in REGIME_LABELS:
             c = cont.get(regime)
             cells += [fmt_share(_share(r, regime)), "—" if c is None else f"{c.get('delta_ppl_pct', 0):+.1f}%"]

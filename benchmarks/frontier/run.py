@@ -8,6 +8,7 @@ tokens. Three steps, because kvpress needs transformers<5.3 and kvrewrite needs 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import platform
@@ -44,10 +45,10 @@ def _provenance() -> dict[str, Any]:
     import transformers
 
     versions = {"torch": torch.__version__, "transformers": transformers.__version__}
-    for pkg in ("kvpress", "optimum.quanto"):
+    for pkg in ("kvpress", "optimum-quanto", "kvrewrite"):
         try:
-            versions[pkg] = __import__(pkg, fromlist=["__version__"]).__version__
-        except ImportError:
+            versions[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
             pass
     return {
         "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
@@ -81,6 +82,9 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # the weight-loading bar would drown the benchmark's own progress bar
     torch.set_num_threads(args.threads)
     windows, prompts, meta = load_inputs(Path(args.inputs))
     windows = {r: w[: args.windows] if args.windows else w for r, w in windows.items() if r in args.regimes}
@@ -89,26 +93,38 @@ def cmd_eval(args: argparse.Namespace) -> None:
     methods = resolve(args.methods, args.chunk, args.kvrewrite, args.method_module)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     shared = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    results = []
+    results: list[dict[str, Any]] = []
+    header = {"provenance": _provenance(), "inputs": meta, "chunk": args.chunk, "protocols": args.protocols}
+
+    def save() -> None:
+        # Written after every method, so a long run that dies keeps what it finished.
+        add_deltas(results)
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps({**header, "results": results}, indent=1))
+
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()) as bar:
         overall = bar.add_task("all methods (tokens)", total=len(methods) * _work(args.protocols, windows, prompts))
         for method in methods:
-            model = method.load(model_path) if method.load else shared
             task = bar.add_task(method.name, total=_work(args.protocols, windows, prompts))
 
             def advance(n: int, task: int = task) -> None:
                 bar.advance(task, n)
                 bar.advance(overall, n)
 
-            results.append(run_method(method, model, tokenizer, args.protocols, windows, prompts, args.chunk, advance))
+            try:
+                model = method.load(model_path) if method.load else shared
+                results.append(run_method(method, model, tokenizer, args.protocols, windows, prompts, args.chunk,
+                                          advance))
+                if model is not shared:
+                    free(model)
+            except Exception as exc:  # one broken method must not lose the others' results
+                if method.family == "original":
+                    raise
+                bar.console.print(f"[red]{method.name} failed: {type(exc).__name__}: {exc}")
+                results.append({"name": method.name, "family": method.family, "settings": method.settings,
+                                "error": f"{type(exc).__name__}: {exc}", "seconds": 0.0})
             bar.remove_task(task)
-            if model is not shared:
-                free(model)
-    add_deltas(results)
-    out = {"provenance": _provenance(), "inputs": meta, "chunk": args.chunk, "protocols": args.protocols,
-           "results": results}
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps(out, indent=1))
+            save()
     print_table(results)
     print(f"wrote {args.output}")
 
