@@ -32,7 +32,7 @@ def print_table(results: list[dict[str, Any]]) -> None:
         cells += [fmt_share(_share(r, "passkey")), "—" if pk is None else f"{pk['accuracy']:.0%} ({pk['n']})"]
         cells.append(f"{r['seconds']:.0f}")
         table.add_row(*cells)
-    Console().print(table)
+    Console(width=max(Console().width, 150)).print(table)
 
 
 def write_plot(results: list[dict[str, Any]], path: Path) -> None:
@@ -76,3 +76,19 @@ def write_plot(results: list[dict[str, Any]], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def markdown_table(results: list[dict[str, Any]]) -> str:
+    """The summary table as Markdown (pasted into docs/frontier.md from the committed JSON)."""
+    pct = lambda v: "—" if v is None else f"{100 * v:.1f}%"  # noqa: E731
+    lines = ["| method | family | bytes 512–1K | Δppl 512–1K | bytes 2K–4K | Δppl 2K–4K | bytes passkey | passkey |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        cells = [f"`{r['name']}`" + (" (failed)" if "error" in r else ""), r["family"]]
+        for regime in REGIME_LABELS:
+            c = r.get("continuation", {}).get(regime)
+            cells += [pct(_share(r, regime)), "—" if c is None else f"{c['delta_ppl_pct']:+.1f}%"]
+        pk = r.get("passkey")
+        cells += [pct(_share(r, "passkey")), "—" if pk is None else f"{sum(i['correct'] for i in pk['items'])}/{pk['n']}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -28,7 +28,7 @@ if __package__ in (None, ""):  # run as a script: make the package importable
 from .evaluate import _work, add_deltas, free, run_method  # noqa: E402
 from .inputs import REGIMES, load_inputs, passkey_prompts, save_inputs, wiki_windows  # noqa: E402
 from .registry import resolve  # noqa: E402
-from .report import print_table, write_plot  # noqa: E402
+from .report import markdown_table, print_table, write_plot  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -152,6 +152,8 @@ def cmd_merge(args: argparse.Namespace) -> None:
     Path(args.output).write_text(json.dumps(merged, indent=1))
     write_plot(results, Path(args.plot))
     print_table(results)
+    if args.markdown:
+        Path(args.markdown).write_text(markdown_table(results) + "\n")
     print(f"wrote {args.output} and {args.plot}")
 
 
@@ -191,6 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     m.add_argument("partials", nargs="+")
     m.add_argument("-o", "--output", default=str(RESULTS / "frontier.json"))
     m.add_argument("--plot", default=str(RESULTS / "frontier.png"))
+    m.add_argument("--markdown", default=str(RESULTS / "frontier.md"), help="the table as Markdown")
     m.set_defaults(func=cmd_merge)
 
     args = p.parse_args(argv)
