@@ -79,8 +79,11 @@ def _token_interval_decoding_press(base: Any, ratio: float, interval: int) -> An
     )
 
 
-def press(kind: str, ratio: float, interval: int = 64) -> Method:
-    """A kvpress scorer press at prefill plus the same scorer as a decoding press (every ``interval`` tokens)."""
+def press(kind: str, ratio: float, interval: int = 64, decoding: bool = True) -> Method:
+    """A kvpress scorer press at prefill plus the same scorer as a decoding press (every ``interval`` tokens).
+
+    ``decoding=False`` presses the prefill only (kvpress's default use): the continuation is then kept in full,
+    so its bytes share grows back toward 100% over the window."""
 
     def context(model: Any) -> Any:
         from kvpress import PrefillDecodingPress
@@ -88,13 +91,15 @@ def press(kind: str, ratio: float, interval: int = 64) -> Method:
         # A fresh press per window: decoding presses keep per-layer buffers and step counts.
         p = PrefillDecodingPress(
             prefilling_press=_scorer(kind, ratio, decoding=False),
-            decoding_press=_token_interval_decoding_press(_scorer(kind, 0.0, decoding=True), ratio, interval),
+            decoding_press=_token_interval_decoding_press(_scorer(kind, 0.0, decoding=True), ratio, interval)
+            if decoding else None,
         )
         return p(model)
 
     return Method(
-        f"{kind}-{1 - ratio:g}", "peer", context=context, prefill_chunk=None,
-        settings={"press": kind, "compression_ratio": ratio, "decoding_interval_tokens": interval},
+        f"{kind}-{1 - ratio:g}" + ("" if decoding else "-prefill-only"), "peer", context=context, prefill_chunk=None,
+        settings={"press": kind if decoding else f"{kind} (prefill only)", "compression_ratio": ratio,
+                  "decoding_interval_tokens": interval if decoding else None},
     )
 
 
@@ -117,3 +122,8 @@ def all_peers(interval: int = 64) -> list[Method]:
     methods += [press(kind, r, interval) for kind in PRESSES for r in PRESS_RATIOS]
     methods.append(think(0.5))
     return methods
+
+
+def variants(interval: int = 64) -> list[Method]:
+    """Named on request only: presses at prefill only, to compare with prefill-only figures elsewhere."""
+    return [press(kind, 0.5, interval, decoding=False) for kind in PRESSES]

@@ -34,9 +34,9 @@ def from_module(spec: str) -> list[Method]:
 
 
 def peers(interval: int) -> dict[str, Method]:
-    from .peers import all_peers
+    from .peers import all_peers, variants
 
-    return {m.name: m for m in all_peers(interval)}
+    return {m.name: m for m in all_peers(interval) + variants(interval)}
 
 
 def resolve(names: list[str], interval: int, kvrewrite_specs: list[str], modules: list[str]) -> list[Method]:
