@@ -40,6 +40,7 @@ def write_plot(results: list[dict[str, Any]], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FixedLocator, FuncFormatter
 
     panels = [(k, v) for k, v in REGIME_LABELS.items() if any(k in r.get("continuation", {}) for r in results)]
     if any("passkey" in r for r in results):
@@ -68,11 +69,16 @@ def write_plot(results: list[dict[str, Any]], path: Path) -> None:
         ax.set_xlabel("KV bytes held per token (% of original fp16)")
         ax.set_ylabel("accuracy (%)" if key == "passkey" else "Δppl vs original (%)")
         if key != "passkey":
+            # Δppl spans +0.1% (int4) to hundreds of % (int2, strong eviction): linear to 10%, log above.
             ax.set_yscale("symlog", linthresh=10)
+            ax.yaxis.set_major_locator(FixedLocator([-5, 0, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000]))
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:+g}%" if v else "0"))
+        ax.set_xlim(0, 105)
         ax.set_title(label)
         ax.grid(alpha=0.3)
-    axes[0][-1].legend(fontsize=7, loc="best")
-    fig.tight_layout()
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 8), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
