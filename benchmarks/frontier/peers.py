@@ -43,14 +43,45 @@ def fp8() -> Method:
     return Method("fp8-e4m3", "peer", new_cache=new_cache, settings={"dtype": "float8_e4m3fn"})
 
 
+def _in_position_order(press: Any) -> Any:
+    """Make a ScorerPress gather the tokens it keeps in their cache order.
+
+    kvpress's ScorerPress.compress gathers ``scores.topk(n_kept).indices``, i.e. in score order; with tied scores
+    (StreamingLLM scores every kept token 1) torch returns them shuffled. Attention does not care, but a press
+    applied again during decoding does when its scores are cache positions: StreamingLLM then treats whatever
+    landed in slots 0-3 as the sinks and evicts 'the oldest' from a shuffled cache, i.e. recent tokens too.
+    Sorting the kept indices restores StreamingLLM's sinks + recent window; nothing else changes.
+    """
+    import torch
+    from kvpress.utils import compute_n_kept
+
+    base = type(press)
+
+    class Ordered(base):  # type: ignore[misc, valid-type]
+        def compress(self, module: Any, hidden_states: Any, keys: Any, values: Any, attentions: Any,
+                     kwargs: dict) -> tuple[Any, Any]:
+            if self.compression_ratio == 0:
+                return keys, values
+            scores = self.score(module, hidden_states, keys, values, attentions, kwargs)
+            kept = scores.topk(compute_n_kept(keys.shape[2], self.compression_ratio), dim=-1).indices
+            index = torch.sort(kept, dim=-1).values.unsqueeze(-1).expand(-1, -1, -1, module.head_dim)
+            return keys.gather(2, index).contiguous(), values.gather(2, index).contiguous()
+
+    Ordered.__name__ = f"Ordered{base.__name__}"
+    press.__class__ = Ordered
+    return press
+
+
 def _scorer(kind: str, ratio: float, decoding: bool) -> Any:
     import kvpress
 
     if kind == "snapkv":
         # In decoding the scorer sees one 64-token chunk of hidden states and SnapKV needs more than its window.
         return kvpress.SnapKVPress(compression_ratio=ratio, window_size=32 if decoding else 64)
+    if kind == "streaming_llm":
+        # Its scores are cache positions, so it needs the cache kept in position order (see _in_position_order).
+        return _in_position_order(kvpress.StreamingLLMPress(compression_ratio=ratio))
     cls = {
-        "streaming_llm": kvpress.StreamingLLMPress,
         "expected_attention": kvpress.ExpectedAttentionPress,
         "tova": kvpress.TOVAPress,
         "knorm": kvpress.KnormPress,

@@ -133,14 +133,24 @@ def cmd_merge(args: argparse.Namespace) -> None:
     parts = [json.loads(Path(p).read_text()) for p in args.partials]
     results: list[dict[str, Any]] = []
     originals = []
-    for part in parts:
+    superseded = []
+    for path, part in zip(args.partials, parts):
         for r in part["results"]:
             r["env"] = part["provenance"]["versions"]
+            r["partial"] = path
             if r["family"] == "original":
                 originals.append(r)
                 if any(o["family"] == "original" for o in results):
                     continue  # one original row; the others are kept under references
+            # A method run again in a later partial replaces the earlier row (kept under superseded).
+            earlier = next((i for i, o in enumerate(results) if o["name"] == r["name"]), None)
+            if earlier is not None:
+                superseded.append(results.pop(earlier))
             results.append(r)
+    family_order = {"original": 0, "kvrewrite": 1, "peer": 2}
+    share = lambda r: next(iter(r.get("continuation", {}).values()), {}).get("bytes_share", 0)  # noqa: E731
+    results.sort(key=lambda r: (family_order.get(r["family"], 3), str(r["settings"].get("press", r["name"])),
+                                -share(r), r["name"]))
     merged = {
         "provenance": _provenance(), "inputs": parts[0]["inputs"], "chunk": parts[0]["chunk"],
         "partials": [{"file": p, **part["provenance"]} for p, part in zip(args.partials, parts)],
@@ -148,6 +158,7 @@ def cmd_merge(args: argparse.Namespace) -> None:
         "references": [{"env": o["env"], "continuation": {k: v["ppl"] for k, v in o.get("continuation", {}).items()},
                         "passkey": o.get("passkey", {}).get("accuracy")} for o in originals],
         "results": results,
+        "superseded": superseded,
     }
     Path(args.output).write_text(json.dumps(merged, indent=1))
     write_plot(results, Path(args.plot))
@@ -190,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
     e.set_defaults(func=cmd_eval)
 
     m = sub.add_parser("merge", help="join partial JSONs, plot, print the table")
-    m.add_argument("partials", nargs="+")
+    m.add_argument("partials", nargs="+", help="partial JSONs; a method in a later one replaces an earlier row")
     m.add_argument("-o", "--output", default=str(RESULTS / "frontier.json"))
     m.add_argument("--plot", default=str(RESULTS / "frontier.png"))
     m.add_argument("--markdown", default=str(RESULTS / "frontier.md"), help="the table as Markdown")
