@@ -50,7 +50,14 @@ def write_plot(results: list[dict[str, Any]], path: Path) -> None:
     series: dict[str, list[dict[str, Any]]] = {}
     for r in results:
         series.setdefault(r["settings"].get("press", r["name"]) if r["family"] == "peer" else r["name"], []).append(r)
-    markers = {"original": "*", "peer": "o", "kvrewrite": "s"}
+    colors = plt.get_cmap("tab20").colors
+    color_of = {name: colors[i % len(colors)] for i, name in enumerate(series)}
+
+    def marker(name: str, family: str) -> str:
+        if family != "peer":
+            return {"original": "*", "kvrewrite": "s"}.get(family, "o")
+        return "x" if "prefill only" in name else "s" if name.startswith("quanto") else "D" if name.startswith(
+            "fp8") else "P" if name == "think" else "o"
     for ax, (key, label) in zip(axes[0], panels):
         for name, rows in series.items():
             pts = []
@@ -64,8 +71,8 @@ def write_plot(results: list[dict[str, Any]], path: Path) -> None:
                 continue
             pts.sort()
             fam = rows[0]["family"]
-            ax.plot(*zip(*pts), marker=markers.get(fam, "o"), linestyle="-" if len(pts) > 1 else "none",
-                    markersize=12 if fam == "original" else 6, label=name)
+            ax.plot(*zip(*pts), marker=marker(name, fam), linestyle="-" if len(pts) > 1 else "none",
+                    markersize=12 if fam == "original" else 7, label=name, color=color_of[name])
         ax.set_xlabel("KV bytes held per token (% of original fp16)")
         ax.set_ylabel("accuracy (%)" if key == "passkey" else "Δppl vs original (%)")
         if key != "passkey":
