@@ -26,3 +26,22 @@ test: install
 
 clean:
 	rm -rf $(VENV) kvrewrite-demo
+
+# Separate benchmark env for benchmarks/frontier (peers: kvpress, optimum-quanto). Not needed for tests or CI.
+BENCH_VENV := .venv-bench
+BENCH_BIN := $(BENCH_VENV)/bin
+BENCH_STAMP := $(BENCH_VENV)/.bench-installed
+BENCH_REQ := benchmarks/frontier/requirements.txt
+
+.PHONY: bench-env
+bench-env: $(BENCH_STAMP)
+
+$(BENCH_STAMP): $(BENCH_REQ) pyproject.toml
+	$(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_BIN)/pip install --quiet --upgrade pip
+	# torch first, pinned, so nothing later resolves a CUDA build.
+	$(BENCH_BIN)/pip install --quiet torch==2.13.0
+	$(BENCH_BIN)/pip install --quiet -r $(BENCH_REQ)
+	# --no-deps: kvrewrite pins transformers==5.23, kvpress needs <5.3; its other runtime deps come from the list.
+	$(BENCH_BIN)/pip install --quiet --no-deps -e .
+	touch $(BENCH_STAMP)

@@ -1,0 +1,52 @@
+"""The frontier benchmark's harness pieces that run in the project env (no kvpress/quanto needed): byte counting on
+real cache tensors, the FP8 cache, the continuation protocol and the passkey prompt builder."""
+import math
+import sys
+from pathlib import Path
+
+import torch
+from transformers import LlamaForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.frontier.cache_bytes import cache_bytes, fp16_bytes_per_token  # noqa: E402
+from benchmarks.frontier.fp8_cache import FP8Cache  # noqa: E402
+from benchmarks.frontier.inputs import passkey_prompts  # noqa: E402
+from benchmarks.frontier.methods import Method, original  # noqa: E402
+from benchmarks.frontier.protocols import continuation_window, passkey_correct, perplexity  # noqa: E402
+from tiny_models import random_windows, tiny_llama_config, word_tokenizer  # noqa: E402
+
+
+def _model() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(tiny_llama_config()).eval()
+
+
+def test_bytes_are_fp16_share_for_the_original_and_half_for_fp8():
+    model = _model()
+    window = random_windows(1, 48)[0]
+    per_token = fp16_bytes_per_token(model.config)
+    assert per_token == 2 * 2 * 2 * 2 * 16  # fp16 x (K, V) x layers x kv heads x head dim
+    full = continuation_window(model, original(), window, n_ctx=16, chunk=8)
+    assert full.bytes_held == per_token * 48 and full.tokens == 48  # float32 tensors counted at 2 bytes
+    fp8 = Method("fp8", "peer", new_cache=lambda m: FP8Cache(m.config))
+    low = continuation_window(model, fp8, window, n_ctx=16, chunk=8)
+    assert low.bytes_held == per_token * 48 // 2
+    assert full.n_scored == low.n_scored == 32
+    assert math.isfinite(perplexity([low])) and abs(low.nll_sum - full.nll_sum) / full.nll_sum < 0.05
+
+
+def test_chunked_continuation_scores_like_one_forward():
+    model = _model()
+    window = random_windows(1, 40)[0]
+    score = continuation_window(model, Method("o", "original", prefill_chunk=7), window, n_ctx=20, chunk=6)
+    logits = model(input_ids=window[None]).logits[0, 19:-1]
+    expected = torch.nn.functional.cross_entropy(logits, window[20:], reduction="sum").item()
+    assert abs(score.nll_sum - expected) < 1e-3 * expected
+
+
+def test_passkey_prompts_have_the_asked_length_and_the_key():
+    tok = word_tokenizer()
+    prompts = passkey_prompts(tok, [256], [0.1, 0.9], 1, seed=0, filler="classic")
+    assert [len(p.context_ids) + len(p.question_ids) for p in prompts] == [256, 256]
+    assert passkey_correct(" 12345. The", "12345") and not passkey_correct(" 1234", "12345")
