@@ -1,7 +1,7 @@
 """kvrewrite's recipes on the frontier: one compressed checkpoint, read through token tiers and codecs.
 
     KVREWRITE_FRONTIER_CHECKPOINT=DIR python benchmarks/frontier/run.py eval \
-        --module benchmarks.frontier.kvrewrite_recipes:recipes [--only NAME ...]
+        --method-module benchmarks.frontier.kvrewrite_recipes:recipes -o PARTIAL.json
 
 DIR is a kvrewrite checkpoint of the benchmark's model (the default compile: `kvrewrite compress smollm2-135m
 -p 0.5 --calib-tokens 16384 -o DIR`); every recipe below is a load() of that one checkpoint (docs/tiers.md).
