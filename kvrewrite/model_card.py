@@ -150,6 +150,26 @@ def _source_line(spec: CompressionSpec, base: str | None) -> str:
     return f"`{spec.source_model}` (a local checkpoint)"
 
 
+# What each key mode does at decode time, beyond the stock model's work (docs/method.md, docs/runtime.md).
+KEY_MODE_RUN_TIME = {
+    "freq": "`freq` layers do nothing extra at run time: the kept rotary pairs are folded into the projections",
+    "crosshead": "`crosshead` layers do nothing extra at run time: the shared key block is folded into the projections",
+    "folded": "`folded` layers do nothing extra at run time",
+    "post-rope": "`post-rope` layers project the rotated queries and keys by a small per-head map on every step",
+    "latent": ("`latent` layers rebuild every cached key from its latent and rotate it on every step, "
+               "a cost that grows with the context"),
+}
+
+
+def run_time_cost(spec: CompressionSpec) -> str:
+    """One truthful sentence per key mode (and codec) of this checkpoint about what runs at decode time."""
+    modes = sorted({layer.key_mode for layer in spec.layers})
+    sentences = [KEY_MODE_RUN_TIME[m] for m in modes if m in KEY_MODE_RUN_TIME]
+    if spec.kv_codec:
+        sentences.append(f"the `{spec.kv_codec['name']}` codec cache decodes its whole coded store on every update")
+    return "At run time: " + "; ".join(sentences) + "."
+
+
 def card_body(facts: CheckpointFacts, *, repo_id: str | None, base_model: str | None) -> str:
     spec, report, evaluation = facts.spec, facts.report or {}, facts.evaluation
     base = base_model or base_model_id(spec.source_model)
@@ -168,8 +188,8 @@ def card_body(facts: CheckpointFacts, *, repo_id: str | None, base_model: str | 
         f"This is {_source_line(spec, base)} rewritten by [kvrewrite](https://pypi.org/project/kvrewrite/) so that its "
         f"KV cache holds **{kept:,} of {full:,} numbers per token ({kept / full:.1%})**: a removal rate of "
         f"{spec.achieved_rate:.3f} (target {spec.target_rate:.2f}). Per-head low-rank transforms measured on calibration "
-        "text are folded into `q_proj`/`k_proj`/`v_proj`/`o_proj`, so the cache stores the low-rank latents directly "
-        "and nothing is decompressed at run time."
+        "text are folded into `q_proj`/`k_proj`/`v_proj`/`o_proj`, so the cache stores the low-rank latents directly. "
+        + run_time_cost(spec)
     )
     parts += ["", "## Use it", "", "```python",
               "import kvrewrite  # registers the kvrewrite_llama model type with transformers",
