@@ -22,6 +22,10 @@ RECIPES: dict[str, dict[str, Any]] = {
     "kvrewrite-p0.3-W64-int4": {"rate": 0.3, "recent_window": 64, "kv_codec": "int4"},
     "kvrewrite-p0.6-W64-int4": {"rate": 0.6, "recent_window": 64, "kv_codec": "int4"},
     "kvrewrite-p0.3-W64-int2": {"rate": 0.3, "recent_window": 64, "kv_codec": "int2"},
+    # Rate 0 keeps every dim: our int4 / int2 codecs on the full-rank latents behind a 64-token window, to set
+    # beside transformers' QuantizedCache.
+    "kvrewrite-p0-W64-int4": {"rate": 0.0, "recent_window": 64, "kv_codec": "int4"},
+    "kvrewrite-p0-W64-int2": {"rate": 0.0, "recent_window": 64, "kv_codec": "int2"},
 }
 
 
