@@ -309,3 +309,15 @@ def test_classification_keeps_the_top_scored_share_of_each_pool(score):
         aged = sorted(set(range(2 * pool)) - expected)
         torch.testing.assert_close(layer.aged_values[row, 0].float(), values[row, 0, aged, :1].half().float())
     assert layer.keys.shape[-2] == n - 2 * pool  # the window plus the unclassified rest of the pool
+
+
+def test_crop_works_within_the_window_only(compiled):
+    model = tiered_model(compiled["freq"], window=6)
+    cache = make_tiered_cache(model, model.tier_policy)
+    run_chunks(model, random_windows(n=1, length=20, seed=10), 20, cache)
+    cache.crop(16)  # keep 16 tokens: drop the last 4, all inside the full-rank window
+    assert cache.get_seq_length() == 16 and cache.layers[0].keys.shape[-2] == 2
+    cache.crop(-1)  # negative: remove that many
+    assert cache.get_seq_length() == 15 and cache.layers[0].keys.shape[-2] == 1
+    with pytest.raises(InvalidArgumentError, match="full-rank window holds 1"):
+        cache.crop(10)

@@ -11,16 +11,26 @@ parts, the residual window), so the cache size is measured on what is really sto
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache
 
+from kvrewrite.batch_first_layer import BatchFirstLayer
 from kvrewrite.codecs.base import LayerCodec
-from kvrewrite.errors import InvalidArgumentError
 
 RESIDUAL_DTYPE = torch.float16
 
 
-class CodecLayer(DynamicLayer):
-    is_croppable = True
+def encode_append(codec: LayerCodec, store: dict | None, staged: torch.Tensor, n_blocks: int, side: str) -> dict:
+    """Code the first n_blocks whole blocks of G tokens of `staged` [B, 1, S, C] and append them to `store`."""
+    batch, _, _, c = staged.shape
+    g = codec.block_tokens
+    coded = codec.encode(staged[:, 0, : n_blocks * g].float().reshape(batch, n_blocks, g, c), side)
+    if store is None:
+        return coded
+    return {name: torch.cat([store[name], coded[name]], dim=1) for name in store}
+
+
+class CodecLayer(BatchFirstLayer):
+    stored_dict_names = ("coded_keys", "coded_values")
 
     def __init__(self, codec: LayerCodec, residual: int):
         super().__init__()
@@ -50,20 +60,11 @@ class CodecLayer(DynamicLayer):
         g = self.codec.block_tokens
         n_blocks = max(0, self.keys.shape[-2] - self.residual_length) // g
         if n_blocks:
-            self.coded_keys = self._encode_append(self.coded_keys, self.keys, n_blocks, "key")
-            self.coded_values = self._encode_append(self.coded_values, self.values, n_blocks, "value")
+            self.coded_keys = encode_append(self.codec, self.coded_keys, self.keys, n_blocks, "key")
+            self.coded_values = encode_append(self.codec, self.coded_values, self.values, n_blocks, "value")
             self.keys = self.keys[..., n_blocks * g :, :].contiguous()
             self.values = self.values[..., n_blocks * g :, :].contiguous()
         return out
-
-    def _encode_append(self, store, residual, n_blocks: int, side: str):
-        batch, _, _, c = residual.shape
-        g = self.codec.block_tokens
-        blocks = residual[:, 0, : n_blocks * g].float().reshape(batch, n_blocks, g, c)
-        coded = self.codec.encode(blocks, side)
-        if store is None:
-            return coded
-        return {name: torch.cat([store[name], coded[name]], dim=1) for name in store}
 
     def _read(self, side: str, dtype: torch.dtype) -> torch.Tensor:
         """What attention sees: the decoded blocks, then the residual window."""
@@ -80,46 +81,6 @@ class CodecLayer(DynamicLayer):
     def reset(self) -> None:
         super().reset()
         self.coded_keys = self.coded_values = None
-
-    # ---- batch bookkeeping: every stored tensor is batch-first -------------------------------------------
-    def _map_batch(self, fn) -> None:
-        if not self.is_initialized:
-            return
-        self.keys, self.values = fn(self.keys), fn(self.values)
-        for name in ("coded_keys", "coded_values"):
-            store = getattr(self, name)
-            if store is not None:
-                setattr(self, name, {k: fn(v) for k, v in store.items()})
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._map_batch(lambda t: t[indices, ...])
-
-    def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove > 0:
-            raise ValueError("crop takes a negative number of tokens to remove")
-        remove = -tokens_to_remove
-        if remove == 0 or not self.is_initialized:
-            return
-        if remove > self.keys.shape[-2]:
-            # Coded blocks are not split; cropping is supported within the full-precision window only.
-            raise InvalidArgumentError(
-                f"cannot crop {remove} tokens from a codec cache whose full-precision window holds {self.keys.shape[-2]}"
-            )
-        self.keys, self.values = self.keys[..., :-remove, :], self.values[..., :-remove, :]
-        self.cumulative_length -= remove
-
-    def offload(self):
-        self._map_batch(lambda t: t.to("cpu", non_blocking=True))
-
-    def prefetch(self):
-        if self.is_initialized and self.keys.device != self.device:
-            self._map_batch(lambda t: t.to(self.device, non_blocking=True))
 
 
 class CodecCache(Cache):

@@ -16,9 +16,10 @@ Every stored tensor is an attribute of the layer, so kvrewrite.evaluation.cache_
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache
 
-from kvrewrite.errors import InvalidArgumentError
+from kvrewrite.batch_first_layer import BatchFirstLayer
+from kvrewrite.codecs.cache import encode_append
 
 STORAGE_DTYPE = torch.float16
 POSITION_DTYPE = torch.int32
@@ -29,10 +30,13 @@ def prefix_columns(block_width: int, ranks: tuple[int, ...]) -> list[int]:
     return [g * block_width + i for g, r in enumerate(ranks) for i in range(r)]
 
 
-class TieredLayer(DynamicLayer):
+class TieredLayer(BatchFirstLayer):
     """keys/values (the DynamicLayer fields) are the recent tier [B, 1, S_recent, n_kv * d] at full rank."""
 
-    is_croppable = True
+    window_description = "full-rank window"
+    stored_tensor_names = ("keys", "values", "aged_keys", "aged_values", "important_keys", "important_values",
+                           "aged_positions", "important_positions", "recent_scores")
+    stored_dict_names = ("coded_keys", "coded_values")
 
     def __init__(self, window: int, head_dim: int, aged_key_ranks: tuple[int, ...], aged_value_ranks: tuple[int, ...],
                  codec=None, storage_dtype: torch.dtype = STORAGE_DTYPE, *, important_key_ranks=None,
@@ -167,20 +171,11 @@ class TieredLayer(DynamicLayer):
         n_blocks = self.aged_keys.shape[-2] // g
         if not n_blocks:
             return
-        self.coded_keys = self._encode_append(self.coded_keys, self.aged_keys, n_blocks, "key")
-        self.coded_values = self._encode_append(self.coded_values, self.aged_values, n_blocks, "value")
+        self.coded_keys = encode_append(self.codec, self.coded_keys, self.aged_keys, n_blocks, "key")
+        self.coded_values = encode_append(self.codec, self.coded_values, self.aged_values, n_blocks, "value")
         self.aged_keys = self.aged_keys[..., n_blocks * g :, :].contiguous()
         self.aged_values = self.aged_values[..., n_blocks * g :, :].contiguous()
         self.coded_length += n_blocks * g
-
-    def _encode_append(self, store, staged: torch.Tensor, n_blocks: int, side: str):
-        batch, _, _, c = staged.shape
-        g = self.codec.block_tokens
-        blocks = staged[:, 0, : n_blocks * g].float().reshape(batch, n_blocks, g, c)
-        coded = self.codec.encode(blocks, side)
-        if store is None:
-            return coded
-        return {name: torch.cat([store[name], coded[name]], dim=1) for name in store}
 
     # ---- reads ---------------------------------------------------------------------------------------------
     def aged_latents(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,51 +203,11 @@ class TieredLayer(DynamicLayer):
                      "aged_positions", "important_positions", "recent_scores"):
             setattr(self, name, None)
 
-    # ---- batch bookkeeping: every stored tensor is batch-first -------------------------------------------------
-    def _map_batch(self, fn) -> None:
-        if not self.is_initialized:
-            return
-        for name in ("keys", "values", "aged_keys", "aged_values", "important_keys", "important_values",
-                     "aged_positions", "important_positions", "recent_scores"):
-            value = getattr(self, name)
-            if value is not None:
-                setattr(self, name, fn(value))
-        for name in ("coded_keys", "coded_values"):
-            store = getattr(self, name)
-            if store is not None:
-                setattr(self, name, {k: fn(v) for k, v in store.items()})
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._map_batch(lambda t: t[indices, ...])
-
-    def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove > 0:
-            raise ValueError("crop takes a negative number of tokens to remove")
-        remove = -tokens_to_remove
-        if remove == 0 or not self.is_initialized:
-            return
-        if remove > self.keys.shape[-2]:
-            # Aged tokens lost their trailing dims: cropping back into them could not restore full rank.
-            raise InvalidArgumentError(
-                f"cannot crop {remove} tokens from a tiered cache whose full-rank window holds {self.keys.shape[-2]}"
-            )
-        self.keys, self.values = self.keys[..., :-remove, :], self.values[..., :-remove, :]
-        if self.adaptive:
-            self.recent_scores = self.recent_scores[:, :-remove]
-        self.cumulative_length -= remove
-
-    def offload(self):
-        self._map_batch(lambda t: t.to("cpu", non_blocking=True))
-
-    def prefetch(self):
-        if self.is_initialized and self.keys.device != self.device:
-            self._map_batch(lambda t: t.to(self.device, non_blocking=True))
+    def crop(self, max_length: int) -> None:
+        # Aged tokens lost their trailing dims: cropping back into them could not restore full rank.
+        super().crop(max_length)
+        if self.adaptive and self.recent_scores.shape[-1] > self.keys.shape[-2]:
+            self.recent_scores = self.recent_scores[:, : self.keys.shape[-2]]
 
 
 class TieredCache(Cache):
