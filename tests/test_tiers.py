@@ -40,10 +40,12 @@ def _head_mask(ranks, d: int) -> torch.Tensor:
     return torch.cat([(torch.arange(d) < r).float() for r in ranks])
 
 
-def dense_reference_logits(directory, tokens: torch.Tensor, window: int, attention_mask=None, masks=None) -> torch.Tensor:
+def dense_reference_logits(directory, tokens: torch.Tensor, window: int, attention_mask=None, masks=None,
+                           dropped=None) -> torch.Tensor:
     """Logits of the full-rank model in which query t reads keys/values older than `window` truncated to RATE's ranks.
 
-    masks(layer, t) -> (key_mask, value_mask) [t + 1, C] overrides which dims query t reads of each token.
+    masks(layer, t) -> (key_mask, value_mask) [t + 1, C] overrides which dims query t reads of each token;
+    dropped(layer, t) -> bool [t + 1] marks tokens query t must not read at all (evicted).
     """
     model = kvrewrite.load(directory, rate=0.0).eval()
     key_ranks, value_ranks = model.compression_spec.ranks_for_rate(RATE)
@@ -63,6 +65,9 @@ def dense_reference_logits(directory, tokens: torch.Tensor, window: int, attenti
             key_mask, value_mask = masks(self.layer_idx, t)
             k, v = key[:, : t + 1] * key_mask, value[:, : t + 1] * value_mask
             mask = attention_mask[..., t : t + 1, : t + 1] if attention_mask is not None else None
+            if dropped is not None:
+                keep = ~dropped(self.layer_idx, t)[None, None, None, :]
+                mask = keep if mask is None else (mask.bool() if mask.dtype == torch.bool else mask > -1) & keep
             outputs.append(self.attend(query[:, t : t + 1], k.unsqueeze(1), v.unsqueeze(1), mask, past_len=t))
         return self.o_proj(torch.cat(outputs, dim=1)), None
 
@@ -215,8 +220,8 @@ def test_recent_window_option_rejects_bad_values():
 IMPORTANT_RATE, SHARE, POOL = 0.25, 0.25, 8
 
 
-def adaptive_model(directory, window: int, score: str = "attention"):
-    important = {"rate": IMPORTANT_RATE, "share": SHARE, "score": score, "pool": POOL}
+def adaptive_model(directory, window: int, score: str = "attention", evict_rest: bool = False):
+    important = {"rate": IMPORTANT_RATE, "share": SHARE, "score": score, "pool": POOL, "evict_rest": evict_rest}
     return kvrewrite.load(directory, rate=RATE, recent_window=window, important=important).eval()
 
 
@@ -321,3 +326,50 @@ def test_crop_works_within_the_window_only(compiled):
     assert cache.get_seq_length() == 15 and cache.layers[0].keys.shape[-2] == 1
     with pytest.raises(InvalidArgumentError, match="full-rank window holds 1"):
         cache.crop(10)
+
+
+@pytest.mark.parametrize("mode", ["latent", "freq"])
+def test_evicting_the_unimportant_tokens_equals_dense_reference(compiled, mode):
+    """evict_rest: after classification the non-important tokens are gone from the cache and from attention."""
+    window, length = 4, 4 + 2 * POOL + 3
+    tokens = random_windows(n=1, length=length + 1, seed=11)
+    model = adaptive_model(compiled[mode], window, evict_rest=True)
+    cache = make_tiered_cache(model, model.tier_policy, torch.float32)
+    with torch.no_grad():
+        prefill = model(tokens[:, :length], past_key_values=cache, use_cache=True).logits
+        step = model(tokens[:, length:], past_key_values=cache, use_cache=True).logits
+    spec = model.compression_spec
+    imp_k, imp_v = spec.ranks_for_rate(IMPORTANT_RATE)
+    d = model.compressed_attentions()[0].head_dim
+    kept = [set(layer.important_positions[0].tolist()) for layer in cache.layers]
+    for layer in cache.layers:
+        assert layer.aged_keys.shape[-2] == 0 and layer.aged_positions.numel() == 0
+        assert len(layer.important_positions[0]) == 2 * round(SHARE * POOL)
+
+    def masks(layer: int, t: int):
+        key_mask, value_mask = torch.ones(t + 1, 2 * d), torch.ones(t + 1, 2 * d)
+        for j in range(t + 1):
+            if t - j > window:
+                key_mask[j], value_mask[j] = _head_mask(imp_k[layer], d), _head_mask(imp_v[layer], d)
+        return key_mask, value_mask
+
+    def dropped(layer: int, t: int) -> torch.Tensor:
+        out = torch.zeros(t + 1, dtype=torch.bool)
+        if t == length:  # classified after the prefill: the first 2 pools, minus the kept tokens
+            for j in range(2 * POOL):
+                out[j] = j not in kept[layer]
+        return out
+
+    reference = dense_reference_logits(compiled[mode], tokens, window, masks=masks, dropped=dropped)
+    torch.testing.assert_close(prefill, reference[:, :length], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(step, reference[:, length:], rtol=1e-4, atol=1e-4)
+    assert cache_tensor_bytes(cache) < cache_tensor_bytes(make_filled(model, tokens[:, :length]))
+
+
+def make_filled(model, tokens):
+    """The same model's tiered cache without eviction, filled with the same tokens (for the bytes comparison)."""
+    keep_all = adaptive_model(model.config._name_or_path, 4)
+    cache = make_tiered_cache(keep_all, keep_all.tier_policy, torch.float32)
+    with torch.no_grad():
+        keep_all(tokens, past_key_values=cache, use_cache=True)
+    return cache

@@ -69,8 +69,10 @@ def _stored_tiers(layer, dtype, allowed: torch.Tensor, batch: int) -> list[_Tier
     aged_k, aged_v = layer.aged_latents(dtype)
     tiers = []
     if layer.adaptive:
-        aged_pos = layer.aged_positions.long()
-        tiers.append(_Tier(aged_k, aged_v, layer.aged_key_ranks, layer.aged_value_ranks, aged_pos, _gather_columns(allowed, aged_pos)))
+        if not layer.evict_rest:  # evicted tokens are gone: not a zero-score key, no key at all
+            aged_pos = layer.aged_positions.long()
+            tiers.append(_Tier(aged_k, aged_v, layer.aged_key_ranks, layer.aged_value_ranks, aged_pos,
+                               _gather_columns(allowed, aged_pos)))
         imp_pos = layer.important_positions.long()
         tiers.append(_Tier(layer.important_keys.to(dtype), layer.important_values.to(dtype), layer.important_key_ranks,
                            layer.important_value_ranks, imp_pos, _gather_columns(allowed, imp_pos)))

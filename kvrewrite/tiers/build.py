@@ -15,7 +15,7 @@ def enable_tiers(model, spec, rate: float | None, window: int, kv_codec, tables:
 
     kv_codec: "compiled" (the checkpoint's codec, if any), None / "none", or a codec for the aged tier.
     important: token-adaptive dims, {"rate": r_i, "share": g (or one per layer), "score": "attention" |
-        "denominator", "pool": tokens classified together}; see kvrewrite.tiers.policy.
+        "denominator", "pool": tokens classified together, "evict_rest": drop the others}; see kvrewrite.tiers.policy.
     """
     from kvrewrite.codecs import build_layer_codecs
     from kvrewrite.codecs.config import CodecConfig, parse_codec
@@ -31,11 +31,13 @@ def enable_tiers(model, spec, rate: float | None, window: int, kv_codec, tables:
     codec = parse_codec(codec) if isinstance(codec, str) or codec is None else codec
     options = {}
     if important:
-        unknown = set(important) - {"rate", "share", "score", "pool"}
+        unknown = set(important) - {"rate", "share", "score", "pool", "evict_rest"}
         if unknown or "rate" not in important or "share" not in important:
-            raise InvalidArgumentError(f"important= takes rate, share and optionally score and pool; got {sorted(important)}")
+            raise InvalidArgumentError(
+                f"important= takes rate, share and optionally score, pool and evict_rest; got {sorted(important)}")
         options = dict(important_rate=important["rate"], important_share=important["share"],
-                       score=important.get("score", "attention"), pool=important.get("pool", 64))
+                       score=important.get("score", "attention"), pool=important.get("pool", 64),
+                       evict_rest=bool(important.get("evict_rest", False)))
     policy = tier_policy_for_rate(spec, spec.target_rate if rate is None else rate, window,
                                   codec.to_dict() if isinstance(codec, CodecConfig) else None, **options)
     if codec is not None:

@@ -40,7 +40,8 @@ class TieredLayer(BatchFirstLayer):
 
     def __init__(self, window: int, head_dim: int, aged_key_ranks: tuple[int, ...], aged_value_ranks: tuple[int, ...],
                  codec=None, storage_dtype: torch.dtype = STORAGE_DTYPE, *, important_key_ranks=None,
-                 important_value_ranks=None, important_share: float | None = None, score: str = "attention", pool: int = 64):
+                 important_value_ranks=None, important_share: float | None = None, score: str = "attention", pool: int = 64,
+                 evict_rest: bool = False):
         super().__init__()
         self.window = window
         self.head_dim = head_dim
@@ -53,6 +54,7 @@ class TieredLayer(BatchFirstLayer):
         self.important_share = important_share
         self.score = score
         self.pool = pool if self.adaptive else 0
+        self.evict_rest = evict_rest  # classified tokens not kept as important are dropped, not aged
         self.cumulative_length = 0
         self.coded_length = 0  # aged tokens held as codec blocks (the rest of the aged tier is the staging run)
         self.aged_keys: torch.Tensor | None = None
@@ -160,10 +162,12 @@ class TieredLayer(BatchFirstLayer):
         ak, av = self._columns(self.aged_key_ranks), self._columns(self.aged_value_ranks)
         self.important_keys = torch.cat([self.important_keys, take(tokens_k, imp_idx, ik)], dim=-2)
         self.important_values = torch.cat([self.important_values, take(tokens_v, imp_idx, iv)], dim=-2)
-        self.aged_keys = torch.cat([self.aged_keys, take(tokens_k, aged_idx, ak)], dim=-2)
-        self.aged_values = torch.cat([self.aged_values, take(tokens_v, aged_idx, av)], dim=-2)
         pos = positions.to(POSITION_DTYPE)[None].expand(batch, moving)
         self.important_positions = torch.cat([self.important_positions, pos.gather(1, imp_idx)], dim=-1)
+        if self.evict_rest:
+            return
+        self.aged_keys = torch.cat([self.aged_keys, take(tokens_k, aged_idx, ak)], dim=-2)
+        self.aged_values = torch.cat([self.aged_values, take(tokens_v, aged_idx, av)], dim=-2)
         self.aged_positions = torch.cat([self.aged_positions, pos.gather(1, aged_idx)], dim=-1)
 
     def _code_full_blocks(self) -> None:
@@ -222,7 +226,8 @@ class TieredCache(Cache):
             adaptive = {}
             if policy.adaptive:
                 adaptive = dict(important_key_ranks=policy.important_key_ranks[i], important_value_ranks=policy.important_value_ranks[i],
-                                important_share=policy.important_share[i], score=policy.score, pool=policy.pool)
+                                important_share=policy.important_share[i], score=policy.score, pool=policy.pool,
+                                evict_rest=policy.evict_rest)
             layers.append(TieredLayer(policy.window, head_dim, policy.aged_key_ranks[i], policy.aged_value_ranks[i],
                                       codecs[i], storage_dtype, **adaptive))
         super().__init__(layers=layers)

@@ -10,7 +10,8 @@ Token-adaptive dims (ZDC §5.2): with `important_share`, tokens that leave the w
 tokens (read at the important ranks); when the pool is full, the share g_l of them with the highest importance
 score keep the layer's `important` ranks and the rest drop to the aged ranks. Scores: "attention" (mean
 attention the token received while in the window, summed over heads) or "denominator" (ZDC's: the token's own
-softmax denominator as a query, summed over heads).
+softmax denominator as a query, summed over heads). With `evict_rest`, the tokens not kept as important are
+dropped from the cache altogether (a score-based eviction, like H2O/TOVA, over the latent cache).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class TierPolicy:
     important_share: tuple[float, ...] | None = None  # g_l per layer
     score: str = "attention"
     pool: int = 64
+    evict_rest: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 0:
@@ -55,6 +57,8 @@ class TierPolicy:
                 raise InvalidArgumentError(f"importance pool must be >= 1 token, got {self.pool}")
             if self.codec is not None:
                 raise InvalidArgumentError("token-adaptive dims with a codec on the aged tier are not supported yet")
+        elif self.evict_rest:
+            raise InvalidArgumentError("evict_rest needs an important share (the tokens it keeps)")
             for i, (ak, ik) in enumerate(zip(self.aged_key_ranks, self.important_key_ranks)):
                 if any(a > b for a, b in zip(ak, ik)) or any(
                         a > b for a, b in zip(self.aged_value_ranks[i], self.important_value_ranks[i])):
@@ -74,7 +78,7 @@ class TierPolicy:
 
 def tier_policy_for_rate(spec, rate: float, window: int, codec: dict | None = None, *,
                          important_rate: float | None = None, important_share: float | list[float] | None = None,
-                         score: str = "attention", pool: int = 64) -> TierPolicy:
+                         score: str = "attention", pool: int = 64, evict_rest: bool = False) -> TierPolicy:
     """Aged tokens at the ranks of `rate` in the checkpoint's rate table (kvrewrite.spec.CompressionSpec); with
     important_rate and important_share (one g for every layer, or one per layer), important tokens at that rate's."""
     key_ranks, value_ranks = spec.ranks_for_rate(rate)
@@ -85,7 +89,7 @@ def tier_policy_for_rate(spec, rate: float, window: int, codec: dict | None = No
         ik, iv = spec.ranks_for_rate(important_rate)
         shares = [important_share] * spec.num_layers if isinstance(important_share, (int, float)) else list(important_share)
         important = dict(important_key_ranks=tuple(tuple(k) for k in ik), important_value_ranks=tuple(tuple(v) for v in iv),
-                         important_share=tuple(float(g) for g in shares), score=score, pool=pool)
+                         important_share=tuple(float(g) for g in shares), score=score, pool=pool, evict_rest=evict_rest)
     return TierPolicy(
         window=window,
         aged_key_ranks=tuple(tuple(k) for k in key_ranks),
