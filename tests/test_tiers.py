@@ -373,3 +373,16 @@ def make_filled(model, tokens):
     with torch.no_grad():
         keep_all(tokens, past_key_values=cache, use_cache=True)
     return cache
+
+
+def test_folded_keys_of_a_no_rope_family_equal_dense_reference(tmp_path):
+    from tiny_families import save_tiny_family
+
+    src = save_tiny_family(tmp_path / "opt-src", "opt", seed=2)
+    run_pipeline(Plan(model=str(src), output=tmp_path / "opt", progress=False, target_rate=RATE), tiny_pipeline())
+    model = tiered_model(tmp_path / "opt", window=5)
+    assert model.compressed_attentions()[0].key_mode == "folded"
+    tokens = random_windows(n=2, length=30, seed=12)
+    with torch.no_grad():
+        tiered = model(tokens, past_key_values=make_tiered_cache(model, model.tier_policy, torch.float32), use_cache=True).logits
+    torch.testing.assert_close(tiered, dense_reference_logits(tmp_path / "opt", tokens, 5), rtol=1e-4, atol=1e-4)
