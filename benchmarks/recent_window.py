@@ -29,7 +29,7 @@ from transformers import AutoTokenizer
 
 import kvrewrite
 from kvrewrite.calibration_data import evaluation_token_sequences
-from kvrewrite.evaluation import cache_tensor_bytes
+from kvrewrite.evaluation import cache_tensor_bytes, kv_cache_bytes_per_token_formula
 from kvrewrite.passes.load_checkpoint import load_fp32_model
 from kvrewrite.sources import resolve_model_source
 
@@ -75,7 +75,7 @@ def main() -> None:
     windows = evaluation_token_sequences(tokenizer, args.windows * args.length, args.length)
     original = load_fp32_model(source.path).eval()
     config = original.config
-    fp16_bytes = 2 * 2 * config.num_hidden_layers * config.num_key_value_heads * (config.hidden_size // config.num_attention_heads)
+    fp16_bytes = kv_cache_bytes_per_token_formula(config, torch.float16)
     from transformers import DynamicCache
 
     rows = {}
@@ -99,7 +99,7 @@ def main() -> None:
         model = kvrewrite.load(args.checkpoint, rate=rate, kv_codec=codec,
                                recent_window=int(window) if window is not None else None, important=important).eval()
         # A coded or token-adaptive tier changes between forwards: feed 64-token chunks, as decoding would.
-        chunk = 64 if codec or important else None
+        chunk = 64 if model.tier_policy is not None and model.tier_policy.changes_between_forwards or codec else None
         nll, n, held = continuation_nll(model, windows, args.context, model.make_kv_cache, chunk)
         ppl = math.exp(nll / n)
         # Plain caches store the model's float32; the tiered and codec caches store float16 or codes.

@@ -79,13 +79,13 @@ CODEC_EVAL_CHUNK = 64
 
 def default_chunk(models: Iterable[torch.nn.Module | None]) -> int | None:
     """CODEC_EVAL_CHUNK if any model codes its cache (a one-shot forward would never read it), else None."""
-    return CODEC_EVAL_CHUNK if any(_codes_its_cache(m) for m in models if m is not None) else None
+    return CODEC_EVAL_CHUNK if any(_needs_chunks(m) for m in models if m is not None) else None
 
 
-def _codes_its_cache(model: torch.nn.Module) -> bool:
-    # A tiered model's aged tier is coded only when tokens settle after a forward, so it needs chunks too.
+def _needs_chunks(model: torch.nn.Module) -> bool:
+    # A tiered model's coded or token-adaptive tiers change only when tokens settle after a forward.
     policy = getattr(model, "tier_policy", None)
-    return getattr(model, "kv_codec", None) is not None or (policy is not None and policy.codec is not None)
+    return getattr(model, "kv_codec", None) is not None or (policy is not None and policy.changes_between_forwards)
 
 
 def new_kv_cache(model: torch.nn.Module) -> Cache:

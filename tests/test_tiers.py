@@ -146,7 +146,7 @@ def test_aged_tokens_truncate_exactly_and_bytes_match_formula(compiled):
             torch.testing.assert_close(layer.aged_keys.float(), keys[..., : length - window, key_cols].half().float())
             torch.testing.assert_close(layer.aged_values.float(), values[..., : length - window, value_cols].half().float())
         full_elements = 2 * len(policy.aged_key_ranks[i]) * d
-        expected_bytes += 2 * tokens.shape[0] * (window * full_elements + (length - window) * policy.aged_elements_per_token(i))
+        expected_bytes += 2 * tokens.shape[0] * (window * full_elements + (length - window) * (sum(policy.aged_key_ranks[i]) + sum(policy.aged_value_ranks[i])))
     assert cache_tensor_bytes(cache) == expected_bytes
     assert cache.get_seq_length() == length
 
@@ -225,6 +225,15 @@ def adaptive_model(directory, window: int, score: str = "attention", evict_rest:
     return kvrewrite.load(directory, rate=RATE, recent_window=window, important=important).eval()
 
 
+def prefill_then_step(model, tokens: torch.Tensor, length: int):
+    """Prefill tokens[:, :length] into a float32 tiered cache in one forward, then decode the rest in one step."""
+    cache = make_tiered_cache(model, model.tier_policy, torch.float32)
+    with torch.no_grad():
+        prefill = model(tokens[:, :length], past_key_values=cache, use_cache=True).logits
+        step = model(tokens[:, length:], past_key_values=cache, use_cache=True).logits
+    return prefill, step, cache
+
+
 @pytest.mark.parametrize("mode", ["latent", "freq"])
 @pytest.mark.parametrize("score", ["attention", "denominator"])
 def test_token_adaptive_dims_equal_dense_reference(compiled, mode, score):
@@ -233,10 +242,7 @@ def test_token_adaptive_dims_equal_dense_reference(compiled, mode, score):
     window, length = 4, 4 + 3 * POOL + 5
     tokens = random_windows(n=2, length=length + 1, seed=7)
     model = adaptive_model(compiled[mode], window, score)
-    cache = make_tiered_cache(model, model.tier_policy, torch.float32)
-    with torch.no_grad():
-        prefill = model(tokens[:, :length], past_key_values=cache, use_cache=True).logits
-        step = model(tokens[:, length:], past_key_values=cache, use_cache=True).logits
+    prefill, step, cache = prefill_then_step(model, tokens, length)
     spec = model.compression_spec
     aged_k, aged_v = spec.ranks_for_rate(RATE)
     imp_k, imp_v = spec.ranks_for_rate(IMPORTANT_RATE)
@@ -264,6 +270,14 @@ def test_token_adaptive_dims_equal_dense_reference(compiled, mode, score):
         reference = dense_reference_logits(compiled[mode], tokens[row : row + 1], window, masks=row_masks)
         torch.testing.assert_close(prefill[row], reference[0, :length], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(step[row], reference[0, length:], rtol=1e-4, atol=1e-4)
+
+
+def test_evaluation_feeds_chunks_to_policies_that_change_between_forwards(compiled):
+    from kvrewrite.evaluation import CODEC_EVAL_CHUNK, default_chunk
+
+    assert default_chunk([tiered_model(compiled["freq"], 4)]) is None  # exact in one forward
+    assert default_chunk([adaptive_model(compiled["freq"], 4)]) == CODEC_EVAL_CHUNK
+    assert default_chunk([tiered_model(compiled["freq"], 4, codec="int4")]) == CODEC_EVAL_CHUNK
 
 
 def test_token_adaptive_bytes_match_formula(compiled):
@@ -334,10 +348,7 @@ def test_evicting_the_unimportant_tokens_equals_dense_reference(compiled, mode):
     window, length = 4, 4 + 2 * POOL + 3
     tokens = random_windows(n=1, length=length + 1, seed=11)
     model = adaptive_model(compiled[mode], window, evict_rest=True)
-    cache = make_tiered_cache(model, model.tier_policy, torch.float32)
-    with torch.no_grad():
-        prefill = model(tokens[:, :length], past_key_values=cache, use_cache=True).logits
-        step = model(tokens[:, length:], past_key_values=cache, use_cache=True).logits
+    prefill, step, cache = prefill_then_step(model, tokens, length)
     spec = model.compression_spec
     imp_k, imp_v = spec.ranks_for_rate(IMPORTANT_RATE)
     d = model.compressed_attentions()[0].head_dim

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import torch
 
-from kvrewrite.codecs.config import CodecConfig
 from kvrewrite.errors import CorruptCheckpointError, InvalidArgumentError
 from kvrewrite.evaluation import default_chunk, kv_cache_bytes_per_token_formula
 from kvrewrite.spec import CompressionSpec
@@ -56,8 +55,7 @@ def evaluate_checkpoint(directory: Path, *, baseline: str | None = None, rates: 
         for codec in codec_list:
             for window in recent_windows or [None]:
                 model = load(directory, rate=rate, kv_codec=codec, recent_window=window)
-                policy_codec = model.tier_policy.codec if window is not None else None
-                codec_config = model.kv_codec if window is None else (CodecConfig.from_dict(policy_codec) if policy_codec else None)
+                codec_config = model.kv_codec if window is None else model.tier_policy.codec
                 label = codec_config.describe() if codec_config is not None else "none"
                 name = (f"{Path(directory).name} p={rate:.2f}" + (f" +W={window}" if window is not None else "")
                         + (f" +{label}" if label != "none" else ""))

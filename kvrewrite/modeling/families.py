@@ -133,6 +133,10 @@ def compressed_family(adapter: ArchitectureAdapter) -> tuple[type, type]:
             """
             from kvrewrite.runtime import checkpoint_directory, ensure_complete_load, verify_checkpoint_files
 
+            if important is not None and recent_window is None:  # refused before any weight is read
+                from kvrewrite.errors import InvalidArgumentError
+
+                raise InvalidArgumentError("important= (token-adaptive dims) needs recent_window= (kvrewrite.tiers)")
             directory = checkpoint_directory(pretrained_model_name_or_path, kwargs.get("revision"))
             if verify_checksums:
                 verify_checkpoint_files(directory)
@@ -146,10 +150,6 @@ def compressed_family(adapter: ArchitectureAdapter) -> tuple[type, type]:
             from kvrewrite.codecs.checkpoint import read_codec_tables
 
             spec = model.compression_spec
-            if important is not None and recent_window is None:
-                from kvrewrite.errors import InvalidArgumentError
-
-                raise InvalidArgumentError("important= (token-adaptive dims) needs recent_window= (kvrewrite.tiers)")
             if recent_window is not None:
                 from kvrewrite.tiers.build import enable_tiers
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from kvrewrite.errors import InvalidArgumentError
 import torch
 
+from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.tiers.cache import STORAGE_DTYPE, TieredCache
 from kvrewrite.tiers.policy import TierPolicy, tier_policy_for_rate
 
@@ -17,8 +17,7 @@ def enable_tiers(model, spec, rate: float | None, window: int, kv_codec, tables:
     important: token-adaptive dims, {"rate": r_i, "share": g (or one per layer), "score": "attention" |
         "denominator", "pool": tokens classified together, "evict_rest": drop the others}; see kvrewrite.tiers.policy.
     """
-    from kvrewrite.codecs import build_layer_codecs
-    from kvrewrite.codecs.config import CodecConfig, parse_codec
+    from kvrewrite.codecs.config import parse_codec
     from kvrewrite.tiers.attention import check_full_rank
 
     for attention in model.compressed_attentions():
@@ -39,22 +38,24 @@ def enable_tiers(model, spec, rate: float | None, window: int, kv_codec, tables:
                        score=important.get("score", "attention"), pool=important.get("pool", 64),
                        evict_rest=bool(important.get("evict_rest", False)))
     policy = tier_policy_for_rate(spec, spec.target_rate if rate is None else rate, window,
-                                  codec.to_dict() if isinstance(codec, CodecConfig) else None, **options)
-    if codec is not None:
-        build_layer_codecs(codec, [list(k) for k in policy.aged_key_ranks], [list(v) for v in policy.aged_value_ranks], tables)
+                                  codec, **options)
+    _aged_tier_codecs(policy, tables)  # a codec that cannot serve the aged ranks fails now, not at the first forward
     model.kv_codec, model.kv_codec_tables = None, dict(tables)
     model.tier_policy = policy
     return policy
 
 
+def _aged_tier_codecs(policy: TierPolicy, tables: dict) -> list | None:
+    """One codec per layer, built for the aged tier's ranks (None without a codec)."""
+    from kvrewrite.codecs import build_layer_codecs
+
+    if policy.codec is None:
+        return None
+    return build_layer_codecs(policy.codec, [list(k) for k in policy.aged_key_ranks],
+                              [list(v) for v in policy.aged_value_ranks], tables)
+
+
 def make_tiered_cache(model, policy: TierPolicy, storage_dtype: torch.dtype = STORAGE_DTYPE) -> TieredCache:
     """The TieredCache a tiered model attends through (its aged-tier codecs built for the aged ranks)."""
-    from kvrewrite.codecs import build_layer_codecs
-    from kvrewrite.codecs.config import CodecConfig
-
-    codecs = None
-    if policy.codec is not None:
-        codecs = build_layer_codecs(CodecConfig.from_dict(policy.codec), [list(k) for k in policy.aged_key_ranks],
-                                    [list(v) for v in policy.aged_value_ranks], model.kv_codec_tables)
     head_dim = model.compressed_attentions()[0].head_dim
-    return TieredCache(policy, head_dim, codecs, storage_dtype)
+    return TieredCache(policy, head_dim, _aged_tier_codecs(policy, model.kv_codec_tables), storage_dtype)

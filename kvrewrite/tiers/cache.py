@@ -194,9 +194,6 @@ class TieredLayer(BatchFirstLayer):
             decoded.append(torch.cat([blocks.reshape(batch, 1, n * g, c).to(dtype), staged], dim=-2))
         return decoded[0], decoded[1]
 
-    def aged_length(self) -> int:
-        return self.coded_length + (self.aged_keys.shape[-2] if self.aged_keys is not None else 0)
-
     def get_seq_length(self) -> int:
         return self.cumulative_length
 
@@ -242,8 +239,3 @@ class TieredCache(Cache):
         output = tiered_attention(module, query, layer, attention_mask)
         layer.settle()
         return output
-
-    def stored_bytes(self) -> int:
-        from kvrewrite.evaluation import cache_tensor_bytes
-
-        return cache_tensor_bytes(self)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvrewrite.codecs.config import CodecConfig
 from kvrewrite.errors import InvalidArgumentError
 
 IMPORTANCE_SCORES = ("attention", "denominator")
@@ -27,13 +28,13 @@ IMPORTANCE_SCORES = ("attention", "denominator")
 class TierPolicy:
     """window: tokens a query reads at full rank besides itself; aged_*: per layer, per KV head ranks of older tokens.
 
-    codec: a KV codec config dict (kvrewrite.codecs.CodecConfig.to_dict()) for the aged tier, or None for float16.
+    codec: a KV codec (kvrewrite.codecs.CodecConfig) for the aged tier, or None for float16 latents.
     """
 
     window: int
     aged_key_ranks: tuple[tuple[int, ...], ...]
     aged_value_ranks: tuple[tuple[int, ...], ...]
-    codec: dict | None = None
+    codec: CodecConfig | None = None
     important_key_ranks: tuple[tuple[int, ...], ...] | None = None
     important_value_ranks: tuple[tuple[int, ...], ...] | None = None
     important_share: tuple[float, ...] | None = None  # g_l per layer
@@ -69,14 +70,18 @@ class TierPolicy:
         return self.important_share is not None
 
     @property
+    def changes_between_forwards(self) -> bool:
+        """True when the cache is coded or classified only after a forward, so one long forward reads it more
+        kindly than decoding would: such a policy must be measured with chunked feeding."""
+        return self.codec is not None or self.adaptive
+
+    @property
     def num_layers(self) -> int:
         return len(self.aged_key_ranks)
 
-    def aged_elements_per_token(self, layer: int) -> int:
-        return sum(self.aged_key_ranks[layer]) + sum(self.aged_value_ranks[layer])
 
 
-def tier_policy_for_rate(spec, rate: float, window: int, codec: dict | None = None, *,
+def tier_policy_for_rate(spec, rate: float, window: int, codec: CodecConfig | None = None, *,
                          important_rate: float | None = None, important_share: float | list[float] | None = None,
                          score: str = "attention", pool: int = 64, evict_rest: bool = False) -> TierPolicy:
     """Aged tokens at the ranks of `rate` in the checkpoint's rate table (kvrewrite.spec.CompressionSpec); with
