@@ -311,7 +311,7 @@ def test_classification_keeps_the_top_scored_share_of_each_pool(score):
     keys, values = torch.randn(2, 1, n, d, generator=gen), torch.randn(2, 1, n, d, generator=gen)
     layer.update(keys, values)
     received, denominators = torch.rand(2, n, generator=gen), torch.randn(2, n, generator=gen)
-    layer.add_scores(received, denominators)
+    layer.add_scores(received, [], denominators)
     layer.settle()
     k = round(share * pool)
     if score == "attention":  # mean over the queries that read each token: n - j of them after one forward

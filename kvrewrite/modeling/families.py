@@ -118,6 +118,7 @@ def compressed_family(adapter: ArchitectureAdapter) -> tuple[type, type]:
             verify_checksums: bool = True,
             recent_window: int | None = None,
             important: dict | None = None,
+            evict: dict | None = None,
             **kwargs,
         ):
             """Load a kvrewrite checkpoint strictly (a missing or mis-shaped weight raises) and slice its ranks.
@@ -130,13 +131,17 @@ def compressed_family(adapter: ArchitectureAdapter) -> tuple[type, type]:
                 if one is given). None (default): every token at `rate`'s ranks.
             important: with recent_window, token-adaptive dims: {"rate": r, "share": g, "score": "attention" or
                 "denominator", "pool": 64}: the share g of aged tokens with the highest score keep rate r's ranks.
+            evict: with recent_window, re-scored eviction: {"keep": g, "bits": 4}: beyond the window only the share g
+                of tokens that the newest queries attend to most stay cached, at `rate`'s ranks, quantized per token
+                to `bits` (default: float16); see kvrewrite.tiers.eviction.
             """
             from kvrewrite.runtime import checkpoint_directory, ensure_complete_load, verify_checkpoint_files
 
-            if important is not None and recent_window is None:  # refused before any weight is read
+            if (important is not None or evict is not None) and recent_window is None:  # refused before any weight is read
                 from kvrewrite.errors import InvalidArgumentError
 
-                raise InvalidArgumentError("important= (token-adaptive dims) needs recent_window= (kvrewrite.tiers)")
+                what = "important= (token-adaptive dims)" if important is not None else "evict= (re-scored eviction)"
+                raise InvalidArgumentError(f"{what} needs recent_window= (kvrewrite.tiers)")
             directory = checkpoint_directory(pretrained_model_name_or_path, kwargs.get("revision"))
             if verify_checksums:
                 verify_checkpoint_files(directory)
@@ -153,7 +158,7 @@ def compressed_family(adapter: ArchitectureAdapter) -> tuple[type, type]:
             if recent_window is not None:
                 from kvrewrite.tiers.build import enable_tiers
 
-                enable_tiers(model, spec, rate, recent_window, kv_codec, read_codec_tables(directory), important)
+                enable_tiers(model, spec, rate, recent_window, kv_codec, read_codec_tables(directory), important, evict)
                 return (model, info) if want_info else model
             if rate is not None:
                 key_ranks, value_ranks = spec.ranks_for_rate(rate)

@@ -39,15 +39,17 @@ def check_full_rank(module) -> None:
 
 
 @dataclass
-class _Tier:
-    """One stored tier as attention reads it: packed latents, per-KV-head ranks, cache indices, allowed mask."""
+class StoredTier:
+    """One stored tier as attention reads it: packed latents, per-KV-head ranks and each token's cache index.
+
+    A tiered cache layer returns its stored tiers (everything but the recent window) from `stored_tiers(dtype)`.
+    """
 
     keys: torch.Tensor  # [B, 1, S_t, sum key ranks]
     values: torch.Tensor  # [B, 1, S_t, sum value ranks]
     key_ranks: tuple[int, ...]
     value_ranks: tuple[int, ...]
-    positions: torch.Tensor  # [B, S_t] cache indices
-    allowed: torch.Tensor  # [B, 1, T, S_t]
+    positions: torch.Tensor | None  # [B, S_t] cache indices; None: indices 0..S_t-1 in order
 
     def key_block(self, g: int) -> torch.Tensor:
         start = sum(self.key_ranks[:g])
@@ -57,6 +59,12 @@ class _Tier:
         start = sum(self.value_ranks[:g])
         return self.values[..., start : start + self.value_ranks[g]]
 
+    def cache_indices(self, batch: int, device: torch.device) -> torch.Tensor:
+        if self.positions is not None:
+            return self.positions.long()
+        n = self.keys.shape[-2]
+        return torch.arange(n, device=device)[None].expand(batch, n)
+
 
 def _gather_columns(allowed: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     batch, n = positions.shape
@@ -64,24 +72,14 @@ def _gather_columns(allowed: torch.Tensor, positions: torch.Tensor) -> torch.Ten
     return expanded.gather(-1, positions[:, None, None, :].expand(batch, 1, allowed.shape[-2], n))
 
 
-def _stored_tiers(layer, dtype, allowed: torch.Tensor, batch: int) -> list[_Tier]:
-    device = allowed.device
-    aged_k, aged_v = layer.aged_latents(dtype)
-    tiers = []
-    if layer.adaptive:
-        if not layer.evict_rest:  # evicted tokens are gone: not a zero-score key, no key at all
-            aged_pos = layer.aged_positions.long()
-            tiers.append(_Tier(aged_k, aged_v, layer.aged_key_ranks, layer.aged_value_ranks, aged_pos,
-                               _gather_columns(allowed, aged_pos)))
-        imp_pos = layer.important_positions.long()
-        tiers.append(_Tier(layer.important_keys.to(dtype), layer.important_values.to(dtype), layer.important_key_ranks,
-                           layer.important_value_ranks, imp_pos, _gather_columns(allowed, imp_pos)))
-    else:  # the aged tier holds cache indices 0..S_aged-1 in order
-        n = aged_k.shape[-2]
-        positions = torch.arange(n, device=device)[None].expand(batch, n)
-        tiers.append(_Tier(aged_k, aged_v, layer.aged_key_ranks, layer.aged_value_ranks, positions,
-                           allowed[..., :n].expand(batch, -1, -1, -1)))
-    return tiers
+def _scored_queries(layer, allowed: torch.Tensor, q_len: int) -> torch.Tensor:
+    """[B, T] weight of each query in the importance evidence: the layer's last `observed_queries` (all when None)
+    that can read any key (a left-padding row reads none and would spread a uniform, meaningless softmax)."""
+    weights = allowed.any(dim=-1)[:, 0].float()  # [B or 1, T]
+    observed = getattr(layer, "observed_queries", None)
+    if observed is not None and observed < q_len:
+        weights = weights * (torch.arange(q_len, device=allowed.device) >= q_len - observed)
+    return weights
 
 
 def tiered_attention(module, query: torch.Tensor, layer, attention_mask: torch.Tensor | None) -> torch.Tensor:
@@ -99,7 +97,9 @@ def tiered_attention(module, query: torch.Tensor, layer, attention_mask: torch.T
     full = (q_pos[:, None] - recent_pos[None, :]) <= layer.window  # [T, S_recent]: pairs read at full rank
     any_beyond = not bool(full.all())
     beyond_k_ranks, beyond_v_ranks = layer.beyond_window_ranks
-    tiers = _stored_tiers(layer, dtype, allowed, batch)
+    tiers = layer.stored_tiers(dtype)
+    tier_positions = [t.cache_indices(batch, device) for t in tiers]
+    tier_allowed = [_gather_columns(allowed, p) for p in tier_positions]
     allowed_recent = allowed[..., kv_len - n_recent :].expand(batch, -1, -1, -1)
 
     heads = query.view(batch, q_len, module.num_heads, d).transpose(1, 2)  # [B, H, T, d]
@@ -113,7 +113,7 @@ def tiered_attention(module, query: torch.Tensor, layer, attention_mask: torch.T
             index = positions[..., None].expand(-1, -1, cos.shape[-1])
             return cos.gather(1, index), sin.gather(1, index)
 
-        tier_rope = [rope_at(t.positions) for t in tiers]
+        tier_rope = [rope_at(p) for p in tier_positions]
         recent_rope = rope_at(recent_pos[None].expand(batch, n_recent))
 
     def scores(q: torch.Tensor, latents: torch.Tensor, g: int, rank: int, rope) -> torch.Tensor:
@@ -122,7 +122,11 @@ def tiered_attention(module, query: torch.Tensor, layer, attention_mask: torch.T
             return q @ keys.transpose(-1, -2)
         return q[..., :rank] @ latents[..., :rank].transpose(-1, -2)
 
-    received = torch.zeros(batch, n_recent, dtype=torch.float32, device=device)
+    scoring = layer.wants_scores
+    if scoring:
+        query_weights = _scored_queries(layer, allowed, q_len)[:, None, :, None]  # [B, 1, T, 1]
+        received = [torch.zeros(batch, t.keys.shape[-2], dtype=torch.float32, device=device) for t in tiers]
+        received_recent = torch.zeros(batch, n_recent, dtype=torch.float32, device=device)
     log_denominator = torch.full((batch, q_len), float("-inf"), dtype=torch.float32, device=device)
     outputs = []
     for g in range(module.num_kv_heads):
@@ -136,24 +140,26 @@ def tiered_attention(module, query: torch.Tensor, layer, attention_mask: torch.T
         parts.append(s_recent)
         logits = torch.cat(parts, dim=-1) * module.scaling
         logits = logits.to(softmax_dtype(logits.dtype))
-        mask = torch.cat([t.allowed for t in tiers] + [allowed_recent], dim=-1)
+        mask = torch.cat(tier_allowed + [allowed_recent], dim=-1)
         logits = logits.masked_fill(~mask, torch.finfo(logits.dtype).min)
-        if layer.adaptive:
+        if scoring:
             log_denominator = torch.logaddexp(log_denominator, torch.logsumexp(logits.float(), dim=-1).logsumexp(dim=1))
         probs = torch.softmax(logits, dim=-1).to(dtype)
         pieces = probs.split([t.keys.shape[-2] for t in tiers] + [n_recent], dim=-1)
         out = torch.zeros(batch, group, q_len, d, dtype=dtype, device=device)
-        for t, p in zip(tiers, pieces[:-1]):
+        for i, (t, p) in enumerate(zip(tiers, pieces[:-1])):
             out = out + F.pad(p @ t.value_block(g), (0, d - t.value_ranks[g]))
+            if scoring:
+                received[i] += (p.float() * query_weights).sum(dim=(1, 2))
         p_recent = pieces[-1]
-        if layer.adaptive:
-            received += p_recent.float().sum(dim=(1, 2))
+        if scoring:
+            received_recent += (p_recent.float() * query_weights).sum(dim=(1, 2))
         if any_beyond:
             rv = beyond_v_ranks[g]
             out = out + (p_recent * full) @ v_recent + F.pad((p_recent * ~full) @ v_recent[..., :rv], (0, d - rv))
         else:
             out = out + p_recent @ v_recent
         outputs.append(out.transpose(1, 2).reshape(batch, q_len, group * d))
-    if layer.adaptive:
-        layer.add_scores(received, log_denominator)
+    if scoring:
+        layer.add_scores(received_recent, received, log_denominator)
     return torch.cat(outputs, dim=-1)

@@ -105,9 +105,15 @@ class TieredLayer(BatchFirstLayer):
             self.recent_scores = torch.cat([self.recent_scores, new], dim=-1)
         return self.keys, self.values
 
-    def add_scores(self, received: torch.Tensor, denominators: torch.Tensor) -> None:
+    @property
+    def wants_scores(self) -> bool:
+        """Attention hands this layer importance evidence after every forward (token-adaptive dims only)."""
+        return self.adaptive
+
+    def add_scores(self, received: torch.Tensor, received_stored: list[torch.Tensor], denominators: torch.Tensor) -> None:
         """One forward's importance evidence: attention each recent token received [B, S_recent] (summed over heads
-        and queries), and the new tokens' own log softmax denominators [B, T] (combined over heads)."""
+        and queries), and the new tokens' own log softmax denominators [B, T] (combined over heads). Classified
+        tokens keep their tier: what the stored tiers received is not used."""
         if self.score == "attention":
             self.recent_scores = self.recent_scores + received
         else:
@@ -182,6 +188,20 @@ class TieredLayer(BatchFirstLayer):
         self.coded_length += n_blocks * g
 
     # ---- reads ---------------------------------------------------------------------------------------------
+    def stored_tiers(self, dtype: torch.dtype) -> list:
+        """Every tier but the recent window, as attention reads it (kvrewrite.tiers.attention.StoredTier)."""
+        from kvrewrite.tiers.attention import StoredTier
+
+        aged_k, aged_v = self.aged_latents(dtype)
+        if not self.adaptive:  # the aged tier holds cache indices 0..S_aged-1 in order
+            return [StoredTier(aged_k, aged_v, self.aged_key_ranks, self.aged_value_ranks, None)]
+        tiers = []
+        if not self.evict_rest:  # evicted tokens are gone: not a zero-score key, no key at all
+            tiers.append(StoredTier(aged_k, aged_v, self.aged_key_ranks, self.aged_value_ranks, self.aged_positions))
+        tiers.append(StoredTier(self.important_keys.to(dtype), self.important_values.to(dtype), self.important_key_ranks,
+                                self.important_value_ranks, self.important_positions))
+        return tiers
+
     def aged_latents(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The aged tier as packed [B, 1, S_aged, sum ranks] keys and values (coded blocks decoded, then staging)."""
         keys, values = self.aged_keys.to(dtype), self.aged_values.to(dtype)
@@ -212,22 +232,13 @@ class TieredLayer(BatchFirstLayer):
 
 
 class TieredCache(Cache):
-    """One TieredLayer per decoder layer. CompressedAttention recognises it (`is_tiered`) and attends tier by tier."""
+    """One tiered layer per decoder layer (the policy's kind). CompressedAttention recognises it (`is_tiered`) and attends tier by tier."""
 
     is_tiered = True
 
     def __init__(self, policy, head_dim: int, layer_codecs: list | None = None, storage_dtype: torch.dtype = STORAGE_DTYPE):
-        codecs = layer_codecs if layer_codecs is not None else [None] * policy.num_layers
-        layers = []
-        for i in range(policy.num_layers):
-            adaptive = {}
-            if policy.adaptive:
-                adaptive = dict(important_key_ranks=policy.important_key_ranks[i], important_value_ranks=policy.important_value_ranks[i],
-                                important_share=policy.important_share[i], score=policy.score, pool=policy.pool,
-                                evict_rest=policy.evict_rest)
-            layers.append(TieredLayer(policy.window, head_dim, policy.aged_key_ranks[i], policy.aged_value_ranks[i],
-                                      codecs[i], storage_dtype, **adaptive))
-        super().__init__(layers=layers)
+        # The policy builds its own layers (TierPolicy: TieredLayer; EvictionPolicy: EvictingLayer).
+        super().__init__(layers=policy.make_layers(head_dim, layer_codecs, storage_dtype))
         self.policy = policy
 
     def attend(self, module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask) -> torch.Tensor:

@@ -58,12 +58,12 @@ class TierPolicy:
                 raise InvalidArgumentError(f"importance pool must be >= 1 token, got {self.pool}")
             if self.codec is not None:
                 raise InvalidArgumentError("token-adaptive dims with a codec on the aged tier are not supported yet")
-        elif self.evict_rest:
-            raise InvalidArgumentError("evict_rest needs an important share (the tokens it keeps)")
             for i, (ak, ik) in enumerate(zip(self.aged_key_ranks, self.important_key_ranks)):
                 if any(a > b for a, b in zip(ak, ik)) or any(
                         a > b for a, b in zip(self.aged_value_ranks[i], self.important_value_ranks[i])):
                     raise InvalidArgumentError(f"layer {i}: important ranks must be at least the aged ranks")
+        elif self.evict_rest:
+            raise InvalidArgumentError("evict_rest needs an important share (the tokens it keeps)")
 
     @property
     def adaptive(self) -> bool:
@@ -79,6 +79,25 @@ class TierPolicy:
     def num_layers(self) -> int:
         return len(self.aged_key_ranks)
 
+    def make_layers(self, head_dim: int, layer_codecs: list | None, storage_dtype) -> list:
+        """One TieredLayer per decoder layer (layer_codecs: the aged tier's codec per layer, or None)."""
+        from kvrewrite.tiers.cache import TieredLayer
+
+        codecs = layer_codecs if layer_codecs is not None else [None] * self.num_layers
+        layers = []
+        for i in range(self.num_layers):
+            adaptive = {}
+            if self.adaptive:
+                adaptive = dict(important_key_ranks=self.important_key_ranks[i], important_value_ranks=self.important_value_ranks[i],
+                                important_share=self.important_share[i], score=self.score, pool=self.pool,
+                                evict_rest=self.evict_rest)
+            layers.append(TieredLayer(self.window, head_dim, self.aged_key_ranks[i], self.aged_value_ranks[i],
+                                      codecs[i], storage_dtype, **adaptive))
+        return layers
+
+    def describe(self) -> str:
+        """A short label for tables: window, aged tier's codec."""
+        return f"W={self.window}" + (f" +{self.codec.describe()}" if self.codec is not None else "")
 
 
 def tier_policy_for_rate(spec, rate: float, window: int, codec: CodecConfig | None = None, *,

@@ -1,0 +1,253 @@
+"""Re-scored eviction over the latent cache: a full-rank recent window, and beyond it only the tokens attention
+still reads, re-scored at every forward, held at a rate's ranks and optionally at a few bits per number.
+
+Every token enters the recent window at full rank in float16. Once it is older than the window it joins the
+kept tier: its latent is cut to the kept ranks (a prefix of every head's importance-ordered dims) and, with
+`bits`, quantized per token (asymmetric min/max over groups of `group_size` channels: one token's numbers never
+depend on another's, so evicting a token is a gather, never a re-quantization). After every forward the layer
+keeps `keep` x (tokens seen beyond the window) of them: those that received the most attention from that
+forward's last `observed_queries` queries, summed over heads. Scores are not accumulated: every kept token is
+re-scored by the newest queries each time, TOVA's rule (one query per generation step), so a token that matters
+later survives and one that stopped mattering goes, unlike a score frozen when the token left the window
+(kvrewrite.tiers.policy's `evict_rest`).
+
+The kept tier interleaves positions, so it stores each token's cache index (int32, counted as held bytes);
+nothing else is stored between forwards. Everything held is a tensor attribute of the layer, so
+kvrewrite.evaluation.cache_tensor_bytes measures it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvrewrite.batch_first_layer import BatchFirstLayer
+from kvrewrite.codecs.base import kivi_decode, kivi_encode
+from kvrewrite.codecs.packing import META_DTYPE, SUPPORTED_BITS, packed_length
+from kvrewrite.errors import InvalidArgumentError
+from kvrewrite.tiers.cache import POSITION_DTYPE, STORAGE_DTYPE, prefix_columns
+
+DEFAULT_OBSERVED_QUERIES = 64  # scoring queries per forward: a 64-token chunk, or the last 64 of a long prefill
+DEFAULT_GROUP_SIZE = 64  # channels per (scale, minimum) pair, as transformers' QuantizedCache defaults
+
+
+@dataclass(frozen=True)
+class EvictionPolicy:
+    """window: tokens a query reads at full rank besides itself; kept_*: per layer, per KV head ranks of the kept
+    tokens beyond it; keep: per layer, the share of the tokens beyond the window that stay cached."""
+
+    window: int
+    kept_key_ranks: tuple[tuple[int, ...], ...]
+    kept_value_ranks: tuple[tuple[int, ...], ...]
+    keep: tuple[float, ...]
+    bits: int | None = None
+    group_size: int = DEFAULT_GROUP_SIZE
+    observed_queries: int = DEFAULT_OBSERVED_QUERIES
+
+    def __post_init__(self) -> None:
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 0:
+            raise InvalidArgumentError(f"recent window must be a whole number of tokens >= 0, got {self.window!r}")
+        if not (len(self.kept_key_ranks) == len(self.kept_value_ranks) == len(self.keep)):
+            raise InvalidArgumentError(f"evict: keep needs one share per layer ({len(self.kept_key_ranks)})")
+        if any(not 0 <= k <= 1 for k in self.keep):
+            raise InvalidArgumentError(f"evict: keep shares must lie in [0, 1], got {list(self.keep)}")
+        if self.bits is not None and self.bits not in SUPPORTED_BITS:
+            raise InvalidArgumentError(f"evict: bits must be one of {SUPPORTED_BITS} or None, got {self.bits!r}")
+        if self.group_size < 1 or self.observed_queries < 1:
+            raise InvalidArgumentError("evict: group_size and observed_queries must be >= 1")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.kept_key_ranks)
+
+    @property
+    def changes_between_forwards(self) -> bool:
+        # Tokens are quantized and evicted only after a forward: measure with chunked feeding.
+        return True
+
+    @property
+    def codec(self) -> None:
+        """No block codec: kept tokens are quantized per token (`bits`)."""
+        return None
+
+    def describe(self) -> str:
+        bits = f" int{self.bits}" if self.bits is not None else ""
+        return f"W={self.window} keep={sum(self.keep) / len(self.keep):.2f}{bits}"
+
+    def make_layers(self, head_dim: int, layer_codecs: list | None, storage_dtype) -> list:
+        if layer_codecs is not None:
+            raise InvalidArgumentError("an eviction policy quantizes per token itself; it takes no block codec")
+        return [EvictingLayer(self.window, head_dim, self.kept_key_ranks[i], self.kept_value_ranks[i], self.keep[i],
+                              self.bits, self.group_size, self.observed_queries, storage_dtype)
+                for i in range(self.num_layers)]
+
+
+def eviction_policy_for_rate(spec, rate: float, window: int, keep: float | list[float], *, bits: int | None = None,
+                             group_size: int = DEFAULT_GROUP_SIZE,
+                             observed_queries: int = DEFAULT_OBSERVED_QUERIES) -> EvictionPolicy:
+    """Kept tokens at the ranks of `rate` in the checkpoint's rate table (kvrewrite.spec.CompressionSpec)."""
+    key_ranks, value_ranks = spec.ranks_for_rate(rate)
+    shares = [keep] * spec.num_layers if isinstance(keep, (int, float)) else list(keep)
+    return EvictionPolicy(window=window, kept_key_ranks=tuple(tuple(k) for k in key_ranks),
+                          kept_value_ranks=tuple(tuple(v) for v in value_ranks), keep=tuple(float(k) for k in shares),
+                          bits=bits, group_size=group_size, observed_queries=observed_queries)
+
+
+# ---- per-token storage of the kept tier ------------------------------------------------------------------
+
+
+def encode_tokens(x: torch.Tensor, bits: int | None, group_size: int,
+                  storage_dtype: torch.dtype = STORAGE_DTYPE) -> dict[str, torch.Tensor]:
+    """[B, S, C] latents -> what the kept tier stores for them, every tensor [B, S, ...] (tokens independent):
+    the latents in `storage_dtype` without bits, else packed codes and a float16 scale and minimum per group."""
+    if bits is None:
+        return {"latents": x.to(storage_dtype)}
+    batch, n, channels = x.shape
+    if n == 0:  # the packer cannot shape zero tokens
+        groups = -(-channels // group_size)
+        return {"codes": x.new_empty((batch, 0, packed_length(channels, bits)), dtype=torch.uint8),
+                "scale": x.new_empty((batch, 0, groups), dtype=META_DTYPE),
+                "low": x.new_empty((batch, 0, groups), dtype=META_DTYPE)}
+    coded = kivi_encode(x.float().unsqueeze(2), "value", bits, group_size)  # one "block" of one token each
+    return {"codes": coded["codes"], "scale": coded["scale"].squeeze(2), "low": coded["low"].squeeze(2)}
+
+
+def decode_tokens(stored: dict[str, torch.Tensor], channels: int, bits: int | None, group_size: int,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of encode_tokens -> [B, 1, S, C]."""
+    if bits is None:
+        return stored["latents"].to(dtype).unsqueeze(1)
+    coded = {"codes": stored["codes"], "scale": stored["scale"].unsqueeze(2), "low": stored["low"].unsqueeze(2)}
+    return kivi_decode(coded, "value", bits, group_size, 1, channels).squeeze(2).unsqueeze(1).to(dtype)
+
+
+def kept_token_bytes(channels: int, bits: int | None, group_size: int, float_bytes: int = 2) -> int:
+    """Bytes one kept token's latents of one side occupy: the formula the stored tensors must match."""
+    if bits is None:
+        return float_bytes * channels
+    return packed_length(channels, bits) + 2 * 2 * -(-channels // group_size)
+
+
+class EvictingLayer(BatchFirstLayer):
+    """keys/values (the DynamicLayer fields) are the recent window [B, 1, S_recent, n_kv * d] at full rank."""
+
+    window_description = "full-rank window"
+    stored_tensor_names = ("keys", "values", "kept_positions")
+    stored_dict_names = ("kept_keys", "kept_values")
+
+    def __init__(self, window: int, head_dim: int, kept_key_ranks: tuple[int, ...], kept_value_ranks: tuple[int, ...],
+                 keep: float, bits: int | None = None, group_size: int = DEFAULT_GROUP_SIZE,
+                 observed_queries: int = DEFAULT_OBSERVED_QUERIES, storage_dtype: torch.dtype = STORAGE_DTYPE):
+        super().__init__()
+        self.window, self.head_dim = window, head_dim
+        self.kept_key_ranks, self.kept_value_ranks = tuple(kept_key_ranks), tuple(kept_value_ranks)
+        self.keep, self.bits, self.group_size = keep, bits, group_size
+        self.observed_queries = observed_queries
+        self.storage_dtype = storage_dtype
+        self.cumulative_length = 0
+        self.kept_keys: dict[str, torch.Tensor] | None = None
+        self.kept_values: dict[str, torch.Tensor] | None = None
+        self.kept_positions: torch.Tensor | None = None
+        # One forward's evidence, handed over by attention and consumed by settle(); never held between forwards.
+        self._received_recent: torch.Tensor | None = None
+        self._received_kept: torch.Tensor | None = None
+
+    wants_scores = True
+
+    @property
+    def beyond_window_ranks(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return self.kept_key_ranks, self.kept_value_ranks
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        batch = key_states.shape[0]
+        self.keys = key_states.new_empty((batch, 1, 0, key_states.shape[-1]), dtype=self.storage_dtype)
+        self.values = value_states.new_empty((batch, 1, 0, value_states.shape[-1]), dtype=self.storage_dtype)
+        empty = key_states.new_empty((batch, 0, 0))
+        self.kept_keys = encode_tokens(empty.new_empty((batch, 0, sum(self.kept_key_ranks))), self.bits, self.group_size, self.storage_dtype)
+        self.kept_values = encode_tokens(empty.new_empty((batch, 0, sum(self.kept_value_ranks))), self.bits, self.group_size, self.storage_dtype)
+        self.kept_positions = key_states.new_empty((batch, 0), dtype=POSITION_DTYPE)
+        self.is_initialized = True
+
+    # ---- writes --------------------------------------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Append new tokens' full-rank packed latents [B, 1, T, n_kv * d] to the recent window."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.cumulative_length += key_states.shape[-2]
+        self.keys = torch.cat([self.keys, key_states.to(self.storage_dtype)], dim=-2)
+        self.values = torch.cat([self.values, value_states.to(self.storage_dtype)], dim=-2)
+        return self.keys, self.values
+
+    def add_scores(self, received: torch.Tensor, received_stored: list[torch.Tensor], denominators: torch.Tensor) -> None:
+        """Attention the recent [B, S_recent] and kept [B, S_kept] tokens received from this forward's observed queries."""
+        self._received_recent = received
+        self._received_kept = received_stored[0] if received_stored else None
+
+    def settle(self) -> None:
+        """Move tokens older than the window into the kept tier, then evict down to the budget by this forward's scores."""
+        beyond = self.keys.shape[-2] - self.window
+        kept_scores = self._received_kept
+        if beyond > 0:
+            first = self.cumulative_length - self.keys.shape[-2]
+            key_cols = self._columns(self.kept_key_ranks)
+            value_cols = self._columns(self.kept_value_ranks)
+            moving_k = self.keys[:, 0, :beyond].index_select(-1, key_cols)
+            moving_v = self.values[:, 0, :beyond].index_select(-1, value_cols)
+            self.kept_keys = _append(self.kept_keys, encode_tokens(moving_k, self.bits, self.group_size, self.storage_dtype))
+            self.kept_values = _append(self.kept_values, encode_tokens(moving_v, self.bits, self.group_size, self.storage_dtype))
+            batch = self.keys.shape[0]
+            positions = torch.arange(first, first + beyond, device=self.keys.device, dtype=POSITION_DTYPE)
+            self.kept_positions = torch.cat([self.kept_positions, positions[None].expand(batch, beyond)], dim=-1)
+            self.keys = self.keys[..., beyond:, :].contiguous()
+            self.values = self.values[..., beyond:, :].contiguous()
+            if kept_scores is not None and self._received_recent is not None:
+                kept_scores = torch.cat([kept_scores, self._received_recent[:, :beyond]], dim=-1)
+        self._received_recent = self._received_kept = None
+        seen_beyond = self.cumulative_length - self.keys.shape[-2]
+        budget = round(self.keep * seen_beyond)
+        if self.kept_positions.shape[-1] > budget:
+            self._evict_to(budget, kept_scores)
+
+    def _evict_to(self, budget: int, scores: torch.Tensor | None) -> None:
+        if scores is None or scores.shape[-1] != self.kept_positions.shape[-1]:
+            # No evidence for every kept token (e.g. tokens settled outside attention): keep the newest.
+            scores = self.kept_positions.float()
+        chosen = scores.topk(budget, dim=-1).indices.sort(dim=-1).values  # kept in cache order
+        self.kept_positions = self.kept_positions.gather(1, chosen)
+        self.kept_keys = _select(self.kept_keys, chosen)
+        self.kept_values = _select(self.kept_values, chosen)
+
+    def _columns(self, ranks: tuple[int, ...]) -> torch.Tensor:
+        return torch.tensor(prefix_columns(self.head_dim, ranks), dtype=torch.long, device=self.keys.device)
+
+    # ---- reads ---------------------------------------------------------------------------------------------
+    def stored_tiers(self, dtype: torch.dtype) -> list:
+        from kvrewrite.tiers.attention import StoredTier
+
+        keys = decode_tokens(self.kept_keys, sum(self.kept_key_ranks), self.bits, self.group_size, dtype)
+        values = decode_tokens(self.kept_values, sum(self.kept_value_ranks), self.bits, self.group_size, dtype)
+        return [StoredTier(keys, values, self.kept_key_ranks, self.kept_value_ranks, self.kept_positions)]
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def reset(self) -> None:
+        super().reset()
+        self.cumulative_length = 0
+        self.kept_keys = self.kept_values = self.kept_positions = None
+        self._received_recent = self._received_kept = None
+
+
+def _append(store: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: torch.cat([store[name], new[name]], dim=1) for name in store}
+
+
+def _select(store: dict[str, torch.Tensor], index: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Rows `index` [B, n] of every [B, S, ...] tensor."""
+    out = {}
+    for name, tensor in store.items():
+        expanded = index.view(*index.shape, *([1] * (tensor.dim() - 2))).expand(-1, -1, *tensor.shape[2:])
+        out[name] = tensor.gather(1, expanded)
+    return out

@@ -1,0 +1,199 @@
+"""Re-scored eviction over the latent cache (kvrewrite.tiers.eviction) against dense references.
+
+The attention reference is test_tiers' dense per-query computation (it shares nothing with kvrewrite.tiers): query
+t reads keys within the window at full rank, older ones at the kept ranks, and none of the evicted ones. The
+scoring reference recomputes a layer's attention probabilities directly from its projected queries and keys.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvrewrite
+from kvrewrite.codecs.packing import packed_length
+from kvrewrite.errors import InvalidArgumentError
+from kvrewrite.evaluation import cache_tensor_bytes
+from kvrewrite.modeling.attention import CompressedAttention
+from kvrewrite.tiers.build import make_tiered_cache
+from kvrewrite.tiers.eviction import EvictingLayer, decode_tokens, encode_tokens
+from test_tiers import RATE, _head_mask, compiled, dense_reference_logits  # noqa: F401  (compiled: the fixture)
+from tiny_models import random_windows
+
+
+def evicting_model(directory, window: int, keep: float, bits=None, observed: int = 64):
+    return kvrewrite.load(directory, rate=RATE, recent_window=window, kv_codec="none",
+                          evict={"keep": keep, "bits": bits, "observed_queries": observed}).eval()
+
+
+def feed(model, tokens: torch.Tensor, chunk: int, cache):
+    """Chunked feeding; returns the logits and, per chunk, each layer's kept cache indices and first recent index."""
+    logits, states = [], []
+    with torch.no_grad():
+        for s in range(0, tokens.shape[1], chunk):
+            logits.append(model(tokens[:, s : s + chunk], past_key_values=cache, use_cache=True).logits)
+            states.append([(set(layer.kept_positions[0].tolist()), layer.cumulative_length - layer.keys.shape[-2])
+                           for layer in cache.layers])
+    return torch.cat(logits, dim=1), states
+
+
+@pytest.mark.parametrize("mode", ["latent", "freq", "post-rope"])
+def test_evicting_cache_equals_dense_reference_chunk_by_chunk(compiled, mode):
+    window, chunk, length, keep = 5, 7, 40, 0.5
+    tokens = random_windows(n=1, length=length, seed=21)
+    model = evicting_model(compiled[mode], window, keep)
+    cache = make_tiered_cache(model, model.tier_policy, storage_dtype=torch.float32)
+    logits, states = feed(model, tokens, chunk, cache)
+    key_ranks, value_ranks = model.compression_spec.ranks_for_rate(RATE)
+    d = model.compressed_attentions()[0].head_dim
+    n_kv = len(key_ranks[0])
+
+    def masks(layer: int, t: int):
+        key_mask, value_mask = torch.ones(t + 1, n_kv * d), torch.ones(t + 1, n_kv * d)
+        for j in range(t + 1):
+            if t - j > window:
+                key_mask[j], value_mask[j] = _head_mask(key_ranks[layer], d), _head_mask(value_ranks[layer], d)
+        return key_mask, value_mask
+
+    def dropped(layer: int, t: int) -> torch.Tensor:
+        out = torch.zeros(t + 1, dtype=torch.bool)
+        c = t // chunk
+        if c:  # what the previous chunk's settle left: tokens before the recent window that were not kept
+            kept, first_recent = states[c - 1][layer]
+            for j in range(first_recent):
+                out[j] = j not in kept
+        return out
+
+    reference = dense_reference_logits(compiled[mode], tokens, window, masks=masks, dropped=dropped)
+    torch.testing.assert_close(logits, reference, rtol=1e-4, atol=1e-4)
+    for layer_states in states:  # the budget: round(keep x tokens beyond the window) after every chunk
+        for kept, first_recent in layer_states:
+            assert len(kept) == round(keep * first_recent)
+    assert any(states[-1][0][0] != states[-1][i][0] for i in range(1, len(states[-1])))  # layers choose their own
+
+
+def test_kept_tokens_are_the_ones_the_newest_queries_attend_to_most(compiled):
+    """One forward; the kept set must be the top of an independent dense attention over the last observed queries."""
+    window, length, keep, observed = 4, 30, 0.4, 6
+    tokens = random_windows(n=2, length=length, seed=22)
+    model = evicting_model(compiled["freq"], window, keep, observed=observed)
+    captured = {}
+    original_project = CompressedAttention.project
+
+    def project(self, hidden_states, position_embeddings=None):
+        out = original_project(self, hidden_states, position_embeddings)
+        captured[self.layer_idx] = out
+        return out
+
+    CompressedAttention.project = project
+    try:
+        cache = make_tiered_cache(model, model.tier_policy, storage_dtype=torch.float32)
+        with torch.no_grad():
+            model(tokens, past_key_values=cache, use_cache=True)
+    finally:
+        CompressedAttention.project = original_project
+    key_ranks, _ = model.compression_spec.ranks_for_rate(RATE)
+    attn = model.compressed_attentions()[0]
+    d, group, n_kv = attn.head_dim, attn.group_size, attn.num_kv_heads
+    budget = round(keep * (length - window))
+    for layer, layer_cache in enumerate(cache.layers):
+        query, key, _ = captured[layer]  # freq keys: packed latents, already position-encoded
+        received = torch.zeros(2, length)
+        for h in range(attn.num_heads):
+            g = h // group
+            q = query[..., h * d : (h + 1) * d]
+            k = key[..., g * d : (g + 1) * d]
+            full = q @ k.transpose(-1, -2)
+            cut = q[..., : key_ranks[layer][g]] @ k[..., : key_ranks[layer][g]].transpose(-1, -2)
+            t, j = torch.arange(length)[:, None], torch.arange(length)[None]
+            logits = torch.where(t - j <= window, full, cut) * attn.scaling
+            probs = torch.softmax(logits.masked_fill(j > t, float("-inf")), dim=-1)
+            received += probs[:, length - observed :].sum(dim=1)
+        for row in range(2):
+            expected = set(received[row, : length - window].topk(budget).indices.tolist())
+            assert set(layer_cache.kept_positions[row].tolist()) == expected
+
+
+def test_settle_keeps_the_top_scored_budget_at_the_kept_ranks():
+    window, d, keep = 3, 4, 0.5
+    layer = EvictingLayer(window, d, (2,), (1,), keep, storage_dtype=torch.float32)
+    gen = torch.Generator().manual_seed(3)
+    n = window + 10
+    keys, values = torch.randn(2, 1, n, d, generator=gen), torch.randn(2, 1, n, d, generator=gen)
+    layer.update(keys, values)
+    received = torch.rand(2, n, generator=gen)
+    layer.add_scores(received, [torch.zeros(2, 0)], torch.zeros(2, n))
+    layer.settle()
+    for row in range(2):
+        expected = sorted(received[row, :10].topk(5).indices.tolist())
+        assert layer.kept_positions[row].tolist() == expected  # in cache order
+        torch.testing.assert_close(layer.kept_keys["latents"][row], keys[row, 0, expected, :2])
+        torch.testing.assert_close(layer.kept_values["latents"][row], values[row, 0, expected, :1])
+    assert layer.keys.shape[-2] == window
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_per_token_quantization_matches_a_direct_min_max_reference(bits):
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 9, 45, generator=gen) * torch.linspace(0.1, 3, 45)
+    group = 16
+    stored = encode_tokens(x, bits, group)
+    decoded = decode_tokens(stored, 45, bits, group, torch.float32)[:, 0]
+    levels = 2**bits - 1
+    for start in range(0, 45, group):  # each token's group of channels: its own min and step
+        part = x[..., start : start + group]
+        low = part.amin(-1, keepdim=True).half().float()
+        step = ((part.amax(-1, keepdim=True) - part.amin(-1, keepdim=True)) / levels).clamp_min(1e-4).half().float()
+        expected = torch.round((part - low) / step).clamp(0, levels) * step + low
+        torch.testing.assert_close(decoded[..., start : start + group], expected, rtol=0, atol=1e-5)
+    # Evicting is a gather: the other tokens' stored numbers do not change.
+    first_three = encode_tokens(x[:, :3], bits, group)
+    for name, tensor in first_three.items():
+        assert torch.equal(stored[name][:, :3], tensor)
+
+
+def test_bytes_held_equal_the_formula(compiled):
+    window, chunk, length, keep, bits, group = 6, 8, 64, 0.3, 4, 16
+    tokens = random_windows(n=2, length=length, seed=23)
+    model = evicting_model(compiled["latent"], window, keep, bits)
+    model.tier_policy = type(model.tier_policy)(**{**model.tier_policy.__dict__, "group_size": group})
+    cache = make_tiered_cache(model, model.tier_policy)  # float16 window, as served
+    feed(model, tokens, chunk, cache)
+    key_ranks, value_ranks = model.compression_spec.ranks_for_rate(RATE)
+    full = 2 * model.compressed_attentions()[0].head_dim * len(key_ranks[0])
+    expected = 0
+    for i, layer in enumerate(cache.layers):
+        n_recent, n_kept = layer.keys.shape[-2], layer.kept_positions.shape[-1]
+        assert n_recent == window and n_kept == round(keep * (length - window))
+        per_kept = sum(packed_length(sum(r), bits) + 4 * -(-sum(r) // group) for r in (key_ranks[i], value_ranks[i]))
+        expected += 2 * (n_recent * full * 2 + n_kept * (per_kept + 4))  # 2 rows; int32 cache index per kept token
+    assert cache_tensor_bytes(cache) == expected
+
+
+def test_generate_beam_search_and_an_unpadded_row_unchanged_by_its_batch(compiled):
+    model = evicting_model(compiled["latent"], 3, 0.5, bits=4)
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8, 9, 10, 11, 12], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]])
+    mask = torch.tensor([[0, 0] + [1] * 8, [1] * 10])
+    with torch.no_grad():
+        batched = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        alone = model.generate(input_ids=ids[1:], max_new_tokens=6, do_sample=False, pad_token_id=0)
+        beams = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, num_beams=3, do_sample=False, pad_token_id=0)
+    assert torch.equal(batched[1], alone[0])
+    assert beams.shape == (2, 14)
+
+
+def test_bad_eviction_settings_are_refused(compiled):
+    directory = compiled["freq"]
+    with pytest.raises(InvalidArgumentError, match="needs recent_window"):
+        kvrewrite.load(directory, rate=RATE, evict={"keep": 0.5})
+    with pytest.raises(InvalidArgumentError, match="choose one"):
+        kvrewrite.load(directory, rate=RATE, recent_window=4, kv_codec="none", evict={"keep": 0.5},
+                       important={"rate": 0.0, "share": 0.5})
+    with pytest.raises(InvalidArgumentError, match="no block codec"):
+        kvrewrite.load(directory, rate=RATE, recent_window=4, kv_codec="int4", evict={"keep": 0.5})
+    with pytest.raises(InvalidArgumentError, match=r"\[0, 1\]"):
+        kvrewrite.load(directory, rate=RATE, recent_window=4, kv_codec="none", evict={"keep": 1.5})
+    with pytest.raises(InvalidArgumentError, match="bits"):
+        kvrewrite.load(directory, rate=RATE, recent_window=4, kv_codec="none", evict={"keep": 0.5, "bits": 3})
+    with pytest.raises(InvalidArgumentError, match="takes keep"):
+        kvrewrite.load(directory, rate=RATE, recent_window=4, kv_codec="none", evict={"share": 0.5})
