@@ -167,7 +167,34 @@ def test_bytes_held_equal_the_formula(compiled):
         assert n_recent == window and n_kept == round(keep * (length - window))
         per_kept = sum(packed_length(sum(r), bits) + 4 * -(-sum(r) // group) for r in (key_ranks[i], value_ranks[i]))
         expected += 2 * (n_recent * full * 2 + n_kept * (per_kept + 4))  # 2 rows; int32 cache index per kept token
+    widths = {r for ranks in key_ranks + value_ranks for r in ranks if r}
+    expected += sum(4 * r * r for r in widths)  # one float32 rotation per block width, shared by the layers
+    # float16 per-channel mean and rms, per side, layer and row
+    expected += sum(2 * 2 * 2 * (sum(k) + sum(v)) for k, v in zip(key_ranks, value_ranks))
     assert cache_tensor_bytes(cache) == expected
+
+
+def test_quantized_kept_tier_keeps_every_channel_where_per_token_ranges_lose_the_small_ones():
+    """Importance-ordered latents with channel offsets: per-token int4 over raw channels rounds the small channels
+    to nothing; the kept tier (centred, scaled, turned) reads every channel back to a few percent of its spread."""
+    gen = torch.Generator().manual_seed(6)
+    d, n = 16, 48
+    magnitudes = torch.logspace(1, -2, d).repeat(2)
+    x = torch.randn(1, 1, n, 2 * d, generator=gen) * magnitudes + 3 * magnitudes
+    layer = EvictingLayer(0, d, (d, d), (d, d), 1.0, bits=4, group_size=d, storage_dtype=torch.float32)
+    layer.update(x, x)
+    layer.add_scores(torch.ones(1, n), [torch.zeros(1, 0)], torch.zeros(1, n))
+    layer.settle()
+    spread = (x - x.mean(dim=2, keepdim=True)).norm(dim=2)  # per channel
+
+    def worst_channel_error(read: torch.Tensor) -> float:
+        return float(((read - x).norm(dim=2) / spread).max())
+
+    ours = worst_channel_error(layer.stored_tiers(torch.float32)[0].keys)
+    plain = worst_channel_error(decode_tokens(encode_tokens(x[:, 0], 4, d), 2 * d, 4, d, torch.float32))
+    assert ours < 0.25 and plain > 0.9
+    q = layer.rotations[d]
+    torch.testing.assert_close(q @ q.T, torch.eye(d), rtol=0, atol=1e-5)
 
 
 def test_generate_beam_search_and_an_unpadded_row_unchanged_by_its_batch(compiled):

@@ -34,6 +34,17 @@ RECIPES: dict[str, dict[str, Any]] = {
                               "important": {"rate": 0.0, "share": 0.1, "evict_rest": True}},
     "kvrewrite-W64-keep0.4-p0.5": {"rate": 0.5, "recent_window": 64,
                                    "important": {"rate": 0.5, "share": 0.4, "evict_rest": True}},
+    # Re-scored eviction (kvrewrite.tiers.eviction): beyond a full-rank window of W tokens only the share g that the
+    # newest queries attend to most stays, re-scored at every forward, quantized per token to 4 bits (centred,
+    # scaled and turned) at full dims, or at p = 0.3's.
+    "kvrewrite-W64-evict0.7-int4": {"rate": 0.0, "recent_window": 64, "kv_codec": "none",
+                                    "evict": {"keep": 0.7, "bits": 4}},
+    "kvrewrite-W16-evict0.8-int4": {"rate": 0.0, "recent_window": 16, "kv_codec": "none",
+                                    "evict": {"keep": 0.8, "bits": 4}},
+    "kvrewrite-W16-evict0.4-int4": {"rate": 0.0, "recent_window": 16, "kv_codec": "none",
+                                    "evict": {"keep": 0.4, "bits": 4}},
+    "kvrewrite-W16-evict0.55-p0.3-int4": {"rate": 0.3, "recent_window": 16, "kv_codec": "none",
+                                          "evict": {"keep": 0.55, "bits": 4}},
 }
 
 
