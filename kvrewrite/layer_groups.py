@@ -193,22 +193,26 @@ def mass_share(mass: torch.Tensor, fraction: float, pool: int | None = None) -> 
     return share.mean(dim=-1)
 
 
+def scale_to_mean(values: Sequence[float], mean: float, low: float = 0.0, high: float = 1.0) -> list[float]:
+    """Per-layer shares proportional to `values`, averaging `mean`, clipped to [low, high] (rescaled after clipping
+    until it settles, so the mean holds where the clip allows)."""
+    v = torch.tensor(list(values), dtype=torch.float64)
+    if v.numel() == 0:
+        return []
+    if float(v.mean()) <= 0:
+        raise InvalidArgumentError("values have no positive mean to scale")
+    for _ in range(200):
+        v = (v * (mean / v.mean())).clamp(low, high)
+    return [float(x) for x in v]
+
+
 def linear_ramp(values: Sequence[float], mean: float, low: float = 0.0, high: float = 1.0) -> list[float]:
     """A per-layer g_l ramp: the least-squares line through `values` (one per layer), scaled to average `mean`
-    and clipped to [low, high] (the clipped ramp is rescaled once more so the mean holds where it can)."""
+    and clipped to [low, high] (see scale_to_mean)."""
     y = torch.tensor(list(values), dtype=torch.float64)
     n = y.numel()
     if n == 0:
         return []
     x = torch.arange(n, dtype=torch.float64)
-    if n > 1:
-        slope = float(((x - x.mean()) * (y - y.mean())).sum() / ((x - x.mean()) ** 2).sum())
-    else:
-        slope = 0.0
-    line = y.mean() + slope * (x - x.mean())
-    if float(line.mean()) <= 0:
-        raise InvalidArgumentError("the fitted line has no positive mean to scale")
-    ramp = (line * (mean / line.mean())).clamp(low, high)
-    for _ in range(2):
-        ramp = (ramp * (mean / ramp.mean())).clamp(low, high)
-    return [float(v) for v in ramp]
+    slope = float(((x - x.mean()) * (y - y.mean())).sum() / ((x - x.mean()) ** 2).sum()) if n > 1 else 0.0
+    return scale_to_mean(y.mean() + slope * (x - x.mean()), mean, low, high)

@@ -13,6 +13,7 @@ from kvrewrite.layer_groups import (
     group_ratio,
     important_mask,
     linear_ramp,
+    scale_to_mean,
     mass_share,
     record_attention_evidence,
     repetition_matrix,
@@ -135,3 +136,10 @@ def test_linear_ramp():
     assert flat == [pytest.approx(0.2)] * 3
     clipped = linear_ramp([0.0, 1.0], mean=0.6, high=0.8)
     assert max(clipped) <= 0.8 and min(clipped) >= 0.0
+
+
+def test_scale_to_mean():
+    assert scale_to_mean([1.0, 2.0, 3.0], 0.2) == [pytest.approx(0.1), pytest.approx(0.2), pytest.approx(0.3)]
+    clipped = scale_to_mean([0.1, 0.1, 1.0], 0.4, high=0.6)
+    assert max(clipped) == pytest.approx(0.6)
+    assert sum(clipped) / 3 == pytest.approx(0.4)
