@@ -20,7 +20,7 @@ For every layer (kvrewrite.layer_groups.record_attention_evidence, one eager for
 
 With --checkpoint (a compressed checkpoint of the same model), it also reports the held-out continuation Δppl of
 one token-adaptive recipe with the recommended ramp against a uniform g at the same mean share, with the chunked
-protocol of benchmarks/recent_window.py (its continuation_nll).
+protocol of benchmarks/recent_window.py (kvrewrite.evaluation.continuation_nll).
 
 Writes benchmarks/results/layer_groups.json (command, commit, machine, date, settings) and layer_groups.png.
 """
@@ -177,7 +177,7 @@ def delta_ppl(args, ramp: list[float], line: list[float], config, tokenizer) -> 
 
     import kvrewrite
     from kvrewrite.evaluation import kv_cache_bytes_per_token_formula
-    from recent_window import continuation_nll  # benchmarks/recent_window.py
+    from kvrewrite.evaluation import continuation_nll
 
     windows = evaluation_token_sequences(tokenizer, args.heldout_windows * args.length, args.length)
     original = load_fp32_model(resolve_model_source(args.baseline).path).eval()

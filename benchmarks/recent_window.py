@@ -29,31 +29,11 @@ from transformers import AutoTokenizer
 
 import kvrewrite
 from kvrewrite.calibration_data import evaluation_token_sequences
-from kvrewrite.evaluation import cache_tensor_bytes, kv_cache_bytes_per_token_formula
+from kvrewrite.evaluation import continuation_nll, kv_cache_bytes_per_token_formula
 from kvrewrite.passes.load_checkpoint import load_fp32_model
 from kvrewrite.sources import resolve_model_source
 
 RESULTS = Path(__file__).parent / "results" / "recent_window.json"
-
-
-def continuation_nll(model, windows: torch.Tensor, context: int, make_cache, chunk: int | None = None) -> tuple[float, int, float]:
-    """Summed NLL of the continuation tokens, their count, and cache bytes held per token (after the window).
-
-    chunk: feed the window this many tokens at a time (a coded aged tier is coded only between forwards).
-    """
-    total, count, held = 0.0, 0, []
-    for window in windows:
-        ids = window[None]
-        cache = make_cache()
-        step = chunk or ids.shape[1]
-        with torch.no_grad():
-            logits = torch.cat([model(ids[:, s : s + step], past_key_values=cache, use_cache=True).logits
-                                for s in range(0, ids.shape[1], step)], dim=1)[0, context - 1 : -1].float()
-        targets = ids[0, context:]
-        total += torch.nn.functional.cross_entropy(logits, targets, reduction="sum").item()
-        count += targets.numel()
-        held.append(cache_tensor_bytes(cache) / ids.shape[1])
-    return total, count, sum(held) / len(held)
 
 
 def main() -> None:

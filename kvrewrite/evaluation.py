@@ -326,6 +326,26 @@ def cache_tensor_bytes(cache: Any) -> int:
     return _held_bytes(tensors)
 
 
+def continuation_nll(model: torch.nn.Module, windows: torch.Tensor, context: int, make_cache,
+                     chunk: int | None = None) -> tuple[float, int, float]:
+    """Summed NLL of each window's tokens after `context`, their count, and cache bytes held per token (after the
+    window, mean over windows): the window is fed through `make_cache()`'s cache `chunk` tokens at a time (one
+    forward without), so a cache that codes or evicts between forwards is read as decoding would read it."""
+    total, count, held = 0.0, 0, []
+    for window in windows:
+        ids = window[None]
+        cache = make_cache()
+        step = chunk or ids.shape[1]
+        with torch.no_grad():
+            logits = torch.cat([model(ids[:, s : s + step], past_key_values=cache, use_cache=True).logits
+                                for s in range(0, ids.shape[1], step)], dim=1)[0, context - 1 : -1].float()
+        targets = ids[0, context:]
+        total += torch.nn.functional.cross_entropy(logits, targets, reduction="sum").item()
+        count += targets.numel()
+        held.append(cache_tensor_bytes(cache) / ids.shape[1])
+    return total, count, sum(held) / len(held)
+
+
 def kv_cache_bytes_per_token(model: torch.nn.Module, seq_len: int = 256, *, batch_size: int = 1) -> float:
     """Cache bytes per token, measured on the tensors left in a fresh cache after one forward pass.
 

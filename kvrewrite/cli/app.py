@@ -381,6 +381,34 @@ def sweep(
     console.print(f"results: {output / 'sweep_results.json'}, {output / 'sweep_results.csv'}; plot: {output / 'sweep_pareto.png'}")
 
 
+@app.command()
+def budget(
+    directory: Path = typer.Argument(..., help="A kvrewrite checkpoint directory."),
+    kv_budget: str = typer.Option(..., "--kv-budget", help="Bytes the cache may hold, as a share of the original's fp16 cache (0.25, not 25%)."),
+    context: int = typer.Option(4096, "--context", help="Context length (tokens) the budget holds at: the full-rank window weighs more in short contexts."),
+    windows: int = typer.Option(2, "--windows", help="Calibration windows each split is measured on."),
+    length: int = typer.Option(1024, "--length", help="Calibration window length: the first half is context, the second half is scored."),
+    calibration: str = typer.Option("wiki", help="wiki (the calibration split, never the held-out text), or a path to text."),
+    write: bool = typer.Option(True, "--write/--dry-run", help="Record the winner in DIR/token_policy.json (kvrewrite.load(DIR) then uses it)."),
+) -> None:
+    """Split a KV byte budget across full-rank window, kept ranks, bits and re-scored eviction by measured calibration NLL."""
+    from kvrewrite.cli.budget import budget_rows, split_budget
+    from kvrewrite.cli.tables import budget_table
+
+    try:
+        share = _number(kv_budget, "--kv-budget")
+        if not 0 < share <= 1:
+            raise InvalidArgumentError(f"--kv-budget must be a share of the fp16 cache in (0, 1], got {kv_budget}")
+        result = split_budget(directory, share, context=context, windows=windows, length=length,
+                              calibration=calibration, write=write)
+    except (KVRewriteError, ValueError) as exc:
+        _fail(exc)
+    console.print(budget_table(budget_rows(result), title=f"splits of {share:.1%} of the fp16 cache at {context} tokens "
+                                                          f"(Δppl vs the full-rank cache, {windows}x{length} calibration tokens)"))
+    chosen = result["chosen"]
+    console.print(f"chosen: {chosen.label()}" + (f"; recorded in {result['path']}" if result["path"] else " (dry run)"))
+
+
 def main() -> None:
     app()
 

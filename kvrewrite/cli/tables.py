@@ -87,3 +87,14 @@ def sweep_table(rows: list[dict], title: str = "sweep") -> Table:
                       "" if original else f"{r['kl_mean']:.4f}", "" if original else f"{r['top1_agreement']:.3f}",
                       f"{r['kv_bytes_per_token']:.0f}", "*" if r.get("pareto") else "")
     return table
+
+
+def budget_table(rows: list[dict], title: str = "budget splits") -> Table:
+    table = Table(title=title)
+    for name, justify in (("split", "left"), ("bytes (formula)", "right"), ("bytes (measured)", "right"),
+                          ("Δppl", "right"), ("chosen", "center")):
+        table.add_column(name, justify=justify)
+    for r in rows:
+        measured = "" if r["measured_share"] is None else f"{r['measured_share']:.3f}"
+        table.add_row(r["split"], f"{r['bytes_share']:.3f}", measured, f"{r['delta_ppl']:+.2%}", "*" if r["chosen"] else "")
+    return table

@@ -119,6 +119,7 @@ def compressed_family(adapter: ArchitectureAdapter) -> tuple[type, type]:
             recent_window: int | None = None,
             important: dict | None = None,
             evict: dict | None = None,
+            token_policy: bool = True,
             **kwargs,
         ):
             """Load a kvrewrite checkpoint strictly (a missing or mis-shaped weight raises) and slice its ranks.
@@ -134,6 +135,8 @@ def compressed_family(adapter: ArchitectureAdapter) -> tuple[type, type]:
             evict: with recent_window, re-scored eviction: {"keep": g, "bits": 4}: beyond the window only the share g
                 of tokens that the newest queries attend to most stay cached, at `rate`'s ranks, quantized per token
                 to `bits` (default: float16); see kvrewrite.tiers.eviction.
+            token_policy: when the checkpoint holds a budget split (token_policy.json, written by `kvrewrite budget`)
+                and none of rate, recent_window, important, evict or kv_codec is given, load with it. False: ignore it.
             """
             from kvrewrite.runtime import checkpoint_directory, ensure_complete_load, verify_checkpoint_files
 
@@ -145,6 +148,14 @@ def compressed_family(adapter: ArchitectureAdapter) -> tuple[type, type]:
             directory = checkpoint_directory(pretrained_model_name_or_path, kwargs.get("revision"))
             if verify_checksums:
                 verify_checkpoint_files(directory)
+            if token_policy and rate is None and recent_window is None and important is None and evict is None \
+                    and kv_codec == "compiled":
+                from kvrewrite.tiers.budget import read_token_policy
+
+                recorded = read_token_policy(directory)
+                if recorded is not None:  # the budget split `kvrewrite budget` measured and recorded
+                    rate, recent_window, kv_codec, evict = (recorded["rate"], recorded["recent_window"],
+                                                            recorded["kv_codec"], recorded["evict"])
             want_info = kwargs.pop("output_loading_info", False)
             # A mis-shaped tensor is reported by ensure_complete_load (naming file and tensor), not raised by
             # transformers as a bare RuntimeError; the half-loaded model is discarded either way.

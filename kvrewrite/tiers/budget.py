@@ -1,0 +1,171 @@
+"""A KV byte budget split across window, ranks, bits and eviction, by measured quality on calibration text.
+
+`choose_token_policy` enumerates re-scored eviction policies (kvrewrite.tiers.eviction) over one checkpoint: a
+full-rank window W, the kept tokens' rate (a point of the checkpoint's rate table) and bits. For each it solves the
+share of tokens kept beyond the window that fills the budget at the stated context length (from the bytes formula
+`held_bytes`, the one the cache's tensors are tested against), then measures continuation NLL on calibration
+windows fed in chunks, as decoding reads the cache. The candidate with the lowest NLL wins. `write_token_policy`
+records it in the checkpoint (token_policy.json, added to the checksums), and kvrewrite.load uses it when no rate,
+window or token policy is asked for.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from kvrewrite.errors import InvalidArgumentError
+from kvrewrite.spec import rate_key
+from kvrewrite.tiers.eviction import EvictionPolicy, eviction_policy_for_rate, kept_token_bytes
+
+TOKEN_POLICY_FILE = "token_policy.json"
+DEFAULT_WINDOWS = (16, 64)
+DEFAULT_RATES = (0.0, 0.3, 0.5)
+DEFAULT_BITS = (None, 8, 4)
+MEASURE_CHUNK = 64  # tokens per forward while scoring: the cache quantizes and evicts between forwards
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One split of the budget: what load() is given, and what it was measured at."""
+
+    window: int
+    rate: float
+    bits: int | None
+    keep: float
+    bytes_share: float  # of the fp16 cache at the budget's context length, from the formula
+    nll: float | None = None  # mean NLL per scored calibration token
+    measured_share: float | None = None  # held bytes per token on the calibration windows, of fp16
+
+    def load_options(self) -> dict:
+        return {"rate": self.rate, "recent_window": self.window, "kv_codec": "none",
+                "evict": {"keep": self.keep, "bits": self.bits}}
+
+    def label(self) -> str:
+        bits = f"int{self.bits}" if self.bits is not None else "fp16"
+        return f"W={self.window} p={self.rate:g} {bits} keep={self.keep:.3f}"
+
+
+def held_bytes(policy: EvictionPolicy, head_dim: int, num_kv_heads: int, context: int) -> int:
+    """Bytes one batch row of the policy's cache holds after `context` tokens (window float16 at full rank, kept
+    tokens' codes, scales and int32 cache indices, per-channel statistics, the shared rotations)."""
+    full = 2 * 2 * head_dim * num_kv_heads
+    total = 0
+    for key_ranks, value_ranks, keep in zip(policy.kept_key_ranks, policy.kept_value_ranks, policy.keep):
+        n_recent = min(policy.window, context)
+        n_kept = round(keep * (context - n_recent))
+        per_kept = sum(kept_token_bytes(sum(r), policy.bits, policy.group_size) for r in (key_ranks, value_ranks)) + 4
+        total += n_recent * full + n_kept * per_kept
+        if policy.bits is not None and context > n_recent:
+            total += 2 * 2 * (sum(key_ranks) + sum(value_ranks))  # float16 mean and rms per channel
+    if policy.bits is not None:  # built with the cache, shared by its layers
+        widths = {r for ranks in policy.kept_key_ranks + policy.kept_value_ranks for r in ranks if r}
+        total += sum(4 * r * r for r in widths)
+    return total
+
+
+def fp16_bytes(num_layers: int, head_dim: int, num_kv_heads: int, context: int) -> int:
+    return 2 * 2 * head_dim * num_kv_heads * num_layers * context
+
+
+def solve_keep(spec, head_dim: int, num_kv_heads: int, budget: float, context: int, window: int, rate: float,
+               bits: int | None) -> Candidate | None:
+    """The largest keep share (to 1/1000) whose bytes at `context` stay within `budget` x fp16; None if even keep = 0
+    exceeds it (the window alone is over budget)."""
+    limit = budget * fp16_bytes(spec.num_layers, head_dim, num_kv_heads, context)
+
+    def share(keep: float) -> int:
+        return held_bytes(eviction_policy_for_rate(spec, rate, window, keep, bits=bits), head_dim, num_kv_heads, context)
+
+    if share(0.0) > limit:
+        return None
+    low, high = 0, 1000  # bytes grow with keep: bisect on thousandths
+    while low < high:
+        mid = (low + high + 1) // 2
+        if share(mid / 1000) <= limit:
+            low = mid
+        else:
+            high = mid - 1
+    keep = low / 1000
+    total = fp16_bytes(spec.num_layers, head_dim, num_kv_heads, context)
+    return Candidate(window, rate, bits, keep, share(keep) / total)
+
+
+def candidates(spec, head_dim: int, num_kv_heads: int, budget: float, context: int, windows=DEFAULT_WINDOWS,
+               rates=DEFAULT_RATES, bits_options=DEFAULT_BITS) -> list[Candidate]:
+    if not 0 < budget <= 1:
+        raise InvalidArgumentError(f"kv budget must be a share of the fp16 cache in (0, 1], got {budget}")
+    if context < 1:
+        raise InvalidArgumentError(f"budget context must be >= 1 token, got {context}")
+    out = []
+    for window in windows:
+        for rate in rates:
+            if rate_key(rate) not in spec.rate_table:  # only rates the checkpoint serves
+                continue
+            for bits in bits_options:
+                found = solve_keep(spec, head_dim, num_kv_heads, budget, context, window, rate, bits)
+                if found is not None:
+                    out.append(found)
+    if not out:
+        raise InvalidArgumentError(
+            f"no split fits {budget:.1%} of the fp16 cache at {context} tokens: even the smallest window "
+            f"({min(windows)} tokens at full rank) holds more; raise the budget or the context length")
+    return out
+
+
+def measure(load: Callable[[dict], torch.nn.Module], found: list[Candidate], windows: torch.Tensor, context: int,
+            fp16_per_token: float, progress: Callable[[Candidate], None] | None = None) -> list[Candidate]:
+    """Each candidate's mean continuation NLL on `windows` (tokens after `context`), fed MEASURE_CHUNK at a time."""
+    from kvrewrite.evaluation import continuation_nll
+
+    measured = []
+    for candidate in found:
+        model = load(candidate.load_options())
+        nll, count, held = continuation_nll(model, windows, context, model.make_kv_cache, chunk=MEASURE_CHUNK)
+        measured.append(Candidate(**{**asdict(candidate), "nll": nll / count, "measured_share": held / fp16_per_token}))
+        if progress is not None:
+            progress(measured[-1])
+    return measured
+
+
+def best(measured: list[Candidate]) -> Candidate:
+    """Lowest NLL; among equals, fewer bytes."""
+    return min(measured, key=lambda c: (c.nll, c.bytes_share))
+
+
+def write_token_policy(directory: Path, chosen: Candidate, measured: list[Candidate], budget: float, context: int,
+                       calibration: dict) -> Path:
+    """token_policy.json in the checkpoint, written atomically and added to its checksums."""
+    from kvrewrite.atomic_files import atomic_write_text
+    from kvrewrite.checkpoint_io import CHECKSUM_FILE, write_checksums
+
+    directory = Path(directory)
+    record = {"kv_budget": budget, "context": context, "load": chosen.load_options(), "chosen": asdict(chosen),
+              "candidates": [asdict(c) for c in measured], "calibration": calibration}
+    path = atomic_write_text(directory / TOKEN_POLICY_FILE, json.dumps(record, indent=2) + "\n")
+    listed = json.loads((directory / CHECKSUM_FILE).read_text(encoding="utf-8"))
+    write_checksums(directory, sorted(set(listed) | {TOKEN_POLICY_FILE}))
+    return path
+
+
+def read_token_policy(directory: Path) -> dict | None:
+    """The load() options recorded by a budget split, or None."""
+    path = Path(directory) / TOKEN_POLICY_FILE
+    if not path.is_file():
+        return None
+    try:
+        options = json.loads(path.read_text(encoding="utf-8"))["load"]
+    except (OSError, ValueError, KeyError) as exc:
+        from kvrewrite.errors import CorruptCheckpointError
+
+        raise CorruptCheckpointError(f"{path}: unreadable token policy ({exc}); delete it or re-run kvrewrite budget") from exc
+    if not math.isfinite(options.get("rate", float("nan"))):
+        from kvrewrite.errors import CorruptCheckpointError
+
+        raise CorruptCheckpointError(f"{path}: token policy has no rate")
+    return options

@@ -1,0 +1,105 @@
+"""The KV byte budget split (kvrewrite.tiers.budget): its bytes formula against the bytes the cache really holds, the
+keep share it solves against the budget, and `kvrewrite budget` end to end on a tiny checkpoint."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import kvrewrite
+from kvrewrite.checkpoint_io import CHECKSUM_FILE
+from kvrewrite.errors import InvalidArgumentError
+from kvrewrite.evaluation import cache_tensor_bytes, continuation_nll
+from kvrewrite.passes.pipeline import run_pipeline
+from kvrewrite.plan import Plan
+from kvrewrite.tiers import EvictionPolicy
+from kvrewrite.tiers.budget import fp16_bytes, held_bytes, solve_keep
+from kvrewrite.tiers.eviction import eviction_policy_for_rate
+from tiny_models import random_windows, save_tiny_llama, tiny_pipeline
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    root = tmp_path_factory.mktemp("budget")
+    src = save_tiny_llama(root / "src", seed=8, num_kv_heads=2, num_heads=4)
+    run_pipeline(Plan(model=str(src), output=root / "out", progress=False, target_rate=0.5), tiny_pipeline())
+    return root / "out"
+
+
+@pytest.mark.parametrize("window,rate,bits,keep,context", [(4, 0.5, None, 0.5, 40), (2, 0.0, 4, 0.3, 57),
+                                                          (8, 0.5, 8, 0.9, 8), (3, 0.5, 2, 0.0, 30)])
+def test_formula_equals_the_bytes_the_cache_holds(checkpoint, window, rate, bits, keep, context):
+    model = kvrewrite.load(checkpoint, rate=rate, recent_window=window, kv_codec="none",
+                           evict={"keep": keep, "bits": bits}).eval()
+    cache = model.make_kv_cache()
+    tokens = random_windows(n=1, length=context, seed=9)
+    with torch.no_grad():
+        for s in range(0, context, 7):
+            model(tokens[:, s : s + 7], past_key_values=cache, use_cache=True)
+    spec = model.compression_spec
+    assert cache_tensor_bytes(cache) == held_bytes(model.tier_policy, spec.head_dim, spec.num_key_value_heads, context)
+
+
+def test_solved_keep_is_the_largest_within_the_budget(checkpoint):
+    spec = kvrewrite.load(checkpoint).compression_spec
+    d, n_kv, context, budget = spec.head_dim, spec.num_key_value_heads, 256, 0.2
+    limit = budget * fp16_bytes(spec.num_layers, d, n_kv, context)
+    found = solve_keep(spec, d, n_kv, budget, context, 8, 0.5, 4)
+    assert 0 < found.keep < 1 and found.bytes_share <= budget
+
+    def bytes_at(keep: float) -> int:
+        return held_bytes(eviction_policy_for_rate(spec, 0.5, 8, keep, bits=4), d, n_kv, context)
+
+    assert bytes_at(found.keep) <= limit < bytes_at(found.keep + 0.001)
+    assert solve_keep(spec, d, n_kv, 0.01, context, 64, 0.0, None) is None  # the window alone is over budget
+
+
+def test_budget_command_records_the_best_split_and_load_uses_it(checkpoint):
+    from kvrewrite.cli.budget import split_budget
+
+    result = split_budget(checkpoint, 0.3, context=48, windows=1, length=32, recent_windows=(2, 4), rates=(0.0, 0.5),
+                          bits_options=(None, 4), progress=False)
+    measured, chosen = result["candidates"], result["chosen"]
+    assert len(measured) == 8 and all(c.bytes_share <= 0.3 for c in measured)
+    assert chosen.nll == min(c.nll for c in measured)
+    record = json.loads((checkpoint / "token_policy.json").read_text())
+    assert record["load"] == chosen.load_options()
+    assert "token_policy.json" in json.loads((checkpoint / CHECKSUM_FILE).read_text())
+    # load(DIR) now uses the split; an explicit rate, or token_policy=False, does not.
+    model = kvrewrite.load(checkpoint).eval()
+    assert isinstance(model.tier_policy, EvictionPolicy)
+    assert model.tier_policy.window == chosen.window and model.tier_policy.bits == chosen.bits
+    assert kvrewrite.load(checkpoint, token_policy=False).tier_policy is None
+    assert kvrewrite.load(checkpoint, rate=0.5).tier_policy is None
+    # The recorded NLL is what the chosen model gives on the same calibration windows, measured again.
+    from transformers import AutoTokenizer
+
+    from kvrewrite.calibration_data import calibration_token_sequences
+
+    windows = calibration_token_sequences("wiki", AutoTokenizer.from_pretrained(checkpoint), 32, 32, seed=1)
+    nll, count, _ = continuation_nll(model, windows, 16, model.make_kv_cache, chunk=64)
+    assert nll / count == pytest.approx(chosen.nll, rel=1e-6)
+    # An edited policy file is caught by the checksums.
+    (checkpoint / "token_policy.json").write_text(json.dumps({**record, "load": {**record["load"], "rate": 0.0}}))
+    with pytest.raises(kvrewrite.errors.CorruptCheckpointError):
+        kvrewrite.load(checkpoint)
+    (checkpoint / "token_policy.json").unlink()
+    (checkpoint / CHECKSUM_FILE).write_text(json.dumps(
+        {k: v for k, v in json.loads((checkpoint / CHECKSUM_FILE).read_text()).items() if k != "token_policy.json"}))
+
+
+def test_bad_budgets_are_refused(checkpoint):
+    from typer.testing import CliRunner
+
+    from kvrewrite.cli.app import app
+    from kvrewrite.cli.budget import split_budget
+
+    with pytest.raises(InvalidArgumentError, match="no split fits"):
+        split_budget(checkpoint, 0.001, context=48, windows=1, length=32, progress=False, write=False)
+    runner = CliRunner()
+    for bad, message in (("25%", "not a percentage"), ("1.5", "in \\(0, 1\\]"), ("abc", "must be a number")):
+        result = runner.invoke(app, ["budget", str(checkpoint), "--kv-budget", bad])
+        assert result.exit_code != 0
+        assert pytest.importorskip("re").search(message, result.output), result.output
