@@ -1,17 +1,40 @@
 """kvrewrite: an offline compiler that rewrites a Hugging Face causal LM so its KV cache is smaller.
 
 `import kvrewrite` registers the compressed model types with transformers, so
-`AutoModelForCausalLM.from_pretrained(compressed_dir)` just works.
+`AutoModelForCausalLM.from_pretrained(compressed_dir)` just works. It loads only the runtime (torch and
+transformers); the compiler (`compress`, `Plan`, `CompileResult`) is imported on first use, so a user who only
+loads compressed checkpoints needs none of the `compile` extra (gensim, scikit-learn, matplotlib).
+See docs/architecture.md, "Runtime vs compiler imports".
 """
+
+from __future__ import annotations
+
+from typing import Any
 
 from kvrewrite.runtime import register as _register
 
 _register()
 
-from kvrewrite.api import CompileResult, compress  # noqa: E402
-from kvrewrite.plan import Plan  # noqa: E402
 from kvrewrite.runtime import load  # noqa: E402
 from kvrewrite.spec import CompressionSpec  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["CompileResult", "CompressionSpec", "Plan", "compress", "load", "__version__"]
+
+# Compiler names, resolved on first access (PEP 562) so that `import kvrewrite` never imports the compiler.
+_LAZY = {"compress": "kvrewrite.api", "CompileResult": "kvrewrite.api", "Plan": "kvrewrite.plan"}
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _LAZY.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'kvrewrite' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module_name), name)
+    globals()[name] = value  # cache: later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
