@@ -1,4 +1,4 @@
-"""Cross-head RoPE-commuting key mode (beyond the papers; DESIGN.md §1).
+"""Cross-head RoPE-commuting key mode (beyond the papers; docs/method.md, "Key side").
 
 Under HF's rotate_half, dims (j, j + d/2) of a head form rotary pair j. Read as one complex number
 z = k[j] + i k[j + d/2], RoPE multiplies it by e^{i theta_j t}: the same scalar for pair j of EVERY head.

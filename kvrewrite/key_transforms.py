@@ -1,4 +1,4 @@
-"""Key side for RoPE models: three modes (DESIGN.md §1), each exact at full rank.
+"""Key side for RoPE models: three modes (docs/method.md, "Key side"), each exact at full rank.
 
 - freq: keep whole rotary frequency pairs ranked by score energy; a pure selection commutes with RoPE,
   so it folds into q_proj/k_proj (pairs stored interleaved, most important first).

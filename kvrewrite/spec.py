@@ -14,7 +14,7 @@ from kvrewrite.errors import CorruptCheckpointError, InvalidArgumentError
 
 SPEC_FORMAT_VERSION = 1
 
-# Key-side modes (DESIGN.md §1); the first three are for RoPE models.
+# Key-side modes (docs/method.md, "Key side"); the first three are for RoPE models.
 KEY_MODE_FREQ = "freq"  # keep whole rotary frequency pairs; folded into q_proj/k_proj, zero runtime cost
 KEY_MODE_POST_ROPE = "post-rope"  # project rotated q/k online by a [d_h, r] basis (ZACK §5.1)
 KEY_MODE_LATENT = "latent"  # cache a pre-RoPE latent; rebuild k and rotate it inside attention

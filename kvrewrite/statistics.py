@@ -1,6 +1,6 @@
 """Calibration statistics: per layer and head, d_h x d_h Gram matrices of the attention activations.
 
-Every objective needs only these (DESIGN.md §1): the right singular vectors of a row-stack are the
+Every objective needs only these (docs/method.md, "Statistics"): the right singular vectors of a row-stack are the
 eigenvectors of its summed Grams, so memory is O(layers x heads x d_h^2) for any corpus size.
 """
 
