@@ -111,7 +111,6 @@ class FoldedWeights:
         self.source, self.transforms, self.geometry = source, transforms, geometry
         self.attention_prefixes = [source.attention_prefix(i) for i in range(geometry.num_layers)]
         self._last: tuple[int, dict[str, torch.Tensor]] | None = None  # the most recently folded layer
-        self.layers_folded = 0
         # Tensors replaced after the fold (the --refit pass's o_proj), served by read() instead of the fold.
         self.overrides: dict[str, torch.Tensor] = {}
 
@@ -127,7 +126,6 @@ class FoldedWeights:
             self._last = None  # drop the previous layer before folding the next
             projections, kept = self.source.attention_weights(layer_idx)
             self._last = (layer_idx, fold_layer(projections, self.transforms[layer_idx], self.geometry, kept))
-            self.layers_folded += 1
         return self._last[1]
 
     def read(self, names: list[str]) -> dict[str, torch.Tensor]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -89,7 +89,6 @@ class Plan:
     # parameters ("gear:bits=4,rank=4"); kv_bits_budget: tada's search budget in stored bits per cached element.
     kv_codec: str = "none"
     kv_bits_budget: float | None = None
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.target_rate = validate_rate(self.target_rate)

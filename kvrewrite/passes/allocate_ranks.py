@@ -9,16 +9,16 @@ from kvrewrite.rank_allocation import RankItem, allocate, allocate_greedy
 from kvrewrite.spec import KEY_MODE_CROSSHEAD, KEY_MODE_FREQ, rate_key
 
 
-def rank_items(transforms, sensitivity: dict | None = None) -> list[RankItem]:
+def rank_items(transforms) -> list[RankItem]:
+    # Unweighted: the sensitivity allocation orders these items by measured KL curves (curve_removal_order).
     items = []
-    weight = (lambda layer, side: sensitivity[(layer, side)]) if sensitivity else (lambda layer, side: 1.0)
     for layer, t in enumerate(transforms):
         key_step = 2 if t.key.mode in (KEY_MODE_FREQ, KEY_MODE_CROSSHEAD) else 1
         # One key item per stored key block: per KV head, or one shared block (crosshead, head 0).
         for g in range(t.key.spectrum.shape[0]):
-            items.append(RankItem(layer, g, "key", t.key.spectrum[g].numpy(), step=key_step, weight=weight(layer, "key")))
+            items.append(RankItem(layer, g, "key", t.key.spectrum[g].numpy(), step=key_step))
         for g in range(t.value.spectrum.shape[0]):
-            items.append(RankItem(layer, g, "value", t.value.spectrum[g].numpy(), weight=weight(layer, "value")))
+            items.append(RankItem(layer, g, "value", t.value.spectrum[g].numpy()))
     return items
 
 
