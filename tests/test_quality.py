@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -146,6 +147,22 @@ def test_quality_budget_finds_the_largest_rate_within_budget(tiny, tmp_path):
     assert at.kl_mean <= 0.002 < above.kl_mean
     # The statistics never saw the held-back windows.
     assert ctx.report["calibration"]["held_back_for_quality_budget"] == 256
+
+
+def test_quality_budget_default_output_is_checked_before_any_work(tiny, tmp_path, monkeypatch):
+    """With a quality budget and no output, the rate (and so a pNN name) is only known late in the run: the default
+    directory names the budget instead, and an existing one is refused before the first pass, not at emit."""
+    src, text = tiny
+    monkeypatch.chdir(tmp_path)
+    plan = Plan(model=str(src), progress=False, calibration=str(text), calib_tokens=256, seq_len=32,
+                budget_tokens=64, max_kl=0.002)
+    ctx = run_pipeline(plan)
+    assert ctx.output_dir == Path(f"{src.name}-kvrewrite-kl0.002")
+    assert (tmp_path / ctx.output_dir / "config.json").is_file()
+    ran = []
+    with pytest.raises(InvalidArgumentError, match="already exists"):
+        run_pipeline(plan, on_pass=ran.append)
+    assert ran == []  # refused up front: not one pass ran
 
 
 def test_budget_options_are_validated():

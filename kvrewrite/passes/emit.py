@@ -79,13 +79,33 @@ def default_output_dir(model: str, rate: float) -> Path:
     return Path(f"{stem}-kvrewrite-p{round(rate * 100):02d}")
 
 
+def output_dir_for(plan: Plan) -> Path:
+    """The directory a compile of `plan` writes, known before any work (the early output checks look at it).
+
+    Under a quality budget the rate is chosen late in the run, so a `pNN` default could not be checked up front
+    (and might be another run's directory): the default name carries the budget instead, e.g.
+    `<model>-kvrewrite-ppl5` for --max-ppl-increase 5%, `-kl0.05` for --max-kl 0.05, or both.
+    """
+    if plan.output is not None:
+        return Path(plan.output)
+    if plan.has_quality_budget():
+        stem = Path(plan.model.rstrip("/")).name or "model"
+        parts = []
+        if plan.max_ppl_increase is not None:
+            parts.append(f"ppl{float(plan.max_ppl_increase) * 100:g}")
+        if plan.max_kl is not None:
+            parts.append(f"kl{float(plan.max_kl):g}")
+        return Path(f"{stem}-kvrewrite-{'-'.join(parts)}")
+    return default_output_dir(plan.model, plan.target_rate)
+
+
 class Emit:
     name = "emit"
     description = "write safetensors shards, config.json, tokenizer, kernel_metadata.json, compress_report.json (atomically)"
 
     def run(self, ctx: CompileContext) -> None:
         plan, spec = ctx.plan, ctx.spec
-        out = plan.output or default_output_dir(plan.model, plan.target_rate)
+        out = output_dir_for(plan)  # the directory run_pipeline checked before any work
         dtype = plan.compute_dtype()
         with atomic_output_dir(out, overwrite=plan.overwrite) as tmp:
             # Layer by layer: each layer is folded, cast and buffered; a shard is written whenever it is full.

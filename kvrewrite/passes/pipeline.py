@@ -19,7 +19,7 @@ from kvrewrite.checkpoint_io import estimated_output_bytes
 from kvrewrite.errors import KVRewriteWarning
 from kvrewrite.output_safety import check_output_location, recover_leftovers
 from kvrewrite.passes.distill_attention import DistillAttention
-from kvrewrite.passes.emit import Emit, default_output_dir
+from kvrewrite.passes.emit import Emit, output_dir_for
 from kvrewrite.passes.fit_kv_codec import FitKVCodec
 from kvrewrite.passes.fold_weights import FoldWeights
 from kvrewrite.passes.load_checkpoint import LoadCheckpoint
@@ -103,7 +103,7 @@ def compile_variants(plan: Plan, variants: dict[str, dict], output_root: Path, o
 
 def run_pipeline(plan: Plan, passes: list | None = None, on_pass=None) -> CompileContext:
     # A bad output is refused before minutes of work, not after (Emit checks again: it may appear meanwhile).
-    prepare_output(plan.output or default_output_dir(plan.model, plan.target_rate), plan)
+    prepare_output(output_dir_for(plan), plan)
     ctx = CompileContext(plan=plan)
     timings = {}
     start = time.perf_counter()
