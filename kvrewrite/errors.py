@@ -39,3 +39,7 @@ class KVRewriteWarning(UserWarning):
 
 class OutputError(KVRewriteError):
     """The output could not be written (disk full, read-only, permissions); nothing at the output was changed."""
+
+
+class MissingDependencyError(KVRewriteError, ImportError):
+    """A compiler-only package (the `compile` extra: gensim, scikit-learn, matplotlib) is not installed."""

@@ -50,10 +50,13 @@ def upload_file_list(directory: Path) -> list[str]:
 
 def ensure_heatmap(directory: Path) -> Path:
     """DIR/rank_heatmap.png, drawn from the spec if `kvrewrite inspect` has not made one yet."""
-    from kvrewrite.rank_plot import plot_rank_heatmap
-
     path = Path(directory) / HEATMAP_FILE
     if not path.is_file():
+        from kvrewrite.extras import require_compile_extra
+
+        require_compile_extra("drawing the model card's rank heat map", ["matplotlib"])
+        from kvrewrite.rank_plot import plot_rank_heatmap
+
         spec = read_checkpoint_facts(directory).spec
         plot_rank_heatmap([l.key_ranks for l in spec.layers], [l.value_ranks for l in spec.layers], spec.head_dim, path,
                           title=f"{spec.source_model}: p = {spec.target_rate:.2f} ({spec.objective}/{spec.allocation})")

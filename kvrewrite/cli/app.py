@@ -12,9 +12,11 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from kvrewrite.errors import InvalidArgumentError, KVRewriteError, KVRewriteWarning
+from kvrewrite.extras import require_compile_extra
 from kvrewrite.sweep import NAMED_CONFIGS
 from kvrewrite.spec import per_head_key_ranks
 
@@ -59,7 +61,7 @@ def _numbers(text: str, option: str) -> list[float]:
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
     if issubclass(category, KVRewriteWarning):
-        console.print(f"[yellow]warning:[/] {message}")
+        console.print(f"[yellow]warning:[/] {escape(str(message))}")  # escaped: [compile] is text, not markup
     else:
         _default_showwarning(message, category, filename, lineno, file, line)
 
@@ -80,7 +82,7 @@ def _setup() -> None:
 
 
 def _fail(exc: Exception) -> None:
-    console.print(f"[bold red]error:[/] {exc}")
+    console.print(f"[bold red]error:[/] {escape(str(exc))}")  # escaped: brackets in messages are text, not markup
     raise typer.Exit(code=2)
 
 
@@ -88,7 +90,7 @@ def _fail(exc: Exception) -> None:
 def compress(
     model: str = typer.Argument(..., help="Hub id (e.g. meta-llama/Llama-3.1-8B), local directory, or 'smollm2-135m' (bundled)."),
     target_rate: str = typer.Option("0.5", "--target-rate", "-p", help="Share of KV-cache elements removed, in [0, 1) (0.5, not 50%)."),
-    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Output directory (default: <model>-kvrewrite-pNN)."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Output directory (default: <model>-kvrewrite-pNN; with a quality budget, whose rate is only known at the end, <model>-kvrewrite-ppl5 / -kl0.05)."),
     objective: str = typer.Option("optimal", help="zack (paper-faithful SVD) or optimal (whitened, output-aware)."),
     allocation: str = typer.Option("sensitivity", help="eps (ZACK Eq. 6 shared removal rate), greedy (objective error), sensitivity (greedy weighted by measured KL per layer and side) or uniform."),
     rope_mode: str = typer.Option("default", "--rope-mode", help="default (latent for optimal, post-rope for zack, or what the family allows), auto (chosen per layer by measured KL), freq, post-rope, latent, crosshead (RoPE models) or folded (models without RoPE); checked against the model's family (docs/adapters.md)."),
@@ -156,6 +158,7 @@ def compress(
                 console.print(f"quality budget: ppl increase <= {plan.max_ppl_increase}, KL <= {plan.max_kl} "
                               f"on {plan.budget_tokens} held-back calibration tokens (replaces --target-rate)")
             return
+        require_compile_extra("kvrewrite compress")  # before any work, not mid-run at the first missing import
         counter = iter(range(1, len(passes) + 1))
         ctx = run_pipeline(plan, passes, on_pass=lambda p: console.print(f"[cyan][{next(counter)}/{len(passes)}][/] {p.name}: {p.description}"))
     except (KVRewriteError, ValueError) as exc:
@@ -204,6 +207,7 @@ def evaluate_command(
         rate_list = _numbers(rates, "--rates") if rates else None
         codec_list = kv_codec.split(";") if kv_codec else None
         window_list = _parse_windows(recent_window) if recent_window else None
+        require_compile_extra("kvrewrite eval (its held-out text is gensim's Wikipedia slice)", ["gensim"])
         if json_out:  # found now, not after minutes of evaluation
             check_writable_file(json_out, "--json")
         rows = evaluate_checkpoint(directory, baseline=baseline, rates=rate_list, tokens=tokens, seq_len=seq_len,
@@ -236,8 +240,8 @@ def inspect(
 ) -> None:
     """Ranks per layer and KV head as a table and a PNG heat map."""
     from kvrewrite.cli.tables import ranks_table, summary_table
+    from kvrewrite.extras import missing_compile_packages
     from kvrewrite.output_safety import check_writable_file
-    from kvrewrite.rank_plot import plot_rank_heatmap
     from kvrewrite.spec import CompressionSpec
 
     try:
@@ -254,6 +258,7 @@ def inspect(
         report = json.loads(report_path.read_text()) if report_path.is_file() and rate is None else None
         target = plot or directory / "rank_heatmap.png"
         if plot is not None:
+            require_compile_extra("kvrewrite inspect --plot", ["matplotlib"])
             check_writable_file(plot, "--plot")
         else:
             try:
@@ -261,12 +266,17 @@ def inspect(
             except InvalidArgumentError as exc:  # a read-only checkpoint (Hub cache, shared disk) still gets its tables
                 target = None
                 warnings.warn(f"{exc}; no heat map written (pass --plot PATH to write it elsewhere)", KVRewriteWarning)
+            if target is not None and missing_compile_packages(["matplotlib"]):  # the tables need no plotting library
+                target = None
+                warnings.warn("no heat map written: it needs matplotlib (pip install 'kvrewrite[compile]')", KVRewriteWarning)
     except (KVRewriteError, ValueError) as exc:
         _fail(exc)
     console.print(summary_table(spec, report))
     console.print(ranks_table(spec))
     if target is None:
         return
+    from kvrewrite.rank_plot import plot_rank_heatmap
+
     plot_rank_heatmap([per_head_key_ranks(l) for l in spec.layers], [l.value_ranks for l in spec.layers], spec.head_dim, target,
                       title=f"{spec.source_model}: p = {spec.target_rate:.2f} ({spec.objective}/{spec.allocation})")
     console.print(f"heat map: {target}")
@@ -345,6 +355,7 @@ def demo(
     from kvrewrite.cli.demo import run_demo
 
     try:
+        require_compile_extra("kvrewrite demo")
         run_demo(output, [float(r) for r in rates.split(",")], calib_tokens, eval_tokens, console)
     except (KVRewriteError, ValueError) as exc:
         _fail(exc)
@@ -365,6 +376,7 @@ def sweep(
     from kvrewrite.sweep import parse_config, run_sweep
 
     try:
+        require_compile_extra("kvrewrite sweep")
         rate_list = [float(r) for r in rates.split(",") if r.strip()]
         chosen = [parse_config(c) for c in configs.split(",") if c.strip()] + [parse_config(c) for c in (config or [])]
         summary = run_sweep(
