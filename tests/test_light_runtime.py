@@ -34,7 +34,7 @@ torch.set_num_threads({threads})
 import kvrewrite
 # The rest of the runtime, imported whole: token tiers, KV codecs, kernels, the old Llama stub's module.
 import kvrewrite.codecs, kvrewrite.codecs.checkpoint, kvrewrite.kernels, kvrewrite.modeling.llama
-import kvrewrite.tiers, kvrewrite.tiers.attention, kvrewrite.tiers.build, kvrewrite.tiers.eviction
+import kvrewrite.tiers, kvrewrite.tiers.attention, kvrewrite.tiers.budget, kvrewrite.tiers.build, kvrewrite.tiers.eviction
 from transformers import AutoModelForCausalLM
 
 tokens = torch.load({tokens!r})
