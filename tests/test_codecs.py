@@ -300,3 +300,20 @@ def test_evaluation_reads_the_codec_cache(compiled):
     # With a codec the chunked protocol is chosen automatically, and the lossy cache shows in the numbers.
     stats = perplexity_and_agreement_many({"coded": coded}, windows, plain, progress=False)["coded"]
     assert stats.kl_mean > 1e-6 and stats.perplexity != one_shot.perplexity  # float noise is ~1e-9
+
+
+def test_a_layer_compiled_to_rank_zero_still_gets_its_codec_fitted(tmp_path):
+    """Sensitivity allocation can give a whole layer key rank 0 (here freq keys at p = 0.5 on this seed); fitting the
+    codec then records an empty [T, 0] key latent for it instead of failing to reshape it."""
+    src = save_tiny_llama(tmp_path / "src", seed=0, num_kv_heads=2, num_heads=4)
+    plan = Plan(model=str(src), output=tmp_path / "out", progress=False, target_rate=0.5, rope_mode="freq",
+                kv_codec="int4")
+    run_pipeline(plan, tiny_pipeline())
+    model = kvrewrite.load(tmp_path / "out").eval()
+    assert [0, 0] in [a.key_ranks for a in model.compressed_attentions()]
+    tokens = random_windows(n=1, length=70, seed=3)
+    cache = model.make_kv_cache()
+    with torch.no_grad():
+        for s in range(0, 70, 35):
+            model(tokens[:, s : s + 35], past_key_values=cache, use_cache=True)
+    assert cache.get_seq_length() == 70

@@ -411,6 +411,8 @@ def budget(
         share = _number(kv_budget, "--kv-budget")
         if not 0 < share <= 1:
             raise InvalidArgumentError(f"--kv-budget must be a share of the fp16 cache in (0, 1], got {kv_budget}")
+        if calibration == "wiki":
+            require_compile_extra("kvrewrite budget --calibration wiki (gensim's Wikipedia slice)", ["gensim"])
         result = split_budget(directory, share, context=context, windows=windows, length=length,
                               calibration=calibration, write=write)
     except (KVRewriteError, ValueError) as exc:

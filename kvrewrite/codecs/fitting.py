@@ -48,8 +48,9 @@ class _LatentRecorder:
         return 0  # every window is a fresh prefill
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args, **kwargs):
-        self.keys.append(keys[:, 0].reshape(-1, keys.shape[-1]).float())
-        self.values.append(values[:, 0].reshape(-1, values.shape[-1]).float())
+        # flatten, not reshape(-1, C): a layer whose ranks are all 0 caches [B, 1, T, 0], which -1 cannot infer.
+        self.keys.append(keys[:, 0].flatten(0, 1).float())
+        self.values.append(values[:, 0].flatten(0, 1).float())
         return keys, values
 
 
