@@ -29,7 +29,8 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.mark.parametrize("window,rate,bits,keep,context", [(4, 0.5, None, 0.5, 40), (2, 0.0, 4, 0.3, 57),
-                                                          (8, 0.5, 8, 0.9, 8), (3, 0.5, 2, 0.0, 30)])
+                                                          (8, 0.5, 8, 0.9, 8), (3, 0.5, 2, 0.0, 30),
+                                                          (3, 0.0, (8, 4), 0.6, 33), (2, 0.5, (None, 2), 0.5, 20)])
 def test_formula_equals_the_bytes_the_cache_holds(checkpoint, window, rate, bits, keep, context):
     model = kvrewrite.load(checkpoint, rate=rate, recent_window=window, kv_codec="none",
                            evict={"keep": keep, "bits": bits}).eval()

@@ -45,6 +45,11 @@ RECIPES: dict[str, dict[str, Any]] = {
                                     "evict": {"keep": 0.4, "bits": 4}},
     "kvrewrite-W16-evict0.55-p0.3-int4": {"rate": 0.3, "recent_window": 16, "kv_codec": "none",
                                           "evict": {"keep": 0.55, "bits": 4}},
+    # Keys at 8 bits, values at 4 (per-token keys lose more at 4 bits than values do).
+    "kvrewrite-W16-evict0.57-k8v4": {"rate": 0.0, "recent_window": 16, "kv_codec": "none",
+                                     "evict": {"keep": 0.57, "bits": (8, 4)}},
+    "kvrewrite-W16-evict0.26-k8v4": {"rate": 0.0, "recent_window": 16, "kv_codec": "none",
+                                     "evict": {"keep": 0.26, "bits": (8, 4)}},
 }
 
 

@@ -21,12 +21,12 @@ import torch
 
 from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.spec import rate_key
-from kvrewrite.tiers.eviction import EvictionPolicy, eviction_policy_for_rate, kept_token_bytes
+from kvrewrite.tiers.eviction import EvictionPolicy, eviction_policy_for_rate, kept_token_bytes, side_bits
 
 TOKEN_POLICY_FILE = "token_policy.json"
 DEFAULT_WINDOWS = (16, 64)
 DEFAULT_RATES = (0.0, 0.3, 0.5)
-DEFAULT_BITS = (None, 8, 4)
+DEFAULT_BITS = (None, 8, (8, 4), 4)  # (8, 4): keys at 8 bits, values at 4
 MEASURE_CHUNK = 64  # tokens per forward while scoring: the cache quantizes and evicts between forwards
 
 
@@ -36,7 +36,7 @@ class Candidate:
 
     window: int
     rate: float
-    bits: int | None
+    bits: int | tuple[int | None, int | None] | None  # both sides, or (key bits, value bits); None: float16
     keep: float
     bytes_share: float  # of the fp16 cache at the budget's context length, from the formula
     nll: float | None = None  # mean NLL per scored calibration token
@@ -44,10 +44,11 @@ class Candidate:
 
     def load_options(self) -> dict:
         return {"rate": self.rate, "recent_window": self.window, "kv_codec": "none",
-                "evict": {"keep": self.keep, "bits": self.bits}}
+                "evict": {"keep": self.keep, "bits": list(self.bits) if isinstance(self.bits, tuple) else self.bits}}
 
     def label(self) -> str:
-        bits = f"int{self.bits}" if self.bits is not None else "fp16"
+        sides = side_bits(self.bits)
+        bits = "fp16" if self.bits is None else f"k{sides['key'] or 16}v{sides['value'] or 16}"
         return f"W={self.window} p={self.rate:g} {bits} keep={self.keep:.3f}"
 
 
@@ -59,11 +60,13 @@ def held_bytes(policy: EvictionPolicy, head_dim: int, num_kv_heads: int, context
     for key_ranks, value_ranks, keep in zip(policy.kept_key_ranks, policy.kept_value_ranks, policy.keep):
         n_recent = min(policy.window, context)
         n_kept = round(keep * (context - n_recent))
-        per_kept = sum(kept_token_bytes(sum(r), policy.bits, policy.group_size) for r in (key_ranks, value_ranks)) + 4
+        sides = policy.side_bits
+        per_kept = sum(kept_token_bytes(sum(r), sides[side], policy.group_size)
+                       for side, r in (("key", key_ranks), ("value", value_ranks))) + 4
         total += n_recent * full + n_kept * per_kept
-        if policy.bits is not None and context > n_recent:
-            total += 2 * 2 * (sum(key_ranks) + sum(value_ranks))  # float16 mean and rms per channel
-    if policy.bits is not None:  # built with the cache, shared by its layers
+        if context > n_recent:  # float16 mean and rms per channel of each quantized side, from the first settle
+            total += sum(2 * 2 * sum(r) for side, r in (("key", key_ranks), ("value", value_ranks)) if sides[side] is not None)
+    if any(b is not None for b in policy.side_bits.values()):  # built with the cache, shared by its layers
         widths = {r for ranks in policy.kept_key_ranks + policy.kept_value_ranks for r in ranks if r}
         total += sum(4 * r * r for r in widths)
     return total

@@ -50,7 +50,7 @@ class EvictionPolicy:
     kept_key_ranks: tuple[tuple[int, ...], ...]
     kept_value_ranks: tuple[tuple[int, ...], ...]
     keep: tuple[float, ...]
-    bits: int | None = None
+    bits: int | tuple[int | None, int | None] | None = None  # both sides, or (key bits, value bits); None: float16
     group_size: int = DEFAULT_GROUP_SIZE
     observed_queries: int = DEFAULT_OBSERVED_QUERIES
 
@@ -61,8 +61,10 @@ class EvictionPolicy:
             raise InvalidArgumentError(f"evict: keep needs one share per layer ({len(self.kept_key_ranks)})")
         if any(not 0 <= k <= 1 for k in self.keep):
             raise InvalidArgumentError(f"evict: keep shares must lie in [0, 1], got {list(self.keep)}")
-        if self.bits is not None and self.bits not in SUPPORTED_BITS:
-            raise InvalidArgumentError(f"evict: bits must be one of {SUPPORTED_BITS} or None, got {self.bits!r}")
+        sides = self.bits if isinstance(self.bits, tuple) else (self.bits, self.bits)
+        if len(sides) != 2 or any(b is not None and b not in SUPPORTED_BITS for b in sides):
+            raise InvalidArgumentError(
+                f"evict: bits must be one of {SUPPORTED_BITS}, None, or a (key, value) pair of them; got {self.bits!r}")
         if self.group_size < 1 or self.observed_queries < 1:
             raise InvalidArgumentError("evict: group_size and observed_queries must be >= 1")
 
@@ -81,21 +83,33 @@ class EvictionPolicy:
         return None
 
     def describe(self) -> str:
-        bits = f" int{self.bits}" if self.bits is not None else ""
+        key_bits, value_bits = self.side_bits.values()
+        bits = "" if key_bits is value_bits is None else f" k{key_bits or 16}v{value_bits or 16}"
         return f"W={self.window} keep={sum(self.keep) / len(self.keep):.2f}{bits}"
+
+    @property
+    def side_bits(self) -> dict[str, int | None]:
+        """{"key": bits, "value": bits} (None: float16)."""
+        return side_bits(self.bits)
 
     def make_layers(self, head_dim: int, layer_codecs: list | None, storage_dtype) -> list:
         if layer_codecs is not None:
             raise InvalidArgumentError("an eviction policy quantizes per token itself; it takes no block codec")
         rotations = None
-        if self.bits is not None:
+        if any(b is not None for b in self.side_bits.values()):
             rotations = block_rotations([r for ranks in self.kept_key_ranks + self.kept_value_ranks for r in ranks])
         return [EvictingLayer(self.window, head_dim, self.kept_key_ranks[i], self.kept_value_ranks[i], self.keep[i],
                               self.bits, self.group_size, self.observed_queries, storage_dtype, rotations)
                 for i in range(self.num_layers)]
 
 
-def eviction_policy_for_rate(spec, rate: float, window: int, keep: float | list[float], *, bits: int | None = None,
+def side_bits(bits) -> dict[str, int | None]:
+    """`bits` as {"key": ..., "value": ...}: one number (or None) for both sides, or a (key, value) pair."""
+    key_bits, value_bits = tuple(bits) if isinstance(bits, (tuple, list)) else (bits, bits)
+    return {"key": key_bits, "value": value_bits}
+
+
+def eviction_policy_for_rate(spec, rate: float, window: int, keep: float | list[float], *, bits=None,
                              group_size: int = DEFAULT_GROUP_SIZE,
                              observed_queries: int = DEFAULT_OBSERVED_QUERIES) -> EvictionPolicy:
     """Kept tokens at the ranks of `rate` in the checkpoint's rate table (kvrewrite.spec.CompressionSpec)."""
@@ -103,7 +117,7 @@ def eviction_policy_for_rate(spec, rate: float, window: int, keep: float | list[
     shares = [keep] * spec.num_layers if isinstance(keep, (int, float)) else list(keep)
     return EvictionPolicy(window=window, kept_key_ranks=tuple(tuple(k) for k in key_ranks),
                           kept_value_ranks=tuple(tuple(v) for v in value_ranks), keep=tuple(float(k) for k in shares),
-                          bits=bits, group_size=group_size, observed_queries=observed_queries)
+                          bits=tuple(bits) if isinstance(bits, list) else bits, group_size=group_size, observed_queries=observed_queries)
 
 
 # ---- per-token storage of the kept tier ------------------------------------------------------------------
@@ -162,19 +176,21 @@ class EvictingLayer(BatchFirstLayer):
     stored_dict_names = ("kept_keys", "kept_values", "channel_stats")
 
     def __init__(self, window: int, head_dim: int, kept_key_ranks: tuple[int, ...], kept_value_ranks: tuple[int, ...],
-                 keep: float, bits: int | None = None, group_size: int = DEFAULT_GROUP_SIZE,
+                 keep: float, bits=None, group_size: int = DEFAULT_GROUP_SIZE,
                  observed_queries: int = DEFAULT_OBSERVED_QUERIES, storage_dtype: torch.dtype = STORAGE_DTYPE,
                  rotations: dict[int, torch.Tensor] | None = None):
         super().__init__()
         self.window, self.head_dim = window, head_dim
         self.kept_key_ranks, self.kept_value_ranks = tuple(kept_key_ranks), tuple(kept_value_ranks)
-        self.keep, self.bits, self.group_size = keep, bits, group_size
+        self.keep, self.group_size = keep, group_size
+        self.side_bits = side_bits(bits)
+        quantized = any(b is not None for b in self.side_bits.values())
         self.observed_queries = observed_queries
         self.storage_dtype = storage_dtype
         # With bits: each head's kept block is turned by rotations[width] before quantizing (see the module docstring).
-        if bits is not None and rotations is None:
+        if quantized and rotations is None:
             rotations = block_rotations(self.kept_key_ranks + self.kept_value_ranks)
-        self.rotations = rotations if bits is not None else None
+        self.rotations = rotations if quantized else None
         self.cumulative_length = 0
         self.kept_keys: dict[str, torch.Tensor] | None = None
         self.kept_values: dict[str, torch.Tensor] | None = None
@@ -196,8 +212,8 @@ class EvictingLayer(BatchFirstLayer):
         self.keys = key_states.new_empty((batch, 1, 0, key_states.shape[-1]), dtype=self.storage_dtype)
         self.values = value_states.new_empty((batch, 1, 0, value_states.shape[-1]), dtype=self.storage_dtype)
         empty = key_states.new_empty((batch, 0, 0))
-        self.kept_keys = encode_tokens(empty.new_empty((batch, 0, sum(self.kept_key_ranks))), self.bits, self.group_size, self.storage_dtype)
-        self.kept_values = encode_tokens(empty.new_empty((batch, 0, sum(self.kept_value_ranks))), self.bits, self.group_size, self.storage_dtype)
+        self.kept_keys = encode_tokens(empty.new_empty((batch, 0, sum(self.kept_key_ranks))), self.side_bits["key"], self.group_size, self.storage_dtype)
+        self.kept_values = encode_tokens(empty.new_empty((batch, 0, sum(self.kept_value_ranks))), self.side_bits["value"], self.group_size, self.storage_dtype)
         self.kept_positions = key_states.new_empty((batch, 0), dtype=POSITION_DTYPE)
         self.is_initialized = True
 
@@ -224,14 +240,15 @@ class EvictingLayer(BatchFirstLayer):
             first = self.cumulative_length - self.keys.shape[-2]
             key_cols = self._columns(self.kept_key_ranks)
             value_cols = self._columns(self.kept_value_ranks)
-            if self.bits is not None and self.channel_stats is None:
+            if self.rotations is not None and self.channel_stats is None:
                 self.channel_stats = {}
                 for side, store, cols in (("key", self.keys, key_cols), ("value", self.values, value_cols)):
-                    self.channel_stats.update(_channel_stats(store[:, 0].index_select(-1, cols), side))
+                    if self.side_bits[side] is not None:
+                        self.channel_stats.update(_channel_stats(store[:, 0].index_select(-1, cols), side))
             moving_k = self._to_code_space(self.keys[:, 0, :beyond].index_select(-1, key_cols), "key")
             moving_v = self._to_code_space(self.values[:, 0, :beyond].index_select(-1, value_cols), "value")
-            self.kept_keys = _append(self.kept_keys, encode_tokens(moving_k, self.bits, self.group_size, self.storage_dtype))
-            self.kept_values = _append(self.kept_values, encode_tokens(moving_v, self.bits, self.group_size, self.storage_dtype))
+            self.kept_keys = _append(self.kept_keys, encode_tokens(moving_k, self.side_bits["key"], self.group_size, self.storage_dtype))
+            self.kept_values = _append(self.kept_values, encode_tokens(moving_v, self.side_bits["value"], self.group_size, self.storage_dtype))
             batch = self.keys.shape[0]
             positions = torch.arange(first, first + beyond, device=self.keys.device, dtype=POSITION_DTYPE)
             self.kept_positions = torch.cat([self.kept_positions, positions[None].expand(batch, beyond)], dim=-1)
@@ -259,13 +276,13 @@ class EvictingLayer(BatchFirstLayer):
 
     def _to_code_space(self, x: torch.Tensor, side: str) -> torch.Tensor:
         """[B, S, C] kept latents -> what is quantized per token: centred and scaled per channel, each head's block turned."""
-        if self.bits is None:
+        if self.side_bits[side] is None:
             return x
         mean = self.channel_stats[side + "_mean"].float()[:, None, :]
         return self._turn((x.float() - mean) / self.channel_stats[side + "_rms"].float()[:, None, :], side)
 
     def _from_code_space(self, y: torch.Tensor, side: str) -> torch.Tensor:
-        if self.bits is None or self.channel_stats is None:  # nothing kept yet: nothing to turn back
+        if self.side_bits[side] is None or self.channel_stats is None:  # nothing kept yet: nothing to turn back
             return y
         x = self._turn(y, side, inverse=True)
         return x * self.channel_stats[side + "_rms"].float()[:, None, :] + self.channel_stats[side + "_mean"].float()[:, None, :]
@@ -287,8 +304,8 @@ class EvictingLayer(BatchFirstLayer):
     def stored_tiers(self, dtype: torch.dtype) -> list:
         from kvrewrite.tiers.attention import StoredTier
 
-        keys = decode_tokens(self.kept_keys, sum(self.kept_key_ranks), self.bits, self.group_size, torch.float32)
-        values = decode_tokens(self.kept_values, sum(self.kept_value_ranks), self.bits, self.group_size, torch.float32)
+        keys = decode_tokens(self.kept_keys, sum(self.kept_key_ranks), self.side_bits["key"], self.group_size, torch.float32)
+        values = decode_tokens(self.kept_values, sum(self.kept_value_ranks), self.side_bits["value"], self.group_size, torch.float32)
         keys = self._from_code_space(keys[:, 0], "key").unsqueeze(1).to(dtype)
         values = self._from_code_space(values[:, 0], "value").unsqueeze(1).to(dtype)
         return [StoredTier(keys, values, self.kept_key_ranks, self.kept_value_ranks, self.kept_positions)]
