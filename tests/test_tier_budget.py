@@ -104,3 +104,7 @@ def test_bad_budgets_are_refused(checkpoint):
         result = runner.invoke(app, ["budget", str(checkpoint), "--kv-budget", bad])
         assert result.exit_code != 0
         assert pytest.importorskip("re").search(message, result.output), result.output
+    # compress --kv-budget refuses a bad budget before any work (no output directory appears).
+    out = checkpoint.parent / "never-written"
+    result = runner.invoke(app, ["compress", str(checkpoint.parent / "src"), "-o", str(out), "--kv-budget", "2"])
+    assert result.exit_code != 0 and "in (0, 1]" in result.output and not out.exists()

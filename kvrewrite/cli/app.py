@@ -127,6 +127,7 @@ def compress(
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and the pipeline, do nothing."),
     push_to_hub: Optional[str] = typer.Option(None, "--push-to-hub", help="Then upload the checkpoint (with a generated model card) to this Hub repo id."),
     hub_private: bool = typer.Option(False, "--hub-private", help="With --push-to-hub: create the repo private."),
+    kv_budget: Optional[str] = typer.Option(None, "--kv-budget", help="Then split this share of the fp16 cache (at 4,096 tokens) across full-rank window, kept ranks, bits and re-scored eviction by calibration quality, and record it so kvrewrite.load(DIR) uses it (as `kvrewrite budget`; docs/tiers.md)."),
 ) -> None:
     """Compile MODEL into a checkpoint whose KV cache keeps (1 - target_rate) of its elements."""
     from kvrewrite.cli.tables import ranks_table, summary_table
@@ -144,6 +145,7 @@ def compress(
                     device=device, dtype=dtype, max_shard_size=max_shard_size, verify_tokens=verify_tokens, verify_tolerance=verify_tolerance,
                     kv_codec=kv_codec, kv_bits_budget=kv_bits_budget)
         passes = default_pipeline()
+        budget_share = _budget_share(kv_budget) if kv_budget is not None else None  # refused now, not after the compile
         if dry_run:
             table = Table(title=f"kvrewrite compress {model} --target-rate {plan.target_rate} (dry run)")
             table.add_column("#", justify="right")
@@ -171,6 +173,8 @@ def compress(
     console.print(summary_table(ctx.spec, report))
     console.print(ranks_table(ctx.spec))
     console.print(f"[bold green]wrote[/] {ctx.output_dir}")
+    if budget_share is not None:
+        _split_and_report(ctx.output_dir, budget_share, context=4096, windows=2, length=1024, calibration="wiki", write=True)
     if push_to_hub:
         _push(ctx.output_dir, push_to_hub, private=hub_private)
 
@@ -404,19 +408,32 @@ def budget(
     write: bool = typer.Option(True, "--write/--dry-run", help="Record the winner in DIR/token_policy.json (kvrewrite.load(DIR) then uses it)."),
 ) -> None:
     """Split a KV byte budget across full-rank window, kept ranks, bits and re-scored eviction by measured calibration NLL."""
+    try:
+        share = _budget_share(kv_budget)
+        if calibration == "wiki":
+            require_compile_extra("kvrewrite budget --calibration wiki (gensim's Wikipedia slice)", ["gensim"])
+    except (KVRewriteError, ValueError) as exc:
+        _fail(exc)
+    _split_and_report(directory, share, context=context, windows=windows, length=length, calibration=calibration,
+                      write=write)
+
+
+def _budget_share(text: str) -> float:
+    share = _number(text, "--kv-budget")
+    if not 0 < share <= 1:
+        raise InvalidArgumentError(f"--kv-budget must be a share of the fp16 cache in (0, 1], got {text}")
+    return share
+
+
+def _split_and_report(directory: Path, share: float, **options) -> None:
     from kvrewrite.cli.budget import budget_rows, split_budget
     from kvrewrite.cli.tables import budget_table
 
     try:
-        share = _number(kv_budget, "--kv-budget")
-        if not 0 < share <= 1:
-            raise InvalidArgumentError(f"--kv-budget must be a share of the fp16 cache in (0, 1], got {kv_budget}")
-        if calibration == "wiki":
-            require_compile_extra("kvrewrite budget --calibration wiki (gensim's Wikipedia slice)", ["gensim"])
-        result = split_budget(directory, share, context=context, windows=windows, length=length,
-                              calibration=calibration, write=write)
+        result = split_budget(directory, share, **options)
     except (KVRewriteError, ValueError) as exc:
         _fail(exc)
+    context, windows, length = options["context"], options["windows"], options["length"]
     console.print(budget_table(budget_rows(result), title=f"splits of {share:.1%} of the fp16 cache at {context} tokens "
                                                           f"(Δppl vs the full-rank cache, {windows}x{length} calibration tokens)"))
     chosen = result["chosen"]
