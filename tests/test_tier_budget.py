@@ -62,9 +62,18 @@ def test_budget_command_records_the_best_split_and_load_uses_it(checkpoint):
 
     result = split_budget(checkpoint, 0.3, context=48, windows=1, length=32, recent_windows=(2, 4), rates=(0.0, 0.5),
                           bits_options=(None, 4), progress=False)
-    measured, chosen = result["candidates"], result["chosen"]
-    assert len(measured) == 8 and all(c.bytes_share <= 0.3 for c in measured)
-    assert chosen.nll == min(c.nll for c in measured)
+    measured, winner, chosen = result["candidates"], result["winner"], result["chosen"]
+    from kvrewrite.tiers.budget import candidates
+
+    spec = kvrewrite.load(checkpoint, token_policy=False).compression_spec
+    fitting = candidates(spec, spec.head_dim, spec.num_key_value_heads, 0.3, 32, (2, 4), (0.0, 0.5), (None, 4))
+    assert [(c.window, c.rate, c.bits, c.keep) for c in measured] == [(c.window, c.rate, c.bits, c.keep) for c in fitting]
+    assert len(measured) >= 4 and all(c.bytes_share <= 0.3 for c in measured)
+    for c in measured:  # measured at the budget for the windows' length: the bytes really held agree
+        assert c.measured_share <= 0.3 + 1e-9 and c.measured_share == pytest.approx(c.bytes_share, abs=0.02)
+    assert winner.nll == min(c.nll for c in measured)
+    assert (chosen.window, chosen.rate, chosen.bits) == (winner.window, winner.rate, winner.bits)
+    assert chosen.keep >= winner.keep and chosen.bytes_share <= 0.3  # re-solved for 48 tokens: the window weighs less
     record = json.loads((checkpoint / "token_policy.json").read_text())
     assert record["load"] == chosen.load_options()
     assert "token_policy.json" in json.loads((checkpoint / CHECKSUM_FILE).read_text())
@@ -81,7 +90,8 @@ def test_budget_command_records_the_best_split_and_load_uses_it(checkpoint):
 
     windows = calibration_token_sequences("wiki", AutoTokenizer.from_pretrained(checkpoint), 32, 32, seed=1)
     nll, count, _ = continuation_nll(model, windows, 16, model.make_kv_cache, chunk=64)
-    assert nll / count == pytest.approx(chosen.nll, rel=1e-6)
+    if chosen.keep == winner.keep:  # the recorded policy is the measured one: its NLL reproduces
+        assert nll / count == pytest.approx(chosen.nll, rel=1e-6)
     # An edited policy file is caught by the checksums.
     (checkpoint / "token_policy.json").write_text(json.dumps({**record, "load": {**record["load"], "rate": 0.0}}))
     with pytest.raises(kvrewrite.errors.CorruptCheckpointError):

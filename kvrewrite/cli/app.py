@@ -401,9 +401,9 @@ def sweep(
 def budget(
     directory: Path = typer.Argument(..., help="A kvrewrite checkpoint directory."),
     kv_budget: str = typer.Option(..., "--kv-budget", help="Bytes the cache may hold, as a share of the original's fp16 cache (0.25, not 25%)."),
-    context: int = typer.Option(4096, "--context", help="Context length (tokens) the budget holds at: the full-rank window weighs more in short contexts."),
+    context: int = typer.Option(4096, "--context", help="Context length (tokens) the recorded split holds the budget at (the full-rank window weighs more in short contexts)."),
     windows: int = typer.Option(2, "--windows", help="Calibration windows each split is measured on."),
-    length: int = typer.Option(1024, "--length", help="Calibration window length: the first half is context, the second half is scored."),
+    length: int = typer.Option(1024, "--length", help="Calibration window length: the first half is context, the second half is scored; every split is measured at the budget for this length."),
     calibration: str = typer.Option("wiki", help="wiki (the calibration split, never the held-out text), or a path to text."),
     write: bool = typer.Option(True, "--write/--dry-run", help="Record the winner in DIR/token_policy.json (kvrewrite.load(DIR) then uses it)."),
 ) -> None:
@@ -434,10 +434,11 @@ def _split_and_report(directory: Path, share: float, **options) -> None:
     except (KVRewriteError, ValueError) as exc:
         _fail(exc)
     context, windows, length = options["context"], options["windows"], options["length"]
-    console.print(budget_table(budget_rows(result), title=f"splits of {share:.1%} of the fp16 cache at {context} tokens "
-                                                          f"(Δppl vs the full-rank cache, {windows}x{length} calibration tokens)"))
+    console.print(budget_table(budget_rows(result), title=f"splits of {share:.1%} of the fp16 cache, measured at {length} "
+                                                          f"tokens (Δppl vs the full-rank cache, {windows} calibration window(s))"))
     chosen = result["chosen"]
-    console.print(f"chosen: {chosen.label()}" + (f"; recorded in {result['path']}" if result["path"] else " (dry run)"))
+    console.print(f"chosen at {context} tokens: {chosen.label()} ({chosen.bytes_share:.3f} of fp16)"
+                  + (f"; recorded in {result['path']}" if result["path"] else " (dry run)"))
 
 
 def main() -> None:

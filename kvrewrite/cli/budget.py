@@ -6,8 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvrewrite.errors import CorruptCheckpointError, InvalidArgumentError
+from dataclasses import asdict
+
 from kvrewrite.tiers.budget import (DEFAULT_BITS, DEFAULT_RATES, DEFAULT_WINDOWS, Candidate, best, candidates, measure,
-                                    write_token_policy)
+                                    solve_keep, write_token_policy)
 
 
 def split_budget(directory: Path, budget: float, *, context: int = 4096, windows: int = 2, length: int = 1024,
@@ -16,7 +18,10 @@ def split_budget(directory: Path, budget: float, *, context: int = 4096, windows
     """Measure every split of `budget` (a share of the fp16 cache at `context` tokens) on `windows` calibration windows
     of `length` tokens (the first half is context, the second half scored) and record the best in the checkpoint.
 
-    Returns {"reference": mean NLL of the full-rank cache, "candidates": [Candidate], "chosen": Candidate, "path"}.
+    Each split is measured with its keep share solved for `length` tokens (equal bytes on the windows measured); the
+    winner's (window, rate, bits) is recorded with the keep share solved for `context` tokens.
+    Returns {"reference": mean NLL of the full-rank cache, "candidates": [Candidate] (as measured), "winner": the best
+    of them, "chosen": the winner at `context`, "path"}.
     """
     from transformers import AutoTokenizer
 
@@ -34,7 +39,9 @@ def split_budget(directory: Path, budget: float, *, context: int = 4096, windows
     reference_model = load(directory, rate=0.0, kv_codec="none", token_policy=False).eval()
     spec = reference_model.compression_spec
     head_dim, n_kv = spec.head_dim, spec.num_key_value_heads
-    found = candidates(spec, head_dim, n_kv, budget, context, recent_windows, rates, bits_options)
+    # Every split is measured at the budget on the windows it is measured on (bytes at `length` tokens), so the
+    # ranking compares equal bytes; the winner's keep share is then solved again for `context` tokens.
+    found = candidates(spec, head_dim, n_kv, budget, length, recent_windows, rates, bits_options)
     tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=False)
     token_windows = calibration_token_sequences(calibration, tokenizer, windows * length, length, seed=seed)
     scored_from = length // 2
@@ -49,13 +56,15 @@ def split_budget(directory: Path, budget: float, *, context: int = 4096, windows
 
         measured = measure(loader, found, token_windows, scored_from, fp16_per_token,
                            progress=lambda _c: bar.advance())
-    chosen = best(measured)
+    winner = best(measured)
+    chosen = solve_keep(spec, head_dim, n_kv, budget, context, winner.window, winner.rate, winner.bits)
+    chosen = Candidate(**{**asdict(chosen), "nll": winner.nll, "measured_share": winner.measured_share})
     path = None
     if write:
         path = write_token_policy(directory, chosen, measured, budget, context, {
             "source": calibration, "windows": windows, "length": length, "seed": seed, "scored_from": scored_from,
             "reference_nll": reference})
-    return {"reference": reference, "candidates": measured, "chosen": chosen, "path": path}
+    return {"reference": reference, "candidates": measured, "winner": winner, "chosen": chosen, "path": path}
 
 
 def budget_rows(result: dict) -> list[dict]:
@@ -65,7 +74,7 @@ def budget_rows(result: dict) -> list[dict]:
     rows = []
     for c in sorted(result["candidates"], key=lambda c: c.nll):
         rows.append({"split": c.label(), "bytes_share": c.bytes_share, "measured_share": c.measured_share,
-                     "delta_ppl": math.exp(c.nll - result["reference"]) - 1, "chosen": c == result["chosen"]})
+                     "delta_ppl": math.exp(c.nll - result["reference"]) - 1, "chosen": c == result["winner"]})
     return rows
 
 
