@@ -197,6 +197,19 @@ def test_quantized_kept_tier_keeps_every_channel_where_per_token_ranges_lose_the
     torch.testing.assert_close(q @ q.T, torch.eye(d), rtol=0, atol=1e-5)
 
 
+def test_a_reset_cache_takes_its_channel_statistics_from_the_next_sequence(compiled):
+    """The centring and scaling of the kept tier belong to the sequence that set them: after reset(), a new sequence
+    reads back exactly as it does through a fresh cache."""
+    model = evicting_model(compiled["latent"], 4, 0.5, bits=4)
+    first, second = random_windows(n=1, length=30, seed=31), random_windows(n=1, length=30, seed=32) * 3 % 90
+    reused = model.make_kv_cache()
+    feed(model, first, 10, reused)
+    reused.reset()
+    again, _ = feed(model, second, 10, reused)
+    fresh, _ = feed(model, second, 10, model.make_kv_cache())
+    torch.testing.assert_close(again, fresh, rtol=0, atol=0)
+
+
 def test_generate_beam_search_and_an_unpadded_row_unchanged_by_its_batch(compiled):
     model = evicting_model(compiled["latent"], 3, 0.5, bits=4)
     ids = torch.tensor([[0, 0, 5, 6, 7, 8, 9, 10, 11, 12], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]])

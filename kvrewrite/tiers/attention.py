@@ -76,7 +76,7 @@ def _scored_queries(layer, allowed: torch.Tensor, q_len: int) -> torch.Tensor:
     """[B, T] weight of each query in the importance evidence: the layer's last `observed_queries` (all when None)
     that can read any key (a left-padding row reads none and would spread a uniform, meaningless softmax)."""
     weights = allowed.any(dim=-1)[:, 0].float()  # [B or 1, T]
-    observed = getattr(layer, "observed_queries", None)
+    observed = layer.observed_queries
     if observed is not None and observed < q_len:
         weights = weights * (torch.arange(q_len, device=allowed.device) >= q_len - observed)
     return weights
@@ -122,12 +122,15 @@ def tiered_attention(module, query: torch.Tensor, layer, attention_mask: torch.T
             return q @ keys.transpose(-1, -2)
         return q[..., :rank] @ latents[..., :rank].transpose(-1, -2)
 
-    scoring = layer.wants_scores
-    if scoring:
+    wanted = layer.wanted_evidence  # only what the layer's policy reads is computed (this is the decode path)
+    want_recent, want_stored, want_denominator = ("recent" in wanted), ("stored" in wanted), ("denominator" in wanted)
+    if want_recent or want_stored:
         query_weights = _scored_queries(layer, allowed, q_len)[:, None, :, None]  # [B, 1, T, 1]
-        received = [torch.zeros(batch, t.keys.shape[-2], dtype=torch.float32, device=device) for t in tiers]
-        received_recent = torch.zeros(batch, n_recent, dtype=torch.float32, device=device)
-    log_denominator = torch.full((batch, q_len), float("-inf"), dtype=torch.float32, device=device)
+    received = [torch.zeros(batch, t.keys.shape[-2], dtype=torch.float32, device=device) for t in tiers] if want_stored else None
+    received_recent = torch.zeros(batch, n_recent, dtype=torch.float32, device=device) if want_recent else None
+    log_denominator = None
+    if want_denominator:
+        log_denominator = torch.full((batch, q_len), float("-inf"), dtype=torch.float32, device=device)
     outputs = []
     for g in range(module.num_kv_heads):
         q = heads[:, g * group : (g + 1) * group]  # [B, G, T, d]
@@ -142,17 +145,17 @@ def tiered_attention(module, query: torch.Tensor, layer, attention_mask: torch.T
         logits = logits.to(softmax_dtype(logits.dtype))
         mask = torch.cat(tier_allowed + [allowed_recent], dim=-1)
         logits = logits.masked_fill(~mask, torch.finfo(logits.dtype).min)
-        if scoring:
+        if want_denominator:
             log_denominator = torch.logaddexp(log_denominator, torch.logsumexp(logits.float(), dim=-1).logsumexp(dim=1))
         probs = torch.softmax(logits, dim=-1).to(dtype)
         pieces = probs.split([t.keys.shape[-2] for t in tiers] + [n_recent], dim=-1)
         out = torch.zeros(batch, group, q_len, d, dtype=dtype, device=device)
         for i, (t, p) in enumerate(zip(tiers, pieces[:-1])):
             out = out + F.pad(p @ t.value_block(g), (0, d - t.value_ranks[g]))
-            if scoring:
+            if want_stored:
                 received[i] += (p.float() * query_weights).sum(dim=(1, 2))
         p_recent = pieces[-1]
-        if scoring:
+        if want_recent:
             received_recent += (p_recent.float() * query_weights).sum(dim=(1, 2))
         if any_beyond:
             rv = beyond_v_ranks[g]
@@ -160,6 +163,6 @@ def tiered_attention(module, query: torch.Tensor, layer, attention_mask: torch.T
         else:
             out = out + p_recent @ v_recent
         outputs.append(out.transpose(1, 2).reshape(batch, q_len, group * d))
-    if scoring:
+    if wanted:
         layer.add_scores(received_recent, received, log_denominator)
     return torch.cat(outputs, dim=-1)

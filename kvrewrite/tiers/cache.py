@@ -30,10 +30,53 @@ def prefix_columns(block_width: int, ranks: tuple[int, ...]) -> list[int]:
     return [g * block_width + i for g, r in enumerate(ranks) for i in range(r)]
 
 
-class TieredLayer(BatchFirstLayer):
-    """keys/values (the DynamicLayer fields) are the recent tier [B, 1, S_recent, n_kv * d] at full rank."""
+class RecentWindowLayer(BatchFirstLayer):
+    """What every token-policy layer shares: keys/values (the DynamicLayer fields) are the recent window
+    [B, 1, S_recent, n_kv * d] at full rank, in `storage_dtype`; older tokens are the subclass's stored tiers.
+
+    The attention (kvrewrite.tiers.attention) reads `window`, `beyond_window_ranks` and `stored_tiers(dtype)`, and
+    computes only the evidence named in `wanted_evidence` ("recent": attention each recent token received,
+    "stored": the same per stored tier, "denominator": each new token's log softmax denominator), handing it to
+    `add_scores(recent, stored, denominators)` with None for what was not wanted. `observed_queries`: how many of
+    the forward's last queries count (None: all).
+    """
 
     window_description = "full-rank window"
+    wanted_evidence: tuple[str, ...] = ()
+    observed_queries: int | None = None
+
+    def __init__(self, window: int, head_dim: int, storage_dtype: torch.dtype = STORAGE_DTYPE):
+        super().__init__()
+        self.window, self.head_dim, self.storage_dtype = window, head_dim, storage_dtype
+        self.cumulative_length = 0
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Append new tokens' full-rank packed latents [B, 1, T, n_kv * d] to the recent window."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.cumulative_length += key_states.shape[-2]
+        self.keys = torch.cat([self.keys, key_states.to(self.storage_dtype)], dim=-2)
+        self.values = torch.cat([self.values, value_states.to(self.storage_dtype)], dim=-2)
+        self._appended(key_states.shape[0], key_states.shape[-2])
+        return self.keys, self.values
+
+    def _appended(self, batch: int, n: int) -> None:
+        """Hook: n tokens joined the recent window."""
+
+    def _columns(self, ranks: tuple[int, ...]) -> torch.Tensor:
+        return torch.tensor(prefix_columns(self.head_dim, ranks), dtype=torch.long, device=self.keys.device)
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def reset(self) -> None:
+        super().reset()
+        self.cumulative_length = 0
+
+
+class TieredLayer(RecentWindowLayer):
+    """Recent window at full rank; older tokens in the aged tier (and, token-adaptive, the important tier)."""
+
     stored_tensor_names = ("keys", "values", "aged_keys", "aged_values", "important_keys", "important_values",
                            "aged_positions", "important_positions", "recent_scores")
     stored_dict_names = ("coded_keys", "coded_values")
@@ -42,12 +85,9 @@ class TieredLayer(BatchFirstLayer):
                  codec=None, storage_dtype: torch.dtype = STORAGE_DTYPE, *, important_key_ranks=None,
                  important_value_ranks=None, important_share: float | None = None, score: str = "attention", pool: int = 64,
                  evict_rest: bool = False):
-        super().__init__()
-        self.window = window
-        self.head_dim = head_dim
+        super().__init__(window, head_dim, storage_dtype)
         self.aged_key_ranks, self.aged_value_ranks = tuple(aged_key_ranks), tuple(aged_value_ranks)
         self.codec = codec
-        self.storage_dtype = storage_dtype
         self.adaptive = important_share is not None
         self.important_key_ranks = tuple(important_key_ranks) if self.adaptive else None
         self.important_value_ranks = tuple(important_value_ranks) if self.adaptive else None
@@ -55,7 +95,9 @@ class TieredLayer(BatchFirstLayer):
         self.score = score
         self.pool = pool if self.adaptive else 0
         self.evict_rest = evict_rest  # classified tokens not kept as important are dropped, not aged
-        self.cumulative_length = 0
+        # Token-adaptive dims score recent tokens by the attention they receive, or by their own denominators.
+        if self.adaptive:
+            self.wanted_evidence = ("recent",) if score == "attention" else ("denominator",)
         self.coded_length = 0  # aged tokens held as codec blocks (the rest of the aged tier is the staging run)
         self.aged_keys: torch.Tensor | None = None
         self.aged_values: torch.Tensor | None = None
@@ -93,27 +135,15 @@ class TieredLayer(BatchFirstLayer):
         self.is_initialized = True
 
     # ---- writes --------------------------------------------------------------------------------------------
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Append new tokens' full-rank packed latents [B, 1, T, n_kv * d] to the recent tier."""
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        self.cumulative_length += key_states.shape[-2]
-        self.keys = torch.cat([self.keys, key_states.to(self.storage_dtype)], dim=-2)
-        self.values = torch.cat([self.values, value_states.to(self.storage_dtype)], dim=-2)
+    def _appended(self, batch: int, n: int) -> None:
         if self.adaptive:
-            new = self.recent_scores.new_zeros((key_states.shape[0], key_states.shape[-2]))
-            self.recent_scores = torch.cat([self.recent_scores, new], dim=-1)
-        return self.keys, self.values
+            self.recent_scores = torch.cat([self.recent_scores, self.recent_scores.new_zeros((batch, n))], dim=-1)
 
-    @property
-    def wants_scores(self) -> bool:
-        """Attention hands this layer importance evidence after every forward (token-adaptive dims only)."""
-        return self.adaptive
-
-    def add_scores(self, received: torch.Tensor, received_stored: list[torch.Tensor], denominators: torch.Tensor) -> None:
-        """One forward's importance evidence: attention each recent token received [B, S_recent] (summed over heads
-        and queries), and the new tokens' own log softmax denominators [B, T] (combined over heads). Classified
-        tokens keep their tier: what the stored tiers received is not used."""
+    def add_scores(self, received: torch.Tensor | None, received_stored: list[torch.Tensor] | None,
+                   denominators: torch.Tensor | None) -> None:
+        """One forward's importance evidence (token-adaptive only): attention each recent token received [B, S_recent]
+        (summed over heads and queries) with the "attention" score, or the new tokens' own log softmax denominators
+        [B, T] (combined over heads) with "denominator". Classified tokens keep their tier."""
         if self.score == "attention":
             self.recent_scores = self.recent_scores + received
         else:
@@ -138,9 +168,6 @@ class TieredLayer(BatchFirstLayer):
             self.recent_scores = self.recent_scores[:, moving:].contiguous()
         if self.codec is not None:
             self._code_full_blocks()
-
-    def _columns(self, ranks: tuple[int, ...]) -> torch.Tensor:
-        return torch.tensor(prefix_columns(self.head_dim, ranks), dtype=torch.long, device=self.keys.device)
 
     def _classify(self, moving: int) -> None:
         """Split the oldest `moving` recent tokens, pool by pool, into the important and aged tiers by score."""
@@ -214,12 +241,9 @@ class TieredLayer(BatchFirstLayer):
             decoded.append(torch.cat([blocks.reshape(batch, 1, n * g, c).to(dtype), staged], dim=-2))
         return decoded[0], decoded[1]
 
-    def get_seq_length(self) -> int:
-        return self.cumulative_length
-
     def reset(self) -> None:
         super().reset()
-        self.cumulative_length = self.coded_length = 0
+        self.coded_length = 0
         for name in ("aged_keys", "aged_values", "coded_keys", "coded_values", "important_keys", "important_values",
                      "aged_positions", "important_positions", "recent_scores"):
             setattr(self, name, None)

@@ -31,11 +31,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvrewrite.batch_first_layer import BatchFirstLayer
 from kvrewrite.codecs.base import kivi_decode, kivi_encode
 from kvrewrite.codecs.packing import META_DTYPE, SUPPORTED_BITS, packed_length
 from kvrewrite.errors import InvalidArgumentError
-from kvrewrite.tiers.cache import POSITION_DTYPE, STORAGE_DTYPE, prefix_columns
+from kvrewrite.tiers.cache import POSITION_DTYPE, STORAGE_DTYPE, RecentWindowLayer
 
 DEFAULT_OBSERVED_QUERIES = 64  # scoring queries per forward: a 64-token chunk, or the last 64 of a long prefill
 DEFAULT_GROUP_SIZE = 64  # channels per (scale, minimum) pair, as transformers' QuantizedCache defaults
@@ -81,11 +80,6 @@ class EvictionPolicy:
     def codec(self) -> None:
         """No block codec: kept tokens are quantized per token (`bits`)."""
         return None
-
-    def describe(self) -> str:
-        key_bits, value_bits = self.side_bits.values()
-        bits = "" if key_bits is value_bits is None else f" k{key_bits or 16}v{value_bits or 16}"
-        return f"W={self.window} keep={sum(self.keep) / len(self.keep):.2f}{bits}"
 
     @property
     def side_bits(self) -> dict[str, int | None]:
@@ -161,17 +155,17 @@ def decode_tokens(stored: dict[str, torch.Tensor], channels: int, bits: int | No
     return kivi_decode(coded, "value", bits, group_size, 1, channels).squeeze(2).unsqueeze(1).to(dtype)
 
 
-def kept_token_bytes(channels: int, bits: int | None, group_size: int, float_bytes: int = 2) -> int:
-    """Bytes one kept token's latents of one side occupy: the formula the stored tensors must match."""
+def kept_token_bytes(channels: int, bits: int | None, group_size: int) -> int:
+    """Bytes one kept token's latents of one side occupy (float16 without bits): the formula the stored tensors must
+    match."""
     if bits is None:
-        return float_bytes * channels
+        return 2 * channels
     return packed_length(channels, bits) + 2 * 2 * -(-channels // group_size)
 
 
-class EvictingLayer(BatchFirstLayer):
-    """keys/values (the DynamicLayer fields) are the recent window [B, 1, S_recent, n_kv * d] at full rank."""
+class EvictingLayer(RecentWindowLayer):
+    """Recent window at full rank; beyond it the kept tier, re-scored and cut to its budget after every forward."""
 
-    window_description = "full-rank window"
     stored_tensor_names = ("keys", "values", "kept_positions")
     stored_dict_names = ("kept_keys", "kept_values", "channel_stats")
 
@@ -179,19 +173,16 @@ class EvictingLayer(BatchFirstLayer):
                  keep: float, bits=None, group_size: int = DEFAULT_GROUP_SIZE,
                  observed_queries: int = DEFAULT_OBSERVED_QUERIES, storage_dtype: torch.dtype = STORAGE_DTYPE,
                  rotations: dict[int, torch.Tensor] | None = None):
-        super().__init__()
-        self.window, self.head_dim = window, head_dim
+        super().__init__(window, head_dim, storage_dtype)
         self.kept_key_ranks, self.kept_value_ranks = tuple(kept_key_ranks), tuple(kept_value_ranks)
         self.keep, self.group_size = keep, group_size
         self.side_bits = side_bits(bits)
         quantized = any(b is not None for b in self.side_bits.values())
         self.observed_queries = observed_queries
-        self.storage_dtype = storage_dtype
         # With bits: each head's kept block is turned by rotations[width] before quantizing (see the module docstring).
         if quantized and rotations is None:
             rotations = block_rotations(self.kept_key_ranks + self.kept_value_ranks)
         self.rotations = rotations if quantized else None
-        self.cumulative_length = 0
         self.kept_keys: dict[str, torch.Tensor] | None = None
         self.kept_values: dict[str, torch.Tensor] | None = None
         self.kept_positions: torch.Tensor | None = None
@@ -200,7 +191,7 @@ class EvictingLayer(BatchFirstLayer):
         self._received_recent: torch.Tensor | None = None
         self._received_kept: torch.Tensor | None = None
 
-    wants_scores = True
+    wanted_evidence = ("recent", "stored")
 
     @property
     def beyond_window_ranks(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -211,23 +202,15 @@ class EvictingLayer(BatchFirstLayer):
         batch = key_states.shape[0]
         self.keys = key_states.new_empty((batch, 1, 0, key_states.shape[-1]), dtype=self.storage_dtype)
         self.values = value_states.new_empty((batch, 1, 0, value_states.shape[-1]), dtype=self.storage_dtype)
-        empty = key_states.new_empty((batch, 0, 0))
-        self.kept_keys = encode_tokens(empty.new_empty((batch, 0, sum(self.kept_key_ranks))), self.side_bits["key"], self.group_size, self.storage_dtype)
-        self.kept_values = encode_tokens(empty.new_empty((batch, 0, sum(self.kept_value_ranks))), self.side_bits["value"], self.group_size, self.storage_dtype)
+        for side, ranks in (("key", self.kept_key_ranks), ("value", self.kept_value_ranks)):
+            setattr(self, f"kept_{side}s", encode_tokens(key_states.new_empty((batch, 0, sum(ranks))), self.side_bits[side],
+                                                         self.group_size, self.storage_dtype))
         self.kept_positions = key_states.new_empty((batch, 0), dtype=POSITION_DTYPE)
         self.is_initialized = True
 
     # ---- writes --------------------------------------------------------------------------------------------
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Append new tokens' full-rank packed latents [B, 1, T, n_kv * d] to the recent window."""
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        self.cumulative_length += key_states.shape[-2]
-        self.keys = torch.cat([self.keys, key_states.to(self.storage_dtype)], dim=-2)
-        self.values = torch.cat([self.values, value_states.to(self.storage_dtype)], dim=-2)
-        return self.keys, self.values
-
-    def add_scores(self, received: torch.Tensor, received_stored: list[torch.Tensor], denominators: torch.Tensor) -> None:
+    def add_scores(self, received: torch.Tensor | None, received_stored: list[torch.Tensor] | None,
+                   denominators: torch.Tensor | None) -> None:
         """Attention the recent [B, S_recent] and kept [B, S_kept] tokens received from this forward's observed queries."""
         self._received_recent = received
         self._received_kept = received_stored[0] if received_stored else None
@@ -271,9 +254,6 @@ class EvictingLayer(BatchFirstLayer):
         self.kept_keys = _select(self.kept_keys, chosen)
         self.kept_values = _select(self.kept_values, chosen)
 
-    def _columns(self, ranks: tuple[int, ...]) -> torch.Tensor:
-        return torch.tensor(prefix_columns(self.head_dim, ranks), dtype=torch.long, device=self.keys.device)
-
     def _to_code_space(self, x: torch.Tensor, side: str) -> torch.Tensor:
         """[B, S, C] kept latents -> what is quantized per token: centred and scaled per channel, each head's block turned."""
         if self.side_bits[side] is None:
@@ -310,13 +290,10 @@ class EvictingLayer(BatchFirstLayer):
         values = self._from_code_space(values[:, 0], "value").unsqueeze(1).to(dtype)
         return [StoredTier(keys, values, self.kept_key_ranks, self.kept_value_ranks, self.kept_positions)]
 
-    def get_seq_length(self) -> int:
-        return self.cumulative_length
-
     def reset(self) -> None:
         super().reset()
-        self.cumulative_length = 0
-        self.kept_keys = self.kept_values = self.kept_positions = None
+        # The channel statistics belong to the sequence that set them: the next one sets its own at its first settle.
+        self.kept_keys = self.kept_values = self.kept_positions = self.channel_stats = None
         self._received_recent = self._received_kept = None
 
 

@@ -95,10 +95,6 @@ class TierPolicy:
                                       codecs[i], storage_dtype, **adaptive))
         return layers
 
-    def describe(self) -> str:
-        """A short label for tables: window, aged tier's codec."""
-        return f"W={self.window}" + (f" +{self.codec.describe()}" if self.codec is not None else "")
-
 
 def tier_policy_for_rate(spec, rate: float, window: int, codec: CodecConfig | None = None, *,
                          important_rate: float | None = None, important_share: float | list[float] | None = None,
