@@ -409,8 +409,11 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def write_checksums(directory: Path, filenames: list[str]) -> None:
-    """Record the SHA-256 of each listed file (relative to `directory`) in `directory/CHECKSUM_FILE`."""
+def write_checksums(directory: Path, filenames: list[str], known: dict[str, str] | None = None) -> None:
+    """Record the SHA-256 of each listed file (relative to `directory`) in `directory/CHECKSUM_FILE`.
+
+    known: digests the caller has just verified (e.g. the existing entries when one file is added), reused instead
+    of reading those files again."""
     directory = Path(directory)
     if not filenames:
         raise InvalidArgumentError("no files given to checksum; pass the shard filenames returned by the writer")
@@ -421,7 +424,7 @@ def write_checksums(directory: Path, filenames: list[str]) -> None:
         path = _check_relative_name(directory, filename)
         if not path.is_file():
             raise InvalidArgumentError(f"cannot checksum {path}: file does not exist")
-        sums[filename] = _sha256(path)
+        sums[filename] = known[filename] if known and filename in known else _sha256(path)
     # Write-then-rename so a crash never leaves a half-written checksum file that would fail every later verify.
     target = directory / CHECKSUM_FILE
     tmp = target.with_name(f".{CHECKSUM_FILE}.tmp-{secrets.token_hex(4)}")

@@ -40,21 +40,22 @@ def test_formula_equals_the_bytes_the_cache_holds(checkpoint, window, rate, bits
         for s in range(0, context, 7):
             model(tokens[:, s : s + 7], past_key_values=cache, use_cache=True)
     spec = model.compression_spec
-    assert cache_tensor_bytes(cache) == held_bytes(model.tier_policy, spec.head_dim, spec.num_key_value_heads, context)
+    assert cache_tensor_bytes(cache) == held_bytes(model.tier_policy, spec, context)
 
 
 def test_solved_keep_is_the_largest_within_the_budget(checkpoint):
     spec = kvrewrite.load(checkpoint).compression_spec
-    d, n_kv, context, budget = spec.head_dim, spec.num_key_value_heads, 256, 0.2
-    limit = budget * fp16_bytes(spec.num_layers, d, n_kv, context)
-    found = solve_keep(spec, d, n_kv, budget, context, 8, 0.5, 4)
+    context, budget = 256, 0.2
+    limit = budget * 2 * 2 * spec.num_layers * spec.num_key_value_heads * spec.head_dim * context  # fp16 K and V
+    assert fp16_bytes(spec, context) * budget == limit
+    found = solve_keep(spec, budget, context, 8, 0.5, 4)
     assert 0 < found.keep < 1 and found.bytes_share <= budget
 
     def bytes_at(keep: float) -> int:
-        return held_bytes(eviction_policy_for_rate(spec, 0.5, 8, keep, bits=4), d, n_kv, context)
+        return held_bytes(eviction_policy_for_rate(spec, 0.5, 8, keep, bits=4), spec, context)
 
     assert bytes_at(found.keep) <= limit < bytes_at(found.keep + 0.001)
-    assert solve_keep(spec, d, n_kv, 0.01, context, 64, 0.0, None) is None  # the window alone is over budget
+    assert solve_keep(spec, 0.01, context, 64, 0.0, None) is None  # the window alone is over budget
 
 
 def test_budget_command_records_the_best_split_and_load_uses_it(checkpoint):
@@ -66,7 +67,7 @@ def test_budget_command_records_the_best_split_and_load_uses_it(checkpoint):
     from kvrewrite.tiers.budget import candidates
 
     spec = kvrewrite.load(checkpoint, token_policy=False).compression_spec
-    fitting = candidates(spec, spec.head_dim, spec.num_key_value_heads, 0.3, 32, (2, 4), (0.0, 0.5), (None, 4))
+    fitting = candidates(spec, 0.3, 32, (2, 4), (0.0, 0.5), (None, 4))
     assert [(c.window, c.rate, c.bits, c.keep) for c in measured] == [(c.window, c.rate, c.bits, c.keep) for c in fitting]
     assert len(measured) >= 4 and all(c.bytes_share <= 0.3 for c in measured)
     for c in measured:  # measured at the budget for the windows' length: the bytes really held agree
@@ -118,3 +119,24 @@ def test_bad_budgets_are_refused(checkpoint):
     out = checkpoint.parent / "never-written"
     result = runner.invoke(app, ["compress", str(checkpoint.parent / "src"), "-o", str(out), "--kv-budget", "2"])
     assert result.exit_code != 0 and "in (0, 1]" in result.output and not out.exists()
+
+
+def test_budget_cli_dry_run_writes_its_json_and_leaves_the_checkpoint_alone(checkpoint, tmp_path):
+    from typer.testing import CliRunner
+
+    from kvrewrite.cli.app import app
+
+    sums_before = (checkpoint / CHECKSUM_FILE).read_text()
+    out = tmp_path / "splits.json"
+    result = CliRunner().invoke(app, ["budget", str(checkpoint), "--kv-budget", "0.5", "--context", "512", "--windows",
+                                      "1", "--length", "256", "--dry-run", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    record = json.loads(out.read_text())
+    splits = record["splits"]
+    assert [(r["nll"], r["bytes_share"]) for r in splits] == sorted((r["nll"], r["bytes_share"]) for r in splits)  # best first
+    assert [r["chosen"] for r in splits] == [True] + [False] * (len(splits) - 1)
+    best = splits[0]
+    assert (record["chosen"]["window"], record["chosen"]["rate"]) == (best["window"], best["rate"])
+    assert record["chosen"]["bytes_share"] <= 0.5 and all(r["measured_share"] <= 0.5 + 1e-9 for r in splits)
+    assert "--dry-run" in record["command"]
+    assert not (checkpoint / "token_policy.json").exists() and (checkpoint / CHECKSUM_FILE).read_text() == sums_before

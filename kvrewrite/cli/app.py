@@ -406,16 +406,24 @@ def budget(
     length: int = typer.Option(1024, "--length", help="Calibration window length: the first half is context, the second half is scored; every split is measured at the budget for this length."),
     calibration: str = typer.Option("wiki", help="wiki (the calibration split, never the held-out text), or a path to text."),
     write: bool = typer.Option(True, "--write/--dry-run", help="Record the winner in DIR/token_policy.json (kvrewrite.load(DIR) then uses it)."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write every measured split and the chosen one as JSON here."),
 ) -> None:
     """Split a KV byte budget across full-rank window, kept ranks, bits and re-scored eviction by measured calibration NLL."""
+    from kvrewrite.output_safety import check_writable_file
+
     try:
         share = _budget_share(kv_budget)
         if calibration == "wiki":
             require_compile_extra("kvrewrite budget --calibration wiki (gensim's Wikipedia slice)", ["gensim"])
+        if json_out:  # found now, not after minutes of measurement
+            check_writable_file(json_out, "--json")
     except (KVRewriteError, ValueError) as exc:
         _fail(exc)
+    command = " ".join(["kvrewrite budget", str(directory), f"--kv-budget {kv_budget}", f"--context {context}",
+                        f"--windows {windows}", f"--length {length}", f"--calibration {calibration}",
+                        "--write" if write else "--dry-run"])
     _split_and_report(directory, share, context=context, windows=windows, length=length, calibration=calibration,
-                      write=write)
+                      write=write, json_out=json_out, command=command)
 
 
 def _budget_share(text: str) -> float:
@@ -425,7 +433,7 @@ def _budget_share(text: str) -> float:
     return share
 
 
-def _split_and_report(directory: Path, share: float, **options) -> None:
+def _split_and_report(directory: Path, share: float, json_out: Path | None = None, command: str = "", **options) -> None:
     from kvrewrite.cli.budget import budget_rows, split_budget
     from kvrewrite.cli.tables import budget_table
 
@@ -433,6 +441,16 @@ def _split_and_report(directory: Path, share: float, **options) -> None:
         result = split_budget(directory, share, **options)
     except (KVRewriteError, ValueError) as exc:
         _fail(exc)
+    if json_out:
+        import platform
+        from dataclasses import asdict
+
+        from kvrewrite.atomic_files import atomic_write_text
+
+        atomic_write_text(json_out, json.dumps({
+            "command": command, "kv_budget": share, **options, "machine": platform.platform(),
+            "reference_nll": result["reference"], "splits": budget_rows(result),
+            "chosen": asdict(result["chosen"])}, indent=2) + "\n")
     context, windows, length = options["context"], options["windows"], options["length"]
     console.print(budget_table(budget_rows(result), title=f"splits of {share:.1%} of the fp16 cache, measured at {length} "
                                                           f"tokens (Δppl vs the full-rank cache, {windows} calibration window(s))"))

@@ -12,14 +12,13 @@ window or token policy is asked for.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from kvrewrite.errors import InvalidArgumentError
+from kvrewrite.errors import CorruptCheckpointError, InvalidArgumentError
 from kvrewrite.spec import rate_key
 from kvrewrite.tiers.eviction import EvictionPolicy, eviction_policy_for_rate, kept_token_bytes, side_bits
 
@@ -52,55 +51,53 @@ class Candidate:
         return f"W={self.window} p={self.rate:g} {bits} keep={self.keep:.3f}"
 
 
-def held_bytes(policy: EvictionPolicy, head_dim: int, num_kv_heads: int, context: int) -> int:
+def held_bytes(policy: EvictionPolicy, spec, context: int) -> int:
     """Bytes one batch row of the policy's cache holds after `context` tokens (window float16 at full rank, kept
     tokens' codes, scales and int32 cache indices, per-channel statistics, the shared rotations)."""
-    full = 2 * 2 * head_dim * num_kv_heads
+    full = 2 * 2 * spec.head_dim * spec.num_key_value_heads
     total = 0
+    sides = policy.side_bits
     for key_ranks, value_ranks, keep in zip(policy.kept_key_ranks, policy.kept_value_ranks, policy.keep):
         n_recent = min(policy.window, context)
         n_kept = round(keep * (context - n_recent))
-        sides = policy.side_bits
         per_kept = sum(kept_token_bytes(sum(r), sides[side], policy.group_size)
                        for side, r in (("key", key_ranks), ("value", value_ranks))) + 4
         total += n_recent * full + n_kept * per_kept
         if context > n_recent:  # float16 mean and rms per channel of each quantized side, from the first settle
             total += sum(2 * 2 * sum(r) for side, r in (("key", key_ranks), ("value", value_ranks)) if sides[side] is not None)
-    if any(b is not None for b in policy.side_bits.values()):  # built with the cache, shared by its layers
+    if any(b is not None for b in sides.values()):  # built with the cache, shared by its layers
         widths = {r for ranks in policy.kept_key_ranks + policy.kept_value_ranks for r in ranks if r}
         total += sum(4 * r * r for r in widths)
     return total
 
 
-def fp16_bytes(num_layers: int, head_dim: int, num_kv_heads: int, context: int) -> int:
-    return 2 * 2 * head_dim * num_kv_heads * num_layers * context
+def fp16_bytes(spec, context: int) -> int:
+    """The original model's float16 K/V cache for `context` tokens (one batch row)."""
+    return 2 * spec.baseline_elements_per_token * context
 
 
-def solve_keep(spec, head_dim: int, num_kv_heads: int, budget: float, context: int, window: int, rate: float,
-               bits: int | None) -> Candidate | None:
+def solve_keep(spec, budget: float, context: int, window: int, rate: float, bits) -> Candidate | None:
     """The largest keep share (to 1/1000) whose bytes at `context` stay within `budget` x fp16; None if even keep = 0
     exceeds it (the window alone is over budget)."""
-    limit = budget * fp16_bytes(spec.num_layers, head_dim, num_kv_heads, context)
+    total = fp16_bytes(spec, context)
 
-    def share(keep: float) -> int:
-        return held_bytes(eviction_policy_for_rate(spec, rate, window, keep, bits=bits), head_dim, num_kv_heads, context)
+    def held(keep: float) -> int:
+        return held_bytes(eviction_policy_for_rate(spec, rate, window, keep, bits=bits), spec, context)
 
-    if share(0.0) > limit:
+    if held(0.0) > budget * total:
         return None
     low, high = 0, 1000  # bytes grow with keep: bisect on thousandths
     while low < high:
         mid = (low + high + 1) // 2
-        if share(mid / 1000) <= limit:
+        if held(mid / 1000) <= budget * total:
             low = mid
         else:
             high = mid - 1
-    keep = low / 1000
-    total = fp16_bytes(spec.num_layers, head_dim, num_kv_heads, context)
-    return Candidate(window, rate, bits, keep, share(keep) / total)
+    return Candidate(window, rate, bits, low / 1000, held(low / 1000) / total)
 
 
-def candidates(spec, head_dim: int, num_kv_heads: int, budget: float, context: int, windows=DEFAULT_WINDOWS,
-               rates=DEFAULT_RATES, bits_options=DEFAULT_BITS) -> list[Candidate]:
+def candidates(spec, budget: float, context: int, windows=DEFAULT_WINDOWS, rates=DEFAULT_RATES,
+               bits_options=DEFAULT_BITS) -> list[Candidate]:
     if not 0 < budget <= 1:
         raise InvalidArgumentError(f"kv budget must be a share of the fp16 cache in (0, 1], got {budget}")
     if context < 1:
@@ -111,7 +108,7 @@ def candidates(spec, head_dim: int, num_kv_heads: int, budget: float, context: i
             if rate_key(rate) not in spec.rate_table:  # only rates the checkpoint serves
                 continue
             for bits in bits_options:
-                found = solve_keep(spec, head_dim, num_kv_heads, budget, context, window, rate, bits)
+                found = solve_keep(spec, budget, context, window, rate, bits)
                 if found is not None:
                     out.append(found)
     if not out:
@@ -121,14 +118,15 @@ def candidates(spec, head_dim: int, num_kv_heads: int, budget: float, context: i
     return out
 
 
-def measure(load: Callable[[dict], torch.nn.Module], found: list[Candidate], windows: torch.Tensor, context: int,
-            fp16_per_token: float, progress: Callable[[Candidate], None] | None = None) -> list[Candidate]:
-    """Each candidate's mean continuation NLL on `windows` (tokens after `context`), fed MEASURE_CHUNK at a time."""
+def measure(with_policy: Callable[[Candidate], torch.nn.Module], found: list[Candidate], windows: torch.Tensor,
+            context: int, fp16_per_token: float, progress: Callable[[Candidate], None] | None = None) -> list[Candidate]:
+    """Each candidate's mean continuation NLL on `windows` (tokens after `context`), fed MEASURE_CHUNK at a time;
+    with_policy(candidate) returns the model caching through that candidate's policy."""
     from kvrewrite.evaluation import continuation_nll
 
     measured = []
     for candidate in found:
-        model = load(candidate.load_options())
+        model = with_policy(candidate)
         nll, count, held = continuation_nll(model, windows, context, model.make_kv_cache, chunk=MEASURE_CHUNK)
         measured.append(Candidate(**{**asdict(candidate), "nll": nll / count, "measured_share": held / fp16_per_token}))
         if progress is not None:
@@ -136,9 +134,13 @@ def measure(load: Callable[[dict], torch.nn.Module], found: list[Candidate], win
     return measured
 
 
+def ranking(candidate: Candidate) -> tuple[float, float]:
+    """Lower is better: NLL, then bytes among equals."""
+    return candidate.nll, candidate.bytes_share
+
+
 def best(measured: list[Candidate]) -> Candidate:
-    """Lowest NLL; among equals, fewer bytes."""
-    return min(measured, key=lambda c: (c.nll, c.bytes_share))
+    return min(measured, key=ranking)
 
 
 def write_token_policy(directory: Path, chosen: Candidate, measured: list[Candidate], budget: float, context: int,
@@ -151,8 +153,10 @@ def write_token_policy(directory: Path, chosen: Candidate, measured: list[Candid
     record = {"kv_budget": budget, "context": context, "load": chosen.load_options(), "chosen": asdict(chosen),
               "candidates": [asdict(c) for c in measured], "calibration": calibration}
     path = atomic_write_text(directory / TOKEN_POLICY_FILE, json.dumps(record, indent=2) + "\n")
+    # The other entries were verified when the checkpoint was loaded for the measurement: only the new file is read.
     listed = json.loads((directory / CHECKSUM_FILE).read_text(encoding="utf-8"))
-    write_checksums(directory, sorted(set(listed) | {TOKEN_POLICY_FILE}))
+    listed.pop(TOKEN_POLICY_FILE, None)
+    write_checksums(directory, sorted(set(listed) | {TOKEN_POLICY_FILE}), known=listed)
     return path
 
 
@@ -163,12 +167,9 @@ def read_token_policy(directory: Path) -> dict | None:
         return None
     try:
         options = json.loads(path.read_text(encoding="utf-8"))["load"]
-    except (OSError, ValueError, KeyError) as exc:
-        from kvrewrite.errors import CorruptCheckpointError
-
+        missing = {"rate", "recent_window", "kv_codec", "evict"} - set(options)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CorruptCheckpointError(f"{path}: unreadable token policy ({exc}); delete it or re-run kvrewrite budget") from exc
-    if not math.isfinite(options.get("rate", float("nan"))):
-        from kvrewrite.errors import CorruptCheckpointError
-
-        raise CorruptCheckpointError(f"{path}: token policy has no rate")
+    if missing:
+        raise CorruptCheckpointError(f"{path}: token policy lacks {sorted(missing)}; delete it or re-run kvrewrite budget")
     return options
