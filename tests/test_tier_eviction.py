@@ -17,7 +17,7 @@ from kvrewrite.evaluation import cache_tensor_bytes
 from kvrewrite.modeling.attention import CompressedAttention
 from kvrewrite.tiers.build import make_tiered_cache
 from kvrewrite.tiers.eviction import EvictingLayer, decode_tokens, encode_tokens
-from test_tiers import RATE, _head_mask, compiled, dense_reference_logits  # noqa: F401  (compiled: the fixture)
+from test_tiers import RATE, compiled, dense_reference_logits, window_masks  # noqa: F401  (compiled: the fixture)
 from tiny_models import random_windows
 
 
@@ -46,14 +46,7 @@ def test_evicting_cache_equals_dense_reference_chunk_by_chunk(compiled, mode):
     logits, states = feed(model, tokens, chunk, cache)
     key_ranks, value_ranks = model.compression_spec.ranks_for_rate(RATE)
     d = model.compressed_attentions()[0].head_dim
-    n_kv = len(key_ranks[0])
-
-    def masks(layer: int, t: int):
-        key_mask, value_mask = torch.ones(t + 1, n_kv * d), torch.ones(t + 1, n_kv * d)
-        for j in range(t + 1):
-            if t - j > window:
-                key_mask[j], value_mask[j] = _head_mask(key_ranks[layer], d), _head_mask(value_ranks[layer], d)
-        return key_mask, value_mask
+    masks = window_masks(key_ranks, value_ranks, d, window)
 
     def dropped(layer: int, t: int) -> torch.Tensor:
         out = torch.zeros(t + 1, dtype=torch.bool)

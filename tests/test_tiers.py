@@ -40,6 +40,18 @@ def _head_mask(ranks, d: int) -> torch.Tensor:
     return torch.cat([(torch.arange(d) < r).float() for r in ranks])
 
 
+def window_masks(key_ranks, value_ranks, d: int, window: int):
+    """masks(layer, t) for dense_reference_logits: keys/values more than `window` tokens before query t read at the
+    given per-layer, per-KV-head ranks, the rest at full rank."""
+
+    def masks(layer: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        aged = (t - torch.arange(t + 1) > window)[:, None]
+        return (torch.where(aged, _head_mask(key_ranks[layer], d), 1.0),
+                torch.where(aged, _head_mask(value_ranks[layer], d), 1.0))
+
+    return masks
+
+
 def dense_reference_logits(directory, tokens: torch.Tensor, window: int, attention_mask=None, masks=None,
                            dropped=None) -> torch.Tensor:
     """Logits of the full-rank model in which query t reads keys/values older than `window` truncated to RATE's ranks.
@@ -51,12 +63,7 @@ def dense_reference_logits(directory, tokens: torch.Tensor, window: int, attenti
     key_ranks, value_ranks = model.compression_spec.ranks_for_rate(RATE)
     d = model.compressed_attentions()[0].head_dim
 
-    def default_masks(layer: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
-        aged = (t - torch.arange(t + 1) > window)[:, None]
-        return (torch.where(aged, _head_mask(key_ranks[layer], d), 1.0),
-                torch.where(aged, _head_mask(value_ranks[layer], d), 1.0))
-
-    masks = masks or default_masks
+    masks = masks or window_masks(key_ranks, value_ranks, d, window)
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
         query, key, value = self.project(hidden_states, position_embeddings)
@@ -357,12 +364,7 @@ def test_evicting_the_unimportant_tokens_equals_dense_reference(compiled, mode):
         assert layer.aged_keys.shape[-2] == 0 and layer.aged_positions.numel() == 0
         assert len(layer.important_positions[0]) == 2 * round(SHARE * POOL)
 
-    def masks(layer: int, t: int):
-        key_mask, value_mask = torch.ones(t + 1, 2 * d), torch.ones(t + 1, 2 * d)
-        for j in range(t + 1):
-            if t - j > window:
-                key_mask[j], value_mask[j] = _head_mask(imp_k[layer], d), _head_mask(imp_v[layer], d)
-        return key_mask, value_mask
+    masks = window_masks(imp_k, imp_v, d, window)
 
     def dropped(layer: int, t: int) -> torch.Tensor:
         out = torch.zeros(t + 1, dtype=torch.bool)
