@@ -33,7 +33,8 @@ sys.path.insert(0, str(ROOT))
 
 from sharded_random_llama import random_words, write_random_llama  # noqa: E402
 
-from kvrewrite.layer_streaming import DTYPES, LazyCheckpoint, empty_model  # noqa: E402
+from kvrewrite.compile.layer_streaming import DTYPES, empty_model  # noqa: E402
+from kvrewrite.io.lazy_checkpoint import LazyCheckpoint  # noqa: E402
 
 
 def machine() -> dict:

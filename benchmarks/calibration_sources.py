@@ -25,12 +25,12 @@ from pathlib import Path
 
 import torch
 
-from kvrewrite.calibration_data import evaluation_token_sequences
-from kvrewrite.calibration_data.corpus import token_stream
-from kvrewrite.evaluation import evaluate_many
-from kvrewrite.passes.pipeline import compile_variants
-from kvrewrite.plan import Plan
-from kvrewrite.runtime import load
+from kvrewrite.io.calibration_data import evaluation_token_sequences
+from kvrewrite.io.calibration_data.corpus import token_stream
+from kvrewrite.publish.evaluation import evaluate_many
+from kvrewrite.compile.passes.pipeline import compile_variants
+from kvrewrite.compile.plan import Plan
+from kvrewrite.runtime.load import load
 
 RATES = (0.3, 0.5)
 RESULTS = Path(__file__).parent / "results" / "calibration_sources.json"

@@ -9,7 +9,7 @@ Quality: held-out wiki, chunked prefill in 64-token chunks against the coded cac
 same protocol. `--seq-len` sets the evaluation window: at 512 a G = 128 codec keeps up to 32 + 127 tokens of each
 window in float16, which flatters it; 2048-token windows show the long-cache quality.
 
-`--refit-tokens N` applies the output refit (`--refit output`, kvrewrite/output_refit.py) to each sliced rate first,
+`--refit-tokens N` applies the output refit (`--refit output`, kvrewrite/method/output_refit.py) to each sliced rate first,
 on the first N wiki calibration tokens, as a compile with --refit output at that rate does.
 
 Run under the heavy-job lock, one rate per call:
@@ -45,11 +45,11 @@ def run(checkpoint: Path, rates: list[float], codecs: list[str], seq_len: int, e
 
     import kvrewrite
     from kvrewrite.adapters import adapter_for
-    from kvrewrite.calibration_data import calibration_token_sequences, evaluation_token_sequences
-    from kvrewrite.output_refit import refit_output_projections
-    from kvrewrite.evaluation import kv_cache_bytes_per_token, perplexity_and_agreement_many
-    from kvrewrite.passes.load_checkpoint import load_fp32_model
-    from kvrewrite.sources import resolve_model_source
+    from kvrewrite.io.calibration_data import calibration_token_sequences, evaluation_token_sequences
+    from kvrewrite.method.output_refit import refit_output_projections
+    from kvrewrite.publish.evaluation import kv_cache_bytes_per_token, perplexity_and_agreement_many
+    from kvrewrite.compile.passes.load_checkpoint import load_fp32_model
+    from kvrewrite.io.sources import resolve_model_source
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     windows = evaluation_token_sequences(tokenizer, eval_tokens, seq_len)

@@ -8,7 +8,7 @@ Run on demand under the heavy-job lock, all at once (`--step all --eval-tokens 4
 DIR is a p = 0.5 sensitivity checkpoint (`kvrewrite compress smollm2-135m -p 0.5 --calib-tokens 16384`); every rate
 is sliced from its rate table ("codec alone" = rate 0.0, the full-rank rewrite, which equals the original model).
 Trained codecs (tada's bit search, csr's dictionaries) are fitted here with the same function the compile pass
-uses (kvrewrite.codecs.fitting.fit_codec_tables), on the same calibration windows, for each rate.
+uses (kvrewrite.compile.codec_fitting.fit_codec_tables), on the same calibration windows, for each rate.
 
 Protocol: chunked prefill, 64-token chunks, each chunk attending to the cache (coded blocks + float16 residual
 window), on 512-token held-out windows; the original model runs the same protocol with a DynamicCache.
@@ -55,9 +55,9 @@ def fit(checkpoint: Path, work: Path) -> None:
     from transformers import AutoTokenizer
 
     import kvrewrite
-    from kvrewrite.calibration_data import calibration_token_sequences
-    from kvrewrite.codecs import parse_codec
-    from kvrewrite.codecs.fitting import fit_codec_tables
+    from kvrewrite.io.calibration_data import calibration_token_sequences
+    from kvrewrite.runtime.codecs import parse_codec
+    from kvrewrite.compile.codec_fitting import fit_codec_tables
     from kvrewrite.errors import InvalidArgumentError
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
@@ -88,10 +88,10 @@ def evaluate(checkpoint: Path, work: Path, rate: float, eval_tokens: int) -> Non
     from transformers import AutoTokenizer
 
     import kvrewrite
-    from kvrewrite.calibration_data import evaluation_token_sequences
-    from kvrewrite.evaluation import kv_cache_bytes_per_token, perplexity_and_agreement_many
-    from kvrewrite.passes.load_checkpoint import load_fp32_model
-    from kvrewrite.sources import resolve_model_source
+    from kvrewrite.io.calibration_data import evaluation_token_sequences
+    from kvrewrite.publish.evaluation import kv_cache_bytes_per_token, perplexity_and_agreement_many
+    from kvrewrite.compile.passes.load_checkpoint import load_fp32_model
+    from kvrewrite.io.sources import resolve_model_source
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     windows = evaluation_token_sequences(tokenizer, eval_tokens, 512)

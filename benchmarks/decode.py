@@ -54,8 +54,8 @@ MODELS = {
 
 def compile_checkpoints(root: Path, calib_tokens: int) -> None:
     """One p = 0.5 checkpoint per key mode (statistics shared); other rates come from its rate table."""
-    from kvrewrite.passes.pipeline import compile_variants
-    from kvrewrite.plan import Plan
+    from kvrewrite.compile.passes.pipeline import compile_variants
+    from kvrewrite.compile.plan import Plan
 
     modes = sorted({spec[0] for spec in MODELS.values() if spec})
     missing = [m for m in modes if not (root / m / "config.json").exists()]
@@ -93,7 +93,7 @@ def _fill_cache(model, batch: int, context: int, stock: bool):
     import torch
     from transformers import DynamicCache
 
-    from kvrewrite.kernels.cache_layout import to_storage
+    from kvrewrite.runtime.kernels.cache_layout import to_storage
 
     cfg = model.config
     dtype = next(model.parameters()).dtype
@@ -119,8 +119,8 @@ def measure_model(name: str, root: Path, steps: int, configs: list[tuple[int, in
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     import kvrewrite
-    from kvrewrite.modeling.attention import PACKED_ATTENTION, CompressedAttention
-    from kvrewrite.sources import resolve_model_source
+    from kvrewrite.runtime.modeling.attention import PACKED_ATTENTION, CompressedAttention
+    from kvrewrite.io.sources import resolve_model_source
 
     spec = MODELS[name]
     if spec is None:

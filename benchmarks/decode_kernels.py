@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kvrewrite.kernels.buckets import BucketedAttention
-from kvrewrite.kernels.cache_layout import COLUMNS, ROWS, packed_view, to_storage
-from kvrewrite.kernels.reference import PackedLayout
+from kvrewrite.runtime.kernels.buckets import BucketedAttention
+from kvrewrite.runtime.kernels.cache_layout import COLUMNS, ROWS, packed_view, to_storage
+from kvrewrite.runtime.kernels.reference import PackedLayout
 
 RESULTS = Path(__file__).parent / "results"
 BATCH, CONTEXT, KV_HEADS, GROUP, HEAD_DIM = 8, 8192, 3, 3, 64

@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from fault_cases import CASES, error_line, run_cli  # noqa: E402
 from tiny_models import save_tiny_llama, tiny_pipeline  # noqa: E402
 
-from kvrewrite.passes.pipeline import run_pipeline  # noqa: E402
-from kvrewrite.plan import Plan  # noqa: E402
+from kvrewrite.compile.passes.pipeline import run_pipeline  # noqa: E402
+from kvrewrite.compile.plan import Plan  # noqa: E402
 
 
 def main() -> None:

@@ -19,11 +19,11 @@ import platform
 import sys
 from pathlib import Path
 
-from kvrewrite.calibration_data import evaluation_token_sequences
-from kvrewrite.evaluation import evaluate_many
-from kvrewrite.passes.pipeline import compile_variants
-from kvrewrite.plan import Plan
-from kvrewrite.runtime import load
+from kvrewrite.io.calibration_data import evaluation_token_sequences
+from kvrewrite.publish.evaluation import evaluate_many
+from kvrewrite.compile.passes.pipeline import compile_variants
+from kvrewrite.compile.plan import Plan
+from kvrewrite.runtime.load import load
 from kvrewrite.spec import KEY_MODE_CROSSHEAD, ROPE_KEY_MODES
 
 RESULTS = Path(__file__).parent / "results" / "key_modes.json"

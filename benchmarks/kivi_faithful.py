@@ -7,7 +7,7 @@ float32 DynamicCache under the *same* protocol:
     64 tokens at a time and scored (the protocol of QuantizedCache's own numbers in issue 20).
 
 Caches compared:
-  - `ours:SPEC`     kvrewrite's CodecCache (kvrewrite.codecs) applied to the *original* model's raw K/V (post-RoPE
+  - `ours:SPEC`     kvrewrite's CodecCache (kvrewrite.runtime.codecs) applied to the *original* model's raw K/V (post-RoPE
                     keys, [B, H, S, D] packed as [B, 1, S, H*D]): the codec alone, no rewrite.
   - `latent:SPEC`   the same codec on the full-rank rewrite (rate 0 of a compiled checkpoint, `--checkpoint`): what
                     docs/codecs.md's "codec alone" row measures (pre-RoPE, whitened latents).
@@ -48,7 +48,7 @@ CHUNK = 64
 
 
 def _heads_layer_class():
-    from kvrewrite.codecs import CodecLayer
+    from kvrewrite.runtime.codecs import CodecLayer
 
     class HeadsCodecLayer(CodecLayer):
         """A CodecLayer taking the original attention's [B, H, S, D] states (packed as [B, 1, S, H*D])."""
@@ -64,7 +64,7 @@ def _heads_layer_class():
 
 
 def ours_cache(spec: str, num_layers: int = 30, heads: int = 3, dim: int = 64) -> Cache:
-    from kvrewrite.codecs import CodecCache, build_layer_codecs, parse_codec
+    from kvrewrite.runtime.codecs import CodecCache, build_layer_codecs, parse_codec
 
     config = parse_codec(spec)
     cache = CodecCache([], config.residual)
@@ -212,9 +212,9 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from kvrewrite.calibration_data import evaluation_token_sequences
-    from kvrewrite.passes.load_checkpoint import load_fp32_model
-    from kvrewrite.sources import resolve_model_source
+    from kvrewrite.io.calibration_data import evaluation_token_sequences
+    from kvrewrite.compile.passes.load_checkpoint import load_fp32_model
+    from kvrewrite.io.sources import resolve_model_source
 
     path = resolve_model_source("smollm2-135m").path
     tokenizer = AutoTokenizer.from_pretrained(path)

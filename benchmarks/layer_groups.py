@@ -3,11 +3,11 @@
     python benchmarks/layer_groups.py [--calib-windows 4] [--heldout-windows 4] [--length 1024] [--window 64] \
         [--pool 64] [--share 0.25] [--checkpoint DIR]
 
-For every layer (kvrewrite.tiers.layer_groups.record_attention_evidence, one eager forward per window):
+For every layer (kvrewrite.compile.layer_groups.record_attention_evidence, one eager forward per window):
 1. each token's importance under two scores: `attention` (attention received, mean over the queries that read it,
    summed over heads) and `denominator` (ZDC's: sum over heads of the token's own softmax denominator as a query);
 2. the important-token set at share g: the top g of the scored tokens, per pool of `pool` tokens (as
-   kvrewrite.tiers classifies) and globally. Scored tokens are those beyond the recent window that at least one
+   kvrewrite.runtime.tiers classifies) and globally. Scored tokens are those beyond the recent window that at least one
    pool's worth of later queries read beyond the window (the first (T - W - pool) rounded down to whole pools);
 3. the repetition ratio |S_i ∩ S_j| / |S_i| between layers, for the important sets and for their complements (the
    unimportant sets), pooled over windows; layer groups found on the CALIBRATION windows by ZDC's offline rule
@@ -20,7 +20,7 @@ For every layer (kvrewrite.tiers.layer_groups.record_attention_evidence, one eag
 
 With --checkpoint (a compressed checkpoint of the same model), it also reports the held-out continuation Δppl of
 one token-adaptive recipe with the recommended ramp against a uniform g at the same mean share, with the chunked
-protocol of benchmarks/recent_window.py (kvrewrite.evaluation.continuation_nll).
+protocol of benchmarks/recent_window.py (kvrewrite.publish.evaluation.continuation_nll).
 
 Writes benchmarks/results/layer_groups.json (command, commit, machine, date, settings) and layer_groups.png.
 """
@@ -44,8 +44,8 @@ from transformers import AutoTokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvrewrite.calibration_data import calibration_token_sequences, evaluation_token_sequences  # noqa: E402
-from kvrewrite.tiers.layer_groups import (  # noqa: E402
+from kvrewrite.io.calibration_data import calibration_token_sequences, evaluation_token_sequences  # noqa: E402
+from kvrewrite.compile.layer_groups import (  # noqa: E402
     greedy_layer_groups,
     group_ratio,
     important_mask,
@@ -55,8 +55,8 @@ from kvrewrite.tiers.layer_groups import (  # noqa: E402
     record_attention_evidence,
     repetition_matrix,
 )
-from kvrewrite.passes.load_checkpoint import load_fp32_model  # noqa: E402
-from kvrewrite.sources import resolve_model_source  # noqa: E402
+from kvrewrite.compile.passes.load_checkpoint import load_fp32_model  # noqa: E402
+from kvrewrite.io.sources import resolve_model_source  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 SCORES = ("attention", "denominator")
@@ -176,8 +176,8 @@ def delta_ppl(args, ramp: list[float], line: list[float], config, tokenizer) -> 
     from transformers import DynamicCache
 
     import kvrewrite
-    from kvrewrite.evaluation import kv_cache_bytes_per_token_formula
-    from kvrewrite.evaluation import continuation_nll
+    from kvrewrite.publish.evaluation import kv_cache_bytes_per_token_formula
+    from kvrewrite.publish.evaluation import continuation_nll
 
     windows = evaluation_token_sequences(tokenizer, args.heldout_windows * args.length, args.length)
     original = load_fp32_model(resolve_model_source(args.baseline).path).eval()
@@ -274,7 +274,7 @@ def main() -> None:
         "machine": machine(),
         "model": {"source": args.baseline, "path": str(source.path), "layers": config.num_hidden_layers,
                   "heads": config.num_attention_heads, "kv_heads": config.num_key_value_heads,
-                  "attention": "eager (kvrewrite.tiers.layer_groups), float32 weights"},
+                  "attention": "eager (kvrewrite.compile.layer_groups), float32 weights"},
         "settings": {"calib_windows": args.calib_windows, "heldout_windows": args.heldout_windows,
                      "length": args.length, "window": args.window, "pool": args.pool, "share": args.share,
                      "scored_tokens": n_scored, "thresholds": thresholds, "mass_fractions": fractions,

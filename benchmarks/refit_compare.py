@@ -2,7 +2,7 @@
 
 The refit depends on the ranks, so each rate is refitted separately on a model sliced from one compiled checkpoint
 (the sensitivity allocation is a function of the rate alone, so that is the model a compile at that rate folds);
-the refit is the compile pass's own function (kvrewrite.output_refit.refit_output_projections), on the first
+the refit is the compile pass's own function (kvrewrite.method.output_refit.refit_output_projections), on the first
 `--refit-tokens` wiki calibration tokens (the compile's calibration windows). Evaluation: the held-out wiki
 articles, 512-token windows, as in results.md.
 
@@ -29,11 +29,11 @@ def main() -> None:
 
     import kvrewrite
     from kvrewrite.adapters import adapter_for
-    from kvrewrite.calibration_data import calibration_token_sequences, evaluation_token_sequences
-    from kvrewrite.evaluation import evaluate_many
-    from kvrewrite.output_refit import refit_output_projections
-    from kvrewrite.passes.load_checkpoint import load_fp32_model
-    from kvrewrite.sources import resolve_model_source
+    from kvrewrite.io.calibration_data import calibration_token_sequences, evaluation_token_sequences
+    from kvrewrite.publish.evaluation import evaluate_many
+    from kvrewrite.method.output_refit import refit_output_projections
+    from kvrewrite.compile.passes.load_checkpoint import load_fp32_model
+    from kvrewrite.io.sources import resolve_model_source
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--checkpoint", type=Path, required=True)

@@ -26,8 +26,8 @@ def main() -> None:
     from transformers import AutoTokenizer, DynamicCache
 
     import kvrewrite
-    from kvrewrite.calibration_data import calibration_token_sequences
-    from kvrewrite.kernels.cache_layout import packed_view
+    from kvrewrite.io.calibration_data import calibration_token_sequences
+    from kvrewrite.runtime.kernels.cache_layout import packed_view
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--checkpoint", type=Path, required=True)

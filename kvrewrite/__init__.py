@@ -11,18 +11,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvrewrite.runtime import register as _register
+from kvrewrite.runtime.load import register as _register
 
 _register()
 
-from kvrewrite.runtime import load  # noqa: E402
+from kvrewrite.runtime.load import load  # noqa: E402
 from kvrewrite.spec import CompressionSpec  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["CompileResult", "CompressionSpec", "Plan", "compress", "load", "__version__"]
 
 # Compiler names, resolved on first access (PEP 562) so that `import kvrewrite` never imports the compiler.
-_LAZY = {"compress": "kvrewrite.api", "CompileResult": "kvrewrite.api", "Plan": "kvrewrite.plan"}
+_LAZY = {"compress": "kvrewrite.compile.api", "CompileResult": "kvrewrite.compile.api", "Plan": "kvrewrite.compile.plan"}
 
 
 def __getattr__(name: str) -> Any:

@@ -86,7 +86,7 @@ class CompressionSpec:
     # rate (as a "0.50"-style string) -> {"key": [[r per KV head] per layer], "value": [...]}
     rate_table: dict[str, dict[str, list[list[int]]]] = field(default_factory=dict)
     rank_multiple: int = 1
-    # KV codec applied on top of the reduced latents ({"name", "params"}, see kvrewrite.codecs); None = plain cache.
+    # KV codec applied on top of the reduced latents ({"name", "params"}, see kvrewrite.runtime.codecs); None = plain cache.
     kv_codec: dict | None = None
     format_version: int = SPEC_FORMAT_VERSION
 

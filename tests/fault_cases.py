@@ -19,7 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from kvrewrite.checkpoint_io import write_checksums
+from kvrewrite.io.checkpoint_io import write_checksums
 from kvrewrite.cli.app import app
 
 SENTINEL_NAME = "CODE-RAN"

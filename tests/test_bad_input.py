@@ -18,11 +18,11 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 import kvrewrite
-from kvrewrite.checkpoint_io import read_safetensors_metadata, write_checksums, write_safetensors_shards
+from kvrewrite.io.checkpoint_io import read_safetensors_metadata, write_checksums, write_safetensors_shards
 from kvrewrite.cli.app import app
 from kvrewrite.errors import CorruptCheckpointError, ModelSourceError
-from kvrewrite.passes.pipeline import run_pipeline
-from kvrewrite.plan import Plan
+from kvrewrite.compile.passes.pipeline import run_pipeline
+from kvrewrite.compile.plan import Plan
 from tiny_models import save_tiny_llama, tiny_pipeline, word_tokenizer
 
 runner = CliRunner()
@@ -260,8 +260,8 @@ def test_ctrl_c_mid_emit_keeps_the_previous_output(source, tmp_path, monkeypatch
     run_pipeline(Plan(model=str(source), output=out, target_rate=0.3, progress=False), tiny_pipeline())
     before = tree_digest(out)
 
-    import kvrewrite.checkpoint_io as checkpoint_io
-    import kvrewrite.passes.emit as emit
+    import kvrewrite.io.checkpoint_io as checkpoint_io
+    import kvrewrite.compile.passes.emit as emit
 
     if where == "first shard written":
         real_save = checkpoint_io.save_file

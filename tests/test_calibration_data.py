@@ -9,15 +9,15 @@ from typing import Any
 import pytest
 import torch
 
-from kvrewrite.calibration_data import (
+from kvrewrite.io.calibration_data import (
     calibration_token_sequences,
     evaluation_token_sequences,
     synthetic_texts,
     wiki_articles,
     wiki_split,
 )
-from kvrewrite.calibration_data.synthetic import seed_prompts
-from kvrewrite.calibration_data.wiki import EVAL_TARGET_CHARS
+from kvrewrite.io.calibration_data.synthetic import seed_prompts
+from kvrewrite.io.calibration_data.wiki import EVAL_TARGET_CHARS
 from kvrewrite.errors import CalibrationError, InvalidArgumentError
 
 
@@ -73,7 +73,7 @@ def test_wiki_split_is_disjoint_complete_and_deterministic() -> None:
 
 
 def test_wiki_articles_are_cached_on_disk(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from kvrewrite.calibration_data import wiki
+    from kvrewrite.io.calibration_data import wiki
 
     monkeypatch.setenv("KVREWRITE_CACHE", str(tmp_path))
     first = wiki_articles()
@@ -197,7 +197,7 @@ def test_seed_prompts_are_diverse_and_unique() -> None:
 def smollm2_tokenizer() -> Any:
     from transformers import AutoTokenizer
 
-    from kvrewrite.sources import bundled_smollm2_path
+    from kvrewrite.io.sources import bundled_smollm2_path
 
     return AutoTokenizer.from_pretrained(bundled_smollm2_path())
 
@@ -215,7 +215,7 @@ def test_default_calibration_and_evaluation_sizes_fit(smollm2_tokenizer: Any) ->
 
 @pytest.mark.real_model
 def test_evaluation_ngrams_do_not_occur_in_calibration_stream(smollm2_tokenizer: Any) -> None:
-    from kvrewrite.calibration_data.corpus import token_stream
+    from kvrewrite.io.calibration_data.corpus import token_stream
 
     tok = smollm2_tokenizer
     calibration, _ = wiki_split()

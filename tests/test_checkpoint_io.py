@@ -1,4 +1,4 @@
-"""Tests for kvrewrite.checkpoint_io: atomic output directories, sharded safetensors, checksums."""
+"""Tests for kvrewrite.io.checkpoint_io: atomic output directories, sharded safetensors, checksums."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from kvrewrite import checkpoint_io
-from kvrewrite.checkpoint_io import (
+from kvrewrite.io import checkpoint_io
+from kvrewrite.io.checkpoint_io import (
     CHECKSUM_FILE,
     atomic_output_dir,
     read_safetensors_metadata,
@@ -21,7 +21,7 @@ from kvrewrite.checkpoint_io import (
     write_safetensors_shards,
 )
 from kvrewrite.errors import CorruptCheckpointError, InvalidArgumentError, OutputError
-from kvrewrite.fault_injection import NO_EXCHANGE_ENV
+from kvrewrite.io.fault_injection import NO_EXCHANGE_ENV
 
 
 def _tree(root: Path) -> dict[str, bytes]:

@@ -11,10 +11,10 @@ from typer.testing import CliRunner
 
 from kvrewrite.cli.app import app
 from kvrewrite.errors import InvalidArgumentError, UnsupportedModelError
-from kvrewrite.passes.context import CompileContext
-from kvrewrite.passes.load_checkpoint import LoadCheckpoint
-from kvrewrite.passes.pipeline import run_pipeline
-from kvrewrite.plan import Plan
+from kvrewrite.compile.passes.context import CompileContext
+from kvrewrite.compile.passes.load_checkpoint import LoadCheckpoint
+from kvrewrite.compile.passes.pipeline import run_pipeline
+from kvrewrite.compile.plan import Plan
 from tiny_models import save_tiny_llama, tiny_pipeline, word_tokenizer
 
 runner = CliRunner()
@@ -51,7 +51,7 @@ def test_unsupported_architecture_fails_before_loading_weights(tmp_path, monkeyp
     def no_weights(*args, **kwargs):
         raise AssertionError("weights were loaded before the architecture check")
 
-    monkeypatch.setattr("kvrewrite.passes.load_checkpoint.AutoModelForCausalLM.from_pretrained", no_weights)
+    monkeypatch.setattr("kvrewrite.compile.passes.load_checkpoint.AutoModelForCausalLM.from_pretrained", no_weights)
     ctx = CompileContext(plan=Plan(model=str(tmp_path / "neox"), progress=False))
     with pytest.raises(UnsupportedModelError, match="'gpt_neox'.*supported model types: gemma3_text, gpt2, llama, mistral, opt, phi3, qwen2, qwen3"):
         LoadCheckpoint().run(ctx)
@@ -77,7 +77,7 @@ def test_interrupted_compile_leaves_no_output(tmp_path, monkeypatch):
     def interrupt(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("kvrewrite.passes.emit.write_checksums", interrupt)  # Ctrl-C during the final write
+    monkeypatch.setattr("kvrewrite.compile.passes.emit.write_checksums", interrupt)  # Ctrl-C during the final write
     with pytest.raises(KeyboardInterrupt):
         run_pipeline(Plan(model=str(src), output=tmp_path / "out", progress=False), tiny_pipeline())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]

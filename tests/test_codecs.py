@@ -9,14 +9,14 @@ import pytest
 import torch
 
 import kvrewrite
-from kvrewrite.codecs import build_layer_codecs, make_codec_cache, parse_codec
-from kvrewrite.codecs.csr import matching_pursuit, reconstruct
-from kvrewrite.codecs.fitting import fit_dictionary, search_tada_bits
-from kvrewrite.codecs.packing import pack_bits, packed_length, unpack_bits
+from kvrewrite.runtime.codecs import build_layer_codecs, make_codec_cache, parse_codec
+from kvrewrite.runtime.codecs.csr import matching_pursuit, reconstruct
+from kvrewrite.compile.codec_fitting import fit_dictionary, search_tada_bits
+from kvrewrite.runtime.codecs.packing import pack_bits, packed_length, unpack_bits
 from kvrewrite.errors import CorruptCheckpointError, InvalidArgumentError
-from kvrewrite.evaluation import _logits, cache_tensor_bytes
-from kvrewrite.passes.pipeline import run_pipeline
-from kvrewrite.plan import Plan
+from kvrewrite.publish.evaluation import _logits, cache_tensor_bytes
+from kvrewrite.compile.passes.pipeline import run_pipeline
+from kvrewrite.compile.plan import Plan
 from tiny_models import random_windows, save_tiny_llama, tiny_pipeline
 
 KEY_RANKS, VALUE_RANKS = [16, 7, 12], [16, 16, 5]  # ragged ranks, as a rank-reduced layer has
@@ -288,7 +288,7 @@ def test_bad_codec_options_are_refused():
 
 
 def test_evaluation_reads_the_codec_cache(compiled):
-    from kvrewrite.evaluation import perplexity_and_agreement, perplexity_and_agreement_many
+    from kvrewrite.publish.evaluation import perplexity_and_agreement, perplexity_and_agreement_many
 
     plain = kvrewrite.load(compiled["none"], kv_codec="none")
     coded = kvrewrite.load(compiled["none"], kv_codec="int2:group_size=8,residual=8")

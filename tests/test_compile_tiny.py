@@ -10,12 +10,12 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 import kvrewrite
-from kvrewrite.checkpoint_io import write_checksums
+from kvrewrite.io.checkpoint_io import write_checksums
 from kvrewrite.errors import CorruptCheckpointError
-from kvrewrite.evaluation import kv_cache_bytes_per_token
-from kvrewrite.kernels.cache_layout import COLUMNS, ROWS, packed_view
-from kvrewrite.passes.pipeline import run_pipeline
-from kvrewrite.plan import Plan
+from kvrewrite.publish.evaluation import kv_cache_bytes_per_token
+from kvrewrite.runtime.kernels.cache_layout import COLUMNS, ROWS, packed_view
+from kvrewrite.compile.passes.pipeline import run_pipeline
+from kvrewrite.compile.plan import Plan
 from tiny_models import one_shot_and_cached_logits, random_windows, save_tiny_llama, tiny_pipeline
 
 MODES = ["freq", "post-rope", "latent", "crosshead"]
@@ -159,7 +159,7 @@ def test_checkpoint_layout(sources, tmp_path):
     assert config["model_type"] == "kvrewrite_llama"
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_kvrewrite.KVRewriteLlamaForCausalLM"
     assert "quantization_config" not in config
-    from kvrewrite.checkpoint_io import read_safetensors_metadata
+    from kvrewrite.io.checkpoint_io import read_safetensors_metadata
 
     assert json.loads(read_safetensors_metadata(out)["kvrewrite_spec"]) == config["kvrewrite"]
     metadata = json.loads((out / "kernel_metadata.json").read_text())

@@ -9,11 +9,11 @@ from transformers import AutoModelForCausalLM
 
 import kvrewrite
 from kvrewrite.errors import InvalidArgumentError
-from kvrewrite.evaluation import perplexity_and_agreement
-from kvrewrite.passes.distill_attention import split_distill_windows
-from kvrewrite.passes.pipeline import run_pipeline
-from kvrewrite.plan import Plan
-from kvrewrite.sweep import parse_config, rate_sliceable
+from kvrewrite.publish.evaluation import perplexity_and_agreement
+from kvrewrite.compile.passes.distill_attention import split_distill_windows
+from kvrewrite.compile.passes.pipeline import run_pipeline
+from kvrewrite.compile.plan import Plan
+from kvrewrite.compile.sweep import parse_config, rate_sliceable
 from tiny_models import random_windows, save_tiny_llama, tiny_pipeline
 
 CALIB = random_windows(64, 48, seed=5)

@@ -1,4 +1,4 @@
-"""Tests for kvrewrite.evaluation on tiny random Llama models (no downloads)."""
+"""Tests for kvrewrite.publish.evaluation on tiny random Llama models (no downloads)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from kvrewrite.errors import InvalidArgumentError, KVRewriteError
-from kvrewrite.evaluation import (
+from kvrewrite.publish.evaluation import (
     EvalResult,
     cache_tensor_bytes,
     evaluate,
@@ -241,7 +241,7 @@ def test_evaluate_combines_everything() -> None:
 
 
 def test_evaluate_many_equals_separate_evaluations() -> None:
-    from kvrewrite.evaluation import evaluate, evaluate_many
+    from kvrewrite.publish.evaluation import evaluate, evaluate_many
 
     base, a, b = _model(0), _model(1), _model(2)
     tokens = _tokens()

@@ -15,9 +15,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 import kvrewrite  # noqa: F401  (registers the kvrewrite_<family> model types)
 from kvrewrite.adapters import adapter_for, supported_model_types
 from kvrewrite.errors import UnsupportedModelError
-from kvrewrite.kernels.cache_layout import packed_view
-from kvrewrite.passes.pipeline import run_pipeline
-from kvrewrite.plan import Plan
+from kvrewrite.runtime.kernels.cache_layout import packed_view
+from kvrewrite.compile.passes.pipeline import run_pipeline
+from kvrewrite.compile.plan import Plan
 from tiny_families import TINY_CONFIGS, save_tiny_family
 from tiny_models import one_shot_and_cached_logits, random_windows, tiny_pipeline
 

@@ -24,15 +24,15 @@ from pathlib import Path
 import pytest
 
 from fault_cases import CASES, SENTINEL_NAME, custom_tokenizer_source, error_line, run_cli
-from kvrewrite.checkpoint_io import verify_checksums
+from kvrewrite.io.checkpoint_io import verify_checksums
 from kvrewrite.errors import CorruptCheckpointError, KVRewriteWarning, ModelSourceError, OutputError
-from kvrewrite.fault_injection import FAULT_ENV, NO_EXCHANGE_ENV
-from kvrewrite.output_safety import recover_leftovers
-from kvrewrite.passes.context import CompileContext
-from kvrewrite.passes.emit import MODELING_FILE, Emit
-from kvrewrite.passes.load_checkpoint import LoadCheckpoint
-from kvrewrite.passes.pipeline import prepare_output, run_pipeline
-from kvrewrite.plan import Plan
+from kvrewrite.io.fault_injection import FAULT_ENV, NO_EXCHANGE_ENV
+from kvrewrite.io.output_safety import recover_leftovers
+from kvrewrite.compile.passes.context import CompileContext
+from kvrewrite.compile.passes.emit import MODELING_FILE, Emit
+from kvrewrite.compile.passes.load_checkpoint import LoadCheckpoint
+from kvrewrite.compile.passes.pipeline import prepare_output, run_pipeline
+from kvrewrite.compile.plan import Plan
 from tiny_models import save_tiny_llama, tiny_pipeline
 
 OLD_MARKER = "old-output-marker.txt"
@@ -207,7 +207,7 @@ def test_next_run_reports_and_clears_leftovers(tmp_path, compiled, source):
 
 def test_live_write_is_left_alone(tmp_path, compiled):
     """Recovery never removes the temporary directory of a compile that is still running (it holds the lock)."""
-    from kvrewrite.checkpoint_io import atomic_output_dir
+    from kvrewrite.io.checkpoint_io import atomic_output_dir
 
     out = tmp_path / "out"
     with atomic_output_dir(out) as tmp:

@@ -21,9 +21,9 @@ from typer.testing import CliRunner
 
 from kvrewrite.cli.app import app
 from kvrewrite.errors import CorruptCheckpointError, HubError, InvalidArgumentError
-from kvrewrite.eval_results import EVAL_RESULTS_FILE
-from kvrewrite.hub import push_checkpoint, upload_file_list
-from kvrewrite.model_card import (
+from kvrewrite.publish.eval_results import EVAL_RESULTS_FILE
+from kvrewrite.publish.hub import push_checkpoint, upload_file_list
+from kvrewrite.publish.model_card import (
     BUNDLED_UPSTREAM,
     EVAL_COLUMNS,
     GENERATED_MARKER,
@@ -31,8 +31,8 @@ from kvrewrite.model_card import (
     eval_markdown_rows,
     render_model_card,
 )
-from kvrewrite.passes.pipeline import run_pipeline
-from kvrewrite.plan import Plan
+from kvrewrite.compile.passes.pipeline import run_pipeline
+from kvrewrite.compile.plan import Plan
 from tiny_models import save_tiny_llama, tiny_pipeline
 
 runner = CliRunner()

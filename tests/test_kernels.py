@@ -7,10 +7,10 @@ import itertools
 import pytest
 import torch
 
-from kvrewrite.kernels.buckets import BucketedAttention, plan_buckets
-from kvrewrite.kernels.cache_layout import COLUMNS, packed_view, to_storage
-from kvrewrite.kernels.reference import PackedLayout, packed_attention
-from kvrewrite.kernels.scheduling import head_work, lpt_decode_schedule, prefill_row_blocks, prefill_tasks
+from kvrewrite.runtime.kernels.buckets import BucketedAttention, plan_buckets
+from kvrewrite.runtime.kernels.cache_layout import COLUMNS, packed_view, to_storage
+from kvrewrite.runtime.kernels.reference import PackedLayout, packed_attention
+from kvrewrite.runtime.kernels.scheduling import head_work, lpt_decode_schedule, prefill_row_blocks, prefill_tasks
 
 # (key ranks, value ranks, group size): GQA and MHA, equal ranks (one bucket), all different,
 # evenly spaced repeats, a rank-0 value head, and windows that must shift left at the row end.
@@ -140,7 +140,7 @@ def test_prefill_row_blocks_carry_equal_work():
         assert all(e1 == s2 for (_, e1), (s2, _) in zip(covered, covered[1:]))
 
 
-triton_attention = pytest.importorskip("kvrewrite.kernels.triton_attention", reason="triton not installed")
+triton_attention = pytest.importorskip("kvrewrite.runtime.kernels.triton_attention", reason="triton not installed")
 
 
 @pytest.mark.parametrize("ranks", RANK_MIXES[:5])

@@ -7,12 +7,12 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import kvrewrite
-from kvrewrite.evaluation import kv_cache_bytes_per_token
-from kvrewrite.kernels.cache_layout import packed_view
-from kvrewrite.key_transforms import frequency_pair_energy, key_transform
-from kvrewrite.passes.compute_transforms import LayerTransforms
-from kvrewrite.passes.pipeline import run_pipeline
-from kvrewrite.plan import Plan
+from kvrewrite.publish.evaluation import kv_cache_bytes_per_token
+from kvrewrite.runtime.kernels.cache_layout import packed_view
+from kvrewrite.method.key_transforms import frequency_pair_energy, key_transform
+from kvrewrite.compile.passes.compute_transforms import LayerTransforms
+from kvrewrite.compile.passes.pipeline import run_pipeline
+from kvrewrite.compile.plan import Plan
 from tiny_models import random_windows, save_tiny_llama, tiny_pipeline
 
 
@@ -23,7 +23,7 @@ def source(tmp_path_factory):
 
 def statistics_context(src, **options):
     plan = Plan(model=str(src), progress=False, **options)
-    ctx = kvrewrite.passes.context.CompileContext(plan=plan)
+    ctx = kvrewrite.compile.passes.context.CompileContext(plan=plan)
     for step in tiny_pipeline()[:3]:  # load, calibration tokens, Grams
         step.run(ctx)
     return ctx

@@ -1,4 +1,4 @@
-"""kvrewrite.tiers.layer_groups: attention evidence equals a dense reference, and the set / group / mass-share helpers."""
+"""kvrewrite.compile.layer_groups: attention evidence equals a dense reference, and the set / group / mass-share helpers."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from transformers import LlamaForCausalLM
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from kvrewrite.errors import InvalidArgumentError
-from kvrewrite.tiers.layer_groups import (
+from kvrewrite.compile.layer_groups import (
     greedy_layer_groups,
     group_ratio,
     important_mask,

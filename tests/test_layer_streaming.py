@@ -12,12 +12,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
 import kvrewrite
 from kvrewrite.adapters import adapter_for
-from kvrewrite.checkpoint_io import SAFETENSORS_INDEX_FILE, ShardWriter
+from kvrewrite.io.checkpoint_io import SAFETENSORS_INDEX_FILE, ShardWriter
 from kvrewrite.errors import InvalidArgumentError
-from kvrewrite.layer_streaming import SourceModel
-from kvrewrite.passes.collect_statistics import collect_statistics
-from kvrewrite.passes.pipeline import run_pipeline
-from kvrewrite.plan import Plan
+from kvrewrite.compile.layer_streaming import SourceModel
+from kvrewrite.compile.passes.collect_statistics import collect_statistics
+from kvrewrite.compile.passes.pipeline import run_pipeline
+from kvrewrite.compile.plan import Plan
 from sharded_random_llama import write_random_llama
 from tiny_families import TINY_CONFIGS, save_tiny_family
 from tiny_models import random_windows, save_tiny_llama, tiny_pipeline

@@ -14,13 +14,13 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import kvrewrite
-from kvrewrite.passes.pipeline import run_pipeline
-from kvrewrite.plan import Plan
+from kvrewrite.compile.passes.pipeline import run_pipeline
+from kvrewrite.compile.plan import Plan
 from tiny_models import random_windows, save_tiny_llama, tiny_pipeline
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCKED = ("gensim", "sklearn", "matplotlib")  # the `compile` extra, by import name
-COMPILER = ("kvrewrite.passes", "kvrewrite.api", "kvrewrite.plan")
+COMPILER = ("kvrewrite.compile.passes", "kvrewrite.compile.api", "kvrewrite.compile.plan")
 
 # Run with `python -c`: a None entry in sys.modules is what an uninstalled package looks like to both
 # `import x` (ModuleNotFoundError) and importlib.util.find_spec (None), so no optional-import probe is fooled.
@@ -33,8 +33,8 @@ torch.set_num_threads({threads})
 
 import kvrewrite
 # The rest of the runtime, imported whole: token tiers, KV codecs, kernels, the old Llama stub's module.
-import kvrewrite.codecs, kvrewrite.codecs.checkpoint, kvrewrite.kernels, kvrewrite.modeling.llama
-import kvrewrite.tiers, kvrewrite.tiers.attention, kvrewrite.tiers.budget, kvrewrite.tiers.build, kvrewrite.tiers.eviction
+import kvrewrite.runtime.codecs, kvrewrite.runtime.codecs.checkpoint, kvrewrite.runtime.kernels, kvrewrite.modeling.llama
+import kvrewrite.runtime.tiers, kvrewrite.runtime.tiers.attention, kvrewrite.compile.token_budget, kvrewrite.runtime.tiers.build, kvrewrite.runtime.tiers.eviction
 from transformers import AutoModelForCausalLM
 
 tokens = torch.load({tokens!r})

@@ -10,11 +10,11 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from kvrewrite.adapters import adapter_for
 from kvrewrite.errors import InvalidArgumentError
-from kvrewrite.key_transforms import frequency_pair_energy
-from kvrewrite.layer_streaming import SourceModel
-from kvrewrite.linalg import kq_svd, principal_basis, psd_sqrt, whitened_projection
-from kvrewrite.passes.collect_statistics import collect_statistics
-from kvrewrite.rank_allocation import RankItem, allocate_eps, allocate_greedy
+from kvrewrite.method.key_transforms import frequency_pair_energy
+from kvrewrite.compile.layer_streaming import SourceModel
+from kvrewrite.method.linalg import kq_svd, principal_basis, psd_sqrt, whitened_projection
+from kvrewrite.compile.passes.collect_statistics import collect_statistics
+from kvrewrite.method.rank_allocation import RankItem, allocate_eps, allocate_greedy
 from tiny_models import random_windows, save_tiny_llama
 
 
@@ -188,7 +188,7 @@ def test_kmeans_reducer_approximates_the_exact_grams(tmp_path):
 
 
 def test_uniform_allocation_gives_every_head_the_same_rank():
-    from kvrewrite.rank_allocation import allocate_uniform
+    from kvrewrite.method.rank_allocation import allocate_uniform
 
     items = spectra_items(3)
     alloc = allocate_uniform(items, 0.5)

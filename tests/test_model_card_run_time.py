@@ -1,6 +1,6 @@
 """The model card says what the checkpoint's own key modes and codec do at decode time."""
 
-from kvrewrite.model_card import run_time_cost
+from kvrewrite.publish.model_card import run_time_cost
 from kvrewrite.spec import CompressionSpec, LayerSpec
 
 

@@ -13,16 +13,16 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import kvrewrite
-from kvrewrite.curve_allocation import curve_removal_order, curve_value, monotone_curve
+from kvrewrite.method.curve_allocation import curve_removal_order, curve_value, monotone_curve
 from kvrewrite.errors import InvalidArgumentError
-from kvrewrite.evaluation import perplexity_and_agreement
-from kvrewrite.calibration_data import calibration_token_sequences
-from kvrewrite.linalg import whitened_projection
-from kvrewrite.passes.collect_fisher import output_fisher, shrunk_sqrt
-from kvrewrite.passes.pipeline import run_pipeline
-from kvrewrite.plan import Plan
-from kvrewrite.rank_allocation import RankItem, allocate_greedy
-from kvrewrite.sweep import pareto_front, parse_config, run_sweep
+from kvrewrite.publish.evaluation import perplexity_and_agreement
+from kvrewrite.io.calibration_data import calibration_token_sequences
+from kvrewrite.method.linalg import whitened_projection
+from kvrewrite.compile.passes.collect_fisher import output_fisher, shrunk_sqrt
+from kvrewrite.compile.passes.pipeline import run_pipeline
+from kvrewrite.compile.plan import Plan
+from kvrewrite.method.rank_allocation import RankItem, allocate_greedy
+from kvrewrite.compile.sweep import pareto_front, parse_config, run_sweep
 from tiny_models import random_windows, save_tiny_llama, tiny_pipeline
 
 
@@ -224,7 +224,7 @@ def test_sweep_compiles_codec_configs_at_every_rate(tiny, tmp_path):
 
 def test_each_variant_compiles_its_own_key_mode(tiny, tmp_path):
     """Statistics are shared between variants, the key mode is not: each variant's --rope-mode decides it."""
-    from kvrewrite.passes.pipeline import compile_variants
+    from kvrewrite.compile.passes.pipeline import compile_variants
 
     src, text = tiny
     plan = Plan(model=str(src), target_rate=0.5, allocation="greedy", calibration=str(text), calib_tokens=1024,

@@ -1,4 +1,4 @@
-"""Tests for kvrewrite.rank_plot."""
+"""Tests for kvrewrite.publish.rank_plot."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import matplotlib.image as mpimg
 import pytest
 
 from kvrewrite.errors import InvalidArgumentError
-from kvrewrite.rank_plot import plot_rank_heatmap
+from kvrewrite.publish.rank_plot import plot_rank_heatmap
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

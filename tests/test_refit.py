@@ -9,10 +9,10 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 import kvrewrite
 from kvrewrite.errors import InvalidArgumentError
-from kvrewrite.evaluation import perplexity_and_agreement
-from kvrewrite.passes.pipeline import run_pipeline
-from kvrewrite.plan import Plan
-from kvrewrite.sweep import parse_config, rate_sliceable
+from kvrewrite.publish.evaluation import perplexity_and_agreement
+from kvrewrite.compile.passes.pipeline import run_pipeline
+from kvrewrite.compile.plan import Plan
+from kvrewrite.compile.sweep import parse_config, rate_sliceable
 from tiny_models import random_windows, save_tiny_llama, tiny_pipeline
 
 CALIB = random_windows(12, 48, seed=5)

@@ -8,11 +8,11 @@ from transformers import DynamicCache, StaticCache
 
 import kvrewrite
 from kvrewrite.errors import InvalidArgumentError
-from kvrewrite.kernels.buckets import BucketedAttention
-from kvrewrite.kernels.cache_layout import packed_view
-from kvrewrite.kernels.dispatch import resolve_backend
-from kvrewrite.passes.pipeline import run_pipeline
-from kvrewrite.plan import Plan
+from kvrewrite.runtime.kernels.buckets import BucketedAttention
+from kvrewrite.runtime.kernels.cache_layout import packed_view
+from kvrewrite.runtime.kernels.dispatch import resolve_backend
+from kvrewrite.compile.passes.pipeline import run_pipeline
+from kvrewrite.compile.plan import Plan
 from tiny_models import save_tiny_llama, tiny_pipeline
 
 

@@ -1,4 +1,4 @@
-"""The KV byte budget split (kvrewrite.tiers.budget): its bytes formula against the bytes the cache really holds, the
+"""The KV byte budget split (kvrewrite.compile.token_budget): its bytes formula against the bytes the cache really holds, the
 keep share it solves against the budget, and `kvrewrite budget` end to end on a tiny checkpoint."""
 
 from __future__ import annotations
@@ -9,14 +9,14 @@ import pytest
 import torch
 
 import kvrewrite
-from kvrewrite.checkpoint_io import CHECKSUM_FILE
+from kvrewrite.io.checkpoint_io import CHECKSUM_FILE
 from kvrewrite.errors import InvalidArgumentError
-from kvrewrite.evaluation import cache_tensor_bytes, continuation_nll
-from kvrewrite.passes.pipeline import run_pipeline
-from kvrewrite.plan import Plan
-from kvrewrite.tiers import EvictionPolicy
-from kvrewrite.tiers.budget import fp16_bytes, held_bytes, solve_keep
-from kvrewrite.tiers.eviction import eviction_policy_for_rate
+from kvrewrite.publish.evaluation import cache_tensor_bytes, continuation_nll
+from kvrewrite.compile.passes.pipeline import run_pipeline
+from kvrewrite.compile.plan import Plan
+from kvrewrite.runtime.tiers import EvictionPolicy
+from kvrewrite.compile.token_budget import fp16_bytes, held_bytes, solve_keep
+from kvrewrite.runtime.tiers.eviction import eviction_policy_for_rate
 from tiny_models import random_windows, save_tiny_llama, tiny_pipeline
 
 
@@ -64,7 +64,7 @@ def test_budget_command_records_the_best_split_and_load_uses_it(checkpoint):
     result = split_budget(checkpoint, 0.3, context=48, windows=1, length=32, recent_windows=(2, 4), rates=(0.0, 0.5),
                           bits_options=(None, 4), progress=False)
     measured, winner, chosen = result["candidates"], result["winner"], result["chosen"]
-    from kvrewrite.tiers.budget import candidates
+    from kvrewrite.compile.token_budget import candidates
 
     spec = kvrewrite.load(checkpoint, token_policy=False).compression_spec
     fitting = candidates(spec, 0.3, 32, (2, 4), (0.0, 0.5), (None, 4))
@@ -87,7 +87,7 @@ def test_budget_command_records_the_best_split_and_load_uses_it(checkpoint):
     # The recorded NLL is what the chosen model gives on the same calibration windows, measured again.
     from transformers import AutoTokenizer
 
-    from kvrewrite.calibration_data import calibration_token_sequences
+    from kvrewrite.io.calibration_data import calibration_token_sequences
 
     windows = calibration_token_sequences("wiki", AutoTokenizer.from_pretrained(checkpoint), 32, 32, seed=1)
     nll, count, _ = continuation_nll(model, windows, 16, model.make_kv_cache, chunk=64)

@@ -1,6 +1,6 @@
-"""Re-scored eviction over the latent cache (kvrewrite.tiers.eviction) against dense references.
+"""Re-scored eviction over the latent cache (kvrewrite.runtime.tiers.eviction) against dense references.
 
-The attention reference is test_tiers' dense per-query computation (it shares nothing with kvrewrite.tiers): query
+The attention reference is test_tiers' dense per-query computation (it shares nothing with kvrewrite.runtime.tiers): query
 t reads keys within the window at full rank, older ones at the kept ranks, and none of the evicted ones. The
 scoring reference recomputes a layer's attention probabilities directly from its projected queries and keys.
 """
@@ -11,12 +11,12 @@ import pytest
 import torch
 
 import kvrewrite
-from kvrewrite.codecs.packing import packed_length
+from kvrewrite.runtime.codecs.packing import packed_length
 from kvrewrite.errors import InvalidArgumentError
-from kvrewrite.evaluation import cache_tensor_bytes
-from kvrewrite.modeling.attention import CompressedAttention
-from kvrewrite.tiers.build import make_tiered_cache
-from kvrewrite.tiers.eviction import EvictingLayer, decode_tokens, encode_tokens
+from kvrewrite.runtime.cache_bytes import cache_tensor_bytes
+from kvrewrite.runtime.modeling.attention import CompressedAttention
+from kvrewrite.runtime.tiers.build import make_tiered_cache
+from kvrewrite.runtime.tiers.eviction import EvictingLayer, decode_tokens, encode_tokens
 from test_tiers import RATE, compiled, dense_reference_logits, window_masks  # noqa: F401  (compiled: the fixture)
 from tiny_models import random_windows
 

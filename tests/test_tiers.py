@@ -1,6 +1,6 @@
 """Token tiers: a full-rank recent window over the compressed latents, older tokens at their rate's ranks.
 
-The reference is a dense, per-query computation that shares nothing with kvrewrite.tiers: for query t, every
+The reference is a dense, per-query computation that shares nothing with kvrewrite.runtime.tiers: for query t, every
 key/value latent j with t - j > window gets its dims beyond the aged ranks zeroed (which is the rank
 truncation, see the probe tests), and the module's ordinary one-query attention runs over them.
 """
@@ -12,12 +12,12 @@ import torch
 
 import kvrewrite
 from kvrewrite.errors import InvalidArgumentError
-from kvrewrite.evaluation import cache_tensor_bytes
-from kvrewrite.modeling.attention import CompressedAttention
-from kvrewrite.passes.pipeline import run_pipeline
-from kvrewrite.plan import Plan
-from kvrewrite.tiers import TieredCache
-from kvrewrite.tiers.build import make_tiered_cache
+from kvrewrite.runtime.cache_bytes import cache_tensor_bytes
+from kvrewrite.runtime.modeling.attention import CompressedAttention
+from kvrewrite.compile.passes.pipeline import run_pipeline
+from kvrewrite.compile.plan import Plan
+from kvrewrite.runtime.tiers import TieredCache
+from kvrewrite.runtime.tiers.build import make_tiered_cache
 from tiny_models import random_windows, save_tiny_llama, tiny_pipeline
 
 MODES = ("latent", "freq", "post-rope")
@@ -205,8 +205,8 @@ def test_eval_reports_tiered_rows_with_bytes_measured_at_the_window_length(compi
     full = 2 * spec.num_layers * spec.num_key_value_heads * d
     assert tiered["kv_bytes_per_token"] == pytest.approx(2 * (8 * full + 40 * aged) / 48)  # float16, 48-token windows
     # On token windows the tiny model can read, the full-rank window brings the model closer to the original.
-    from kvrewrite.evaluation import evaluate_many
-    from kvrewrite.passes.load_checkpoint import load_fp32_model
+    from kvrewrite.publish.evaluation import evaluate_many
+    from kvrewrite.compile.passes.load_checkpoint import load_fp32_model
 
     original = load_fp32_model(spec.source_model)
     results = evaluate_many({"plain": kvrewrite.load(compiled["latent"]), "tiered": tiered_model(compiled["latent"], 8)},
@@ -280,7 +280,7 @@ def test_token_adaptive_dims_equal_dense_reference(compiled, mode, score):
 
 
 def test_evaluation_feeds_chunks_to_policies_that_change_between_forwards(compiled):
-    from kvrewrite.evaluation import CODEC_EVAL_CHUNK, default_chunk
+    from kvrewrite.publish.evaluation import CODEC_EVAL_CHUNK, default_chunk
 
     assert default_chunk([tiered_model(compiled["freq"], 4)]) is None  # exact in one forward
     assert default_chunk([adaptive_model(compiled["freq"], 4)]) == CODEC_EVAL_CHUNK
@@ -308,7 +308,7 @@ def test_token_adaptive_bytes_match_formula(compiled):
 
 @pytest.mark.parametrize("score", ["attention", "denominator"])
 def test_classification_keeps_the_top_scored_share_of_each_pool(score):
-    from kvrewrite.tiers import TieredLayer
+    from kvrewrite.runtime.tiers import TieredLayer
 
     window, pool, share, d = 3, 8, 0.375, 4
     layer = TieredLayer(window, d, (2,), (1,), important_key_ranks=(3,), important_value_ranks=(2,),

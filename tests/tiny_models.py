@@ -8,19 +8,19 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from kvrewrite.passes.allocate_ranks import AllocateRanks
-from kvrewrite.passes.collect_fisher import CollectFisher
-from kvrewrite.passes.collect_statistics import CollectStatistics
-from kvrewrite.passes.compute_transforms import ComputeTransforms
-from kvrewrite.passes.distill_attention import DistillAttention
-from kvrewrite.passes.emit import Emit
-from kvrewrite.passes.fit_kv_codec import FitKVCodec
-from kvrewrite.passes.fold_weights import FoldWeights
-from kvrewrite.passes.load_checkpoint import LoadCheckpoint
-from kvrewrite.passes.measure_sensitivity import MeasureSensitivity
-from kvrewrite.passes.quality_budget import QualityBudget
-from kvrewrite.passes.refit_output import RefitOutput
-from kvrewrite.passes.verify import Verify
+from kvrewrite.compile.passes.allocate_ranks import AllocateRanks
+from kvrewrite.compile.passes.collect_fisher import CollectFisher
+from kvrewrite.compile.passes.collect_statistics import CollectStatistics
+from kvrewrite.compile.passes.compute_transforms import ComputeTransforms
+from kvrewrite.compile.passes.distill_attention import DistillAttention
+from kvrewrite.compile.passes.emit import Emit
+from kvrewrite.compile.passes.fit_kv_codec import FitKVCodec
+from kvrewrite.compile.passes.fold_weights import FoldWeights
+from kvrewrite.compile.passes.load_checkpoint import LoadCheckpoint
+from kvrewrite.compile.passes.measure_sensitivity import MeasureSensitivity
+from kvrewrite.compile.passes.quality_budget import QualityBudget
+from kvrewrite.compile.passes.refit_output import RefitOutput
+from kvrewrite.compile.passes.verify import Verify
 
 VOCAB = 96
 

@@ -1,6 +1,6 @@
 """Bytes held by a cache, read off its real tensors.
 
-Same counting as kvrewrite.evaluation.cache_tensor_bytes (byte ranges per storage merged so views are counted once),
+Same counting as kvrewrite.runtime.cache_bytes.cache_tensor_bytes (byte ranges per storage merged so views are counted once),
 re-implemented here because kvrewrite does not import in the benchmark env (transformers 5.2), and extended to
 look inside tensor subclasses (quanto's packed QTensors keep their data, scales and shifts as inner tensors).
 

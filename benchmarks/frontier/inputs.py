@@ -1,6 +1,6 @@
 """The shared inputs: held-out wiki windows and passkey prompts, built once and saved as token ids.
 
-Built in the project env (it needs kvrewrite.calibration_data); every process then reads the same ids from the
+Built in the project env (it needs kvrewrite.io.calibration_data); every process then reads the same ids from the
 saved file, so peers run in the benchmark env score exactly the tokens kvrewrite methods score.
 """
 from __future__ import annotations
@@ -41,15 +41,15 @@ def wiki_windows(tokenizer: Any, n_windows: int, length: int) -> torch.LongTenso
 
     The held-out articles are tokenized and concatenated in dump order with EOS between articles (the project's
     evaluation stream), so a window longer than one article spans consecutive articles; windows are spread evenly
-    over the stream (kvrewrite.calibration_data.evaluation_token_sequences).
+    over the stream (kvrewrite.io.calibration_data.evaluation_token_sequences).
     """
-    from kvrewrite.calibration_data import evaluation_token_sequences
+    from kvrewrite.io.calibration_data import evaluation_token_sequences
 
     return evaluation_token_sequences(tokenizer, n_windows * length, length)
 
 
 def _wiki_sentences() -> list[str]:
-    from kvrewrite.calibration_data.wiki import wiki_split
+    from kvrewrite.io.calibration_data.wiki import wiki_split
 
     text = " ".join(a.text.replace("\n", " ") for a in wiki_split()[1])
     return [s.strip() + "." for s in text.split(". ") if 40 < len(s) < 300]

@@ -34,7 +34,7 @@ RECIPES: dict[str, dict[str, Any]] = {
                               "important": {"rate": 0.0, "share": 0.1, "evict_rest": True}},
     "kvrewrite-W64-keep0.4-p0.5": {"rate": 0.5, "recent_window": 64,
                                    "important": {"rate": 0.5, "share": 0.4, "evict_rest": True}},
-    # Re-scored eviction (kvrewrite.tiers.eviction): beyond a full-rank window of W tokens only the share g that the
+    # Re-scored eviction (kvrewrite.runtime.tiers.eviction): beyond a full-rank window of W tokens only the share g that the
     # newest queries attend to most stays, re-scored at every forward, quantized per token to 4 bits (centred,
     # scaled and turned) at full dims, or at p = 0.3's.
     "kvrewrite-W64-evict0.7-int4": {"rate": 0.0, "recent_window": 64, "kv_codec": "none",

@@ -16,7 +16,7 @@ def kvrewrite_checkpoint(directory: str, rate: float, new_cache: Any = None, nam
         return kvrewrite.load(directory, rate=rate).eval()
 
     def default_cache(model: Any) -> Any:
-        from kvrewrite.evaluation import new_kv_cache
+        from kvrewrite.publish.evaluation import new_kv_cache
 
         return new_kv_cache(model)
 

@@ -62,7 +62,7 @@ def _provenance() -> dict[str, Any]:
 def cmd_inputs(args: argparse.Namespace) -> None:
     from transformers import AutoTokenizer
 
-    from kvrewrite.sources import resolve_model_source
+    from kvrewrite.io.sources import resolve_model_source
 
     model_path = str(resolve_model_source(args.model).path)
     tokenizer = AutoTokenizer.from_pretrained(model_path)

@@ -1,7 +1,7 @@
 """What an architecture adapter declares: where q/k/v/o, norms, RoPE, biases and GQA live in one model family.
 
 One adapter file per family. The compressed model reuses the family's stock transformers classes with
-`CompressedAttention` swapped in (kvrewrite.modeling.families), so an adapter only describes the
+`CompressedAttention` swapped in (kvrewrite.runtime.modeling.families), so an adapter only describes the
 attention block; everything else (embeddings, MLPs, masks, caches) stays the stock code.
 """
 

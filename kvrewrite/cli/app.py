@@ -17,7 +17,7 @@ from rich.table import Table
 
 from kvrewrite.errors import InvalidArgumentError, KVRewriteError, KVRewriteWarning
 from kvrewrite.extras import require_compile_extra
-from kvrewrite.sweep import NAMED_CONFIGS
+from kvrewrite.compile.sweep import NAMED_CONFIGS
 from kvrewrite.spec import per_head_key_ranks
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Rewrite a Hugging Face causal LM so its KV cache is smaller.")
@@ -131,8 +131,8 @@ def compress(
 ) -> None:
     """Compile MODEL into a checkpoint whose KV cache keeps (1 - target_rate) of its elements."""
     from kvrewrite.cli.tables import ranks_table, summary_table
-    from kvrewrite.passes.pipeline import default_pipeline, describe, run_pipeline
-    from kvrewrite.plan import Plan
+    from kvrewrite.compile.passes.pipeline import default_pipeline, describe, run_pipeline
+    from kvrewrite.compile.plan import Plan
 
     try:
         plan = Plan(model=model, target_rate=_number(target_rate, "--target-rate"), output=output, objective=objective, allocation=allocation,
@@ -205,7 +205,7 @@ def evaluate_command(
     """Held-out perplexity, KL and top-1 agreement against the original, and KV bytes per token measured on the cache."""
     from kvrewrite.cli.evaluate import evaluate_checkpoint
     from kvrewrite.cli.tables import eval_table
-    from kvrewrite.output_safety import check_writable_file
+    from kvrewrite.io.output_safety import check_writable_file
 
     try:
         rate_list = _numbers(rates, "--rates") if rates else None
@@ -218,8 +218,8 @@ def evaluate_command(
                                    kv_codecs=codec_list, chunk=chunk, recent_windows=window_list)
     except (KVRewriteError, ValueError) as exc:
         _fail(exc)
-    from kvrewrite.atomic_files import atomic_write_text
-    from kvrewrite.eval_results import eval_results_document, write_eval_results
+    from kvrewrite.io.atomic_files import atomic_write_text
+    from kvrewrite.publish.eval_results import eval_results_document, write_eval_results
 
     console.print(eval_table(rows))
     if json_out:
@@ -245,7 +245,7 @@ def inspect(
     """Ranks per layer and KV head as a table and a PNG heat map."""
     from kvrewrite.cli.tables import ranks_table, summary_table
     from kvrewrite.extras import missing_compile_packages
-    from kvrewrite.output_safety import check_writable_file
+    from kvrewrite.io.output_safety import check_writable_file
     from kvrewrite.spec import CompressionSpec
 
     try:
@@ -279,7 +279,7 @@ def inspect(
     console.print(ranks_table(spec))
     if target is None:
         return
-    from kvrewrite.rank_plot import plot_rank_heatmap
+    from kvrewrite.publish.rank_plot import plot_rank_heatmap
 
     plot_rank_heatmap([per_head_key_ranks(l) for l in spec.layers], [l.value_ranks for l in spec.layers], spec.head_dim, target,
                       title=f"{spec.source_model}: p = {spec.target_rate:.2f} ({spec.objective}/{spec.allocation})")
@@ -295,8 +295,8 @@ def card(
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Where to write the card (default: DIR/README.md)."),
 ) -> None:
     """Write the Hub model card (README.md): metadata, compression spec, saved eval table, rank heat map."""
-    from kvrewrite.hub import ensure_heatmap
-    from kvrewrite.model_card import CARD_FILE, is_generated_card, render_model_card, write_model_card
+    from kvrewrite.publish.hub import ensure_heatmap
+    from kvrewrite.publish.model_card import CARD_FILE, is_generated_card, render_model_card, write_model_card
 
     try:
         target = output or directory / CARD_FILE
@@ -310,7 +310,7 @@ def card(
 
 
 def _push(directory: Path, repo_id: str, **options) -> None:
-    from kvrewrite.hub import push_checkpoint
+    from kvrewrite.publish.hub import push_checkpoint
 
     try:
         result = push_checkpoint(directory, repo_id, **options)
@@ -377,7 +377,7 @@ def sweep(
     eval_tokens: int = typer.Option(8192, "--eval-tokens", help="Held-out wiki tokens for perplexity."),
 ) -> None:
     """Compile a grid of configurations x rates, evaluate each on held-out text, write a table and a Pareto plot."""
-    from kvrewrite.sweep import parse_config, run_sweep
+    from kvrewrite.compile.sweep import parse_config, run_sweep
 
     try:
         require_compile_extra("kvrewrite sweep")
@@ -409,7 +409,7 @@ def budget(
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write every measured split and the chosen one as JSON here."),
 ) -> None:
     """Split a KV byte budget across full-rank window, kept ranks, bits and re-scored eviction by measured calibration NLL."""
-    from kvrewrite.output_safety import check_writable_file
+    from kvrewrite.io.output_safety import check_writable_file
 
     try:
         share = _budget_share(kv_budget)
@@ -445,7 +445,7 @@ def _split_and_report(directory: Path, share: float, json_out: Path | None = Non
         import platform
         from dataclasses import asdict
 
-        from kvrewrite.atomic_files import atomic_write_text
+        from kvrewrite.io.atomic_files import atomic_write_text
 
         atomic_write_text(json_out, json.dumps({
             "command": command, "kv_budget": share, **options, "machine": platform.platform(),

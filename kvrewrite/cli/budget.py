@@ -1,5 +1,5 @@
 """`kvrewrite budget`: split a KV byte budget across window, ranks, bits and eviction by measured calibration quality,
-and record the winner in the checkpoint so `kvrewrite.load(DIR)` uses it (kvrewrite.tiers.budget)."""
+and record the winner in the checkpoint so `kvrewrite.load(DIR)` uses it (kvrewrite.compile.token_budget)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from kvrewrite.errors import CorruptCheckpointError, InvalidArgumentError
-from kvrewrite.tiers.budget import (DEFAULT_BITS, DEFAULT_RATES, DEFAULT_WINDOWS, Candidate, best, candidates, fp16_bytes,
+from kvrewrite.compile.token_budget import (DEFAULT_BITS, DEFAULT_RATES, DEFAULT_WINDOWS, Candidate, best, candidates, fp16_bytes,
                                     measure, ranking, solve_keep, write_token_policy)
 
 
@@ -24,12 +24,12 @@ def split_budget(directory: Path, budget: float, *, context: int = 4096, windows
     """
     from transformers import AutoTokenizer
 
-    from kvrewrite.calibration_data import calibration_token_sequences
-    from kvrewrite.codecs.checkpoint import read_codec_tables
-    from kvrewrite.evaluation import continuation_nll
+    from kvrewrite.io.calibration_data import calibration_token_sequences
+    from kvrewrite.runtime.codecs.checkpoint import read_codec_tables
+    from kvrewrite.publish.evaluation import continuation_nll
     from kvrewrite.progress import progress_bar
-    from kvrewrite.runtime import load
-    from kvrewrite.tiers.build import enable_tiers
+    from kvrewrite.runtime.load import load
+    from kvrewrite.runtime.tiers.build import enable_tiers
 
     directory = Path(directory)
     if not (directory / "config.json").is_file():

@@ -21,13 +21,13 @@ DEMO_CONFIGS = {
 
 
 def run_demo(output: Path, rates: list[float], calib_tokens: int, eval_tokens: int, console: Console) -> list[dict]:
-    from kvrewrite.calibration_data import evaluation_token_sequences
+    from kvrewrite.io.calibration_data import evaluation_token_sequences
     from kvrewrite.cli.evaluate import result_rows
     from kvrewrite.cli.tables import eval_table
-    from kvrewrite.evaluation import evaluate_many
-    from kvrewrite.passes.pipeline import compile_variants
-    from kvrewrite.plan import Plan
-    from kvrewrite.runtime import load
+    from kvrewrite.publish.evaluation import evaluate_many
+    from kvrewrite.compile.passes.pipeline import compile_variants
+    from kvrewrite.compile.plan import Plan
+    from kvrewrite.runtime.load import load
 
     started = time.perf_counter()
     plan = Plan(model="smollm2-135m", target_rate=max(rates), calibration="wiki", calib_tokens=calib_tokens, overwrite=True,
@@ -74,7 +74,7 @@ def _plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from kvrewrite.atomic_files import atomic_write
+    from kvrewrite.io.atomic_files import atomic_write
 
     base = next(r for r in rows if r.get("baseline"))
     fig, ax = plt.subplots(figsize=(6, 4))

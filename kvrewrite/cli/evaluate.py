@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from kvrewrite.errors import CorruptCheckpointError, InvalidArgumentError
-from kvrewrite.evaluation import default_chunk, kv_cache_bytes_per_token_formula
+from kvrewrite.publish.evaluation import default_chunk, kv_cache_bytes_per_token_formula
 from kvrewrite.spec import CompressionSpec
 
 
@@ -19,18 +19,18 @@ def evaluate_checkpoint(directory: Path, *, baseline: str | None = None, rates: 
     """Rows for the eval table: the baseline first, then the checkpoint at each rate (and each KV codec).
 
     kv_codecs: codecs to evaluate instead of the compiled one ("none" = the plain reduced cache).
-    recent_windows: token tiers (kvrewrite.tiers) to evaluate instead of the plain cache: each query reads its last W
+    recent_windows: token tiers (kvrewrite.runtime.tiers) to evaluate instead of the plain cache: each query reads its last W
     tokens at full rank. A tiered forward reads its own cache, so one forward per window measures it exactly.
     chunk: chunked-prefill length; default evaluation.CODEC_EVAL_CHUNK when any codec is in use (a one-shot forward would
     never read the cache, so a lossy cache would go unmeasured), else one forward per window.
     """
     from transformers import AutoTokenizer
 
-    from kvrewrite.calibration_data import evaluation_token_sequences
-    from kvrewrite.evaluation import evaluate_many
-    from kvrewrite.passes.load_checkpoint import load_fp32_model
-    from kvrewrite.runtime import load, verify_checkpoint_files
-    from kvrewrite.sources import resolve_model_source
+    from kvrewrite.io.calibration_data import evaluation_token_sequences
+    from kvrewrite.publish.evaluation import evaluate_many
+    from kvrewrite.compile.passes.load_checkpoint import load_fp32_model
+    from kvrewrite.runtime.load import load, verify_checkpoint_files
+    from kvrewrite.io.sources import resolve_model_source
 
     config_path = Path(directory) / "config.json"
     if not config_path.is_file():

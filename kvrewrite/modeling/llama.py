@@ -1,9 +1,5 @@
-"""`kvrewrite_llama`: the Llama-family compressed model (built like every family in kvrewrite.modeling.families).
+"""Stable import path of format-1 checkpoint stubs (written before the families module), which import this module."""
 
-Kept for checkpoints written before the families module: their `modeling_kvrewrite.py` stub (auto_map, format
-version 1, still loadable) imports `kvrewrite.modeling.llama`, so removing this module would break them.
-"""
-
-from kvrewrite.modeling.families import KVRewriteLlamaConfig, KVRewriteLlamaForCausalLM  # noqa: F401
+from kvrewrite.runtime.modeling.families import KVRewriteLlamaConfig, KVRewriteLlamaForCausalLM  # noqa: F401
 
 __all__ = ["KVRewriteLlamaConfig", "KVRewriteLlamaForCausalLM"]

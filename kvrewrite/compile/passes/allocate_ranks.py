@@ -1,0 +1,59 @@
+"""Pass 5: ranks per layer, KV head and side for the target rate, and the rate -> ranks table."""
+
+from __future__ import annotations
+
+from kvrewrite.method.curve_allocation import curve_removal_order
+from kvrewrite.errors import InvalidArgumentError
+from kvrewrite.compile.passes.context import CompileContext
+from kvrewrite.method.rank_allocation import RankItem, allocate, allocate_greedy
+from kvrewrite.spec import KEY_MODE_CROSSHEAD, KEY_MODE_FREQ, rate_key
+
+
+def rank_items(transforms) -> list[RankItem]:
+    # Unweighted: the sensitivity allocation orders these items by measured KL curves (curve_removal_order).
+    items = []
+    for layer, t in enumerate(transforms):
+        key_step = 2 if t.key.mode in (KEY_MODE_FREQ, KEY_MODE_CROSSHEAD) else 1
+        # One key item per stored key block: per KV head, or one shared block (crosshead, head 0).
+        for g in range(t.key.spectrum.shape[0]):
+            items.append(RankItem(layer, g, "key", t.key.spectrum[g].numpy(), step=key_step))
+        for g in range(t.value.spectrum.shape[0]):
+            items.append(RankItem(layer, g, "value", t.value.spectrum[g].numpy()))
+    return items
+
+
+class AllocateRanks:
+    name = "allocate_ranks"
+    description = "pick a rank per layer/KV head/side for the target rate (eps or greedy), plus a rate table"
+
+    def run(self, ctx: CompileContext) -> None:
+        plan, geo = ctx.plan, ctx.geometry
+        items = rank_items(ctx.transforms)
+        order = None
+        if plan.allocation == "sensitivity":
+            # Measured KL curves per (layer, side): one removal order, every rate a prefix of it.
+            order = curve_removal_order(items, ctx.sensitivity_curves, min_rank=plan.min_rank, rank_multiple=plan.rank_multiple)
+
+        def solve(rate: float):
+            if order is not None:
+                return allocate_greedy(items, rate, min_rank=plan.min_rank, rank_multiple=plan.rank_multiple, order=order)
+            return allocate(items, rate, plan.allocation, min_rank=plan.min_rank, rank_multiple=plan.rank_multiple)
+
+        ctx.rank_solver = solve
+        ctx.allocation = solve(plan.target_rate)
+        table = {}
+        for rate in sorted({*plan.rate_grid, plan.target_rate}):
+            try:
+                key, value = solve(rate).as_lists(geo.num_layers, geo.num_key_value_heads)
+            except InvalidArgumentError:
+                continue  # unreachable under --min-rank; the table simply omits it
+            table[rate_key(rate)] = {"key": key, "value": value}
+        ctx.report["allocation"] = {
+            "method": plan.allocation,
+            "target_rate": plan.target_rate,
+            "achieved_rate": ctx.allocation.rate,
+            "kept_elements_per_token": ctx.allocation.kept,
+            "baseline_elements_per_token": ctx.allocation.total,
+            "eps": ctx.allocation.eps,
+        }
+        ctx.report["rate_table"] = table

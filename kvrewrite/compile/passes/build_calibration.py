@@ -1,0 +1,32 @@
+"""Pass 2: tokenise the calibration corpus into fixed-length windows."""
+
+from __future__ import annotations
+
+from kvrewrite.compile.passes.context import CompileContext
+
+
+class BuildCalibration:
+    name = "build_calibration"
+    description = "tokenise the calibration corpus (synthetic, wiki or a user file) into windows"
+
+    def run(self, ctx: CompileContext) -> None:
+        from kvrewrite.io.calibration_data import calibration_token_sequences  # gensim is slow to import
+
+        plan = ctx.plan
+        held_back = -(-plan.budget_tokens // plan.seq_len) if plan.has_quality_budget() else 0
+        n_calib = -(-plan.calib_tokens // plan.seq_len)
+        # Only synthetic text needs the whole model (it generates with it); other sources never load it.
+        model = ctx.original_model() if plan.calibration == "synthetic" else None
+        # One draw of distinct non-overlapping windows: the quality budget's windows never overlap the statistics'.
+        windows = calibration_token_sequences(
+            plan.calibration, ctx.tokenizer, plan.calib_tokens + held_back * plan.seq_len, plan.seq_len, model=model, seed=plan.seed
+        )
+        ctx.calibration_tokens = windows[:n_calib]
+        ctx.budget_tokens = windows[n_calib:] if held_back else None
+        ctx.report["calibration"] = {
+            "source": plan.calibration,
+            "tokens": int(ctx.calibration_tokens.numel()),
+            "windows": int(ctx.calibration_tokens.shape[0]),
+            "seq_len": plan.seq_len,
+            "held_back_for_quality_budget": 0 if ctx.budget_tokens is None else int(ctx.budget_tokens.numel()),
+        }

@@ -1,0 +1,71 @@
+"""Pass (only with --distill): train the rewritten attention weights end to end against the original model's
+next-token distribution, at the compiled ranks (attention_distillation.py).
+
+Runs after the output refit (it starts from the refitted o_proj when --refit is on) and before the codec fit and
+emit. The trained weights replace the folded ones (FoldedWeights.overrides) in the checkpoint's full-rank layout;
+weights the compiled ranks do not read are left exactly as folded. The rate table keeps only the compiled rate.
+Like the refit, it holds both models whole (docs/big-models.md).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvrewrite.method.attention_distillation import (DistillSettings, distill_attention, distilled_attention_parameters,
+                                              set_compiled_ranks_as_probes)
+from kvrewrite.compile.passes.context import CompileContext
+from kvrewrite.compile.passes.refit_output import keep_only_compiled_rate, remeasure_compiled_rank, whole_compressed_model
+
+# Share of the distillation windows held back to pick the best epoch (and to refuse a run that does not help).
+VALIDATION_SHARE = 1 / 16
+
+
+def split_distill_windows(windows: torch.Tensor, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first calibration windows covering n_tokens, split into training windows and validation windows
+    (the last 1/16 of them, at least one); a single window is used for both."""
+    n = max(1, min(windows.shape[0], -(-n_tokens // windows.shape[1])))
+    held = max(1, round(n * VALIDATION_SHARE)) if n > 1 else 0
+    chosen = windows[:n]
+    if held == 0:
+        return chosen, chosen
+    return chosen[: n - held], chosen[n - held :]
+
+
+class DistillAttention:
+    name = "distill_attention"
+    description = "(--distill) train the attention weights at the compiled ranks against the original's next-token distribution"
+
+    def run(self, ctx: CompileContext) -> None:
+        plan = ctx.plan
+        if not plan.distill:
+            return
+        device = torch.device(plan.device)
+        train, validation = split_distill_windows(ctx.calibration_tokens, plan.distill_tokens)
+        original = ctx.original_model().to(device)
+        student = whole_compressed_model(ctx.folded, ctx.spec, sliced=False).to(device)
+        set_compiled_ranks_as_probes(student, ctx.adapter, [l.key_ranks for l in ctx.spec.layers], [l.value_ranks for l in ctx.spec.layers])
+        settings = DistillSettings(epochs=plan.distill_epochs, learning_rate=plan.distill_lr, batch_windows=plan.batch_size, seed=plan.seed)
+        report = distill_attention(student, original, ctx.adapter, train.to(device), validation.to(device), settings, progress=plan.progress)
+        original.to("cpu")
+
+        keep_only_compiled_rate(ctx)
+        if report.kept_epoch > 0:
+            # Full-rank names are the checkpoint's names; dims beyond the compiled ranks were never touched.
+            for name, parameter in distilled_attention_parameters(student, ctx.adapter).items():
+                ctx.folded.overrides[name] = parameter.detach().to("cpu", torch.float32).contiguous()  # emit casts
+            del student
+            verified, kl, top1 = remeasure_compiled_rank(ctx, original)
+        else:  # nothing changed: verify's (or the refit's) figures still describe the checkpoint
+            verified = dict(ctx.verification.get("compiled_rank", {}))
+            kl, top1 = verified.get("kl_mean"), verified.get("top1_agreement")
+        ctx.report["distill"] = {
+            "tokens": report.train_tokens, "validation_tokens": report.validation_tokens, "epochs": plan.distill_epochs,
+            "learning_rate": plan.distill_lr, "batch_windows": settings.batch_windows, "steps": report.steps,
+            "trained_tensor_elements": report.trained_tensor_elements, "seconds": round(report.seconds, 1),
+            "train_loss_per_epoch": report.train_loss_per_epoch,
+            "validation_kl_before": report.validation_kl_before, "validation_kl_per_epoch": report.validation_kl_per_epoch,
+            "validation_kl_after": report.validation_kl_after, "kept_epoch": report.kept_epoch,
+            "learning_rate_per_epoch": report.learning_rate_per_epoch,
+            "verify_kl_before": verified.get("kl_mean"), "verify_top1_before": verified.get("top1_agreement"),
+            "verify_kl_after": kl, "verify_top1_after": top1,
+        }

@@ -1,0 +1,39 @@
+"""Pass: fit the KV codec on calibration latents of the compiled model (after the ranks are fixed).
+
+int4/int2/gear need nothing trained; tada searches per-layer bit widths under --kv-bits-budget (weighted by
+the sensitivity pass's per-layer KL weights when it ran); csr trains its dictionaries. The codec and its
+parameters go into the spec, the tables into kv_codec.safetensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvrewrite.runtime.codecs import parse_codec
+from kvrewrite.compile.codec_fitting import collect_latents_streamed, fit_codec_tables_on_latents
+from kvrewrite.compile.passes.context import CompileContext
+
+FIT_WINDOWS = 8  # calibration windows whose latents the codec is fitted on (8 x 512 tokens by default)
+
+
+class FitKVCodec:
+    name = "fit_kv_codec"
+    description = "fit the KV codec (--kv-codec) on the compiled model's calibration latents: TaDA bit search, CSR dictionaries"
+
+    def run(self, ctx: CompileContext) -> None:
+        codec = parse_codec(ctx.plan.kv_codec)
+        ctx.codec_tables = {}
+        if codec is None:
+            ctx.spec = dataclasses.replace(ctx.spec, kv_codec=None)
+            return
+        plan, spec = ctx.plan, ctx.spec
+        # The compiled model, layer-streamed from the folded weights, each layer sliced to its compiled ranks.
+        streamed = ctx.folded.streamed(spec, plan.compute_dtype(), plan.device)
+        key_ranks = [layer.key_ranks for layer in spec.layers]
+        value_ranks = [layer.value_ranks for layer in spec.layers]
+        latents = collect_latents_streamed(streamed, list(zip(key_ranks, value_ranks)), ctx.calibration_tokens[:FIT_WINDOWS],
+                                           batch_size=plan.batch_size, progress=plan.progress)
+        ctx.codec_tables, ctx.report["kv_codec"] = fit_codec_tables_on_latents(
+            codec, latents, key_ranks, value_ranks, budget_bits=plan.kv_bits_budget,
+            sensitivity=ctx.sensitivity, progress=plan.progress)
+        ctx.spec = dataclasses.replace(ctx.spec, kv_codec=codec.to_dict())

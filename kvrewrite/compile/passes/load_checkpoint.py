@@ -1,0 +1,118 @@
+"""Pass 1: resolve the model source, check the architecture is supported, load it in fp32."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+from kvrewrite.adapters import adapter_for
+from kvrewrite.io.checkpoint_io import check_safetensors_files
+from kvrewrite.errors import CorruptCheckpointError, ModelSourceError
+from kvrewrite.compile.layer_streaming import SourceModel
+from kvrewrite.io.output_safety import check_output_location
+from kvrewrite.compile.passes.context import CompileContext
+from kvrewrite.io.source_validation import (
+    check_finite_weights,
+    check_head_arithmetic,
+    check_tensor_shapes,
+    read_source_config,
+    refuse_custom_code,
+)
+from kvrewrite.io.sources import resolve_model_source
+
+
+class LoadCheckpoint:
+    name = "load_checkpoint"
+    description = "resolve the model (Hub id, local dir or bundled), check its architecture, open its shards lazily"
+
+    def run(self, ctx: CompileContext) -> None:
+        resolved = resolve_model_source(ctx.plan.model, revision=ctx.plan.revision)
+        ctx.source_dir, ctx.source_revision = resolved.path, resolved.revision
+        if ctx.plan.output is not None:
+            # A Hub source's directory is known only now: the output must still not be it, or hold it.
+            check_output_location(ctx.plan.output, source=resolved.path, overwrite=ctx.plan.overwrite)
+        # Config and code checks first, so a bad or unsupported model fails before any weight is opened.
+        read_source_config(resolved.path)
+        refuse_custom_code(resolved.path)
+        config = load_config(resolved.path)
+        check_head_arithmetic(config, resolved.path / "config.json")
+        # Fail on an unsupported architecture before reading any weight.
+        ctx.adapter = adapter_for(config)
+        ctx.geometry = ctx.adapter.geometry(config)
+        ctx.config = config
+        ctx.key_mode = ctx.adapter.resolve_key_mode(config, ctx.plan.rope_mode, ctx.plan.objective)
+        # A missing/truncated shard or pickle-only weights fail here, naming the file, before any pass reads.
+        check_safetensors_files(resolved.path)
+        try:
+            # Only the shape of the model is built here; weights are read layer by layer as passes need them.
+            ctx.source = SourceModel.open(resolved.path, config, ctx.adapter)
+            ctx.tokenizer = AutoTokenizer.from_pretrained(resolved.path, trust_remote_code=False)
+        except (OSError, ValueError) as exc:
+            raise ModelSourceError(f"could not load the model from {resolved.path}: {exc}") from exc
+        check_every_weight_present(ctx.source)
+        check_tensor_shapes(ctx.source)
+        check_finite_weights(ctx.source)
+        try:
+            ctx.generation_config = GenerationConfig.from_pretrained(resolved.path, trust_remote_code=False)
+        except (OSError, ValueError):
+            ctx.generation_config = None  # optional file
+        ctx.report["source"] = {
+            "model": resolved.source_id,
+            "revision": resolved.revision,
+            "path": str(resolved.path),
+            "parameters": ctx.source.num_parameters(),
+            "weights_bytes_on_disk": ctx.source.checkpoint.total_bytes(),
+        }
+        ctx.report["source_config"] = json.loads(config.to_json_string())
+
+
+def load_config(path: Path):
+    """The source's transformers config, built-in classes only (no code from the model directory ever runs)."""
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=False)
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise ModelSourceError(f"{path / 'config.json'} cannot be loaded by transformers: {exc}") from None
+
+
+def check_every_weight_present(source: SourceModel) -> None:
+    """Every weight the config needs must be in the shards (a stock load would fill a missing one randomly)."""
+    missing = []
+    for name in source.skeleton.state_dict():
+        try:
+            source.tensor_name(name)
+        except CorruptCheckpointError:
+            missing.append(name)
+    if missing:
+        listed = ", ".join(missing[:6]) + (" ..." if len(missing) > 6 else "")
+        raise CorruptCheckpointError(
+            f"the checkpoint in {source.directory} lacks weights its config needs (missing keys: {listed}); "
+            "transformers would fill them with random values. Re-download the model or fix its shards"
+        )
+
+
+def load_fp32_model(path):
+    """The original model, for what needs it whole (synthetic calibration text, Fisher gradients, evaluation baselines): safetensors only, and every weight present.
+
+    transformers would fill a missing weight (say a layer's k_proj) with random values and only warn; a compile on
+    such a model would be silently wrong, so a missing or mis-shaped weight is an error here.
+    """
+    check_safetensors_files(path)
+    read_source_config(path)
+    refuse_custom_code(path)
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, use_safetensors=True,
+                                                           output_loading_info=True, trust_remote_code=False)
+    except (RuntimeError, ValueError) as exc:  # e.g. a tensor whose shape does not match config.json
+        raise CorruptCheckpointError(f"could not load the model in {path}: {exc}") from None
+    problems = {kind: sorted(str(k) for k in info.get(kind) or []) for kind in ("missing_keys", "mismatched_keys")}
+    if any(problems.values()):
+        listed = "; ".join(f"{kind.replace('_', ' ')}: {', '.join(keys[:6])}{' ...' if len(keys) > 6 else ''}"
+                           for kind, keys in problems.items() if keys)
+        raise CorruptCheckpointError(
+            f"the checkpoint in {path} lacks weights its config needs ({listed}); transformers would fill them with "
+            "random values. Re-download the model or fix its shards"
+        )
+    return model.eval()

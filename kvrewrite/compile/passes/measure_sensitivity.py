@@ -1,0 +1,137 @@
+"""Pass (sensitivity allocation only): how much each layer's key and value side matters, end to end.
+
+Layers differ in sensitivity by orders of magnitude, so one unit of the objective's relative error
+does not cost the same everywhere. For every (layer, side) we truncate that side alone, to the
+uniform rank of each probe rate (`Plan.probe_rates`, default 0.5), and measure the KL divergence of the
+next-token distribution against the original on calibration text. Each probe gives a point (relative
+error the allocator predicts, measured KL); curve_allocation turns the points into a KL curve per
+(layer, side), so the greedy allocator trades measured KL, not raw error.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvrewrite.compile.folded_weights import FoldedWeights
+from kvrewrite.compile.layer_streaming import StreamedModel
+from kvrewrite.compile.passes.context import CompileContext
+from kvrewrite.compile.passes.fold_weights import build_spec
+from kvrewrite.progress import progress_bar
+from kvrewrite.spec import KEY_MODE_CROSSHEAD, KEY_MODE_FREQ, full_key_ranks
+
+PROBE_TOKENS = 256
+# Fixed probe rates, not the target: the curves (and so the whole rate table) are then a function of
+# the statistics alone, and slicing rate q from a checkpoint equals compiling for q directly.
+
+
+def probe_rank(head_dim: int, rate: float, step: int) -> int:
+    return max(step, step * round((1 - rate) * head_dim / step))
+
+
+def relative_error(spectra: torch.Tensor, rank: int) -> float:
+    """Mean over heads of the removed share of squared singular values at `rank`."""
+    s2 = spectra.double() ** 2
+    return float((s2[:, rank:].sum(-1) / s2.sum(-1).clamp_min(1e-300)).mean())
+
+
+class MeasureSensitivity:
+    name = "measure_sensitivity"
+    description = "measure each layer's key/value KL sensitivity to truncation (only for --allocation sensitivity)"
+
+    def run(self, ctx: CompileContext) -> None:
+        if ctx.plan.allocation != "sensitivity":
+            return
+        plan, geo, d = ctx.plan, ctx.geometry, ctx.geometry.head_dim
+        n_kv = geo.num_key_value_heads
+        full_values = [[d] * n_kv for _ in range(geo.num_layers)]
+        full_keys = [full_key_ranks(t.key.mode, n_kv, d) for t in ctx.transforms]
+        spec = build_spec(ctx, full_keys, full_values)
+        # Rank-independent, so FoldWeights reuses it.
+        ctx.folded = FoldedWeights(ctx.source, ctx.transforms, geo)
+        tokens = ctx.calibration_tokens[: plan.probe_windows, :PROBE_TOKENS]
+        rates = plan.probe_rates
+        # Every (layer, side, rate) probe: (key ranks, value ranks) of that layer, all others at full rank.
+        layer_probes, meta = [], {}
+        for idx, transforms in enumerate(ctx.transforms):
+            crosshead = transforms.key.mode == KEY_MODE_CROSSHEAD
+            key_step = 2 if transforms.key.mode in (KEY_MODE_FREQ, KEY_MODE_CROSSHEAD) else 1
+            probes_here = {}
+            for side, spectra, step in (("key", transforms.key.spectrum, key_step), ("value", transforms.value.spectrum, 1)):
+                for rate in rates:
+                    r = probe_rank(d, rate, step)
+                    # crosshead: one shared key block, truncated to the same number of kept key dims in all.
+                    keep = [r * n_kv] + [0] * (n_kv - 1) if side == "key" and crosshead else [r] * n_kv
+                    probes_here[f"{side}@{rate}"] = (keep, full_values[idx]) if side == "key" else (full_keys[idx], keep)
+                    # Kept dims per row of the spectra (a crosshead spectrum is one row of n_kv * d values).
+                    meta[(idx, f"{side}@{rate}")] = (side, rate, r, relative_error(spectra, sum(keep) // spectra.shape[0]))
+            layer_probes.append(probes_here)
+        kls = probe_kls(ctx.source.streamed(plan.compute_dtype(), plan.device),
+                        ctx.folded.streamed(spec, plan.compute_dtype(), plan.device),
+                        layer_probes, tokens, plan.progress)
+        curves, probes = {}, {}
+        for (idx, name), (side, rate, r, predicted) in meta.items():  # in probe-rate order per (layer, side)
+            kl = kls[(idx, name)]
+            curves.setdefault((idx, side), []).append((predicted, kl))
+            probes.setdefault(f"{idx}.{side}", []).append({"rate": rate, "rank": r, "kl": kl, "predicted_relative_error": predicted})
+        ctx.sensitivity_curves = curves
+        # One weight per layer side (KL per unit of predicted error at the middle probe, mean-normalised), for
+        # the report and for passes that weigh layer sides (the tada codec's bit search).
+        slopes = {key: pts[len(pts) // 2][1] / max(pts[len(pts) // 2][0], 1e-12) for key, pts in curves.items()}
+        mean = sum(slopes.values()) / len(slopes)
+        ctx.sensitivity = {key: w / mean for key, w in slopes.items()}
+        ctx.report["sensitivity"] = {"probe_rates": list(rates), "probe_tokens": int(tokens.numel()), "probes": probes,
+                                     "weights": {f"{l}.{s}": w for (l, s), w in ctx.sensitivity.items()}}
+
+
+ProbeRanks = tuple[list[int], list[int]]  # (key ranks, value ranks) of one layer while it is probed
+
+
+def original_log_probs(original: StreamedModel, tokens: torch.Tensor) -> torch.Tensor:
+    """The original model's next-token log-probabilities, layer-streamed."""
+    with torch.inference_mode():
+        hidden = original.embed(tokens)
+        inputs = original.layer_inputs(hidden)
+        for idx in range(len(original.layers)):
+            with original.layer(idx) as layer:
+                hidden = original.run_layer(layer, hidden, inputs)
+        return F.log_softmax(original.logits(hidden).float(), dim=-1)
+
+
+def probe_kls(original: StreamedModel, rewritten: StreamedModel, layer_probes: list[dict[str, ProbeRanks]],
+              tokens: torch.Tensor, progress: bool = True, label: str = "measuring sensitivity",
+              reference: torch.Tensor | None = None) -> dict[tuple[int, str], float]:
+    """(layer, probe name) -> KL to the original of the rewrite with only that layer sliced to that probe's ranks.
+
+    layer_probes[i]: probe name -> (key ranks, value ranks) for layer i; every other layer runs at full
+    rank (exact). Layer-streamed: every probe is a hidden-state stream that leaves the reference stream at
+    its layer and then runs through the rewritten layers, so all probes share one pass over the weights.
+    Cost: about layers x probes layer-forwards of the probe tokens; memory: one hidden-state stream per
+    probe plus the reference. `reference`: the original's log-probabilities for `tokens` if already known.
+    """
+    streams: dict[tuple[int, str], torch.Tensor] = {}
+    with torch.inference_mode(), progress_bar(label, len(layer_probes) + 1, progress) as bar:
+        hidden = original.embed(tokens)
+        inputs, rewritten_inputs = original.layer_inputs(hidden), rewritten.layer_inputs(hidden)
+        for idx, probes in enumerate(layer_probes):
+            with rewritten.layer(idx) as layer:
+                for key in streams:
+                    streams[key] = rewritten.run_layer(layer, streams[key], rewritten_inputs)
+                attn = rewritten.adapter.attention(layer)
+                for name, ranks in probes.items():
+                    attn.probe_ranks = ranks
+                    streams[(idx, name)] = rewritten.run_layer(layer, hidden, rewritten_inputs)
+                    attn.probe_ranks = None
+            if idx + 1 < len(layer_probes) or reference is None:  # the last layer's output only feeds the reference
+                with original.layer(idx) as layer:
+                    hidden = original.run_layer(layer, hidden, inputs)
+            bar.advance()
+        if reference is None:
+            reference = F.log_softmax(original.logits(hidden).float(), dim=-1)
+        kls = {}
+        with rewritten.output_head() as head:
+            for key, stream in streams.items():
+                logp = F.log_softmax(head(stream).float(), dim=-1)
+                kls[key] = float((reference.exp() * (reference - logp)).sum(-1).mean())
+        bar.advance()
+    return kls

@@ -1,0 +1,119 @@
+"""The compiler: an ordered list of passes over one context. Reads like the method."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import resource
+import time
+import warnings
+from pathlib import Path
+
+from kvrewrite.compile.passes.allocate_ranks import AllocateRanks
+from kvrewrite.compile.passes.build_calibration import BuildCalibration
+from kvrewrite.compile.passes.collect_fisher import CollectFisher
+from kvrewrite.compile.passes.collect_statistics import CollectStatistics
+from kvrewrite.compile.passes.compute_transforms import ComputeTransforms
+from kvrewrite.compile.passes.context import CompileContext
+from kvrewrite.io.checkpoint_io import estimated_output_bytes
+from kvrewrite.errors import KVRewriteWarning
+from kvrewrite.io.output_safety import check_output_location, recover_leftovers
+from kvrewrite.compile.passes.distill_attention import DistillAttention
+from kvrewrite.compile.passes.emit import Emit, output_dir_for
+from kvrewrite.compile.passes.fit_kv_codec import FitKVCodec
+from kvrewrite.compile.passes.fold_weights import FoldWeights
+from kvrewrite.compile.passes.load_checkpoint import LoadCheckpoint
+from kvrewrite.compile.passes.measure_sensitivity import MeasureSensitivity
+from kvrewrite.compile.passes.quality_budget import QualityBudget
+from kvrewrite.compile.passes.refit_output import RefitOutput
+from kvrewrite.compile.passes.verify import Verify
+from kvrewrite.compile.plan import Plan
+from kvrewrite.io.sources import local_source_dir
+
+
+def statistics_passes() -> list:
+    """The part that depends only on the model and the corpus (shareable between configurations)."""
+    return [
+        LoadCheckpoint(),  # source -> fp32 model, adapter
+        BuildCalibration(),  # corpus -> token windows
+        CollectStatistics(),  # windows -> Gram matrices per layer and head
+    ]
+
+
+def rewrite_passes() -> list:
+    """The part that depends on the objective, key mode and allocation."""
+    return [
+        CollectFisher(),  # (--value-metric fisher) loss-gradient second moments at each attention output
+        ComputeTransforms(),  # Grams -> key-side and value-side transforms
+        MeasureSensitivity(),  # (sensitivity allocation) end-to-end KL per layer and side
+        AllocateRanks(),  # spectra (and sensitivities) -> ranks per head, rate table
+        FoldWeights(),  # transforms -> rewritten q/k/v/o weights, spec
+        QualityBudget(),  # (--max-ppl-increase / --max-kl) the largest rate within budget becomes the target
+        Verify(),  # full-rank equivalence, compiled-rank error
+        RefitOutput(),  # (--refit output) o_proj refitted by least squares at the compiled ranks
+        DistillAttention(),  # (--distill) attention weights trained against the original's next-token distribution
+        FitKVCodec(),  # (--kv-codec) codec tables fitted on the compiled model's calibration latents
+        Emit(),  # checkpoint directory, written atomically
+    ]
+
+
+def default_pipeline() -> list:
+    return statistics_passes() + rewrite_passes()
+
+
+def describe(passes: list) -> list[tuple[str, str]]:
+    return [(p.name, p.description) for p in passes]
+
+
+def prepare_output(out: Path, plan: Plan) -> None:
+    """Before any work: finish or remove what interrupted runs left at `out`, then check the location is safe
+    (not the source, not holding it, writable, room for the weights)."""
+    for note in recover_leftovers(out):
+        warnings.warn(note, KVRewriteWarning, stacklevel=2)
+    source = local_source_dir(plan.model)
+    need = estimated_output_bytes(source, plan.compute_dtype()) if source is not None else None
+    check_output_location(out, source=source, overwrite=plan.overwrite, need_bytes=need)
+
+
+def compile_variants(plan: Plan, variants: dict[str, dict], output_root: Path, on_pass=None) -> tuple[CompileContext, dict[str, CompileContext]]:
+    """Collect statistics once, then compile every variant (plan overrides) into output_root/<name>."""
+    for name in variants:
+        prepare_output(Path(output_root) / name, plan)  # before minutes of work, not after
+    shared = CompileContext(plan=plan)
+    timings = shared.report.setdefault("timings_s", {})
+    for step in statistics_passes():
+        if on_pass is not None:
+            on_pass("shared", step)
+        t0 = time.perf_counter()
+        step.run(shared)
+        timings[step.name] = round(time.perf_counter() - t0, 3)
+    compiled = {}
+    for name, overrides in variants.items():
+        variant_plan = dataclasses.replace(plan, output=Path(output_root) / name, **overrides)
+        ctx = dataclasses.replace(shared, plan=variant_plan, report=copy.deepcopy(shared.report), verification={}, sensitivity=None, sensitivity_curves=None, codec_tables={})
+        t0 = time.perf_counter()
+        for step in rewrite_passes():
+            if on_pass is not None:
+                on_pass(name, step)
+            step.run(ctx)
+        ctx.report["variant_compile_s"] = round(time.perf_counter() - t0, 1)
+        compiled[name] = ctx
+    return shared, compiled
+
+
+def run_pipeline(plan: Plan, passes: list | None = None, on_pass=None) -> CompileContext:
+    # A bad output is refused before minutes of work, not after (Emit checks again: it may appear meanwhile).
+    prepare_output(output_dir_for(plan), plan)
+    ctx = CompileContext(plan=plan)
+    timings = {}
+    start = time.perf_counter()
+    for step in passes if passes is not None else default_pipeline():
+        if on_pass is not None:
+            on_pass(step)
+        t0 = time.perf_counter()
+        step.run(ctx)
+        timings[step.name] = round(time.perf_counter() - t0, 3)
+        # Updated after every pass so the report that Emit writes holds everything before it.
+        ctx.report["timings_s"] = {**timings, "total": round(time.perf_counter() - start, 3)}
+        ctx.report["peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    return ctx

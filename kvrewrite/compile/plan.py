@@ -1,0 +1,187 @@
+"""The compile plan: every option of `kvrewrite compress`, validated before any work starts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvrewrite.runtime.codecs.config import parse_codec
+from kvrewrite.errors import InvalidArgumentError
+from kvrewrite.spec import ALLOCATIONS, KEY_MODES, OBJECTIVES, validate_rate
+
+# default: the family's best fixed mode; auto: chosen per layer by measured KL (opt-in until held-out numbers
+# back it as a default); or one explicit mode.
+ROPE_MODES = ("default", "auto", *KEY_MODES)
+# --prefer for --rope-mode auto: every key mode, or only those whose runtime does not grow with context.
+PREFER = ("quality", "zero-overhead")
+REDUCERS = ("none", "kmeans")
+DTYPES = ("float32", "bfloat16")
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16"}
+DEVICES = ("cpu", "cuda")
+VALUE_METRICS = ("output", "fisher")
+# Least-squares refit of o_proj at the compiled ranks (passes/refit_output.py): none; output (target: the original
+# model's attention outputs, so upstream drift is absorbed too); output-local (target: the original layer on the
+# compressed model's own hidden states).
+REFITS = ("none", "output", "output-local")
+DEFAULT_RATE_GRID = tuple(round(0.05 * i, 2) for i in range(20))  # 0.00 .. 0.95
+
+
+@dataclass
+class Plan:
+    model: str
+    target_rate: float = 0.5
+    output: Path | None = None
+    objective: str = "optimal"
+    allocation: str = "sensitivity"
+    rope_mode: str = "default"
+    prefer: str = "quality"  # auto only: which key modes compete (key_mode_choice.PREFERENCES)
+    key_mode_cost: float = 0.0  # auto only: weight on a mode's runtime cost against its measured KL
+    calibration: str = "wiki"
+    calib_tokens: int = 32768
+    seq_len: int = 512
+    batch_size: int = 4
+    reduce: str = "none"
+    kmeans_clusters: int = 256
+    kmeans_keep_share: float = 0.5
+    rank_multiple: int = 1
+    min_rank: int = 0
+    rate_grid: tuple[float, ...] = DEFAULT_RATE_GRID
+    # Sensitivity allocation: uniform truncation rates each (layer, side) is probed at, and how many
+    # 256-token calibration windows the probe KL is measured on.
+    # Value objective's output metric: "output" (every hidden direction alike) or "fisher" (weighted by the
+    # loss gradient's second moment at the attention output; passes/collect_fisher.py).
+    value_metric: str = "output"
+    fisher_tokens: int = 8192
+    fisher_shrink: float = 0.5
+    probe_rates: tuple[float, ...] = (0.5,)
+    probe_windows: int = 2
+    # Output refit (passes/refit_output.py): o_proj refitted by least squares at the compiled ranks against the
+    # original attention outputs, layer by layer on refit_tokens calibration tokens; ridge is relative to the
+    # mean diagonal of the latents' Gram. A refitted checkpoint serves its compiled rate only.
+    refit: str = "none"
+    refit_tokens: int = 16384
+    refit_ridge: float = 1e-4
+    # Distillation (passes/distill_attention.py): the attention weights trained at the compiled ranks against the
+    # original model's next-token distribution on distill_tokens calibration tokens (1/16 held back for
+    # validation). A distilled checkpoint serves its compiled rate only.
+    distill: bool = False
+    distill_tokens: int = 32768
+    distill_epochs: float = 2.0
+    distill_lr: float = 1e-5
+    # Quality budget (passes/quality_budget.py): instead of target_rate, the largest rate whose perplexity
+    # increase (a fraction: 0.05 = 5%) and/or mean KL on held-back calibration text stays within budget.
+    max_ppl_increase: float | None = None
+    max_kl: float | None = None
+    budget_tokens: int = 4096
+    verify_tolerance: float = 1e-4
+    verify_tokens: int = 512
+    # Where layers run and in which dtype they compute and are written out (Grams are float64 regardless).
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_shard_size: str = "1GB"
+    revision: str | None = None
+    seed: int = 0
+    overwrite: bool = False
+    progress: bool = True
+    # KV codec on top of the reduced cache: none, int4, int2, tada, gear, gear-l, csr, optionally with
+    # parameters ("gear:bits=4,rank=4"); kv_bits_budget: tada's search budget in stored bits per cached element.
+    kv_codec: str = "none"
+    kv_bits_budget: float | None = None
+
+    def __post_init__(self) -> None:
+        self.target_rate = validate_rate(self.target_rate)
+        self.dtype = DTYPE_ALIASES.get(str(self.dtype).lower(), str(self.dtype).lower())
+        self.rate_grid = tuple(sorted({round(validate_rate(r, "rate grid entry"), 4) for r in self.rate_grid}))
+        choices = {
+            "objective": (self.objective, OBJECTIVES),
+            "allocation": (self.allocation, ALLOCATIONS),
+            "rope_mode": (self.rope_mode, ROPE_MODES),
+            "reduce": (self.reduce, REDUCERS),
+            "value_metric": (self.value_metric, VALUE_METRICS),
+            "refit": (self.refit, REFITS),
+            "prefer": (self.prefer, PREFER),
+            "dtype": (self.dtype, DTYPES),
+        }
+        for name, (value, allowed) in choices.items():
+            if value not in allowed:
+                raise InvalidArgumentError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}; got {value!r}")
+        self.probe_rates = tuple(sorted({round(validate_rate(r, "probe rate"), 4) for r in self.probe_rates}))
+        if not self.probe_rates or 0.0 in self.probe_rates:
+            raise InvalidArgumentError("probe rates must be one or more rates in (0, 1)")
+        if self.device.split(":")[0] not in DEVICES:
+            raise InvalidArgumentError(f"--device must be cpu or cuda (optionally cuda:N); got {self.device!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise InvalidArgumentError("--device cuda was asked for but torch sees no CUDA device here")
+        parse_size(self.max_shard_size)
+        for name in ("calib_tokens", "seq_len", "batch_size", "rank_multiple", "kmeans_clusters", "probe_windows", "fisher_tokens", "refit_tokens", "distill_tokens", "verify_tokens"):
+            if int(getattr(self, name)) < 1:
+                raise InvalidArgumentError(f"--{name.replace('_', '-')} must be a positive integer")
+        for name in ("max_ppl_increase", "max_kl"):
+            value = getattr(self, name)
+            if value is not None and not (float(value) > 0.0 and float(value) == float(value)):
+                raise InvalidArgumentError(f"--{name.replace('_', '-')} must be a positive number, got {value!r}")
+        if self.has_quality_budget() and int(self.budget_tokens) < self.seq_len:
+            raise InvalidArgumentError(f"--budget-tokens must be at least one window ({self.seq_len} tokens)")
+        if not 0.0 <= self.fisher_shrink <= 1.0:
+            raise InvalidArgumentError("--fisher-shrink must be in [0, 1]")
+        if not self.refit_ridge >= 0:
+            raise InvalidArgumentError(f"--refit-ridge must be >= 0, got {self.refit_ridge!r}")
+        if not 0 < self.distill_epochs <= 100:
+            raise InvalidArgumentError(f"--distill-epochs must be in (0, 100], got {self.distill_epochs!r}")
+        if not 0 < self.distill_lr < 1:
+            raise InvalidArgumentError(f"--distill-lr must be in (0, 1), got {self.distill_lr!r}")
+        if not self.key_mode_cost >= 0:
+            raise InvalidArgumentError(f"--key-mode-cost must be >= 0, got {self.key_mode_cost!r}")
+        if self.min_rank < 0:
+            raise InvalidArgumentError("--min-rank must be >= 0")
+        if not 0.0 < self.kmeans_keep_share <= 1.0:
+            raise InvalidArgumentError("kmeans keep share must be in (0, 1]")
+        if self.output is not None:
+            self.output = Path(self.output).expanduser()
+        codec = parse_codec(self.kv_codec)  # raises InvalidArgumentError on unknown names / parameters
+        if self.kv_bits_budget is not None:
+            if codec is None or codec.name != "tada":
+                raise InvalidArgumentError("--kv-bits-budget applies to --kv-codec tada (its per-layer bit search)")
+            if not 0 < float(self.kv_bits_budget) <= 16:
+                raise InvalidArgumentError("--kv-bits-budget must be in (0, 16] bits per cached element")
+            self.kv_bits_budget = float(self.kv_bits_budget)
+
+    def compute_dtype(self) -> torch.dtype:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.dtype]
+
+    def has_quality_budget(self) -> bool:
+        return self.max_ppl_increase is not None or self.max_kl is not None
+
+    def key_mode(self) -> str:
+        """A description of the key side: the fixed mode, the family's default, or how auto chooses per layer.
+
+        The compile resolves it against the model's adapter (ArchitectureAdapter.resolve_key_mode): `default` is
+        latent for optimal / post-rope for zack on plain RoPE models, post-rope for q/k-norm families and folded
+        without RoPE."""
+        if self.rope_mode == "default":
+            return "default (latent for optimal, post-rope for zack; the family may force post-rope or folded)"
+        if self.rope_mode != "auto":
+            return self.rope_mode
+        return f"auto (per layer, prefer {self.prefer}, cost weight {self.key_mode_cost:g})"
+
+
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes in a size like 1073741824, "1GB" or "500MiB"."""
+    if isinstance(size, int):
+        value = size
+    else:
+        text = str(size).strip().upper().replace(" ", "")
+        number = text.rstrip("KMGIB")
+        unit = text[len(number):]
+        try:
+            value = int(float(number) * _SIZE_UNITS[unit])
+        except (ValueError, KeyError):
+            raise InvalidArgumentError(f"--max-shard-size must be a size like 1GB or 500MB; got {size!r}") from None
+    if value < 1:
+        raise InvalidArgumentError(f"--max-shard-size must be positive; got {size!r}")
+    return value

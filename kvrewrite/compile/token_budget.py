@@ -1,0 +1,160 @@
+"""A KV byte budget split across window, ranks, bits and eviction, by measured quality on calibration text.
+
+`choose_token_policy` enumerates re-scored eviction policies (kvrewrite.runtime.tiers.eviction) over one checkpoint: a
+full-rank window W, the kept tokens' rate (a point of the checkpoint's rate table) and bits. For each it solves the
+share of tokens kept beyond the window that fills the budget at the stated context length (from the bytes formula
+`held_bytes`, the one the cache's tensors are tested against), then measures continuation NLL on calibration
+windows fed in chunks, as decoding reads the cache. The candidate with the lowest NLL wins. `write_token_policy`
+records it in the checkpoint (token_policy.json, added to the checksums), and kvrewrite.load uses it when no rate,
+window or token policy is asked for.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from kvrewrite.errors import CorruptCheckpointError, InvalidArgumentError
+from kvrewrite.spec import rate_key
+from kvrewrite.runtime.tiers.token_policy_file import TOKEN_POLICY_FILE
+from kvrewrite.runtime.tiers.eviction import EvictionPolicy, eviction_policy_for_rate, kept_token_bytes, side_bits
+
+DEFAULT_WINDOWS = (16, 64)
+DEFAULT_RATES = (0.0, 0.3, 0.5)
+DEFAULT_BITS = (None, 8, (8, 4), 4)  # (8, 4): keys at 8 bits, values at 4
+MEASURE_CHUNK = 64  # tokens per forward while scoring: the cache quantizes and evicts between forwards
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One split of the budget: what load() is given, and what it was measured at."""
+
+    window: int
+    rate: float
+    bits: int | tuple[int | None, int | None] | None  # both sides, or (key bits, value bits); None: float16
+    keep: float
+    bytes_share: float  # of the fp16 cache at the budget's context length, from the formula
+    nll: float | None = None  # mean NLL per scored calibration token
+    measured_share: float | None = None  # held bytes per token on the calibration windows, of fp16
+
+    def load_options(self) -> dict:
+        return {"rate": self.rate, "recent_window": self.window, "kv_codec": "none",
+                "evict": {"keep": self.keep, "bits": list(self.bits) if isinstance(self.bits, tuple) else self.bits}}
+
+    def label(self) -> str:
+        sides = side_bits(self.bits)
+        bits = "fp16" if self.bits is None else f"k{sides['key'] or 16}v{sides['value'] or 16}"
+        return f"W={self.window} p={self.rate:g} {bits} keep={self.keep:.3f}"
+
+
+def held_bytes(policy: EvictionPolicy, spec, context: int) -> int:
+    """Bytes one batch row of the policy's cache holds after `context` tokens (window float16 at full rank, kept
+    tokens' codes, scales and int32 cache indices, per-channel statistics, the shared rotations)."""
+    full = 2 * 2 * spec.head_dim * spec.num_key_value_heads
+    total = 0
+    sides = policy.side_bits
+    for key_ranks, value_ranks, keep in zip(policy.kept_key_ranks, policy.kept_value_ranks, policy.keep):
+        n_recent = min(policy.window, context)
+        n_kept = round(keep * (context - n_recent))
+        per_kept = sum(kept_token_bytes(sum(r), sides[side], policy.group_size)
+                       for side, r in (("key", key_ranks), ("value", value_ranks))) + 4
+        total += n_recent * full + n_kept * per_kept
+        if context > n_recent:  # float16 mean and rms per channel of each quantized side, from the first settle
+            total += sum(2 * 2 * sum(r) for side, r in (("key", key_ranks), ("value", value_ranks)) if sides[side] is not None)
+    if any(b is not None for b in sides.values()):  # built with the cache, shared by its layers
+        widths = {r for ranks in policy.kept_key_ranks + policy.kept_value_ranks for r in ranks if r}
+        total += sum(4 * r * r for r in widths)
+    return total
+
+
+def fp16_bytes(spec, context: int) -> int:
+    """The original model's float16 K/V cache for `context` tokens (one batch row)."""
+    return 2 * spec.baseline_elements_per_token * context
+
+
+def solve_keep(spec, budget: float, context: int, window: int, rate: float, bits) -> Candidate | None:
+    """The largest keep share (to 1/1000) whose bytes at `context` stay within `budget` x fp16; None if even keep = 0
+    exceeds it (the window alone is over budget)."""
+    total = fp16_bytes(spec, context)
+
+    def held(keep: float) -> int:
+        return held_bytes(eviction_policy_for_rate(spec, rate, window, keep, bits=bits), spec, context)
+
+    if held(0.0) > budget * total:
+        return None
+    low, high = 0, 1000  # bytes grow with keep: bisect on thousandths
+    while low < high:
+        mid = (low + high + 1) // 2
+        if held(mid / 1000) <= budget * total:
+            low = mid
+        else:
+            high = mid - 1
+    return Candidate(window, rate, bits, low / 1000, held(low / 1000) / total)
+
+
+def candidates(spec, budget: float, context: int, windows=DEFAULT_WINDOWS, rates=DEFAULT_RATES,
+               bits_options=DEFAULT_BITS) -> list[Candidate]:
+    if not 0 < budget <= 1:
+        raise InvalidArgumentError(f"kv budget must be a share of the fp16 cache in (0, 1], got {budget}")
+    if context < 1:
+        raise InvalidArgumentError(f"budget context must be >= 1 token, got {context}")
+    out = []
+    for window in windows:
+        for rate in rates:
+            if rate_key(rate) not in spec.rate_table:  # only rates the checkpoint serves
+                continue
+            for bits in bits_options:
+                found = solve_keep(spec, budget, context, window, rate, bits)
+                if found is not None:
+                    out.append(found)
+    if not out:
+        raise InvalidArgumentError(
+            f"no split fits {budget:.1%} of the fp16 cache at {context} tokens: even the smallest window "
+            f"({min(windows)} tokens at full rank) holds more; raise the budget or the context length")
+    return out
+
+
+def measure(with_policy: Callable[[Candidate], torch.nn.Module], found: list[Candidate], windows: torch.Tensor,
+            context: int, fp16_per_token: float, progress: Callable[[Candidate], None] | None = None) -> list[Candidate]:
+    """Each candidate's mean continuation NLL on `windows` (tokens after `context`), fed MEASURE_CHUNK at a time;
+    with_policy(candidate) returns the model caching through that candidate's policy."""
+    from kvrewrite.publish.evaluation import continuation_nll
+
+    measured = []
+    for candidate in found:
+        model = with_policy(candidate)
+        nll, count, held = continuation_nll(model, windows, context, model.make_kv_cache, chunk=MEASURE_CHUNK)
+        measured.append(Candidate(**{**asdict(candidate), "nll": nll / count, "measured_share": held / fp16_per_token}))
+        if progress is not None:
+            progress(measured[-1])
+    return measured
+
+
+def ranking(candidate: Candidate) -> tuple[float, float]:
+    """Lower is better: NLL, then bytes among equals."""
+    return candidate.nll, candidate.bytes_share
+
+
+def best(measured: list[Candidate]) -> Candidate:
+    return min(measured, key=ranking)
+
+
+def write_token_policy(directory: Path, chosen: Candidate, measured: list[Candidate], budget: float, context: int,
+                       calibration: dict) -> Path:
+    """token_policy.json in the checkpoint, written atomically and added to its checksums."""
+    from kvrewrite.io.atomic_files import atomic_write_text
+    from kvrewrite.io.checkpoint_io import CHECKSUM_FILE, write_checksums
+
+    directory = Path(directory)
+    record = {"kv_budget": budget, "context": context, "load": chosen.load_options(), "chosen": asdict(chosen),
+              "candidates": [asdict(c) for c in measured], "calibration": calibration}
+    path = atomic_write_text(directory / TOKEN_POLICY_FILE, json.dumps(record, indent=2) + "\n")
+    # The other entries were verified when the checkpoint was loaded for the measurement: only the new file is read.
+    listed = json.loads((directory / CHECKSUM_FILE).read_text(encoding="utf-8"))
+    listed.pop(TOKEN_POLICY_FILE, None)
+    write_checksums(directory, sorted(set(listed) | {TOKEN_POLICY_FILE}), known=listed)
+    return path

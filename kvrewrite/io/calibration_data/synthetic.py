@@ -1,0 +1,369 @@
+"""Synthetic calibration text: prose the model writes itself from a fixed set of diverse seed prompts.
+
+Calibrating on the model's own output needs no dataset and matches the distribution the model will actually see
+at inference. Generation is seeded and batched; the texts are cached as JSON under ``cache_dir()/calibration/``
+keyed by a fingerprint of the model, tokenizer, seed, size, prompts and sampling settings.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+import re
+import time
+from dataclasses import asdict, dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvrewrite.errors import CalibrationError, InvalidArgumentError
+from kvrewrite.io.atomic_files import atomic_write_text
+from kvrewrite.io.sources import cache_dir
+
+__all__ = ["GenerationSettings", "DEFAULT_SETTINGS", "seed_prompts", "synthetic_texts", "synthetic_cache_path"]
+
+_CACHE_FORMAT = 1
+_PROMPT_FILE = "seed_prompts.txt"
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """Sampling and batching settings; all of them are part of the cache fingerprint."""
+
+    temperature: float = 0.8
+    top_p: float = 0.95
+    # The nucleus is searched inside the top-k candidates only: sorting the full vocabulary (49K for SmolLM2) for
+    # top-p at every step would cost as much as the forward pass of a 135M model on CPU.
+    top_k: int = 50
+    # A mild penalty keeps a 135M model from looping on one sentence.
+    repetition_penalty: float = 1.1
+    # Measured for SmolLM2-135M on 2 CPU cores (docs/calibration.md): 64 rows x 256 new tokens gives ~150 tokens/s;
+    # 32 rows ~130, longer answers are slower per token as the KV cache grows.
+    max_new_tokens: int = 256
+    batch_size: int = 64
+
+
+DEFAULT_SETTINGS = GenerationSettings()
+
+
+def _prompt_bytes() -> bytes:
+    return resources.files("kvrewrite.io.calibration_data").joinpath(_PROMPT_FILE).read_bytes()
+
+
+def seed_prompts() -> list[str]:
+    """The seed prompts shipped with kvrewrite, one per non-empty line of ``seed_prompts.txt``."""
+    lines = _prompt_bytes().decode("utf-8").splitlines()
+    return [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Fingerprint and cache
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _tensor_sample_bytes(tensor: torch.Tensor, max_elems: int = 65536) -> bytes:
+    """A strided sample spanning the whole tensor: cheap even for an 8B model's embedding, yet changes if weights do."""
+    flat = tensor.detach().reshape(-1)
+    step = max(1, flat.numel() // max_elems)
+    return flat[::step][:max_elems].to(device="cpu", dtype=torch.float32).contiguous().numpy().tobytes()
+
+
+def _model_fingerprint(model: Any) -> str:
+    h = hashlib.sha256()
+    config = model.config.to_dict() if hasattr(model, "config") else {}
+    # Paths and library versions say nothing about the weights; leaving them out keeps the cache valid when a
+    # checkpoint is moved or transformers is upgraded.
+    config = {k: v for k, v in config.items() if not k.startswith("_") and k != "transformers_version"}
+    h.update(json.dumps(config, sort_keys=True, default=str).encode())
+    params = list(model.named_parameters())
+    if params:
+        picks = {0, len(params) // 2, len(params) - 1}
+        for i in sorted(picks):
+            name, tensor = params[i]
+            h.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
+            try:
+                h.update(_tensor_sample_bytes(tensor))
+            except (RuntimeError, NotImplementedError):  # meta / offloaded tensors: shapes only
+                pass
+    return h.hexdigest()
+
+
+def _tokenizer_fingerprint(tokenizer: Any) -> str:
+    h = hashlib.sha256()
+    h.update(f"{type(tokenizer).__name__}:{len(tokenizer)}:{tokenizer.eos_token_id}".encode())
+    h.update((getattr(tokenizer, "chat_template", None) or "").encode())
+    probe = "Calibration fingerprint probe: 12 apples, naïve café, def f(x): return x**2\n"
+    h.update(json.dumps(tokenizer(probe, add_special_tokens=False)["input_ids"]).encode())
+    return h.hexdigest()
+
+
+def _fingerprint(model: Any, tokenizer: Any, n_tokens: int, seed: int, settings: GenerationSettings) -> str:
+    parts = {
+        "format": _CACHE_FORMAT,
+        "model": _model_fingerprint(model),
+        "tokenizer": _tokenizer_fingerprint(tokenizer),
+        "n_tokens": n_tokens,
+        "seed": seed,
+        "prompts": hashlib.sha256(_prompt_bytes()).hexdigest(),
+        "settings": asdict(settings),
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def synthetic_cache_path(fingerprint: str) -> Path:
+    return cache_dir() / "calibration" / f"synthetic-{fingerprint[:32]}.json"
+
+
+def _read_cache(path: Path, fingerprint: str) -> list[str] | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    texts = data.get("texts") if isinstance(data, dict) else None
+    if data.get("fingerprint") != fingerprint or not isinstance(texts, list):
+        return None
+    if not all(isinstance(t, str) for t in texts):
+        return None
+    return texts
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Generation
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _count_tokens(tokenizer: Any, text: str) -> int:
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
+    if getattr(tokenizer, "chat_template", None):
+        chat = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
+        return tokenizer(chat, add_special_tokens=False)["input_ids"]
+    # Base models: the prompt as plain text, then a paragraph break for the continuation.
+    return tokenizer(prompt + "\n\n", add_special_tokens=True)["input_ids"]
+
+
+def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left padding keeps every prompt's last token at the same position, which batched decoding needs."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+        mask[i, width - len(row) :] = 1
+    return ids, mask
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
+    ids: set[int] = set()
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for value in (gen_eos, tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return sorted(ids)
+
+
+_SENTENCE_END_RE = re.compile(r"[.!?][\"')\]]*(?=\s|$)")
+
+
+def _trim_unfinished(text: str) -> str:
+    """Drop a sentence cut off by max_new_tokens, unless that would throw away more than a third of the text."""
+    text = re.sub(r"\n\s*(?:\d+[.)]|[-*])?\s*$", "", text)  # a dangling "10." or "-" list item
+    ends = [m.end() for m in _SENTENCE_END_RE.finditer(text)]
+    if ends and ends[-1] >= 2 * len(text) / 3:
+        return text[: ends[-1]]
+    return text
+
+
+def _make_sampler(settings: GenerationSettings) -> Any:
+    from transformers import LogitsProcessor
+
+    class _TopKTopPSampler(LogitsProcessor):
+        """Samples the next token itself and returns logits whose argmax is that token.
+
+        generate() then runs in greedy mode. Its own sampling path sorts the full vocabulary for top-p and draws
+        from a 49K-way multinomial at every step, which on CPU costs as much as the forward pass of a 135M model;
+        here the draw is over the top-k candidates only. Using our own generator also leaves the caller's global
+        RNG untouched.
+        """
+
+        def __init__(self) -> None:
+            self.seed = 0
+            self.generator: torch.Generator | None = None
+
+        def reseed(self, seed: int) -> None:
+            self.seed = seed
+            self.generator = None  # created on the device the logits live on (it may differ from model.device)
+
+        def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+            if self.generator is None or self.generator.device != scores.device:
+                self.generator = torch.Generator(device=scores.device).manual_seed(self.seed)
+            logits = scores.float() / settings.temperature
+            k = min(settings.top_k, logits.shape[-1]) if settings.top_k > 0 else logits.shape[-1]
+            values, indices = torch.topk(logits, k, dim=-1)  # sorted, largest first
+            probs = torch.softmax(values, dim=-1)
+            # Nucleus: keep the smallest prefix whose mass reaches top_p (always at least the best token).
+            probs = probs.masked_fill((probs.cumsum(dim=-1) - probs) > settings.top_p, 0.0)
+            choice = torch.multinomial(probs, 1, generator=self.generator)
+            token = indices.gather(-1, choice)
+            return torch.full_like(scores, float("-inf")).scatter_(-1, token, 0.0)
+
+    return _TopKTopPSampler()
+
+
+def _make_step_counter(progress: Any, task: Any) -> Any:
+    from transformers import StoppingCriteria
+
+    class _StepProgress(StoppingCriteria):
+        """Never stops generation; advances the progress bar by the rows still generating at each step."""
+
+        def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any) -> torch.BoolTensor:
+            progress.advance(task, int(input_ids.shape[0]))
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    return _StepProgress()
+
+
+def _generate(
+    model: Any, tokenizer: Any, n_tokens: int, seed: int, settings: GenerationSettings
+) -> list[str]:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from transformers import GenerationConfig
+
+    prompts = seed_prompts()
+    if not prompts:
+        raise CalibrationError("seed_prompts.txt is empty; reinstall kvrewrite.")
+    order = list(range(len(prompts)))
+    random.Random(seed).shuffle(order)  # the seed also decides which prompts come first
+
+    eos_ids = _eos_ids(model, tokenizer)
+    pad_id = tokenizer.pad_token_id
+    if pad_id is None:
+        pad_id = eos_ids[0] if eos_ids else 0
+    device = getattr(model, "device", torch.device("cpu"))
+    sampler = _make_sampler(settings)
+    generation_config = GenerationConfig(
+        do_sample=False,  # the sampler above does the sampling
+        max_new_tokens=settings.max_new_tokens,
+        repetition_penalty=settings.repetition_penalty,
+        pad_token_id=pad_id,
+        eos_token_id=eos_ids or None,
+    )
+
+    texts: list[str] = []
+    total = 0
+    next_prompt = 0
+    tokens_per_text = settings.max_new_tokens * 0.9  # refined with the real average after the first batch
+    round_index = 0
+    empty_batches = 0
+    was_training = getattr(model, "training", False)
+    model.eval()
+    progress = Progress(
+        TextColumn("[bold]synthetic calibration text"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("tokens"),
+        TimeElapsedColumn(),
+        transient=True,
+    )
+    try:
+        with progress, torch.inference_mode():
+            task = progress.add_task("generate", total=n_tokens)
+            counter = _make_step_counter(progress, task)
+            while total < n_tokens:
+                # Size the last batches to what is still missing instead of always running a full batch.
+                wanted = math.ceil((n_tokens - total) / max(tokens_per_text, 1.0) * 1.15)
+                rows = max(1, min(settings.batch_size, wanted))
+                batch_prompts = [prompts[order[(next_prompt + i) % len(order)]] for i in range(rows)]
+                next_prompt += rows
+                input_ids, attention_mask = _left_pad([_prompt_ids(tokenizer, p) for p in batch_prompts], pad_id)
+                sampler.reseed(seed * 1_000_003 + round_index)
+                round_index += 1
+                output = model.generate(
+                    input_ids=input_ids.to(device),
+                    attention_mask=attention_mask.to(device),
+                    generation_config=generation_config,
+                    logits_processor=[sampler],
+                    stopping_criteria=[counter],
+                )
+                generated = output[:, input_ids.shape[1] :].cpu()
+                batch_tokens = 0
+                for row in generated.tolist():
+                    # Cut at the first end-of-sequence token; what follows is padding.
+                    cut = next((i for i, t in enumerate(row) if t in eos_ids), len(row))
+                    ended = cut < len(row)
+                    text = tokenizer.decode(row[:cut], skip_special_tokens=True).strip()
+                    if not ended:
+                        text = _trim_unfinished(text)
+                    if not text:
+                        continue
+                    count = _count_tokens(tokenizer, text)
+                    batch_tokens += count
+                    if total < n_tokens:  # texts past the target are dropped, so the output is ~n_tokens
+                        texts.append(text)
+                        total += count
+                tokens_per_text = max(batch_tokens / rows, 8.0)
+                progress.update(task, completed=min(total, n_tokens))
+                empty_batches = empty_batches + 1 if batch_tokens == 0 else 0
+                if empty_batches >= 3:
+                    raise CalibrationError(
+                        "The model produced no text for synthetic calibration in three batches (it ends every "
+                        "answer immediately). Use --calibration wiki or a text file instead."
+                    )
+    finally:
+        if was_training:
+            model.train()
+    return texts
+
+
+def synthetic_texts(
+    model: Any,
+    tokenizer: Any,
+    n_tokens: int,
+    *,
+    seed: int = 0,
+    settings: GenerationSettings = DEFAULT_SETTINGS,
+) -> list[str]:
+    """Texts generated by ``model`` from the shipped seed prompts, holding at least ``n_tokens`` tokens in total.
+
+    Tokens are counted by re-tokenizing each text with ``tokenizer`` (no special tokens); generation stops as soon
+    as the total reaches ``n_tokens``, so it overshoots by less than one text. The result is cached on disk and
+    reused on later calls with the same model, tokenizer, ``n_tokens``, ``seed``, prompts and settings.
+    """
+    if model is None:
+        raise InvalidArgumentError(
+            "Synthetic calibration text is generated by the model itself, so a model is needed: pass model=..., "
+            "or use the 'wiki' source or a text file."
+        )
+    if not isinstance(n_tokens, int) or n_tokens <= 0:
+        raise InvalidArgumentError(f"n_tokens must be a positive integer, got {n_tokens!r}.")
+
+    fingerprint = _fingerprint(model, tokenizer, n_tokens, seed, settings)
+    path = synthetic_cache_path(fingerprint)
+    cached = _read_cache(path, fingerprint)
+    if cached is not None:
+        return cached
+
+    start = time.perf_counter()
+    texts = _generate(model, tokenizer, n_tokens, seed, settings)
+    payload = {
+        "format": _CACHE_FORMAT,
+        "fingerprint": fingerprint,
+        "n_tokens": n_tokens,
+        "seed": seed,
+        "settings": asdict(settings),
+        "token_count": sum(_count_tokens(tokenizer, t) for t in texts),
+        "seconds": round(time.perf_counter() - start, 1),
+        "texts": texts,
+    }
+    atomic_write_text(path, json.dumps(payload, ensure_ascii=False, indent=1))
+    return texts

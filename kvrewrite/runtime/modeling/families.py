@@ -1,0 +1,196 @@
+"""Compressed model classes for every adapter: the family's stock transformers model with CompressedAttention swapped in.
+
+Each family gets a `kvrewrite_<family>` model type, a config subclass carrying the compression spec and
+a ForCausalLM subclass whose only change is the attention module of every decoder layer; embeddings,
+MLPs, masks (sliding windows included) and caches are the stock code. `import kvrewrite` registers
+them with AutoConfig / AutoModelForCausalLM.
+"""
+
+from __future__ import annotations
+
+from huggingface_hub.dataclasses import strict
+
+from kvrewrite.adapters import all_adapters
+from kvrewrite.adapters.base import ArchitectureAdapter
+from kvrewrite.runtime.codecs.config import CodecConfig, parse_codec
+from kvrewrite.errors import CorruptCheckpointError
+from kvrewrite.runtime.modeling.attention import PACKED_ATTENTION, CompressedAttention
+from kvrewrite.spec import CompressionSpec
+
+
+def compressed_family(adapter: ArchitectureAdapter) -> tuple[type, type]:
+    """(KVRewrite<Family>Config, KVRewrite<Family>ForCausalLM) built on the adapter's stock classes."""
+
+    @strict
+    class Config(adapter.config_class):
+        model_type = adapter.compressed_model_type
+        # The compression spec (kvrewrite.spec.CompressionSpec.to_dict()).
+        kvrewrite: dict | None = None
+
+    class ForCausalLM(adapter.model_class):
+        config_class = Config
+        kvrewrite_adapter = adapter
+
+        def __init__(self, config):
+            if config.kvrewrite is None:
+                raise CorruptCheckpointError(f"{config.model_type} config has no 'kvrewrite' compression spec")
+            config._attn_implementation = PACKED_ATTENTION
+            super().__init__(config)
+            spec = CompressionSpec.from_dict(config.kvrewrite)
+            rotary = adapter.rotary_embedding(self)
+            for i, layer in enumerate(adapter.decoder_layers(self)):
+                setattr(layer, adapter.attention_attr, CompressedAttention(config, i, spec.layers[i], rotary, adapter))
+            # KV codec: the compiled one (spec.kv_codec) unless load() overrides it; trained tables come from
+            # kv_codec.safetensors (see kvrewrite.runtime.codecs.checkpoint).
+            self.kv_codec: CodecConfig | None = CodecConfig.from_dict(spec.kv_codec) if spec.kv_codec else None
+            self.kv_codec_tables: dict = {}
+            # Token tiers (kvrewrite.runtime.tiers): set by load(recent_window=...); the model then stays at full rank.
+            self.tier_policy = None
+            self.post_init()
+
+        def forward(self, *args, past_key_values=None, **kwargs):
+            if self.tier_policy is not None and past_key_values is None:
+                # The tiers live in the cache: without one, attention would read every token at full rank.
+                past_key_values = self.make_kv_cache()
+            return super().forward(*args, past_key_values=past_key_values, **kwargs)
+
+        def compressed_attentions(self) -> list[CompressedAttention]:
+            return [adapter.attention(layer) for layer in adapter.decoder_layers(self)]
+
+        @property
+        def compression_spec(self) -> CompressionSpec:
+            return CompressionSpec.from_dict(self.config.kvrewrite)
+
+        def set_ranks(self, key_ranks: list[list[int]], value_ranks: list[list[int]]) -> None:
+            for attn, k, v in zip(self.compressed_attentions(), key_ranks, value_ranks):
+                attn.set_ranks(k, v)
+
+        def kv_elements_per_token(self) -> int:
+            return sum(attn.kv_elements_per_token() for attn in self.compressed_attentions())
+
+        # ---- KV codec -------------------------------------------------------------------------
+        def set_kv_codec(self, codec: CodecConfig | str | None, tables: dict | None = None) -> None:
+            """Use another codec (or None / "none" for the plain packed cache); trained codecs need their tables."""
+            from kvrewrite.runtime.codecs import build_layer_codecs
+
+            codec = parse_codec(codec) if isinstance(codec, str) or codec is None else codec
+            tables = dict(tables if tables is not None else self.kv_codec_tables)
+            if codec is not None:
+                # Build once now so a missing or mis-shaped table fails at load, not at the first generate().
+                build_layer_codecs(codec, *self._layer_ranks(), tables)
+            self.kv_codec, self.kv_codec_tables = codec, tables
+            self.config.kvrewrite = {**self.config.kvrewrite, "kv_codec": codec.to_dict() if codec else None}
+
+        def _layer_ranks(self) -> tuple[list[list[int]], list[list[int]]]:
+            attns = self.compressed_attentions()
+            return [a.key_ranks for a in attns], [a.value_ranks for a in attns]
+
+        def make_kv_cache(self):
+            """The cache this model generates with: a TieredCache with a tier policy, a CodecCache when a codec is
+            set, else a DynamicCache."""
+            from transformers import DynamicCache
+
+            from kvrewrite.runtime.codecs import make_codec_cache
+
+            if self.tier_policy is not None:
+                from kvrewrite.runtime.tiers.build import make_tiered_cache
+
+                return make_tiered_cache(self, self.tier_policy)
+            if self.kv_codec is None:
+                return DynamicCache(config=self.config)
+            return make_codec_cache(self.kv_codec, *self._layer_ranks(), self.kv_codec_tables)
+
+        def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+            # generate() without a user cache: use the configured codec cache, so no extra code is needed.
+            if ((self.kv_codec is not None or self.tier_policy is not None) and model_kwargs.get("past_key_values") is None
+                    and generation_config.use_cache is not False and generation_config.cache_implementation is None):
+                model_kwargs["past_key_values"] = self.make_kv_cache()
+                return
+            return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+
+        @classmethod
+        def from_pretrained(
+            cls,
+            pretrained_model_name_or_path,
+            *args,
+            rate: float | None = None,
+            kv_codec: str | CodecConfig | None = "compiled",
+            verify_checksums: bool = True,
+            recent_window: int | None = None,
+            important: dict | None = None,
+            evict: dict | None = None,
+            token_policy: bool = True,
+            **kwargs,
+        ):
+            """Load a kvrewrite checkpoint strictly (a missing or mis-shaped weight raises) and slice its ranks.
+
+            rate: another point of the checkpoint's rate table; default: the rate it was compiled for.
+            kv_codec: "compiled" (default: the codec recorded in the checkpoint), "none", or a codec such as "int4" or
+                "gear:bits=4"; codecs with trained tables (csr, tada's searched bits) use the checkpoint's tables.
+            recent_window: keep the model at full rank and cache through kvrewrite.runtime.tiers: each query reads the
+                last `recent_window` tokens with all dims and older tokens at `rate`'s ranks (coded by kv_codec,
+                if one is given). None (default): every token at `rate`'s ranks.
+            important: with recent_window, token-adaptive dims: {"rate": r, "share": g, "score": "attention" or
+                "denominator", "pool": 64}: the share g of aged tokens with the highest score keep rate r's ranks.
+            evict: with recent_window, re-scored eviction: {"keep": g, "bits": 4}: beyond the window only the share g
+                of tokens that the newest queries attend to most stay cached, at `rate`'s ranks, quantized per token
+                to `bits` (default: float16); see kvrewrite.runtime.tiers.eviction.
+            token_policy: when the checkpoint holds a budget split (token_policy.json, written by `kvrewrite budget`)
+                and none of rate, recent_window, important, evict or kv_codec is given, load with it. False: ignore it.
+            """
+            from kvrewrite.runtime.load import checkpoint_directory, ensure_complete_load, verify_checkpoint_files
+
+            if (important is not None or evict is not None) and recent_window is None:  # refused before any weight is read
+                from kvrewrite.errors import InvalidArgumentError
+
+                what = "important= (token-adaptive dims)" if important is not None else "evict= (re-scored eviction)"
+                raise InvalidArgumentError(f"{what} needs recent_window= (kvrewrite.runtime.tiers)")
+            directory = checkpoint_directory(pretrained_model_name_or_path, kwargs.get("revision"))
+            if verify_checksums:
+                verify_checkpoint_files(directory)
+            if token_policy and rate is None and recent_window is None and important is None and evict is None \
+                    and kv_codec == "compiled":
+                from kvrewrite.runtime.tiers.token_policy_file import read_token_policy
+
+                recorded = read_token_policy(directory)
+                if recorded is not None:  # the budget split `kvrewrite budget` measured and recorded
+                    rate, recent_window, kv_codec, evict = (recorded["rate"], recorded["recent_window"],
+                                                            recorded["kv_codec"], recorded["evict"])
+            want_info = kwargs.pop("output_loading_info", False)
+            # A mis-shaped tensor is reported by ensure_complete_load (naming file and tensor), not raised by
+            # transformers as a bare RuntimeError; the half-loaded model is discarded either way.
+            kwargs.setdefault("ignore_mismatched_sizes", True)
+            kwargs["trust_remote_code"] = False
+            model, info = super().from_pretrained(directory, *args, output_loading_info=True, **kwargs)
+            ensure_complete_load(info, directory)
+            from kvrewrite.runtime.codecs.checkpoint import read_codec_tables
+
+            spec = model.compression_spec
+            if recent_window is not None:
+                from kvrewrite.runtime.tiers.build import enable_tiers
+
+                enable_tiers(model, spec, rate, recent_window, kv_codec, read_codec_tables(directory), important, evict)
+                return (model, info) if want_info else model
+            if rate is not None:
+                key_ranks, value_ranks = spec.ranks_for_rate(rate)
+                spec = spec.with_ranks(key_ranks, value_ranks, rate)
+            model.set_ranks([layer.key_ranks for layer in spec.layers], [layer.value_ranks for layer in spec.layers])
+            model.config.kvrewrite = spec.to_dict()
+            chosen = model.kv_codec if kv_codec == "compiled" else kv_codec
+            model.set_kv_codec(chosen, read_codec_tables(directory))
+            return (model, info) if want_info else model
+
+    for cls, suffix in ((Config, "Config"), (ForCausalLM, "ForCausalLM")):
+        cls.__name__ = cls.__qualname__ = f"KVRewrite{adapter.family}{suffix}"
+        cls.__module__ = __name__
+    return Config, ForCausalLM
+
+
+# model_type -> (config class, model class); module attributes too, so checkpoints' auto_map stubs can import them.
+COMPRESSED_FAMILIES: dict[str, tuple[type, type]] = {}
+for _adapter in all_adapters():
+    _config_cls, _model_cls = compressed_family(_adapter)
+    COMPRESSED_FAMILIES[_adapter.compressed_model_type] = (_config_cls, _model_cls)
+    globals()[_config_cls.__name__] = _config_cls
+    globals()[_model_cls.__name__] = _model_cls
+

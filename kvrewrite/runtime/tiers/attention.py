@@ -1,0 +1,168 @@
+"""Attention over a tiered cache: each query reads its recent window at full rank and older tokens at fewer dims.
+
+A query at cache index t reads key j with all dims when t - j <= window. Older keys are read at their tier's
+ranks: aged (and, with token-adaptive dims, important) tokens at the ranks they were stored with, and a
+recent-tier token that is already too old for a later query of a long chunk at the ranks it will be stored
+with (the aged ranks; the important ones while token-adaptive dims have not classified it yet). Scores
+against every tier are computed separately, concatenated on the key axis and normalised by one softmax, so
+the result is the exact attention over the mixed-rank keys; nothing is copied out of the cache. Without
+token-adaptive dims or a codec, a chunked prefill therefore gives the same result as one forward.
+
+A key's prefix of r dims is the rank-r truncation in every key mode: freq / post-rope / folded queries and
+keys are packed latents whose first r dims are the kept ones (the query's other dims meet zeros), latent
+keys are rebuilt from their first r latent dims through the first r rows of k_up. Values likewise: o_proj
+reads zeros beyond a head's value rank, which is what padding the output of a truncated tier does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvrewrite.errors import InvalidArgumentError
+from kvrewrite.runtime.kernels.reference import boolean_mask, softmax_dtype
+from kvrewrite.spec import KEY_MODE_CROSSHEAD, KEY_MODE_LATENT
+
+
+def check_full_rank(module) -> None:
+    """The tiered cache needs every head's full-rank transform: the window keeps all dims."""
+    d = module.head_dim
+    if module.key_mode == KEY_MODE_CROSSHEAD:
+        raise InvalidArgumentError("a tiered cache (recent window) does not support crosshead keys; compile with another --rope-mode")
+    if any(r != d for r in module.key_ranks) or any(r != d for r in module.value_ranks):
+        raise InvalidArgumentError(
+            f"layer {module.layer_idx}: a tiered cache needs the model at full rank; load it with "
+            "kvrewrite.load(dir, rate=..., recent_window=W) rather than slicing its ranks first"
+        )
+
+
+@dataclass
+class StoredTier:
+    """One stored tier as attention reads it: packed latents, per-KV-head ranks and each token's cache index.
+
+    A tiered cache layer returns its stored tiers (everything but the recent window) from `stored_tiers(dtype)`.
+    """
+
+    keys: torch.Tensor  # [B, 1, S_t, sum key ranks]
+    values: torch.Tensor  # [B, 1, S_t, sum value ranks]
+    key_ranks: tuple[int, ...]
+    value_ranks: tuple[int, ...]
+    positions: torch.Tensor | None  # [B, S_t] cache indices; None: indices 0..S_t-1 in order
+
+    def key_block(self, g: int) -> torch.Tensor:
+        start = sum(self.key_ranks[:g])
+        return self.keys[..., start : start + self.key_ranks[g]]
+
+    def value_block(self, g: int) -> torch.Tensor:
+        start = sum(self.value_ranks[:g])
+        return self.values[..., start : start + self.value_ranks[g]]
+
+    def cache_indices(self, batch: int, device: torch.device) -> torch.Tensor:
+        if self.positions is not None:
+            return self.positions.long()
+        n = self.keys.shape[-2]
+        return torch.arange(n, device=device)[None].expand(batch, n)
+
+
+def _gather_columns(allowed: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    batch, n = positions.shape
+    expanded = allowed.expand(batch, -1, -1, -1)
+    return expanded.gather(-1, positions[:, None, None, :].expand(batch, 1, allowed.shape[-2], n))
+
+
+def _scored_queries(layer, allowed: torch.Tensor, q_len: int) -> torch.Tensor:
+    """[B, T] weight of each query in the importance evidence: the layer's last `observed_queries` (all when None)
+    that can read any key (a left-padding row reads none and would spread a uniform, meaningless softmax)."""
+    weights = allowed.any(dim=-1)[:, 0].float()  # [B or 1, T]
+    observed = layer.observed_queries
+    if observed is not None and observed < q_len:
+        weights = weights * (torch.arange(q_len, device=allowed.device) >= q_len - observed)
+    return weights
+
+
+def tiered_attention(module, query: torch.Tensor, layer, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """query [B, T, H * d] (full rank, as the module projects it) -> o_proj's input [B, T, H * d]."""
+    check_full_rank(module)
+    batch, q_len, _ = query.shape
+    dtype, device = query.dtype, query.device
+    d, group = module.head_dim, module.group_size
+    kv_len = layer.get_seq_length()
+    allowed = boolean_mask(attention_mask, q_len, kv_len, device)
+    recent_k, recent_v = layer.keys.to(dtype), layer.values.to(dtype)
+    n_recent = recent_k.shape[-2]
+    recent_pos = torch.arange(kv_len - n_recent, kv_len, device=device)
+    q_pos = torch.arange(kv_len - q_len, kv_len, device=device)
+    full = (q_pos[:, None] - recent_pos[None, :]) <= layer.window  # [T, S_recent]: pairs read at full rank
+    any_beyond = not bool(full.all())
+    beyond_k_ranks, beyond_v_ranks = layer.beyond_window_ranks
+    tiers = layer.stored_tiers(dtype)
+    tier_positions = [t.cache_indices(batch, device) for t in tiers]
+    tier_allowed = [_gather_columns(allowed, p) for p in tier_positions]
+    allowed_recent = allowed[..., kv_len - n_recent :].expand(batch, -1, -1, -1)
+
+    heads = query.view(batch, q_len, module.num_heads, d).transpose(1, 2)  # [B, H, T, d]
+    latent = module.key_mode == KEY_MODE_LATENT
+    if latent:
+        # Positions are cache indices, as in CompressedAttention._latent_attention (padding-consistent offsets).
+        cos, sin = module._rotary[0](query, torch.arange(kv_len, device=device)[None].expand(batch, kv_len))
+        heads = module._apply_rope(heads, cos[:, kv_len - q_len :], sin[:, kv_len - q_len :])
+
+        def rope_at(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            index = positions[..., None].expand(-1, -1, cos.shape[-1])
+            return cos.gather(1, index), sin.gather(1, index)
+
+        tier_rope = [rope_at(p) for p in tier_positions]
+        recent_rope = rope_at(recent_pos[None].expand(batch, n_recent))
+
+    def scores(q: torch.Tensor, latents: torch.Tensor, g: int, rank: int, rope) -> torch.Tensor:
+        if latent:
+            keys = module._apply_rope(latents[..., :rank] @ module.k_up[g, :rank], *rope)
+            return q @ keys.transpose(-1, -2)
+        return q[..., :rank] @ latents[..., :rank].transpose(-1, -2)
+
+    wanted = layer.wanted_evidence  # only what the layer's policy reads is computed (this is the decode path)
+    want_recent, want_stored, want_denominator = ("recent" in wanted), ("stored" in wanted), ("denominator" in wanted)
+    if want_recent or want_stored:
+        query_weights = _scored_queries(layer, allowed, q_len)[:, None, :, None]  # [B, 1, T, 1]
+    received = [torch.zeros(batch, t.keys.shape[-2], dtype=torch.float32, device=device) for t in tiers] if want_stored else None
+    received_recent = torch.zeros(batch, n_recent, dtype=torch.float32, device=device) if want_recent else None
+    log_denominator = None
+    if want_denominator:
+        log_denominator = torch.full((batch, q_len), float("-inf"), dtype=torch.float32, device=device)
+    outputs = []
+    for g in range(module.num_kv_heads):
+        q = heads[:, g * group : (g + 1) * group]  # [B, G, T, d]
+        k_recent, v_recent = recent_k[..., g * d : (g + 1) * d], recent_v[..., g * d : (g + 1) * d]
+        parts = [scores(q, t.key_block(g), g, t.key_ranks[g], tier_rope[i] if latent else None) for i, t in enumerate(tiers)]
+        s_recent = scores(q, k_recent, g, d, recent_rope if latent else None)
+        if any_beyond:
+            s_old = scores(q, k_recent, g, beyond_k_ranks[g], recent_rope if latent else None)
+            s_recent = torch.where(full, s_recent, s_old)
+        parts.append(s_recent)
+        logits = torch.cat(parts, dim=-1) * module.scaling
+        logits = logits.to(softmax_dtype(logits.dtype))
+        mask = torch.cat(tier_allowed + [allowed_recent], dim=-1)
+        logits = logits.masked_fill(~mask, torch.finfo(logits.dtype).min)
+        if want_denominator:
+            log_denominator = torch.logaddexp(log_denominator, torch.logsumexp(logits.float(), dim=-1).logsumexp(dim=1))
+        probs = torch.softmax(logits, dim=-1).to(dtype)
+        pieces = probs.split([t.keys.shape[-2] for t in tiers] + [n_recent], dim=-1)
+        out = torch.zeros(batch, group, q_len, d, dtype=dtype, device=device)
+        for i, (t, p) in enumerate(zip(tiers, pieces[:-1])):
+            out = out + F.pad(p @ t.value_block(g), (0, d - t.value_ranks[g]))
+            if want_stored:
+                received[i] += (p.float() * query_weights).sum(dim=(1, 2))
+        p_recent = pieces[-1]
+        if want_recent:
+            received_recent += (p_recent.float() * query_weights).sum(dim=(1, 2))
+        if any_beyond:
+            rv = beyond_v_ranks[g]
+            out = out + (p_recent * full) @ v_recent + F.pad((p_recent * ~full) @ v_recent[..., :rv], (0, d - rv))
+        else:
+            out = out + p_recent @ v_recent
+        outputs.append(out.transpose(1, 2).reshape(batch, q_len, group * d))
+    if wanted:
+        layer.add_scores(received_recent, received, log_denominator)
+    return torch.cat(outputs, dim=-1)

@@ -1,0 +1,319 @@
+"""Re-scored eviction over the latent cache: a full-rank recent window, and beyond it only the tokens attention
+still reads, re-scored at every forward, held at a rate's ranks and optionally at a few bits per number.
+
+Every token enters the recent window at full rank in float16. Once it is older than the window it joins the
+kept tier: its latent is cut to the kept ranks (a prefix of every head's importance-ordered dims). After every
+forward the layer keeps `keep` x (tokens seen beyond the window) of them: those that received the most attention
+from that forward's last `observed_queries` queries, summed over heads. Scores are not accumulated: every kept
+token is re-scored by the newest queries each time, TOVA's rule (one query per generation step), so a token that
+matters later survives and one that stopped mattering goes, unlike a score frozen when the token left the window
+(kvrewrite.runtime.tiers.policy's `evict_rest`).
+
+With `bits`, kept tokens are quantized per token (asymmetric min/max over groups of `group_size` channels), so one
+token's numbers never depend on another's and evicting a token is a gather, never a re-quantization. Per-token
+ranges alone do badly on these latents: their channels carry offsets and magnitudes that differ by orders of
+magnitude (importance order). So before quantizing, each channel is centred and scaled by its mean and rms over
+the tokens in the window at the first settle (stored per layer and batch row, float16), and each head's block is
+turned by a fixed random orthogonal matrix (as QuaRot does for KV caches) that spreads the rest evenly; decoding
+undoes both. tests/test_tier_eviction.py holds the effect on latents with offsets and magnitudes falling along the
+block: per-token 4-bit ranges lose the small channels (worst channel error > 90% of its spread), the code space
+keeps every channel under 25%. Keys still need more bits than values when coded per token: on the frontier
+benchmark (docs/frontier.md) 4-bit keys cost 4.4 points of 2K-4K perplexity more than 8-bit keys at equal bytes.
+
+The kept tier interleaves positions, so it stores each token's cache index (int32). Everything held is a tensor
+attribute of the layer (the rotations are shared by the layers of a cache), so
+kvrewrite.runtime.cache_bytes.cache_tensor_bytes measures it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvrewrite.runtime.codecs.base import kivi_decode, kivi_encode
+from kvrewrite.runtime.codecs.packing import META_DTYPE, SUPPORTED_BITS, packed_length
+from kvrewrite.errors import InvalidArgumentError
+from kvrewrite.runtime.tiers.cache import POSITION_DTYPE, STORAGE_DTYPE, RecentWindowLayer
+
+DEFAULT_OBSERVED_QUERIES = 64  # scoring queries per forward: a 64-token chunk, or the last 64 of a long prefill
+DEFAULT_GROUP_SIZE = 64  # channels per (scale, minimum) pair, as transformers' QuantizedCache defaults
+
+
+@dataclass(frozen=True)
+class EvictionPolicy:
+    """window: tokens a query reads at full rank besides itself; kept_*: per layer, per KV head ranks of the kept
+    tokens beyond it; keep: per layer, the share of the tokens beyond the window that stay cached."""
+
+    window: int
+    kept_key_ranks: tuple[tuple[int, ...], ...]
+    kept_value_ranks: tuple[tuple[int, ...], ...]
+    keep: tuple[float, ...]
+    bits: int | tuple[int | None, int | None] | None = None  # both sides, or (key bits, value bits); None: float16
+    group_size: int = DEFAULT_GROUP_SIZE
+    observed_queries: int = DEFAULT_OBSERVED_QUERIES
+
+    def __post_init__(self) -> None:
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 0:
+            raise InvalidArgumentError(f"recent window must be a whole number of tokens >= 0, got {self.window!r}")
+        if not (len(self.kept_key_ranks) == len(self.kept_value_ranks) == len(self.keep)):
+            raise InvalidArgumentError(f"evict: keep needs one share per layer ({len(self.kept_key_ranks)})")
+        if any(not 0 <= k <= 1 for k in self.keep):
+            raise InvalidArgumentError(f"evict: keep shares must lie in [0, 1], got {list(self.keep)}")
+        sides = self.bits if isinstance(self.bits, tuple) else (self.bits, self.bits)
+        if len(sides) != 2 or any(b is not None and b not in SUPPORTED_BITS for b in sides):
+            raise InvalidArgumentError(
+                f"evict: bits must be one of {SUPPORTED_BITS}, None, or a (key, value) pair of them; got {self.bits!r}")
+        if self.group_size < 1 or self.observed_queries < 1:
+            raise InvalidArgumentError("evict: group_size and observed_queries must be >= 1")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.kept_key_ranks)
+
+    @property
+    def changes_between_forwards(self) -> bool:
+        # Tokens are quantized and evicted only after a forward: measure with chunked feeding.
+        return True
+
+    @property
+    def codec(self) -> None:
+        """No block codec: kept tokens are quantized per token (`bits`)."""
+        return None
+
+    @property
+    def side_bits(self) -> dict[str, int | None]:
+        """{"key": bits, "value": bits} (None: float16)."""
+        return side_bits(self.bits)
+
+    def make_layers(self, head_dim: int, layer_codecs: list | None, storage_dtype) -> list:
+        if layer_codecs is not None:
+            raise InvalidArgumentError("an eviction policy quantizes per token itself; it takes no block codec")
+        rotations = None
+        if any(b is not None for b in self.side_bits.values()):
+            rotations = block_rotations([r for ranks in self.kept_key_ranks + self.kept_value_ranks for r in ranks])
+        return [EvictingLayer(self.window, head_dim, self.kept_key_ranks[i], self.kept_value_ranks[i], self.keep[i],
+                              self.bits, self.group_size, self.observed_queries, storage_dtype, rotations)
+                for i in range(self.num_layers)]
+
+
+def side_bits(bits) -> dict[str, int | None]:
+    """`bits` as {"key": ..., "value": ...}: one number (or None) for both sides, or a (key, value) pair."""
+    key_bits, value_bits = tuple(bits) if isinstance(bits, (tuple, list)) else (bits, bits)
+    return {"key": key_bits, "value": value_bits}
+
+
+def eviction_policy_for_rate(spec, rate: float, window: int, keep: float | list[float], *, bits=None,
+                             group_size: int = DEFAULT_GROUP_SIZE,
+                             observed_queries: int = DEFAULT_OBSERVED_QUERIES) -> EvictionPolicy:
+    """Kept tokens at the ranks of `rate` in the checkpoint's rate table (kvrewrite.spec.CompressionSpec)."""
+    key_ranks, value_ranks = spec.ranks_for_rate(rate)
+    shares = [keep] * spec.num_layers if isinstance(keep, (int, float)) else list(keep)
+    return EvictionPolicy(window=window, kept_key_ranks=tuple(tuple(k) for k in key_ranks),
+                          kept_value_ranks=tuple(tuple(v) for v in value_ranks), keep=tuple(float(k) for k in shares),
+                          bits=tuple(bits) if isinstance(bits, list) else bits, group_size=group_size, observed_queries=observed_queries)
+
+
+# ---- per-token storage of the kept tier ------------------------------------------------------------------
+
+
+def block_rotations(widths) -> dict[int, torch.Tensor]:
+    """{r: [r, r]}: one fixed random orthogonal matrix per block width, seeded by the width (the same in every
+    process). One dict is shared by all layers of a cache, so the byte walk counts each matrix once."""
+    rotations = {}
+    for r in sorted(set(widths)):
+        if r == 0:
+            continue
+        generator = torch.Generator().manual_seed(1_000_003 + r)
+        q, upper = torch.linalg.qr(torch.randn(r, r, generator=generator, dtype=torch.float64))
+        rotations[r] = (q * torch.sign(torch.diagonal(upper))).float()  # sign fix: a unique Haar-random Q
+    return rotations
+
+
+def encode_tokens(x: torch.Tensor, bits: int | None, group_size: int,
+                  storage_dtype: torch.dtype = STORAGE_DTYPE) -> dict[str, torch.Tensor]:
+    """[B, S, C] latents -> what the kept tier stores for them, every tensor [B, S, ...] (tokens independent):
+    the latents in `storage_dtype` without bits, else packed codes and a float16 scale and minimum per group."""
+    if bits is None:
+        return {"latents": x.to(storage_dtype)}
+    batch, n, channels = x.shape
+    if n == 0:  # the packer cannot shape zero tokens
+        groups = -(-channels // group_size)
+        return {"codes": x.new_empty((batch, 0, packed_length(channels, bits)), dtype=torch.uint8),
+                "scale": x.new_empty((batch, 0, groups), dtype=META_DTYPE),
+                "low": x.new_empty((batch, 0, groups), dtype=META_DTYPE)}
+    coded = kivi_encode(x.float().unsqueeze(2), "value", bits, group_size)  # one "block" of one token each
+    return {"codes": coded["codes"], "scale": coded["scale"].squeeze(2), "low": coded["low"].squeeze(2)}
+
+
+def decode_tokens(stored: dict[str, torch.Tensor], channels: int, bits: int | None, group_size: int,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of encode_tokens -> [B, 1, S, C]."""
+    if bits is None:
+        return stored["latents"].to(dtype).unsqueeze(1)
+    coded = {"codes": stored["codes"], "scale": stored["scale"].unsqueeze(2), "low": stored["low"].unsqueeze(2)}
+    return kivi_decode(coded, "value", bits, group_size, 1, channels).squeeze(2).unsqueeze(1).to(dtype)
+
+
+def kept_token_bytes(channels: int, bits: int | None, group_size: int) -> int:
+    """Bytes one kept token's latents of one side occupy (float16 without bits): the formula the stored tensors must
+    match."""
+    if bits is None:
+        return 2 * channels
+    return packed_length(channels, bits) + 2 * 2 * -(-channels // group_size)
+
+
+class EvictingLayer(RecentWindowLayer):
+    """Recent window at full rank; beyond it the kept tier, re-scored and cut to its budget after every forward."""
+
+    stored_tensor_names = ("keys", "values", "kept_positions")
+    stored_dict_names = ("kept_keys", "kept_values", "channel_stats")
+
+    def __init__(self, window: int, head_dim: int, kept_key_ranks: tuple[int, ...], kept_value_ranks: tuple[int, ...],
+                 keep: float, bits=None, group_size: int = DEFAULT_GROUP_SIZE,
+                 observed_queries: int = DEFAULT_OBSERVED_QUERIES, storage_dtype: torch.dtype = STORAGE_DTYPE,
+                 rotations: dict[int, torch.Tensor] | None = None):
+        super().__init__(window, head_dim, storage_dtype)
+        self.kept_key_ranks, self.kept_value_ranks = tuple(kept_key_ranks), tuple(kept_value_ranks)
+        self.keep, self.group_size = keep, group_size
+        self.side_bits = side_bits(bits)
+        quantized = any(b is not None for b in self.side_bits.values())
+        self.observed_queries = observed_queries
+        # With bits: each head's kept block is turned by rotations[width] before quantizing (see the module docstring).
+        if quantized and rotations is None:
+            rotations = block_rotations(self.kept_key_ranks + self.kept_value_ranks)
+        self.rotations = rotations if quantized else None
+        self.kept_keys: dict[str, torch.Tensor] | None = None
+        self.kept_values: dict[str, torch.Tensor] | None = None
+        self.kept_positions: torch.Tensor | None = None
+        self.channel_stats: dict[str, torch.Tensor] | None = None  # with bits: [B, C] per side, set at the first settle
+        # One forward's evidence, handed over by attention and consumed by settle(); never held between forwards.
+        self._received_recent: torch.Tensor | None = None
+        self._received_kept: torch.Tensor | None = None
+
+    wanted_evidence = ("recent", "stored")
+
+    @property
+    def beyond_window_ranks(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return self.kept_key_ranks, self.kept_value_ranks
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        batch = key_states.shape[0]
+        self.keys = key_states.new_empty((batch, 1, 0, key_states.shape[-1]), dtype=self.storage_dtype)
+        self.values = value_states.new_empty((batch, 1, 0, value_states.shape[-1]), dtype=self.storage_dtype)
+        for side, ranks in (("key", self.kept_key_ranks), ("value", self.kept_value_ranks)):
+            setattr(self, f"kept_{side}s", encode_tokens(key_states.new_empty((batch, 0, sum(ranks))), self.side_bits[side],
+                                                         self.group_size, self.storage_dtype))
+        self.kept_positions = key_states.new_empty((batch, 0), dtype=POSITION_DTYPE)
+        self.is_initialized = True
+
+    # ---- writes --------------------------------------------------------------------------------------------
+    def add_scores(self, received: torch.Tensor | None, received_stored: list[torch.Tensor] | None,
+                   denominators: torch.Tensor | None) -> None:
+        """Attention the recent [B, S_recent] and kept [B, S_kept] tokens received from this forward's observed queries."""
+        self._received_recent = received
+        self._received_kept = received_stored[0] if received_stored else None
+
+    def settle(self) -> None:
+        """Move tokens older than the window into the kept tier, then evict down to the budget by this forward's scores."""
+        beyond = self.keys.shape[-2] - self.window
+        kept_scores = self._received_kept
+        if beyond > 0:
+            first = self.cumulative_length - self.keys.shape[-2]
+            key_cols = self._columns(self.kept_key_ranks)
+            value_cols = self._columns(self.kept_value_ranks)
+            if self.rotations is not None and self.channel_stats is None:
+                self.channel_stats = {}
+                for side, store, cols in (("key", self.keys, key_cols), ("value", self.values, value_cols)):
+                    if self.side_bits[side] is not None:
+                        self.channel_stats.update(_channel_stats(store[:, 0].index_select(-1, cols), side))
+            moving_k = self._to_code_space(self.keys[:, 0, :beyond].index_select(-1, key_cols), "key")
+            moving_v = self._to_code_space(self.values[:, 0, :beyond].index_select(-1, value_cols), "value")
+            self.kept_keys = _append(self.kept_keys, encode_tokens(moving_k, self.side_bits["key"], self.group_size, self.storage_dtype))
+            self.kept_values = _append(self.kept_values, encode_tokens(moving_v, self.side_bits["value"], self.group_size, self.storage_dtype))
+            batch = self.keys.shape[0]
+            positions = torch.arange(first, first + beyond, device=self.keys.device, dtype=POSITION_DTYPE)
+            self.kept_positions = torch.cat([self.kept_positions, positions[None].expand(batch, beyond)], dim=-1)
+            self.keys = self.keys[..., beyond:, :].contiguous()
+            self.values = self.values[..., beyond:, :].contiguous()
+            if kept_scores is not None and self._received_recent is not None:
+                kept_scores = torch.cat([kept_scores, self._received_recent[:, :beyond]], dim=-1)
+        self._received_recent = self._received_kept = None
+        seen_beyond = self.cumulative_length - self.keys.shape[-2]
+        budget = round(self.keep * seen_beyond)
+        if self.kept_positions.shape[-1] > budget:
+            self._evict_to(budget, kept_scores)
+
+    def _evict_to(self, budget: int, scores: torch.Tensor | None) -> None:
+        if scores is None or scores.shape[-1] != self.kept_positions.shape[-1]:
+            # No evidence for every kept token (e.g. tokens settled outside attention): keep the newest.
+            scores = self.kept_positions.float()
+        chosen = scores.topk(budget, dim=-1).indices.sort(dim=-1).values  # kept in cache order
+        self.kept_positions = self.kept_positions.gather(1, chosen)
+        self.kept_keys = _select(self.kept_keys, chosen)
+        self.kept_values = _select(self.kept_values, chosen)
+
+    def _to_code_space(self, x: torch.Tensor, side: str) -> torch.Tensor:
+        """[B, S, C] kept latents -> what is quantized per token: centred and scaled per channel, each head's block turned."""
+        if self.side_bits[side] is None:
+            return x
+        mean = self.channel_stats[side + "_mean"].float()[:, None, :]
+        return self._turn((x.float() - mean) / self.channel_stats[side + "_rms"].float()[:, None, :], side)
+
+    def _from_code_space(self, y: torch.Tensor, side: str) -> torch.Tensor:
+        if self.side_bits[side] is None or self.channel_stats is None:  # nothing kept yet: nothing to turn back
+            return y
+        x = self._turn(y, side, inverse=True)
+        return x * self.channel_stats[side + "_rms"].float()[:, None, :] + self.channel_stats[side + "_mean"].float()[:, None, :]
+
+    def _turn(self, x: torch.Tensor, side: str, inverse: bool = False) -> torch.Tensor:
+        """Turn every head's block of packed latents [..., C] by its width's rotation (or back)."""
+        ranks = self.kept_key_ranks if side == "key" else self.kept_value_ranks
+        blocks, start = [], 0
+        for r in ranks:
+            block = x[..., start : start + r].float()
+            if r:
+                rotation = self.rotations[r].to(x.device)
+                block = block @ (rotation.T if inverse else rotation)
+            blocks.append(block)
+            start += r
+        return torch.cat(blocks, dim=-1)
+
+    # ---- reads ---------------------------------------------------------------------------------------------
+    def stored_tiers(self, dtype: torch.dtype) -> list:
+        from kvrewrite.runtime.tiers.attention import StoredTier
+
+        keys = decode_tokens(self.kept_keys, sum(self.kept_key_ranks), self.side_bits["key"], self.group_size, torch.float32)
+        values = decode_tokens(self.kept_values, sum(self.kept_value_ranks), self.side_bits["value"], self.group_size, torch.float32)
+        keys = self._from_code_space(keys[:, 0], "key").unsqueeze(1).to(dtype)
+        values = self._from_code_space(values[:, 0], "value").unsqueeze(1).to(dtype)
+        return [StoredTier(keys, values, self.kept_key_ranks, self.kept_value_ranks, self.kept_positions)]
+
+    def reset(self) -> None:
+        super().reset()
+        # The channel statistics belong to the sequence that set them: the next one sets its own at its first settle.
+        self.kept_keys = self.kept_values = self.kept_positions = self.channel_stats = None
+        self._received_recent = self._received_kept = None
+
+
+def _channel_stats(x: torch.Tensor, side: str) -> dict[str, torch.Tensor]:
+    """[B, S, C] -> float16 per-channel mean and root mean square about it, [B, C] each (the rms floored so a
+    silent channel divides safely)."""
+    x = x.float()
+    mean = x.mean(dim=1)
+    rms = (x - mean[:, None]).pow(2).mean(dim=1).sqrt().clamp_min(1e-4)
+    return {side + "_mean": mean.to(META_DTYPE), side + "_rms": rms.to(META_DTYPE)}
+
+
+def _append(store: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: torch.cat([store[name], new[name]], dim=1) for name in store}
+
+
+def _select(store: dict[str, torch.Tensor], index: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Rows `index` [B, n] of every [B, S, ...] tensor."""
+    out = {}
+    for name, tensor in store.items():
+        expanded = index.view(*index.shape, *([1] * (tensor.dim() - 2))).expand(-1, -1, *tensor.shape[2:])
+        out[name] = tensor.gather(1, expanded)
+    return out

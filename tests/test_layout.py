@@ -1,0 +1,42 @@
+"""The package's layering, read from its source (tools/import_graph.py): no circles between top-level folders,
+the runtime never reaches into the compiler, the maths imports no infrastructure."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+
+from import_graph import cycles, folder_edges  # noqa: E402
+
+# What each folder may import (besides itself). Anything else is a wrong-way arrow.
+ALLOWED = {
+    "errors": set(),
+    "spec": {"errors"},
+    "progress": set(),
+    "extras": {"errors"},
+    "adapters": {"errors", "spec"},
+    "method": {"errors", "spec", "adapters", "progress"},
+    "io": {"errors", "spec", "adapters"},
+    "runtime": {"errors", "spec", "adapters", "io"},
+    "modeling": {"runtime"},
+    "publish": {"errors", "spec", "extras", "io", "runtime", "progress"},
+    "compile": {"errors", "spec", "extras", "io", "runtime", "method", "adapters", "progress", "publish"},
+    "cli": {"errors", "spec", "extras", "io", "runtime", "method", "adapters", "progress", "publish", "compile"},
+    "kvrewrite": {"runtime", "spec"},
+}
+
+
+def test_no_import_circles_between_folders():
+    assert cycles(folder_edges()) == []
+
+
+def test_every_arrow_points_down():
+    wrong = {edge: pairs for edge, pairs in folder_edges().items() if edge[1] not in ALLOWED.get(edge[0], set())}
+    assert wrong == {}
+
+
+def test_the_graph_sees_a_known_arrow():
+    """Guards the reader itself: an arrow that exists must be found (an empty graph would pass the tests above)."""
+    edges = folder_edges()
+    assert "kvrewrite.runtime.load -> kvrewrite.io.lazy_checkpoint" in edges[("runtime", "io")]
+    assert ("compile", "method") in edges

@@ -1,0 +1,128 @@
+"""The import graph of kvrewrite's top-level folders, read from the source (every import, lazy ones included).
+
+`python tools/import_graph.py` prints each folder's arrows and draws docs/images/import_graph.png;
+tests/test_layout.py uses `folder_edges` to hold the layering rules (no circles, nothing from the runtime into
+the compiler).
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "kvrewrite"
+
+# Drawing order, bottom (imports nothing of ours) to top (the user-facing entry points).
+LAYERS = [["errors", "spec", "progress", "extras"], ["adapters"], ["io", "method"], ["runtime", "modeling"],
+          ["publish", "compile"], ["cli"]]
+
+
+def folder_of(module: str) -> str:
+    """'kvrewrite.runtime.tiers.cache' -> 'runtime'; 'kvrewrite.errors' -> 'errors'."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "kvrewrite"
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every kvrewrite module a file imports, at module level or inside a function."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name.startswith("kvrewrite")}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("kvrewrite"):
+            found.add(node.module)
+            if node.module == "kvrewrite":  # `from kvrewrite import io` may name a subpackage
+                found |= {f"kvrewrite.{alias.name}" for alias in node.names
+                          if (PACKAGE / alias.name).is_dir() or (PACKAGE / f"{alias.name}.py").is_file()}
+    return found
+
+
+def folder_edges() -> dict[tuple[str, str], list[str]]:
+    """(from folder, to folder) -> the 'importer -> imported' module pairs behind that arrow."""
+    edges: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for path in sorted(PACKAGE.rglob("*.py")):
+        importer = module_name(path)
+        for imported in sorted(imported_modules(path)):
+            a, b = folder_of(importer), folder_of(imported)
+            if a != b and b != "kvrewrite":
+                edges[(a, b)].append(f"{importer} -> {imported}")
+    return dict(edges)
+
+
+def cycles(edges: dict[tuple[str, str], list[str]]) -> list[list[str]]:
+    """Folder-level circles (each as a path that returns to its start)."""
+    graph: dict[str, set[str]] = defaultdict(set)
+    for a, b in edges:
+        graph[a].add(b)
+    found, state = [], {}
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                found.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    return found
+
+
+def draw(edges: dict[tuple[str, str], list[str]], out: Path) -> None:
+    import matplotlib
+    from matplotlib.figure import Figure
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    del matplotlib
+    position = {}
+    for y, row in enumerate(LAYERS):
+        for x, name in enumerate(row):
+            position[name] = ((x + 1) / (len(row) + 1), 0.06 + y * 0.175)
+    fig = Figure(figsize=(8, 6))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ax.set_axis_off()
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1)
+    for (a, b), pairs in sorted(edges.items()):
+        if a not in position or b not in position:
+            continue
+        (x0, y0), (x1, y1) = position[a], position[b]
+        ax.annotate("", xy=(x1, y1), xytext=(x0, y0),
+                    arrowprops=dict(arrowstyle="-|>", color="0.8" if b in ("errors", "progress") else "0.4", shrinkA=22, shrinkB=22,
+                                    connectionstyle="arc3,rad=0.08", lw=0.6 + 0.25 * min(len(pairs), 8)))
+    for name, (x, y) in position.items():
+        files = len(list((PACKAGE / name).rglob("*.py"))) if (PACKAGE / name).is_dir() else 1
+        ax.text(x, y, f"{name}/\n{files} files" if (PACKAGE / name).is_dir() else f"{name}.py", ha="center",
+                va="center", fontsize=10, bbox=dict(boxstyle="round", fc="#e8f0fe", ec="#3367d6"))
+    ax.set_title("kvrewrite: imports between top-level folders (arrow width ~ module pairs)", fontsize=10)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110, bbox_inches="tight")
+
+
+def main() -> int:
+    edges = folder_edges()
+    for (a, b), pairs in sorted(edges.items()):
+        print(f"{a:>9} -> {b:<9} {len(pairs):3d} imports")
+    loops = cycles(edges)
+    for loop in loops:
+        print("circle:", " -> ".join(loop))
+    draw(edges, PACKAGE.parent / "docs" / "images" / "import_graph.png")
+    return 1 if loops else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
