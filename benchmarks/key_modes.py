@@ -24,7 +24,8 @@ from kvrewrite.publish.evaluation import evaluate_many
 from kvrewrite.compile.passes.pipeline import compile_variants
 from kvrewrite.compile.plan import Plan
 from kvrewrite.runtime.load import load
-from kvrewrite.spec import KEY_MODE_CROSSHEAD, ROPE_KEY_MODES
+from kvrewrite.adapters.base import AttentionFeatures
+from kvrewrite.key_modes import key_mode, key_mode_names
 
 RESULTS = Path(__file__).parent / "results" / "key_modes.json"
 FULL_VARIANTS = {
@@ -46,7 +47,7 @@ def key_only_model(directory: Path, key_share_kept: float = 0.5):
     for layer in spec.layers:
         total = sum(layer.key_ranks)
         kept = int(round(key_share_kept * total / 2)) * 2
-        if layer.key_mode == KEY_MODE_CROSSHEAD:
+        if key_mode(layer.key_mode).shared_key_block:
             keys.append([kept] + [0] * (len(layer.key_ranks) - 1))
         else:
             per_head = kept // len(layer.key_ranks)
@@ -71,7 +72,8 @@ def main() -> None:
                 overwrite=True, progress=False)
     if args.part == "key-only":
         # Greedy allocation: no sensitivity probe needed, the ranks are set by hand below anyway.
-        variants = {m: {"rope_mode": m, "allocation": "greedy"} for m in ROPE_KEY_MODES}
+        rope_modes = [m for m in key_mode_names() if key_mode(m).allowed_for(AttentionFeatures())]  # a plain RoPE model
+        variants = {m: {"rope_mode": m, "allocation": "greedy"} for m in rope_modes}
     else:
         names = (args.variants or "crosshead,auto,auto-zero-overhead").split(",")
         variants = {n: FULL_VARIANTS[n] for n in names}

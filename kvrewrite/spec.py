@@ -9,34 +9,32 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from typing import Protocol
 
 from kvrewrite.errors import CorruptCheckpointError, InvalidArgumentError
 
 SPEC_FORMAT_VERSION = 1
 
-# Key-side modes (docs/method.md, "Key side"); the first three are for RoPE models.
-KEY_MODE_FREQ = "freq"  # keep whole rotary frequency pairs; folded into q_proj/k_proj, zero runtime cost
-KEY_MODE_POST_ROPE = "post-rope"  # project rotated q/k online by a [d_h, r] basis (ZACK §5.1)
-KEY_MODE_LATENT = "latent"  # cache a pre-RoPE latent; rebuild k and rotate it inside attention
-# Mix each rotary frequency's 2-D components across the layer's KV heads with a complex-linear map: it
-# commutes with RoPE, so it folds into q_proj/k_proj (zero extra ops). The layer then caches ONE shared
-# key block; its rank is stored in key_ranks[0] (the other KV heads' entries are 0).
-KEY_MODE_CROSSHEAD = "crosshead"
-# Models without RoPE (OPT, GPT-2): the key-side transform folds exactly into W_Q/W_K (ZACK Fig. 8).
-KEY_MODE_FOLDED = "folded"
-KEY_MODES = (KEY_MODE_FREQ, KEY_MODE_POST_ROPE, KEY_MODE_LATENT, KEY_MODE_CROSSHEAD, KEY_MODE_FOLDED)
-# Modes that compete in --rope-mode auto (RoPE models; folded is the only mode of models without RoPE).
-ROPE_KEY_MODES = (KEY_MODE_FREQ, KEY_MODE_POST_ROPE, KEY_MODE_LATENT, KEY_MODE_CROSSHEAD)
-# Modes whose runtime work does not grow with the context (latent rebuilds every cached key each step):
-# freq and crosshead fold entirely into the projections, post-rope adds one small per-token projection.
-ZERO_OVERHEAD_KEY_MODES = (KEY_MODE_FREQ, KEY_MODE_POST_ROPE, KEY_MODE_CROSSHEAD)
+
+class KeyModeRules(Protocol):
+    """What the spec asks of a key mode (kvrewrite.key_modes.KeyMode implements it)."""
+
+    def full_key_ranks(self, num_kv_heads: int, head_dim: int) -> list[int]: ...
+    def per_head_key_ranks(self, key_ranks: list[int]) -> list[int]: ...
+    def key_rank_problems(self, index: int, layer: "LayerSpec", num_kv_heads: int, head_dim: int) -> list[str]: ...
+    def layer_problems(self, index: int, layer: "LayerSpec", num_kv_heads: int, head_dim: int) -> list[str]: ...
+
+
+# Every key mode by name (docs/key-modes.md), filled by kvrewrite.key_modes.register_key_mode, which owns it. It
+# lives here because the spec sits below the modes (they import it) yet checks each layer by its own mode's rules;
+# `import kvrewrite` registers the built-in modes.
+KEY_MODE_REGISTRY: dict[str, KeyModeRules] = {}
 
 
 def full_key_ranks(mode: str, num_kv_heads: int, head_dim: int) -> list[int]:
     """The key ranks of a layer at full rank: d per KV head, or one shared block of n_kv * d (crosshead)."""
-    if mode == KEY_MODE_CROSSHEAD:
-        return [num_kv_heads * head_dim] + [0] * (num_kv_heads - 1)
-    return [head_dim] * num_kv_heads
+    return KEY_MODE_REGISTRY[mode].full_key_ranks(num_kv_heads, head_dim)
+
 
 OBJECTIVES = ("zack", "optimal")
 ALLOCATIONS = ("eps", "greedy", "sensitivity", "uniform")
@@ -137,22 +135,18 @@ class CompressionSpec:
         if self.num_attention_heads % max(self.num_key_value_heads, 1):
             problems.append("num_attention_heads is not a multiple of num_key_value_heads")
         for i, layer in enumerate(self.layers):
-            if layer.key_mode not in KEY_MODES:
+            mode = KEY_MODE_REGISTRY.get(layer.key_mode)
+            if mode is None:
                 problems.append(f"layer {i}: unknown key mode {layer.key_mode!r}")
             for side, ranks in (("key", layer.key_ranks), ("value", layer.value_ranks)):
                 if len(ranks) != self.num_key_value_heads:
                     problems.append(f"layer {i}: {len(ranks)} {side} ranks for {self.num_key_value_heads} KV heads")
-                elif side == "key" and layer.key_mode == KEY_MODE_CROSSHEAD:
-                    problems += _crosshead_problems(i, layer, self.num_key_value_heads, self.head_dim)
+                elif side == "key" and mode is not None:
+                    problems += mode.key_rank_problems(i, layer, self.num_key_value_heads, self.head_dim)
                 elif any(not (0 <= r <= self.head_dim) for r in ranks):
                     problems.append(f"layer {i}: {side} ranks {ranks} outside [0, {self.head_dim}]")
-            if layer.key_mode == KEY_MODE_FREQ:
-                if any(r % 2 for r in layer.key_ranks):
-                    problems.append(f"layer {i}: freq-mode key ranks must be even, got {layer.key_ranks}")
-                half = self.head_dim // 2
-                order = layer.freq_order or []
-                if len(order) != self.num_key_value_heads or any(sorted(o) != list(range(half)) for o in order):
-                    problems.append(f"layer {i}: freq_order must be a permutation of range({half}) per KV head")
+            if mode is not None:
+                problems += mode.layer_problems(i, layer, self.num_key_value_heads, self.head_dim)
         if problems:
             raise CorruptCheckpointError("invalid kvrewrite compression spec: " + "; ".join(problems))
 
@@ -179,21 +173,7 @@ class CompressionSpec:
 
 def per_head_key_ranks(layer: LayerSpec) -> list[int]:
     """Key dims per KV head for display: a crosshead layer's shared block is split evenly over its heads."""
-    if layer.key_mode != KEY_MODE_CROSSHEAD:
-        return list(layer.key_ranks)
-    n, total = len(layer.key_ranks), layer.key_ranks[0]
-    return [total // n + (1 if g < total % n else 0) for g in range(n)]
-
-
-def _crosshead_problems(i: int, layer: LayerSpec, n_kv: int, d: int) -> list[str]:
-    problems = []
-    shared, rest = layer.key_ranks[0], layer.key_ranks[1:]
-    if any(rest) or not (0 <= shared <= n_kv * d) or shared % 2:
-        problems.append(f"layer {i}: crosshead key ranks must be [R, 0, ...] with even R <= {n_kv * d}, got {layer.key_ranks}")
-    order = layer.freq_order or []
-    if len(order) != 1 or sorted(order[0]) != sorted(j for j in range(d // 2) for _ in range(n_kv)):
-        problems.append(f"layer {i}: crosshead freq_order must be one list holding each of range({d // 2}) {n_kv} times")
-    return problems
+    return KEY_MODE_REGISTRY[layer.key_mode].per_head_key_ranks(layer.key_ranks)
 
 
 def rate_key(rate: float) -> str:

@@ -15,6 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 import kvrewrite  # noqa: F401  (registers the kvrewrite_<family> model types)
 from kvrewrite.adapters import adapter_for, supported_model_types
 from kvrewrite.errors import UnsupportedModelError
+from kvrewrite.key_modes import allowed_key_modes
 from kvrewrite.runtime.kernels.cache_layout import packed_view
 from kvrewrite.compile.passes.pipeline import run_pipeline
 from kvrewrite.compile.plan import Plan
@@ -44,7 +45,7 @@ def stock(src):
 
 def allowed_modes(family):
     config = TINY_CONFIGS[family]()
-    return adapter_for(config).allowed_key_modes(config)
+    return allowed_key_modes(adapter_for(config), config)
 
 
 # Every allowed key mode where the layout changes how the key side folds (biases, fused qkv, sliding layers);

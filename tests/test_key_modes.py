@@ -9,7 +9,8 @@ from transformers import AutoModelForCausalLM, DynamicCache
 import kvrewrite
 from kvrewrite.publish.evaluation import kv_cache_bytes_per_token
 from kvrewrite.runtime.kernels.cache_layout import packed_view
-from kvrewrite.method.key_transforms import frequency_pair_energy, key_transform
+from kvrewrite.key_modes import key_transform
+from kvrewrite.method.key_transforms import frequency_pair_energy
 from kvrewrite.compile.passes.compute_transforms import LayerTransforms
 from kvrewrite.compile.passes.pipeline import run_pipeline
 from kvrewrite.compile.plan import Plan

@@ -15,7 +15,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "kvrewrite"
 
 # Drawing order, bottom (imports nothing of ours) to top (the user-facing entry points).
-LAYERS = [["errors", "spec", "progress", "extras"], ["adapters"], ["io", "method"], ["runtime", "modeling"],
+LAYERS = [["errors", "spec", "progress", "extras"], ["adapters"], ["io", "method"], ["key_modes"], ["runtime", "modeling"],
           ["publish", "compile"], ["cli"]]
 
 
@@ -90,7 +90,7 @@ def draw(edges: dict[tuple[str, str], list[str]], out: Path) -> None:
     position = {}
     for y, row in enumerate(LAYERS):
         for x, name in enumerate(row):
-            position[name] = ((x + 1) / (len(row) + 1), 0.06 + y * 0.175)
+            position[name] = ((x + 1) / (len(row) + 1), 0.06 + y * 0.88 / (len(LAYERS) - 1))
     fig = Figure(figsize=(8, 6))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()

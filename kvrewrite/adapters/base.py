@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 from kvrewrite.errors import UnsupportedModelError
-from kvrewrite.spec import KEY_MODE_CROSSHEAD, KEY_MODE_FOLDED, KEY_MODE_FREQ, KEY_MODE_LATENT, KEY_MODE_POST_ROPE
 
 
 @dataclass(frozen=True)
@@ -97,46 +96,6 @@ class ArchitectureAdapter:
         geometry = self.geometry(config)
         if self.features(config).has_rope and geometry.head_dim % 2:
             raise UnsupportedModelError(f"head_dim {geometry.head_dim} must be even for RoPE")
-
-    def allowed_key_modes(self, config) -> tuple[str, ...]:
-        features = self.features(config)
-        if not features.has_rope:
-            return (KEY_MODE_FOLDED,)
-        if features.qk_norm:
-            return (KEY_MODE_POST_ROPE,)
-        if features.sliding_layers:
-            # latent rotates keys by cache index, which a sliding-window cache renumbers.
-            return (KEY_MODE_FREQ, KEY_MODE_POST_ROPE)
-        if features.q_bias or features.k_bias:
-            # crosshead mixes heads inside k_proj; its fold has no bias path (yet).
-            return (KEY_MODE_FREQ, KEY_MODE_POST_ROPE, KEY_MODE_LATENT)
-        return (KEY_MODE_FREQ, KEY_MODE_POST_ROPE, KEY_MODE_LATENT, KEY_MODE_CROSSHEAD)
-
-    def resolve_key_mode(self, config, rope_mode: str, objective: str) -> str:
-        """The key mode for this family, before any work: `default` picks the family's best fixed mode, `auto`
-        stays `auto` (chosen per layer later) unless only one mode is possible, an explicit mode is checked."""
-        allowed = self.allowed_key_modes(config)
-        if rope_mode in ("default", "auto") and len(allowed) == 1:
-            return allowed[0]
-        if rope_mode == "auto":
-            return "auto"
-        if rope_mode == "default":
-            preferred = KEY_MODE_LATENT if objective == "optimal" else KEY_MODE_POST_ROPE
-            return preferred if preferred in allowed else KEY_MODE_POST_ROPE
-        if rope_mode not in allowed:
-            features = self.features(config)
-            why = (
-                "it has no RoPE, so its keys fold exactly into W_Q/W_K"
-                if not features.has_rope
-                else "its per-head q/k norms sit between the projections and RoPE, so the key side can only be compressed after RoPE"
-                if features.qk_norm
-                else "it has sliding-window layers, whose cache renumbers positions"
-            )
-            raise UnsupportedModelError(
-                f"--rope-mode {rope_mode} is not possible for model type {config.model_type!r}: {why}; "
-                f"allowed: default, auto, {', '.join(allowed)}"
-            )
-        return rope_mode
 
     # ---- where things live ------------------------------------------------------------------
     def geometry(self, config) -> AttentionGeometry:

@@ -11,17 +11,9 @@ import torch
 
 from kvrewrite.adapters.base import Projections
 from kvrewrite.runtime.compressed_model import compressed_classes, compressed_config
-from kvrewrite.method.key_transforms import interleaved_pair_rows
 from kvrewrite.compile.layer_streaming import SourceModel, StreamedModel, empty_model
-from kvrewrite.spec import (
-    KEY_MODE_CROSSHEAD,
-    KEY_MODE_FOLDED,
-    KEY_MODE_FREQ,
-    KEY_MODE_LATENT,
-    KEY_MODE_POST_ROPE,
-    CompressionSpec,
-    full_key_ranks,
-)
+from kvrewrite.key_modes import key_mode
+from kvrewrite.spec import CompressionSpec
 
 
 def fold_layer(projections: Projections, transforms, geometry, kept: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
@@ -41,8 +33,11 @@ def fold_layer(projections: Projections, transforms, geometry, kept: dict[str, t
     w_q, w_k, w_v, w_o = (f64(t) for t in (projections.q_weight, projections.k_weight, projections.v_weight, projections.o_weight))
     b_q, b_k, b_v = f64(projections.q_bias), f64(projections.k_bias), f64(projections.v_bias)
     key, value = transforms.key, transforms.value
+    mode = key_mode(key.mode)
     original = {"q": (w_q, b_q), "k": (w_k, b_k), "v": (w_v, b_v)}
-    new = {side: (w.clone(), None if b is None else b.clone()) for side, (w, b) in original.items()}
+    # Key side: the mode's fold of q_proj/k_proj (kvrewrite/key_modes/); the value side below.
+    new = dict(zip("qk", mode.fold(key, original["q"], original["k"], geometry)))
+    new["v"] = (w_v.clone(), None if b_v is None else b_v.clone())
     new_o = w_o.clone()
 
     def transform_rows(side: str, rows: slice, fn) -> None:
@@ -60,27 +55,6 @@ def fold_layer(projections: Projections, transforms, geometry, kept: dict[str, t
         transform_rows("v", kv_rows, lambda x, m=value.down[g]: m.T @ x)
         for rows in q_rows:
             new_o[:, rows] = w_o[:, rows] @ value.up[g].T
-        if key.mode == KEY_MODE_FREQ:
-            perm = interleaved_pair_rows(key.freq_order[g], d)
-            transform_rows("k", kv_rows, lambda x, p=perm: x[p])
-            for rows in q_rows:
-                transform_rows("q", rows, lambda x, p=perm: x[p])
-        elif key.mode == KEY_MODE_LATENT:
-            transform_rows("k", kv_rows, lambda x, m=key.down[g]: m.T @ x)
-        elif key.mode == KEY_MODE_FOLDED:
-            # No RoPE: q.k = (q Q).(k K) with the pair's maps folded into both projections (ZACK Fig. 8).
-            transform_rows("k", kv_rows, lambda x, m=key.k_map[g]: m.T @ x)
-            for rows in q_rows:
-                transform_rows("q", rows, lambda x, m=key.q_map[g]: m.T @ x)
-
-    if key.mode == KEY_MODE_CROSSHEAD:
-        # Every query head now scores against the whole shared key block: n_kv*d rows per head at full rank.
-        new["k"] = (key.k_fold @ w_k, None if b_k is None else key.k_fold @ b_k)
-        heads = range(geometry.num_attention_heads)
-        new["q"] = (
-            torch.cat([key.q_fold[h] @ w_q[h * d : (h + 1) * d] for h in heads]),
-            None if b_q is None else torch.cat([key.q_fold[h] @ b_q[h * d : (h + 1) * d] for h in heads]),
-        )
 
     out: dict[str, torch.Tensor] = {"o_proj.weight": new_o}
     for side, (weight, bias) in new.items():
@@ -89,18 +63,14 @@ def fold_layer(projections: Projections, transforms, geometry, kept: dict[str, t
             out[f"{side}_proj.bias"] = bias
     if projections.o_bias is not None:
         out["o_proj.bias"] = projections.o_bias
-    if key.mode == KEY_MODE_POST_ROPE:
-        out["q_map"] = key.q_map
-        out["k_map"] = key.k_map
-    elif key.mode == KEY_MODE_LATENT:
-        out["k_up"] = key.up
+    out.update(mode.stored_tensors(key))
     out.update(kept or {})
     return {name: t.to(dtype).contiguous() for name, t in out.items()}
 
 
 def full_rank(spec: CompressionSpec) -> CompressionSpec:
     d = spec.head_dim
-    return spec.with_ranks([full_key_ranks(l.key_mode, len(l.key_ranks), d) for l in spec.layers],
+    return spec.with_ranks([key_mode(l.key_mode).full_key_ranks(len(l.key_ranks), d) for l in spec.layers],
                            [[d] * len(l.value_ranks) for l in spec.layers], 0.0)
 
 

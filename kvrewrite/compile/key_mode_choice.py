@@ -4,7 +4,7 @@ For each candidate mode the rewrite in that mode runs at full rank (exact, so ev
 original), with ONE layer's keys truncated to the probe rank, and we measure the KL divergence of the
 next-token distribution against the original on calibration text. Layer-streamed like the sensitivity
 pass (measure_sensitivity.probe_kls: one pass over the weights per mode, all layers' probes side by side). The layer takes the mode with the
-smallest  KL x (1 + cost_weight x RUNTIME_COST[mode]):  cost_weight 0 is quality only; with weight W a
+smallest  KL x (1 + cost_weight x KeyMode.run_time_cost):  cost_weight 0 is quality only; with weight W a
 mode of runtime cost c must be (1 + W c) times better than a free one to be chosen.
 """
 
@@ -16,22 +16,12 @@ from kvrewrite.compile.folded_weights import FoldedWeights
 from kvrewrite.compile.layer_streaming import StreamedModel
 from kvrewrite.compile.passes.fold_weights import build_spec
 from kvrewrite.compile.passes.measure_sensitivity import original_log_probs, probe_kls
-from kvrewrite.spec import (
-    KEY_MODE_CROSSHEAD,
-    KEY_MODE_FREQ,
-    KEY_MODE_LATENT,
-    KEY_MODE_POST_ROPE,
-    KEY_MODES,
-    ZERO_OVERHEAD_KEY_MODES,
-    full_key_ranks,
-)
+from kvrewrite.key_modes import key_mode
 
-# Extra runtime per decode step, relative to the latent mode (the costliest). latent rebuilds and rotates
-# every cached key at every step (r x d multiply-adds per cached token and KV head, as much as the
-# attention itself or more); post-rope projects only the new token's q and k (context-independent);
-# freq and crosshead fold entirely into q_proj/k_proj.
-RUNTIME_COST = {KEY_MODE_FREQ: 0.0, KEY_MODE_CROSSHEAD: 0.0, KEY_MODE_POST_ROPE: 0.1, KEY_MODE_LATENT: 1.0}
-PREFERENCES = {"quality": KEY_MODES, "zero-overhead": ZERO_OVERHEAD_KEY_MODES}
+# Each mode's extra runtime per decode step, relative to the latent mode (the costliest), is its
+# KeyMode.run_time_cost: latent rebuilds and rotates every cached key at every step (r x d multiply-adds per
+# cached token and KV head, as much as the attention itself or more); post-rope projects only the new token's
+# q and k (context-independent); freq and crosshead fold entirely into q_proj/k_proj.
 
 PROBE_WINDOWS = 2
 PROBE_TOKENS = 256
@@ -42,9 +32,7 @@ PROBE_KEY_RATE = 0.6
 def probe_key_rank(mode: str, num_kv_heads: int, head_dim: int, rate: float = PROBE_KEY_RATE) -> list[int]:
     """Uniform key ranks removing `rate` of the key dims (whole pairs where the mode stores pairs)."""
     per_head = max(2, 2 * round((1 - rate) * head_dim / 2))
-    if mode == KEY_MODE_CROSSHEAD:
-        return [per_head * num_kv_heads] + [0] * (num_kv_heads - 1)
-    return [per_head] * num_kv_heads
+    return key_mode(mode).uniform_key_ranks(per_head, num_kv_heads)
 
 
 def key_probe_kl(ctx, transforms: list, original: StreamedModel, tokens: torch.Tensor, reference: torch.Tensor,
@@ -52,7 +40,7 @@ def key_probe_kl(ctx, transforms: list, original: StreamedModel, tokens: torch.T
     """Per layer: KL to the original when only that layer's keys are truncated to the probe rank."""
     plan, geo, d = ctx.plan, ctx.geometry, ctx.geometry.head_dim
     full_values = [[d] * geo.num_key_value_heads for _ in range(geo.num_layers)]
-    full_keys = [full_key_ranks(t.key.mode, geo.num_key_value_heads, d) for t in transforms]
+    full_keys = [key_mode(t.key.mode).full_key_ranks(geo.num_key_value_heads, d) for t in transforms]
     spec = build_spec(ctx, full_keys, full_values, transforms=transforms)
     rewritten = FoldedWeights(ctx.source, transforms, geo).streamed(spec, plan.compute_dtype(), plan.device)
     layer_probes = [{"key": (probe_key_rank(t.key.mode, geo.num_key_value_heads, d), full_values[idx])}
@@ -78,12 +66,12 @@ def choose_key_modes(ctx, candidates: dict[str, list], cost_weight: float) -> tu
         kl[mode] = ctx.key_mode_probes[cache_key]
     chosen = []
     for layer in range(num_layers):
-        scores = {m: kl[m][layer] * (1 + cost_weight * RUNTIME_COST[m]) for m in candidates}
+        scores = {m: kl[m][layer] * (1 + cost_weight * key_mode(m).run_time_cost) for m in candidates}
         chosen.append(min(scores, key=scores.get))
     report = {
         "candidates": list(candidates),
         "cost_weight": cost_weight,
-        "runtime_cost": {m: RUNTIME_COST[m] for m in candidates},
+        "runtime_cost": {m: key_mode(m).run_time_cost for m in candidates},
         "probe_key_rate": PROBE_KEY_RATE,
         "probe_tokens": int(tokens.numel()),
         "probe_kl": kl,

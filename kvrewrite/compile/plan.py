@@ -9,11 +9,12 @@ import torch
 
 from kvrewrite.runtime.codecs.config import parse_codec
 from kvrewrite.errors import InvalidArgumentError
-from kvrewrite.spec import ALLOCATIONS, KEY_MODES, OBJECTIVES, validate_rate
+from kvrewrite.key_modes import key_mode_names
+from kvrewrite.spec import ALLOCATIONS, OBJECTIVES, validate_rate
 
 # default: the family's best fixed mode; auto: chosen per layer by measured KL (opt-in until held-out numbers
 # back it as a default); or one explicit mode.
-ROPE_MODES = ("default", "auto", *KEY_MODES)
+ROPE_MODES = ("default", "auto")  # and every registered key mode (kvrewrite.key_modes)
 # --prefer for --rope-mode auto: every key mode, or only those whose runtime does not grow with context.
 PREFER = ("quality", "zero-overhead")
 REDUCERS = ("none", "kmeans")
@@ -36,7 +37,7 @@ class Plan:
     objective: str = "optimal"
     allocation: str = "sensitivity"
     rope_mode: str = "default"
-    prefer: str = "quality"  # auto only: which key modes compete (key_mode_choice.PREFERENCES)
+    prefer: str = "quality"  # auto only: which key modes compete (kvrewrite.key_modes.preferred_key_modes)
     key_mode_cost: float = 0.0  # auto only: weight on a mode's runtime cost against its measured KL
     calibration: str = "wiki"
     calib_tokens: int = 32768
@@ -97,7 +98,7 @@ class Plan:
         choices = {
             "objective": (self.objective, OBJECTIVES),
             "allocation": (self.allocation, ALLOCATIONS),
-            "rope_mode": (self.rope_mode, ROPE_MODES),
+            "rope_mode": (self.rope_mode, (*ROPE_MODES, *key_mode_names())),
             "reduce": (self.reduce, REDUCERS),
             "value_metric": (self.value_metric, VALUE_METRICS),
             "refit": (self.refit, REFITS),
@@ -157,7 +158,7 @@ class Plan:
     def key_mode(self) -> str:
         """A description of the key side: the fixed mode, the family's default, or how auto chooses per layer.
 
-        The compile resolves it against the model's adapter (ArchitectureAdapter.resolve_key_mode): `default` is
+        The compile resolves it against the model's adapter (kvrewrite.key_modes.resolve_key_mode): `default` is
         latent for optimal / post-rope for zack on plain RoPE models, post-rope for q/k-norm families and folded
         without RoPE."""
         if self.rope_mode == "default":

@@ -1,40 +1,21 @@
-"""Key side for RoPE models: three modes (docs/method.md, "Key side"), each exact at full rank.
+"""The maths of the key side for RoPE models (docs/method.md, "Key side"): each mode's basis, exact at full rank.
 
-- freq: keep whole rotary frequency pairs ranked by score energy; a pure selection commutes with RoPE,
-  so it folds into q_proj/k_proj (pairs stored interleaved, most important first).
-- post-rope: q and k are projected after RoPE by per-head [d, r] maps (ZACK §5.1).
-- folded (models without RoPE): the post-rope maps, folded into q_proj/k_proj (ZACK Fig. 8).
-- latent: the cache holds an r-dim latent of the pre-RoPE key (folded into k_proj); attention rebuilds
-  k with a per-head up-projection and rotates it. The basis minimises the error of the scores q.k
-  under the group's query Gram (query-aware), not plain key PCA.
-- crosshead: per rotary frequency, a complex-linear mix across the layer's KV heads (crosshead_keys.py);
-  commutes with RoPE, folds into q_proj/k_proj, one shared key block per layer.
+The modes themselves (what they store, fold and do at run time) live in kvrewrite/key_modes/, one file each;
+these are the solvers they call.
+
+- freq: keep whole rotary frequency pairs ranked by score energy; a pure selection commutes with RoPE.
+- post-rope / folded: per-head [d, r] maps of q and k after RoPE (ZACK §5.1), folded into W_Q/W_K without RoPE.
+- latent: an r-dim latent of the pre-RoPE key, minimising the error of the scores q.k under the group's query
+  Gram (query-aware), not plain key PCA.
+- crosshead: per rotary frequency, a complex-linear mix across the layer's KV heads (crosshead_keys.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from kvrewrite.adapters.base import AttentionGeometry
-from kvrewrite.method.crosshead_keys import crosshead_maps
 from kvrewrite.method.linalg import kq_svd, principal_basis, psd_sqrt, whitened_projection
-from kvrewrite.spec import KEY_MODE_CROSSHEAD, KEY_MODE_FOLDED, KEY_MODE_FREQ, KEY_MODE_LATENT, KEY_MODE_POST_ROPE
 from kvrewrite.method.statistics import LayerStatistics
-
-
-@dataclass
-class KeyTransform:
-    mode: str
-    spectrum: torch.Tensor  # [n_kv, d] ([1, n_kv*d] crosshead), descending; truncation error ~ removed squares
-    freq_order: torch.Tensor | None = None  # freq: [n_kv, d/2] ([1, n_kv*d/2] crosshead) frequencies, most important first
-    q_map: torch.Tensor | None = None  # post-rope: [n_kv, d, d]
-    k_map: torch.Tensor | None = None  # post-rope: [n_kv, d, d]
-    down: torch.Tensor | None = None  # latent: [n_kv, d, d] folded into k_proj
-    up: torch.Tensor | None = None  # latent: [n_kv, d, d] rebuilds the pre-RoPE key
-    k_fold: torch.Tensor | None = None  # crosshead: [n_kv*d, n_kv*d] new k_proj rows from the old ones
-    q_fold: torch.Tensor | None = None  # crosshead: [n_q, n_kv*d, d] new rows of each query head
 
 
 def frequency_pair_energy(query_gram: torch.Tensor, key_gram: torch.Tensor) -> torch.Tensor:
@@ -52,55 +33,53 @@ def interleaved_pair_rows(order: torch.Tensor, head_dim: int) -> torch.Tensor:
     return torch.stack((order, order + head_dim // 2), dim=1).flatten()
 
 
-def key_transform(mode: str, objective: str, stats: LayerStatistics, geometry: AttentionGeometry) -> KeyTransform:
-    n_kv = geometry.num_key_value_heads
-    if mode == KEY_MODE_FREQ:
-        orders, spectra = [], []
-        for g in range(n_kv):
-            energy = frequency_pair_energy(stats.gram("query_pre", g), stats.gram("key_pre", g))
-            order = torch.argsort(energy, descending=True)
-            # Each stored dim carries half its pair's energy, so squares sum to the pair's energy^2.
-            per_dim = (energy[order] / 2**0.5).repeat_interleave(2)
-            orders.append(order)
-            spectra.append(per_dim)
-        return KeyTransform(mode, torch.stack(spectra), freq_order=torch.stack(orders))
+def frequency_pair_selection(stats: LayerStatistics, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per KV head, the rotary frequencies most important first [n_kv, d/2] and the per-stored-dim spectrum [n_kv, d]."""
+    orders, spectra = [], []
+    for g in range(num_kv_heads):
+        energy = frequency_pair_energy(stats.gram("query_pre", g), stats.gram("key_pre", g))
+        order = torch.argsort(energy, descending=True)
+        # Each stored dim carries half its pair's energy, so squares sum to the pair's energy^2.
+        per_dim = (energy[order] / 2**0.5).repeat_interleave(2)
+        orders.append(order)
+        spectra.append(per_dim)
+    return torch.stack(orders), torch.stack(spectra)
 
-    if mode in (KEY_MODE_POST_ROPE, KEY_MODE_FOLDED):
-        # folded (no RoPE): the same maps, folded into W_Q/W_K instead of applied online; post-RoPE
-        # Grams equal pre-RoPE ones there.
-        q_maps, k_maps, spectra = [], [], []
-        for g in range(n_kv):
-            s, t = stats.gram("query_post", g), stats.gram("key_post", g)
-            if objective == "zack":
-                # Paper-faithful: one rotation R from the SVD of the row-stack [Q_h for h in g ; K_g].
-                pair = principal_basis(s + t)
-                q_maps.append(pair.down)
-                k_maps.append(pair.down)
-                spectra.append(pair.spectrum)
-            else:
-                bil = kq_svd(s, t)
-                q_maps.append(bil.q_map)
-                k_maps.append(bil.k_map)
-                spectra.append(bil.spectrum)
-        return KeyTransform(mode, torch.stack(spectra), q_map=torch.stack(q_maps), k_map=torch.stack(k_maps))
 
-    if mode == KEY_MODE_LATENT:
-        downs, ups, spectra = [], [], []
-        for g in range(n_kv):
-            s, t = stats.gram("query_pre", g), stats.gram("key_pre", g)
-            if objective == "zack":
-                pair = principal_basis(s + t)
-            else:
-                # min E (q.(k - k A_r B_r))^2 = ||T^{1/2}(I - A_r B_r) S^{1/2}||^2: whitened projection
-                # with the key Gram as input metric and the query Gram's root as output map.
-                pair = whitened_projection(t, psd_sqrt(s))
-            downs.append(pair.down)
-            ups.append(pair.up)
+def post_rope_maps(objective: str, stats: LayerStatistics, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per KV head, the query and key maps [n_kv, d, d] applied after RoPE, and their spectrum [n_kv, d].
+
+    Without RoPE (folded) the same maps fold into W_Q/W_K; post-RoPE Grams equal pre-RoPE ones there.
+    """
+    q_maps, k_maps, spectra = [], [], []
+    for g in range(num_kv_heads):
+        s, t = stats.gram("query_post", g), stats.gram("key_post", g)
+        if objective == "zack":
+            # Paper-faithful: one rotation R from the SVD of the row-stack [Q_h for h in g ; K_g].
+            pair = principal_basis(s + t)
+            q_maps.append(pair.down)
+            k_maps.append(pair.down)
             spectra.append(pair.spectrum)
-        return KeyTransform(mode, torch.stack(spectra), down=torch.stack(downs), up=torch.stack(ups))
+        else:
+            bil = kq_svd(s, t)
+            q_maps.append(bil.q_map)
+            k_maps.append(bil.k_map)
+            spectra.append(bil.spectrum)
+    return torch.stack(q_maps), torch.stack(k_maps), torch.stack(spectra)
 
-    if mode == KEY_MODE_CROSSHEAD:
-        maps = crosshead_maps(stats, geometry)  # query-aware for both objectives (no paper version exists)
-        return KeyTransform(mode, maps.spectrum[None], freq_order=maps.freq_order[None], k_fold=maps.k_fold, q_fold=maps.q_fold)
 
-    raise ValueError(f"unknown key mode {mode!r}")
+def latent_key_basis(objective: str, stats: LayerStatistics, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per KV head, the down-projection [n_kv, d, d] to the pre-RoPE key latent, its up-projection and spectrum."""
+    downs, ups, spectra = [], [], []
+    for g in range(num_kv_heads):
+        s, t = stats.gram("query_pre", g), stats.gram("key_pre", g)
+        if objective == "zack":
+            pair = principal_basis(s + t)
+        else:
+            # min E (q.(k - k A_r B_r))^2 = ||T^{1/2}(I - A_r B_r) S^{1/2}||^2: whitened projection
+            # with the key Gram as input metric and the query Gram's root as output map.
+            pair = whitened_projection(t, psd_sqrt(s))
+        downs.append(pair.down)
+        ups.append(pair.up)
+        spectra.append(pair.spectrum)
+    return torch.stack(downs), torch.stack(ups), torch.stack(spectra)

@@ -19,6 +19,7 @@ from kvrewrite.io.atomic_files import atomic_write_text
 from kvrewrite.publish.eval_results import EVAL_RESULTS_FILE, read_eval_results
 from kvrewrite.errors import CorruptCheckpointError
 from kvrewrite.io.sources import BUNDLED_ALIASES, BUNDLED_UPSTREAM
+from kvrewrite.key_modes import key_mode
 from kvrewrite.spec import CompressionSpec
 
 CARD_FILE = "README.md"
@@ -150,21 +151,11 @@ def _source_line(spec: CompressionSpec, base: str | None) -> str:
     return f"`{spec.source_model}` (a local checkpoint)"
 
 
-# What each key mode does at decode time, beyond the stock model's work (docs/method.md, docs/runtime.md).
-KEY_MODE_RUN_TIME = {
-    "freq": "`freq` layers do nothing extra at run time: the kept rotary pairs are folded into the projections",
-    "crosshead": "`crosshead` layers do nothing extra at run time: the shared key block is folded into the projections",
-    "folded": "`folded` layers do nothing extra at run time",
-    "post-rope": "`post-rope` layers project the rotated queries and keys by a small per-head map on every step",
-    "latent": ("`latent` layers rebuild every cached key from its latent and rotate it on every step, "
-               "a cost that grows with the context"),
-}
-
-
 def run_time_cost(spec: CompressionSpec) -> str:
     """One truthful sentence per key mode (and codec) of this checkpoint about what runs at decode time."""
     modes = sorted({layer.key_mode for layer in spec.layers})
-    sentences = [KEY_MODE_RUN_TIME[m] for m in modes if m in KEY_MODE_RUN_TIME]
+    # What each key mode does at decode time, beyond the stock model's work (docs/key-modes.md).
+    sentences = [key_mode(m).run_time_sentence for m in modes]
     if spec.kv_codec:
         sentences.append(f"the `{spec.kv_codec['name']}` codec cache decodes its whole coded store on every update")
     return "At run time: " + "; ".join(sentences) + "."

@@ -6,14 +6,15 @@ from kvrewrite.method.curve_allocation import curve_removal_order
 from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.compile.passes.context import CompileContext
 from kvrewrite.method.rank_allocation import RankItem, allocate, allocate_greedy
-from kvrewrite.spec import KEY_MODE_CROSSHEAD, KEY_MODE_FREQ, rate_key
+from kvrewrite.key_modes import key_mode
+from kvrewrite.spec import rate_key
 
 
 def rank_items(transforms) -> list[RankItem]:
     # Unweighted: the sensitivity allocation orders these items by measured KL curves (curve_removal_order).
     items = []
     for layer, t in enumerate(transforms):
-        key_step = 2 if t.key.mode in (KEY_MODE_FREQ, KEY_MODE_CROSSHEAD) else 1
+        key_step = key_mode(t.key.mode).rank_step
         # One key item per stored key block: per KV head, or one shared block (crosshead, head 0).
         for g in range(t.key.spectrum.shape[0]):
             items.append(RankItem(layer, g, "key", t.key.spectrum[g].numpy(), step=key_step))

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvrewrite.errors import UnsupportedModelError
-from kvrewrite.compile.key_mode_choice import PREFERENCES, choose_key_modes
-from kvrewrite.method.key_transforms import KeyTransform, key_transform
+from kvrewrite.compile.key_mode_choice import choose_key_modes
+from kvrewrite.key_modes import KeyTransform, allowed_key_modes, key_transform, preferred_key_modes, resolve_key_mode
 from kvrewrite.compile.passes.context import CompileContext
 from kvrewrite.method.value_transforms import ValueTransform, value_transform
 
@@ -32,9 +32,9 @@ class ComputeTransforms:
         # Resolved again from this plan: load_checkpoint's early check ran on the shared plan, and variants of
         # compile_variants (sweep, demo) may override rope_mode. `auto` = every mode the family allows (and the
         # preference admits) competes per layer.
-        ctx.key_mode = ctx.adapter.resolve_key_mode(ctx.config, plan.rope_mode, plan.objective)
-        allowed = ctx.adapter.allowed_key_modes(ctx.config)
-        modes = [ctx.key_mode] if ctx.key_mode != "auto" else [m for m in PREFERENCES[plan.prefer] if m in allowed]
+        ctx.key_mode = resolve_key_mode(ctx.adapter, ctx.config, plan.rope_mode, plan.objective)
+        allowed = allowed_key_modes(ctx.adapter, ctx.config)
+        modes = [ctx.key_mode] if ctx.key_mode != "auto" else [m for m in preferred_key_modes(plan.prefer) if m in allowed]
         if not modes:
             raise UnsupportedModelError(f"--prefer {plan.prefer} leaves no key mode for this model (allowed: {', '.join(allowed)})")
         candidates = {

@@ -14,7 +14,8 @@ from kvrewrite.io.fault_injection import fault_point
 from kvrewrite.compile.passes.context import CompileContext
 from kvrewrite.compile.plan import parse_size
 from kvrewrite.progress import progress_bar
-from kvrewrite.spec import KEY_MODE_CROSSHEAD, CompressionSpec
+from kvrewrite.key_modes import key_mode
+from kvrewrite.spec import CompressionSpec
 
 HUB_MODELING_STUB = '''"""This checkpoint was rewritten by kvrewrite: its attention stores a compressed KV cache.
 
@@ -46,14 +47,15 @@ def rank_buckets(ranks: list[int], multiple: int = BUCKET_MULTIPLE) -> list[dict
 def kernel_metadata(spec: CompressionSpec, transforms) -> dict:
     layers = []
     for layer_spec, t in zip(spec.layers, transforms):
+        shared = key_mode(layer_spec.key_mode).shared_key_block
         layers.append(
             {
                 "key_mode": layer_spec.key_mode,
                 # "shared": one key block scored by every query head (crosshead), rank key_ranks[0].
-                "key_layout": "shared" if layer_spec.key_mode == KEY_MODE_CROSSHEAD else "per_kv_head",
+                "key_layout": "shared" if shared else "per_kv_head",
                 "key_ranks": layer_spec.key_ranks,
                 "value_ranks": layer_spec.value_ranks,
-                "key_buckets": rank_buckets(layer_spec.key_ranks[:1] if layer_spec.key_mode == KEY_MODE_CROSSHEAD else layer_spec.key_ranks),
+                "key_buckets": rank_buckets(layer_spec.key_ranks[:1] if shared else layer_spec.key_ranks),
                 "value_buckets": rank_buckets(layer_spec.value_ranks),
                 "key_spectra": t.key.spectrum.tolist(),
                 "value_spectra": t.value.spectrum.tolist(),

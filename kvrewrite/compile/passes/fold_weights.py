@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from kvrewrite.compile.folded_weights import FoldedWeights
 from kvrewrite.compile.passes.context import CompileContext
+from kvrewrite.key_modes import key_mode
 from kvrewrite.spec import CompressionSpec, LayerSpec
 
 
@@ -16,7 +17,7 @@ def build_spec(ctx: CompileContext, key_ranks: list[list[int]], value_ranks: lis
     plan, geo = ctx.plan, ctx.geometry
     layer_specs = []
     for idx, transforms in enumerate(transforms if transforms is not None else ctx.transforms):
-        freq_order = transforms.key.freq_order.tolist() if transforms.key.freq_order is not None else None
+        freq_order = key_mode(transforms.key.mode).stored_order(transforms.key)
         layer_specs.append(LayerSpec(transforms.key.mode, key_ranks[idx], value_ranks[idx], freq_order))
     spec = CompressionSpec(
         source_model=ctx.report["source"]["model"],

@@ -22,6 +22,7 @@ from kvrewrite.io.source_validation import (
     refuse_custom_code,
 )
 from kvrewrite.io.sources import resolve_model_source
+from kvrewrite.key_modes import resolve_key_mode
 
 
 class LoadCheckpoint:
@@ -43,7 +44,7 @@ class LoadCheckpoint:
         ctx.adapter = adapter_for(config)
         ctx.geometry = ctx.adapter.geometry(config)
         ctx.config = config
-        ctx.key_mode = ctx.adapter.resolve_key_mode(config, ctx.plan.rope_mode, ctx.plan.objective)
+        ctx.key_mode = resolve_key_mode(ctx.adapter, config, ctx.plan.rope_mode, ctx.plan.objective)
         # A missing/truncated shard or pickle-only weights fail here, naming the file, before any pass reads.
         check_safetensors_files(resolved.path)
         try:

@@ -18,7 +18,8 @@ from kvrewrite.compile.layer_streaming import StreamedModel
 from kvrewrite.compile.passes.context import CompileContext
 from kvrewrite.compile.passes.fold_weights import build_spec
 from kvrewrite.progress import progress_bar
-from kvrewrite.spec import KEY_MODE_CROSSHEAD, KEY_MODE_FREQ, full_key_ranks
+from kvrewrite.key_modes import key_mode
+from kvrewrite.spec import full_key_ranks
 
 PROBE_TOKENS = 256
 # Fixed probe rates, not the target: the curves (and so the whole rate table) are then a function of
@@ -54,14 +55,14 @@ class MeasureSensitivity:
         # Every (layer, side, rate) probe: (key ranks, value ranks) of that layer, all others at full rank.
         layer_probes, meta = [], {}
         for idx, transforms in enumerate(ctx.transforms):
-            crosshead = transforms.key.mode == KEY_MODE_CROSSHEAD
-            key_step = 2 if transforms.key.mode in (KEY_MODE_FREQ, KEY_MODE_CROSSHEAD) else 1
+            mode = key_mode(transforms.key.mode)
+            key_step = mode.rank_step
             probes_here = {}
             for side, spectra, step in (("key", transforms.key.spectrum, key_step), ("value", transforms.value.spectrum, 1)):
                 for rate in rates:
                     r = probe_rank(d, rate, step)
                     # crosshead: one shared key block, truncated to the same number of kept key dims in all.
-                    keep = [r * n_kv] + [0] * (n_kv - 1) if side == "key" and crosshead else [r] * n_kv
+                    keep = mode.uniform_key_ranks(r, n_kv) if side == "key" else [r] * n_kv
                     probes_here[f"{side}@{rate}"] = (keep, full_values[idx]) if side == "key" else (full_keys[idx], keep)
                     # Kept dims per row of the spectra (a crosshead spectrum is one row of n_kv * d values).
                     meta[(idx, f"{side}@{rate}")] = (side, rate, r, relative_error(spectra, sum(keep) // spectra.shape[0]))

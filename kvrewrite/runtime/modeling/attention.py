@@ -13,37 +13,16 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kvrewrite.errors import CorruptCheckpointError
+from kvrewrite.key_modes import allowed_key_modes, key_mode
+from kvrewrite.key_modes.rows import block_prefix_rows, slice_linear_rows
 from kvrewrite.runtime.kernels.cache_layout import ROWS, packed_view, to_storage
 from kvrewrite.runtime.kernels.dispatch import PackedAttentionFn, build_attention, resolve_backend
 from kvrewrite.runtime.kernels.reference import PackedLayout, boolean_mask, grouped_attention, shared_key_attention
-from kvrewrite.spec import KEY_MODE_CROSSHEAD, KEY_MODE_FOLDED, KEY_MODE_FREQ, KEY_MODE_LATENT, KEY_MODE_POST_ROPE, LayerSpec, full_key_ranks
+from kvrewrite.spec import LayerSpec
 
 PACKED_ATTENTION = "kvrewrite_packed"
 # Cache layers that may hold column-major packed latents (see CompressedAttention.cache_order).
 _COLUMN_CACHE_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
-
-
-def _block_prefix_rows(weight: torch.Tensor, block_sizes: list[int], keep: list[int]) -> torch.Tensor:
-    """Keep the first keep[i] rows of each consecutive row block of size block_sizes[i]."""
-    pieces, start = [], 0
-    for size, k in zip(block_sizes, keep):
-        pieces.append(weight[start : start + k])
-        start += size
-    return torch.cat(pieces, dim=0).contiguous()
-
-
-def _slice_linear_rows(linear: nn.Linear, block_sizes: list[int], keep: list[int]) -> None:
-    """Keep a prefix of every head's output rows of a linear layer (weight and bias alike)."""
-    linear.weight = nn.Parameter(_block_prefix_rows(linear.weight, block_sizes, keep))
-    if linear.bias is not None:
-        linear.bias = nn.Parameter(_block_prefix_rows(linear.bias, block_sizes, keep))
-    linear.out_features = linear.weight.shape[0]
-
-
-def _rotate_interleaved_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs stored as (a0, b0, a1, b1, ...) with per-pair cos/sin [B, T, P]."""
-    a, b = x[..., 0::2], x[..., 1::2]
-    return torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2)
 
 
 class CompressedAttention(nn.Module):
@@ -55,11 +34,12 @@ class CompressedAttention(nn.Module):
         self.layer_idx = layer_idx
         self.key_mode = layer_spec.key_mode
         geometry, features = adapter.geometry(config), adapter.features(config)
-        if self.key_mode not in adapter.allowed_key_modes(config):
+        if self.key_mode not in allowed_key_modes(adapter, config):
             raise CorruptCheckpointError(
                 f"layer {layer_idx}: key mode {self.key_mode!r} is impossible for {adapter.family} "
-                f"(allowed: {', '.join(adapter.allowed_key_modes(config))})"
+                f"(allowed: {', '.join(allowed_key_modes(adapter, config))})"
             )
+        self.mode = key_mode(self.key_mode)  # the KeyMode (kvrewrite.key_modes) behind the name
         self.num_heads = geometry.num_attention_heads
         self.num_kv_heads = geometry.num_key_value_heads
         self.group_size = geometry.group_size
@@ -72,23 +52,18 @@ class CompressedAttention(nn.Module):
         self._apply_rope = adapter.apply_rope
 
         hidden, d = geometry.hidden_size, self.head_dim
-        # crosshead: each query head scores against the layer's whole shared key block (n_kv*d at full rank).
-        q_width = self.num_kv_heads * d if self.key_mode == KEY_MODE_CROSSHEAD else d
+        q_width = self.mode.query_width(self.num_kv_heads, d)
         self.q_proj = nn.Linear(hidden, self.num_heads * q_width, bias=features.q_bias)
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=features.k_bias)
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=features.v_bias)
         self.o_proj = nn.Linear(self.num_heads * d, hidden, bias=features.o_bias)
         norms = adapter.make_qk_norms(config) if features.qk_norm else None
         self.q_norm, self.k_norm = norms if norms is not None else (None, None)
-        if self.key_mode == KEY_MODE_POST_ROPE:
-            self.q_map = nn.Parameter(torch.empty(self.num_kv_heads, d, d))
-            self.k_map = nn.Parameter(torch.empty(self.num_kv_heads, d, d))
-        if self.key_mode == KEY_MODE_LATENT:
-            self.k_up = nn.Parameter(torch.empty(self.num_kv_heads, d, d))
+        self.mode.add_parameters(self)
         # Plain data, not buffers: transformers builds models on the meta device and materialises only
         # what the checkpoint holds, so index tensors are built lazily on first use.
         self.freq_order = layer_spec.freq_order
-        self.key_ranks = full_key_ranks(self.key_mode, self.num_kv_heads, d)
+        self.key_ranks = self.mode.full_key_ranks(self.num_kv_heads, d)
         self.value_ranks = [d] * self.num_kv_heads
         self.layout = PackedLayout(tuple(self.key_ranks), tuple(self.value_ranks), self.group_size)
         self._indices: dict[str, torch.Tensor] | None = None
@@ -105,20 +80,12 @@ class CompressedAttention(nn.Module):
         ):
             raise ValueError(f"layer {self.layer_idx}: ranks can only shrink ({self.key_ranks} -> {key_ranks})")
         g = self.group_size
-        old_q = [r for r in self.key_ranks for _ in range(g)]
-        new_q = [r for r in key_ranks for _ in range(g)]
         with torch.no_grad():
-            # Key rows are stored prefix-ordered per head in every mode that compresses k_proj itself.
-            if self.key_mode in (KEY_MODE_FREQ, KEY_MODE_LATENT, KEY_MODE_FOLDED, KEY_MODE_CROSSHEAD):
-                _slice_linear_rows(self.k_proj, self.key_ranks, key_ranks)
-            if self.key_mode in (KEY_MODE_FREQ, KEY_MODE_FOLDED):
-                _slice_linear_rows(self.q_proj, old_q, new_q)
-            if self.key_mode == KEY_MODE_CROSSHEAD:
-                _slice_linear_rows(self.q_proj, [self.key_ranks[0]] * self.num_heads, [key_ranks[0]] * self.num_heads)
-            _slice_linear_rows(self.v_proj, self.value_ranks, value_ranks)
+            self.mode.slice_query_key(self, key_ranks)
+            slice_linear_rows(self.v_proj, self.value_ranks, value_ranks)
             old_o = [r for r in self.value_ranks for _ in range(g)]
             new_o = [r for r in value_ranks for _ in range(g)]
-            self.o_proj.weight = nn.Parameter(_block_prefix_rows(self.o_proj.weight.T, old_o, new_o).T.contiguous())
+            self.o_proj.weight = nn.Parameter(block_prefix_rows(self.o_proj.weight.T, old_o, new_o).T.contiguous())
             self.o_proj.in_features = self.o_proj.weight.shape[1]
         self.key_ranks, self.value_ranks = list(key_ranks), list(value_ranks)
         self.layout = PackedLayout(tuple(self.key_ranks), tuple(self.value_ranks), self.group_size)
@@ -138,35 +105,7 @@ class CompressedAttention(nn.Module):
         return self._indices[name]
 
     def _build_indices(self) -> dict[str, torch.Tensor]:
-        d, g = self.head_dim, self.group_size
-        indices = {"empty": torch.empty(0, dtype=torch.long)}
-        if self.key_mode == KEY_MODE_FREQ:
-            # Frequency of every stored pair, in packed query / key order.
-            key_freqs = [self.freq_order[h][: r // 2] for h, r in enumerate(self.key_ranks)]
-            indices["key_pair_freq"] = torch.tensor([f for fs in key_freqs for f in fs], dtype=torch.long)
-            indices["query_pair_freq"] = torch.tensor([f for fs in key_freqs for _ in range(g) for f in fs], dtype=torch.long)
-        if self.key_mode == KEY_MODE_CROSSHEAD:
-            shared = self.freq_order[0][: self.key_ranks[0] // 2]
-            indices["key_pair_freq"] = torch.tensor(shared, dtype=torch.long)
-            indices["query_pair_freq"] = torch.tensor(shared * self.num_heads, dtype=torch.long)
-        return indices
-
-    def _post_rope_map(self) -> torch.Tensor:
-        """Block-diagonal [(H + H_kv) * d, Qsum + Ksum]: every head's kept [d, r] map, q heads then k heads.
-
-        One matmul of the rotated [q | k] rows with it yields the packed query and key at once.
-        """
-        maps = self._indices.get("post_rope_map") if self._indices is not None else None
-        if maps is not None and maps.dtype == self.q_map.dtype and maps.device == self.q_map.device:
-            return maps
-        g = self.group_size
-        with torch.no_grad():
-            blocks = [self.q_map[h // g, :, : self.key_ranks[h // g]] for h in range(self.num_heads)]
-            blocks += [self.k_map[h, :, : self.key_ranks[h]] for h in range(self.num_kv_heads)]
-            maps = torch.block_diag(*blocks).contiguous()
-        self._index("empty", maps.device)  # make sure the index cache exists on this device
-        self._indices["post_rope_map"] = maps
-        return maps
+        return {"empty": torch.empty(0, dtype=torch.long), **self.mode.indices(self)}
 
     def kv_elements_per_token(self) -> int:
         return sum(self.key_ranks) + sum(self.value_ranks)
@@ -200,22 +139,12 @@ class CompressedAttention(nn.Module):
         query = self.q_proj(hidden_states)
         key = self.k_proj(hidden_states)
         value = self.v_proj(hidden_states)
-        if self.q_norm is not None:  # per-head q/k norms (post-rope mode only: the maps come after them)
+        if self.q_norm is not None:  # per-head q/k norms (only modes that project after RoPE allow them)
             query = self.q_norm(query.view(batch, q_len, self.num_heads, self.head_dim)).flatten(2)
             key = self.k_norm(key.view(batch, q_len, self.num_kv_heads, self.head_dim)).flatten(2)
 
-        if self.key_mode in (KEY_MODE_FREQ, KEY_MODE_CROSSHEAD):
-            q_freq, k_freq = self._index("query_pair_freq", query.device), self._index("key_pair_freq", query.device)
-            query = _rotate_interleaved_pairs(query, cos[..., q_freq], sin[..., q_freq])
-            key = _rotate_interleaved_pairs(key, cos[..., k_freq], sin[..., k_freq])
-        elif self.key_mode == KEY_MODE_POST_ROPE:
-            q = self._apply_rope(self._heads(query, self.num_heads), cos, sin)
-            k = self._apply_rope(self._heads(key, self.num_kv_heads), cos, sin)
-            rotated = torch.cat((q.transpose(1, 2).flatten(2), k.transpose(1, 2).flatten(2)), dim=-1)
-            projected = rotated @ self._post_rope_map()  # q and k maps of every head in one matmul
-            query, key = projected.split((self.layout.query_offsets[-1], self.layout.key_offsets[-1]), dim=-1)
-        # folded (no RoPE): q_proj/k_proj already produce the compressed query and key.
-        # latent: key stays the pre-RoPE latent from the folded k_proj; it is rotated inside attention.
+        # The mode's packed query and key (a mode that rebuilds keys keeps the pre-RoPE latent; attend rotates it).
+        query, key = self.mode.project(self, query, key, cos, sin)
 
         if self.probe_ranks is not None:
             key, value = self._apply_probe(key, value)
@@ -224,9 +153,9 @@ class CompressedAttention(nn.Module):
     def attend(self, query, key, value, attention_mask, past_len: int, **kwargs) -> torch.Tensor:
         """Attention of the new queries over the packed keys/values [B, 1, S, C] (cache indices 0..S-1; the
         queries sit at past_len..past_len+T-1) -> o_proj's input [B, T, Osum]."""
-        if self.key_mode == KEY_MODE_LATENT:
+        if self.mode.rebuilds_keys:
             return self._latent_attention(query, key, value, attention_mask, past_len)
-        if self.key_mode == KEY_MODE_CROSSHEAD:
+        if self.mode.shared_key_block:
             return shared_key_attention(query, key, value, attention_mask, self.scaling, self.layout)
         attend = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
         output, _ = attend(self, query, key, value, attention_mask, scaling=self.scaling, dropout=0.0, **kwargs)
@@ -245,7 +174,7 @@ class CompressedAttention(nn.Module):
         layer = layers[self.layer_idx] if layers is not None and self.layer_idx < len(layers) else None
         if (
             type(layer) not in _COLUMN_CACHE_LAYERS
-            or self.key_mode in (KEY_MODE_LATENT, KEY_MODE_CROSSHEAD)
+            or not self.mode.uses_packed_kernel
             or self.config._attn_implementation != PACKED_ATTENTION
         ):
             return ROWS
@@ -277,8 +206,7 @@ class CompressedAttention(nn.Module):
         ko, vo = self.layout.key_offsets, self.layout.value_offsets
         outputs = []
         for g, (rk, rv) in enumerate(zip(self.key_ranks, self.value_ranks)):
-            k = key_latent[..., ko[g] : ko[g + 1]] @ self.k_up[g, :rk]  # [B, 1, S, d]
-            k = self._apply_rope(k, cos_k, sin_k)
+            k = self.mode.rebuild_keys(self, key_latent[..., ko[g] : ko[g + 1]], g, cos_k, sin_k)  # [B, 1, S, d]
             q_g = q[:, g * self.group_size : (g + 1) * self.group_size]
             out = grouped_attention(q_g, k, value[..., vo[g] : vo[g + 1]], allowed, self.scaling)
             outputs.append(out.transpose(1, 2).reshape(batch, q_len, self.group_size * rv))

@@ -23,14 +23,14 @@ import torch.nn.functional as F
 
 from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.runtime.kernels.reference import boolean_mask, softmax_dtype
-from kvrewrite.spec import KEY_MODE_CROSSHEAD, KEY_MODE_LATENT
 
 
 def check_full_rank(module) -> None:
     """The tiered cache needs every head's full-rank transform: the window keeps all dims."""
     d = module.head_dim
-    if module.key_mode == KEY_MODE_CROSSHEAD:
-        raise InvalidArgumentError("a tiered cache (recent window) does not support crosshead keys; compile with another --rope-mode")
+    if module.mode.shared_key_block:
+        raise InvalidArgumentError(f"a tiered cache (recent window) does not support {module.key_mode} keys (one key block "
+                                   "shared by all heads); compile with another --rope-mode")
     if any(r != d for r in module.key_ranks) or any(r != d for r in module.value_ranks):
         raise InvalidArgumentError(
             f"layer {module.layer_idx}: a tiered cache needs the model at full rank; load it with "
@@ -103,7 +103,7 @@ def tiered_attention(module, query: torch.Tensor, layer, attention_mask: torch.T
     allowed_recent = allowed[..., kv_len - n_recent :].expand(batch, -1, -1, -1)
 
     heads = query.view(batch, q_len, module.num_heads, d).transpose(1, 2)  # [B, H, T, d]
-    latent = module.key_mode == KEY_MODE_LATENT
+    latent = module.mode.rebuilds_keys
     if latent:
         # Positions are cache indices, as in CompressedAttention._latent_attention (padding-consistent offsets).
         cos, sin = module._rotary[0](query, torch.arange(kv_len, device=device)[None].expand(batch, kv_len))
@@ -118,7 +118,7 @@ def tiered_attention(module, query: torch.Tensor, layer, attention_mask: torch.T
 
     def scores(q: torch.Tensor, latents: torch.Tensor, g: int, rank: int, rope) -> torch.Tensor:
         if latent:
-            keys = module._apply_rope(latents[..., :rank] @ module.k_up[g, :rank], *rope)
+            keys = module.mode.rebuild_keys(module, latents[..., :rank], g, *rope)
             return q @ keys.transpose(-1, -2)
         return q[..., :rank] @ latents[..., :rank].transpose(-1, -2)
 

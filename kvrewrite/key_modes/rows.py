@@ -1,0 +1,48 @@
+"""Row helpers the key modes share with the compressed attention: prefix slicing, row folding, pair rotation."""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+
+# A linear layer's (weight [out, in], bias [out] or None), as the fold works on it (float64).
+Linear64 = tuple[torch.Tensor, "torch.Tensor | None"]
+
+
+def map_rows(linear: Linear64, maps: Iterable[tuple[slice, Callable[[torch.Tensor], torch.Tensor]]]) -> Linear64:
+    """A copy of `linear` whose rows `rows` are fn(original rows), for every (rows, fn) in `maps`.
+
+    A bias row is transformed exactly like its weight row (the bias is the weight's column for a constant 1).
+    """
+    weight, bias = linear
+    new_weight, new_bias = weight.clone(), None if bias is None else bias.clone()
+    for rows, fn in maps:
+        new_weight[rows] = fn(weight[rows])
+        if bias is not None:
+            new_bias[rows] = fn(bias[rows])
+    return new_weight, new_bias
+
+
+def block_prefix_rows(weight: torch.Tensor, block_sizes: list[int], keep: list[int]) -> torch.Tensor:
+    """Keep the first keep[i] rows of each consecutive row block of size block_sizes[i]."""
+    pieces, start = [], 0
+    for size, k in zip(block_sizes, keep):
+        pieces.append(weight[start : start + k])
+        start += size
+    return torch.cat(pieces, dim=0).contiguous()
+
+
+def slice_linear_rows(linear: nn.Linear, block_sizes: list[int], keep: list[int]) -> None:
+    """Keep a prefix of every head's output rows of a linear layer (weight and bias alike)."""
+    linear.weight = nn.Parameter(block_prefix_rows(linear.weight, block_sizes, keep))
+    if linear.bias is not None:
+        linear.bias = nn.Parameter(block_prefix_rows(linear.bias, block_sizes, keep))
+    linear.out_features = linear.weight.shape[0]
+
+
+def rotate_interleaved_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs stored as (a0, b0, a1, b1, ...) with per-pair cos/sin [B, T, P]."""
+    a, b = x[..., 0::2], x[..., 1::2]
+    return torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2)
