@@ -6,6 +6,8 @@ so they see exactly what the codec will code at run time: pre-RoPE latents in la
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from transformers import DynamicCache
 
@@ -62,18 +64,16 @@ def collect_latents_streamed(streamed, layer_ranks: list[tuple[list[int], list[i
     from kvrewrite.progress import progress_bar
 
     latents: Latents = []
+
+    @contextlib.contextmanager
+    def sliced_and_recorded(idx: int, layer):
+        streamed.adapter.attention(layer).set_ranks(*layer_ranks[idx])
+        recorder = _LatentRecorder()
+        yield {"past_key_values": recorder, "use_cache": True}
+        latents.append({"key": torch.cat(recorder.keys), "value": torch.cat(recorder.values)})
+
     with torch.inference_mode(), progress_bar("collecting codec latents", len(layer_ranks), enabled=progress) as bar:
-        batches = list(torch.split(tokens, batch_size))
-        hidden = streamed.embed_batches(batches)
-        inputs = [streamed.layer_inputs(h) for h in hidden]
-        for idx, (key_ranks, value_ranks) in enumerate(layer_ranks):
-            recorder = _LatentRecorder()
-            with streamed.layer(idx) as layer:
-                streamed.adapter.attention(layer).set_ranks(key_ranks, value_ranks)
-                for b in range(len(hidden)):
-                    hidden[b] = streamed.run_layer(layer, hidden[b], inputs[b], past_key_values=recorder, use_cache=True)
-            latents.append({"key": torch.cat(recorder.keys), "value": torch.cat(recorder.values)})
-            bar.advance()
+        streamed.forward(list(torch.split(tokens, batch_size)), on_layer=sliced_and_recorded, progress=bar.advance)
     return latents
 
 
