@@ -15,12 +15,12 @@ import dataclasses
 import math
 
 import torch
-import torch.nn.functional as F
 
 from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.compile.layer_streaming import StreamedModel
 from kvrewrite.compile.passes.context import CompileContext
-from kvrewrite.compile.passes.fold_weights import build_spec
+from kvrewrite.compile.probes import log_probs, truncating
+from kvrewrite.compile.rewrite_spec import build_spec
 from kvrewrite.spec import full_key_ranks, rate_key
 
 RATE_STEP = 0.01
@@ -31,21 +31,11 @@ EVAL_BATCH = 4
 def streamed_log_probs(model: StreamedModel, batches: list[torch.Tensor], layer_ranks: list | None = None) -> list[torch.Tensor]:
     """Next-token log-probabilities of every batch (all but the last position), layer-streamed.
 
-    layer_ranks[i]: (key ranks, value ranks) layer i is truncated to (probe_ranks on a full-rank rewrite).
+    layer_ranks[i]: (key ranks, value ranks) layer i is truncated to (probes.truncated on a full-rank rewrite).
     """
     with torch.inference_mode():
-        hidden = model.embed_batches(batches)
-        inputs = [model.layer_inputs(h) for h in hidden]
-        for idx in range(len(model.layers)):
-            with model.layer(idx) as layer:
-                attn = model.adapter.attention(layer)
-                if layer_ranks is not None:
-                    attn.probe_ranks = layer_ranks[idx]
-                hidden = [model.run_layer(layer, h, i) for h, i in zip(hidden, inputs)]
-                if layer_ranks is not None:
-                    attn.probe_ranks = None
-        with model.output_head() as head:
-            return [F.log_softmax(head(h).float(), dim=-1)[:, :-1] for h in hidden]
+        return model.forward(batches, on_layer=truncating(model.adapter, layer_ranks) if layer_ranks is not None else None,
+                             head=lambda logits: log_probs(logits)[:, :-1])
 
 
 def nll_and_kl(logprobs: list[torch.Tensor], reference_logprobs: list[torch.Tensor], batches: list[torch.Tensor]) -> tuple[float, float]:
