@@ -85,7 +85,7 @@ class Plan:
     seed: int = 0
     overwrite: bool = False
     progress: bool = True
-    # KV codec on top of the reduced cache: none, int4, int2, tada, gear, gear-l, csr, optionally with
+    # KV codec on top of the reduced cache: none or a registered codec (runtime.codecs.codec_names()), optionally with
     # parameters ("gear:bits=4,rank=4"); kv_bits_budget: tada's search budget in stored bits per cached element.
     kv_codec: str = "none"
     kv_bits_budget: float | None = None
