@@ -10,8 +10,8 @@ import torch
 
 import kvrewrite
 from kvrewrite.runtime.codecs import build_layer_codecs, make_codec_cache, parse_codec
-from kvrewrite.runtime.codecs.csr import matching_pursuit, reconstruct
-from kvrewrite.compile.codec_fitting import fit_dictionary, search_tada_bits
+from kvrewrite.runtime.codecs.csr import fit_dictionary, matching_pursuit, reconstruct
+from kvrewrite.runtime.codecs.tada import search_tada_bits
 from kvrewrite.runtime.codecs.packing import pack_bits, packed_length, unpack_bits
 from kvrewrite.errors import CorruptCheckpointError, InvalidArgumentError
 from kvrewrite.publish.evaluation import _logits, cache_tensor_bytes

@@ -18,6 +18,7 @@ from rich.table import Table
 from kvrewrite.errors import InvalidArgumentError, KVRewriteError, KVRewriteWarning
 from kvrewrite.extras import require_compile_extra
 from kvrewrite.compile.sweep import NAMED_CONFIGS
+from kvrewrite.runtime.codecs import codec_names
 from kvrewrite.spec import per_head_key_ranks
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Rewrite a Hugging Face causal LM so its KV cache is smaller.")
@@ -122,7 +123,7 @@ def compress(
     verify_tolerance: float = typer.Option(1e-4, "--verify-tolerance", help="Largest full-rank float64 logit difference the compile accepts (deep models with sharp attention amplify float64 rounding)."),
     seed: int = typer.Option(0, help="Seed for calibration sampling."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
-    kv_codec: str = typer.Option("none", "--kv-codec", help="KV codec on the reduced cache: none, int4, int2, tada, gear, gear-l, csr; parameters as int4:group_size=64 (docs/codecs.md)."),
+    kv_codec: str = typer.Option("none", "--kv-codec", help=f"KV codec on the reduced cache: {', '.join(codec_names())}; parameters as int4:group_size=64 (docs/codecs.md)."),
     kv_bits_budget: Optional[float] = typer.Option(None, "--kv-bits-budget", help="tada: stored bits per cached element for the per-layer bit search."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and the pipeline, do nothing."),
     push_to_hub: Optional[str] = typer.Option(None, "--push-to-hub", help="Then upload the checkpoint (with a generated model card) to this Hub repo id."),

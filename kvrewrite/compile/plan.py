@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from kvrewrite.runtime.codecs.config import parse_codec
+from kvrewrite.runtime.codecs import bits_budget_codecs, parse_codec
 from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.spec import ALLOCATIONS, KEY_MODES, OBJECTIVES, validate_rate
 
@@ -85,7 +85,7 @@ class Plan:
     seed: int = 0
     overwrite: bool = False
     progress: bool = True
-    # KV codec on top of the reduced cache: none, int4, int2, tada, gear, gear-l, csr, optionally with
+    # KV codec on top of the reduced cache: none or a registered codec (runtime.codecs.codec_names()), optionally with
     # parameters ("gear:bits=4,rank=4"); kv_bits_budget: tada's search budget in stored bits per cached element.
     kv_codec: str = "none"
     kv_bits_budget: float | None = None
@@ -140,10 +140,11 @@ class Plan:
             raise InvalidArgumentError("kmeans keep share must be in (0, 1]")
         if self.output is not None:
             self.output = Path(self.output).expanduser()
-        codec = parse_codec(self.kv_codec)  # raises InvalidArgumentError on unknown names / parameters
+        codec = parse_codec(self.kv_codec, "--kv-codec")  # raises InvalidArgumentError on unknown names / parameters
         if self.kv_bits_budget is not None:
-            if codec is None or codec.name != "tada":
-                raise InvalidArgumentError("--kv-bits-budget applies to --kv-codec tada (its per-layer bit search)")
+            if codec is None or not codec.codec_class.takes_bits_budget:
+                raise InvalidArgumentError(f"--kv-bits-budget applies to --kv-codec {' or '.join(bits_budget_codecs())} "
+                                           "(a per-layer bit search)")
             if not 0 < float(self.kv_bits_budget) <= 16:
                 raise InvalidArgumentError("--kv-bits-budget must be in (0, 16] bits per cached element")
             self.kv_bits_budget = float(self.kv_bits_budget)
