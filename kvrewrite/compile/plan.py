@@ -28,7 +28,7 @@ REFITS = ("none", "output", "output-local")
 DEFAULT_RATE_GRID = tuple(round(0.05 * i, 2) for i in range(20))  # 0.00 .. 0.95
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
     model: str
     target_rate: float = 0.5
@@ -90,10 +90,15 @@ class Plan:
     kv_codec: str = "none"
     kv_bits_budget: float | None = None
 
+    def _normalise(self, name: str, value) -> None:
+        # Frozen: a changed plan is dataclasses.replace(plan, ...), which validates again. Only __post_init__
+        # writes, to store the normalised form of what it was given.
+        object.__setattr__(self, name, value)
+
     def __post_init__(self) -> None:
-        self.target_rate = validate_rate(self.target_rate)
-        self.dtype = DTYPE_ALIASES.get(str(self.dtype).lower(), str(self.dtype).lower())
-        self.rate_grid = tuple(sorted({round(validate_rate(r, "rate grid entry"), 4) for r in self.rate_grid}))
+        self._normalise("target_rate", validate_rate(self.target_rate))
+        self._normalise("dtype", DTYPE_ALIASES.get(str(self.dtype).lower(), str(self.dtype).lower()))
+        self._normalise("rate_grid", tuple(sorted({round(validate_rate(r, "rate grid entry"), 4) for r in self.rate_grid})))
         choices = {
             "objective": (self.objective, OBJECTIVES),
             "allocation": (self.allocation, ALLOCATIONS),
@@ -107,7 +112,7 @@ class Plan:
         for name, (value, allowed) in choices.items():
             if value not in allowed:
                 raise InvalidArgumentError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}; got {value!r}")
-        self.probe_rates = tuple(sorted({round(validate_rate(r, "probe rate"), 4) for r in self.probe_rates}))
+        self._normalise("probe_rates", tuple(sorted({round(validate_rate(r, "probe rate"), 4) for r in self.probe_rates})))
         if not self.probe_rates or 0.0 in self.probe_rates:
             raise InvalidArgumentError("probe rates must be one or more rates in (0, 1)")
         if self.device.split(":")[0] not in DEVICES:
@@ -139,14 +144,14 @@ class Plan:
         if not 0.0 < self.kmeans_keep_share <= 1.0:
             raise InvalidArgumentError("kmeans keep share must be in (0, 1]")
         if self.output is not None:
-            self.output = Path(self.output).expanduser()
+            self._normalise("output", Path(self.output).expanduser())
         codec = parse_codec(self.kv_codec)  # raises InvalidArgumentError on unknown names / parameters
         if self.kv_bits_budget is not None:
             if codec is None or codec.name != "tada":
                 raise InvalidArgumentError("--kv-bits-budget applies to --kv-codec tada (its per-layer bit search)")
             if not 0 < float(self.kv_bits_budget) <= 16:
                 raise InvalidArgumentError("--kv-bits-budget must be in (0, 16] bits per cached element")
-            self.kv_bits_budget = float(self.kv_bits_budget)
+            self._normalise("kv_bits_budget", float(self.kv_bits_budget))
 
     def compute_dtype(self) -> torch.dtype:
         return {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.dtype]
