@@ -33,7 +33,7 @@ def test_rate_outside_unit_interval_is_refused(rate):
 
 @pytest.mark.parametrize("option,value", [("objective", "svd"), ("allocation", "random"), ("rope_mode", "none"), ("reduce", "pca")])
 def test_unknown_choices_are_refused(option, value):
-    with pytest.raises(InvalidArgumentError, match=option.replace("_", "-")):
+    with pytest.raises(InvalidArgumentError, match=f"`{option}` must be one of"):
         Plan(model="x", **{option: value})
 
 
@@ -62,7 +62,7 @@ def test_existing_output_is_kept_without_overwrite(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("previous result")
-    with pytest.raises(InvalidArgumentError, match="--overwrite"):
+    with pytest.raises(InvalidArgumentError, match="pass `overwrite`"):
         run_pipeline(Plan(model=str(src), output=out, progress=False), tiny_pipeline())
     assert (out / "keep.txt").read_text() == "previous result"
     # --overwrite replaces only a kvrewrite checkpoint: user files are never deleted (issue 14).
@@ -165,3 +165,21 @@ def test_new_compress_options_reach_the_plan(monkeypatch):
     assert (plan.kmeans_clusters, plan.kmeans_keep_share, plan.rate_grid) == (64, 0.25, (0.2, 0.4))
     assert (plan.fisher_tokens, plan.fisher_shrink, plan.probe_windows, plan.refit_ridge) == (1024, 0.1, 3, 0.01)
     assert plan.probe_rates == (0.3, 0.6)
+
+
+@pytest.mark.parametrize("args,flag", [(["--objective", "svd"], "--objective must be one of"), (["--rope-mode", "none"], "--rope-mode must be one of"),
+                                       (["--kmeans-keep-share", "2"], "--kmeans-keep-share must be in (0, 1]"),
+                                       (["--kv-codec", "int4", "--kv-bits-budget", "4"], "--kv-bits-budget applies to --kv-codec tada"),
+                                       (["--max-shard-size", "lots"], "--max-shard-size must be a size")])
+def test_cli_errors_name_flags_where_the_library_names_parameters(args, flag):
+    result = runner.invoke(app, ["compress", "smollm2-135m", *args, "--dry-run"])
+    assert result.exit_code == 2
+    assert flag in flat(result.output) and "`" not in flat(result.output)
+
+
+def test_cli_message_maps_parameters_to_flags():
+    from kvrewrite.cli.compress_options import PLAN_FLAGS, cli_message
+
+    assert cli_message("rate 0.5 cannot be reached with `min_rank=12`", PLAN_FLAGS) == "rate 0.5 cannot be reached with --min-rank 12"
+    assert cli_message("use `calibration=wiki`; `max_ppl_increase` or `no_such_name`", PLAN_FLAGS) == "use --calibration wiki; --max-ppl-increase or `no_such_name`"
+    assert cli_message("pass `overwrite` or choose another `output`", PLAN_FLAGS) == "pass --overwrite or choose another --output"

@@ -281,7 +281,7 @@ def test_bad_codec_options_are_refused():
         Plan(model="x", kv_codec="int3")
     with pytest.raises(InvalidArgumentError, match="no parameter"):
         Plan(model="x", kv_codec="int4:rank=2")
-    with pytest.raises(InvalidArgumentError, match="applies to --kv-codec tada"):
+    with pytest.raises(InvalidArgumentError, match="applies to `kv_codec=tada`"):
         Plan(model="x", kv_codec="int4", kv_bits_budget=4)
     with pytest.raises(InvalidArgumentError, match="1, 2, 4 or 8"):
         parse_codec("int4:bits=3")

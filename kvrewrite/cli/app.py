@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from kvrewrite.cli.compress_options import number, numbers, plan_arguments, plan_parameters, with_signature
+from kvrewrite.cli.compress_options import PLAN_FLAGS, cli_message, number, numbers, plan_arguments, plan_parameters, with_signature
 from kvrewrite.errors import InvalidArgumentError, KVRewriteError, KVRewriteWarning
 from kvrewrite.extras import require_compile_extra
 from kvrewrite.compile.sweep import NAMED_CONFIGS
@@ -29,7 +29,7 @@ console = Console() if sys.stdout.isatty() else Console(width=140)
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
     if issubclass(category, KVRewriteWarning):
-        console.print(f"[yellow]warning:[/] {escape(str(message))}")  # escaped: [compile] is text, not markup
+        console.print(f"[yellow]warning:[/] {escape(cli_message(str(message), _flags()))}")  # escaped: [compile] is text, not markup
     else:
         _default_showwarning(message, category, filename, lineno, file, line)
 
@@ -49,8 +49,23 @@ def _setup() -> None:
         signal.signal(signal.SIGTERM, _terminate)
 
 
+def _flags() -> dict[str, str]:
+    """Parameter name -> flag: the Plan's options, then the running command's own (push's `revision`, eval's `rates`)."""
+    import click
+
+    flags = dict(PLAN_FLAGS)
+    context = click.get_current_context(silent=True)
+    for param in context.command.params if context is not None else ():
+        longest = max(param.opts, key=len)
+        if param.name and longest.startswith("--"):
+            flags[param.name] = longest
+    return flags
+
+
 def _fail(exc: Exception) -> None:
-    console.print(f"[bold red]error:[/] {escape(str(exc))}")  # escaped: brackets in messages are text, not markup
+    # The library names parameters (`min_rank=12`); the command line says them as its flags (--min-rank 12).
+    message = cli_message(str(exc), _flags())
+    console.print(f"[bold red]error:[/] {escape(message)}")  # escaped: brackets in messages are text, not markup
     raise typer.Exit(code=2)
 
 

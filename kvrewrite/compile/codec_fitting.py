@@ -122,7 +122,7 @@ def search_tada_bits(config: CodecConfig, latents: Latents, key_ranks, value_ran
 
     if total_bits() > budget_bits + 1e-9:
         raise InvalidArgumentError(
-            f"--kv-bits-budget {budget_bits} is below what tada needs at 2 bits everywhere ({total_bits():.2f} bits per "
+            f"`kv_bits_budget={budget_bits}` is below what tada needs at 2 bits everywhere ({total_bits():.2f} bits per "
             "cached element, metadata included)"
         )
     while True:
