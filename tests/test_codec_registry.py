@@ -120,5 +120,5 @@ def test_registry_refuses_clashes_and_forgets_unregistered_codecs():
             parse_codec("int8-wide:group_size=0")
     finally:
         unregister_codec("int8-wide")
-    with pytest.raises(InvalidArgumentError, match="kv_codec must be one of"):
+    with pytest.raises(InvalidArgumentError, match="`kv_codec` must be one of"):
         parse_codec("int8-wide")

@@ -277,11 +277,11 @@ def test_tampered_codec_tables_are_refused(compiled, tmp_path):
 
 
 def test_bad_codec_options_are_refused():
-    with pytest.raises(InvalidArgumentError, match="--kv-codec must be one of"):
+    with pytest.raises(InvalidArgumentError, match="`kv_codec` must be one of"):
         Plan(model="x", kv_codec="int3")
     with pytest.raises(InvalidArgumentError, match="no parameter"):
         Plan(model="x", kv_codec="int4:rank=2")
-    with pytest.raises(InvalidArgumentError, match="applies to --kv-codec tada"):
+    with pytest.raises(InvalidArgumentError, match="applies to `kv_codec=tada`"):
         Plan(model="x", kv_codec="int4", kv_bits_budget=4)
     with pytest.raises(InvalidArgumentError, match="1, 2, 4 or 8"):
         parse_codec("int4:bits=3")

@@ -188,14 +188,14 @@ def test_bfloat16_compile_on_cpu(tmp_path):
 
 def test_device_and_dtype_options_are_validated():
     assert Plan(model="x", dtype="fp32").dtype == "float32"
-    with pytest.raises(InvalidArgumentError, match="--dtype"):
+    with pytest.raises(InvalidArgumentError, match="`dtype`"):
         Plan(model="x", dtype="float16")
-    with pytest.raises(InvalidArgumentError, match="--device"):
+    with pytest.raises(InvalidArgumentError, match="`device`"):
         Plan(model="x", device="tpu")
     if not torch.cuda.is_available():
         with pytest.raises(InvalidArgumentError, match="CUDA"):
             Plan(model="x", device="cuda")
-    with pytest.raises(InvalidArgumentError, match="max-shard-size"):
+    with pytest.raises(InvalidArgumentError, match="`max_shard_size`"):
         Plan(model="x", max_shard_size="lots")
 
 

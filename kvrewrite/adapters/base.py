@@ -133,7 +133,7 @@ class ArchitectureAdapter:
                 else "it has sliding-window layers, whose cache renumbers positions"
             )
             raise UnsupportedModelError(
-                f"--rope-mode {rope_mode} is not possible for model type {config.model_type!r}: {why}; "
+                f"`rope_mode={rope_mode}` is not possible for model type {config.model_type!r}: {why}; "
                 f"allowed: default, auto, {', '.join(allowed)}"
             )
         return rope_mode

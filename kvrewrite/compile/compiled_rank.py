@@ -60,7 +60,7 @@ def whole_compressed_model(folded: FoldedWeights, spec: CompressionSpec, sliced:
 
 def keep_only_compiled_rate(ctx: CompileContext) -> None:
     """A rank-specific weight update (refit, distillation) is for the compiled ranks only: drop every other rate."""
-    key = rate_key(ctx.plan.target_rate)
+    key = rate_key(ctx.target_rate)
     ctx.spec = dataclasses.replace(ctx.spec, rate_table={key: ctx.spec.rate_table[key]} if key in ctx.spec.rate_table else {})
     ctx.report["rate_table"] = ctx.spec.rate_table
 

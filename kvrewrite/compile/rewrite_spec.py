@@ -28,7 +28,7 @@ def build_spec(ctx: CompileContext, key_ranks: list[list[int]], value_ranks: lis
         head_dim=geo.head_dim,
         objective=plan.objective,
         allocation=plan.allocation,
-        target_rate=plan.target_rate,
+        target_rate=plan.target_rate if ctx.target_rate is None else ctx.target_rate,
         layers=layer_specs,
         rate_table=ctx.report.get("rate_table", {}),
         rank_multiple=plan.rank_multiple,

@@ -45,14 +45,14 @@ class CodecConfig:
         return make_codec_config(data["name"], data.get("params", {}))
 
 
-def make_codec_config(name: str, overrides: dict | None = None, option: str = "kv_codec") -> CodecConfig:
+def make_codec_config(name: str, overrides: dict | None = None, option: str = "`kv_codec`") -> CodecConfig:
     codec = codec_class(name, option)
     params = codec.parse_params(overrides or {})
     codec.validate(params)
     return CodecConfig(name, params)
 
 
-def parse_codec(text: str | None, option: str = "kv_codec") -> CodecConfig | None:
+def parse_codec(text: str | None, option: str = "`kv_codec`") -> CodecConfig | None:
     """`int4`, `gear:bits=4,rank=4`, `none` (-> None). `option` names the setting in errors (e.g. `--kv-codec`)."""
     if text is None or text == NONE or text == "":
         return None

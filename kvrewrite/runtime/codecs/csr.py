@@ -96,7 +96,7 @@ class CsrCodec(LayerCodec):
                     found = "missing" if atoms is None else f"shape {tuple(atoms.shape)}"
                     raise CorruptCheckpointError(
                         f"csr dictionary {name} is {found}, expected [{int(config.params['atoms'])}, {r}]: CSR dictionaries "
-                        "are trained at compile time for the compiled ranks; recompile with --kv-codec csr at this rate"
+                        "are trained at compile time for the compiled ranks; recompile with `kv_codec=csr` at this rate"
                     )
                 heads.append(atoms.float())
             dictionaries[side] = heads

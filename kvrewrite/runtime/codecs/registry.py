@@ -41,7 +41,7 @@ def codec_names() -> tuple[str, ...]:
     return (NONE, *_CODECS)
 
 
-def codec_class(name: str, option: str = "kv_codec") -> type[LayerCodec]:
+def codec_class(name: str, option: str = "`kv_codec`") -> type[LayerCodec]:
     """The class registered as `name`; `option` is what the error calls the setting that named it."""
     try:
         return _CODECS[name]

@@ -30,7 +30,7 @@ def check_full_rank(module) -> None:
     """The tiered cache needs every head's full-rank transform: the window keeps all dims."""
     d = module.head_dim
     if module.key_mode == KEY_MODE_CROSSHEAD:
-        raise InvalidArgumentError("a tiered cache (recent window) does not support crosshead keys; compile with another --rope-mode")
+        raise InvalidArgumentError("a tiered cache (recent window) does not support crosshead keys; compile with another `rope_mode`")
     if any(r != d for r in module.key_ranks) or any(r != d for r in module.value_ranks):
         raise InvalidArgumentError(
             f"layer {module.layer_idx}: a tiered cache needs the model at full rank; load it with "
