@@ -65,7 +65,7 @@ def test_atomic_dir_refuses_existing_without_overwrite(tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("keep")
-    with pytest.raises(InvalidArgumentError, match="--overwrite"):
+    with pytest.raises(InvalidArgumentError, match="`overwrite`"):
         with atomic_output_dir(out):
             pytest.fail("block must not run")
     assert (out / "keep.txt").read_text() == "keep"

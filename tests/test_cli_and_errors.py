@@ -33,7 +33,7 @@ def test_rate_outside_unit_interval_is_refused(rate):
 
 @pytest.mark.parametrize("option,value", [("objective", "svd"), ("allocation", "random"), ("rope_mode", "none"), ("reduce", "pca")])
 def test_unknown_choices_are_refused(option, value):
-    with pytest.raises(InvalidArgumentError, match=option.replace("_", "-")):
+    with pytest.raises(InvalidArgumentError, match=f"`{option}` must be one of"):
         Plan(model="x", **{option: value})
 
 
@@ -62,7 +62,7 @@ def test_existing_output_is_kept_without_overwrite(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("previous result")
-    with pytest.raises(InvalidArgumentError, match="--overwrite"):
+    with pytest.raises(InvalidArgumentError, match="pass `overwrite`"):
         run_pipeline(Plan(model=str(src), output=out, progress=False), tiny_pipeline())
     assert (out / "keep.txt").read_text() == "previous result"
     # --overwrite replaces only a kvrewrite checkpoint: user files are never deleted (issue 14).
@@ -116,3 +116,70 @@ def test_compress_command_end_to_end_on_local_text(tmp_path):
     short = runner.invoke(app, ["compress", str(src), "-o", str(tmp_path / "o2"), "--calibration", str(text),
                                 "--calib-tokens", "100000"])
     assert short.exit_code == 2 and "100000" in flat(short.output).replace(",", "")
+
+
+def compress_command():
+    import typer.main
+
+    return typer.main.get_command(app).commands["compress"]
+
+
+def test_every_plan_field_is_a_compress_option_with_the_plans_default():
+    """The CLI's defaults come from the Plan: every field is an option whose default parses back to the Plan's,
+    or library-only with a reason; nothing restated by hand can drift."""
+    import dataclasses
+
+    from kvrewrite.cli.compress_options import LIBRARY_ONLY, OPTIONS_BY_FIELD
+
+    params = {p.name: p for p in compress_command().params}
+    for field in dataclasses.fields(Plan):
+        if field.name in LIBRARY_ONLY:
+            assert LIBRARY_ONLY[field.name], field.name
+            continue
+        assert field.name in params, f"Plan.{field.name} is neither a compress option nor listed in LIBRARY_ONLY"
+        option = OPTIONS_BY_FIELD[field.name]
+        assert option.flag in params[field.name].opts and params[field.name].help
+        shown = params[field.name].default
+        parsed = option.parse(shown, option.flag) if option.parse is not None and shown is not None else shown
+        assert parsed == field.default, (field.name, shown, field.default)
+    # Library-only fields are really not options (and options the command adds itself are not Plan fields).
+    assert not (set(LIBRARY_ONLY) - {"model"}) & set(params)
+    assert set(params) - {f.name for f in dataclasses.fields(Plan)} == {"dry_run", "push_to_hub", "hub_private", "kv_budget"}
+
+
+def test_new_compress_options_reach_the_plan(monkeypatch):
+    """Options that used to be library-only (k-means, rate grid, Fisher, probe windows, refit ridge) reach the Plan."""
+    seen = {}
+
+    def capture(plan, passes, on_pass=None):
+        seen["plan"] = plan
+        raise InvalidArgumentError("stop")
+
+    monkeypatch.setattr("kvrewrite.compile.passes.pipeline.run_pipeline", capture)
+    monkeypatch.setattr("kvrewrite.cli.app.require_compile_extra", lambda *a, **k: None)
+    result = runner.invoke(app, ["compress", "smollm2-135m", "--kmeans-clusters", "64", "--kmeans-keep-share", "0.25",
+                                 "--rate-grid", "0.2,0.4", "--fisher-tokens", "1024", "--fisher-shrink", "0.1",
+                                 "--probe-windows", "3", "--refit-ridge", "0.01", "--probe-rates", "0.3,0.6"])
+    assert result.exit_code == 2 and "stop" in result.output
+    plan = seen["plan"]
+    assert (plan.kmeans_clusters, plan.kmeans_keep_share, plan.rate_grid) == (64, 0.25, (0.2, 0.4))
+    assert (plan.fisher_tokens, plan.fisher_shrink, plan.probe_windows, plan.refit_ridge) == (1024, 0.1, 3, 0.01)
+    assert plan.probe_rates == (0.3, 0.6)
+
+
+@pytest.mark.parametrize("args,flag", [(["--objective", "svd"], "--objective must be one of"), (["--rope-mode", "none"], "--rope-mode must be one of"),
+                                       (["--kmeans-keep-share", "2"], "--kmeans-keep-share must be in (0, 1]"),
+                                       (["--kv-codec", "int4", "--kv-bits-budget", "4"], "--kv-bits-budget applies to --kv-codec tada"),
+                                       (["--max-shard-size", "lots"], "--max-shard-size must be a size")])
+def test_cli_errors_name_flags_where_the_library_names_parameters(args, flag):
+    result = runner.invoke(app, ["compress", "smollm2-135m", *args, "--dry-run"])
+    assert result.exit_code == 2
+    assert flag in flat(result.output) and "`" not in flat(result.output)
+
+
+def test_cli_message_maps_parameters_to_flags():
+    from kvrewrite.cli.compress_options import PLAN_FLAGS, cli_message
+
+    assert cli_message("rate 0.5 cannot be reached with `min_rank=12`", PLAN_FLAGS) == "rate 0.5 cannot be reached with --min-rank 12"
+    assert cli_message("use `calibration=wiki`; `max_ppl_increase` or `no_such_name`", PLAN_FLAGS) == "use --calibration wiki; --max-ppl-increase or `no_such_name`"
+    assert cli_message("pass `overwrite` or choose another `output`", PLAN_FLAGS) == "pass --overwrite or choose another --output"

@@ -10,8 +10,8 @@ import torch
 
 import kvrewrite
 from kvrewrite.runtime.codecs import build_layer_codecs, make_codec_cache, parse_codec
-from kvrewrite.runtime.codecs.csr import matching_pursuit, reconstruct
-from kvrewrite.compile.codec_fitting import fit_dictionary, search_tada_bits
+from kvrewrite.runtime.codecs.csr import fit_dictionary, matching_pursuit, reconstruct
+from kvrewrite.runtime.codecs.tada import search_tada_bits
 from kvrewrite.runtime.codecs.packing import pack_bits, packed_length, unpack_bits
 from kvrewrite.errors import CorruptCheckpointError, InvalidArgumentError
 from kvrewrite.publish.evaluation import _logits, cache_tensor_bytes
@@ -277,11 +277,11 @@ def test_tampered_codec_tables_are_refused(compiled, tmp_path):
 
 
 def test_bad_codec_options_are_refused():
-    with pytest.raises(InvalidArgumentError, match="--kv-codec must be one of"):
+    with pytest.raises(InvalidArgumentError, match="`kv_codec` must be one of"):
         Plan(model="x", kv_codec="int3")
     with pytest.raises(InvalidArgumentError, match="no parameter"):
         Plan(model="x", kv_codec="int4:rank=2")
-    with pytest.raises(InvalidArgumentError, match="applies to --kv-codec tada"):
+    with pytest.raises(InvalidArgumentError, match="applies to `kv_codec=tada`"):
         Plan(model="x", kv_codec="int4", kv_bits_budget=4)
     with pytest.raises(InvalidArgumentError, match="1, 2, 4 or 8"):
         parse_codec("int4:bits=3")

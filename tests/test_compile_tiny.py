@@ -14,6 +14,7 @@ from kvrewrite.io.checkpoint_io import write_checksums
 from kvrewrite.errors import CorruptCheckpointError
 from kvrewrite.publish.evaluation import kv_cache_bytes_per_token
 from kvrewrite.runtime.kernels.cache_layout import COLUMNS, ROWS, packed_view
+from kvrewrite.compile import probes
 from kvrewrite.compile.passes.pipeline import run_pipeline
 from kvrewrite.compile.plan import Plan
 from tiny_models import one_shot_and_cached_logits, random_windows, save_tiny_llama, tiny_pipeline
@@ -178,10 +179,9 @@ def test_sensitivity_probe_equals_real_truncation(sources, tmp_path, mode):
     probed = kvrewrite.load(tmp_path / "out", rate=0.0)  # full rank
     truncated = kvrewrite.load(tmp_path / "out", rate=0.0)
     keys, values = ([10, 0] if mode == "crosshead" else [6, 4]), [10, 2]  # crosshead: one shared key block
-    probed.model.layers[1].self_attn.probe_ranks = (keys, values)
     truncated.model.layers[1].self_attn.set_ranks(keys, values)
     tokens = random_windows(2, 24, seed=8)
-    with torch.no_grad():
+    with torch.no_grad(), probes.truncated(probed.model.layers[1].self_attn, keys, values):
         assert (probed(tokens).logits - truncated(tokens).logits).abs().max().item() < 1e-5
 
 

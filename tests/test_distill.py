@@ -144,11 +144,11 @@ def test_validation_windows_are_never_trained_on():
 
 
 def test_bad_distill_settings_are_refused_and_sweeps_compile_each_rate():
-    with pytest.raises(InvalidArgumentError, match="distill-epochs"):
+    with pytest.raises(InvalidArgumentError, match="`distill_epochs`"):
         Plan(model="x", distill=True, distill_epochs=0)
-    with pytest.raises(InvalidArgumentError, match="distill-lr"):
+    with pytest.raises(InvalidArgumentError, match="`distill_lr`"):
         Plan(model="x", distill=True, distill_lr=0.0)
-    with pytest.raises(InvalidArgumentError, match="distill-tokens"):
+    with pytest.raises(InvalidArgumentError, match="`distill_tokens`"):
         Plan(model="x", distill=True, distill_tokens=0)
     assert not rate_sliceable(parse_config("latent-sensitivity-distill").overrides)
     assert not rate_sliceable(parse_config("d:base=latent-sensitivity,distill=true").overrides)

@@ -115,7 +115,7 @@ def assert_checkpoint_declares_family(out, family):
 def test_impossible_key_mode_fails_before_statistics(sources, tmp_path, family, mode):
     plan = Plan(model=str(sources[family]), output=tmp_path / "out", progress=False, rope_mode=mode)
     started = []
-    with pytest.raises(UnsupportedModelError, match=f"--rope-mode {mode} is not possible for model type"):
+    with pytest.raises(UnsupportedModelError, match=f"`rope_mode={mode}` is not possible for model type"):
         run_pipeline(plan, tiny_pipeline(), on_pass=lambda step: started.append(step.name))
     assert started == ["load_checkpoint"]
     assert not (tmp_path / "out").exists()

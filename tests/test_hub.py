@@ -224,7 +224,7 @@ def test_push_create_pr_is_forwarded(evaluated, tmp_path, monkeypatch):
     assert hub.call("create_commit")["create_pr"] is True
     assert not [n for n, _ in hub.calls if n == "create_branch"]
     assert result.pr_url.endswith("/discussions/1")
-    with pytest.raises(InvalidArgumentError, match="--create-pr"):
+    with pytest.raises(InvalidArgumentError, match="`create_pr`.*`revision`"):
         push_checkpoint(ckpt, "someone/tiny-p50", create_pr=True, revision="dev", api=HfApi(token="hf_test"))
 
 

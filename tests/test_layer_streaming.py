@@ -17,6 +17,7 @@ from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.compile.layer_streaming import SourceModel
 from kvrewrite.compile.passes.collect_statistics import collect_statistics
 from kvrewrite.compile.passes.pipeline import run_pipeline
+from kvrewrite.compile.probes import truncated
 from kvrewrite.compile.plan import Plan
 from sharded_random_llama import write_random_llama
 from tiny_families import TINY_CONFIGS, save_tiny_family
@@ -160,11 +161,9 @@ def test_streamed_sensitivity_equals_whole_model_probe(tmp_path):
         r, d = probe["rank"], model.config.head_dim
         keep = [r] * model.config.num_key_value_heads
         full = [d] * len(keep)
-        model.model.layers[idx].self_attn.probe_ranks = (keep, full) if side == "key" else (full, keep)
-        with torch.no_grad():
+        with torch.no_grad(), truncated(model.model.layers[idx].self_attn, *((keep, full) if side == "key" else (full, keep))):
             ref = F.log_softmax(original(probe_tokens).logits, -1)
             new = F.log_softmax(model(probe_tokens).logits, -1)
-        model.model.layers[idx].self_attn.probe_ranks = None
         kl = float((ref.exp() * (ref - new)).sum(-1).mean())
         assert probe["kl"] == pytest.approx(kl, rel=1e-3, abs=1e-8)  # fp32 rounding of tiny KLs
 
@@ -189,14 +188,14 @@ def test_bfloat16_compile_on_cpu(tmp_path):
 
 def test_device_and_dtype_options_are_validated():
     assert Plan(model="x", dtype="fp32").dtype == "float32"
-    with pytest.raises(InvalidArgumentError, match="--dtype"):
+    with pytest.raises(InvalidArgumentError, match="`dtype`"):
         Plan(model="x", dtype="float16")
-    with pytest.raises(InvalidArgumentError, match="--device"):
+    with pytest.raises(InvalidArgumentError, match="`device`"):
         Plan(model="x", device="tpu")
     if not torch.cuda.is_available():
         with pytest.raises(InvalidArgumentError, match="CUDA"):
             Plan(model="x", device="cuda")
-    with pytest.raises(InvalidArgumentError, match="max-shard-size"):
+    with pytest.raises(InvalidArgumentError, match="`max_shard_size`"):
         Plan(model="x", max_shard_size="lots")
 
 

@@ -42,3 +42,18 @@ def test_the_graph_sees_a_known_arrow():
     edges = folder_edges()
     assert "kvrewrite.runtime.load -> kvrewrite.io.lazy_checkpoint" in edges[("runtime", "io")]
     assert ("compile", "method") in edges
+
+
+def test_published_checkpoint_stub_paths_still_import():
+    """Checkpoints on the Hub carry a modeling_kvrewrite.py stub that imports kvrewrite.modeling.families (format-1
+    ones: kvrewrite.modeling.llama); the layout may move, those paths must keep giving the registered classes."""
+    from kvrewrite.compile.passes.emit import HUB_MODELING_STUB
+    from kvrewrite.modeling import families as stable_families
+    from kvrewrite.modeling.llama import KVRewriteLlamaForCausalLM
+    from kvrewrite.runtime.modeling.families import COMPRESSED_FAMILIES
+
+    assert "from kvrewrite.modeling.families import" in HUB_MODELING_STUB
+    for config_class, model_class in COMPRESSED_FAMILIES.values():
+        assert getattr(stable_families, config_class.__name__) is config_class
+        assert getattr(stable_families, model_class.__name__) is model_class
+    assert KVRewriteLlamaForCausalLM is COMPRESSED_FAMILIES["kvrewrite_llama"][1]

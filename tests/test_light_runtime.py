@@ -20,7 +20,7 @@ from tiny_models import random_windows, save_tiny_llama, tiny_pipeline
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCKED = ("gensim", "sklearn", "matplotlib")  # the `compile` extra, by import name
-COMPILER = ("kvrewrite.compile.passes", "kvrewrite.compile.api", "kvrewrite.compile.plan")
+COMPILER = ("kvrewrite.compile", "kvrewrite.publish")  # the whole compiler, and evaluation, cards and plots
 
 # Run with `python -c`: a None entry in sys.modules is what an uninstalled package looks like to both
 # `import x` (ModuleNotFoundError) and importlib.util.find_spec (None), so no optional-import probe is fooled.
@@ -34,7 +34,7 @@ torch.set_num_threads({threads})
 import kvrewrite
 # The rest of the runtime, imported whole: token tiers, KV codecs, kernels, the old Llama stub's module.
 import kvrewrite.runtime.codecs, kvrewrite.runtime.codecs.checkpoint, kvrewrite.runtime.kernels, kvrewrite.modeling.llama
-import kvrewrite.runtime.tiers, kvrewrite.runtime.tiers.attention, kvrewrite.compile.token_budget, kvrewrite.runtime.tiers.build, kvrewrite.runtime.tiers.eviction
+import kvrewrite.runtime.tiers, kvrewrite.runtime.tiers.attention, kvrewrite.runtime.tiers.token_policy_file, kvrewrite.runtime.tiers.build, kvrewrite.runtime.tiers.eviction, kvrewrite.runtime.cache_bytes
 from transformers import AutoModelForCausalLM
 
 tokens = torch.load({tokens!r})

@@ -134,9 +134,9 @@ def test_greedy_minimises_total_relative_error_and_respects_steps():
 
 def test_floor_that_makes_rate_unreachable_is_reported():
     items = spectra_items(2)
-    with pytest.raises(InvalidArgumentError, match="min-rank"):
+    with pytest.raises(InvalidArgumentError, match="`min_rank=8`"):
         allocate_eps(items, 0.9, min_rank=8)
-    with pytest.raises(InvalidArgumentError, match="min-rank"):
+    with pytest.raises(InvalidArgumentError, match="`min_rank=8`"):
         allocate_greedy(items, 0.9, min_rank=8)
 
 

@@ -18,7 +18,6 @@ from kvrewrite.compile.passes.fit_kv_codec import FitKVCodec
 from kvrewrite.compile.passes.fold_weights import FoldWeights
 from kvrewrite.compile.passes.load_checkpoint import LoadCheckpoint
 from kvrewrite.compile.passes.measure_sensitivity import MeasureSensitivity
-from kvrewrite.compile.passes.quality_budget import QualityBudget
 from kvrewrite.compile.passes.refit_output import RefitOutput
 from kvrewrite.compile.passes.verify import Verify
 
@@ -89,7 +88,6 @@ def tiny_pipeline(tokens: torch.Tensor | None = None) -> list:
         MeasureSensitivity(),
         AllocateRanks(),
         FoldWeights(),
-        QualityBudget(),
         Verify(),
         RefitOutput(),
         DistillAttention(),

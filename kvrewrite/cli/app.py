@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import signal
 import sys
@@ -15,6 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from kvrewrite.cli.compress_options import PLAN_FLAGS, cli_message, number, numbers, plan_arguments, plan_parameters, with_signature
 from kvrewrite.errors import InvalidArgumentError, KVRewriteError, KVRewriteWarning
 from kvrewrite.extras import require_compile_extra
 from kvrewrite.compile.sweep import NAMED_CONFIGS
@@ -25,43 +27,9 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help="Rewrite a Hu
 console = Console() if sys.stdout.isatty() else Console(width=140)
 
 
-def _fraction(text: str | None) -> float | None:
-    """'5%' -> 0.05; '0.05' -> 0.05."""
-    if text is None:
-        return None
-    text = text.strip()
-    try:
-        return float(text[:-1]) / 100 if text.endswith("%") else float(text)
-    except ValueError:
-        raise InvalidArgumentError(f"--max-ppl-increase must be a percentage (5%) or a fraction (0.05), got {text!r}") from None
-
-
-def _number(text: str, option: str) -> float:
-    """A fraction given on the command line; '50%' is refused with the fraction it probably meant."""
-    text = text.strip()
-    if text.endswith("%"):
-        try:
-            hint = f"; for {text} pass {float(text[:-1]) / 100:g}"
-        except ValueError:
-            hint = ""
-        raise InvalidArgumentError(f"{option} takes a fraction in [0, 1), not a percentage: got {text!r}{hint}")
-    try:
-        return float(text)
-    except ValueError:
-        raise InvalidArgumentError(f"{option} must be a number such as 0.5, got {text!r}") from None
-
-
-def _numbers(text: str, option: str) -> list[float]:
-    """A comma-separated list of fractions, e.g. --probe-rates 0.3,0.5."""
-    values = [_number(part, option) for part in text.split(",") if part.strip()]
-    if not values:
-        raise InvalidArgumentError(f"{option} needs at least one number, got {text!r}")
-    return values
-
-
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
     if issubclass(category, KVRewriteWarning):
-        console.print(f"[yellow]warning:[/] {escape(str(message))}")  # escaped: [compile] is text, not markup
+        console.print(f"[yellow]warning:[/] {escape(cli_message(str(message), _flags()))}")  # escaped: [compile] is text, not markup
     else:
         _default_showwarning(message, category, filename, lineno, file, line)
 
@@ -81,69 +49,34 @@ def _setup() -> None:
         signal.signal(signal.SIGTERM, _terminate)
 
 
+def _flags() -> dict[str, str]:
+    """Parameter name -> flag: the Plan's options, then the running command's own (push's `revision`, eval's `rates`)."""
+    import click
+
+    flags = dict(PLAN_FLAGS)
+    context = click.get_current_context(silent=True)
+    for param in context.command.params if context is not None else ():
+        longest = max(param.opts, key=len)
+        if param.name and longest.startswith("--"):
+            flags[param.name] = longest
+    return flags
+
+
 def _fail(exc: Exception) -> None:
-    console.print(f"[bold red]error:[/] {escape(str(exc))}")  # escaped: brackets in messages are text, not markup
+    # The library names parameters (`min_rank=12`); the command line says them as its flags (--min-rank 12).
+    message = cli_message(str(exc), _flags())
+    console.print(f"[bold red]error:[/] {escape(message)}")  # escaped: brackets in messages are text, not markup
     raise typer.Exit(code=2)
 
 
-@app.command()
-def compress(
-    model: str = typer.Argument(..., help="Hub id (e.g. meta-llama/Llama-3.1-8B), local directory, or 'smollm2-135m' (bundled)."),
-    target_rate: str = typer.Option("0.5", "--target-rate", "-p", help="Share of KV-cache elements removed, in [0, 1) (0.5, not 50%)."),
-    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Output directory (default: <model>-kvrewrite-pNN; with a quality budget, whose rate is only known at the end, <model>-kvrewrite-ppl5 / -kl0.05)."),
-    objective: str = typer.Option("optimal", help="zack (paper-faithful SVD) or optimal (whitened, output-aware)."),
-    allocation: str = typer.Option("sensitivity", help="eps (ZACK Eq. 6 shared removal rate), greedy (objective error), sensitivity (greedy weighted by measured KL per layer and side) or uniform."),
-    rope_mode: str = typer.Option("default", "--rope-mode", help="default (latent for optimal, post-rope for zack, or what the family allows), auto (chosen per layer by measured KL), freq, post-rope, latent, crosshead (RoPE models) or folded (models without RoPE); checked against the model's family (docs/adapters.md)."),
-    prefer: str = typer.Option("quality", "--prefer", help="auto only: quality (every key mode) or zero-overhead (freq/post-rope/crosshead: no work that grows with context)."),
-    key_mode_cost: float = typer.Option(0.0, "--key-mode-cost", help="auto only: a mode of runtime cost c (latent 1, post-rope 0.1, freq/crosshead 0) must have (1 + W c) times less measured KL to be chosen."),
-    calibration: str = typer.Option("wiki", help="wiki, synthetic, or a path to a text file / directory of .txt files."),
-    calib_tokens: int = typer.Option(32768, "--calib-tokens", help="Calibration tokens (ZACK needs at least 16K)."),
-    seq_len: int = typer.Option(512, "--seq-len", help="Calibration window length."),
-    batch_size: int = typer.Option(4, "--batch-size", help="Calibration windows per forward pass (and per --distill optimiser step)."),
-    reduce: str = typer.Option("none", help="none or kmeans (ZDC §5.1 pruning + k-means reducer)."),
-    min_rank: int = typer.Option(0, "--min-rank", help="Floor on every head's rank."),
-    rank_multiple: int = typer.Option(1, "--rank-multiple", help="Round ranks to multiples of this (8 or 16 for kernels)."),
-    max_ppl_increase: Optional[str] = typer.Option(None, "--max-ppl-increase", help="Quality budget instead of a rate: the largest rate whose perplexity rises at most this much on held-back calibration text (e.g. 5% or 0.05)."),
-    max_kl: Optional[float] = typer.Option(None, "--max-kl", help="Quality budget: the largest rate whose mean next-token KL (nats) on held-back calibration text stays within this."),
-    budget_tokens: int = typer.Option(4096, "--budget-tokens", help="Calibration tokens held back from the statistics for the quality budget search."),
-    value_metric: str = typer.Option("output", "--value-metric", help="output (attention-output error) or fisher (weighted by the loss gradient at the attention output)."),
-    refit: str = typer.Option("none", "--refit", help="none; output: refit every o_proj by least squares at the compiled ranks against the original model's attention outputs; output-local: against the original layer on the compressed hidden states (the checkpoint serves its compiled rate only; docs/refit.md)."),
-    refit_tokens: int = typer.Option(16384, "--refit-tokens", help="Calibration tokens the output refit is fitted on."),
-    distill: bool = typer.Option(False, "--distill", help="Train the attention weights at the compiled ranks against the original model's next-token distribution (zero runtime cost; the checkpoint serves its compiled rate only; docs/distill.md)."),
-    distill_tokens: int = typer.Option(32768, "--distill-tokens", help="Calibration tokens the distillation trains on (1/16 of them held back for validation)."),
-    distill_epochs: float = typer.Option(2.0, "--distill-epochs", help="Passes over the distillation tokens (the best epoch on the validation windows is kept)."),
-    distill_lr: float = typer.Option(1e-5, "--distill-lr", help="Adam learning rate of the distillation (cosine decay)."),
-    probe_rates: str = typer.Option("0.5", "--probe-rates", help="Sensitivity allocation: comma-separated truncation rates each layer side is probed at (one point, or a KL curve)."),
-    revision: Optional[str] = typer.Option(None, help="Hub revision of the source model."),
-    device: str = typer.Option("cpu", help="Where decoder layers run: cpu or cuda (statistics are float64 on the CPU either way)."),
-    dtype: str = typer.Option("float32", help="Compute and output dtype: float32 (fp32) or bfloat16 (bf16)."),
-    max_shard_size: str = typer.Option("1GB", "--max-shard-size", help="Largest output shard; shards are written as they fill."),
-    verify_tokens: int = typer.Option(512, "--verify-tokens", help="Calibration tokens the verify pass runs (float64, layer by layer)."),
-    verify_tolerance: float = typer.Option(1e-4, "--verify-tolerance", help="Largest full-rank float64 logit difference the compile accepts (deep models with sharp attention amplify float64 rounding)."),
-    seed: int = typer.Option(0, help="Seed for calibration sampling."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
-    kv_codec: str = typer.Option("none", "--kv-codec", help="KV codec on the reduced cache: none, int4, int2, tada, gear, gear-l, csr; parameters as int4:group_size=64 (docs/codecs.md)."),
-    kv_bits_budget: Optional[float] = typer.Option(None, "--kv-bits-budget", help="tada: stored bits per cached element for the per-layer bit search."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and the pipeline, do nothing."),
-    push_to_hub: Optional[str] = typer.Option(None, "--push-to-hub", help="Then upload the checkpoint (with a generated model card) to this Hub repo id."),
-    hub_private: bool = typer.Option(False, "--hub-private", help="With --push-to-hub: create the repo private."),
-    kv_budget: Optional[str] = typer.Option(None, "--kv-budget", help="Then split this share of the fp16 cache (at 4,096 tokens) across full-rank window, kept ranks, bits and re-scored eviction by calibration quality, and record it so kvrewrite.load(DIR) uses it (as `kvrewrite budget`; docs/tiers.md)."),
-) -> None:
+def compress(model: str, dry_run: bool, push_to_hub: str | None, hub_private: bool, kv_budget: str | None, **plan_options) -> None:
     """Compile MODEL into a checkpoint whose KV cache keeps (1 - target_rate) of its elements."""
     from kvrewrite.cli.tables import ranks_table, summary_table
     from kvrewrite.compile.passes.pipeline import default_pipeline, describe, run_pipeline
     from kvrewrite.compile.plan import Plan
 
     try:
-        plan = Plan(model=model, target_rate=_number(target_rate, "--target-rate"), output=output, objective=objective, allocation=allocation,
-                    rope_mode=rope_mode, prefer=prefer, key_mode_cost=key_mode_cost, calibration=calibration, calib_tokens=calib_tokens, seq_len=seq_len,
-                    batch_size=batch_size, reduce=reduce, min_rank=min_rank, rank_multiple=rank_multiple,
-                    revision=revision, seed=seed, overwrite=overwrite, max_ppl_increase=_fraction(max_ppl_increase),
-                    max_kl=max_kl, budget_tokens=budget_tokens, value_metric=value_metric, refit=refit, refit_tokens=refit_tokens,
-                    distill=distill, distill_tokens=distill_tokens, distill_epochs=distill_epochs, distill_lr=distill_lr,
-                    probe_rates=tuple(_numbers(probe_rates, "--probe-rates")),
-                    device=device, dtype=dtype, max_shard_size=max_shard_size, verify_tokens=verify_tokens, verify_tolerance=verify_tolerance,
-                    kv_codec=kv_codec, kv_bits_budget=kv_bits_budget)
+        plan = Plan(model=model, **plan_arguments(plan_options))
         passes = default_pipeline()
         budget_share = _budget_share(kv_budget) if kv_budget is not None else None  # refused now, not after the compile
         if dry_run:
@@ -179,6 +112,22 @@ def compress(
         _push(ctx.output_dir, push_to_hub, private=hub_private)
 
 
+# The command's options: the Plan's (generated from the Plan and cli/compress_options.py), then its own.
+app.command()(with_signature(compress, [
+    inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=str, default=typer.Argument(
+        ..., help="Hub id (e.g. meta-llama/Llama-3.1-8B), local directory, or 'smollm2-135m' (bundled).")),
+    *plan_parameters(),
+    inspect.Parameter("dry_run", inspect.Parameter.KEYWORD_ONLY, annotation=bool, default=typer.Option(
+        False, "--dry-run", help="Print the plan and the pipeline, do nothing.")),
+    inspect.Parameter("push_to_hub", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[str], default=typer.Option(
+        None, "--push-to-hub", help="Then upload the checkpoint (with a generated model card) to this Hub repo id.")),
+    inspect.Parameter("hub_private", inspect.Parameter.KEYWORD_ONLY, annotation=bool, default=typer.Option(
+        False, "--hub-private", help="With --push-to-hub: create the repo private.")),
+    inspect.Parameter("kv_budget", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[str], default=typer.Option(
+        None, "--kv-budget", help="Then split this share of the fp16 cache (at 4,096 tokens) across full-rank window, kept ranks, bits and re-scored eviction by calibration quality, and record it so kvrewrite.load(DIR) uses it (as `kvrewrite budget`; docs/tiers.md).")),
+]))
+
+
 def _parse_windows(text: str) -> list[int]:
     try:
         windows = [int(w) for w in text.split(",") if w.strip()]
@@ -208,7 +157,7 @@ def evaluate_command(
     from kvrewrite.io.output_safety import check_writable_file
 
     try:
-        rate_list = _numbers(rates, "--rates") if rates else None
+        rate_list = list(numbers(rates, "--rates")) if rates else None
         codec_list = kv_codec.split(";") if kv_codec else None
         window_list = _parse_windows(recent_window) if recent_window else None
         require_compile_extra("kvrewrite eval (its held-out text is gensim's Wikipedia slice)", ["gensim"])
@@ -427,7 +376,7 @@ def budget(
 
 
 def _budget_share(text: str) -> float:
-    share = _number(text, "--kv-budget")
+    share = number(text, "--kv-budget")
     if not 0 < share <= 1:
         raise InvalidArgumentError(f"--kv-budget must be a share of the fp16 cache in (0, 1], got {text}")
     return share

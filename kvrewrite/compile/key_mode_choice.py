@@ -3,8 +3,8 @@
 For each candidate mode the rewrite in that mode runs at full rank (exact, so every other layer is the
 original), with ONE layer's keys truncated to the probe rank, and we measure the KL divergence of the
 next-token distribution against the original on calibration text. Layer-streamed like the sensitivity
-pass (measure_sensitivity.probe_kls: one pass over the weights per mode, all layers' probes side by side). The layer takes the mode with the
-smallest  KL x (1 + cost_weight x KeyMode.run_time_cost):  cost_weight 0 is quality only; with weight W a
+pass (probes.probe_kls: one pass over the weights per mode, all layers' probes side by side). The layer takes the
+mode with the smallest  KL x (1 + cost_weight x KeyMode.run_time_cost):  cost_weight 0 is quality only; with weight W a
 mode of runtime cost c must be (1 + W c) times better than a free one to be chosen.
 """
 
@@ -14,8 +14,8 @@ import torch
 
 from kvrewrite.compile.folded_weights import FoldedWeights
 from kvrewrite.compile.layer_streaming import StreamedModel
-from kvrewrite.compile.passes.fold_weights import build_spec
-from kvrewrite.compile.passes.measure_sensitivity import original_log_probs, probe_kls
+from kvrewrite.compile.probes import log_probs, probe_kls
+from kvrewrite.compile.rewrite_spec import build_spec, full_rank_ranks
 from kvrewrite.key_modes import key_mode
 
 # Each mode's extra runtime per decode step, relative to the latent mode (the costliest), is its
@@ -39,8 +39,7 @@ def key_probe_kl(ctx, transforms: list, original: StreamedModel, tokens: torch.T
                  label: str = "key mode probes") -> list[float]:
     """Per layer: KL to the original when only that layer's keys are truncated to the probe rank."""
     plan, geo, d = ctx.plan, ctx.geometry, ctx.geometry.head_dim
-    full_values = [[d] * geo.num_key_value_heads for _ in range(geo.num_layers)]
-    full_keys = [key_mode(t.key.mode).full_key_ranks(geo.num_key_value_heads, d) for t in transforms]
+    full_keys, full_values = full_rank_ranks(ctx, transforms)
     spec = build_spec(ctx, full_keys, full_values, transforms=transforms)
     rewritten = FoldedWeights(ctx.source, transforms, geo).streamed(spec, plan.compute_dtype(), plan.device)
     layer_probes = [{"key": (probe_key_rank(t.key.mode, geo.num_key_value_heads, d), full_values[idx])}
@@ -60,7 +59,8 @@ def choose_key_modes(ctx, candidates: dict[str, list], cost_weight: float) -> tu
         cache_key = (ctx.plan.objective, mode)
         if cache_key not in ctx.key_mode_probes:
             if reference is None:
-                reference = original_log_probs(original, tokens)
+                with torch.inference_mode():
+                    reference = original.forward(tokens, head=log_probs)
             ctx.key_mode_probes[cache_key] = key_probe_kl(ctx, transforms, original, tokens, reference,
                                                           label=f"key mode probes ({mode})")
         kl[mode] = ctx.key_mode_probes[cache_key]

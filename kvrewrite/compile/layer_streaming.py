@@ -3,7 +3,9 @@
 The model is built once on the meta device (its shape, no weights). A module gets real weights only
 while it runs (`StreamedModel.materialised`) and goes back to meta afterwards, so peak memory is about
 one decoder layer plus the activations being carried, whatever the model's size. Every pass that needs
-activations (statistics, sensitivity probes, verification) runs through this one runner.
+activations (statistics, sensitivity probes, verification, codec latents) runs through this one runner:
+`StreamedModel.forward` (tokens in, hidden states or logits out) or, for several models side by side,
+`StreamedModel.walk` zipped.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, MutableSequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +30,9 @@ from kvrewrite.errors import CorruptCheckpointError, ModelSourceError
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 TensorSource = Callable[[list[str]], dict[str, torch.Tensor]]
+# on_layer(index, materialised layer) -> None, or a context manager entered around that layer's runs (set
+# ranks, truncate, hook); a dict the context manager yields adds keyword arguments to the layer's runs.
+OnLayer = Callable[[int, nn.Module], "contextlib.AbstractContextManager[dict | None] | None"]
 
 
 def empty_model(model_class_or_config, config=None) -> nn.Module:
@@ -211,6 +216,46 @@ class StreamedModel:
         arguments = {**inputs.per_layer[self.layer_index[id(layer)]], "use_cache": False, **overrides}
         out = layer(hidden, **arguments)
         return out[0] if isinstance(out, tuple) else out
+
+    def walk(self, hidden: MutableSequence[torch.Tensor] | MutableMapping, on_layer: OnLayer | None = None,
+             **layer_kwargs) -> Iterator[int]:
+        """Carry the hidden states in `hidden` (a list or dict, its entries replaced in place) through every decoder
+        layer, in order; yields each layer's index once it ran on every entry and gave its weights back.
+
+        The loop of every layer-streamed pass: one layer holds weights at a time, each entry runs with the mask,
+        positions and RoPE tables the stock forward gives it (`layer_inputs`, by shape), `layer_kwargs` and
+        on_layer's keywords replace some. Entries added to a dict during a layer start at the next one. Walks of
+        several models zipped run in lockstep (each yields with no weights held).
+        """
+        for h in hidden.values() if isinstance(hidden, MutableMapping) else hidden:
+            self.layer_inputs(h)  # before any layer holds weights (the prelude may be read)
+        for idx, layer in enumerate(self.layers):
+            with self.materialised(layer), contextlib.ExitStack() as stack:
+                hook = on_layer(idx, layer) if on_layer is not None else None
+                extra = stack.enter_context(hook) if hook is not None else None
+                arguments = {**layer_kwargs, **extra} if isinstance(extra, Mapping) else layer_kwargs
+                for key in list(hidden.keys()) if isinstance(hidden, MutableMapping) else range(len(hidden)):
+                    hidden[key] = self.run_layer(layer, hidden[key], self.layer_inputs(hidden[key]), **arguments)
+            yield idx
+
+    def forward(self, batches: torch.Tensor | list[torch.Tensor], *, on_layer: OnLayer | None = None,
+                head: Callable[[torch.Tensor], torch.Tensor] | None = None, progress: Callable[[], None] | None = None,
+                **layer_kwargs) -> torch.Tensor | list[torch.Tensor]:
+        """The whole model on token batches ([B, T] each, a tensor or a list), one decoder layer at a time.
+
+        Returns the last layer's hidden states per batch, or with `head` head(logits) per batch (final norm(s)
+        and LM head materialised once). on_layer and layer_kwargs as in `walk`; progress() after every layer.
+        A tensor in gives a tensor out, a list a list.
+        """
+        single = isinstance(batches, torch.Tensor)
+        hidden = self.embed_batches([batches] if single else list(batches))
+        for _ in self.walk(hidden, on_layer, **layer_kwargs):
+            if progress is not None:
+                progress()
+        if head is not None:
+            with self.output_head() as logits:
+                hidden = [head(logits(h)) for h in hidden]
+        return hidden[0] if single else hidden
 
     @contextlib.contextmanager
     def output_head(self) -> Iterator[Callable[[torch.Tensor], torch.Tensor]]:

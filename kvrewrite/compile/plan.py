@@ -1,4 +1,7 @@
-"""The compile plan: every option of `kvrewrite compress`, validated before any work starts."""
+"""The compile plan: every option of `kvrewrite compress`, validated before any work starts.
+
+Errors name parameters in backquotes (`max_ppl_increase`, `min_rank=12`): the command line prints them as its
+flags (cli/compress_options.py, cli_message)."""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from kvrewrite.runtime.codecs.config import parse_codec
+from kvrewrite.runtime.codecs import bits_budget_codecs, parse_codec
 from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.key_modes import key_mode_names
 from kvrewrite.spec import ALLOCATIONS, OBJECTIVES, validate_rate
@@ -29,7 +32,7 @@ REFITS = ("none", "output", "output-local")
 DEFAULT_RATE_GRID = tuple(round(0.05 * i, 2) for i in range(20))  # 0.00 .. 0.95
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
     model: str
     target_rate: float = 0.5
@@ -86,15 +89,20 @@ class Plan:
     seed: int = 0
     overwrite: bool = False
     progress: bool = True
-    # KV codec on top of the reduced cache: none, int4, int2, tada, gear, gear-l, csr, optionally with
+    # KV codec on top of the reduced cache: none or a registered codec (runtime.codecs.codec_names()), optionally with
     # parameters ("gear:bits=4,rank=4"); kv_bits_budget: tada's search budget in stored bits per cached element.
     kv_codec: str = "none"
     kv_bits_budget: float | None = None
 
+    def _normalise(self, name: str, value) -> None:
+        # Frozen: a changed plan is dataclasses.replace(plan, ...), which validates again. Only __post_init__
+        # writes, to store the normalised form of what it was given.
+        object.__setattr__(self, name, value)
+
     def __post_init__(self) -> None:
-        self.target_rate = validate_rate(self.target_rate)
-        self.dtype = DTYPE_ALIASES.get(str(self.dtype).lower(), str(self.dtype).lower())
-        self.rate_grid = tuple(sorted({round(validate_rate(r, "rate grid entry"), 4) for r in self.rate_grid}))
+        self._normalise("target_rate", validate_rate(self.target_rate, "`target_rate`"))
+        self._normalise("dtype", DTYPE_ALIASES.get(str(self.dtype).lower(), str(self.dtype).lower()))
+        self._normalise("rate_grid", tuple(sorted({round(validate_rate(r, "every `rate_grid` entry"), 4) for r in self.rate_grid})))
         choices = {
             "objective": (self.objective, OBJECTIVES),
             "allocation": (self.allocation, ALLOCATIONS),
@@ -107,47 +115,48 @@ class Plan:
         }
         for name, (value, allowed) in choices.items():
             if value not in allowed:
-                raise InvalidArgumentError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}; got {value!r}")
-        self.probe_rates = tuple(sorted({round(validate_rate(r, "probe rate"), 4) for r in self.probe_rates}))
+                raise InvalidArgumentError(f"`{name}` must be one of {', '.join(allowed)}; got {value!r}")
+        self._normalise("probe_rates", tuple(sorted({round(validate_rate(r, "every `probe_rates` entry"), 4) for r in self.probe_rates})))
         if not self.probe_rates or 0.0 in self.probe_rates:
-            raise InvalidArgumentError("probe rates must be one or more rates in (0, 1)")
+            raise InvalidArgumentError("`probe_rates` must be one or more rates in (0, 1)")
         if self.device.split(":")[0] not in DEVICES:
-            raise InvalidArgumentError(f"--device must be cpu or cuda (optionally cuda:N); got {self.device!r}")
+            raise InvalidArgumentError(f"`device` must be cpu or cuda (optionally cuda:N); got {self.device!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise InvalidArgumentError("--device cuda was asked for but torch sees no CUDA device here")
+            raise InvalidArgumentError("`device=cuda` was asked for but torch sees no CUDA device here")
         parse_size(self.max_shard_size)
         for name in ("calib_tokens", "seq_len", "batch_size", "rank_multiple", "kmeans_clusters", "probe_windows", "fisher_tokens", "refit_tokens", "distill_tokens", "verify_tokens"):
             if int(getattr(self, name)) < 1:
-                raise InvalidArgumentError(f"--{name.replace('_', '-')} must be a positive integer")
+                raise InvalidArgumentError(f"`{name}` must be a positive integer, got {getattr(self, name)!r}")
         for name in ("max_ppl_increase", "max_kl"):
             value = getattr(self, name)
             if value is not None and not (float(value) > 0.0 and float(value) == float(value)):
-                raise InvalidArgumentError(f"--{name.replace('_', '-')} must be a positive number, got {value!r}")
+                raise InvalidArgumentError(f"`{name}` must be a positive number, got {value!r}")
         if self.has_quality_budget() and int(self.budget_tokens) < self.seq_len:
-            raise InvalidArgumentError(f"--budget-tokens must be at least one window ({self.seq_len} tokens)")
+            raise InvalidArgumentError(f"`budget_tokens` must be at least one window (`seq_len={self.seq_len}` tokens)")
         if not 0.0 <= self.fisher_shrink <= 1.0:
-            raise InvalidArgumentError("--fisher-shrink must be in [0, 1]")
+            raise InvalidArgumentError(f"`fisher_shrink` must be in [0, 1], got {self.fisher_shrink!r}")
         if not self.refit_ridge >= 0:
-            raise InvalidArgumentError(f"--refit-ridge must be >= 0, got {self.refit_ridge!r}")
+            raise InvalidArgumentError(f"`refit_ridge` must be >= 0, got {self.refit_ridge!r}")
         if not 0 < self.distill_epochs <= 100:
-            raise InvalidArgumentError(f"--distill-epochs must be in (0, 100], got {self.distill_epochs!r}")
+            raise InvalidArgumentError(f"`distill_epochs` must be in (0, 100], got {self.distill_epochs!r}")
         if not 0 < self.distill_lr < 1:
-            raise InvalidArgumentError(f"--distill-lr must be in (0, 1), got {self.distill_lr!r}")
+            raise InvalidArgumentError(f"`distill_lr` must be in (0, 1), got {self.distill_lr!r}")
         if not self.key_mode_cost >= 0:
-            raise InvalidArgumentError(f"--key-mode-cost must be >= 0, got {self.key_mode_cost!r}")
+            raise InvalidArgumentError(f"`key_mode_cost` must be >= 0, got {self.key_mode_cost!r}")
         if self.min_rank < 0:
-            raise InvalidArgumentError("--min-rank must be >= 0")
+            raise InvalidArgumentError(f"`min_rank` must be >= 0, got {self.min_rank!r}")
         if not 0.0 < self.kmeans_keep_share <= 1.0:
-            raise InvalidArgumentError("kmeans keep share must be in (0, 1]")
+            raise InvalidArgumentError(f"`kmeans_keep_share` must be in (0, 1], got {self.kmeans_keep_share!r}")
         if self.output is not None:
-            self.output = Path(self.output).expanduser()
-        codec = parse_codec(self.kv_codec)  # raises InvalidArgumentError on unknown names / parameters
+            self._normalise("output", Path(self.output).expanduser())
+        codec = parse_codec(self.kv_codec, "`kv_codec`")  # raises InvalidArgumentError on unknown names / parameters
         if self.kv_bits_budget is not None:
-            if codec is None or codec.name != "tada":
-                raise InvalidArgumentError("--kv-bits-budget applies to --kv-codec tada (its per-layer bit search)")
+            if codec is None or not codec.codec_class.takes_bits_budget:
+                allowed = " or ".join(f"`kv_codec={name}`" for name in bits_budget_codecs())
+                raise InvalidArgumentError(f"`kv_bits_budget` applies to {allowed} (a per-layer bit search)")
             if not 0 < float(self.kv_bits_budget) <= 16:
-                raise InvalidArgumentError("--kv-bits-budget must be in (0, 16] bits per cached element")
-            self.kv_bits_budget = float(self.kv_bits_budget)
+                raise InvalidArgumentError(f"`kv_bits_budget` must be in (0, 16] bits per cached element, got {self.kv_bits_budget!r}")
+            self._normalise("kv_bits_budget", float(self.kv_bits_budget))
 
     def compute_dtype(self) -> torch.dtype:
         return {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.dtype]
@@ -182,7 +191,7 @@ def parse_size(size: int | str) -> int:
         try:
             value = int(float(number) * _SIZE_UNITS[unit])
         except (ValueError, KeyError):
-            raise InvalidArgumentError(f"--max-shard-size must be a size like 1GB or 500MB; got {size!r}") from None
+            raise InvalidArgumentError(f"`max_shard_size` must be a size like 1GB or 500MB; got {size!r}") from None
     if value < 1:
-        raise InvalidArgumentError(f"--max-shard-size must be positive; got {size!r}")
+        raise InvalidArgumentError(f"`max_shard_size` must be positive; got {size!r}")
     return value

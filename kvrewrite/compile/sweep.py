@@ -197,9 +197,9 @@ def run_sweep(
     from kvrewrite.runtime.load import load
 
     if not rates:
-        raise InvalidArgumentError("--rates needs at least one rate")
+        raise InvalidArgumentError("`rates` needs at least one rate")
     if not configs:
-        raise InvalidArgumentError("--configs needs at least one configuration")
+        raise InvalidArgumentError("`configs` needs at least one configuration")
     names = [c.name for c in configs]
     if len(set(names)) != len(names):
         raise InvalidArgumentError(f"duplicate sweep config names: {names}")

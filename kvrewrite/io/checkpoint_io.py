@@ -66,12 +66,12 @@ def refuse_existing_output(out_dir: Path, overwrite: bool) -> None:
         return
     if not overwrite:
         raise InvalidArgumentError(
-            f"output directory {out_dir} already exists; pass --overwrite to replace it or choose another -o path"
+            f"output directory {out_dir} already exists; pass `overwrite` to replace it or choose another `output`"
         )
     if not is_kvrewrite_checkpoint(out_dir):
         raise InvalidArgumentError(
-            f"output {out_dir} exists and is not a kvrewrite checkpoint; --overwrite only replaces a directory "
-            "kvrewrite wrote, so nothing was deleted. Move it away or choose another -o path"
+            f"output {out_dir} exists and is not a kvrewrite checkpoint; `overwrite` only replaces a directory "
+            "kvrewrite wrote, so nothing was deleted. Move it away or choose another `output`"
         )
 
 
@@ -90,7 +90,7 @@ def atomic_output_dir(out_dir: Path, overwrite: bool = False) -> Iterator[Path]:
     parent.mkdir(parents=True, exist_ok=True)
     name = out_dir.name
     if not name:
-        raise InvalidArgumentError(f"output path {out_dir!s} has no directory name; choose another -o path")
+        raise InvalidArgumentError(f"output path {out_dir!s} has no directory name; choose another `output`")
 
     with contextlib.ExitStack() as held:
         tmp = _locked_temp_dir(parent, f".{name}.tmp-", held)
@@ -130,7 +130,7 @@ def _swap_into_place(tmp: Path, out_dir: Path, overwrite: bool) -> None:
                 rename_no_replace(tmp, out_dir)
             except FileExistsError:
                 raise InvalidArgumentError(
-                    f"output directory {out_dir} appeared while writing; pass --overwrite or choose another -o path"
+                    f"output directory {out_dir} appeared while writing; pass `overwrite` or choose another `output`"
                 ) from None
             return
         try:

@@ -54,18 +54,18 @@ def check_output_location(out: Path, *, source: Path | None = None, overwrite: b
     """Refuse, before any work, an output that would destroy the source or user files, or cannot be written."""
     out_abs = _absolute(out)
     if out_abs == out_abs.parent:
-        raise InvalidArgumentError(f"output path {out!s} is the filesystem root; choose a new directory with -o")
+        raise InvalidArgumentError(f"output path {out!s} is the filesystem root; choose a new directory as `output`")
     if source is not None:
         src = _absolute(source)
         if out_abs == src:
             raise InvalidArgumentError(
                 f"output {out_abs} is the source model directory; writing there would replace the model being "
-                "compressed. Choose a new directory with -o"
+                "compressed. Choose a new directory as `output`"
             )
         if out_abs in src.parents:
             raise InvalidArgumentError(
                 f"output {out_abs} contains the source model {src}; replacing it would delete the source and "
-                "everything beside it. Choose a new directory with -o, outside the source"
+                "everything beside it. Choose a new directory as `output`, outside the source"
             )
         if src in out_abs.parents:
             raise InvalidArgumentError(
@@ -73,16 +73,16 @@ def check_output_location(out: Path, *, source: Path | None = None, overwrite: b
             )
     if os.path.lexists(out_abs):
         if not out_abs.is_dir():
-            raise InvalidArgumentError(f"output {out_abs} exists and is not a directory; choose another -o path")
+            raise InvalidArgumentError(f"output {out_abs} exists and is not a directory; choose another `output`")
         if not overwrite:
             raise InvalidArgumentError(
-                f"output directory {out_abs} already exists; pass --overwrite to replace it or choose another -o path"
+                f"output directory {out_abs} already exists; pass `overwrite` to replace it or choose another `output`"
             )
         if not is_kvrewrite_checkpoint(out_abs):
             raise InvalidArgumentError(
                 f"output {out_abs} exists and is not a kvrewrite checkpoint (no config.json with a kvrewrite spec "
-                "beside kvrewrite_checksums.json); --overwrite only replaces a directory kvrewrite wrote, so nothing "
-                "was deleted. Move it away or choose another -o path"
+                "beside kvrewrite_checksums.json); `overwrite` only replaces a directory kvrewrite wrote, so nothing "
+                "was deleted. Move it away or choose another `output`"
             )
     anchor = _nearest_existing(out_abs.parent)
     if not anchor.is_dir():
@@ -95,7 +95,7 @@ def check_output_location(out: Path, *, source: Path | None = None, overwrite: b
             raise InvalidArgumentError(
                 f"not enough free space for output {out_abs}: the checkpoint needs about {_mib(need)} "
                 f"(weights {_mib(need_bytes)} plus margin) but {anchor} has {_mib(free)} free. "
-                "Free some space or choose another -o path"
+                "Free some space or choose another `output`"
             )
 
 
@@ -107,7 +107,7 @@ def _check_writable(directory: Path, out: Path) -> None:
         os.unlink(probe)
     except OSError as exc:
         raise InvalidArgumentError(
-            f"cannot write output {out}: {directory} is not writable ({exc.strerror}); choose another -o path"
+            f"cannot write output {out}: {directory} is not writable ({exc.strerror}); choose another `output`"
         ) from None
 
 

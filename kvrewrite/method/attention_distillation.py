@@ -12,9 +12,9 @@ the target is the original model's distribution rather than the text's next toke
 reach is the original model itself: it recovers what the rank cut lost and cannot adapt the model to the
 calibration domain.
 
-The model is trained at FULL rank with every attention's probe ranks set to the compiled ranks: zeroing the
-latent dims beyond a rank is exactly the truncation to that rank (CompressedAttention._apply_probe), and those
-dims then get zero gradient, so Adam (no weight decay) leaves every weight the compiled ranks do not read
+The model is trained at FULL rank with every attention truncated to the compiled ranks by the caller: zeroing the
+latent dims beyond a rank is exactly the truncation to that rank (kvrewrite.compile.probes.truncated_model), and
+those dims then get zero gradient, so Adam (no weight decay) leaves every weight the compiled ranks do not read
 bit-for-bit unchanged. The trained state dict therefore has the checkpoint's full-rank layout as it is.
 Post-RoPE key maps (q_map/k_map) are not trained: the runtime builds their block-diagonal product outside autograd.
 
@@ -76,12 +76,6 @@ def distilled_attention_parameters(model, adapter) -> dict[str, torch.nn.Paramet
     return found
 
 
-def set_compiled_ranks_as_probes(model, adapter, key_ranks: list[list[int]], value_ranks: list[list[int]]) -> None:
-    """Make a full-rank rewritten model compute exactly as at the given ranks (and pass gradients only there)."""
-    for layer, keys, values in zip(adapter.decoder_layers(model), key_ranks, value_ranks):
-        adapter.attention(layer).probe_ranks = (list(keys), list(values))
-
-
 def _log_probs(model, tokens: torch.Tensor) -> torch.Tensor:
     return F.log_softmax(model(input_ids=tokens, use_cache=False).logits.float(), dim=-1)
 
@@ -103,7 +97,7 @@ def distill_attention(student, teacher, adapter, train_windows: torch.Tensor, va
                       settings: DistillSettings, progress: bool = True) -> DistillReport:
     """Train the student's attention weights in place against the teacher's next-token distribution.
 
-    student: the rewritten model at full rank with its compiled ranks set as probes (set_compiled_ranks_as_probes);
+    student: the rewritten model at full rank, truncated to its compiled ranks (compile.probes.truncated_model);
     teacher: the original model. Windows are [n, seq_len] token ids. After every epoch the validation KL is
     measured: an epoch that is no better than the best so far is undone and the rate lowered (settings.backoff);
     the student ends with the weights of the best epoch, or unchanged when no epoch beat its start.

@@ -81,7 +81,7 @@ def allocate_eps(items: list[RankItem], rate: float, *, min_rank: int = 0, rank_
     lo, hi = 0.0, 1.0  # kept(eps) is non-increasing; find the smallest eps with kept <= target
     if sum(ranks_at(hi).values()) > target:
         raise InvalidArgumentError(
-            f"rate {rate} cannot be reached with --min-rank {min_rank}: the floor alone keeps "
+            f"rate {rate} cannot be reached with `min_rank={min_rank}`: the floor alone keeps "
             f"{sum(ranks_at(hi).values())} of {total} elements"
         )
     for _ in range(64):
@@ -128,7 +128,7 @@ def allocate_greedy(items: list[RankItem], rate: float, *, min_rank: int = 0, ra
         kept -= dims
     if kept > target and rate > 0:
         raise InvalidArgumentError(
-            f"rate {rate} cannot be reached with --min-rank {min_rank}: at most {1 - kept / total:.3f} can be removed"
+            f"rate {rate} cannot be reached with `min_rank={min_rank}`: at most {1 - kept / total:.3f} can be removed"
         )
     return RankAllocation(ranks=ranks, kept=kept, total=total)
 
@@ -151,7 +151,7 @@ def allocate_uniform(items: list[RankItem], rate: float, *, min_rank: int = 0, r
             ranks[key] += unit
             kept += unit
     if kept > target and rate > 0:
-        raise InvalidArgumentError(f"rate {rate} cannot be reached with --min-rank {min_rank}")
+        raise InvalidArgumentError(f"rate {rate} cannot be reached with `min_rank={min_rank}`")
     return RankAllocation(ranks=ranks, kept=kept, total=total)
 
 

@@ -96,7 +96,7 @@ def push_checkpoint(
     except HFValidationError as exc:
         raise InvalidArgumentError(f"{repo_id!r} is not a valid Hub repo id ({exc}); use 'user/name'") from exc
     if create_pr and revision not in (None, constants.DEFAULT_REVISION):
-        raise InvalidArgumentError("--create-pr opens a pull request against main; it cannot be combined with --revision")
+        raise InvalidArgumentError("`create_pr` opens a pull request against main; it cannot be combined with `revision`")
     if not directory.is_dir():
         raise InvalidArgumentError(f"{directory} is not a directory; pass a kvrewrite output directory")
     read_checkpoint_facts(directory)  # a kvrewrite checkpoint with a readable spec, or a clear error

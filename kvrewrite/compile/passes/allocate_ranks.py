@@ -1,10 +1,12 @@
-"""Pass 5: ranks per layer, KV head and side for the target rate, and the rate -> ranks table."""
+"""Pass 5: the target rate (the plan's, or a quality budget's choice), ranks per layer, KV head and side for it,
+and the rate -> ranks table."""
 
 from __future__ import annotations
 
 from kvrewrite.method.curve_allocation import curve_removal_order
 from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.compile.passes.context import CompileContext
+from kvrewrite.compile.passes.quality_budget import largest_rate_within_budget
 from kvrewrite.method.rank_allocation import RankItem, allocate, allocate_greedy
 from kvrewrite.key_modes import key_mode
 from kvrewrite.spec import rate_key
@@ -25,7 +27,7 @@ def rank_items(transforms) -> list[RankItem]:
 
 class AllocateRanks:
     name = "allocate_ranks"
-    description = "pick a rank per layer/KV head/side for the target rate (eps or greedy), plus a rate table"
+    description = "pick the target rate (given, or the largest within --max-ppl-increase / --max-kl on held-back calibration text), a rank per layer/KV head/side for it, plus a rate table"
 
     def run(self, ctx: CompileContext) -> None:
         plan, geo = ctx.plan, ctx.geometry
@@ -41,9 +43,14 @@ class AllocateRanks:
             return allocate(items, rate, plan.allocation, min_rank=plan.min_rank, rank_multiple=plan.rank_multiple)
 
         ctx.rank_solver = solve
-        ctx.allocation = solve(plan.target_rate)
+        # Rate strategy: the plan's target rate, or (quality budget) the largest rate measured within budget.
+        if plan.has_quality_budget():
+            ctx.target_rate, ctx.report["quality_budget"] = largest_rate_within_budget(ctx, solve)
+        else:
+            ctx.target_rate = plan.target_rate
+        ctx.allocation = solve(ctx.target_rate)
         table = {}
-        for rate in sorted({*plan.rate_grid, plan.target_rate}):
+        for rate in sorted({*plan.rate_grid, ctx.target_rate}):
             try:
                 key, value = solve(rate).as_lists(geo.num_layers, geo.num_key_value_heads)
             except InvalidArgumentError:
@@ -51,7 +58,7 @@ class AllocateRanks:
             table[rate_key(rate)] = {"key": key, "value": value}
         ctx.report["allocation"] = {
             "method": plan.allocation,
-            "target_rate": plan.target_rate,
+            "target_rate": ctx.target_rate,
             "achieved_rate": ctx.allocation.rate,
             "kept_elements_per_token": ctx.allocation.kept,
             "baseline_elements_per_token": ctx.allocation.total,

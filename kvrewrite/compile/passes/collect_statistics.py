@@ -7,6 +7,8 @@ O_h = P_h V_g that the output projection sees.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from kvrewrite.compile.layer_streaming import StreamedModel
@@ -59,7 +61,15 @@ def collect_statistics(
         sink = GramAccumulator(geo.num_layers, n_kv, n_q, d)
 
     captured: dict[int, dict[str, torch.Tensor]] = {}
-    rope: dict[str, list | None] = {}  # "tables": per layer (cos, sin) of the current batch
+    rope: dict[tuple, list | None] = {}  # batch shape -> per layer (cos, sin), as the stock model makes them
+
+    def rope_tables(o_input: torch.Tensor) -> list | None:
+        batch, length, _ = o_input.shape
+        if (batch, length) not in rope:
+            positions = torch.arange(length, device=o_input.device).expand(batch, -1)
+            probe = torch.empty(0, dtype=o_input.dtype, device=o_input.device)
+            rope[(batch, length)] = adapter.rope_tables(model.skeleton, probe, positions)
+        return rope[(batch, length)]
 
     def keep_output(layer_idx: int, read):
         def hook(_module, _inputs, output):
@@ -77,8 +87,9 @@ def collect_statistics(
             k = acts["k"].reshape(batch, length, n_kv, d).transpose(1, 2)
             v = acts["v"].reshape(batch, length, n_kv, d).transpose(1, 2)
             o = inputs[0].detach().view(batch, length, n_q, d).transpose(1, 2)
-            if rope["tables"] is not None:
-                cos, sin = rope["tables"][layer_idx]
+            tables = rope_tables(inputs[0])
+            if tables is not None:
+                cos, sin = tables[layer_idx]
                 q_post = adapter.apply_rope(q, cos, sin)
                 k_post = adapter.apply_rope(k, cos, sin)
             else:  # no RoPE: post-RoPE statistics are the pre-RoPE ones
@@ -103,29 +114,21 @@ def collect_statistics(
         attn = adapter.attention(layer)
         handles += [module.register_forward_hook(keep_output(idx, read)) for module, read in adapter.activation_taps(attn)]
         handles.append(adapter.output_projection(attn).register_forward_pre_hook(on_attention_output(idx)))
-    batches = torch.split(token_windows, batch_size)
+    same_batches = None
+    if isinstance(sink, KMeansGramReducer):
+        # The k-means reducer samples whole batches; the same batches must be kept at every layer. (On the
+        # attention, not the layer: the stock forward calls the layers' stand-ins while it prepares their inputs.)
+        handles += [adapter.attention(layer).register_forward_pre_hook(lambda *_: sink.start_batch()) for layer in model.layers]
+
+        @contextlib.contextmanager
+        def same_batches(_idx, _layer):
+            state = sink.batch_rng_state()
+            yield
+            sink.restore_batch_rng_state(state)
+
     try:
-        with torch.inference_mode(), progress_bar("collecting statistics", geo.num_layers + 1, progress) as bar:
-            hidden = model.embed_batches(list(batches))
-            inputs = [model.layer_inputs(h) for h in hidden]
-            # Per batch, the (cos, sin) each layer is rotated with (None without RoPE), as the stock model makes them.
-            tables = []
-            for h in hidden:
-                positions = torch.arange(h.shape[1], device=h.device).expand(h.shape[0], -1)
-                tables.append(adapter.rope_tables(model.skeleton, torch.empty(0, dtype=h.dtype, device=h.device), positions))
-            bar.advance()
-            for idx in range(geo.num_layers):
-                # The k-means reducer samples whole batches; the same batches must be kept at every layer.
-                rng_state = sink.batch_rng_state() if isinstance(sink, KMeansGramReducer) else None
-                with model.layer(idx) as layer:
-                    for b, (h, extra) in enumerate(zip(hidden, inputs)):
-                        if rng_state is not None:
-                            sink.start_batch()
-                        rope["tables"] = tables[b]
-                        hidden[b] = model.run_layer(layer, h, extra)
-                if rng_state is not None:
-                    sink.restore_batch_rng_state(rng_state)
-                bar.advance()
+        with torch.inference_mode(), progress_bar("collecting statistics", geo.num_layers, progress) as bar:
+            model.forward(list(torch.split(token_windows, batch_size)), on_layer=same_batches, progress=bar.advance)
     finally:
         for handle in handles:
             handle.remove()

@@ -36,7 +36,7 @@ class ComputeTransforms:
         allowed = allowed_key_modes(ctx.adapter, ctx.config)
         modes = [ctx.key_mode] if ctx.key_mode != "auto" else [m for m in preferred_key_modes(plan.prefer) if m in allowed]
         if not modes:
-            raise UnsupportedModelError(f"--prefer {plan.prefer} leaves no key mode for this model (allowed: {', '.join(allowed)})")
+            raise UnsupportedModelError(f"`prefer={plan.prefer}` leaves no key mode for this model (allowed: {', '.join(allowed)})")
         candidates = {
             m: [LayerTransforms(key_transform(m, plan.objective, stats, geo), v) for stats, v in zip(ctx.statistics.layers, values)]
             for m in modes

@@ -48,7 +48,9 @@ class CompileContext:
     sensitivity_curves: dict | None = None
     # allocate_ranks
     allocation: Any = None  # RankAllocation
-    rank_solver: Any = None  # rate -> RankAllocation with the same items/order (quality budget search)
+    rank_solver: Any = None  # rate -> RankAllocation with the same items/order
+    # the compiled rate: plan.target_rate, or with a quality budget the largest rate within it
+    target_rate: float | None = None
     # fold_weights
     spec: CompressionSpec | None = None
     folded: FoldedWeights | None = None  # folds one layer at a time, on demand

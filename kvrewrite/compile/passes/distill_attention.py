@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from kvrewrite.method.attention_distillation import (DistillSettings, distill_attention, distilled_attention_parameters,
-                                              set_compiled_ranks_as_probes)
+from kvrewrite.compile.compiled_rank import keep_only_compiled_rate, remeasure_compiled_rank, whole_compressed_model
 from kvrewrite.compile.passes.context import CompileContext
-from kvrewrite.compile.passes.refit_output import keep_only_compiled_rate, remeasure_compiled_rank, whole_compressed_model
+from kvrewrite.compile.probes import truncated_model
+from kvrewrite.method.attention_distillation import DistillSettings, distill_attention, distilled_attention_parameters
 
 # Share of the distillation windows held back to pick the best epoch (and to refuse a run that does not help).
 VALIDATION_SHARE = 1 / 16
@@ -43,9 +43,10 @@ class DistillAttention:
         train, validation = split_distill_windows(ctx.calibration_tokens, plan.distill_tokens)
         original = ctx.original_model().to(device)
         student = whole_compressed_model(ctx.folded, ctx.spec, sliced=False).to(device)
-        set_compiled_ranks_as_probes(student, ctx.adapter, [l.key_ranks for l in ctx.spec.layers], [l.value_ranks for l in ctx.spec.layers])
         settings = DistillSettings(epochs=plan.distill_epochs, learning_rate=plan.distill_lr, batch_windows=plan.batch_size, seed=plan.seed)
-        report = distill_attention(student, original, ctx.adapter, train.to(device), validation.to(device), settings, progress=plan.progress)
+        # Trained at full rank, computing as at the compiled ranks: the dims beyond them get no gradient.
+        with truncated_model(student, ctx.adapter, [l.key_ranks for l in ctx.spec.layers], [l.value_ranks for l in ctx.spec.layers]):
+            report = distill_attention(student, original, ctx.adapter, train.to(device), validation.to(device), settings, progress=plan.progress)
         original.to("cpu")
 
         keep_only_compiled_rate(ctx)

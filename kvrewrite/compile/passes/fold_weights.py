@@ -8,34 +8,7 @@ from __future__ import annotations
 
 from kvrewrite.compile.folded_weights import FoldedWeights
 from kvrewrite.compile.passes.context import CompileContext
-from kvrewrite.key_modes import key_mode
-from kvrewrite.spec import CompressionSpec, LayerSpec
-
-
-def build_spec(ctx: CompileContext, key_ranks: list[list[int]], value_ranks: list[list[int]], transforms: list | None = None) -> CompressionSpec:
-    """The spec of ctx.transforms (or of `transforms`, e.g. a candidate key mode) at the given ranks."""
-    plan, geo = ctx.plan, ctx.geometry
-    layer_specs = []
-    for idx, transforms in enumerate(transforms if transforms is not None else ctx.transforms):
-        freq_order = key_mode(transforms.key.mode).stored_order(transforms.key)
-        layer_specs.append(LayerSpec(transforms.key.mode, key_ranks[idx], value_ranks[idx], freq_order))
-    spec = CompressionSpec(
-        source_model=ctx.report["source"]["model"],
-        source_revision=ctx.source_revision,
-        base_model_type=ctx.config.model_type,
-        num_layers=geo.num_layers,
-        num_attention_heads=geo.num_attention_heads,
-        num_key_value_heads=geo.num_key_value_heads,
-        head_dim=geo.head_dim,
-        objective=plan.objective,
-        allocation=plan.allocation,
-        target_rate=plan.target_rate,
-        layers=layer_specs,
-        rate_table=ctx.report.get("rate_table", {}),
-        rank_multiple=plan.rank_multiple,
-    )
-    spec.validate()
-    return spec
+from kvrewrite.compile.rewrite_spec import build_spec
 
 
 class FoldWeights:

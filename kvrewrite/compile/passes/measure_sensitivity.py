@@ -11,13 +11,11 @@ error the allocator predicts, measured KL); curve_allocation turns the points in
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from kvrewrite.compile.folded_weights import FoldedWeights
-from kvrewrite.compile.layer_streaming import StreamedModel
 from kvrewrite.compile.passes.context import CompileContext
-from kvrewrite.compile.passes.fold_weights import build_spec
-from kvrewrite.progress import progress_bar
+from kvrewrite.compile.probes import probe_kls
+from kvrewrite.compile.rewrite_spec import build_spec
 from kvrewrite.key_modes import key_mode
 from kvrewrite.spec import full_key_ranks
 
@@ -83,56 +81,3 @@ class MeasureSensitivity:
         ctx.sensitivity = {key: w / mean for key, w in slopes.items()}
         ctx.report["sensitivity"] = {"probe_rates": list(rates), "probe_tokens": int(tokens.numel()), "probes": probes,
                                      "weights": {f"{l}.{s}": w for (l, s), w in ctx.sensitivity.items()}}
-
-
-ProbeRanks = tuple[list[int], list[int]]  # (key ranks, value ranks) of one layer while it is probed
-
-
-def original_log_probs(original: StreamedModel, tokens: torch.Tensor) -> torch.Tensor:
-    """The original model's next-token log-probabilities, layer-streamed."""
-    with torch.inference_mode():
-        hidden = original.embed(tokens)
-        inputs = original.layer_inputs(hidden)
-        for idx in range(len(original.layers)):
-            with original.layer(idx) as layer:
-                hidden = original.run_layer(layer, hidden, inputs)
-        return F.log_softmax(original.logits(hidden).float(), dim=-1)
-
-
-def probe_kls(original: StreamedModel, rewritten: StreamedModel, layer_probes: list[dict[str, ProbeRanks]],
-              tokens: torch.Tensor, progress: bool = True, label: str = "measuring sensitivity",
-              reference: torch.Tensor | None = None) -> dict[tuple[int, str], float]:
-    """(layer, probe name) -> KL to the original of the rewrite with only that layer sliced to that probe's ranks.
-
-    layer_probes[i]: probe name -> (key ranks, value ranks) for layer i; every other layer runs at full
-    rank (exact). Layer-streamed: every probe is a hidden-state stream that leaves the reference stream at
-    its layer and then runs through the rewritten layers, so all probes share one pass over the weights.
-    Cost: about layers x probes layer-forwards of the probe tokens; memory: one hidden-state stream per
-    probe plus the reference. `reference`: the original's log-probabilities for `tokens` if already known.
-    """
-    streams: dict[tuple[int, str], torch.Tensor] = {}
-    with torch.inference_mode(), progress_bar(label, len(layer_probes) + 1, progress) as bar:
-        hidden = original.embed(tokens)
-        inputs, rewritten_inputs = original.layer_inputs(hidden), rewritten.layer_inputs(hidden)
-        for idx, probes in enumerate(layer_probes):
-            with rewritten.layer(idx) as layer:
-                for key in streams:
-                    streams[key] = rewritten.run_layer(layer, streams[key], rewritten_inputs)
-                attn = rewritten.adapter.attention(layer)
-                for name, ranks in probes.items():
-                    attn.probe_ranks = ranks
-                    streams[(idx, name)] = rewritten.run_layer(layer, hidden, rewritten_inputs)
-                    attn.probe_ranks = None
-            if idx + 1 < len(layer_probes) or reference is None:  # the last layer's output only feeds the reference
-                with original.layer(idx) as layer:
-                    hidden = original.run_layer(layer, hidden, inputs)
-            bar.advance()
-        if reference is None:
-            reference = F.log_softmax(original.logits(hidden).float(), dim=-1)
-        kls = {}
-        with rewritten.output_head() as head:
-            for key, stream in streams.items():
-                logp = F.log_softmax(head(stream).float(), dim=-1)
-                kls[key] = float((reference.exp() * (reference - logp)).sum(-1).mean())
-        bar.advance()
-    return kls

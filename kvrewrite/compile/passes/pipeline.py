@@ -24,7 +24,6 @@ from kvrewrite.compile.passes.fit_kv_codec import FitKVCodec
 from kvrewrite.compile.passes.fold_weights import FoldWeights
 from kvrewrite.compile.passes.load_checkpoint import LoadCheckpoint
 from kvrewrite.compile.passes.measure_sensitivity import MeasureSensitivity
-from kvrewrite.compile.passes.quality_budget import QualityBudget
 from kvrewrite.compile.passes.refit_output import RefitOutput
 from kvrewrite.compile.passes.verify import Verify
 from kvrewrite.compile.plan import Plan
@@ -46,9 +45,8 @@ def rewrite_passes() -> list:
         CollectFisher(),  # (--value-metric fisher) loss-gradient second moments at each attention output
         ComputeTransforms(),  # Grams -> key-side and value-side transforms
         MeasureSensitivity(),  # (sensitivity allocation) end-to-end KL per layer and side
-        AllocateRanks(),  # spectra (and sensitivities) -> ranks per head, rate table
+        AllocateRanks(),  # target rate (given, or the largest within a quality budget) -> ranks per head, rate table
         FoldWeights(),  # transforms -> rewritten q/k/v/o weights, spec
-        QualityBudget(),  # (--max-ppl-increase / --max-kl) the largest rate within budget becomes the target
         Verify(),  # full-rank equivalence, compiled-rank error
         RefitOutput(),  # (--refit output) o_proj refitted by least squares at the compiled ranks
         DistillAttention(),  # (--distill) attention weights trained against the original's next-token distribution
@@ -90,7 +88,7 @@ def compile_variants(plan: Plan, variants: dict[str, dict], output_root: Path, o
     compiled = {}
     for name, overrides in variants.items():
         variant_plan = dataclasses.replace(plan, output=Path(output_root) / name, **overrides)
-        ctx = dataclasses.replace(shared, plan=variant_plan, report=copy.deepcopy(shared.report), verification={}, sensitivity=None, sensitivity_curves=None, codec_tables={})
+        ctx = dataclasses.replace(shared, plan=variant_plan, report=copy.deepcopy(shared.report), verification={}, sensitivity=None, sensitivity_curves=None, codec_tables={}, target_rate=None)
         t0 = time.perf_counter()
         for step in rewrite_passes():
             if on_pass is not None:

@@ -13,42 +13,30 @@ the compiled ranks in the compute dtype.
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
+import contextlib
+from collections.abc import Iterator
 
-from kvrewrite.errors import VerificationError
-from kvrewrite.compile.folded_weights import full_rank
+import torch
+
+from kvrewrite.compile.compiled_rank import next_token_kl, verification_tokens
 from kvrewrite.compile.passes.context import CompileContext
+from kvrewrite.errors import VerificationError
 from kvrewrite.progress import progress_bar
 
-VERIFY_WINDOW = 256  # tokens per verification window (at most)
 
+def recording_attention_outputs(adapter, outputs: list[torch.Tensor]):
+    """An on_layer that appends each layer's attention output (what the output projection returns) to `outputs`.
+    Per layer run, not on the whole skeleton: the original's two streams (compute dtype, float64) share one."""
 
-def verification_tokens(windows: torch.Tensor, tokens: int) -> torch.Tensor:
-    """The first calibration windows, cut to VERIFY_WINDOW tokens, about `tokens` tokens in all."""
-    length = min(windows.shape[1], VERIFY_WINDOW)
-    count = max(1, min(windows.shape[0], tokens // length))
-    return windows[:count, :length]
+    @contextlib.contextmanager
+    def on_layer(_idx: int, layer) -> Iterator[None]:
+        handle = adapter.output_projection(adapter.attention(layer)).register_forward_hook(lambda _m, _i, out: outputs.append(out))
+        try:
+            yield
+        finally:
+            handle.remove()
 
-
-def next_token_kl(reference_logits: torch.Tensor, logits: torch.Tensor) -> tuple[float, float]:
-    """Mean KL(reference || model) in nats and the top-1 agreement."""
-    ref = F.log_softmax(reference_logits.float(), dim=-1)
-    new = F.log_softmax(logits.float(), dim=-1)
-    kl = (ref.exp() * (ref - new)).sum(-1).mean().item()
-    top1 = (reference_logits.argmax(-1) == logits.argmax(-1)).float().mean().item()
-    return kl, top1
-
-
-def run_with_attention_output(model, layer, hidden, inputs, adapter) -> tuple[torch.Tensor, torch.Tensor]:
-    """A layer's output and its attention output (what the output projection returns)."""
-    captured = []
-    handle = adapter.output_projection(adapter.attention(layer)).register_forward_hook(lambda _m, _i, out: captured.append(out))
-    try:
-        out = model.run_layer(layer, hidden, inputs)
-    finally:
-        handle.remove()
-    return out, captured[0]
+    return on_layer
 
 
 class Verify:
@@ -64,31 +52,28 @@ class Verify:
         exact_full = ctx.folded.streamed(spec, torch.float64, plan.device)
         compiled = ctx.folded.streamed(spec, compute, plan.device)
 
+        attn_ref, attn_compiled = [], []
+
+        def at_compiled_ranks(idx: int, layer):
+            adapter.attention(layer).set_ranks(spec.layers[idx].key_ranks, spec.layers[idx].value_ranks)
+            return recording_attention_outputs(adapter, attn_compiled)(idx, layer)
+
         with torch.inference_mode(), progress_bar("verifying", ctx.geometry.num_layers + 1, plan.progress) as bar:
-            h_ref = reference.embed(tokens)
-            h_exact = exact_reference.embed(tokens)
-            h_full, h_compiled = h_exact.clone(), h_ref.clone()
-            in_ref, in_exact = reference.layer_inputs(h_ref), exact_reference.layer_inputs(h_exact)
-            in_full, in_compiled = exact_full.layer_inputs(h_full), compiled.layer_inputs(h_compiled)
+            h_ref, h_exact = reference.embed_batches([tokens]), exact_reference.embed_batches([tokens])
+            h_full, h_compiled = [h_exact[0].clone()], [h_ref[0].clone()]
             layer_errors, layer_full_diff = [], []
-            for idx, layer_spec in enumerate(spec.layers):
-                with reference.layer(idx) as layer:
-                    h_ref, attn_ref = run_with_attention_output(reference, layer, h_ref, in_ref, adapter)
-                with exact_reference.layer(idx) as layer:
-                    h_exact = exact_reference.run_layer(layer, h_exact, in_exact)
-                with exact_full.layer(idx) as layer:
-                    h_full = exact_full.run_layer(layer, h_full, in_full)
-                with compiled.layer(idx) as layer:
-                    adapter.attention(layer).set_ranks(layer_spec.key_ranks, layer_spec.value_ranks)
-                    h_compiled, attn_compiled = run_with_attention_output(compiled, layer, h_compiled, in_compiled, adapter)
+            # Four streams in lockstep, one layer of each holding weights at a time.
+            for idx, *_ in zip(reference.walk(h_ref, recording_attention_outputs(adapter, attn_ref)), exact_reference.walk(h_exact), exact_full.walk(h_full),
+                               compiled.walk(h_compiled, at_compiled_ranks)):
                 # End to end: each layer sees the (already perturbed) output of the layers before it.
-                layer_errors.append(((attn_compiled.float() - attn_ref.float()).norm() / attn_ref.float().norm().clamp_min(1e-30)).item())
-                layer_full_diff.append((h_full - h_exact).abs().max().item())
+                attn, ref = attn_compiled[idx].float(), attn_ref[idx].float()
+                layer_errors.append(((attn - ref).norm() / ref.norm().clamp_min(1e-30)).item())
+                layer_full_diff.append((h_full[0] - h_exact[0]).abs().max().item())
                 bar.advance()
-            ref_logits = reference.logits(h_ref)
-            exact_logits = exact_reference.logits(h_exact)
-            full_logits = exact_full.logits(h_full)
-            logits = compiled.logits(h_compiled)
+            ref_logits = reference.logits(h_ref[0])
+            exact_logits = exact_reference.logits(h_exact[0])
+            full_logits = exact_full.logits(h_full[0])
+            logits = compiled.logits(h_compiled[0])
             bar.advance()
 
         max_diff = (full_logits - exact_logits).abs().max().item()

@@ -49,7 +49,7 @@ def load_text_documents(path: str | Path) -> list[str]:
         if not files:
             raise CalibrationError(
                 f"The calibration directory {path} contains no .txt files. Put UTF-8 text files (*.txt) in it, "
-                "or use --calibration wiki."
+                "or use `calibration=wiki`."
             )
     else:
         raise InvalidArgumentError(
@@ -67,7 +67,7 @@ def load_text_documents(path: str | Path) -> list[str]:
         if text.strip():
             documents.append(text.strip())
     if not documents:
-        raise CalibrationError(f"The calibration text at {path} is empty. Add text or use --calibration wiki.")
+        raise CalibrationError(f"The calibration text at {path} is empty. Add text or use `calibration=wiki`.")
     return documents
 
 
@@ -157,7 +157,7 @@ def calibration_token_sequences(
     if source == "wiki":
         calibration, _ = wiki_split()
         documents = [a.text for a in calibration]
-        hint = "use --calibration synthetic or a larger text file"
+        hint = "use `calibration=synthetic` or a larger text file"
     elif isinstance(source, (str, Path)) and str(source) and Path(str(source)).expanduser().exists():
         documents = load_text_documents(source)
         hint = "add more text to it"

@@ -317,7 +317,7 @@ def _generate(
                 if empty_batches >= 3:
                     raise CalibrationError(
                         "The model produced no text for synthetic calibration in three batches (it ends every "
-                        "answer immediately). Use --calibration wiki or a text file instead."
+                        "answer immediately). Use `calibration=wiki` or a text file instead."
                     )
     finally:
         if was_training:

@@ -61,8 +61,8 @@ def wiki_dump_path() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise CalibrationError(
             "The 'wiki' calibration source needs the gensim package (it ships the Wikipedia slice). "
-            "Install it with `pip install 'kvrewrite[compile]'` (or `pip install gensim`), or use --calibration "
-            "synthetic or a text file."
+            "Install it with `pip install 'kvrewrite[compile]'` (or `pip install gensim`), or use "
+            "`calibration=synthetic` or a text file."
         )
     path = Path(list(spec.submodule_search_locations)[0]).joinpath(*_DUMP_RELPATH)
     if not path.is_file():

@@ -1,31 +1,83 @@
-"""The codec interface for one cache layer, and KIVI-style quantization that several codecs build on.
+"""The codec interface: one class per codec owns its parameters, their checks, its coding and its fitting.
 
-A codec codes one side (keys or values) of one layer's packed latents, G tokens at a time: encode takes
-x [B, n, G, C] (n blocks of G tokens, C = the layer's packed channels, the sum of its KV heads' ranks) and
-returns a dict of tensors whose first two dims are [B, n]; decode inverts it. Everything in that dict is
-what the cache stores, so the cache's size is read off those tensors.
+A codec class declares `name` and `defaults` (every parameter with its default; an int default makes an integer
+parameter) and registers itself with `registry.register_codec`. An instance codes one layer's packed latents, G
+tokens at a time: encode takes x [B, n, G, C] (n blocks of G tokens, C = the layer's packed channels, the sum of
+its KV heads' ranks) and returns a dict of tensors whose first two dims are [B, n]; decode inverts it. Everything
+in that dict is what the cache stores, so the cache's size is read off those tensors.
+
+Fitting (tables trained on calibration latents at compile time, e.g. CSR dictionaries) is a classmethod in plain
+torch, so the runtime stays importable without the compile extra.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
 from itertools import accumulate
+from typing import ClassVar
 
 import torch
 
+from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.runtime.codecs.config import CodecConfig
-from kvrewrite.runtime.codecs.packing import dequantize_minmax, pack_bits, packed_length, quantize_minmax, unpack_bits
 
 SIDES = ("key", "value")
 
+Latents = list[dict[str, torch.Tensor]]  # per layer: side -> [T, C] float32 calibration latents
+
 
 class LayerCodec(ABC):
+    name: ClassVar[str]
+    # Every codec has `group_size` (G: tokens per coded block) and `residual` (recent tokens kept in float16).
+    defaults: ClassVar[dict[str, int | float]]
+    takes_bits_budget: ClassVar[bool] = False  # fit_tables searches bit widths under a budget (--kv-bits-budget)
+    fit_description: ClassVar[str | None] = None  # a progress-bar label when fit_tables trains per layer
+
     def __init__(self, config: CodecConfig, key_ranks: list[int], value_ranks: list[int]):
         self.config = config
         self.ranks = {"key": list(key_ranks), "value": list(value_ranks)}
         self.channels = {side: sum(r) for side, r in self.ranks.items()}
         self.offsets = {side: [0, *accumulate(r)] for side, r in self.ranks.items()}
         self.block_tokens = config.block_tokens
+
+    # ---- parameters --------------------------------------------------------------------------------------
+
+    @classmethod
+    def parse_params(cls, overrides: Mapping[str, object]) -> dict[str, int | float]:
+        """The defaults with `overrides` applied, each converted to its parameter's type."""
+        params = dict(cls.defaults)
+        for key, value in overrides.items():
+            if key not in params:
+                raise InvalidArgumentError(f"codec {cls.name} has no parameter {key!r}; it has {', '.join(params)}")
+            try:
+                params[key] = int(value) if isinstance(cls.defaults[key], int) else float(value)
+            except (TypeError, ValueError) as exc:
+                raise InvalidArgumentError(f"codec parameter {key} must be a number, got {value!r}") from exc
+        return params
+
+    @classmethod
+    def validate(cls, params: dict) -> None:
+        """Raise InvalidArgumentError naming the parameter that is out of range. Subclasses add their own checks."""
+        if params["group_size"] < 1:
+            raise InvalidArgumentError(f"codec {cls.name}: group_size must be >= 1, got {params['group_size']}")
+        if params["residual"] < 0:
+            raise InvalidArgumentError(f"codec {cls.name}: residual must be >= 0, got {params['residual']}")
+
+    # ---- fitting (compile time) ----------------------------------------------------------------------------
+
+    @classmethod
+    def fit_tables(cls, config: CodecConfig, latents: Latents, key_ranks: list[list[int]], value_ranks: list[list[int]],
+                   *, budget_bits: float | None = None, weights: dict | None = None,
+                   progress: Callable[[], None] | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+        """Tables for kv_codec.safetensors fitted on calibration latents, and what to add to the compile report.
+
+        weights: (layer, side) -> multiplier on that side's error (the sensitivity pass's KL weights), if any.
+        progress: called once per layer by codecs with a `fit_description`. Untrained codecs fit nothing.
+        """
+        return {}, {}
+
+    # ---- run time ----------------------------------------------------------------------------------------
 
     @classmethod
     def for_layer(cls, config: CodecConfig, layer_idx: int, key_ranks: list[int], value_ranks: list[int],
@@ -45,54 +97,14 @@ class LayerCodec(ABC):
         """Bytes one coded block of G tokens occupies (one batch row): the formula the stored tensors must match."""
 
 
-# ---- KIVI: keys per channel over a block of tokens, values per token over groups of channels -------------
+def as_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    """[T, C] -> [1, n, G, C] (whole blocks only)."""
+    n = x.shape[0] // block
+    return x[: n * block].reshape(1, n, block, x.shape[1])
 
 
-def kivi_encode(x: torch.Tensor, side: str, bits: int, group_size: int) -> dict[str, torch.Tensor]:
-    batch, n, g, c = x.shape
-    if side == "key":
-        codes, scale, low = quantize_minmax(x, (2,), bits)  # one (scale, min) per channel per block
-        scale, low = scale.squeeze(2), low.squeeze(2)  # [B, n, C]
-    else:
-        groups = -(-c // group_size)
-        pad = groups * group_size - c
-        # Padding repeats the last channel so it never widens a group's range; the padded codes are not stored.
-        xp = torch.cat([x, x[..., -1:].expand(*x.shape[:-1], pad)], dim=-1) if pad else x
-        codes, scale, low = quantize_minmax(xp.reshape(batch, n, g, groups, group_size), (4,), bits)
-        codes = codes.reshape(batch, n, g, groups * group_size)[..., :c]
-        scale, low = scale.squeeze(-1), low.squeeze(-1)  # [B, n, G, groups]
-    return {"codes": pack_bits(codes.reshape(batch, n, g * c), bits), "scale": scale, "low": low}
-
-
-def kivi_decode(coded: dict[str, torch.Tensor], side: str, bits: int, group_size: int, g: int, c: int) -> torch.Tensor:
-    packed = coded["codes"]
-    batch, n = packed.shape[:2]
-    codes = unpack_bits(packed, bits, g * c).reshape(batch, n, g, c)
-    if side == "key":
-        return dequantize_minmax(codes, coded["scale"].unsqueeze(2), coded["low"].unsqueeze(2))
-    index = torch.arange(c, device=packed.device) // group_size  # channel -> its group's scale
-    return dequantize_minmax(codes, coded["scale"][..., index], coded["low"][..., index])
-
-
-def kivi_block_bytes(side: str, bits: int, group_size: int, g: int, c: int) -> int:
-    """Packed codes + float16 scale and minimum per channel (keys) or per token and channel group (values)."""
-    meta = c if side == "key" else g * -(-c // group_size)
-    return packed_length(g * c, bits) + 2 * 2 * meta
-
-
-class KiviCodec(LayerCodec):
-    """`int4` / `int2`: KIVI's asymmetric quantization (keys per channel, values per token)."""
-
-    def __init__(self, config: CodecConfig, key_ranks: list[int], value_ranks: list[int]):
-        super().__init__(config, key_ranks, value_ranks)
-        self.bits = int(config.params["bits"])
-        self.group_size = int(config.params["group_size"])
-
-    def encode(self, x, side):
-        return kivi_encode(x, side, self.bits, self.group_size)
-
-    def decode(self, coded, side):
-        return kivi_decode(coded, side, self.bits, self.group_size, self.block_tokens, self.channels[side])
-
-    def block_bytes(self, side):
-        return kivi_block_bytes(side, self.bits, self.group_size, self.block_tokens, self.channels[side])
+def relative_error(codec: LayerCodec, x: torch.Tensor, side: str) -> float:
+    """Relative squared error of decode(encode(x)) on calibration latents x [T, C]."""
+    blocks = as_blocks(x, codec.block_tokens)
+    decoded = codec.decode(codec.encode(blocks, side), side)
+    return float((decoded - blocks).pow(2).sum() / blocks.pow(2).sum().clamp_min(1e-30))

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from kvrewrite.runtime.codecs.base import LayerCodec, kivi_block_bytes, kivi_decode, kivi_encode
+from kvrewrite.errors import InvalidArgumentError
+from kvrewrite.runtime.codecs.base import LayerCodec
 from kvrewrite.runtime.codecs.config import CodecConfig
+from kvrewrite.runtime.codecs.kivi import check_bit_width, kivi_block_bytes, kivi_decode, kivi_encode
 from kvrewrite.runtime.codecs.packing import META_DTYPE
+from kvrewrite.runtime.codecs.registry import register_codec
 
 
 def low_rank(residual: torch.Tensor, rank: int, iterations: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -26,7 +29,21 @@ def low_rank(residual: torch.Tensor, rank: int, iterations: int) -> tuple[torch.
     return left, basis
 
 
+@register_codec
 class GearCodec(LayerCodec):
+    name = "gear"
+    # rank: low-rank residual per block (power iteration); outlier_percent: top + bottom s% kept exactly.
+    defaults = {"bits": 2, "rank": 2, "outlier_percent": 2.0, "power_iterations": 3, "group_size": 32, "residual": 32}
+
+    @classmethod
+    def validate(cls, params):
+        check_bit_width(cls.name, "bits", params["bits"])
+        super().validate(params)
+        if params["rank"] < 0:
+            raise InvalidArgumentError(f"codec {cls.name}: rank must be >= 0, got {params['rank']}")
+        if not 0 <= params["outlier_percent"] < 50:
+            raise InvalidArgumentError(f"codec {cls.name}: outlier_percent must be in [0, 50), got {params['outlier_percent']}")
+
     def __init__(self, config: CodecConfig, key_ranks, value_ranks):
         super().__init__(config, key_ranks, value_ranks)
         p = config.params
@@ -82,3 +99,11 @@ class GearCodec(LayerCodec):
         if k > 0:
             total += 2 * k * (torch.empty((), dtype=self._index_dtype(side)).element_size() + 2)
         return total
+
+
+@register_codec
+class GearLCodec(GearCodec):
+    """`gear-l`: GEAR without outliers (backbone + low-rank residual)."""
+
+    name = "gear-l"
+    defaults = {**GearCodec.defaults, "outlier_percent": 0.0}

@@ -69,8 +69,6 @@ class CompressedAttention(nn.Module):
         self._indices: dict[str, torch.Tensor] | None = None
         # The attention implementation for the current layout and device (kernels.dispatch), built lazily.
         self._runner: tuple[str, torch.device, PackedAttentionFn] | None = None
-        # Sensitivity probing: zeroing the trailing latent dims is exactly a truncation to that rank.
-        self.probe_ranks: tuple[list[int], list[int]] | None = None
 
     # ---- rank selection -------------------------------------------------------------------
     def set_ranks(self, key_ranks: list[int], value_ranks: list[int]) -> None:
@@ -146,8 +144,6 @@ class CompressedAttention(nn.Module):
         # The mode's packed query and key (a mode that rebuilds keys keeps the pre-RoPE latent; attend rotates it).
         query, key = self.mode.project(self, query, key, cos, sin)
 
-        if self.probe_ranks is not None:
-            key, value = self._apply_probe(key, value)
         return query, key, value
 
     def attend(self, query, key, value, attention_mask, past_len: int, **kwargs) -> torch.Tensor:
@@ -179,14 +175,6 @@ class CompressedAttention(nn.Module):
         ):
             return ROWS
         return getattr(self.packed_attention_runner(device), "cache_layout", ROWS)
-
-    def _apply_probe(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Zero every head's latent dims beyond the probe ranks (the model must be at full rank)."""
-        key_keep, value_keep = self.probe_ranks
-        # Block widths are the current (full) ranks: d per head, or [n_kv*d, 0, ...] for crosshead keys.
-        key_mask = torch.cat([(torch.arange(w) < r).to(key.dtype) for w, r in zip(self.key_ranks, key_keep)]).to(key.device)
-        value_mask = torch.cat([(torch.arange(w) < r).to(value.dtype) for w, r in zip(self.value_ranks, value_keep)]).to(value.device)
-        return key * key_mask, value * value_mask
 
     def _latent_attention(self, query, key_latent, value, attention_mask, past_len: int) -> torch.Tensor:
         """Rebuild each head's pre-RoPE key from its latent and rotate q and k by cache position.

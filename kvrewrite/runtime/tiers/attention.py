@@ -30,7 +30,7 @@ def check_full_rank(module) -> None:
     d = module.head_dim
     if module.mode.shared_key_block:
         raise InvalidArgumentError(f"a tiered cache (recent window) does not support {module.key_mode} keys (one key block "
-                                   "shared by all heads); compile with another --rope-mode")
+                                   "shared by all heads); compile with another `rope_mode`")
     if any(r != d for r in module.key_ranks) or any(r != d for r in module.value_ranks):
         raise InvalidArgumentError(
             f"layer {module.layer_idx}: a tiered cache needs the model at full rank; load it with "

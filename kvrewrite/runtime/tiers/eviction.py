@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvrewrite.runtime.codecs.base import kivi_decode, kivi_encode
+from kvrewrite.runtime.codecs.kivi import kivi_decode, kivi_encode
 from kvrewrite.runtime.codecs.packing import META_DTYPE, SUPPORTED_BITS, packed_length
 from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.runtime.tiers.cache import POSITION_DTYPE, STORAGE_DTYPE, RecentWindowLayer

@@ -1,0 +1,54 @@
+"""Numbers in README.md and docs/ that cite a result file are in that file (tools/doc_numbers.py)."""
+
+import shutil
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+
+import doc_numbers  # noqa: E402
+
+
+def all_passages():
+    return [p for doc in doc_numbers.documents() for p in doc_numbers.passages(doc)]
+
+
+def test_every_cited_number_is_in_its_result_file():
+    found = all_passages()
+    assert sum(len(p.claims) for p in found) > 100  # the marked passages were read at all
+    problems = [problem for passage in found for problem in doc_numbers.unsourced(passage)]
+    assert problems == []
+
+
+def _copy_with(tmp_path: Path, doc: str, old: str, new: str) -> Path:
+    """The repo's doc and results under tmp_path, with one edit in the doc."""
+    (tmp_path / "docs").mkdir()
+    shutil.copytree(doc_numbers.ROOT / "benchmarks" / "results", tmp_path / "benchmarks" / "results")
+    text = (doc_numbers.ROOT / doc).read_text(encoding="utf-8")
+    assert text.count(old) == 1
+    (tmp_path / doc).write_text(text.replace(old, new), encoding="utf-8")
+    return tmp_path / doc
+
+
+def test_a_number_edited_by_hand_fails(tmp_path):
+    # One figure of the frontier table changed to a plausible value that no field of that row holds.
+    row = "| `kvrewrite-W16-evict0.26-k8v4` | kvrewrite | 12.3% | +3.2% |"
+    edited = _copy_with(tmp_path, "docs/frontier.md", row, row.replace("+3.2%", "+3.9%"))
+    problems = [p for passage in doc_numbers.passages_at(edited, tmp_path) for p in doc_numbers.unsourced(passage, tmp_path)]
+    assert len(problems) == 1 and "+3.9%" in problems[0] and "docs/frontier.md" in problems[0]
+
+
+def test_a_row_naming_no_record_and_a_missing_file_fail(tmp_path):
+    row = "| `kvrewrite-W16-evict0.26-k8v4` |"
+    edited = _copy_with(tmp_path, "docs/frontier.md", row, "| `kvrewrite-W16-evict0.27-k8v4` |")
+    problems = [p for passage in doc_numbers.passages_at(edited, tmp_path) for p in doc_numbers.unsourced(passage, tmp_path)]
+    assert any("names no record" in p for p in problems)
+    (tmp_path / "benchmarks" / "results" / "frontier.json").unlink()
+    problems = [p for passage in doc_numbers.passages_at(edited, tmp_path) for p in doc_numbers.unsourced(passage, tmp_path)]
+    assert problems and all("does not exist" in p for p in problems)
+
+
+def test_numbers_are_read_as_written():
+    claims = doc_numbers.claims_in("d", "a `p0.5` cut, 46,080 bytes (+8.9%), 2.8x faster at 2K, −0.5% and [x](a1.2)", 1)
+    assert [(c.text, c.value, c.decimals, c.percent) for c in claims] == [
+        ("46,080", 46080.0, 0, False), ("+8.9%", 8.9, 1, True), ("2.8x", 2.8, 1, False), ("−0.5%", -0.5, 1, True)]

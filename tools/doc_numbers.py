@@ -1,0 +1,168 @@
+"""Numbers in the docs, checked against the committed result files they cite.
+
+A doc marks a passage whose figures come from results with an HTML comment naming the file(s):
+
+    <!-- numbers: benchmarks/results/frontier.json -->
+    | ... a table or paragraph ... |
+    <!-- /numbers -->
+
+Every number written in such a passage (outside `code`, links and comments) must be some value of the cited
+file(s) as printed: the same value at the number's own precision, or that value x 100 when it is a share
+printed as a percentage. Prose may round; it may not invent.
+
+A table whose rows are records of a list in the file names that list and the field that names a record:
+
+    <!-- numbers: benchmarks/results/frontier.json rows=results.name -->
+
+Then the numbers of a row must come from the record its first cell names (its first `code` span, or the cell's
+text), not from anywhere in the file, so an edited figure cannot hide among the file's other values. `python tools/doc_numbers.py` lists every passage
+and any number without a source; tests/test_doc_numbers.py runs the same check.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BLOCK = re.compile(r"<!-- numbers: (?P<files>[^ >]+(?:, *[^ >]+)*)(?: rows=(?P<rows>[\w.]+))? -->\n(?P<body>.*?)"
+                   r"<!-- /numbers -->", re.S)
+FIRST_CELL = re.compile(r"^\|\s*(?:`(?P<code>[^`]+)`|(?P<text>[^|]*?))\s*\|")
+# What is not prose: inline code, link targets, images, HTML comments.
+NOT_PROSE = re.compile(r"`[^`]*`|\]\([^)]*\)|<!--.*?-->", re.S)
+# A number: optional sign, digits with thousands commas, optional decimals; not glued to a word
+# ("p0.5", "2K", "x8" stay out), but "12.3%" and "2.8x" are numbers.
+NUMBER = re.compile(r"(?<![\w.])(?P<sign>[+\-−]?)(?P<num>\d{1,3}(?:,\d{3})+|\d+)(?P<dec>\.\d+)?(?P<unit>%|x\b)?(?![\w.]*\w)")
+
+
+@dataclass(frozen=True)
+class Claim:
+    doc: str
+    line: int
+    text: str  # as written
+    value: float
+    decimals: int
+    percent: bool
+
+
+@dataclass(frozen=True)
+class Passage:
+    doc: str
+    line: int
+    sources: tuple[str, ...]
+    claims: tuple[Claim, ...]
+    rows: str | None = None  # "list.field": each table row's numbers come from the record its first cell names
+    row_names: tuple[tuple[int, str], ...] = ()  # (line, first cell) of every table row
+
+
+def numeric_leaves(data) -> list[float]:
+    """Every number in a JSON document (bools excluded), at any depth."""
+    out: list[float] = []
+    stack = [data]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, (int, float)) and not isinstance(item, bool):
+            out.append(float(item))
+    return out
+
+
+def claims_in(doc: str, body: str, first_line: int) -> list[Claim]:
+    found = []
+    for offset, raw_line in enumerate(body.splitlines()):
+        prose = NOT_PROSE.sub(lambda m: " " * len(m.group()), raw_line)
+        for m in NUMBER.finditer(prose):
+            digits = m.group("num").replace(",", "") + (m.group("dec") or "")
+            value = float(digits) * (-1 if m.group("sign") in ("-", "−") else 1)
+            found.append(Claim(doc, first_line + offset, m.group().strip(), value,
+                               len(m.group("dec") or "") - (1 if m.group("dec") else 0), m.group("unit") == "%"))
+    return found
+
+
+def passages(doc_path: Path) -> list[Passage]:
+    return passages_at(doc_path, ROOT)
+
+
+def passages_at(doc_path: Path, root: Path) -> list[Passage]:
+    """The marked passages of a doc under `root` (the repo, or a copy of it)."""
+    text = doc_path.read_text(encoding="utf-8")
+    doc = str(doc_path.relative_to(root))
+    out = []
+    for m in BLOCK.finditer(text):
+        first_line = text.count("\n", 0, m.start("body")) + 1
+        sources = tuple(s.strip() for s in m.group("files").split(","))
+        row_names = tuple((first_line + i, (cell.group("code") or cell.group("text")).strip())
+                          for i, line in enumerate(m.group("body").splitlines())
+                          if (cell := FIRST_CELL.match(line)) and not set(line) <= set("|-: "))
+        out.append(Passage(doc, first_line, sources, tuple(claims_in(doc, m.group("body"), first_line)),
+                           m.group("rows"), row_names))
+    return out
+
+
+def matches(claim: Claim, leaves: list[float]) -> bool:
+    half_step = 0.5 * 10 ** -claim.decimals + 1e-9
+    candidates = leaves + [100 * v for v in leaves] if claim.percent else leaves  # a share printed as a percentage
+    return any(abs(v - claim.value) <= half_step for v in candidates)
+
+
+def row_leaves(data, rows: str, row_names: tuple[tuple[int, str], ...]) -> dict[int, list[float] | None]:
+    """line -> the numbers of the record that row names (None: no such record; header rows map to the names)."""
+    list_key, field = rows.rsplit(".", 1)
+    records = data
+    for key in list_key.split("."):
+        records = records[key]
+    by_name = {str(record.get(field)): record for record in records if isinstance(record, dict)}
+    return {line: numeric_leaves(by_name[name]) if name in by_name else None for line, name in row_names}
+
+
+def unsourced(passage: Passage, root: Path = ROOT) -> list[str]:
+    """Problems of one passage: a cited file that is missing, a row naming no record, and every number that is
+    not in its source (the row's record, or else any cited file)."""
+    leaves: list[float] = []
+    problems = []
+    documents_read = []
+    for source in passage.sources:
+        path = root / source
+        if not path.is_file():
+            problems.append(f"{passage.doc}:{passage.line}: cites {source}, which does not exist")
+            continue
+        documents_read.append(json.loads(path.read_text(encoding="utf-8")))
+        leaves += numeric_leaves(documents_read[-1])
+    if problems:
+        return problems
+    per_row = row_leaves(documents_read[0], passage.rows, passage.row_names) if passage.rows else {}
+    header = passage.row_names[0][0] if passage.row_names else None
+    for line, found in per_row.items():
+        if found is None and line != header:
+            problems.append(f"{passage.doc}:{line}: the row names no record of {passage.sources[0]} ({passage.rows})")
+    for claim in passage.claims:
+        source = per_row.get(claim.line) or leaves
+        if not matches(claim, source):
+            where = "its row's record" if claim.line in per_row else ", ".join(passage.sources)
+            problems.append(f"{claim.doc}:{claim.line}: {claim.text} is in none of {where}")
+    return problems
+
+
+def documents(root: Path = ROOT) -> list[Path]:
+    return [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
+
+
+def main() -> int:
+    problems, count = [], 0
+    for doc in documents():
+        for passage in passages(doc):
+            count += len(passage.claims)
+            print(f"{passage.doc}:{passage.line}: {len(passage.claims)} numbers from {', '.join(passage.sources)}")
+            problems += unsourced(passage)
+    print("\n".join(problems) if problems else f"all {count} numbers found in their result files")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
