@@ -100,6 +100,26 @@ def test_kl_against_different_model_matches_dense_computation() -> None:
     assert stats.baseline_perplexity == pytest.approx(math.exp(base_ce.item()), rel=1e-5)
 
 
+def test_kl_of_two_peaked_distributions_matches_a_float64_sum() -> None:
+    """Random-init models give near-uniform next-token distributions, where KL(p||q) and KL(q||p) almost agree and
+    any KL is tiny. Scaling the final norms makes both peaked (entropy far below log V) and different, so the
+    reference (a float64 sum written here) is O(1) nats, the two directions differ, and dropping a term shows."""
+    model, baseline = _model(0), _model(1)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(30.0)
+        baseline.model.norm.weight.mul_(20.0)
+    tokens = _tokens()
+    stats = perplexity_and_agreement(model, tokens, baseline=baseline, batch_size=2, progress=False)
+
+    log_q = torch.log_softmax(_dense_logits(model, tokens).double(), -1)
+    log_p = torch.log_softmax(_dense_logits(baseline, tokens).double(), -1)
+    forward = (log_p.exp() * (log_p - log_q)).sum(-1).mean().item()  # KL(baseline || model), the documented one
+    reverse = (log_q.exp() * (log_q - log_p)).sum(-1).mean().item()
+    entropy_p = -(log_p.exp() * log_p).sum(-1).mean().item()
+    assert entropy_p < 0.7 * math.log(VOCAB) and forward > 1.0  # really peaked, really different
+    assert abs(forward / reverse - 1) > 0.05  # the test can tell the direction
+    assert stats.kl_mean == pytest.approx(forward, rel=1e-5)
+
 def test_bf16_model_evaluates_in_float32() -> None:
     model = _model(0, torch.bfloat16)
     tokens = _tokens()

@@ -187,6 +187,31 @@ def test_kmeans_reducer_approximates_the_exact_grams(tmp_path):
     assert 0 < reduced.notes["kmeans_relative_gram_change_mean"] < 0.5
 
 
+def test_kmeans_reducer_returns_the_weighted_centroid_gram_on_known_clusters():
+    """Eight well-separated clusters of unequal size, every batch with the same make-up: the reducer's Gram must be
+    sum_c n_c mu_c mu_c^T over the true centres and sizes (computed here directly), rescaled from the kept batches
+    to every token, to within the tiny cluster spread. Random centroids, unweighted centroids, a missing
+    rescale or the exact Gram passed through would all miss this by far more than the 1e-3 bound."""
+    from kvrewrite.method.statistics import KMeansGramReducer
+
+    d, sizes = 16, torch.tensor([5, 10, 15, 20, 25, 30, 35, 60])
+    g = torch.Generator().manual_seed(0)
+    centres = 10 * torch.randn(len(sizes), d, generator=g, dtype=torch.float64)
+    reducer = KMeansGramReducer(1, 1, 1, d, clusters=len(sizes), keep_share=0.5, seed=0)
+    batches, kept = 12, 0
+    for _ in range(batches):
+        reducer.start_batch()
+        kept += reducer.keep_batch
+        rows = centres.repeat_interleave(sizes, dim=0)
+        rows = rows + 1e-3 * torch.randn(rows.shape, generator=g, dtype=torch.float64)
+        reducer.add(0, "value", 0, rows)
+        reducer.count(0, rows.shape[0])
+    assert 0 < kept < batches  # pruning really dropped some batches and kept some
+    stats = reducer.finish()
+    expected = batches * (centres.T * sizes.double()) @ centres
+    got = stats.layers[0].gram("value", 0)
+    assert ((got - expected).norm() / expected.norm()).item() < 1e-3
+
 def test_uniform_allocation_gives_every_head_the_same_rank():
     from kvrewrite.method.rank_allocation import allocate_uniform
 

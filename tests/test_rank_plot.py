@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import matplotlib.image as mpimg
+import numpy as np
 import pytest
+from matplotlib import colormaps
 
 from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.publish.rank_plot import plot_rank_heatmap
@@ -31,6 +33,42 @@ def test_writes_valid_png_for_30x3_grid(tmp_path: Path) -> None:
     assert height > width > 400
     assert sorted(p.name for p in out.parent.iterdir()) == ["ranks.png"]  # no temp file left
 
+
+def _cell_centres(image: np.ndarray, rank: int, head_dim: int) -> list[tuple[float, float]]:
+    """(x, y) centres of the image regions painted in viridis(rank / head_dim): columns where at least 30 pixels
+    have that colour (the colour bar's strip of one colour is a few pixels tall), grouped into runs."""
+    colour = np.asarray(colormaps["viridis"](rank / head_dim)[:3])
+    match = (np.abs(image[..., :3] - colour) < 2 / 255).all(-1)
+    columns = np.flatnonzero(match.sum(0) >= 30)
+    runs = np.split(columns, np.flatnonzero(np.diff(columns) > 1) + 1) if columns.size else []
+    centres = []
+    for run in runs:
+        ys = np.flatnonzero(match[:, run].any(1))
+        ys = ys[match[ys][:, run].sum(1) >= len(run) // 2]  # rows that belong to the cell, not to stray pixels
+        centres.append((run.mean(), ys.mean()))
+    return centres
+
+
+def test_cells_show_their_ranks_in_place(tmp_path: Path) -> None:
+    """Each rank of a 2 x 2 grid appears as a block of its colour-map colour, at its layer (0 on top) and head
+    (0 left), keys left of values: a heat map with rows or panels swapped or the wrong colour scale fails."""
+    head_dim = 16
+    keys, values = [[0, 4], [8, 12]], [[16, 2], [6, 10]]
+    image = mpimg.imread(plot_rank_heatmap(keys, values, head_dim, tmp_path / "r.png"))
+    found = {}
+    for panel, grid in (("keys", keys), ("values", values)):
+        for layer in range(2):
+            for head in range(2):
+                centres = _cell_centres(image, grid[layer][head], head_dim)
+                assert len(centres) == 1, (panel, layer, head, centres)  # one block of exactly that colour
+                found[panel, layer, head] = centres[0]
+    for panel in ("keys", "values"):
+        for head in range(2):
+            assert found[panel, 0, head][1] < found[panel, 1, head][1]  # layer 0 above layer 1
+        for layer in range(2):
+            assert found[panel, layer, 0][0] < found[panel, layer, 1][0]  # head 0 left of head 1
+    assert max(x for (p, _, _), (x, _) in found.items() if p == "keys") < min(
+        x for (p, _, _), (x, _) in found.items() if p == "values")
 
 def test_large_grid_without_annotations(tmp_path: Path) -> None:
     out = plot_rank_heatmap(_ranks(80, 32, 128, 0), _ranks(80, 32, 128, 3), 128, tmp_path / "big.png")

@@ -17,6 +17,10 @@ CONFIGS = {
     "zack-faithful": {"objective": "zack", "allocation": "eps", "rope_mode": "post-rope"},
     "optimal-latent": {"objective": "optimal", "allocation": "sensitivity", "rope_mode": "latent"},
 }
+# verification["compiled_rank"]["kl_mean"] as measured on this fixture (a script running the fixture's own
+# compile_variants(Plan(...), CONFIGS, tmp) and printing it): zack-faithful 0.884270, optimal-latent 0.169276
+# nats/token. The test allows 25% over that; a worse compile fails instead of passing under a flat 3 nats.
+MEASURED_KL = {"zack-faithful": 0.8843, "optimal-latent": 0.1693}
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +36,8 @@ def test_full_rank_equivalence_and_real_cache_shrink(compiled, name):
     assert ctx.spec.source_model == "smollm2-135m"
     assert ctx.verification["verify_dtype"] == "float64"
     assert ctx.verification["full_rank_max_abs_logit_diff"] < 1e-4
-    # Compressing really changes the model's predictions, but not catastrophically.
-    assert 0.0 < ctx.verification["compiled_rank"]["kl_mean"] < 3.0
+    # Compressing really changes the model's predictions, but no more than it did when the bound was measured.
+    assert 0.0 < ctx.verification["compiled_rank"]["kl_mean"] < 1.25 * MEASURED_KL[name]
 
     model = AutoModelForCausalLM.from_pretrained(ctx.output_dir)
     measured = kv_cache_bytes_per_token(model, seq_len=64)
