@@ -45,7 +45,7 @@ def resolve_key_mode(adapter, config, rope_mode: str, objective: str) -> str:
             else "it has sliding-window layers, whose cache renumbers positions"
         )
         raise UnsupportedModelError(
-            f"--rope-mode {rope_mode} is not possible for model type {config.model_type!r}: {why}; "
+            f"`rope_mode={rope_mode}` is not possible for model type {config.model_type!r}: {why}; "
             f"allowed: default, auto, {', '.join(allowed)}"
         )
     return rope_mode
