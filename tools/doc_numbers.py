@@ -8,7 +8,9 @@ A doc marks a passage whose figures come from results with an HTML comment namin
 
 Every number written in such a passage (outside `code`, links and comments) must be some value of the cited
 file(s) as printed: the same value at the number's own precision, or that value x 100 when it is a share
-printed as a percentage. Prose may round; it may not invent.
+printed as a percentage. Prose may round; it may not invent. One derived value is also a value of the file: a
+record holding both `perplexity` and `baseline_perplexity` yields its perplexity increase
+(perplexity / baseline_perplexity - 1), since most result files keep the two parts and the docs print the increase.
 
 A table whose rows are records of a list in the file names that list and the field that names a record:
 
@@ -59,13 +61,16 @@ class Passage:
 
 
 def numeric_leaves(data) -> list[float]:
-    """Every number in a JSON document (bools excluded), at any depth."""
+    """Every number in a JSON document (bools excluded), at any depth, plus each record's perplexity increase."""
     out: list[float] = []
     stack = [data]
     while stack:
         item = stack.pop()
         if isinstance(item, dict):
             stack.extend(item.values())
+            ppl, base = item.get("perplexity"), item.get("baseline_perplexity")
+            if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (ppl, base)) and base > 0:
+                out.append(float(ppl) / float(base) - 1.0)  # the increase printed as Δppl
         elif isinstance(item, list):
             stack.extend(item)
         elif isinstance(item, (int, float)) and not isinstance(item, bool):
