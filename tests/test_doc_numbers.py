@@ -52,3 +52,13 @@ def test_numbers_are_read_as_written():
     claims = doc_numbers.claims_in("d", "a `p0.5` cut, 46,080 bytes (+8.9%), 2.8x faster at 2K, −0.5% and [x](a1.2)", 1)
     assert [(c.text, c.value, c.decimals, c.percent) for c in claims] == [
         ("46,080", 46080.0, 0, False), ("+8.9%", 8.9, 1, True), ("2.8x", 2.8, 1, False), ("−0.5%", -0.5, 1, True)]
+
+
+def test_a_records_perplexity_increase_is_one_of_its_values():
+    """Result files keep perplexity and the baseline's; the docs print the increase, which the checker derives."""
+    leaves = doc_numbers.numeric_leaves({"rows": [{"perplexity": 33.29, "baseline_perplexity": 24.52}]})
+    increase = doc_numbers.Claim("d", 1, "+35.8%", 35.8, 1, True)
+    assert doc_numbers.matches(increase, leaves)
+    assert not doc_numbers.matches(doc_numbers.Claim("d", 1, "+35.6%", 35.6, 1, True), leaves)
+    # Only a record holding both parts yields an increase.
+    assert not doc_numbers.matches(increase, doc_numbers.numeric_leaves({"perplexity": 33.29, "baseline": 24.52}))
