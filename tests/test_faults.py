@@ -28,6 +28,7 @@ from kvrewrite.io.checkpoint_io import verify_checksums
 from kvrewrite.errors import CorruptCheckpointError, KVRewriteWarning, ModelSourceError, OutputError
 from kvrewrite.io.fault_injection import FAULT_ENV, NO_EXCHANGE_ENV
 from kvrewrite.io.output_safety import recover_leftovers
+from kvrewrite.compile.passes.base import run_pass
 from kvrewrite.compile.passes.context import CompileContext
 from kvrewrite.compile.passes.emit import MODELING_FILE, Emit
 from kvrewrite.compile.passes.load_checkpoint import LoadCheckpoint
@@ -339,8 +340,7 @@ def test_config_auto_map_is_ignored(tmp_path, source):
     config = json.loads((d / "config.json").read_text())
     config["auto_map"] = {"AutoConfig": "modeling_evil.C", "AutoModelForCausalLM": "modeling_evil.M"}
     (d / "config.json").write_text(json.dumps(config))
-    ctx = CompileContext(plan=Plan(model=str(d), progress=False))
-    LoadCheckpoint().run(ctx)
+    ctx = run_pass(CompileContext(plan=Plan(model=str(d), progress=False)), LoadCheckpoint())
     assert type(ctx.config).__module__.startswith("transformers.")
     assert not (tmp_path / SENTINEL_NAME).exists()
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
@@ -12,6 +14,7 @@ from kvrewrite.runtime.kernels.cache_layout import packed_view
 from kvrewrite.key_modes import key_transform
 from kvrewrite.method.key_transforms import frequency_pair_energy
 from kvrewrite.compile.passes.compute_transforms import LayerTransforms
+from kvrewrite.compile.passes.base import run_pass
 from kvrewrite.compile.passes.pipeline import run_pipeline
 from kvrewrite.compile.plan import Plan
 from tiny_models import random_windows, save_tiny_llama, tiny_pipeline
@@ -26,7 +29,7 @@ def statistics_context(src, **options):
     plan = Plan(model=str(src), progress=False, **options)
     ctx = kvrewrite.compile.passes.context.CompileContext(plan=plan)
     for step in tiny_pipeline()[:3]:  # load, calibration tokens, Grams
-        step.run(ctx)
+        ctx = run_pass(ctx, step)
     return ctx
 
 
@@ -50,14 +53,14 @@ def test_mixed_key_modes_per_layer_are_exact_and_cache_what_the_spec_says(source
     ctx = statistics_context(source, output=tmp_path / "out", target_rate=0.5, allocation="greedy")
     pipeline = tiny_pipeline()
     steps = pipeline[[s.name for s in pipeline].index("compute_transforms") :]  # compute transforms .. emit
-    steps[0].run(ctx)  # default transforms; then give each layer another key mode
+    ctx = run_pass(ctx, steps[0])  # default transforms; then give each layer another key mode
     modes = ["crosshead", "freq", "latent"]
-    ctx.transforms = [
+    ctx = dataclasses.replace(ctx, transforms=[
         LayerTransforms(key=key_transform(m, "optimal", stats, ctx.geometry), value=t.value)
         for m, stats, t in zip(modes, ctx.statistics.layers, ctx.transforms)
-    ]
+    ])
     for step in steps[1:]:
-        step.run(ctx)
+        ctx = run_pass(ctx, step)
     assert [layer.key_mode for layer in ctx.spec.layers] == modes
     assert ctx.verification["full_rank_max_abs_logit_diff"] < 1e-4
 

@@ -70,12 +70,13 @@ class FixedCalibration:
     name = "build_calibration"
     description = "fixed random token windows (tests)"
 
+    produces = ("calibration_tokens", "report.calibration")
+
     def __init__(self, tokens: torch.Tensor):
         self.tokens = tokens
 
-    def run(self, ctx) -> None:
-        ctx.calibration_tokens = self.tokens
-        ctx.report["calibration"] = {"source": "test", "tokens": int(self.tokens.numel())}
+    def run(self, ctx) -> dict:
+        return {"calibration_tokens": self.tokens, "report.calibration": {"source": "test", "tokens": int(self.tokens.numel())}}
 
 
 def tiny_pipeline(tokens: torch.Tensor | None = None) -> list:

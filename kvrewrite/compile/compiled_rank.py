@@ -58,25 +58,28 @@ def whole_compressed_model(folded: FoldedWeights, spec: CompressionSpec, sliced:
     return model
 
 
-def keep_only_compiled_rate(ctx: CompileContext) -> None:
-    """A rank-specific weight update (refit, distillation) is for the compiled ranks only: drop every other rate."""
-    key = rate_key(ctx.target_rate)
-    ctx.spec = dataclasses.replace(ctx.spec, rate_table={key: ctx.spec.rate_table[key]} if key in ctx.spec.rate_table else {})
-    ctx.report["rate_table"] = ctx.spec.rate_table
+def keep_only_compiled_rate(spec: CompressionSpec, target_rate: float) -> CompressionSpec:
+    """A rank-specific weight update (refit, distillation) is for the compiled ranks only: the spec with every other
+    rate dropped from its rate table."""
+    key = rate_key(target_rate)
+    return dataclasses.replace(spec, rate_table={key: spec.rate_table[key]} if key in spec.rate_table else {})
 
 
-def remeasure_compiled_rank(ctx: CompileContext, original) -> tuple[dict, float, float]:
+def remeasure_compiled_rank(ctx: CompileContext, original) -> tuple[dict, dict, float, float]:
     """Verify's compiled-rank KL, top-1 and per-layer attention error again, with the weights emit will write
-    (FoldedWeights with its overrides), on the tokens verify used. Replaces verify's figures (they describe the
-    emitted checkpoint); returns verify's figures from before, and the new KL and top-1."""
+    (ctx.folded with its overrides, at ctx.spec's ranks), on the tokens verify used.
+
+    Returns the verification to keep (verify's, its compiled-rank figures replaced: they describe the emitted
+    checkpoint), verify's compiled-rank figures from before, and the new KL and top-1."""
     verified = dict(ctx.verification.get("compiled_rank", {}))
     tokens = verification_tokens(ctx.calibration_tokens, ctx.plan.verify_tokens)
     ref_logits, ref_outputs = record_attention_outputs(original, ctx.adapter, tokens, with_logits=True)
     logits, outputs = record_attention_outputs(whole_compressed_model(ctx.folded, ctx.spec), ctx.adapter, tokens, with_logits=True)
     kl, top1 = next_token_kl(ref_logits, logits)
+    verification = ctx.verification
     if verified:
-        ctx.verification["compiled_rank"] = {
+        verification = {**ctx.verification, "compiled_rank": {
             **verified, "kl_mean": kl, "top1_agreement": top1,
             "layer_attention_relative_error": [((o - r).norm() / r.norm().clamp_min(1e-30)).item() for o, r in zip(outputs, ref_outputs)],
-        }
-    return verified, kl, top1
+        }}
+    return verification, verified, kl, top1

@@ -7,6 +7,8 @@ All products are formed in float64; consumers cast to their own dtype.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from kvrewrite.adapters.base import Projections
@@ -81,8 +83,15 @@ class FoldedWeights:
         self.source, self.transforms, self.geometry = source, transforms, geometry
         self.attention_prefixes = [source.attention_prefix(i) for i in range(geometry.num_layers)]
         self._last: tuple[int, dict[str, torch.Tensor]] | None = None  # the most recently folded layer
-        # Tensors replaced after the fold (the --refit pass's o_proj), served by read() instead of the fold.
+        # Tensors replaced after the fold (refit's o_proj, distillation's attention weights), served by read() instead
+        # of the fold. Set only through with_overrides: a FoldedWeights, once made, serves the same tensors.
         self.overrides: dict[str, torch.Tensor] = {}
+
+    def with_overrides(self, tensors: dict[str, torch.Tensor]) -> FoldedWeights:
+        """The same folded weights with `tensors` replacing (or adding to) the overrides; this object is unchanged."""
+        updated = copy.copy(self)
+        updated.overrides = {**self.overrides, **tensors}
+        return updated
 
     def _attention_of(self, name: str) -> tuple[int, str] | None:
         for idx, prefix in enumerate(self.attention_prefixes):

@@ -57,13 +57,14 @@ def choose_key_modes(ctx, candidates: dict[str, list], cost_weight: float) -> tu
     num_layers = ctx.geometry.num_layers
     for mode, transforms in candidates.items():
         cache_key = (ctx.plan.objective, mode)
-        if cache_key not in ctx.key_mode_probes:
+        probes = ctx.memo.key_mode_probes  # shared by compile_variants' variants (they share the statistics)
+        if cache_key not in probes:
             if reference is None:
                 with torch.inference_mode():
                     reference = original.forward(tokens, head=log_probs)
-            ctx.key_mode_probes[cache_key] = key_probe_kl(ctx, transforms, original, tokens, reference,
-                                                          label=f"key mode probes ({mode})")
-        kl[mode] = ctx.key_mode_probes[cache_key]
+            probes[cache_key] = key_probe_kl(ctx, transforms, original, tokens, reference,
+                                             label=f"key mode probes ({mode})")
+        kl[mode] = probes[cache_key]
     chosen = []
     for layer in range(num_layers):
         scores = {m: kl[m][layer] * (1 + cost_weight * key_mode(m).run_time_cost) for m in candidates}

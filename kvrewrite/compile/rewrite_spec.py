@@ -20,7 +20,7 @@ def build_spec(ctx: CompileContext, key_ranks: list[list[int]], value_ranks: lis
         freq_order = key_mode(transforms.key.mode).stored_order(transforms.key)
         layer_specs.append(LayerSpec(transforms.key.mode, key_ranks[idx], value_ranks[idx], freq_order))
     spec = CompressionSpec(
-        source_model=ctx.report["source"]["model"],
+        source_model=ctx.source_id,
         source_revision=ctx.source_revision,
         base_model_type=ctx.config.model_type,
         num_layers=geo.num_layers,
@@ -31,7 +31,7 @@ def build_spec(ctx: CompileContext, key_ranks: list[list[int]], value_ranks: lis
         allocation=plan.allocation,
         target_rate=plan.target_rate if ctx.target_rate is None else ctx.target_rate,
         layers=layer_specs,
-        rate_table=ctx.report.get("rate_table", {}),
+        rate_table=ctx.rate_table or {},  # none yet while the probing passes run, before allocate_ranks
         rank_multiple=plan.rank_multiple,
     )
     spec.validate()

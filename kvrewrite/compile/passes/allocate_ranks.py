@@ -29,7 +29,10 @@ class AllocateRanks:
     name = "allocate_ranks"
     description = "pick the target rate (given, or the largest within --max-ppl-increase / --max-kl on held-back calibration text), a rank per layer/KV head/side for it, plus a rate table"
 
-    def run(self, ctx: CompileContext) -> None:
+    produces = ("rank_solver", "target_rate", "allocation", "rate_table",
+                "report.quality_budget", "report.allocation", "report.rate_table")
+
+    def run(self, ctx: CompileContext) -> dict:
         plan, geo = ctx.plan, ctx.geometry
         items = rank_items(ctx.transforms)
         order = None
@@ -42,26 +45,26 @@ class AllocateRanks:
                 return allocate_greedy(items, rate, min_rank=plan.min_rank, rank_multiple=plan.rank_multiple, order=order)
             return allocate(items, rate, plan.allocation, min_rank=plan.min_rank, rank_multiple=plan.rank_multiple)
 
-        ctx.rank_solver = solve
+        results = {"rank_solver": solve}
         # Rate strategy: the plan's target rate, or (quality budget) the largest rate measured within budget.
         if plan.has_quality_budget():
-            ctx.target_rate, ctx.report["quality_budget"] = largest_rate_within_budget(ctx, solve)
+            target_rate, results["report.quality_budget"] = largest_rate_within_budget(ctx, solve)
         else:
-            ctx.target_rate = plan.target_rate
-        ctx.allocation = solve(ctx.target_rate)
+            target_rate = plan.target_rate
+        allocation = solve(target_rate)
         table = {}
-        for rate in sorted({*plan.rate_grid, ctx.target_rate}):
+        for rate in sorted({*plan.rate_grid, target_rate}):
             try:
                 key, value = solve(rate).as_lists(geo.num_layers, geo.num_key_value_heads)
             except InvalidArgumentError:
                 continue  # unreachable under --min-rank; the table simply omits it
             table[rate_key(rate)] = {"key": key, "value": value}
-        ctx.report["allocation"] = {
+        results["report.allocation"] = {
             "method": plan.allocation,
-            "target_rate": ctx.target_rate,
-            "achieved_rate": ctx.allocation.rate,
-            "kept_elements_per_token": ctx.allocation.kept,
-            "baseline_elements_per_token": ctx.allocation.total,
-            "eps": ctx.allocation.eps,
+            "target_rate": target_rate,
+            "achieved_rate": allocation.rate,
+            "kept_elements_per_token": allocation.kept,
+            "baseline_elements_per_token": allocation.total,
+            "eps": allocation.eps,
         }
-        ctx.report["rate_table"] = table
+        return {**results, "target_rate": target_rate, "allocation": allocation, "rate_table": table, "report.rate_table": table}

@@ -9,7 +9,9 @@ class BuildCalibration:
     name = "build_calibration"
     description = "tokenise the calibration corpus (synthetic, wiki or a user file) into windows"
 
-    def run(self, ctx: CompileContext) -> None:
+    produces = ("calibration_tokens", "budget_tokens", "report.calibration")
+
+    def run(self, ctx: CompileContext) -> dict:
         from kvrewrite.io.calibration_data import calibration_token_sequences  # gensim is slow to import
 
         plan = ctx.plan
@@ -21,12 +23,16 @@ class BuildCalibration:
         windows = calibration_token_sequences(
             plan.calibration, ctx.tokenizer, plan.calib_tokens + held_back * plan.seq_len, plan.seq_len, model=model, seed=plan.seed
         )
-        ctx.calibration_tokens = windows[:n_calib]
-        ctx.budget_tokens = windows[n_calib:] if held_back else None
-        ctx.report["calibration"] = {
-            "source": plan.calibration,
-            "tokens": int(ctx.calibration_tokens.numel()),
-            "windows": int(ctx.calibration_tokens.shape[0]),
-            "seq_len": plan.seq_len,
-            "held_back_for_quality_budget": 0 if ctx.budget_tokens is None else int(ctx.budget_tokens.numel()),
+        calibration_tokens = windows[:n_calib]
+        budget_tokens = windows[n_calib:] if held_back else None
+        return {
+            "calibration_tokens": calibration_tokens,
+            "budget_tokens": budget_tokens,
+            "report.calibration": {
+                "source": plan.calibration,
+                "tokens": int(calibration_tokens.numel()),
+                "windows": int(calibration_tokens.shape[0]),
+                "seq_len": plan.seq_len,
+                "held_back_for_quality_budget": 0 if budget_tokens is None else int(budget_tokens.numel()),
+            },
         }

@@ -73,11 +73,12 @@ class CollectFisher:
     name = "collect_fisher"
     description = "(--value-metric fisher) gradient second moments of every attention output, for the value objective"
 
-    def run(self, ctx: CompileContext) -> None:
+    produces = ("output_metric", "report.fisher")
+
+    def run(self, ctx: CompileContext) -> dict:
         plan = ctx.plan
         if plan.value_metric != "fisher" or plan.objective != "optimal":
-            ctx.output_metric = None
-            return
+            return {"output_metric": None}
         n_windows = max(1, -(-plan.fisher_tokens // ctx.calibration_tokens.shape[1]))
         windows = ctx.calibration_tokens[:n_windows]
         # Gradients need the whole model: loaded here (fp32) only for --value-metric fisher, not layer-streamed.
@@ -86,5 +87,5 @@ class CollectFisher:
         out_projections = [adapter.output_projection(adapter.attention(layer)) for layer in adapter.decoder_layers(model)]
         with torch.enable_grad():
             sums = output_fisher(model, out_projections, windows, plan.progress)
-        ctx.output_metric = [shrunk_sqrt(s, plan.fisher_shrink) for s in sums]
-        ctx.report["fisher"] = {"tokens": int(windows.numel()), "shrink": plan.fisher_shrink}
+        return {"output_metric": [shrunk_sqrt(s, plan.fisher_shrink) for s in sums],
+                "report.fisher": {"tokens": int(windows.numel()), "shrink": plan.fisher_shrink}}

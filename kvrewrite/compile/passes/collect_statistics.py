@@ -21,9 +21,11 @@ class CollectStatistics:
     name = "collect_statistics"
     description = "stream calibration windows through the model layer by layer, accumulate d_h x d_h Grams per head"
 
-    def run(self, ctx: CompileContext) -> None:
+    produces = ("statistics", "report.statistics")
+
+    def run(self, ctx: CompileContext) -> dict:
         plan = ctx.plan
-        ctx.statistics = collect_statistics(
+        statistics = collect_statistics(
             ctx.source.streamed(plan.compute_dtype(), plan.device),
             ctx.calibration_tokens,
             batch_size=plan.batch_size,
@@ -33,7 +35,7 @@ class CollectStatistics:
             seed=plan.seed,
             progress=plan.progress,
         )
-        ctx.report["statistics"] = {"tokens": ctx.statistics.tokens, "reduce": ctx.statistics.reduce, **ctx.statistics.notes}
+        return {"statistics": statistics, "report.statistics": {"tokens": statistics.tokens, "reduce": statistics.reduce, **statistics.notes}}
 
 
 def collect_statistics(

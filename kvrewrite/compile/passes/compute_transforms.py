@@ -21,7 +21,12 @@ class ComputeTransforms:
     name = "compute_transforms"
     description = "solve the key-side (per RoPE mode) and value-side transforms from the Grams"
 
-    def run(self, ctx: CompileContext) -> None:
+    produces = ("transforms", "report.transforms", "report.key_mode_choice")
+    # key_mode: load_checkpoint resolved it early (to fail before any work) from the plan it saw; a variant of
+    # compile_variants (sweep, demo) may override rope_mode, so it is resolved again from this pass's plan.
+    refines = ("key_mode",)
+
+    def run(self, ctx: CompileContext) -> dict:
         plan, geo = ctx.plan, ctx.geometry
         metrics = ctx.output_metric or [None] * len(ctx.statistics.layers)
         values = []
@@ -29,23 +34,23 @@ class ComputeTransforms:
             # The value side needs W_O: that layer's attention is read from the shards (split if stored fused).
             o_weight = ctx.source.attention_weights(idx)[0].o_weight
             values.append(value_transform(plan.objective, stats, o_weight, geo, output_metric=metrics[idx]))
-        # Resolved again from this plan: load_checkpoint's early check ran on the shared plan, and variants of
-        # compile_variants (sweep, demo) may override rope_mode. `auto` = every mode the family allows (and the
-        # preference admits) competes per layer.
-        ctx.key_mode = resolve_key_mode(ctx.adapter, ctx.config, plan.rope_mode, plan.objective)
+        # `auto` = every mode the family allows (and the preference admits) competes per layer.
+        resolved = resolve_key_mode(ctx.adapter, ctx.config, plan.rope_mode, plan.objective)
         allowed = allowed_key_modes(ctx.adapter, ctx.config)
-        modes = [ctx.key_mode] if ctx.key_mode != "auto" else [m for m in preferred_key_modes(plan.prefer) if m in allowed]
+        modes = [resolved] if resolved != "auto" else [m for m in preferred_key_modes(plan.prefer) if m in allowed]
         if not modes:
             raise UnsupportedModelError(f"`prefer={plan.prefer}` leaves no key mode for this model (allowed: {', '.join(allowed)})")
         candidates = {
             m: [LayerTransforms(key_transform(m, plan.objective, stats, geo), v) for stats, v in zip(ctx.statistics.layers, values)]
             for m in modes
         }
-        ctx.transforms = candidates[modes[0]]
-        ctx.report["transforms"] = {"objective": plan.objective, "key_mode": modes[0] if len(modes) == 1 else "auto", "value_metric": plan.value_metric}
-        if len(modes) > 1:
-            chosen, report = choose_key_modes(ctx, candidates, plan.key_mode_cost)
-            ctx.transforms = [candidates[m][i] for i, m in enumerate(chosen)]
-            ctx.report["transforms"]["prefer"] = plan.prefer
-            ctx.report["transforms"]["key_modes"] = chosen
-            ctx.report["key_mode_choice"] = report
+        report = {"objective": plan.objective, "key_mode": modes[0] if len(modes) == 1 else "auto", "value_metric": plan.value_metric}
+        if len(modes) == 1:
+            return {"key_mode": resolved, "transforms": candidates[modes[0]], "report.transforms": report}
+        chosen, choice = choose_key_modes(ctx, candidates, plan.key_mode_cost)
+        return {
+            "key_mode": resolved,
+            "transforms": [candidates[m][i] for i, m in enumerate(chosen)],
+            "report.transforms": {**report, "prefer": plan.prefer, "key_modes": chosen},
+            "report.key_mode_choice": choice,
+        }

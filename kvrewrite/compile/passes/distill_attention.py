@@ -9,6 +9,8 @@ Like the refit, it holds both models whole (docs/big-models.md).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from kvrewrite.compile.compiled_rank import keep_only_compiled_rate, remeasure_compiled_rank, whole_compressed_model
@@ -35,10 +37,15 @@ class DistillAttention:
     name = "distill_attention"
     description = "(--distill) train the attention weights at the compiled ranks against the original's next-token distribution"
 
-    def run(self, ctx: CompileContext) -> None:
+    produces = ("report.distill",)
+    # Refinements, as for refit_output (which may have run before it): folded (trained attention weights as
+    # overrides), spec, rate_table and report.rate_table (the compiled rate only), verification (re-measured).
+    refines = ("folded", "spec", "rate_table", "report.rate_table", "verification")
+
+    def run(self, ctx: CompileContext) -> dict:
         plan = ctx.plan
         if not plan.distill:
-            return
+            return {}
         device = torch.device(plan.device)
         train, validation = split_distill_windows(ctx.calibration_tokens, plan.distill_tokens)
         original = ctx.original_model().to(device)
@@ -49,17 +56,20 @@ class DistillAttention:
             report = distill_attention(student, original, ctx.adapter, train.to(device), validation.to(device), settings, progress=plan.progress)
         original.to("cpu")
 
-        keep_only_compiled_rate(ctx)
+        spec = keep_only_compiled_rate(ctx.spec, ctx.target_rate)
+        results = {"spec": spec, "rate_table": spec.rate_table, "report.rate_table": spec.rate_table}
         if report.kept_epoch > 0:
             # Full-rank names are the checkpoint's names; dims beyond the compiled ranks were never touched.
-            for name, parameter in distilled_attention_parameters(student, ctx.adapter).items():
-                ctx.folded.overrides[name] = parameter.detach().to("cpu", torch.float32).contiguous()  # emit casts
+            trained = {name: parameter.detach().to("cpu", torch.float32).contiguous()  # emit casts
+                       for name, parameter in distilled_attention_parameters(student, ctx.adapter).items()}
             del student
-            verified, kl, top1 = remeasure_compiled_rank(ctx, original)
+            results["folded"] = ctx.folded.with_overrides(trained)
+            results["verification"], verified, kl, top1 = remeasure_compiled_rank(
+                dataclasses.replace(ctx, folded=results["folded"], spec=spec), original)
         else:  # nothing changed: verify's (or the refit's) figures still describe the checkpoint
             verified = dict(ctx.verification.get("compiled_rank", {}))
             kl, top1 = verified.get("kl_mean"), verified.get("top1_agreement")
-        ctx.report["distill"] = {
+        results["report.distill"] = {
             "tokens": report.train_tokens, "validation_tokens": report.validation_tokens, "epochs": plan.distill_epochs,
             "learning_rate": plan.distill_lr, "batch_windows": settings.batch_windows, "steps": report.steps,
             "trained_tensor_elements": report.trained_tensor_elements, "seconds": round(report.seconds, 1),
@@ -70,3 +80,4 @@ class DistillAttention:
             "verify_kl_before": verified.get("kl_mean"), "verify_top1_before": verified.get("top1_agreement"),
             "verify_kl_after": kl, "verify_top1_after": top1,
         }
+        return results

@@ -12,7 +12,7 @@ from kvrewrite.runtime.codecs.checkpoint import write_codec_tables
 from kvrewrite.runtime.compressed_model import compressed_classes, compressed_config
 from kvrewrite.io.fault_injection import fault_point
 from kvrewrite.compile.passes.context import CompileContext
-from kvrewrite.compile.plan import parse_size
+from kvrewrite.compile.plan import Plan, parse_size
 from kvrewrite.progress import progress_bar
 from kvrewrite.key_modes import key_mode
 from kvrewrite.spec import CompressionSpec
@@ -105,7 +105,9 @@ class Emit:
     name = "emit"
     description = "write safetensors shards, config.json, tokenizer, kernel_metadata.json, compress_report.json (atomically)"
 
-    def run(self, ctx: CompileContext) -> None:
+    produces = ("output_dir",)
+
+    def run(self, ctx: CompileContext) -> dict:
         plan, spec = ctx.plan, ctx.spec
         out = output_dir_for(plan)  # the directory run_pipeline checked before any work
         dtype = plan.compute_dtype()
@@ -135,7 +137,7 @@ class Emit:
             fault_point("emit:report")
             write_checksums(tmp, shards + write_codec_tables(tmp, ctx.codec_tables))
             fault_point("emit:checksums")
-        ctx.output_dir = Path(out)
+        return {"output_dir": Path(out)}
 
 
 def remove_foreign_code(directory: Path) -> None:

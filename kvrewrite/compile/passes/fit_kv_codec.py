@@ -20,12 +20,14 @@ class FitKVCodec:
     name = "fit_kv_codec"
     description = "fit the KV codec (--kv-codec) on the compiled model's calibration latents: TaDA bit search, CSR dictionaries"
 
-    def run(self, ctx: CompileContext) -> None:
+    produces = ("codec_tables", "report.kv_codec")
+    # spec: the fold built it before the codec was fitted; the codec and its parameters are written into it here.
+    refines = ("spec",)
+
+    def run(self, ctx: CompileContext) -> dict:
         codec = parse_codec(ctx.plan.kv_codec)
-        ctx.codec_tables = {}
         if codec is None:
-            ctx.spec = dataclasses.replace(ctx.spec, kv_codec=None)
-            return
+            return {"codec_tables": {}, "spec": dataclasses.replace(ctx.spec, kv_codec=None)}
         plan, spec = ctx.plan, ctx.spec
         # The compiled model, layer-streamed from the folded weights, each layer sliced to its compiled ranks.
         streamed = ctx.folded.streamed(spec, plan.compute_dtype(), plan.device)
@@ -33,7 +35,7 @@ class FitKVCodec:
         value_ranks = [layer.value_ranks for layer in spec.layers]
         latents = collect_latents_streamed(streamed, list(zip(key_ranks, value_ranks)), ctx.calibration_tokens[:FIT_WINDOWS],
                                            batch_size=plan.batch_size, progress=plan.progress)
-        ctx.codec_tables, ctx.report["kv_codec"] = fit_codec_tables_on_latents(
+        codec_tables, report = fit_codec_tables_on_latents(
             codec, latents, key_ranks, value_ranks, budget_bits=plan.kv_bits_budget,
             sensitivity=ctx.sensitivity, progress=plan.progress)
-        ctx.spec = dataclasses.replace(ctx.spec, kv_codec=codec.to_dict())
+        return {"codec_tables": codec_tables, "report.kv_codec": report, "spec": dataclasses.replace(spec, kv_codec=codec.to_dict())}

@@ -29,9 +29,11 @@ class LoadCheckpoint:
     name = "load_checkpoint"
     description = "resolve the model (Hub id, local dir or bundled), check its architecture, open its shards lazily"
 
-    def run(self, ctx: CompileContext) -> None:
+    produces = ("source_dir", "source_revision", "source_id", "adapter", "geometry", "config", "key_mode", "source",
+                "tokenizer", "generation_config", "report.source", "report.source_config")
+
+    def run(self, ctx: CompileContext) -> dict:
         resolved = resolve_model_source(ctx.plan.model, revision=ctx.plan.revision)
-        ctx.source_dir, ctx.source_revision = resolved.path, resolved.revision
         if ctx.plan.output is not None:
             # A Hub source's directory is known only now: the output must still not be it, or hold it.
             check_output_location(ctx.plan.output, source=resolved.path, overwrite=ctx.plan.overwrite)
@@ -41,33 +43,37 @@ class LoadCheckpoint:
         config = load_config(resolved.path)
         check_head_arithmetic(config, resolved.path / "config.json")
         # Fail on an unsupported architecture before reading any weight.
-        ctx.adapter = adapter_for(config)
-        ctx.geometry = ctx.adapter.geometry(config)
-        ctx.config = config
-        ctx.key_mode = resolve_key_mode(ctx.adapter, config, ctx.plan.rope_mode, ctx.plan.objective)
+        adapter = adapter_for(config)
+        geometry = adapter.geometry(config)
+        key_mode = resolve_key_mode(adapter, config, ctx.plan.rope_mode, ctx.plan.objective)
         # A missing/truncated shard or pickle-only weights fail here, naming the file, before any pass reads.
         check_safetensors_files(resolved.path)
         try:
             # Only the shape of the model is built here; weights are read layer by layer as passes need them.
-            ctx.source = SourceModel.open(resolved.path, config, ctx.adapter)
-            ctx.tokenizer = AutoTokenizer.from_pretrained(resolved.path, trust_remote_code=False)
+            source = SourceModel.open(resolved.path, config, adapter)
+            tokenizer = AutoTokenizer.from_pretrained(resolved.path, trust_remote_code=False)
         except (OSError, ValueError) as exc:
             raise ModelSourceError(f"could not load the model from {resolved.path}: {exc}") from exc
-        check_every_weight_present(ctx.source)
-        check_tensor_shapes(ctx.source)
-        check_finite_weights(ctx.source)
+        check_every_weight_present(source)
+        check_tensor_shapes(source)
+        check_finite_weights(source)
         try:
-            ctx.generation_config = GenerationConfig.from_pretrained(resolved.path, trust_remote_code=False)
+            generation_config = GenerationConfig.from_pretrained(resolved.path, trust_remote_code=False)
         except (OSError, ValueError):
-            ctx.generation_config = None  # optional file
-        ctx.report["source"] = {
-            "model": resolved.source_id,
-            "revision": resolved.revision,
-            "path": str(resolved.path),
-            "parameters": ctx.source.num_parameters(),
-            "weights_bytes_on_disk": ctx.source.checkpoint.total_bytes(),
+            generation_config = None  # optional file
+        return {
+            "source_dir": resolved.path, "source_revision": resolved.revision, "source_id": resolved.source_id,
+            "adapter": adapter, "geometry": geometry, "config": config, "key_mode": key_mode, "source": source,
+            "tokenizer": tokenizer, "generation_config": generation_config,
+            "report.source": {
+                "model": resolved.source_id,
+                "revision": resolved.revision,
+                "path": str(resolved.path),
+                "parameters": source.num_parameters(),
+                "weights_bytes_on_disk": source.checkpoint.total_bytes(),
+            },
+            "report.source_config": json.loads(config.to_json_string()),
         }
-        ctx.report["source_config"] = json.loads(config.to_json_string())
 
 
 def load_config(path: Path):

@@ -38,16 +38,18 @@ class MeasureSensitivity:
     name = "measure_sensitivity"
     description = "measure each layer's key/value KL sensitivity to truncation (only for --allocation sensitivity)"
 
-    def run(self, ctx: CompileContext) -> None:
+    produces = ("sensitivity_curves", "sensitivity", "report.sensitivity")
+
+    def run(self, ctx: CompileContext) -> dict:
         if ctx.plan.allocation != "sensitivity":
-            return
+            return {}
         plan, geo, d = ctx.plan, ctx.geometry, ctx.geometry.head_dim
         n_kv = geo.num_key_value_heads
         full_values = [[d] * n_kv for _ in range(geo.num_layers)]
         full_keys = [full_key_ranks(t.key.mode, n_kv, d) for t in ctx.transforms]
         spec = build_spec(ctx, full_keys, full_values)
-        # Rank-independent, so FoldWeights reuses it.
-        ctx.folded = FoldedWeights(ctx.source, ctx.transforms, geo)
+        # The full-rank rewrite, folded layer by layer as the probes run (fold_weights makes the checkpoint's own).
+        folded = FoldedWeights(ctx.source, ctx.transforms, geo)
         tokens = ctx.calibration_tokens[: plan.probe_windows, :PROBE_TOKENS]
         rates = plan.probe_rates
         # Every (layer, side, rate) probe: (key ranks, value ranks) of that layer, all others at full rank.
@@ -66,18 +68,21 @@ class MeasureSensitivity:
                     meta[(idx, f"{side}@{rate}")] = (side, rate, r, relative_error(spectra, sum(keep) // spectra.shape[0]))
             layer_probes.append(probes_here)
         kls = probe_kls(ctx.source.streamed(plan.compute_dtype(), plan.device),
-                        ctx.folded.streamed(spec, plan.compute_dtype(), plan.device),
+                        folded.streamed(spec, plan.compute_dtype(), plan.device),
                         layer_probes, tokens, plan.progress)
         curves, probes = {}, {}
         for (idx, name), (side, rate, r, predicted) in meta.items():  # in probe-rate order per (layer, side)
             kl = kls[(idx, name)]
             curves.setdefault((idx, side), []).append((predicted, kl))
             probes.setdefault(f"{idx}.{side}", []).append({"rate": rate, "rank": r, "kl": kl, "predicted_relative_error": predicted})
-        ctx.sensitivity_curves = curves
         # One weight per layer side (KL per unit of predicted error at the middle probe, mean-normalised), for
         # the report and for passes that weigh layer sides (the tada codec's bit search).
         slopes = {key: pts[len(pts) // 2][1] / max(pts[len(pts) // 2][0], 1e-12) for key, pts in curves.items()}
         mean = sum(slopes.values()) / len(slopes)
-        ctx.sensitivity = {key: w / mean for key, w in slopes.items()}
-        ctx.report["sensitivity"] = {"probe_rates": list(rates), "probe_tokens": int(tokens.numel()), "probes": probes,
-                                     "weights": {f"{l}.{s}": w for (l, s), w in ctx.sensitivity.items()}}
+        sensitivity = {key: w / mean for key, w in slopes.items()}
+        return {
+            "sensitivity_curves": curves,
+            "sensitivity": sensitivity,
+            "report.sensitivity": {"probe_rates": list(rates), "probe_tokens": int(tokens.numel()), "probes": probes,
+                                   "weights": {f"{l}.{s}": w for (l, s), w in sensitivity.items()}},
+        }

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import resource
 import time
@@ -10,6 +9,7 @@ import warnings
 from pathlib import Path
 
 from kvrewrite.compile.passes.allocate_ranks import AllocateRanks
+from kvrewrite.compile.passes.base import run_pass
 from kvrewrite.compile.passes.build_calibration import BuildCalibration
 from kvrewrite.compile.passes.collect_fisher import CollectFisher
 from kvrewrite.compile.passes.collect_statistics import CollectStatistics
@@ -74,27 +74,30 @@ def prepare_output(out: Path, plan: Plan) -> None:
 
 
 def compile_variants(plan: Plan, variants: dict[str, dict], output_root: Path, on_pass=None) -> tuple[CompileContext, dict[str, CompileContext]]:
-    """Collect statistics once, then compile every variant (plan overrides) into output_root/<name>."""
+    """Collect statistics once, then compile every variant (plan overrides) into output_root/<name>.
+
+    Every variant starts from the shared statistics context: its rewrite-side fields are simply unset there (the
+    passes return results instead of writing into a context), so nothing needs resetting between variants."""
     for name in variants:
         prepare_output(Path(output_root) / name, plan)  # before minutes of work, not after
-    shared = CompileContext(plan=plan)
-    timings = shared.report.setdefault("timings_s", {})
+    shared = CompileContext(plan=plan, report={"timings_s": {}})
     for step in statistics_passes():
         if on_pass is not None:
             on_pass("shared", step)
         t0 = time.perf_counter()
-        step.run(shared)
-        timings[step.name] = round(time.perf_counter() - t0, 3)
+        shared = run_pass(shared, step)
+        timings = {**shared.report["timings_s"], step.name: round(time.perf_counter() - t0, 3)}
+        shared = dataclasses.replace(shared, report={**shared.report, "timings_s": timings})
     compiled = {}
     for name, overrides in variants.items():
         variant_plan = dataclasses.replace(plan, output=Path(output_root) / name, **overrides)
-        ctx = dataclasses.replace(shared, plan=variant_plan, report=copy.deepcopy(shared.report), verification={}, sensitivity=None, sensitivity_curves=None, codec_tables={}, target_rate=None)
+        ctx = dataclasses.replace(shared, plan=variant_plan)
         t0 = time.perf_counter()
         for step in rewrite_passes():
             if on_pass is not None:
                 on_pass(name, step)
-            step.run(ctx)
-        ctx.report["variant_compile_s"] = round(time.perf_counter() - t0, 1)
+            ctx = run_pass(ctx, step)
+        ctx = dataclasses.replace(ctx, report={**ctx.report, "variant_compile_s": round(time.perf_counter() - t0, 1)})
         compiled[name] = ctx
     return shared, compiled
 
@@ -109,9 +112,11 @@ def run_pipeline(plan: Plan, passes: list | None = None, on_pass=None) -> Compil
         if on_pass is not None:
             on_pass(step)
         t0 = time.perf_counter()
-        step.run(ctx)
+        ctx = run_pass(ctx, step)
         timings[step.name] = round(time.perf_counter() - t0, 3)
         # Updated after every pass so the report that Emit writes holds everything before it.
-        ctx.report["timings_s"] = {**timings, "total": round(time.perf_counter() - start, 3)}
-        ctx.report["peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+        ctx = dataclasses.replace(ctx, report={
+            **ctx.report, "timings_s": {**timings, "total": round(time.perf_counter() - start, 3)},
+            "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        })
     return ctx

@@ -8,7 +8,7 @@ ZDC §5.2 targets a perplexity budget rather than a rate. One full-rank folded r
 changes ranks: it bisects over rates in steps of RATE_STEP, measuring perplexity and KL against the
 original on calibration windows held back from the statistics (never the held-out evaluation
 articles). Perplexity grows with the rate in practice; the bisection assumes it, and the report keeps
-every probe so a non-monotone case is visible. The chosen rate becomes the compiled target rate (ctx.target_rate).
+every probe so a non-monotone case is visible. The chosen rate becomes the compiled target rate (allocate_ranks returns it as target_rate).
 Layer-streamed: each probed rate is one pass over the folded weights (one layer resident at a time).
 """
 
@@ -69,11 +69,10 @@ def largest_rate_within_budget(ctx: CompileContext, rank_solver: Callable) -> tu
     if ctx.budget_tokens is None or len(ctx.budget_tokens) == 0:
         raise InvalidArgumentError("a quality budget needs held-back calibration windows; set it on the plan that builds the calibration")
     geo, d = ctx.geometry, ctx.geometry.head_dim
-    if ctx.folded is None:  # measure_sensitivity may have made it already; fold_weights reuses it
-        ctx.folded = FoldedWeights(ctx.source, ctx.transforms, geo)
     full_values = [[d] * geo.num_key_value_heads for _ in range(geo.num_layers)]
     full_keys = [full_key_ranks(t.key.mode, geo.num_key_value_heads, d) for t in ctx.transforms]
-    model = ctx.folded.streamed(build_spec(ctx, full_keys, full_values), plan.compute_dtype(), plan.device)
+    # The full-rank rewrite, folded layer by layer as each probe runs (fold_weights makes the checkpoint's own).
+    model = FoldedWeights(ctx.source, ctx.transforms, geo).streamed(build_spec(ctx, full_keys, full_values), plan.compute_dtype(), plan.device)
     batches = list(ctx.budget_tokens.split(EVAL_BATCH))
     reference = streamed_log_probs(ctx.source.streamed(plan.compute_dtype(), plan.device), batches)
     base_nll = sum(float(-r.gather(-1, b[:, 1:, None]).sum()) for r, b in zip(reference, batches)) / sum(b[:, 1:].numel() for b in batches)

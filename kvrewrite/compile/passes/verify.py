@@ -43,7 +43,9 @@ class Verify:
     name = "verify"
     description = "check full-rank equivalence (logits, in float64) and measure the error at the compiled ranks, layer-streamed"
 
-    def run(self, ctx: CompileContext) -> None:
+    produces = ("verification",)
+
+    def run(self, ctx: CompileContext) -> dict:
         plan, adapter, spec = ctx.plan, ctx.adapter, ctx.spec
         tokens = verification_tokens(ctx.calibration_tokens, plan.verify_tokens)
         compute = plan.compute_dtype()
@@ -78,22 +80,25 @@ class Verify:
 
         max_diff = (full_logits - exact_logits).abs().max().item()
         tolerance = plan.verify_tolerance
-        ctx.verification["full_rank_max_abs_logit_diff"] = max_diff
-        ctx.verification["full_rank_layer_max_abs_hidden_diff"] = layer_full_diff
-        ctx.verification["verify_dtype"] = "float64"
-        ctx.verification["compute_dtype"] = plan.dtype
-        # The stock model's own rounding noise, for context: compute dtype vs float64 logits.
-        ctx.verification["original_compute_dtype_vs_fp64_max_abs_logit_diff"] = (ref_logits.double() - exact_logits).abs().max().item()
-        ctx.verification["tolerance"] = tolerance
+        verification = {
+            "full_rank_max_abs_logit_diff": max_diff,
+            "full_rank_layer_max_abs_hidden_diff": layer_full_diff,
+            "verify_dtype": "float64",
+            "compute_dtype": plan.dtype,
+            # The stock model's own rounding noise, for context: compute dtype vs float64 logits.
+            "original_compute_dtype_vs_fp64_max_abs_logit_diff": (ref_logits.double() - exact_logits).abs().max().item(),
+            "tolerance": tolerance,
+        }
         if not max_diff < tolerance:
             raise VerificationError(
                 f"full-rank rewrite changed the logits by up to {max_diff:.3g} in float64 (tolerance {tolerance:g}); "
                 "nothing was written"
             )
         kl, top1 = next_token_kl(ref_logits, logits)
-        ctx.verification["compiled_rank"] = {
+        verification["compiled_rank"] = {
             "tokens": int(tokens.numel()),
             "kl_mean": kl,
             "top1_agreement": top1,
             "layer_attention_relative_error": layer_errors,
         }
+        return {"verification": verification}
