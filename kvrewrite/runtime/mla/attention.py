@@ -102,9 +102,10 @@ class AbsorbedMLAAttention(nn.Module):
         q_latent = torch.einsum("bthn,hnr->bthr", q_nope, w_uk)
         # All heads of all new tokens become rows of one query matrix per sequence: one GEMM over the latent.
         queries = torch.cat([q_latent, q_pe.transpose(1, 2)], dim=-1).reshape(batch, q_len * heads, -1)
+        queries = queries * self.scaling  # on the T*H query rows, not on the T*H*S scores
         keys = rows.view(batch, kv_len, -1)
         scores = torch.bmm(queries, keys.transpose(1, 2)).view(batch, q_len, heads, kv_len)
-        scores = scores.to(softmax_dtype(scores.dtype)) * self.scaling
+        scores = scores.to(softmax_dtype(scores.dtype))
         if not bool(allowed.all()):
             scores = scores.masked_fill(~allowed[:, 0, :, None, :], torch.finfo(scores.dtype).min)
         probs = torch.softmax(scores, dim=-1).to(rows.dtype).view(batch, q_len * heads, kv_len)
