@@ -11,6 +11,7 @@ from transformers.modeling_utils import AttentionInterface
 
 from kvrewrite.errors import CorruptCheckpointError
 from kvrewrite.runtime.modeling.attention import PACKED_ATTENTION, packed_attention_forward
+from kvrewrite.runtime.mla.checkpoint import absorb_attention, check_mla_marker, is_mla_checkpoint
 from kvrewrite.runtime.modeling.families import COMPRESSED_FAMILIES
 
 COMPRESSED_MODEL_CLASSES = {model_type: model_class for model_type, (_, model_class) in COMPRESSED_FAMILIES.items()}
@@ -119,13 +120,20 @@ def ensure_complete_load(info: dict, directory: Path) -> None:
 
 
 def load(name_or_path, rate: float | None = None, **kwargs):
-    """Load a compressed checkpoint, optionally at another rate of its rate table."""
+    """Load a compressed checkpoint, optionally at another rate of its rate table.
+
+    An MLA export (a stock DeepSeek-V3 checkpoint with the `kvrewrite_mla` marker) loads as the stock model with
+    its attention swapped for the absorbed one (runtime.mla).
+    """
     directory = checkpoint_directory(name_or_path, kwargs.get("revision"))
     config_file = directory / "config.json"
     try:
-        model_type = json.loads(config_file.read_text())["model_type"]
-    except (OSError, ValueError, KeyError) as exc:
+        config = json.loads(config_file.read_text())
+        model_type = config["model_type"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CorruptCheckpointError(f"{config_file}: unreadable or has no model_type ({exc})") from exc
+    if is_mla_checkpoint(config):
+        return load_mla(directory, config, rate=rate, **kwargs)
     model_class = COMPRESSED_MODEL_CLASSES.get(model_type)
     if model_class is None:
         raise CorruptCheckpointError(
@@ -133,3 +141,19 @@ def load(name_or_path, rate: float | None = None, **kwargs):
             f"known types: {', '.join(COMPRESSED_MODEL_CLASSES)}"
         )
     return model_class.from_pretrained(directory, rate=rate, **kwargs)
+
+
+def load_mla(directory: Path, config: dict, rate: float | None = None, **kwargs):
+    """A kvrewrite MLA export: stock DeepseekV3ForCausalLM, loaded strictly, with absorbed attention."""
+    from transformers import DeepseekV3ForCausalLM
+
+    check_mla_marker(config, str(directory / "config.json"))
+    if rate is not None:
+        raise CorruptCheckpointError(
+            f"{directory} is an MLA export: its latent width is fixed at export time and it has no rate table "
+            f"(got rate={rate}); load it without rate"
+        )
+    kwargs.pop("output_loading_info", None)
+    model, info = DeepseekV3ForCausalLM.from_pretrained(directory, output_loading_info=True, **kwargs)
+    ensure_complete_load(info, directory)
+    return absorb_attention(model)
