@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from kvrewrite.cli.export import export_mla
 from kvrewrite.cli.compress_options import PLAN_FLAGS, cli_message, number, numbers, plan_arguments, plan_parameters, with_signature
 from kvrewrite.errors import InvalidArgumentError, KVRewriteError, KVRewriteWarning
 from kvrewrite.extras import require_compile_extra
@@ -406,6 +407,9 @@ def _split_and_report(directory: Path, share: float, json_out: Path | None = Non
     chosen = result["chosen"]
     console.print(f"chosen at {context} tokens: {chosen.label()} ({chosen.bytes_share:.3f} of fp16)"
                   + (f"; recorded in {result['path']}" if result["path"] else " (dry run)"))
+
+
+app.command("export-mla")(export_mla)
 
 
 def main() -> None:

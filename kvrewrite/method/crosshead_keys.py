@@ -65,7 +65,9 @@ def frequency_key_gram(layer_key_gram: torch.Tensor, j: int, n_kv: int, d: int) 
     return torch.complex(real, imag)
 
 
-def crosshead_maps(stats: LayerStatistics, geometry: AttentionGeometry) -> CrossheadMaps:
+def frequency_components(stats: LayerStatistics, geometry: AttentionGeometry) -> tuple[list, list, list]:
+    """Per rotary frequency j, the query-aware complex mix across KV heads: downs[j] [n_kv (head g), n_kv (component l)],
+    ups[j] [component l, head g] (downs[j] @ ups[j] = I) and values[j] [n_kv], the components' singular values, descending."""
     n_kv, d, half = geometry.num_key_value_heads, geometry.head_dim, geometry.head_dim // 2
     layer_gram = stats.gram("key_pre_layer", 0).double()
     # Query power of every pair, summed over the query heads of each group: [n_kv, half].
@@ -81,6 +83,12 @@ def crosshead_maps(stats: LayerStatistics, geometry: AttentionGeometry) -> Cross
         downs.append(inv_root @ u)  # [n_kv (head g), n_kv (component l)]
         ups.append(u.conj().T @ root)  # [n_kv (component l), n_kv (head g)]
         values.append(torch.linalg.svdvals(raw_root @ w_half))
+    return downs, ups, values
+
+
+def crosshead_maps(stats: LayerStatistics, geometry: AttentionGeometry) -> CrossheadMaps:
+    n_kv, d, half = geometry.num_key_value_heads, geometry.head_dim, geometry.head_dim // 2
+    downs, ups, values = frequency_components(stats, geometry)
 
     # Rank every (frequency, component) of the layer together; ties keep frequency order (stable sort).
     flat = torch.stack(values).flatten()  # index = j * n_kv + l

@@ -1,0 +1,87 @@
+"""`kvrewrite export-mla SRC --kv-share 0.5 -o OUT`: the MLA form as a stock DeepSeek-V3 checkpoint."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from kvrewrite.errors import KVRewriteError
+
+DTYPES = {"auto": None, "bfloat16": "bfloat16", "float32": "float32", "float16": "float16"}
+
+
+def export_mla(
+    model: str = typer.Argument(..., help="Hub id, local directory, or 'smollm2-135m' (bundled)."),
+    output: Path = typer.Option(..., "--output", "-o", help="Directory for the DeepSeek-V3 checkpoint (written atomically)."),
+    kv_share: float = typer.Option(0.5, "--kv-share", help="Cached values per token and layer, as a share of the source's K+V: (r + d_r) / (2 n_kv d)."),
+    calib_tokens: int = typer.Option(16384, "--calib-tokens", help="Calibration tokens (wiki)."),
+    calibration: str = typer.Option("wiki", help="Calibration source: wiki, synthetic or a text file."),
+    dtype: str = typer.Option("auto", help="Weights dtype: auto (the source's), bfloat16 or float32 (float16 cannot hold the neutralised latent)."),
+    key_weight: float = typer.Option(1.0, "--key-weight", help="Weight of the key side against the value side in the latent's objective."),
+    verify_tokens: int = typer.Option(128, "--verify-tokens", help="Tokens of one calibration window for the checks at the end."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
+) -> None:
+    """Compute a multi-head latent (MLA) form from calibration statistics and write it as a stock DeepSeek-V3 checkpoint."""
+    console = Console() if sys.stdout.isatty() else Console(width=140)
+    try:
+        _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, verify_tokens, overwrite, console)
+    except (KVRewriteError, ValueError) as exc:
+        console.print(f"[bold red]error:[/] {escape(str(exc))}")
+        raise typer.Exit(code=2) from None
+
+
+def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, verify_tokens, overwrite, console) -> None:
+    import torch
+
+    from kvrewrite.compile.mla_export import (
+        check_source_exportable, export_at_share, export_matches_maths, full_width_max_logit_diff, mla_layers_at_share, prepare_source,
+    )
+    from kvrewrite.compile.plan import Plan
+    from kvrewrite.errors import InvalidArgumentError
+    from kvrewrite.io.output_safety import check_output_location
+    from kvrewrite.progress import progress_bar
+
+    if dtype not in DTYPES:
+        raise InvalidArgumentError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if not 0 < kv_share <= 1:
+        raise InvalidArgumentError(f"--kv-share must be in (0, 1], got {kv_share}")
+    plan = Plan(model=model, calibration=calibration, calib_tokens=calib_tokens, output=output, overwrite=overwrite)
+    check_source_exportable(plan)  # the family, before any weight is read
+    check_output_location(output, source=None, overwrite=overwrite)
+    prepared = prepare_source(plan)
+    ctx = prepared.ctx
+    chosen = getattr(torch, DTYPES[dtype]) if DTYPES[dtype] else _source_dtype(ctx.config)
+    with progress_bar("MLA form per layer", ctx.geometry.num_layers, plan.progress) as bar:
+        widths, layers = mla_layers_at_share(prepared, kv_share, key_weight=key_weight, progress=bar.advance)
+    summary = export_at_share(prepared, layers, output, dtype=chosen, overwrite=overwrite)
+
+    tokens = ctx.calibration_tokens[:1, :verify_tokens]
+    full_diff = full_width_max_logit_diff(prepared, tokens)
+    export_diff = export_matches_maths(prepared, layers, output, tokens)
+    source_values = 2 * ctx.geometry.num_key_value_heads * ctx.geometry.head_dim
+    table = Table(title=f"MLA form of {model}: {widths.kv_lora_rank + widths.qk_rope_head_dim} of {source_values} K+V values per token and layer")
+    for column in ("layer", "r (kv_lora_rank)", "d_r (qk_rope_head_dim)", "share", "RoPE energy kept", "latent-norm error bound"):
+        table.add_column(column, justify="right")
+    for idx, (layer, norm) in enumerate(zip(layers, summary.neutralisers)):
+        table.add_row(str(idx), str(layer.kv_lora_rank), str(layer.qk_rope_head_dim), f"{widths.share:.3f}",
+                      f"{layer.rope_energy_kept:.3f}", f"{norm.relative_error_bound:.0e}")
+    console.print(table)
+    console.print(f"verify: full-width MLA (every RoPE component, full latent) vs original, max |Δlogit| = {full_diff:.2e}")
+    console.print(f"verify: exported checkpoint in stock transformers ({str(chosen).removeprefix('torch.')}) vs our maths, "
+                  f"max |Δlogit| = {export_diff:.2e}")
+    console.print(f"wrote {output} (DeepseekV3ForCausalLM; load with AutoModelForCausalLM.from_pretrained)")
+
+
+def _source_dtype(config):
+    """The source's dtype where it can hold the neutralised latent (bfloat16, float32); else float32."""
+    import torch
+
+    name = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(name, torch.dtype):
+        return name
+    return getattr(torch, str(name)) if name in ("bfloat16", "float32") else torch.float32

@@ -1,0 +1,134 @@
+"""Write the MLA form as a stock DeepSeek-V3 checkpoint (config and weight names of transformers' DeepseekV3ForCausalLM).
+
+- q_lora_rank null, kv_lora_rank r, qk_rope_head_dim d_r, qk_nope_head_dim = v_head_dim = head_dim,
+  rope_interleave true (our k_pe pairs are (2p, 2p + 1)), the source's rope parameters (with d_r = head_dim the
+  schedule base^(-2p/d_r) is the source's own).
+- Every MLP dense: first_k_dense_replace = number of layers, Llama's gate/up/down under the same names; an integer
+  n_routed_experts is still required by the config, no expert weights exist.
+- lm_head written explicitly (tie_word_embeddings false), tokenizer files copied.
+- kv_a_layernorm neutralised (method/latent_norm.py). transformers builds that norm with eps 1e-6 whatever the config
+  says, while llama.cpp and vLLM use config.rms_norm_eps: the config's rms_norm_eps is set to 1e-6 so all three agree;
+  that also moves the model's other RMSNorms from the source eps to 1e-6 (its effect is measured by the caller).
+- Written atomically: nothing is left at the output if anything fails.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvrewrite.errors import InvalidArgumentError
+from kvrewrite.io.checkpoint_io import atomic_output_dir, write_safetensors_shards
+from kvrewrite.method.latent_norm import LatentNormNeutraliser, dtype_holds_latent, neutralise_latent_norm
+from kvrewrite.method.mla import MLALayer
+
+# transformers' DeepseekV3Attention builds kv_a_layernorm as DeepseekV3RMSNorm(kv_lora_rank): default eps 1e-6.
+TRANSFORMERS_LATENT_NORM_EPS = 1e-6
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                   "tokenizer.model", "added_tokens.json", "chat_template.jinja", "generation_config.json")
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+@dataclass(frozen=True)
+class ExportSummary:
+    output: Path
+    neutralisers: list[LatentNormNeutraliser]
+    dtype: torch.dtype
+
+
+def deepseek_v3_config(source_config, layer: MLALayer, dtype: torch.dtype) -> dict:
+    rope = dict(getattr(source_config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": source_config.rope_theta})
+    if layer.qk_rope_head_dim != layer.qk_nope_head_dim:
+        raise InvalidArgumentError(
+            f"qk_rope_head_dim {layer.qk_rope_head_dim} is not the source head_dim: DeepSeek's RoPE schedule would not "
+            "match the source frequencies (export one RoPE component per frequency)"
+        )
+    n_layers = source_config.num_hidden_layers
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "vocab_size": source_config.vocab_size,
+        "hidden_size": source_config.hidden_size,
+        "intermediate_size": source_config.intermediate_size,
+        "moe_intermediate_size": source_config.intermediate_size,
+        "num_hidden_layers": n_layers,
+        "num_attention_heads": source_config.num_attention_heads,
+        "num_key_value_heads": source_config.num_attention_heads,
+        "q_lora_rank": None,
+        "kv_lora_rank": layer.kv_lora_rank,
+        "qk_rope_head_dim": layer.qk_rope_head_dim,
+        "qk_nope_head_dim": layer.qk_nope_head_dim,
+        "v_head_dim": layer.v_head_dim,
+        "rope_interleave": True,
+        "rope_theta": rope.get("rope_theta"),
+        "rope_parameters": rope,
+        "rope_scaling": None if rope.get("rope_type", "default") == "default" else rope,
+        # Every layer dense: the MoE fields must still be valid integers.
+        "first_k_dense_replace": n_layers,
+        "n_routed_experts": 1,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "routed_scaling_factor": 1.0,
+        "norm_topk_prob": True,
+        "num_nextn_predict_layers": 0,
+        "hidden_act": source_config.hidden_act,
+        "max_position_embeddings": source_config.max_position_embeddings,
+        "rms_norm_eps": TRANSFORMERS_LATENT_NORM_EPS,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": False,
+        "initializer_range": getattr(source_config, "initializer_range", 0.02),
+        "bos_token_id": source_config.bos_token_id,
+        "eos_token_id": source_config.eos_token_id,
+        "pad_token_id": getattr(source_config, "pad_token_id", None),
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "use_cache": True,
+    }
+
+
+def export_deepseek_v3(source, layers: list[MLALayer], max_square_norms: list[float], output: Path, *,
+                       dtype: torch.dtype, norm_tolerance: float = 1e-6, overwrite: bool = False) -> ExportSummary:
+    """source: compile.layer_streaming.SourceModel of the original; layers: its MLA form; max_square_norms: per layer
+    the largest calibration ||x||^2 at the attention input (bounds the latent's mean square for the norm)."""
+    from kvrewrite.compile.mla_form import latent_max_mean_square
+
+    eps = TRANSFORMERS_LATENT_NORM_EPS
+    neutralisers = [neutralise_latent_norm(latent_max_mean_square(layer, m), eps, norm_tolerance)
+                    for layer, m in zip(layers, max_square_norms)]
+    bad = [i for i, n in enumerate(neutralisers) if not dtype_holds_latent(n, dtype)]
+    if bad:
+        raise InvalidArgumentError(
+            f"{str(dtype).removeprefix('torch.')} cannot hold the neutralised latent (rms {neutralisers[bad[0]].latent_rms:.1e} "
+            f"in layer {bad[0]} is below its smallest normal number {torch.finfo(dtype).tiny:.1e}); export bfloat16 or float32"
+        )
+    config = deepseek_v3_config(source.config, layers[0], dtype)
+    state = _weights(source, layers, neutralisers, dtype)
+    with atomic_output_dir(Path(output), overwrite=overwrite) as tmp:
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        write_safetensors_shards(tmp, state, {"kvrewrite_form": "mla-deepseek-v3"}, max_shard_size="2GB")
+        for name in TOKENIZER_FILES:
+            if (source.directory / name).is_file():
+                shutil.copy2(source.directory / name, tmp / name)
+    return ExportSummary(Path(output), neutralisers, dtype)
+
+
+def _weights(source, layers: list[MLALayer], neutralisers: list[LatentNormNeutraliser], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    names = list(source.skeleton.state_dict())
+    attention_prefixes = [source.attention_prefix(i) for i in range(len(layers))]
+    kept = [n for n in names if not any(n.startswith(f"{p}.{proj}.") for p in attention_prefixes for proj in ATTENTION_PROJECTIONS)]
+    state = {name: tensor.to(dtype) for name, tensor in source.read(kept).items()}  # embeddings, norms, MLPs, lm_head
+    for prefix, layer, norm in zip(attention_prefixes, layers, neutralisers):
+        kv_a = layer.kv_a_proj_with_mqa.clone()
+        kv_a[: layer.kv_lora_rank] *= norm.scale
+        state[f"{prefix}.q_proj.weight"] = layer.q_proj.to(dtype)
+        state[f"{prefix}.kv_a_proj_with_mqa.weight"] = kv_a.to(dtype)
+        state[f"{prefix}.kv_a_layernorm.weight"] = torch.full((layer.kv_lora_rank,), norm.norm_weight, dtype=dtype)
+        state[f"{prefix}.kv_b_proj.weight"] = layer.kv_b_proj.to(dtype)
+        state[f"{prefix}.o_proj.weight"] = layer.o_proj.to(dtype)
+    return state

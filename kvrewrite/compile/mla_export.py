@@ -1,0 +1,77 @@
+"""`export-mla` end to end: check the family, collect statistics once, compute the MLA form at a K+V share, write
+the DeepSeek-V3 checkpoint, verify it (used by the CLI and by benchmarks/mla_quality.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvrewrite.compile.deepseek_v3_export import ExportSummary, export_deepseek_v3
+from kvrewrite.compile.mla_form import (
+    AttentionInputStatistics,
+    MLAWidths,
+    check_exportable,
+    compute_mla_layers,
+    mla_reference_model,
+    run_statistics_with_attention_inputs,
+    widths_for_share,
+)
+from kvrewrite.compile.passes.context import CompileContext
+from kvrewrite.compile.passes.load_checkpoint import load_config
+from kvrewrite.compile.passes.pipeline import statistics_passes
+from kvrewrite.compile.plan import Plan
+from kvrewrite.io.sources import resolve_model_source
+from kvrewrite.method.mla import MLALayer, full_latent_rank
+
+
+@dataclass
+class PreparedSource:
+    ctx: CompileContext  # after the statistics passes: source, adapter, geometry, statistics, calibration windows
+    inputs: AttentionInputStatistics
+
+
+def check_source_exportable(plan: Plan) -> None:
+    """Before any work: the source's config alone says whether the family fits."""
+    resolved = resolve_model_source(plan.model, revision=plan.revision)
+    check_exportable(load_config(resolved.path))
+
+
+def prepare_source(plan: Plan, passes: list | None = None) -> PreparedSource:
+    check_source_exportable(plan)
+    ctx = CompileContext(plan=plan)
+    inputs = run_statistics_with_attention_inputs(ctx, passes if passes is not None else statistics_passes())
+    return PreparedSource(ctx, inputs)
+
+
+def mla_layers_at_share(prepared: PreparedSource, kv_share: float, key_weight: float = 1.0, progress=None) -> tuple[MLAWidths, list[MLALayer]]:
+    widths = widths_for_share(prepared.ctx.geometry, kv_share)
+    return widths, compute_mla_layers(prepared.ctx, prepared.inputs, widths, key_weight=key_weight, progress=progress)
+
+
+def export_at_share(prepared: PreparedSource, layers: list[MLALayer], output: Path, *, dtype: torch.dtype,
+                    overwrite: bool = False) -> ExportSummary:
+    return export_deepseek_v3(prepared.ctx.source, layers, prepared.inputs.max_square_norms, output,
+                              dtype=dtype, overwrite=overwrite)
+
+
+def full_width_max_logit_diff(prepared: PreparedSource, tokens: torch.Tensor) -> float:
+    """The exactness check: the MLA form with every RoPE component kept and a full latent against the original."""
+    ctx = prepared.ctx
+    n_kv, d = ctx.geometry.num_key_value_heads, ctx.geometry.head_dim
+    widths = MLAWidths(n_kv, n_kv * d, full_latent_rank(ctx.geometry, n_kv), 1.0)
+    layers = compute_mla_layers(ctx, prepared.inputs, widths)
+    model = ctx.original_model()
+    with torch.no_grad():
+        return float((mla_reference_model(model, layers)(tokens).logits - model(tokens).logits).abs().max())
+
+
+def export_matches_maths(prepared: PreparedSource, layers: list[MLALayer], output: Path, tokens: torch.Tensor) -> float:
+    """max |Δlogit| between the exported checkpoint in stock transformers (float32) and our maths at the same widths."""
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(output, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ours = mla_reference_model(prepared.ctx.original_model(), layers)(tokens).logits
+        return float((exported(tokens).logits - ours).abs().max())

@@ -1,0 +1,195 @@
+"""The MLA form of a model, computed from our calibration statistics (kvrewrite/method/mla.py has the maths).
+
+Steps: check the family fits before any work; run the shared statistics passes (load, calibration, Grams), with one
+extra per-layer statistic read in the same streaming pass: the Gram of the attention input x (and its largest
+per-token squared norm), which gives the joint second moments of every KV head's keys and values that one shared
+latent needs; then compute every layer's MLA weights at a uniform width.
+
+`mla_reference_model` swaps a stock model's attention for the MLA form computed in our own code (causal, no padding):
+the maths' logits, which the verify step and the tests compare with the original and with the exported checkpoint.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kvrewrite.adapters import adapter_for
+from kvrewrite.errors import InvalidArgumentError, UnsupportedModelError
+from kvrewrite.method.mla import MLALayer, full_latent_rank, mla_layer
+
+# Families whose layers map one to one onto DeepseekV3's dense layers (RMSNorm, gated SiLU MLP, q/k/v/o linears).
+EXPORTABLE_MODEL_TYPES = ("llama", "mistral")
+
+
+def check_exportable(config) -> None:
+    """Raise UnsupportedModelError naming every part of this model that the DeepSeek-V3 MLA form cannot express."""
+    model_type = getattr(config, "model_type", None)
+    problems = []
+    try:
+        adapter = adapter_for(config)
+    except UnsupportedModelError as exc:
+        raise UnsupportedModelError(f"cannot export {model_type!r} as DeepSeek-V3 MLA: {exc}") from None
+    features = adapter.features(config)
+    if not features.has_rope:
+        problems.append("it has no RoPE (MLA's shared k_pe needs rotary keys)")
+    if features.qk_norm:
+        problems.append("it normalises q/k per head (DeepSeek-V3 attention has no q/k norm)")
+    biases = [name for name in ("q", "k", "v", "o") if getattr(features, f"{name}_bias")]
+    if biases:
+        problems.append(f"its {'/'.join(biases)} projections have biases (DeepSeek-V3's attention has none in this form)")
+    if getattr(config, "mlp_bias", False):
+        problems.append("its MLP has biases (DeepSeek-V3's dense MLP has none)")
+    if features.sliding_layers or getattr(config, "sliding_window", None):
+        problems.append("it has sliding-window layers (DeepSeek-V3 attends to the whole context)")
+    if not problems and model_type not in EXPORTABLE_MODEL_TYPES:
+        problems.append(f"its layers (norms, MLP) are not mapped onto DeepSeek-V3's; exportable: {', '.join(EXPORTABLE_MODEL_TYPES)}")
+    if problems:
+        raise UnsupportedModelError(f"cannot export {model_type!r} as DeepSeek-V3 MLA: " + "; ".join(problems))
+
+
+@dataclass(frozen=True)
+class MLAWidths:
+    rope_components: int  # complex components kept per rotary frequency; d_r = rope_components * head_dim
+    qk_rope_head_dim: int
+    kv_lora_rank: int
+    share: float  # (r + d_r) / (2 n_kv d): cached values per token against the source's K+V
+
+
+def widths_for_share(geometry, kv_share: float, rope_components: int = 1) -> MLAWidths:
+    """Uniform widths for a target share of the source's K+V values per token and layer."""
+    total = 2 * geometry.num_key_value_heads * geometry.head_dim
+    d_r = rope_components * geometry.head_dim
+    r = min(round(kv_share * total) - d_r, full_latent_rank(geometry, rope_components))
+    if r < 1:
+        raise InvalidArgumentError(
+            f"--kv-share {kv_share} keeps {round(kv_share * total)} values per token, not more than the {d_r} of the "
+            f"shared RoPE key; choose a share above {(d_r + 1) / total:.3f}"
+        )
+    return MLAWidths(rope_components, d_r, r, (r + d_r) / total)
+
+
+@dataclass
+class AttentionInputStatistics:
+    grams: list[torch.Tensor]  # per layer [hidden, hidden] float64 sum of x x^T over calibration tokens
+    max_square_norms: list[float]  # per layer, the largest per-token ||x||^2
+
+
+def run_statistics_with_attention_inputs(ctx, passes: list) -> AttentionInputStatistics:
+    """Run the statistics passes on ctx; while the Grams are collected, also sum the attention inputs' Gram.
+
+    The hooks sit on the source skeleton's k_proj (whose input is the normalised hidden state every projection
+    reads); the streamed forward reuses those module objects, so one pass over the calibration windows serves both.
+    """
+    inputs: AttentionInputStatistics | None = None
+    handles = []
+    try:
+        for step in passes:
+            if step.name == "collect_statistics":
+                inputs, handles = _hook_attention_inputs(ctx)
+            step.run(ctx)
+    finally:
+        for handle in handles:
+            handle.remove()
+    if inputs is None:
+        raise InvalidArgumentError("the statistics passes have no collect_statistics step")
+    return inputs
+
+
+def _hook_attention_inputs(ctx) -> tuple[AttentionInputStatistics, list]:
+    adapter, skeleton = ctx.adapter, ctx.source.skeleton
+    hidden = ctx.geometry.hidden_size
+    stats = AttentionInputStatistics([torch.zeros(hidden, hidden, dtype=torch.float64) for _ in range(ctx.geometry.num_layers)],
+                                     [0.0] * ctx.geometry.num_layers)
+
+    def hook(idx: int):
+        def accumulate(_module, args):
+            x = args[0].detach().reshape(-1, hidden).double().cpu()
+            stats.grams[idx] += x.T @ x
+            stats.max_square_norms[idx] = max(stats.max_square_norms[idx], float(x.square().sum(-1).max()))
+
+        return accumulate
+
+    handles = [adapter.attention(layer).k_proj.register_forward_pre_hook(hook(idx))
+               for idx, layer in enumerate(adapter.decoder_layers(skeleton))]
+    return stats, handles
+
+
+def source_scaling(adapter, config, geometry) -> float:
+    scaling = adapter.features(config).scaling
+    return scaling if scaling is not None else geometry.head_dim**-0.5
+
+
+def compute_mla_layers(ctx, inputs: AttentionInputStatistics, widths: MLAWidths, key_weight: float = 1.0, progress=None) -> list[MLALayer]:
+    """Every layer's MLA weights at the given uniform widths (float64)."""
+    layers = []
+    scaling = source_scaling(ctx.adapter, ctx.config, ctx.geometry)
+    for idx in range(ctx.geometry.num_layers):
+        proj, _ = ctx.source.attention_weights(idx)
+        layers.append(mla_layer(
+            ctx.statistics.layers[idx], ctx.geometry, proj.q_weight, proj.k_weight, proj.v_weight, proj.o_weight,
+            inputs.grams[idx], rope_components=widths.rope_components, latent_rank=widths.kv_lora_rank,
+            source_scaling=scaling, key_weight=key_weight,
+        ))
+        if progress is not None:
+            progress()
+    return layers
+
+
+def latent_max_mean_square(layer: MLALayer, max_square_norm: float) -> float:
+    """An upper bound on any calibration token's mean(c^2): ||A||_2^2 max||x||^2 / r."""
+    latent_rows = layer.kv_a_proj_with_mqa[: layer.kv_lora_rank]
+    return float(torch.linalg.matrix_norm(latent_rows, ord=2)) ** 2 * max_square_norm / layer.kv_lora_rank
+
+
+# ---- the maths' own forward (reference) ------------------------------------------------------------------------
+
+
+def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (2p, 2p + 1) of x [..., d_r] by angles whose cos/sin are [..., d_r / 2]."""
+    a, b = x[..., 0::2], x[..., 1::2]
+    return torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2)
+
+
+class MLAReferenceAttention(nn.Module):
+    """Expanded MLA attention from MLALayer weights; RoPE angles read from the source model's own cos/sin tables."""
+
+    def __init__(self, layer: MLALayer, num_heads: int, dtype: torch.dtype):
+        super().__init__()
+        self.layer, self.num_heads = layer, num_heads
+        for name in ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"):
+            self.register_buffer(name, getattr(layer, name).to(dtype))
+        self.scaling = (layer.qk_nope_head_dim + layer.qk_rope_head_dim) ** -0.5
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+        lay, n_h = self.layer, self.num_heads
+        batch, length, _ = hidden_states.shape
+        d_nope, d_r, d_v, r = lay.qk_nope_head_dim, lay.qk_rope_head_dim, lay.v_head_dim, lay.kv_lora_rank
+        q = (hidden_states @ self.q_proj.T).view(batch, length, n_h, d_nope + d_r).transpose(1, 2)
+        q_nope, q_pe = q.split([d_nope, d_r], dim=-1)
+        latent, k_pe = (hidden_states @ self.kv_a_proj_with_mqa.T).split([r, d_r], dim=-1)
+        kv = (latent @ self.kv_b_proj.T).view(batch, length, n_h, d_nope + d_v).transpose(1, 2)
+        k_nope, v = kv.split([d_nope, d_v], dim=-1)
+        cos, sin = position_embeddings  # [B, T, head_dim], HF layout: angle of frequency j at j and j + d/2
+        cos, sin = cos[..., lay.pair_frequency].unsqueeze(1), sin[..., lay.pair_frequency].unsqueeze(1)
+        q_pe = rotate_interleaved(q_pe, cos, sin)
+        k_pe = rotate_interleaved(k_pe.unsqueeze(1), cos, sin)
+        scores = (q_nope @ k_nope.transpose(-1, -2) + q_pe @ k_pe.transpose(-1, -2)) * self.scaling
+        causal = torch.ones(length, length, dtype=torch.bool, device=scores.device).triu(1)
+        probs = scores.masked_fill(causal, -math.inf).softmax(-1)
+        out = (probs @ v).transpose(1, 2).reshape(batch, length, n_h * d_v)
+        return out @ self.o_proj.T, None
+
+
+def mla_reference_model(model: nn.Module, layers: list[MLALayer]) -> nn.Module:
+    """A copy of the stock model whose attention is the MLA form (for whole-sequence logits; no cache, no padding)."""
+    adapter = adapter_for(model.config)
+    mla = copy.deepcopy(model)
+    dtype = next(model.parameters()).dtype
+    for layer, weights in zip(adapter.decoder_layers(mla), layers):
+        setattr(layer, adapter.attention_attr, MLAReferenceAttention(weights, model.config.num_attention_heads, dtype))
+    return mla.eval()
