@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -46,10 +47,9 @@ def test_full_width_mla_equals_the_original(gqa):
     geo = gqa.ctx.geometry
     n_kv, d = geo.num_key_value_heads, geo.head_dim
     layers = compute_mla_layers(gqa.ctx, gqa.inputs, MLAWidths(n_kv, n_kv * d, full_latent_rank(geo, n_kv), 1.0))
-    model = gqa.ctx.original_model().double()
+    model = copy.deepcopy(gqa.ctx.original_model()).double()  # the shared float32 original stays as it is
     tokens = random_windows(2, 40, seed=5)
     assert (_logits(mla_reference_model(model, layers), tokens) - _logits(model, tokens)).abs().max() < 1e-9
-    gqa.ctx.model = None  # later tests want the float32 original
 
 
 def test_narrower_forms_cost_more(gqa):
@@ -99,6 +99,34 @@ def test_export_loads_in_stock_transformers_with_the_logits_of_our_maths(gqa, tm
     assert info["class"] == "DeepseekV3ForCausalLM" and info["rms_norm_eps"] == 1e-6
     ours = _logits(mla_reference_model(gqa.ctx.original_model(), layers), tokens)
     assert (stock - ours).abs().max() < 1e-4
+
+
+def test_our_export_runs_in_our_absorbed_runtime_as_in_stock_transformers(gqa, tmp_path):
+    """The export carries the kvrewrite_mla marker, so kvrewrite.load runs it with the absorbed attention (cache:
+    latent + k_pe only); its logits, one-shot and through its own cache, equal stock DeepseekV3's on the same files."""
+    from transformers import AutoModelForCausalLM
+
+    import kvrewrite
+    from kvrewrite.runtime.cache_bytes import cache_tensor_bytes
+
+    layers = compute_mla_layers(gqa.ctx, gqa.inputs, widths_for_share(gqa.ctx.geometry, 0.5))
+    out = tmp_path / "mla"
+    export_at_share(gqa, layers, out, dtype=torch.float32)
+    config = json.loads((out / "config.json").read_text())
+    assert config["kvrewrite_mla"]["format_version"] == 1
+    tokens = random_windows(1, 24, seed=7)
+    stock = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ours = kvrewrite.load(out).eval()
+    assert type(ours.model.layers[0].self_attn).__name__ != type(stock.model.layers[0].self_attn).__name__
+    with torch.no_grad():
+        reference = stock(tokens).logits
+        assert (ours(tokens).logits - reference).abs().max() < 1e-4
+        prefill = ours(tokens[:, :16], use_cache=True)
+        step = ours(tokens[:, 16:17], past_key_values=prefill.past_key_values, use_cache=True).logits
+    assert (step[:, -1] - reference[:, 16]).abs().max() < 1e-4
+    # 17 cached tokens of (kv_lora_rank + qk_rope_head_dim) fp32 values per layer, nothing else.
+    width = config["kv_lora_rank"] + config["qk_rope_head_dim"]
+    assert cache_tensor_bytes(prefill.past_key_values) == 17 * width * 4 * config["num_hidden_layers"]
 
 
 def test_mqa_export_at_full_width_reproduces_the_original(tmp_path):

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from kvrewrite.runtime.mla.checkpoint import MLA_FORMAT_VERSION, MLA_MARKER
 from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.io.checkpoint_io import atomic_output_dir, write_safetensors_shards
 from kvrewrite.method.latent_norm import LatentNormNeutraliser, dtype_holds_latent, neutralise_latent_norm
@@ -89,6 +90,9 @@ def deepseek_v3_config(source_config, layer: MLALayer, dtype: torch.dtype) -> di
         "pad_token_id": getattr(source_config, "pad_token_id", None),
         "torch_dtype": str(dtype).removeprefix("torch."),
         "use_cache": True,
+        # kvrewrite.load recognises its own export by this and runs the absorbed runtime (runtime/mla/); stock
+        # transformers keeps it as a plain config attribute.
+        MLA_MARKER: {"format_version": MLA_FORMAT_VERSION, "source_model_type": source_config.model_type},
     }
 
 

@@ -41,7 +41,7 @@ def check_source_exportable(plan: Plan) -> None:
 def prepare_source(plan: Plan, passes: list | None = None) -> PreparedSource:
     check_source_exportable(plan)
     ctx = CompileContext(plan=plan)
-    inputs = run_statistics_with_attention_inputs(ctx, passes if passes is not None else statistics_passes())
+    ctx, inputs = run_statistics_with_attention_inputs(ctx, passes if passes is not None else statistics_passes())
     return PreparedSource(ctx, inputs)
 
 

@@ -14,11 +14,13 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from kvrewrite.adapters import adapter_for
+from kvrewrite.compile.passes.base import run_pass
 from kvrewrite.errors import InvalidArgumentError, UnsupportedModelError
 from kvrewrite.method.mla import MLALayer, full_latent_rank, mla_layer
 
@@ -79,8 +81,9 @@ class AttentionInputStatistics:
     max_square_norms: list[float]  # per layer, the largest per-token ||x||^2
 
 
-def run_statistics_with_attention_inputs(ctx, passes: list) -> AttentionInputStatistics:
-    """Run the statistics passes on ctx; while the Grams are collected, also sum the attention inputs' Gram.
+def run_statistics_with_attention_inputs(ctx, passes: list) -> tuple[Any, AttentionInputStatistics]:
+    """Run the statistics passes from ctx (returning the context they produce); while the Grams are collected, also
+    sum the attention inputs' Gram.
 
     The hooks sit on the source skeleton's k_proj (whose input is the normalised hidden state every projection
     reads); the streamed forward reuses those module objects, so one pass over the calibration windows serves both.
@@ -91,13 +94,13 @@ def run_statistics_with_attention_inputs(ctx, passes: list) -> AttentionInputSta
         for step in passes:
             if step.name == "collect_statistics":
                 inputs, handles = _hook_attention_inputs(ctx)
-            step.run(ctx)
+            ctx = run_pass(ctx, step)
     finally:
         for handle in handles:
             handle.remove()
     if inputs is None:
         raise InvalidArgumentError("the statistics passes have no collect_statistics step")
-    return inputs
+    return ctx, inputs
 
 
 def _hook_attention_inputs(ctx) -> tuple[AttentionInputStatistics, list]:
