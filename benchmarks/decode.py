@@ -66,6 +66,28 @@ def compile_checkpoints(root: Path, calib_tokens: int) -> None:
     compile_variants(plan, {m: {"rope_mode": m} for m in missing}, root)
 
 
+def timed_decode_steps(model, cache, batch: int, context: int, steps: int, attention_times: list,
+                       layer_times: list) -> tuple[list[float], list[float], list[float]]:
+    """`steps` single-token decode steps on a filled cache after one warm-up: wall, attention and attention-layer
+    seconds per step (the hooks that fill attention_times / layer_times are the caller's)."""
+    import torch
+
+    vocab = model.config.vocab_size
+    step_s, attn_s, layer_s = [], [], []
+    for step in range(steps + 1):  # the first step warms up
+        ids = torch.randint(0, vocab, (batch, 1))
+        mask = torch.ones(batch, context + step + 1, dtype=torch.long)
+        attention_times.clear()
+        layer_times.clear()
+        t0 = time.perf_counter()
+        model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        if step:
+            step_s.append(time.perf_counter() - t0)
+            attn_s.append(sum(attention_times))
+            layer_s.append(sum(layer_times))
+    return step_s, attn_s, layer_s
+
+
 @contextmanager
 def _timed(owner, name: str, sink: list[float]):
     original = getattr(owner, name) if not isinstance(owner, dict) else owner[name]
@@ -147,18 +169,8 @@ def measure_model(name: str, root: Path, steps: int, configs: list[tuple[int, in
         try:
             for context, batch in configs:
                 cache, cache_bytes = _fill_cache(model, batch, context, stock)
-                step_s, attn_s, layer_s = [], [], []
-                for step in range(steps + 1):  # the first step warms up
-                    ids = torch.randint(0, vocab, (batch, 1))
-                    mask = torch.ones(batch, context + step + 1, dtype=torch.long)
-                    attention_times.clear()
-                    layer_times.clear()
-                    t0 = time.perf_counter()
-                    model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
-                    if step:
-                        step_s.append(time.perf_counter() - t0)
-                        attn_s.append(sum(attention_times))
-                        layer_s.append(sum(layer_times))
+                step_s, attn_s, layer_s = timed_decode_steps(model, cache, batch, context, steps, attention_times,
+                                                             layer_times)
                 del cache
                 entry = {
                     "context": context, "batch": batch, "steps": steps,

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode import _timed  # noqa: E402  (the same timer as the per-head decode benchmark)
+from decode import _timed, timed_decode_steps  # noqa: E402  (the same timer and steps as the per-head decode benchmark)
 
 RESULTS = Path(__file__).parent / "results"
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -94,23 +94,11 @@ def measure(name: str, steps: int, configs: list[tuple[int, int]]) -> dict:
         layer.self_attn.register_forward_pre_hook(lambda m, a: starts.__setitem__(id(m), time.perf_counter()))
         layer.self_attn.register_forward_hook(lambda m, a, o: layer_times.append(time.perf_counter() - starts[id(m)]))
     record = {"parameters": sum(p.numel() for p in model.parameters()), "decode": []}
-    vocab = model.config.vocab_size
     with torch.inference_mode(), timer:
         for context, batch in configs:
             cache = fill_cache(model, name, batch, context)
             cache_bytes = cache_tensor_bytes(cache)
-            step_s, attn_s, layer_s = [], [], []
-            for step in range(steps + 1):  # the first step warms up
-                ids = torch.randint(0, vocab, (batch, 1))
-                mask = torch.ones(batch, context + step + 1, dtype=torch.long)
-                attention_times.clear()
-                layer_times.clear()
-                t0 = time.perf_counter()
-                model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
-                if step:
-                    step_s.append(time.perf_counter() - t0)
-                    attn_s.append(sum(attention_times))
-                    layer_s.append(sum(layer_times))
+            step_s, attn_s, layer_s = timed_decode_steps(model, cache, batch, context, steps, attention_times, layer_times)
             del cache
             gc.collect()
             entry = {"context": context, "batch": batch, "steps": steps,
