@@ -28,7 +28,7 @@ from kvrewrite.compile.mla_export import export_at_share, export_matches_maths, 
 from kvrewrite.compile.mla_form import MLAWidths, compute_mla_layers, mla_reference_model
 from kvrewrite.compile.plan import Plan
 from kvrewrite.io.calibration_data import evaluation_token_sequences
-from kvrewrite.method.mla import full_latent_rank
+from kvrewrite.method.mla import DEFAULT_KEY_WEIGHT, full_latent_rank
 from kvrewrite.publish.evaluation import kv_cache_bytes_per_token, perplexity_and_agreement_many
 
 RESULTS = Path(__file__).parent / "results" / "mla_quality.json"
@@ -39,7 +39,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--calib-tokens", type=int, default=16384)
     parser.add_argument("--eval-tokens", type=int, default=8192)
-    parser.add_argument("--key-weight", type=float, default=1.0)
+    parser.add_argument("--key-weight", type=float, default=DEFAULT_KEY_WEIGHT)
     args = parser.parse_args()
     started = time.perf_counter()
     plan = Plan(model="smollm2-135m", calibration="wiki", calib_tokens=args.calib_tokens, progress=False)

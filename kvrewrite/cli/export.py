@@ -22,7 +22,7 @@ def export_mla(
     calib_tokens: int = typer.Option(16384, "--calib-tokens", help="Calibration tokens (wiki)."),
     calibration: str = typer.Option("wiki", help="Calibration source: wiki, synthetic or a text file."),
     dtype: str = typer.Option("auto", help="Weights dtype: auto (the source's), bfloat16 or float32 (float16 cannot hold the neutralised latent)."),
-    key_weight: float = typer.Option(1.0, "--key-weight", help="Weight of the key side against the value side in the latent's objective."),
+    key_weight: float | None = typer.Option(None, "--key-weight", help="Weight of the key side against the value side in the latent's objective (default 0.25, chosen on calibration text)."),
     verify_tokens: int = typer.Option(128, "--verify-tokens", help="Tokens of one calibration window for the checks at the end."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
 ) -> None:
@@ -57,7 +57,8 @@ def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, 
     ctx = prepared.ctx
     chosen = getattr(torch, DTYPES[dtype]) if DTYPES[dtype] else _source_dtype(ctx.config)
     with progress_bar("MLA form per layer", ctx.geometry.num_layers, plan.progress) as bar:
-        widths, layers = mla_layers_at_share(prepared, kv_share, key_weight=key_weight, progress=bar.advance)
+        weighting = {} if key_weight is None else {"key_weight": key_weight}
+        widths, layers = mla_layers_at_share(prepared, kv_share, progress=bar.advance, **weighting)
     summary = export_at_share(prepared, layers, output, dtype=chosen, overwrite=overwrite)
 
     tokens = ctx.calibration_tokens[:1, :verify_tokens]

@@ -23,7 +23,7 @@ from kvrewrite.compile.passes.load_checkpoint import load_config
 from kvrewrite.compile.passes.pipeline import statistics_passes
 from kvrewrite.compile.plan import Plan
 from kvrewrite.io.sources import resolve_model_source
-from kvrewrite.method.mla import MLALayer, full_latent_rank
+from kvrewrite.method.mla import DEFAULT_KEY_WEIGHT, MLALayer, full_latent_rank
 
 
 @dataclass
@@ -45,7 +45,7 @@ def prepare_source(plan: Plan, passes: list | None = None) -> PreparedSource:
     return PreparedSource(ctx, inputs)
 
 
-def mla_layers_at_share(prepared: PreparedSource, kv_share: float, key_weight: float = 1.0, progress=None) -> tuple[MLAWidths, list[MLALayer]]:
+def mla_layers_at_share(prepared: PreparedSource, kv_share: float, key_weight: float = DEFAULT_KEY_WEIGHT, progress=None) -> tuple[MLAWidths, list[MLALayer]]:
     widths = widths_for_share(prepared.ctx.geometry, kv_share)
     return widths, compute_mla_layers(prepared.ctx, prepared.inputs, widths, key_weight=key_weight, progress=progress)
 

@@ -22,7 +22,7 @@ from torch import nn
 from kvrewrite.adapters import adapter_for
 from kvrewrite.compile.passes.base import run_pass
 from kvrewrite.errors import InvalidArgumentError, UnsupportedModelError
-from kvrewrite.method.mla import MLALayer, full_latent_rank, mla_layer
+from kvrewrite.method.mla import DEFAULT_KEY_WEIGHT, MLALayer, full_latent_rank, mla_layer
 
 # Families whose layers map one to one onto DeepseekV3's dense layers (RMSNorm, gated SiLU MLP, q/k/v/o linears).
 EXPORTABLE_MODEL_TYPES = ("llama", "mistral")
@@ -127,7 +127,7 @@ def source_scaling(adapter, config, geometry) -> float:
     return scaling if scaling is not None else geometry.head_dim**-0.5
 
 
-def compute_mla_layers(ctx, inputs: AttentionInputStatistics, widths: MLAWidths, key_weight: float = 1.0, progress=None) -> list[MLALayer]:
+def compute_mla_layers(ctx, inputs: AttentionInputStatistics, widths: MLAWidths, key_weight: float = DEFAULT_KEY_WEIGHT, progress=None) -> list[MLALayer]:
     """Every layer's MLA weights at the given uniform widths (float64)."""
     layers = []
     scaling = source_scaling(ctx.adapter, ctx.config, ctx.geometry)

@@ -38,6 +38,12 @@ from kvrewrite.method.statistics import LayerStatistics
 from kvrewrite.method.value_transforms import stacked_output_rows
 
 
+# The key side's weight against the value side in the latent's objective. Chosen on SmolLM2-135M at 50% of K+V on
+# held-back calibration windows (wiki, 4,096 tokens not used for the statistics): 0.125/0.25/0.5/1/2/4 gave
+# +51.6/+48.2/+48.7/+50.9/+59.7/+73.0% perplexity (benchmarks/results/mla_quality.json has the held-out figure).
+DEFAULT_KEY_WEIGHT = 0.25
+
+
 @dataclass
 class MLALayer:
     """One layer's MLA weights (float64), stock DeepseekV3 names and layouts."""
@@ -86,7 +92,7 @@ def mla_layer(
     rope_components: int,
     latent_rank: int,
     source_scaling: float,
-    key_weight: float = 1.0,
+    key_weight: float = DEFAULT_KEY_WEIGHT,
 ) -> MLALayer:
     n_kv, d, n_q = geometry.num_key_value_heads, geometry.head_dim, geometry.num_attention_heads
     half = d // 2
