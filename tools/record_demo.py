@@ -2,8 +2,9 @@
 
     python tools/record_demo.py DEMO_DIR benchmarks/results/demo_smollm2.json --command "kvrewrite demo -o DEMO_DIR"
 
-Adds the command, commit, machine and date, and per row the two columns docs/results.md prints that the demo
-file holds only as parts: Δppl % (perplexity / baseline perplexity - 1) and the KV share (bytes / baseline bytes).
+Adds the command, commit, machine and date, and per row the KV share (bytes / baseline bytes) that
+docs/results.md prints. Its Δppl column needs nothing added: tools/doc_numbers.py derives a row's increase from
+its perplexity and baseline_perplexity.
 """
 
 from __future__ import annotations
@@ -29,11 +30,8 @@ def main() -> None:
     args = parser.parse_args()
     data = json.loads((args.demo_dir / "demo_results.json").read_text(encoding="utf-8"))
     for row in data["rows"]:
-        if row.get("baseline"):  # the original's own row: its bytes are the reference
-            row["kv_share"] = 1.0
-            continue
-        row["delta_ppl_pct"] = 100 * (row["perplexity"] / row["baseline_perplexity"] - 1)
-        row["kv_share"] = row["kv_bytes_per_token"] / row["baseline_kv_bytes_per_token"]
+        # the original's own row holds the reference bytes
+        row["kv_share"] = 1.0 if row.get("baseline") else row["kv_bytes_per_token"] / row["baseline_kv_bytes_per_token"]
     commit = args.commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                                            cwd=Path(__file__).resolve().parent).stdout.strip()
     if args.time_log is not None:

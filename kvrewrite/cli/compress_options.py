@@ -14,7 +14,6 @@ import re
 import types
 import typing
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Optional
 
 import typer

@@ -12,20 +12,18 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import json
 from collections.abc import Callable, Iterator, Mapping, MutableMapping, MutableSequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from accelerate import init_empty_weights
-from safetensors import safe_open
 from torch import nn
 from transformers import AutoModelForCausalLM
 
 from kvrewrite.adapters.base import Projections
 from kvrewrite.io.lazy_checkpoint import LazyCheckpoint
-from kvrewrite.errors import CorruptCheckpointError, ModelSourceError
+from kvrewrite.errors import CorruptCheckpointError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 

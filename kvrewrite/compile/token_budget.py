@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from kvrewrite.errors import CorruptCheckpointError, InvalidArgumentError
+from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.spec import rate_key
 from kvrewrite.runtime.tiers.token_policy_file import TOKEN_POLICY_FILE
 from kvrewrite.runtime.tiers.eviction import EvictionPolicy, eviction_policy_for_rate, kept_token_bytes, side_bits

@@ -25,7 +25,7 @@ from kvrewrite.compile.layer_streaming import StreamedModel
 from kvrewrite.compile.passes.context import CompileContext
 from kvrewrite.compile.probes import log_probs, truncating
 from kvrewrite.compile.rewrite_spec import build_spec
-from kvrewrite.spec import full_key_ranks, rate_key
+from kvrewrite.spec import full_key_ranks
 
 RATE_STEP = 0.01
 MAX_RATE = 0.95
