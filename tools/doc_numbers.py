@@ -19,6 +19,15 @@ A table whose rows are records of a list in the file names that list and the fie
 Then the numbers of a row must come from the record its first cell names (its first `code` span, or the cell's
 text), not from anywhere in the file, so an edited figure cannot hide among the file's other values. `python tools/doc_numbers.py` lists every passage
 and any number without a source; tests/test_doc_numbers.py runs the same check.
+
+Tables rendered by tools/docs_tables.py (`<!-- table: FILE template=NAME -->` ... `<!-- /table -->`) are passages
+too: their numbers are checked against their file the same way.
+
+Outside marked passages, a figure that looks measured (a signed or decimal percentage, a decimal speed ratio such
+as 1.39x, a size in MiB/GiB, a time in s/min, a rate in tokens/s, a perplexity or KL value) is reported by
+`python tools/doc_numbers.py --unmarked`, and the test fails on it: either the passage cites its result file, or
+it is wrapped in `<!-- not-measured -->` ... `<!-- /not-measured -->` when its figures are settings, formulas or
+examples rather than measurements.
 """
 
 from __future__ import annotations
@@ -32,6 +41,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK = re.compile(r"<!-- numbers: (?P<files>[^ >]+(?:, *[^ >]+)*)(?: rows=(?P<rows>[\w.]+))? -->\n(?P<body>.*?)"
                    r"<!-- /numbers -->", re.S)
+TABLE_BLOCK = re.compile(r"<!-- table: (?P<files>[^ >]+(?:, *[^ >]+)*) template=(?P<template>[\w-]+)"
+                         r"(?: rows=(?P<rows>[\w.]+))? -->\n(?P<body>.*?)<!-- /table -->", re.S)
+NOT_MEASURED = re.compile(r"<!-- not-measured -->.*?<!-- /not-measured -->", re.S)
+# Figures that look measured: signed or decimal percentages, decimal speed ratios, sizes, times, rates, and the
+# value after "ppl"/"perplexity"/"KL". Integers such as "50%" or "2x" are mostly settings and stay out.
+MEASURED = re.compile(
+    r"(?<![\w.])(?:[+\-−±]\d[\d,]*(?:\.\d+)?%|\d[\d,]*\.\d+%|\d+\.\d+x\b"
+    r"|\d[\d,]*(?:\.\d+)? ?(?:MiB|GiB|KiB|MB|GB|ms|s|min|tokens/s|tok/s|B/token|bytes/token)\b"
+    r"|(?:ppl|perplexity|KL)(?: of| is| =|:)? \d+\.\d+)")
 FIRST_CELL = re.compile(r"^\|\s*(?:`(?P<code>[^`]+)`|(?P<text>[^|]*?))\s*\|")
 # What is not prose: inline code, link targets, images, HTML comments.
 NOT_PROSE = re.compile(r"`[^`]*`|\]\([^)]*\)|<!--.*?-->", re.S)
@@ -95,11 +113,12 @@ def passages(doc_path: Path) -> list[Passage]:
 
 
 def passages_at(doc_path: Path, root: Path) -> list[Passage]:
-    """The marked passages of a doc under `root` (the repo, or a copy of it)."""
+    """The marked passages of a doc under `root` (the repo, or a copy of it): numbers blocks and rendered tables."""
     text = doc_path.read_text(encoding="utf-8")
     doc = str(doc_path.relative_to(root))
     out = []
-    for m in BLOCK.finditer(text):
+    blocks = sorted([*BLOCK.finditer(text), *TABLE_BLOCK.finditer(text)], key=lambda m: m.start())
+    for m in blocks:
         first_line = text.count("\n", 0, m.start("body")) + 1
         sources = tuple(s.strip() for s in m.group("files").split(","))
         row_names = tuple((first_line + i, (cell.group("code") or cell.group("text")).strip())
@@ -154,11 +173,30 @@ def unsourced(passage: Passage, root: Path = ROOT) -> list[str]:
     return problems
 
 
+def unmarked_at(doc_path: Path, root: Path) -> list[str]:
+    """Measured-looking figures of a doc outside every marked, rendered or not-measured passage."""
+    text = doc_path.read_text(encoding="utf-8")
+    doc = str(doc_path.relative_to(root))
+    for block in (BLOCK, TABLE_BLOCK, NOT_MEASURED):  # blank covered spans, keeping line numbers
+        text = block.sub(lambda m: re.sub(r"[^\n]", " ", m.group()), text)
+    text = re.sub(r"<!--.*?-->|\]\([^)]*\)", lambda m: re.sub(r"[^\n]", " ", m.group()), text, flags=re.S)
+    return [f"{doc}:{text.count(chr(10), 0, m.start()) + 1}: {m.group()!r} is not in a marked passage"
+            for m in MEASURED.finditer(text)]
+
+
+def unmarked(root: Path = ROOT) -> list[str]:
+    return [problem for doc in documents(root) for problem in unmarked_at(doc, root)]
+
+
 def documents(root: Path = ROOT) -> list[Path]:
     return [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    if "--unmarked" in (sys.argv[1:] if argv is None else argv):
+        found = unmarked()
+        print("\n".join(found) if found else "no measured-looking figure outside a marked passage")
+        return 1 if found else 0
     problems, count = [], 0
     for doc in documents():
         for passage in passages(doc):
