@@ -39,6 +39,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # this checkout's kvrewrite, not an installed one
+from kvrewrite.publish.figures import NOT_PROSE, NUMBER, Claim, claims_in, matches, numeric_leaves  # noqa: E402,F401
+
 BLOCK = re.compile(r"<!-- numbers: (?P<files>[^ >]+(?:, *[^ >]+)*)(?: rows=(?P<rows>[\w.]+))? -->\n(?P<body>.*?)"
                    r"<!-- /numbers -->", re.S)
 TABLE_BLOCK = re.compile(r"<!-- table: (?P<files>[^ >]+(?:, *[^ >]+)*) template=(?P<template>[\w-]+)"
@@ -51,21 +54,6 @@ MEASURED = re.compile(
     r"|\d[\d,]*(?:\.\d+)? ?(?:MiB|GiB|KiB|MB|GB|ms|s|min|tokens/s|tok/s|B/token|bytes/token)\b"
     r"|(?:ppl|perplexity|KL)(?: of| is| =|:)? \d+\.\d+)")
 FIRST_CELL = re.compile(r"^\|\s*(?:`(?P<code>[^`]+)`|(?P<text>[^|]*?))\s*\|")
-# What is not prose: inline code, link targets, images, HTML comments.
-NOT_PROSE = re.compile(r"`[^`]*`|\]\([^)]*\)|<!--.*?-->", re.S)
-# A number: optional sign, digits with thousands commas, optional decimals; not glued to a word
-# ("p0.5", "2K", "x8" stay out), but "12.3%" and "2.8x" are numbers.
-NUMBER = re.compile(r"(?<![\w.])(?P<sign>[+\-−]?)(?P<num>\d{1,3}(?:,\d{3})+|\d+)(?P<dec>\.\d+)?(?P<unit>%|x\b)?(?![\w.]*\w)")
-
-
-@dataclass(frozen=True)
-class Claim:
-    doc: str
-    line: int
-    text: str  # as written
-    value: float
-    decimals: int
-    percent: bool
 
 
 @dataclass(frozen=True)
@@ -76,36 +64,6 @@ class Passage:
     claims: tuple[Claim, ...]
     rows: str | None = None  # "list.field": each table row's numbers come from the record its first cell names
     row_names: tuple[tuple[int, str], ...] = ()  # (line, first cell) of every table row
-
-
-def numeric_leaves(data) -> list[float]:
-    """Every number in a JSON document (bools excluded), at any depth, plus each record's perplexity increase."""
-    out: list[float] = []
-    stack = [data]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, dict):
-            stack.extend(item.values())
-            ppl, base = item.get("perplexity"), item.get("baseline_perplexity")
-            if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (ppl, base)) and base > 0:
-                out.append(float(ppl) / float(base) - 1.0)  # the increase printed as Δppl
-        elif isinstance(item, list):
-            stack.extend(item)
-        elif isinstance(item, (int, float)) and not isinstance(item, bool):
-            out.append(float(item))
-    return out
-
-
-def claims_in(doc: str, body: str, first_line: int) -> list[Claim]:
-    found = []
-    for offset, raw_line in enumerate(body.splitlines()):
-        prose = NOT_PROSE.sub(lambda m: " " * len(m.group()), raw_line)
-        for m in NUMBER.finditer(prose):
-            digits = m.group("num").replace(",", "") + (m.group("dec") or "")
-            value = float(digits) * (-1 if m.group("sign") in ("-", "−") else 1)
-            found.append(Claim(doc, first_line + offset, m.group().strip(), value,
-                               len(m.group("dec") or "") - (1 if m.group("dec") else 0), m.group("unit") == "%"))
-    return found
 
 
 def passages(doc_path: Path) -> list[Passage]:
@@ -127,12 +85,6 @@ def passages_at(doc_path: Path, root: Path) -> list[Passage]:
         out.append(Passage(doc, first_line, sources, tuple(claims_in(doc, m.group("body"), first_line)),
                            m.group("rows"), row_names))
     return out
-
-
-def matches(claim: Claim, leaves: list[float]) -> bool:
-    half_step = 0.5 * 10 ** -claim.decimals + 1e-9
-    candidates = leaves + [100 * v for v in leaves] if claim.percent else leaves  # a share printed as a percentage
-    return any(abs(v - claim.value) <= half_step for v in candidates)
 
 
 def row_leaves(data, rows: str, row_names: tuple[tuple[int, str], ...]) -> dict[int, list[float] | None]:
