@@ -64,6 +64,7 @@ class Passage:
     claims: tuple[Claim, ...]
     rows: str | None = None  # "list.field": each table row's numbers come from the record its first cell names
     row_names: tuple[tuple[int, str], ...] = ()  # (line, first cell) of every table row
+    template: str | None = None  # a rendered table's renderer (tools/docs_tables.py)
 
 
 def passages(doc_path: Path) -> list[Passage]:
@@ -82,8 +83,9 @@ def passages_at(doc_path: Path, root: Path) -> list[Passage]:
         row_names = tuple((first_line + i, (cell.group("code") or cell.group("text")).strip())
                           for i, line in enumerate(m.group("body").splitlines())
                           if (cell := FIRST_CELL.match(line)) and not set(line) <= set("|-: "))
+        template = m.groupdict().get("template")
         out.append(Passage(doc, first_line, sources, tuple(claims_in(doc, m.group("body"), first_line)),
-                           m.group("rows"), row_names))
+                           m.group("rows"), row_names, template))
     return out
 
 
@@ -112,6 +114,10 @@ def unsourced(passage: Passage, root: Path = ROOT) -> list[str]:
         leaves += numeric_leaves(documents_read[-1])
     if problems:
         return problems
+    if passage.template:  # a rendered table may also print what its renderer computed from the files
+        from docs_tables import render_block
+
+        leaves += render_block(", ".join(passage.sources), passage.template, root).derived
     per_row = row_leaves(documents_read[0], passage.rows, passage.row_names) if passage.rows else {}
     header = passage.row_names[0][0] if passage.row_names else None
     for line, found in per_row.items():

@@ -1,0 +1,244 @@
+"""The docs' tables, rendered from the committed result files they cite (`make docs-tables`).
+
+A doc holds a rendered table as a block naming its result file(s) and the renderer that draws it:
+
+    <!-- table: benchmarks/results/demo_smollm2.json template=demo -->
+    | ... rendered, not edited by hand ... |
+    <!-- /table -->
+
+`python tools/docs_tables.py` rewrites every block's body from its files; `--check` only reports the blocks whose
+body differs (tests/test_docs_tables.py runs the same check, so a hand edit fails). A renderer is one function
+registered under its template name below: it gets the cited documents in order and returns the Markdown table and
+the values it computed from them (ratios, halved sizes), which tools/doc_numbers.py accepts besides the files'
+own values when it checks the table's numbers. The frontier table is benchmarks/frontier/report.py's, the same
+function that `run.py merge` prints, so the two cannot drift.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # benchmarks.frontier.report, from this checkout
+sys.path.insert(0, str(ROOT / "tools"))
+from doc_numbers import TABLE_BLOCK, documents  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Table:
+    text: str  # the Markdown table, without a trailing newline
+    derived: tuple[float, ...] = field(default=())  # values computed from the files, printed in the table
+
+
+Renderer = Callable[..., Table]
+RENDERERS: dict[str, Renderer] = {}
+
+
+def renderer(name: str) -> Callable[[Renderer], Renderer]:
+    def register(function: Renderer) -> Renderer:
+        RENDERERS[name] = function
+        return function
+    return register
+
+
+def markdown(header: list[str], rows: list[list[str]], align: str | None = None) -> str:
+    lines = ["| " + " | ".join(header) + " |", align or "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return re.sub(r"\|  (?=\|)", "| ", "\n".join(lines))  # an empty cell is "| |"
+
+
+def increase(record: dict) -> float:
+    return record["perplexity"] / record["baseline_perplexity"] - 1
+
+
+def ppl_with_increase(record: dict, bold: bool = False) -> str:
+    cell = f"{record['perplexity']:.2f} ({increase(record):+.1%})"
+    return f"**{cell}**" if bold else cell
+
+
+# ---- README -------------------------------------------------------------------------------------------------
+
+
+@renderer("readme-headline")
+def readme_headline(demo: dict, distill: dict) -> Table:
+    """README's recipes: the 32K refit and refit + distill checkpoints, and the default compile, all latent."""
+    runs = {name: r for run in distill["runs"] for name, r in run["results"].items()}
+    default = next(r for r in demo["rows"] if r["name"] == "kvrewrite-optimal p=0.50")
+    rows = [
+        ("`compress -p 0.3 --refit output --refit-tokens 32768` ([refit](docs/refit.md))", runs["wiki | refit p=0.3"]),
+        ("`compress -p 0.5 --refit output --refit-tokens 32768 --distill` ([distill](docs/distill.md); checkpoint "
+         "from an earlier version of the distill pass)", runs["wiki | refit+distill p=0.5"]),
+        ("`compress -p 0.5 --calib-tokens 16384` (default method; one checkpoint serves every rate)", default),
+    ]
+    shares = [r["kv_bytes_per_token"] / r["baseline_kv_bytes_per_token"] for _, r in rows]
+    return Table(markdown(["recipe", "KV cache vs original", "held-out ppl"],
+                          [[label, f"{share:.1f}", f"{increase(r):+.1%}"] for (label, r), share in zip(rows, shares)]),
+                 tuple(shares))
+
+
+# ---- docs/results.md ----------------------------------------------------------------------------------------
+
+DEMO_CONFIGURATIONS = {
+    "zack-faithful": "ZACK-faithful (`--objective zack --allocation eps --rope-mode post-rope`)",
+    "kvrewrite-optimal": "kvrewrite default (`--objective optimal --allocation sensitivity --rope-mode latent`)",
+}
+
+
+@renderer("demo")
+def demo_table(demo: dict) -> Table:
+    """`kvrewrite demo`'s table: the original and both configurations at every evaluated rate."""
+    rows, previous = [], None
+    for r in demo["rows"]:
+        if r.get("baseline"):
+            rows.append(["original", "0", f"{r['perplexity']:.2f}", "", "", "", f"{r['kv_bytes_per_token']:,.0f}",
+                         f"{r['kv_share']:.3f}"])
+            continue
+        configuration = r["name"].rsplit(" p=", 1)[0]
+        label = DEMO_CONFIGURATIONS[configuration] if configuration != previous else ""
+        previous = configuration
+        rows.append([label, f"{r['rate']:.2f}", f"{r['perplexity']:.2f}", f"{increase(r):+.1%}", f"{r['kl_mean']:.3f}",
+                     f"{r['top1_agreement']:.3f}", f"{r['kv_bytes_per_token']:,.0f}", f"{r['kv_share']:.3f}"])
+    header = ["configuration", "p", "ppl", "Δppl", "KL (nats)", "top-1", "KV bytes/token", "vs original"]
+    return Table(markdown(header, rows))
+
+
+ALLOCATIONS = {
+    "greedy": "greedy (relative error, unweighted)",
+    "uniform": "uniform (same rank everywhere)",
+    "sensitivity": "sensitivity (greedy weighted by measured KL per layer and side)",
+}
+
+
+@renderer("allocation")
+def allocation_table(compare: dict) -> Table:
+    """benchmarks/allocation_compare.py: each allocation at p = 0.3 and 0.5, and its calibration KL at 0.5."""
+    rows = []
+    for name, label in ALLOCATIONS.items():
+        best = name == "sensitivity"
+        kl = f"{compare['calibration_kl_at_0.5'][name]:.2f}"
+        rows.append([label, ppl_with_increase(compare["results"][f"{name} p=0.3"], best),
+                     ppl_with_increase(compare["results"][f"{name} p=0.5"], best), f"**{kl}**" if best else kl])
+    return Table(markdown(["allocation", "`p = 0.3` ppl", "`p = 0.5` ppl", "calibration KL at `p = 0.5`"], rows))
+
+
+SWEEP_CONFIGURATIONS = {
+    "zack-uniform": "ZACK-faithful, uniform (`zack-uniform`)",
+    "zack-faithful": "ZACK-faithful, shared removal rate (`zack-faithful`)",
+    "whitened-post-rope": "whitened: KQ-SVD keys post-RoPE + output-aware values, uniform (`whitened-post-rope`)",
+    "latent-uniform": "pre-RoPE latent keys (query-aware) + output-aware values, uniform (`latent-uniform`)",
+}
+
+
+@renderer("issue3")
+def issue3_table(sweep: dict, demo: dict) -> Table:
+    """Issue 3's configurations from one `kvrewrite sweep`, and the demo's default at the rates it measured."""
+    rates = sweep["rates"]
+    by_key = {(r["config"], r["rate"]): r for r in sweep["rows"]}
+    cell = lambda r: f"{r['perplexity']:.2f} ({r['ppl_increase']:+.1%})"  # noqa: E731
+    rows = [[label, *(cell(by_key[(config, rate)]) for rate in rates)] for config, label in SWEEP_CONFIGURATIONS.items()]
+    default = {r["rate"]: r for r in demo["rows"] if r["name"].startswith("kvrewrite-optimal")}
+    rows.append(["kvrewrite default: latent keys + output-aware values, `sensitivity` allocation (demo run above)",
+                 *(ppl_with_increase(default[rate]) if rate in default else "not measured" for rate in rates)])
+    return Table(markdown(["configuration", *(f"`p = {rate}`" for rate in rates)], rows))
+
+
+KEY_MODES = {
+    "freq": "none",
+    "post-rope": "one small projection per token",
+    "crosshead": "none",
+    "latent": "rebuilds every cached key each step",
+}
+
+
+@renderer("key-modes")
+def key_modes_table(key_modes: dict) -> Table:
+    """benchmarks/key_modes.py --part key-only: half of the key dims in every layer, values at full rank."""
+    results = key_modes["key-only"]["results"]
+    rows = []
+    for mode, cost in KEY_MODES.items():
+        r = results[f"{mode} keys p=0.5 (values full)"]
+        rows.append([mode, cost, f"{r['perplexity']:.2f}", f"{increase(r):+.1%}", f"{r['kl_mean']:.3f}",
+                     f"{r['top1_agreement']:.3f}", f"{r['kv_bytes_per_token']:.0f}"])
+    return Table(markdown(["key mode", "runtime cost", "ppl", "Δppl", "KL", "top-1", "KV bytes/token"], rows))
+
+
+# ---- docs/codecs.md ------------------------------------------------------------------------------------------
+
+
+@renderer("codecs")
+def codecs_table(table: dict) -> Table:
+    """benchmarks/codec_table.py: every codec at rates 0 / 0.3 / 0.5, bytes against a float16 cache."""
+    fp16 = table["fp16_kv_bytes_per_token"]
+    rows, derived = [], [512.0, 2048.0]  # the context lengths, named in the files' keys (kv_bytes_per_token_512)
+    for rate, entry in sorted(table["rates"].items()):
+        for name, r in entry.get("results", {}).items():
+            if not rows:
+                rows.append(["–", "original (fp16 cache)", f"{r['baseline_perplexity']:.2f}", "–", "–",
+                             str(fp16), "1.000", str(fp16), "1.000"])
+            # The uncoded reduced cache is measured in the model's float32; its float16 size is half of that.
+            b512, b2048 = r["kv_bytes_per_token_512"], r["kv_bytes_per_token_2048"]
+            if name == "none":
+                b512, b2048 = b512 / 2, b2048 / 2
+            derived += [float(rate), b512, b2048, b512 / fp16, b2048 / fp16]  # the rate is a key of the file
+            rows.append([rate, "none (fp16 latents)" if name == "none" else name, f"{r['perplexity']:.2f}",
+                         f"{increase(r):+.1%}", f"{r['kl_mean']:.4f}", f"{b512:.0f}", f"{b512 / fp16:.3f}",
+                         f"{b2048:.0f}", f"{b2048 / fp16:.3f}"])
+    header = ["rate p", "codec", "ppl", "Δppl vs original", "KL", "bytes/token @512", "vs fp16", "bytes/token @2048",
+              "vs fp16"]
+    return Table(markdown(header, rows), tuple(derived))
+
+
+# ---- docs/frontier.md ----------------------------------------------------------------------------------------
+
+
+@renderer("frontier")
+def frontier_table(frontier: dict) -> Table:
+    """The frontier summary, by the function `benchmarks/frontier/run.py merge` prints."""
+    from benchmarks.frontier.report import markdown_table
+
+    return Table(markdown_table(frontier["results"]))
+
+
+# ---- rendering -----------------------------------------------------------------------------------------------
+
+
+def render_block(files: str, template: str, root: Path = ROOT) -> Table:
+    if template not in RENDERERS:
+        raise KeyError(f"no table renderer {template!r}; known: {', '.join(sorted(RENDERERS))}")
+    loaded = [json.loads((root / f.strip()).read_text(encoding="utf-8")) for f in files.split(",")]
+    return RENDERERS[template](*loaded)
+
+
+def render_text(text: str, root: Path = ROOT) -> str:
+    """The doc with every table block's body rendered from its files."""
+    def body(m) -> str:
+        rendered = render_block(m.group("files"), m.group("template"), root).text
+        return m.group().replace(m.group("body"), rendered + "\n", 1) if m.group("body") else \
+            m.group().replace("<!-- /table -->", rendered + "\n<!-- /table -->")
+    return TABLE_BLOCK.sub(body, text)
+
+
+def stale(root: Path = ROOT) -> list[Path]:
+    """The docs whose table blocks differ from their rendering."""
+    return [doc for doc in documents(root) if render_text(text := doc.read_text(encoding="utf-8"), root) != text]
+
+
+def main(argv: list[str] | None = None) -> int:
+    check = "--check" in (sys.argv[1:] if argv is None else argv)
+    changed = stale()
+    for doc in changed:
+        print(f"{doc.relative_to(ROOT)}: tables differ from their result files" + ("" if check else "; rewritten"))
+        if not check:
+            doc.write_text(render_text(doc.read_text(encoding="utf-8")), encoding="utf-8")
+    if not changed:
+        print("every rendered table matches its result files")
+    return 1 if check and changed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
