@@ -29,21 +29,35 @@ class Claim:
     percent: bool
 
 
+# Ratios a record implies and the docs print: (numerator, denominator, offset). The perplexity increase is printed
+# as Δppl; the cache bytes as a share of the original's and of a float16 cache (`kvrewrite eval`'s two columns).
+DERIVED = (("perplexity", "baseline_perplexity", -1.0), ("kv_bytes_per_token", "baseline_kv_bytes_per_token", 0.0),
+           ("kv_bytes_per_token", "fp16_kv_bytes_per_token", 0.0))
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def numeric_leaves(data) -> list[float]:
-    """Every number in a JSON document (bools excluded), at any depth, plus each record's perplexity increase."""
+    """Every number in a JSON document (bools excluded), at any depth, including the numbers written inside its
+    strings (settings such as "0.5" or "--tokens 4096" in a command), plus each record's derived ratios."""
     out: list[float] = []
     stack = [data]
     while stack:
         item = stack.pop()
         if isinstance(item, dict):
             stack.extend(item.values())
-            ppl, base = item.get("perplexity"), item.get("baseline_perplexity")
-            if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (ppl, base)) and base > 0:
-                out.append(float(ppl) / float(base) - 1.0)  # the increase printed as Δppl
+            for top, bottom, offset in DERIVED:
+                a, b = item.get(top), item.get(bottom)
+                if _number(a) and _number(b) and b > 0:
+                    out.append(float(a) / float(b) + offset)
         elif isinstance(item, list):
             stack.extend(item)
-        elif isinstance(item, (int, float)) and not isinstance(item, bool):
+        elif _number(item):
             out.append(float(item))
+        elif isinstance(item, str):
+            out += [claim.value for claim in claims_in("", item, 1)]
     return out
 
 
