@@ -225,6 +225,42 @@ def codec_groups_table(groups: dict) -> Table:
     return Table(markdown(header, rows), tuple(derived))
 
 
+# ---- docs/runtime.md -----------------------------------------------------------------------------------------
+
+
+def _raw_table(header: list[str], rows: list[list[str]]) -> str:
+    """A table whose empty cells keep two spaces, as benchmarks/decode.py's tables were first written."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+@renderer("decode-cpu")
+def decode_cpu_table(decode: dict) -> Table:
+    """benchmarks/decode.py: every model's decode step at every context x batch, with its ratios to stock."""
+    rows, derived = [], []
+    for model, result in decode["results"].items():
+        for r in result["decode"]:
+            vs = r.get("vs_stock", {})
+            ratio = lambda key, fmt: "" if key not in vs else format(vs[key], fmt)  # noqa: E731
+            mib = r["cache_bytes"] / 2**20
+            derived.append(mib)
+            rows.append([model, f"{r['context']} x {r['batch']}", str(r["tokens_per_s"]), ratio("tokens_per_s", ".3f"),
+                         f"{r['attention_s']:.4f}", ratio("attention_s", ".3f"), ratio("attention_layer_s", ".3f"),
+                         f"{mib:.0f}", ratio("cache_bytes", ".2f"), f"{r['peak_rss_mib']:.1f}"])
+    header = ["model", "context x batch", "tokens/s", "vs stock", "attention s/step", "vs stock", "attn layer vs stock",
+              "cache MiB", "vs stock", "peak RSS MiB"]
+    return Table(_raw_table(header, rows), tuple(derived))
+
+
+@renderer("prefill-cpu")
+def prefill_cpu_table(decode: dict) -> Table:
+    """benchmarks/decode.py --prefill: each model's prefill time and its ratio to stock."""
+    rows = [[model, f"{r['length']} x {r['batch']}", f"{r['prefill_s']:.4f}",
+             "" if "vs_stock" not in r else f"{r['vs_stock']:.3f}"]
+            for model, result in decode["results"].items() for r in result.get("prefill", [])]
+    return Table(_raw_table(["model", "prefill length x batch", "seconds", "vs stock"], rows))
+
+
 # ---- docs/frontier.md ----------------------------------------------------------------------------------------
 
 

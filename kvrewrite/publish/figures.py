@@ -46,7 +46,8 @@ def _number(value) -> bool:
 def numeric_leaves(data) -> list[float]:
     """Every number in a JSON document (bools excluded), at any depth, including the numbers written inside its
     strings (settings such as "0.5" or "--tokens 4096" in a command) and keys ("bytes_4096"), plus each record's
-    derived ratios and, when the document states `fp16_kv_bytes_per_token`, each byte figure as a share of it."""
+    derived ratios, each byte figure in MiB and GiB and, when the document states `fp16_kv_bytes_per_token`, as a
+    share of it."""
     out: list[float] = []
     # A document that states the float16 cache's size prints its byte figures as shares of it too.
     fp16 = data.get("fp16_kv_bytes_per_token") if isinstance(data, dict) else None
@@ -57,8 +58,10 @@ def numeric_leaves(data) -> list[float]:
             stack.extend(item.values())
             for key, value in item.items():
                 out += [float(n) for n in KEY_NUMBER.findall(str(key))]  # "kv_bytes_per_token_512", "0.30"
-                if _number(fp16) and fp16 > 0 and "bytes" in str(key) and _number(value):
-                    out.append(float(value) / fp16)
+                if "bytes" in str(key) and _number(value):
+                    out += [float(value) / 2**20, float(value) / 2**30]  # a size printed in MiB or GiB
+                    if _number(fp16) and fp16 > 0:
+                        out.append(float(value) / fp16)
             for top, bottom, offset in DERIVED:
                 a, b = item.get(top), item.get(bottom)
                 if _number(a) and _number(b) and b > 0:
