@@ -137,7 +137,8 @@ def unmarked_at(doc_path: Path, root: Path) -> list[str]:
     doc = str(doc_path.relative_to(root))
     for block in (BLOCK, TABLE_BLOCK, NOT_MEASURED):  # blank covered spans, keeping line numbers
         text = block.sub(lambda m: re.sub(r"[^\n]", " ", m.group()), text)
-    text = re.sub(r"<!--.*?-->|\]\([^)]*\)", lambda m: re.sub(r"[^\n]", " ", m.group()), text, flags=re.S)
+    # Comments, link targets and inline code (a command's settings) are not prose; fenced transcripts are.
+    text = re.sub(r"<!--.*?-->|\]\([^)]*\)|`[^`\n]*`", lambda m: re.sub(r"[^\n]", " ", m.group()), text, flags=re.S)
     return [f"{doc}:{text.count(chr(10), 0, m.start()) + 1}: {m.group()!r} is not in a marked passage"
             for m in MEASURED.finditer(text)]
 
