@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's kvrewrite, not an installed one
 from kvrewrite.publish.figures import NOT_PROSE, NUMBER, Claim, claims_in, matches, numeric_leaves  # noqa: E402,F401
 
-BLOCK = re.compile(r"<!-- numbers: (?P<files>[^ >]+(?:, *[^ >]+)*)(?: rows=(?P<rows>[\w.]+))? -->\n(?P<body>.*?)"
+BLOCK = re.compile(r"<!-- numbers: (?P<files>[^ >]+(?:, *[^ >]+)*)(?: rows=(?P<rows>[\w.]+))? -->\n?(?P<body>.*?)"
                    r"<!-- /numbers -->", re.S)
 TABLE_BLOCK = re.compile(r"<!-- table: (?P<files>[^ >]+(?:, *[^ >]+)*) template=(?P<template>[\w-]+)"
                          r"(?: rows=(?P<rows>[\w.]+))? -->\n(?P<body>.*?)<!-- /table -->", re.S)
@@ -52,7 +52,7 @@ NOT_MEASURED = re.compile(r"<!-- not-measured -->.*?<!-- /not-measured -->", re.
 MEASURED = re.compile(
     r"(?<![\w.])(?:[+\-−±]\d[\d,]*(?:\.\d+)?%|\d[\d,]*\.\d+%|\d+\.\d+x\b"
     r"|\d[\d,]*(?:\.\d+)? ?(?:MiB|GiB|KiB|MB|GB|ms|s|min|tokens/s|tok/s|B/token|bytes/token)\b"
-    r"|(?:ppl|perplexity|KL)(?: of| is| =|:)? \d+\.\d+)")
+    r"|(?:ppl|perplexity|KL)(?: of| is| =|:)? +\d+\.\d+)")
 FIRST_CELL = re.compile(r"^\|\s*(?:`(?P<code>[^`]+)`|(?P<text>[^|]*?))\s*\|")
 
 
