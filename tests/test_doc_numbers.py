@@ -96,3 +96,15 @@ def test_a_result_files_settings_and_sizes_are_its_values():
         assert doc_numbers.matches(c, leaves), c.text
     assert not doc_numbers.matches(claim("0.701", 0.701, 3), leaves)
     assert not doc_numbers.matches(claim("4097", 4097, 0), leaves)
+
+
+def test_every_result_file_records_command_commit_machine_and_date():
+    """In the file itself, or (older files) in benchmarks/results/provenance.json (tools/results_provenance.py)."""
+    import json
+
+    import results_provenance
+
+    sidecar = json.loads(results_provenance.SIDECAR.read_text(encoding="utf-8"))["files"]
+    for path in results_provenance.result_files():
+        missing = results_provenance.missing_fields(path)
+        assert all(field in sidecar.get(path.name, {}) for field in missing), (path.name, missing)
