@@ -8,9 +8,11 @@ A doc marks a passage whose figures come from results with an HTML comment namin
 
 Every number written in such a passage (outside `code`, links and comments) must be some value of the cited
 file(s) as printed: the same value at the number's own precision, or that value x 100 when it is a share
-printed as a percentage. Prose may round; it may not invent. One derived value is also a value of the file: a
-record holding both `perplexity` and `baseline_perplexity` yields its perplexity increase
-(perplexity / baseline_perplexity - 1), since most result files keep the two parts and the docs print the increase.
+printed as a percentage. Prose may round; it may not invent. The file's values are its numbers, the numbers written
+in its strings and keys (settings such as "0.5", "--tokens 4096", "bytes_4096"), and a few values a record implies
+and the docs print (kvrewrite/publish/figures.py, shared with the model card check): a record's perplexity increase
+(perplexity / baseline_perplexity - 1), its cache bytes as a share of the baseline's or of a float16 cache, and a
+bytes field in MiB and GiB. The marker may sit inside a line (`<!-- numbers: F -->24.52<!-- /numbers -->`).
 
 A table whose rows are records of a list in the file names that list and the field that names a record:
 
