@@ -71,9 +71,10 @@ def deepseek_v3_config(source_config, layer: MLALayer, dtype: torch.dtype) -> di
         "rope_theta": rope.get("rope_theta"),
         "rope_parameters": rope,
         "rope_scaling": None if rope.get("rope_type", "default") == "default" else rope,
-        # Every layer dense: the MoE fields must still be valid integers.
+        # Every layer dense: the MoE fields must still be valid integers. Two routed experts, not one: llama.cpp's
+        # loader asserts n_expert_groups (n_group, 1) < n_expert for any model with experts, even all-dense ones.
         "first_k_dense_replace": n_layers,
-        "n_routed_experts": 1,
+        "n_routed_experts": 2,
         "n_shared_experts": 1,
         "num_experts_per_tok": 1,
         "n_group": 1,
