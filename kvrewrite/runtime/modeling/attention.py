@@ -188,10 +188,10 @@ class CompressedAttention(nn.Module):
 
             def score(start: int, keys: torch.Tensor) -> torch.Tensor:
                 cos, sin = rope(start, keys.shape[-2])
-                rebuilt = torch.cat([self.mode.rebuild_keys(self, keys[..., ko[g] : ko[g + 1]], g, cos, sin)
-                                     for g in range(n_kv)], dim=1)  # [B, n_kv, n, d]
-                scores = torch.matmul(grouped, rebuilt.transpose(-1, -2)) * scaling
-                return scores.view(batch, n_q, q_len, -1)
+                # Per KV head: rebuild its keys [B, 1, n, d], score its query rows; only the scores are joined.
+                scores = torch.cat([torch.matmul(grouped[:, g : g + 1], self.mode.rebuild_keys(
+                    self, keys[..., ko[g] : ko[g + 1]], g, cos, sin).transpose(-1, -2)) for g in range(n_kv)], dim=1)
+                return (scores * scaling).view(batch, n_q, q_len, -1)
         elif self.mode.shared_key_block:
             heads = query.view(batch, q_len, n_q, self.layout.key_ranks[0]).transpose(1, 2)
 
