@@ -172,6 +172,11 @@ class CompressedAttention(nn.Module):
         columns; each head then keeps its own KV head's columns.
         """
         batch, q_len, _ = query.shape
+        if not self.mode.shared_key_block and resolve_backend(query.device) == "triton":
+            from kvrewrite.runtime.kernels import triton_coded_attention as triton_coded
+
+            if triton_coded.supports(readout):
+                return self._triton_coded(triton_coded, query, readout, attention_mask, past_len)
         allowed = boolean_mask(attention_mask, q_len, readout.length, query.device)
         group, n_kv, scaling = self.group_size, self.num_kv_heads, self.scaling
         ko, vo = self.layout.key_offsets, self.layout.value_offsets
@@ -211,6 +216,21 @@ class CompressedAttention(nn.Module):
         out = blockwise_coded_attention(readout, score, allowed, query.dtype)  # [B, H, T, Vsum]
         return torch.cat([out[:, g * group : (g + 1) * group, :, vo[g] : vo[g + 1]].transpose(1, 2)
                           .reshape(batch, q_len, group * (vo[g + 1] - vo[g])) for g in range(n_kv)], dim=-1)
+
+    def _triton_coded(self, triton_coded, query: torch.Tensor, readout: CodedReadout, attention_mask,
+                      past_len: int) -> torch.Tensor:
+        """attend_coded on CUDA: the Triton kernel dequantises each block in registers (latent keys rebuilt and
+        rotated there too, with the cache indices' cos/sin)."""
+        if not self.mode.rebuilds_keys:
+            return triton_coded.triton_coded_attention(query, readout, attention_mask, self.scaling, self.layout)
+        batch, q_len, _ = query.shape
+        positions = torch.arange(readout.length, device=query.device)[None]
+        cos, sin = self._rotary[0](query, positions)  # [1, S, d]
+        heads = self._apply_rope(self._heads(query, self.num_heads), cos[:, past_len : past_len + q_len],
+                                 sin[:, past_len : past_len + q_len])
+        rotated = heads.transpose(1, 2).reshape(batch, q_len, self.num_heads * self.head_dim)
+        return triton_coded.triton_coded_attention(rotated, readout, attention_mask, self.scaling, self.layout,
+                                                   self.k_up, (cos[0], sin[0]))
 
     def cache_order(self, cache, device: torch.device) -> str:
         """Memory order of this layer's cache tensors (kernels.cache_layout): the packed runner's choice.
