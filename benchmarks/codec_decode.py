@@ -93,6 +93,33 @@ def run_rounds(variants, batch: int, steps: int, rounds: int) -> dict:
             for label, t in times.items()}
 
 
+def summarize(record: dict) -> None:
+    """One `summary` record per (checkpoint, context, batch, codec): tokens/s of the decode and fused paths beside
+    the plain compressed model and stock, and their ratios (what docs/codecs.md quotes)."""
+    sizes: dict[tuple, dict[str, dict]] = {}
+    for entry in record["results"]:
+        sizes.setdefault((entry["checkpoint"], entry["context"], entry["batch"]), {})[entry["variant"]] = entry
+    summary = []
+    for (checkpoint, context, batch), variants in sizes.items():
+        stock, none = variants["stock"]["tokens_per_s"], variants["none"]["tokens_per_s"]
+        codecs = dict.fromkeys(label.rsplit(" ", 1)[0] for label in variants if label not in ("stock", "none"))
+        for codec in codecs:
+            decode = variants[f"{codec} decode"]["tokens_per_s"]
+            fused = variants.get(f"{codec} fused", {}).get("tokens_per_s")
+            summary.append({
+                "name": f"{checkpoint} {context}x{batch} {codec}", "checkpoint": checkpoint, "context": context,
+                "batch": batch, "codec": codec, "stock_tokens_per_s": stock, "none_tokens_per_s": none,
+                "decode_tokens_per_s": decode, "fused_tokens_per_s": fused,
+                "decode_vs_stock": round(decode / stock, 2), "decode_vs_none": round(decode / none, 2),
+                "fused_vs_stock": round(fused / stock, 2) if fused else None,
+                "fused_vs_none": round(fused / none, 2) if fused else None,
+                "fused_vs_decode": round(fused / decode, 2) if fused else None,
+                "none_vs_stock": round(none / stock, 2),
+                "coded_bytes_vs_none": round(variants[f"{codec} decode"]["cache_bytes"] / variants["none"]["cache_bytes"], 3),
+            })
+    record["summary"] = summary
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--configs", nargs="*", default=["2048x1", "8192x1", "2048x8"], help="CONTEXTxBATCH")
@@ -100,7 +127,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", type=Path, default=RESULTS / "codec_decode_cpu.json")
+    parser.add_argument("--summarize-only", action="store_true", help="recompute `summary` of an existing --out")
     args = parser.parse_args()
+    if args.summarize_only:
+        record = json.loads(args.out.read_text())
+        summarize(record)
+        args.out.write_text(json.dumps(record, indent=1) + "\n")
+        return
 
     import torch
     from transformers import AutoModelForCausalLM
@@ -144,6 +177,7 @@ def main() -> None:
                 print(name, context, batch, label, entry, flush=True)
             del variants
             record["seconds"] = round(time.perf_counter() - started, 1)
+            summarize(record)
             args.out.write_text(json.dumps(record, indent=1) + "\n")  # after every size: a cut-off run keeps its data
     print("wrote", args.out)
 

@@ -104,7 +104,10 @@ class OnlineSoftmax:
             m_new = torch.maximum(self.m, m_new)
         p = torch.exp(scores - m_new)
         chunk_sum = p.sum(dim=-1, keepdim=True)
-        chunk_out = torch.matmul(p.to(values.dtype), values).to(p.dtype)
+        # One GEMM per request, [H * T, n] @ [n, C]: a broadcast matmul over the heads would re-read the values per head.
+        batch, heads, q_len, n = p.shape
+        chunk_out = torch.matmul(p.to(values.dtype).reshape(batch, heads * q_len, n), values[:, 0])
+        chunk_out = chunk_out.view(batch, heads, q_len, -1).to(p.dtype)
         if self.m is None:
             self.l, self.acc, self.dtype = chunk_sum, chunk_out, values.dtype
         else:

@@ -198,10 +198,10 @@ class CompressedAttention(nn.Module):
                     self, keys[..., ko[g] : ko[g + 1]], g, cos, sin).transpose(-1, -2)) for g in range(n_kv)], dim=1)
                 return (scores * scaling).view(batch, n_q, q_len, -1)
         elif self.mode.shared_key_block:
-            heads = query.view(batch, q_len, n_q, self.layout.key_ranks[0]).transpose(1, 2)
+            rows = query.view(batch, q_len, n_q, self.layout.key_ranks[0]).transpose(1, 2).reshape(batch, n_q * q_len, -1)
 
             def score(start: int, keys: torch.Tensor) -> torch.Tensor:
-                return torch.matmul(heads, keys.transpose(-1, -2)) * scaling
+                return (torch.matmul(rows, keys[:, 0].transpose(-1, -2)) * scaling).view(batch, n_q, q_len, -1)
         else:
             # Block-diagonal queries: head h's columns at its KV head's key offset, so one GEMM scores every head.
             qo = self.layout.query_offsets
@@ -210,8 +210,10 @@ class CompressedAttention(nn.Module):
                 spread[:, g * group : (g + 1) * group, :, ko[g] : ko[g + 1]] = (
                     query[..., qo[g] : qo[g + 1]].view(batch, q_len, group, rk).transpose(1, 2))
 
+            spread = spread.view(batch, n_q * q_len, ko[-1])  # one GEMM per request, not one per head
+
             def score(start: int, keys: torch.Tensor) -> torch.Tensor:
-                return torch.matmul(spread, keys.transpose(-1, -2)) * scaling
+                return (torch.matmul(spread, keys[:, 0].transpose(-1, -2)) * scaling).view(batch, n_q, q_len, -1)
 
         out = blockwise_coded_attention(readout, score, allowed, query.dtype)  # [B, H, T, Vsum]
         return torch.cat([out[:, g * group : (g + 1) * group, :, vo[g] : vo[g + 1]].transpose(1, 2)
