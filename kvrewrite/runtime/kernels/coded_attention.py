@@ -1,16 +1,16 @@
 """Attention straight from a codec cache's packed int4/int2 blocks, in torch: dequantise a chunk, attend, move on.
 
 The cache hands attention a `CodedReadout` (codecs.readout): KIVI-coded blocks of G tokens and the float16
-window. `readout_chunks` walks the cache in order, dequantising `chunk_tokens` tokens' worth of whole blocks at
-a time (keys: code * scale + low per channel; values: per token and channel group) and then yielding the
-window, so at most one chunk of the cache exists in float32 at a time. `OnlineSoftmax` carries each query
-group's running maximum, normaliser and weighted values from chunk to chunk (flash attention's recurrence), so
-the result is softmax(q k^T) v over the whole cache without a score row or a decoded tensor the size of the
-cache. The dequantisation is the codec's own (same float32 operations), so the only difference from the decode
+window. `readout_chunks` walks the cache in order, unpacking and dequantising `chunk_tokens` tokens' worth of whole
+blocks at a time into one float32 buffer (keys: code * scale + low per channel and block; values: per token and
+group of channels; the float16 window rides along with the last chunk), so at most one chunk of the cache exists in
+float32 at a time. `OnlineSoftmax` carries the running maximum, normaliser and weighted values of every query head
+from chunk to chunk (flash attention's recurrence), so the result is softmax(q k^T) v over the whole cache without
+a decoded copy of it. The dequantisation is bit for bit the codec's decode, so the only difference from the decode
 path (decode the store, concatenate the window, attend) is the order of the softmax sums.
 
 The key modes differ only in how a chunk's keys are scored (packed heads, rebuilt latent keys, one shared block);
-CompressedAttention.attend_coded supplies that as a function.
+CompressedAttention.attend_coded supplies that as a function. kernels.triton_coded_attention is the CUDA version.
 """
 
 from __future__ import annotations

@@ -203,7 +203,8 @@ def triton_coded_attention(query: torch.Tensor, readout: CodedReadout, attention
     cos, sin = (rope[0].float().contiguous(), rope[1].float().contiguous()) if latent else (dummy, dummy)
     block_d = _pow2(max(max(layout.key_ranks), max(layout.value_ranks)))
     block_g = _pow2(group, floor=1)
-    block_m = max(1, min(_pow2(q_len, floor=1), 64 // block_g))
+    # Tile rows = BLOCK_M positions x BLOCK_G members, at least 16 (tl.dot's minimum on the GPU; spare rows masked).
+    block_m = max(16 // block_g, min(_pow2(q_len, floor=1), 64 // block_g), 1)
     row_blocks = -(-q_len // block_m)
     _coded_attention_kernel[(batch * n_kv * row_blocks,)](
         query, output, mask, kc, ks, kl, vc, vs, vl, key_window, value_window, up, cos, sin,
