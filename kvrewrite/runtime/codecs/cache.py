@@ -22,10 +22,10 @@ import os
 import torch
 from transformers.cache_utils import Cache
 
-from kvrewrite.runtime.batch_first_layer import BatchFirstLayer
 from kvrewrite.errors import InvalidArgumentError
+from kvrewrite.runtime.batch_first_layer import BatchFirstLayer
 from kvrewrite.runtime.codecs.base import LayerCodec
-from kvrewrite.runtime.codecs.readout import CodedReadout
+from kvrewrite.runtime.codecs.readout import CodedReadout, QuantizedBlocks
 
 RESIDUAL_DTYPE = torch.float16
 READ_MODES = ("fused", "decode")
@@ -68,7 +68,7 @@ class CodecLayer(BatchFirstLayer):
         self.is_initialized = True
 
     @property
-    def fused_layout(self):
+    def fused_layout(self) -> QuantizedBlocks | None:
         """The codec's in-place layout (codecs.readout), or None when attention needs decoded tensors."""
         layout = getattr(self.codec, "fused_layout", None)  # stand-in codecs (tests) may lack the method
         return layout() if layout is not None else None

@@ -18,7 +18,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import torch
-import torch.nn.functional as F
 
 from kvrewrite.runtime.codecs.readout import CodedReadout, QuantizedBlocks
 from kvrewrite.runtime.kernels.reference import softmax_dtype
