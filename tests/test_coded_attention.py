@@ -1,6 +1,7 @@
 """Attention that reads int4/int2 codes in place (kernels.coded_attention) against the reference decode path
 (decode the whole store, append the window, attend): same logits within float32 rounding, every key mode,
-group size, window and padding; the cache stores the same tensors either way."""
+group size, window and padding; the cache stores the same tensors either way. The Triton kernel
+(kernels.triton_coded_attention) runs under TRITON_INTERPRET=1 on CPU against the same references."""
 
 from __future__ import annotations
 
