@@ -58,7 +58,7 @@ def single_process(directory, tokens, rate):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_n_process_prefill_equals_single_process_and_ships_the_packed_latents(checkpoint, world):
-    tokens = random_windows(2, LENGTH, seed=5)
+    tokens = random_windows(world // 2, LENGTH, seed=5)  # a batch of one (N=2) and of two (N=4)
     ranks = run_processes(prefill_at_rates, world, str(checkpoint), tokens, RATES, NEW_TOKENS)
     for rate in RATES:
         model, logits, cache, generated = single_process(checkpoint, tokens, rate)
@@ -121,3 +121,19 @@ def test_an_impossible_process_count_fails_before_any_work(checkpoint):
     with pytest.raises(InvalidArgumentError, match="cache_on"):
         prefill(model, random_windows(1, LENGTH), cache_on="rank 3")
     assert dict(model.named_parameters()).keys() == original.keys()
+
+
+def test_cli_refuses_an_impossible_process_count_before_starting_any(checkpoint, tmp_path):
+    from typer.testing import CliRunner
+
+    from kvrewrite.cli.app import app
+
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("w5 w6 w7 w8 w9 w10")
+    result = CliRunner().invoke(app, ["prefill-parallel", str(checkpoint), "--prompt-file", str(prompt), "--nproc", "5"])
+    assert result.exit_code == 2
+    assert "--nproc 5: the model has 4 query heads" in result.output
+    result = CliRunner().invoke(app, ["prefill-parallel", str(checkpoint), "--prompt-file", str(prompt), "--nproc", "2",
+                                      "--rate", "0.5", "--new-tokens", "3"])
+    assert result.exit_code == 0, result.output
+    assert "cache gathered to rank 0" in result.output and "next 3 tokens (greedy, rank 0)" in result.output

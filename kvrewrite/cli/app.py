@@ -412,6 +412,26 @@ def _split_and_report(directory: Path, share: float, json_out: Path | None = Non
 app.command("export-mla")(export_mla)
 
 
+@app.command("prefill-parallel")
+def prefill_parallel(
+    directory: Path = typer.Argument(..., help="A kvrewrite checkpoint directory."),
+    prompt_file: Path = typer.Option(..., "--prompt-file", help="Text file holding the prompt."),
+    nproc: int = typer.Option(2, "--nproc", help="Processes to split the prompt over (at most the query heads)."),
+    rate: Optional[float] = typer.Option(None, help="Another rate of the checkpoint's rate table (0 = full rank)."),
+    new_tokens: int = typer.Option(16, "--new-tokens", help="Tokens to decode greedily on rank 0 after the prefill."),
+    threads: int = typer.Option(1, "--threads", help="Torch threads per process."),
+) -> None:
+    """Sequence-parallel prefill across N local processes (gloo), shipping the packed latents; then decode on rank 0."""
+    from kvrewrite.cli.prefill_parallel import run
+
+    try:
+        if not prompt_file.is_file():
+            raise InvalidArgumentError(f"--prompt-file {prompt_file} does not exist")
+        run(directory, prompt_file.read_text(), nproc, rate, new_tokens, threads, console)
+    except (KVRewriteError, ValueError) as exc:
+        _fail(exc)
+
+
 def main() -> None:
     app()
 

@@ -66,7 +66,8 @@ def prefill(model, input_ids: torch.Tensor, group: dist.ProcessGroup | None = No
     with torch.no_grad(), _swapped_attention(attentions, stand_ins):
         out = model(input_ids=input_ids[:, start:stop], position_ids=positions, use_cache=False,
                     logits_to_keep=0 if all_logits else 1)
-    last = comm.broadcast("last_logits", out.logits[:, -1].contiguous(), source=world - 1)
+    # A copy: broadcast writes into it, and [:, -1] of a batch of one is a view of this rank's own logits.
+    last = comm.broadcast("last_logits", out.logits[:, -1].clone(), source=world - 1)
     cache = _gather_cache(model, attentions, local_latents, tokens, comm, cache_on) if cache_on != "none" else None
     return PrefillResult(last, (start, stop), out.logits if all_logits else None, cache, comm)
 
