@@ -120,16 +120,23 @@ def byte_rows(world: int, length: int, calls_by_rate: dict) -> list[dict]:
 
 
 def measure_bytes(args, record: dict) -> None:
-    tokens = prompt_tokens(args.checkpoint, args.bytes_length)
+    """Bytes per collective of args.checkpoint (or --bytes-checkpoint, recorded as bytes_<label>)."""
+    checkpoint = args.bytes_checkpoint or args.checkpoint
+    tokens = prompt_tokens(checkpoint, args.bytes_length)
     rates = [ORIGINAL, 0.3, 0.5, 0.7]
     rows = []
     for world in (2, 4):
-        ranks = run_processes(bytes_worker, world, args.checkpoint, tokens, rates)
+        ranks = run_processes(bytes_worker, world, checkpoint, tokens, rates)
         rows += byte_rows(world, tokens.shape[1], {rate: [r[rate] for r in ranks] for rate in rates})
         for row in rows[-len(rates):]:
+            if args.bytes_label:
+                row["name"] = f"{args.bytes_label} {row['name']}"
             print(row, flush=True)
-    record["bytes"] = {"rows": rows, "what": "bytes each collective sent between ranks, summed over ranks and layers, "
-                       "counted by kvrewrite.runtime.sequence_parallel.CountingCollectives"}
+    key = f"bytes_{args.bytes_label}" if args.bytes_label else "bytes"
+    modes = sorted({layer["key_mode"] for layer in json.loads((Path(checkpoint) / "config.json").read_text())["kvrewrite"]["layers"]})
+    record[key] = {"rows": rows, "key_modes": modes,
+                   "what": "bytes each collective sent between ranks, summed over ranks and layers, "
+                           "counted by kvrewrite.runtime.sequence_parallel.CountingCollectives"}
 
 
 def timing(args, record: dict) -> None:
@@ -168,6 +175,8 @@ def main() -> None:
     parser.add_argument("--equality-length", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=8)
     parser.add_argument("--bytes-length", type=int, default=1024)
+    parser.add_argument("--bytes-checkpoint", default=None, help="count bytes on this checkpoint instead (e.g. other key modes)")
+    parser.add_argument("--bytes-label", default="", help="with --bytes-checkpoint: stored as bytes_<label>")
     parser.add_argument("--lengths", default="8192,16384,32768")
     parser.add_argument("--procs", default="1,2,4")
     parser.add_argument("--budget-s", type=float, default=1200.0, help="skip the timings left once this much time is spent")
@@ -178,6 +187,9 @@ def main() -> None:
         sys.exit("run with OMP_NUM_THREADS=1 (the processes share the machine's cores)")
 
     record = json.loads(RESULT.read_text()) if RESULT.exists() else {}
+    provenance = ("command", "commit", "date")
+    for part in [k for k, v in record.items() if isinstance(v, dict) and ("rows" in v) and "run" not in v]:
+        record[part]["run"] = {k: record[k] for k in provenance if k in record}  # written by an earlier invocation
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     record.update({
         "command": " ".join(["OMP_NUM_THREADS=1", Path(sys.executable).name, *sys.argv]),
@@ -190,6 +202,8 @@ def main() -> None:
     for part in args.parts.split(","):
         print(f"== {part}", flush=True)
         {"equality": equality, "bytes": measure_bytes, "timing": timing}[part](args, record)
+        key = f"bytes_{args.bytes_label}" if part == "bytes" and args.bytes_label else part
+        record[key]["run"] = {k: record[k] for k in provenance}  # each part keeps the invocation that measured it
         write(record)
     print("wrote", RESULT)
 
