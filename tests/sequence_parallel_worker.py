@@ -9,15 +9,15 @@ from kvrewrite.runtime.kernels.cache_layout import packed_view
 from kvrewrite.runtime.sequence_parallel import greedy_continue, prefill
 
 
-def prefill_at_rates(rank: int, world: int, directory: str, tokens: torch.Tensor, rates: list, new_tokens: int) -> dict:
-    """Per rate: this rank's logits slice, the full cache it holds (cache_on="all"), its collective calls and the
-    greedy continuation from that cache."""
+def prefill_jobs(rank: int, world: int, jobs: list, tokens: torch.Tensor, new_tokens: int) -> dict:
+    """Per (checkpoint directory, rate) job: this rank's logits slice, the full cache it holds (cache_on="all"), its
+    collective calls and the greedy continuation from that cache."""
     out = {}
-    for rate in rates:
+    for directory, rate in jobs:
         model = kvrewrite.load(directory, rate=rate).eval()
-        result = prefill(model, tokens, cache_on="all", all_logits=True)
+        result = prefill(model, tokens, cache_on="all", all_logits=True, query_chunk=8)  # several row chunks
         caches = [(packed_view(layer.keys).clone(), packed_view(layer.values).clone()) for layer in result.cache.layers]
-        out[rate] = {
+        out[(directory, rate)] = {
             "tokens": result.tokens,
             "logits": result.logits,
             "cache": caches,

@@ -4,6 +4,7 @@ compressed model's logits and cache, move exactly the packed latents, and refuse
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -13,12 +14,14 @@ import kvrewrite
 from kvrewrite.compile.passes.base import run_pass
 from kvrewrite.compile.passes.compute_transforms import LayerTransforms
 from kvrewrite.compile.passes.context import CompileContext
+from kvrewrite.compile.passes.pipeline import run_pipeline
 from kvrewrite.compile.plan import Plan
 from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.key_modes import key_transform
 from kvrewrite.runtime.kernels.cache_layout import packed_view
 from kvrewrite.runtime.sequence_parallel import check_world_size, head_runs, layer_shares, prefill, run_processes, token_runs
-from sequence_parallel_worker import prefill_at_rates
+from sequence_parallel_worker import prefill_jobs
+from tiny_families import save_tiny_family
 from tiny_models import random_windows, save_tiny_llama, tiny_pipeline
 
 # One layer per RoPE key mode: shared key block, folded pairs, rebuilt latent keys, post-RoPE maps.
@@ -47,6 +50,23 @@ def checkpoint(tmp_path_factory):
     return root / "out"
 
 
+# Other layouts, each in its family's default key mode: q/k norms (Qwen3, post-rope), q/k/v biases (Qwen2), no RoPE
+# (OPT and GPT-2, folded; GPT-2's fused c_attn). Run with N=2 only, in the same processes.
+FAMILIES = ["qwen3", "qwen2", "opt", "gpt2"]
+
+
+@pytest.fixture(scope="module")
+def family_checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sp_families")
+    out = {}
+    for i, family in enumerate(FAMILIES):
+        source = save_tiny_family(root / f"{family}-src", family, seed=i)
+        run_pipeline(Plan(model=str(source), output=root / family, progress=False, target_rate=0.5, allocation="greedy"),
+                     tiny_pipeline())
+        out[family] = root / family
+    return out
+
+
 def single_process(directory, tokens, rate):
     model = kvrewrite.load(directory, rate=rate).eval()
     cache = DynamicCache(config=model.config)
@@ -57,13 +77,25 @@ def single_process(directory, tokens, rate):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_n_process_prefill_equals_single_process_and_ships_the_packed_latents(checkpoint, world):
+def test_n_process_prefill_equals_single_process_and_ships_the_packed_latents(checkpoint, family_checkpoints, world):
     tokens = random_windows(world // 2, LENGTH, seed=5)  # a batch of one (N=2) and of two (N=4)
-    ranks = run_processes(prefill_at_rates, world, str(checkpoint), tokens, RATES, NEW_TOKENS)
-    for rate in RATES:
+    jobs = [(str(checkpoint), rate) for rate in RATES]
+    families = [(str(directory), None) for directory in family_checkpoints.values()] if world == 2 else []
+    ranks = run_processes(prefill_jobs, world, jobs + families, tokens, NEW_TOKENS)
+    for directory, rate in families:  # other layouts: logits, cache and continuation
+        model, logits, cache, generated = single_process(directory, tokens, rate)
+        for rank, result in enumerate(ranks):
+            got = result[(directory, rate)]
+            start, stop = got["tokens"]
+            assert (got["logits"] - logits[:, start:stop]).abs().max().item() < 1e-5, directory
+            for (k, v), (k_ref, v_ref) in zip(got["cache"], cache):
+                assert (k - k_ref).abs().max().item() < 1e-5 and (v - v_ref).abs().max().item() < 1e-5, directory
+            assert torch.equal(got["continuation"], generated), directory
+    for job in jobs:
+        rate = job[1]
         model, logits, cache, generated = single_process(checkpoint, tokens, rate)
         for rank, result in enumerate(ranks):
-            got = result[rate]
+            got = result[job]
             start, stop = got["tokens"]
             assert (start, stop) == token_runs(LENGTH, world)[rank]
             assert (got["logits"] - logits[:, start:stop]).abs().max().item() < 1e-5
@@ -75,7 +107,7 @@ def test_n_process_prefill_equals_single_process_and_ships_the_packed_latents(ch
         # Bytes: the wrapper's count of every all-to-all equals the packed column ranges of the ranks' shares.
         attentions = model.compressed_attentions()
         for rank, result in enumerate(ranks):
-            calls = result[rate]["calls"]
+            calls = result[job]["calls"]
             mine = token_runs(LENGTH, world)[rank]
             for attn in attentions:
                 shares = layer_shares(attn, world)
@@ -87,7 +119,7 @@ def test_n_process_prefill_equals_single_process_and_ships_the_packed_latents(ch
                 back = sum(stop - start for r, (start, stop) in enumerate(token_runs(LENGTH, world)) if r != rank)
                 assert out[0]["sent"] == 4 * tokens.shape[0] * back * shares[rank].output_width
     # Compressed latents are narrower than the full-rank ones they replace, on every layer's first all-to-all.
-    sent = {rate: sum(c["sent"] for c in ranks[0][rate]["calls"] if c["name"] == "qkv") for rate in RATES}
+    sent = {rate: sum(c["sent"] for c in ranks[0][(d, rate)]["calls"] if c["name"] == "qkv") for d, rate in jobs}
     assert sent[None] < sent[0.0]
 
 
@@ -134,6 +166,9 @@ def test_cli_refuses_an_impossible_process_count_before_starting_any(checkpoint,
     assert result.exit_code == 2
     assert "--nproc 5: the model has 4 query heads" in result.output
     result = CliRunner().invoke(app, ["prefill-parallel", str(checkpoint), "--prompt-file", str(prompt), "--nproc", "2",
-                                      "--rate", "0.5", "--new-tokens", "3"])
+                                      "--rate", "0.5", "--new-tokens", "3", "--json", str(tmp_path / "run.json")])
     assert result.exit_code == 0, result.output
     assert "cache gathered to rank 0" in result.output and "next 3 tokens (greedy, rank 0)" in result.output
+    written = json.loads((tmp_path / "run.json").read_text())
+    assert written["processes"] == 2 and [r["tokens"] for r in written["results"]] == [[0, 3], [3, 6]]
+    assert written["results"][1]["sent"]["qkv"] > 0 and len(written["results"][0]["generated"]) == 3

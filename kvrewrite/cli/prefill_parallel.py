@@ -47,8 +47,8 @@ def worker(rank: int, world: int, directory: str, input_ids: torch.Tensor, rate,
     prefilled = time.perf_counter()
     generated = greedy_continue(model, result, new_tokens)[0].tolist() if rank == 0 and new_tokens > 0 else []
     return {
-        "rank": rank, "tokens": token_runs(input_ids.shape[1], world)[rank],
-        "heads": head_runs(model.compressed_attentions()[0].num_heads, world)[rank],
+        "rank": rank, "tokens": list(token_runs(input_ids.shape[1], world)[rank]),
+        "heads": list(head_runs(model.compressed_attentions()[0].num_heads, world)[rank]),
         "load_s": loaded - started, "prefill_s": prefilled - begin, "decode_s": time.perf_counter() - prefilled,
         "sent": result.collectives.bytes_by_name(), "generated": generated,
     }
@@ -102,4 +102,5 @@ def run(directory: Path, prompt: str, nproc: int, rate, new_tokens: int, threads
     console.print(summary_table(results, input_ids.shape[1], new_tokens))
     text = tokenizer.decode(results[0]["generated"])
     console.print(f"[bold]next {new_tokens} tokens (greedy, rank 0):[/] {text!r}")
-    return {"results": results, "text": text}
+    return {"prompt_tokens": input_ids.shape[1], "processes": nproc, "rate": rate, "new_tokens": new_tokens,
+            "results": results, "text": text}
