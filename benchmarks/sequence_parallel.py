@@ -132,7 +132,7 @@ def measure_bytes(args, record: dict) -> None:
             if args.bytes_label:
                 row["name"] = f"{args.bytes_label} {row['name']}"
             print(row, flush=True)
-    key = f"bytes_{args.bytes_label}" if args.bytes_label else "bytes"
+    key = f"bytes_{args.bytes_label.replace('-', '_')}" if args.bytes_label else "bytes"
     modes = sorted({layer["key_mode"] for layer in json.loads((Path(checkpoint) / "config.json").read_text())["kvrewrite"]["layers"]})
     record[key] = {"rows": rows, "key_modes": modes,
                    "what": "bytes each collective sent between ranks, summed over ranks and layers, "
@@ -176,7 +176,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=8)
     parser.add_argument("--bytes-length", type=int, default=1024)
     parser.add_argument("--bytes-checkpoint", default=None, help="count bytes on this checkpoint instead (e.g. other key modes)")
-    parser.add_argument("--bytes-label", default="", help="with --bytes-checkpoint: stored as bytes_<label>")
+    parser.add_argument("--bytes-label", default="", help="with --bytes-checkpoint: stored as bytes_<label> (- becomes _)")
     parser.add_argument("--lengths", default="8192,16384,32768")
     parser.add_argument("--procs", default="1,2,4")
     parser.add_argument("--budget-s", type=float, default=1200.0, help="skip the timings left once this much time is spent")
@@ -202,7 +202,7 @@ def main() -> None:
     for part in args.parts.split(","):
         print(f"== {part}", flush=True)
         {"equality": equality, "bytes": measure_bytes, "timing": timing}[part](args, record)
-        key = f"bytes_{args.bytes_label}" if part == "bytes" and args.bytes_label else part
+        key = f"bytes_{args.bytes_label.replace('-', '_')}" if part == "bytes" and args.bytes_label else part
         record[key]["run"] = {k: record[k] for k in provenance}  # each part keeps the invocation that measured it
         write(record)
     print("wrote", RESULT)
