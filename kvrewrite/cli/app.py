@@ -412,6 +412,43 @@ def _split_and_report(directory: Path, share: float, json_out: Path | None = Non
 app.command("export-mla")(export_mla)
 
 
+@app.command("prefill-parallel")
+def prefill_parallel(
+    directory: Path = typer.Argument(..., help="A kvrewrite checkpoint directory."),
+    prompt_file: Path = typer.Option(..., "--prompt-file", help="Text file holding the prompt."),
+    nproc: int = typer.Option(2, "--nproc", help="Processes to split the prompt over (at most the query heads)."),
+    rate: Optional[float] = typer.Option(None, help="Another rate of the checkpoint's rate table (0 = full rank)."),
+    new_tokens: int = typer.Option(16, "--new-tokens", help="Tokens to decode greedily on rank 0 after the prefill."),
+    threads: int = typer.Option(1, "--threads", help="Torch threads per process."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the per-process results as JSON here."),
+) -> None:
+    """Sequence-parallel prefill across N local processes (gloo), shipping the packed latents; then decode on rank 0."""
+    from kvrewrite.cli.prefill_parallel import run
+
+    try:
+        if not prompt_file.is_file():
+            raise InvalidArgumentError(f"--prompt-file {prompt_file} does not exist")
+        if json_out is not None:
+            from kvrewrite.io.output_safety import check_writable_file
+
+            check_writable_file(json_out, "--json")
+        outcome = run(directory, prompt_file.read_text(), nproc, rate, new_tokens, threads, console)
+    except (KVRewriteError, ValueError) as exc:
+        _fail(exc)
+    if json_out is not None:
+        import platform
+
+        from kvrewrite.io.atomic_files import atomic_write_text
+
+        import datetime
+
+        date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        atomic_write_text(json_out, json.dumps({"command": " ".join(["kvrewrite", *sys.argv[1:]]), "date": date,
+                                                "machine": platform.platform(), "threads_per_process": threads, **outcome},
+                                               indent=1) + "\n")
+        console.print(f"wrote {json_out}")
+
+
 def main() -> None:
     app()
 
