@@ -171,4 +171,4 @@ def test_cli_refuses_an_impossible_process_count_before_starting_any(checkpoint,
     assert "cache gathered to rank 0" in result.output and "next 3 tokens (greedy, rank 0)" in result.output
     written = json.loads((tmp_path / "run.json").read_text())
     assert written["processes"] == 2 and [r["tokens"] for r in written["results"]] == [[0, 3], [3, 6]]
-    assert written["results"][1]["sent"]["qkv"] > 0 and len(written["results"][0]["generated"]) == 3
+    assert written["results"][1]["sent_bytes"]["qkv"] > 0 and len(written["results"][0]["generated"]) == 3

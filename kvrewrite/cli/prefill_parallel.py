@@ -50,7 +50,7 @@ def worker(rank: int, world: int, directory: str, input_ids: torch.Tensor, rate,
         "rank": rank, "tokens": list(token_runs(input_ids.shape[1], world)[rank]),
         "heads": list(head_runs(model.compressed_attentions()[0].num_heads, world)[rank]),
         "load_s": loaded - started, "prefill_s": prefilled - begin, "decode_s": time.perf_counter() - prefilled,
-        "sent": result.collectives.bytes_by_name(), "generated": generated,
+        "sent_bytes": result.collectives.bytes_by_name(), "generated": generated,
     }
 
 
@@ -66,17 +66,22 @@ def rank_table(results: list[dict]) -> Table:
     for column in ("rank", "prompt tokens", "query heads", "load s", "prefill s", "q/k/v sent", "outputs sent", "cache sent"):
         table.add_column(column, justify="right")
     for r in results:
-        (t0, t1), (h0, h1), sent = r["tokens"], r["heads"], r["sent"]
+        (t0, t1), (h0, h1), sent = r["tokens"], r["heads"], r["sent_bytes"]
         table.add_row(str(r["rank"]), f"{t0}..{t1 - 1}", f"{h0}..{h1 - 1}", f"{r['load_s']:.1f}", f"{r['prefill_s']:.2f}",
                       *(size(sent.get(k, 0)) for k in ("qkv", "output", "cache")))
     return table
+
+
+def total_sent_bytes(results: list[dict]) -> dict[str, int]:
+    """Bytes sent between processes, per collective, summed over the processes."""
+    return {k: sum(r["sent_bytes"].get(k, 0) for r in results) for k in ("qkv", "output", "cache", "last_logits")}
 
 
 def summary_table(results: list[dict], prompt_tokens: int, new_tokens: int) -> Table:
     table = Table(title="summary", show_header=False)
     table.add_column("what")
     table.add_column("value")
-    total = {k: sum(r["sent"].get(k, 0) for r in results) for k in ("qkv", "output", "cache", "last_logits")}
+    total = total_sent_bytes(results)
     table.add_row("processes", str(len(results)))
     table.add_row("prompt tokens", str(prompt_tokens))
     table.add_row("prefill wall time", f"{max(r['prefill_s'] for r in results):.2f} s (slowest process)")
@@ -103,4 +108,4 @@ def run(directory: Path, prompt: str, nproc: int, rate, new_tokens: int, threads
     text = tokenizer.decode(results[0]["generated"])
     console.print(f"[bold]next {new_tokens} tokens (greedy, rank 0):[/] {text!r}")
     return {"prompt_tokens": input_ids.shape[1], "processes": nproc, "rate": rate, "new_tokens": new_tokens,
-            "results": results, "text": text}
+            "total_sent_bytes": total_sent_bytes(results), "results": results, "text": text}

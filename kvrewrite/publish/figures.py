@@ -58,10 +58,12 @@ def numeric_leaves(data) -> list[float]:
             stack.extend(item.values())
             for key, value in item.items():
                 out += [float(n) for n in KEY_NUMBER.findall(str(key))]  # "kv_bytes_per_token_512", "0.30"
-                if "bytes" in str(key) and _number(value):
-                    out += [float(value) / 2**20, float(value) / 2**30]  # a size printed in MiB or GiB
-                    if _number(fp16) and fp16 > 0:
-                        out.append(float(value) / fp16)
+                # A bytes field, or a dict of them ("sent_bytes": {"qkv": ...}): sizes printed in MiB or GiB.
+                sizes = [value] if _number(value) else list(value.values()) if isinstance(value, dict) else []
+                for size in (v for v in sizes if _number(v)) if "bytes" in str(key) else ():
+                    out += [float(size) / 2**20, float(size) / 2**30]
+                    if _number(fp16) and fp16 > 0 and size is value:
+                        out.append(float(size) / fp16)
             for top, bottom, offset in DERIVED:
                 a, b = item.get(top), item.get(bottom)
                 if _number(a) and _number(b) and b > 0:
