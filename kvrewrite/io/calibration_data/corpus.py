@@ -205,7 +205,7 @@ def evaluation_token_sequences(tokenizer: Any, n_tokens: int, seq_len: int, text
     stream = token_stream(tokenizer, documents)
     if len(stream) < n_seq * seq_len:
         raise _too_short(
-            f"The held-out {text} text", len(stream), n_tokens, n_seq, seq_len, "evaluate on fewer tokens"
+            f"The held-out evaluation text ({text})", len(stream), n_tokens, n_seq, seq_len, "evaluate on fewer tokens"
         )
     n_windows = len(stream) // seq_len
     starts = [(i * n_windows // n_seq) * seq_len for i in range(n_seq)]
