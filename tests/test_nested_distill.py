@@ -101,3 +101,12 @@ def test_full_rank_stays_exact_without_distillation(compiled):
 def test_bad_nested_settings_are_refused(kwargs, needle):
     with pytest.raises(InvalidArgumentError, match=re.escape(needle)):
         Plan(model="x", target_rate=0.5, **kwargs)
+
+
+def test_card_says_one_file_serves_every_trained_rate(compiled):
+    from kvrewrite.publish.model_card import render_model_card
+
+    _, contexts = compiled
+    card = str(render_model_card(contexts["nested"].output_dir))
+    assert "distilled for the rates 0.60 to 0.80 together" in card
+    assert "nested distillation" not in str(render_model_card(contexts["none"].output_dir))
