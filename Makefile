@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvrewrite-installed
 
-.PHONY: install demo test clean
+.PHONY: install demo test clean docs-tables
 
 install: $(STAMP)
 
@@ -24,6 +24,11 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest -q
+
+# Redraw the docs' tables from their committed result files (tools/docs_tables.py); tests fail on a hand edit.
+docs-tables: install
+	$(BIN)/python tools/docs_tables.py
+	$(BIN)/python tools/doc_numbers.py
 
 clean:
 	rm -rf $(VENV) kvrewrite-demo

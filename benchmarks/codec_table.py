@@ -124,23 +124,11 @@ def evaluate(checkpoint: Path, work: Path, rate: float, eval_tokens: int) -> Non
 
 
 def report() -> None:
-    record = _record()
-    fp16 = record["fp16_kv_bytes_per_token"]
-    print("| rate p | codec | ppl | Δppl vs original | KL | bytes/token @512 | vs fp16 | bytes/token @2048 | vs fp16 |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    first = True
-    for rate, entry in sorted(record["rates"].items()):
-        for name, r in entry.get("results", {}).items():
-            if first:
-                print(f"| – | original (fp16 cache) | {r['baseline_perplexity']:.2f} | – | – | {fp16} | 1.000 | {fp16} | 1.000 |")
-                first = False
-            # The uncoded reduced cache is measured in the model's float32; its float16 size is half of that.
-            b512, b2048 = r["kv_bytes_per_token_512"], r["kv_bytes_per_token_2048"]
-            if name == "none":
-                b512, b2048 = b512 / 2, b2048 / 2
-            label = "none (fp16 latents)" if name == "none" else name
-            print(f"| {rate} | {label} | {r['perplexity']:.2f} | {r['perplexity'] / r['baseline_perplexity'] - 1:+.1%} | "
-                  f"{r['kl_mean']:.4f} | {b512:.0f} | {b512 / fp16:.3f} | {b2048:.0f} | {b2048 / fp16:.3f} |")
+    """The table of docs/codecs.md, drawn by the same renderer as `make docs-tables` (tools/docs_tables.py)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    from docs_tables import codecs_table
+
+    print(codecs_table(_record()).text)
 
 
 def main() -> None:

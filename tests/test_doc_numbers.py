@@ -62,3 +62,49 @@ def test_a_records_perplexity_increase_is_one_of_its_values():
     assert not doc_numbers.matches(doc_numbers.Claim("d", 1, "+35.6%", 35.6, 1, True), leaves)
     # Only a record holding both parts yields an increase.
     assert not doc_numbers.matches(increase, doc_numbers.numeric_leaves({"perplexity": 33.29, "baseline": 24.52}))
+
+
+def test_no_page_has_an_unmarked_measured_figure():
+    """Every measured-looking figure of README.md and docs/ sits in a passage that cites its result file (or in a
+    rendered table, or a passage marked not-measured): `python tools/doc_numbers.py --unmarked` lists any other."""
+    assert doc_numbers.unmarked() == []
+
+
+def test_measured_looking_figures_are_found_outside_marked_passages(tmp_path):
+    (tmp_path / "docs").mkdir()
+    doc = tmp_path / "docs" / "page.md"
+    doc.write_text(
+        "It loses +35.7% and decodes at 1.39x stock's speed, ppl 24.52, in 3,607 MiB and 12.5 s; `--tokens 4096 2.5x`.\n"
+        "<!-- numbers: benchmarks/results/x.json -->\nmarked +8.9% and 0.24x\n<!-- /numbers -->\n"
+        "A target of <!-- not-measured -->+25%<!-- /not-measured --> and a rate of 50% with 2x the work.\n",
+        encoding="utf-8")
+    (tmp_path / "README.md").write_text("", encoding="utf-8")
+    found = [line.split("'")[1] for line in doc_numbers.unmarked(tmp_path)]
+    assert found == ["+35.7%", "1.39x", "ppl 24.52", "3,607 MiB", "12.5 s"]
+
+
+def test_a_result_files_settings_and_sizes_are_its_values():
+    """Numbers written in a file's strings and keys are its values; a bytes field is also its MiB, GiB and share of
+    the document's float16 size; a record's cache bytes also give its share of the baseline's."""
+    data = {"command": "eval --tokens 4096 --rate 0.5", "fp16_kv_bytes_per_token": 23040,
+            "rows": {"0.30": {"bytes_2048": 5251.27, "kv_bytes_per_token": 32256.0,
+                              "baseline_kv_bytes_per_token": 46080.0, "peak_bytes": 3019898880}}}
+    leaves = doc_numbers.numeric_leaves(data)
+    claim = lambda text, value, decimals, percent=False: doc_numbers.Claim("d", 1, text, value, decimals, percent)  # noqa: E731
+    for c in (claim("4096", 4096, 0), claim("0.5", 0.5, 1), claim("0.30", 0.30, 2), claim("2048", 2048, 0),
+              claim("22.8%", 22.8, 1, True), claim("0.700", 0.7, 3), claim("2880", 2880, 0), claim("2.81", 2.81, 2)):
+        assert doc_numbers.matches(c, leaves), c.text
+    assert not doc_numbers.matches(claim("0.701", 0.701, 3), leaves)
+    assert not doc_numbers.matches(claim("4097", 4097, 0), leaves)
+
+
+def test_every_result_file_records_command_commit_machine_and_date():
+    """In the file itself, or (older files) in benchmarks/results/provenance.json (tools/results_provenance.py)."""
+    import json
+
+    import results_provenance
+
+    sidecar = json.loads(results_provenance.SIDECAR.read_text(encoding="utf-8"))["files"]
+    for path in results_provenance.result_files():
+        missing = results_provenance.missing_fields(path)
+        assert all(field in sidecar.get(path.name, {}) for field in missing), (path.name, missing)

@@ -8,9 +8,11 @@ A doc marks a passage whose figures come from results with an HTML comment namin
 
 Every number written in such a passage (outside `code`, links and comments) must be some value of the cited
 file(s) as printed: the same value at the number's own precision, or that value x 100 when it is a share
-printed as a percentage. Prose may round; it may not invent. One derived value is also a value of the file: a
-record holding both `perplexity` and `baseline_perplexity` yields its perplexity increase
-(perplexity / baseline_perplexity - 1), since most result files keep the two parts and the docs print the increase.
+printed as a percentage. Prose may round; it may not invent. The file's values are its numbers, the numbers written
+in its strings and keys (settings such as "0.5", "--tokens 4096", "bytes_4096"), and a few values a record implies
+and the docs print (kvrewrite/publish/figures.py, shared with the model card check): a record's perplexity increase
+(perplexity / baseline_perplexity - 1), its cache bytes as a share of the baseline's or of a float16 cache, and a
+bytes field in MiB and GiB. The marker may sit inside a line (`<!-- numbers: F -->24.52<!-- /numbers -->`).
 
 A table whose rows are records of a list in the file names that list and the field that names a record:
 
@@ -19,6 +21,15 @@ A table whose rows are records of a list in the file names that list and the fie
 Then the numbers of a row must come from the record its first cell names (its first `code` span, or the cell's
 text), not from anywhere in the file, so an edited figure cannot hide among the file's other values. `python tools/doc_numbers.py` lists every passage
 and any number without a source; tests/test_doc_numbers.py runs the same check.
+
+Tables rendered by tools/docs_tables.py (`<!-- table: FILE template=NAME -->` ... `<!-- /table -->`) are passages
+too: their numbers are checked against their file the same way.
+
+Outside marked passages, a figure that looks measured (a signed or decimal percentage, a decimal speed ratio such
+as 1.39x, a size in MiB/GiB, a time in s/min, a rate in tokens/s, a perplexity or KL value) is reported by
+`python tools/doc_numbers.py --unmarked`, and the test fails on it: either the passage cites its result file, or
+it is wrapped in `<!-- not-measured -->` ... `<!-- /not-measured -->` when its figures are settings, formulas or
+examples rather than measurements.
 """
 
 from __future__ import annotations
@@ -30,24 +41,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-BLOCK = re.compile(r"<!-- numbers: (?P<files>[^ >]+(?:, *[^ >]+)*)(?: rows=(?P<rows>[\w.]+))? -->\n(?P<body>.*?)"
+sys.path.insert(0, str(ROOT))  # this checkout's kvrewrite, not an installed one
+from kvrewrite.publish.figures import NOT_PROSE, NUMBER, Claim, claims_in, matches, numeric_leaves  # noqa: E402,F401
+
+BLOCK = re.compile(r"<!-- numbers: (?P<files>[^ >]+(?:, *[^ >]+)*)(?: rows=(?P<rows>[\w.]+))? -->\n?(?P<body>.*?)"
                    r"<!-- /numbers -->", re.S)
+TABLE_BLOCK = re.compile(r"<!-- table: (?P<files>[^ >]+(?:, *[^ >]+)*) template=(?P<template>[\w-]+)"
+                         r"(?: rows=(?P<rows>[\w.]+))? -->\n(?P<body>.*?)<!-- /table -->", re.S)
+NOT_MEASURED = re.compile(r"<!-- not-measured -->.*?<!-- /not-measured -->", re.S)
+# Figures that look measured: signed or decimal percentages, decimal speed ratios, sizes, times, rates, and the
+# value after "ppl"/"perplexity"/"KL". Integers such as "50%" or "2x" are mostly settings and stay out.
+MEASURED = re.compile(
+    r"(?<![\w.])(?:[+\-−±]\d[\d,]*(?:\.\d+)?%|\d[\d,]*\.\d+%|\d+\.\d+x\b"
+    r"|\d[\d,]*(?:\.\d+)? ?(?:MiB|GiB|KiB|MB|GB|ms|s|min|tokens/s|tok/s|B/token|bytes/token)\b"
+    r"|(?:ppl|perplexity|KL)(?: of| is| =|:)? +\d+\.\d+)")
 FIRST_CELL = re.compile(r"^\|\s*(?:`(?P<code>[^`]+)`|(?P<text>[^|]*?))\s*\|")
-# What is not prose: inline code, link targets, images, HTML comments.
-NOT_PROSE = re.compile(r"`[^`]*`|\]\([^)]*\)|<!--.*?-->", re.S)
-# A number: optional sign, digits with thousands commas, optional decimals; not glued to a word
-# ("p0.5", "2K", "x8" stay out), but "12.3%" and "2.8x" are numbers.
-NUMBER = re.compile(r"(?<![\w.])(?P<sign>[+\-−]?)(?P<num>\d{1,3}(?:,\d{3})+|\d+)(?P<dec>\.\d+)?(?P<unit>%|x\b)?(?![\w.]*\w)")
-
-
-@dataclass(frozen=True)
-class Claim:
-    doc: str
-    line: int
-    text: str  # as written
-    value: float
-    decimals: int
-    percent: bool
 
 
 @dataclass(frozen=True)
@@ -58,36 +66,7 @@ class Passage:
     claims: tuple[Claim, ...]
     rows: str | None = None  # "list.field": each table row's numbers come from the record its first cell names
     row_names: tuple[tuple[int, str], ...] = ()  # (line, first cell) of every table row
-
-
-def numeric_leaves(data) -> list[float]:
-    """Every number in a JSON document (bools excluded), at any depth, plus each record's perplexity increase."""
-    out: list[float] = []
-    stack = [data]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, dict):
-            stack.extend(item.values())
-            ppl, base = item.get("perplexity"), item.get("baseline_perplexity")
-            if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (ppl, base)) and base > 0:
-                out.append(float(ppl) / float(base) - 1.0)  # the increase printed as Δppl
-        elif isinstance(item, list):
-            stack.extend(item)
-        elif isinstance(item, (int, float)) and not isinstance(item, bool):
-            out.append(float(item))
-    return out
-
-
-def claims_in(doc: str, body: str, first_line: int) -> list[Claim]:
-    found = []
-    for offset, raw_line in enumerate(body.splitlines()):
-        prose = NOT_PROSE.sub(lambda m: " " * len(m.group()), raw_line)
-        for m in NUMBER.finditer(prose):
-            digits = m.group("num").replace(",", "") + (m.group("dec") or "")
-            value = float(digits) * (-1 if m.group("sign") in ("-", "−") else 1)
-            found.append(Claim(doc, first_line + offset, m.group().strip(), value,
-                               len(m.group("dec") or "") - (1 if m.group("dec") else 0), m.group("unit") == "%"))
-    return found
+    template: str | None = None  # a rendered table's renderer (tools/docs_tables.py)
 
 
 def passages(doc_path: Path) -> list[Passage]:
@@ -95,25 +74,21 @@ def passages(doc_path: Path) -> list[Passage]:
 
 
 def passages_at(doc_path: Path, root: Path) -> list[Passage]:
-    """The marked passages of a doc under `root` (the repo, or a copy of it)."""
+    """The marked passages of a doc under `root` (the repo, or a copy of it): numbers blocks and rendered tables."""
     text = doc_path.read_text(encoding="utf-8")
     doc = str(doc_path.relative_to(root))
     out = []
-    for m in BLOCK.finditer(text):
+    blocks = sorted([*BLOCK.finditer(text), *TABLE_BLOCK.finditer(text)], key=lambda m: m.start())
+    for m in blocks:
         first_line = text.count("\n", 0, m.start("body")) + 1
         sources = tuple(s.strip() for s in m.group("files").split(","))
         row_names = tuple((first_line + i, (cell.group("code") or cell.group("text")).strip())
                           for i, line in enumerate(m.group("body").splitlines())
                           if (cell := FIRST_CELL.match(line)) and not set(line) <= set("|-: "))
+        template = m.groupdict().get("template")
         out.append(Passage(doc, first_line, sources, tuple(claims_in(doc, m.group("body"), first_line)),
-                           m.group("rows"), row_names))
+                           m.group("rows"), row_names, template))
     return out
-
-
-def matches(claim: Claim, leaves: list[float]) -> bool:
-    half_step = 0.5 * 10 ** -claim.decimals + 1e-9
-    candidates = leaves + [100 * v for v in leaves] if claim.percent else leaves  # a share printed as a percentage
-    return any(abs(v - claim.value) <= half_step for v in candidates)
 
 
 def row_leaves(data, rows: str, row_names: tuple[tuple[int, str], ...]) -> dict[int, list[float] | None]:
@@ -141,6 +116,10 @@ def unsourced(passage: Passage, root: Path = ROOT) -> list[str]:
         leaves += numeric_leaves(documents_read[-1])
     if problems:
         return problems
+    if passage.template:  # a rendered table may also print what its renderer computed from the files
+        from docs_tables import render_block
+
+        leaves += render_block(", ".join(passage.sources), passage.template, root).derived
     per_row = row_leaves(documents_read[0], passage.rows, passage.row_names) if passage.rows else {}
     header = passage.row_names[0][0] if passage.row_names else None
     for line, found in per_row.items():
@@ -154,11 +133,31 @@ def unsourced(passage: Passage, root: Path = ROOT) -> list[str]:
     return problems
 
 
+def unmarked_at(doc_path: Path, root: Path) -> list[str]:
+    """Measured-looking figures of a doc outside every marked, rendered or not-measured passage."""
+    text = doc_path.read_text(encoding="utf-8")
+    doc = str(doc_path.relative_to(root))
+    for block in (BLOCK, TABLE_BLOCK, NOT_MEASURED):  # blank covered spans, keeping line numbers
+        text = block.sub(lambda m: re.sub(r"[^\n]", " ", m.group()), text)
+    # Comments, link targets and inline code (a command's settings) are not prose; fenced transcripts are.
+    text = re.sub(r"<!--.*?-->|\]\([^)]*\)|`[^`\n]*`", lambda m: re.sub(r"[^\n]", " ", m.group()), text, flags=re.S)
+    return [f"{doc}:{text.count(chr(10), 0, m.start()) + 1}: {m.group()!r} is not in a marked passage"
+            for m in MEASURED.finditer(text)]
+
+
+def unmarked(root: Path = ROOT) -> list[str]:
+    return [problem for doc in documents(root) for problem in unmarked_at(doc, root)]
+
+
 def documents(root: Path = ROOT) -> list[Path]:
     return [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    if "--unmarked" in (sys.argv[1:] if argv is None else argv):
+        found = unmarked()
+        print("\n".join(found) if found else "no measured-looking figure outside a marked passage")
+        return 1 if found else 0
     problems, count = [], 0
     for doc in documents():
         for passage in passages(doc):

@@ -177,7 +177,7 @@ def card_body(facts: CheckpointFacts, *, repo_id: str | None, base_model: str | 
     parts = [GENERATED_MARKER, "", f"# {name}", ""]
     parts.append(
         f"This is {_source_line(spec, base)} rewritten by [kvrewrite](https://pypi.org/project/kvrewrite/) so that its "
-        f"KV cache holds **{kept:,} of {full:,} numbers per token ({kept / full:.1%})**: a removal rate of "
+        f"KV cache holds **{kept:,} of {full:,} numbers per token**: a removal rate of "
         f"{spec.achieved_rate:.3f} (target {spec.target_rate:.2f}). Per-head low-rank transforms measured on calibration "
         "text are folded into `q_proj`/`k_proj`/`v_proj`/`o_proj`, so the cache stores the low-rank latents directly. "
         + run_time_cost(spec)
