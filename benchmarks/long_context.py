@@ -35,15 +35,6 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
-    runs = []
-    for text in args.texts.split(","):
-        for positions in (None, parse_positions(args.positions)):
-            started = time.time()
-            rows = evaluate_checkpoint(args.checkpoint, rates=rates, tokens=args.tokens, seq_len=512,
-                                       positions=positions, text=text)
-            protocol = "512-token windows" if positions is None else f"continuation, {positions[-1].end}-token windows"
-            runs.append({"text": text, "protocol": protocol, "seconds": round(time.time() - started, 1), "rows": rows})
-            print(f"{text}, {protocol}: {runs[-1]['seconds']} s", file=sys.stderr)
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                             cwd=Path(__file__).resolve().parent).stdout.strip()
     record = {
@@ -54,9 +45,19 @@ def main() -> None:
         "date": datetime.date.today().isoformat(),
         "checkpoint": args.label or args.checkpoint.name,
         "tokens": args.tokens,
-        "runs": runs,
+        "runs": [],
     }
-    args.out.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    for text in args.texts.split(","):
+        for positions in (None, parse_positions(args.positions)):
+            started = time.time()
+            rows = evaluate_checkpoint(args.checkpoint, rates=rates, tokens=args.tokens, seq_len=512,
+                                       positions=positions, text=text)
+            protocol = "512-token windows" if positions is None else f"continuation, {positions[-1].end}-token windows"
+            record["runs"].append({"text": text, "protocol": protocol, "seconds": round(time.time() - started, 1),
+                                   "rows": rows})
+            print(f"{text}, {protocol}: {record['runs'][-1]['seconds']} s", file=sys.stderr)
+            # Written after every run, so a long benchmark stopped part-way keeps what it measured.
+            args.out.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     print(f"wrote {args.out}")
 
 
