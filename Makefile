@@ -51,3 +51,33 @@ $(BENCH_STAMP): $(BENCH_REQ) pyproject.toml
 	# --no-deps: kvrewrite pins transformers==5.23, kvpress needs <5.3; its other runtime deps come from the list.
 	$(BENCH_BIN)/pip install --quiet --no-deps -e .
 	touch $(BENCH_STAMP)
+
+# Separate benchmark env for benchmarks/llamacpp_mla.py: llama-cpp-python built from its PyPI sdist, which vendors
+# llama.cpp with its own convert_hf_to_gguf.py and gguf-py. Not used by `make test` or CI (the build takes minutes).
+LLAMACPP_VERSION := 0.3.36
+LLAMACPP_VENV := .venv-llamacpp
+LLAMACPP_BIN := $(LLAMACPP_VENV)/bin
+LLAMACPP_SRC := $(LLAMACPP_VENV)/src/llama_cpp_python-$(LLAMACPP_VERSION)
+LLAMACPP_STAMP := $(LLAMACPP_VENV)/.llamacpp-installed
+# CPU only: no GPU back end, no curl (nothing downloads), two build jobs.
+LLAMACPP_CMAKE_ARGS := -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF -DGGML_HIP=OFF -DLLAMA_CURL=OFF -DGGML_NATIVE=ON
+
+.PHONY: bench-llamacpp-env
+bench-llamacpp-env: $(LLAMACPP_STAMP)
+
+$(LLAMACPP_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(LLAMACPP_VENV)
+	$(LLAMACPP_BIN)/pip install --quiet --upgrade pip
+	# torch first, pinned, so nothing later resolves a CUDA build; the converter imports it.
+	$(LLAMACPP_BIN)/pip install --quiet torch==2.13.0
+	# kvrewrite itself (our runtime is measured in the same run) and its compile extra (the held-out wiki slice).
+	$(LLAMACPP_BIN)/pip install --quiet -e ".[compile]" sentencepiece protobuf
+	# The sdist, kept unpacked: convert_hf_to_gguf.py lives in it, not in the installed wheel.
+	mkdir -p $(LLAMACPP_VENV)/src
+	$(LLAMACPP_BIN)/pip download --quiet --no-deps --no-binary :all: llama-cpp-python==$(LLAMACPP_VERSION) -d $(LLAMACPP_VENV)/src
+	tar -xzf $(LLAMACPP_VENV)/src/llama_cpp_python-$(LLAMACPP_VERSION).tar.gz -C $(LLAMACPP_VENV)/src
+	CMAKE_ARGS="$(LLAMACPP_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=2 \
+		$(LLAMACPP_BIN)/pip install --quiet ./$(LLAMACPP_SRC)
+	# The converter's gguf-py is the vendored one (it must know the architecture's newest keys).
+	$(LLAMACPP_BIN)/pip install --quiet --no-deps ./$(LLAMACPP_SRC)/vendor/llama.cpp/gguf-py
+	touch $(LLAMACPP_STAMP)

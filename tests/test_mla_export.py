@@ -207,3 +207,65 @@ def test_the_cli_names_what_does_not_fit(tmp_path):
     Qwen2ForCausalLM(config).save_pretrained(tmp_path / "qwen")
     result = CliRunner().invoke(app, ["export-mla", str(tmp_path / "qwen"), "-o", str(tmp_path / "out")])
     assert result.exit_code == 2 and "biases" in result.output and not (tmp_path / "out").exists()
+
+
+def test_exact_widths_with_a_narrower_rope_key_export_with_the_logits_of_our_maths(gqa, tmp_path):
+    """--kv-lora-rank/--qk-rope-head-dim: d_r = head_dim / 2 keeps frequencies 0, 2, 4, ... (pair p = frequency 2p),
+    which DeepSeek's schedule base^(-2p/d_r) rotates exactly as the source did; stock transformers equals our maths."""
+    from kvrewrite.compile.mla_export import export_matches_maths
+    from kvrewrite.compile.mla_form import widths_for_ranks
+
+    geo = gqa.ctx.geometry  # head_dim 16, 2 KV heads: 64 K+V values per token
+    widths = widths_for_ranks(geo, 20, geo.head_dim // 2)
+    assert (widths.kv_lora_rank, widths.qk_rope_head_dim, widths.rope_frequency_stride) == (20, 8, 2)
+    assert widths.share == (20 + 8) / 64
+    layers = compute_mla_layers(gqa.ctx, gqa.inputs, widths)
+    assert layers[0].pair_frequency.tolist() == [0, 2, 4, 6]
+    assert layers[0].kv_a_proj_with_mqa.shape[0] == 28 and layers[0].q_proj.shape[0] == 4 * (16 + 8)
+    out = tmp_path / "mla"
+    export_at_share(gqa, layers, out, dtype=torch.float32)
+    config = json.loads((out / "config.json").read_text())
+    assert (config["kv_lora_rank"], config["qk_rope_head_dim"], config["qk_nope_head_dim"]) == (20, 8, 16)
+    assert export_matches_maths(gqa, layers, out, random_windows(2, 40, seed=5)) < 1e-4
+
+
+def test_the_default_rope_key_is_unchanged_by_the_stride_option(gqa):
+    """widths_for_ranks at qk_rope_head_dim = head_dim gives the same layers, float for float, as the share path."""
+    from kvrewrite.compile.mla_form import widths_for_ranks
+
+    geo = gqa.ctx.geometry
+    by_share = widths_for_share(geo, 0.5)
+    by_ranks = widths_for_ranks(geo, by_share.kv_lora_rank)
+    assert by_ranks == by_share
+    a = compute_mla_layers(gqa.ctx, gqa.inputs, by_share)[0]
+    b = compute_mla_layers(gqa.ctx, gqa.inputs, by_ranks)[0]
+    assert torch.equal(a.kv_a_proj_with_mqa, b.kv_a_proj_with_mqa) and torch.equal(a.q_proj, b.q_proj)
+
+
+def test_exact_widths_that_do_not_fit_are_refused(gqa):
+    from kvrewrite.compile.mla_form import widths_for_ranks
+
+    geo = gqa.ctx.geometry
+    with pytest.raises(InvalidArgumentError, match="--qk-rope-head-dim"):
+        widths_for_ranks(geo, 8, 6)  # 16 / 6 is not an integer
+    with pytest.raises(InvalidArgumentError, match="--qk-rope-head-dim"):
+        widths_for_ranks(geo, 8, 32)  # wider than head_dim
+    with pytest.raises(InvalidArgumentError, match="--kv-lora-rank"):
+        widths_for_ranks(geo, 64 - 8 + 1, 8)  # above the full latent at d_r = 8
+
+
+def test_the_cli_exports_exact_widths(tmp_path):
+    from typer.testing import CliRunner
+
+    from kvrewrite.cli.app import app
+
+    src = save_tiny_llama(tmp_path / "src")
+    out = tmp_path / "mla"
+    result = CliRunner().invoke(app, ["export-mla", str(src), "--kv-lora-rank", "20", "--qk-rope-head-dim", "8", "-o", str(out),
+                                      "--calibration", "synthetic", "--calib-tokens", "512", "--verify-tokens", "32"])
+    assert result.exit_code == 0, result.output
+    config = json.loads((out / "config.json").read_text())
+    assert (config["kv_lora_rank"], config["qk_rope_head_dim"]) == (20, 8)
+    refused = CliRunner().invoke(app, ["export-mla", str(src), "--kv-lora-rank", "20", "--qk-rope-head-dim", "6",
+                                       "-o", str(tmp_path / "bad")])
+    assert refused.exit_code == 2 and "--qk-rope-head-dim" in refused.output and not (tmp_path / "bad").exists()

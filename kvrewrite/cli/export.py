@@ -19,6 +19,8 @@ def export_mla(
     model: str = typer.Argument(..., help="Hub id, local directory, or 'smollm2-135m' (bundled)."),
     output: Path = typer.Option(..., "--output", "-o", help="Directory for the DeepSeek-V3 checkpoint (written atomically)."),
     kv_share: float = typer.Option(0.5, "--kv-share", help="Cached values per token and layer, as a share of the source's K+V: (r + d_r) / (2 n_kv d)."),
+    kv_lora_rank: int | None = typer.Option(None, "--kv-lora-rank", help="Exact latent width r instead of --kv-share (engines with fixed cached widths: vLLM's MLA kernels take r + d_r = 512 + 64)."),
+    qk_rope_head_dim: int | None = typer.Option(None, "--qk-rope-head-dim", help="With --kv-lora-rank: the shared RoPE key's width d_r, head_dim (default) or head_dim / s, s dividing head_dim / 2 (every s-th frequency keeps its rotation)."),
     calib_tokens: int = typer.Option(16384, "--calib-tokens", help="Calibration tokens (wiki)."),
     calibration: str = typer.Option("wiki", help="Calibration source: wiki, synthetic or a text file."),
     dtype: str = typer.Option("auto", help="Weights dtype: auto (the source's), bfloat16 or float32 (float16 cannot hold the neutralised latent)."),
@@ -29,18 +31,24 @@ def export_mla(
     """Compute a multi-head latent (MLA) form from calibration statistics and write it as a stock DeepSeek-V3 checkpoint."""
     console = Console() if sys.stdout.isatty() else Console(width=140)
     try:
-        _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, verify_tokens, overwrite, console)
+        _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, verify_tokens, overwrite, console,
+             kv_lora_rank, qk_rope_head_dim)
     except (KVRewriteError, ValueError) as exc:
         console.print(f"[bold red]error:[/] {escape(str(exc))}")
         raise typer.Exit(code=2) from None
 
 
-def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, verify_tokens, overwrite, console) -> None:
+def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, verify_tokens, overwrite, console,
+         kv_lora_rank=None, qk_rope_head_dim=None) -> None:
     import torch
 
+    from kvrewrite.adapters import adapter_for
     from kvrewrite.compile.mla_export import (
-        check_source_exportable, export_at_share, export_matches_maths, full_width_max_logit_diff, mla_layers_at_share, prepare_source,
+        check_source_exportable, export_at_share, export_matches_maths, full_width_max_logit_diff, mla_layers_at_widths, prepare_source,
     )
+    from kvrewrite.compile.mla_form import widths_for_ranks, widths_for_share
+    from kvrewrite.compile.passes.load_checkpoint import load_config
+    from kvrewrite.io.sources import resolve_model_source
     from kvrewrite.compile.plan import Plan
     from kvrewrite.errors import InvalidArgumentError
     from kvrewrite.io.output_safety import check_output_location
@@ -51,14 +59,21 @@ def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, 
     if not 0 < kv_share <= 1:
         raise InvalidArgumentError(f"--kv-share must be in (0, 1], got {kv_share}")
     plan = Plan(model=model, calibration=calibration, calib_tokens=calib_tokens, output=output, overwrite=overwrite)
+    if qk_rope_head_dim is not None and kv_lora_rank is None:
+        raise InvalidArgumentError("--qk-rope-head-dim needs --kv-lora-rank (exact widths)")
     check_source_exportable(plan)  # the family, before any weight is read
+    # The widths, from the config alone, before any weight is read.
+    config = load_config(resolve_model_source(plan.model, revision=plan.revision).path)
+    geometry = adapter_for(config).geometry(config)
+    widths = (widths_for_share(geometry, kv_share) if kv_lora_rank is None
+              else widths_for_ranks(geometry, kv_lora_rank, qk_rope_head_dim))
     check_output_location(output, source=None, overwrite=overwrite)
     prepared = prepare_source(plan)
     ctx = prepared.ctx
     chosen = getattr(torch, DTYPES[dtype]) if DTYPES[dtype] else _source_dtype(ctx.config)
     with progress_bar("MLA form per layer", ctx.geometry.num_layers, plan.progress) as bar:
         weighting = {} if key_weight is None else {"key_weight": key_weight}
-        widths, layers = mla_layers_at_share(prepared, kv_share, progress=bar.advance, **weighting)
+        layers = mla_layers_at_widths(prepared, widths, progress=bar.advance, **weighting)
     summary = export_at_share(prepared, layers, output, dtype=chosen, overwrite=overwrite)
 
     tokens = ctx.calibration_tokens[:1, :verify_tokens]

@@ -1,8 +1,8 @@
 """Write the MLA form as a stock DeepSeek-V3 checkpoint (config and weight names of transformers' DeepseekV3ForCausalLM).
 
 - q_lora_rank null, kv_lora_rank r, qk_rope_head_dim d_r, qk_nope_head_dim = v_head_dim = head_dim,
-  rope_interleave true (our k_pe pairs are (2p, 2p + 1)), the source's rope parameters (with d_r = head_dim the
-  schedule base^(-2p/d_r) is the source's own).
+  rope_interleave true (our k_pe pairs are (2p, 2p + 1)), the source's rope parameters (pair p holds source frequency
+  p * head_dim / d_r, so the schedule base^(-2p/d_r) is the source's own).
 - Every MLP dense: first_k_dense_replace = number of layers, Llama's gate/up/down under the same names; an integer
   n_routed_experts is still required by the config, no expert weights exist.
 - lm_head written explicitly (tie_word_embeddings false), tokenizer files copied.
@@ -43,10 +43,13 @@ class ExportSummary:
 
 def deepseek_v3_config(source_config, layer: MLALayer, dtype: torch.dtype) -> dict:
     rope = dict(getattr(source_config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": source_config.rope_theta})
-    if layer.qk_rope_head_dim != layer.qk_nope_head_dim:
+    # DeepSeek rotates pair p with base^(-2p/d_r); the source rotated frequency j with base^(-2j/head_dim). They agree
+    # iff pair p holds frequency p * head_dim / d_r (one component per kept frequency, every stride-th frequency).
+    d_r, d = layer.qk_rope_head_dim, layer.qk_nope_head_dim
+    if [int(j) * d_r for j in layer.pair_frequency] != [p * d for p in range(d_r // 2)]:
         raise InvalidArgumentError(
-            f"qk_rope_head_dim {layer.qk_rope_head_dim} is not the source head_dim: DeepSeek's RoPE schedule would not "
-            "match the source frequencies (export one RoPE component per frequency)"
+            f"qk_rope_head_dim {d_r} with pairs at source frequencies {layer.pair_frequency.tolist()[:8]}...: DeepSeek's "
+            "RoPE schedule would not match the source frequencies (export one RoPE component per kept frequency)"
         )
     n_layers = source_config.num_hidden_layers
     return {
@@ -68,9 +71,10 @@ def deepseek_v3_config(source_config, layer: MLALayer, dtype: torch.dtype) -> di
         "rope_theta": rope.get("rope_theta"),
         "rope_parameters": rope,
         "rope_scaling": None if rope.get("rope_type", "default") == "default" else rope,
-        # Every layer dense: the MoE fields must still be valid integers.
+        # Every layer dense: the MoE fields must still be valid integers. Two routed experts, not one: llama.cpp's
+        # loader asserts n_expert_groups (n_group, 1) < n_expert for any model with experts, even all-dense ones.
         "first_k_dense_replace": n_layers,
-        "n_routed_experts": 1,
+        "n_routed_experts": 2,
         "n_shared_experts": 1,
         "num_experts_per_tok": 1,
         "n_group": 1,

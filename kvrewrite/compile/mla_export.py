@@ -47,7 +47,12 @@ def prepare_source(plan: Plan, passes: list | None = None) -> PreparedSource:
 
 def mla_layers_at_share(prepared: PreparedSource, kv_share: float, key_weight: float = DEFAULT_KEY_WEIGHT, progress=None) -> tuple[MLAWidths, list[MLALayer]]:
     widths = widths_for_share(prepared.ctx.geometry, kv_share)
-    return widths, compute_mla_layers(prepared.ctx, prepared.inputs, widths, key_weight=key_weight, progress=progress)
+    return widths, mla_layers_at_widths(prepared, widths, key_weight=key_weight, progress=progress)
+
+
+def mla_layers_at_widths(prepared: PreparedSource, widths: MLAWidths, key_weight: float = DEFAULT_KEY_WEIGHT,
+                         progress=None) -> list[MLALayer]:
+    return compute_mla_layers(prepared.ctx, prepared.inputs, widths, key_weight=key_weight, progress=progress)
 
 
 def export_at_share(prepared: PreparedSource, layers: list[MLALayer], output: Path, *, dtype: torch.dtype,

@@ -56,10 +56,11 @@ def check_exportable(config) -> None:
 
 @dataclass(frozen=True)
 class MLAWidths:
-    rope_components: int  # complex components kept per rotary frequency; d_r = rope_components * head_dim
-    qk_rope_head_dim: int
+    rope_components: int  # complex components kept per kept rotary frequency
+    qk_rope_head_dim: int  # d_r = rope_components * head_dim / rope_frequency_stride
     kv_lora_rank: int
     share: float  # (r + d_r) / (2 n_kv d): cached values per token against the source's K+V
+    rope_frequency_stride: int = 1  # every stride-th rotary frequency keeps its rotation (method/mla.py)
 
 
 def widths_for_share(geometry, kv_share: float, rope_components: int = 1) -> MLAWidths:
@@ -73,6 +74,24 @@ def widths_for_share(geometry, kv_share: float, rope_components: int = 1) -> MLA
             f"shared RoPE key; choose a share above {(d_r + 1) / total:.3f}"
         )
     return MLAWidths(rope_components, d_r, r, (r + d_r) / total)
+
+
+def widths_for_ranks(geometry, kv_lora_rank: int, qk_rope_head_dim: int | None = None) -> MLAWidths:
+    """Exact widths, for engines whose kernels take fixed cached widths (vLLM's MLA: r + d_r = 512 + 64 or 256 + 64).
+
+    qk_rope_head_dim defaults to head_dim; a narrower one must be head_dim / s, s dividing head_dim / 2 (every s-th
+    rotary frequency keeps its rotation, so DeepSeek's schedule still gives the source's frequencies)."""
+    d = geometry.head_dim
+    d_r = d if qk_rope_head_dim is None else qk_rope_head_dim
+    if d_r < 2 or d_r > d or d % d_r or (d // 2) % (d // d_r):
+        raise InvalidArgumentError(
+            f"--qk-rope-head-dim must be head_dim ({d}) divided by a divisor of head_dim / 2 ({d // 2}), got {d_r}")
+    stride = d // d_r
+    full = full_latent_rank(geometry, 1, stride)
+    if not 1 <= kv_lora_rank <= full:
+        raise InvalidArgumentError(f"--kv-lora-rank must be within 1..{full} at qk_rope_head_dim {d_r}, got {kv_lora_rank}")
+    total = 2 * geometry.num_key_value_heads * d
+    return MLAWidths(1, d_r, kv_lora_rank, (kv_lora_rank + d_r) / total, stride)
 
 
 @dataclass
@@ -136,7 +155,7 @@ def compute_mla_layers(ctx, inputs: AttentionInputStatistics, widths: MLAWidths,
         layers.append(mla_layer(
             ctx.statistics.layers[idx], ctx.geometry, proj.q_weight, proj.k_weight, proj.v_weight, proj.o_weight,
             inputs.grams[idx], rope_components=widths.rope_components, latent_rank=widths.kv_lora_rank,
-            source_scaling=scaling, key_weight=key_weight,
+            source_scaling=scaling, key_weight=key_weight, rope_frequency_stride=widths.rope_frequency_stride,
         ))
         if progress is not None:
             progress()

@@ -12,6 +12,11 @@ source frequencies in order (pair p = frequency p), so DeepSeek's own schedule b
 the source rope_theta rotates every pair exactly as the source did. Pairs are laid out interleaved (Re, Im) at dims
 (2p, 2p + 1), DeepSeek's rope_interleave = True layout.
 
+A narrower k_pe (`rope_frequency_stride` s > 1, one component): only every s-th frequency keeps its rotation, pair p
+= frequency s p, d_r = head_dim / s. DeepSeek's schedule base^(-2p/d_r) = base^(-2 (s p) / head_dim) is still the
+source's own frequency for every kept pair; the other frequencies' components join the position-free part. This is
+what reaches an engine's fixed cached width (vLLM's MLA kernels: d_r = 64) from a head_dim of 128.
+
 Position-free part: what the kept components do not carry of head g's key, r_g = k_g - (kept components mapped back),
 is scored against the source query q_h WITHOUT rotation (qk_nope_head_dim = head_dim, q_nope_h is the source q_h).
 That drops RoPE from the discarded components: the one approximation besides the latent's width. With
@@ -65,9 +70,19 @@ class MLALayer:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
 
-def full_latent_rank(geometry: AttentionGeometry, rope_components: int) -> int:
+def full_latent_rank(geometry: AttentionGeometry, rope_components: int, rope_frequency_stride: int = 1) -> int:
     """The latent width at which the latent part is exact: residual-key coordinates plus every value."""
-    return 2 * geometry.num_key_value_heads * geometry.head_dim - rope_components * geometry.head_dim
+    return 2 * geometry.num_key_value_heads * geometry.head_dim - rope_components * geometry.head_dim // rope_frequency_stride
+
+
+def check_rope_frequency_stride(geometry: AttentionGeometry, rope_components: int, rope_frequency_stride: int) -> None:
+    half = geometry.head_dim // 2
+    if rope_frequency_stride < 1 or half % rope_frequency_stride:
+        raise InvalidArgumentError(
+            f"the RoPE frequency stride must divide head_dim / 2 = {half} (qk_rope_head_dim = head_dim / stride), "
+            f"got {rope_frequency_stride}")
+    if rope_frequency_stride > 1 and rope_components != 1:
+        raise InvalidArgumentError("a qk_rope_head_dim below head_dim keeps one RoPE component per kept frequency")
 
 
 def _complex_pair_rows(coeff: torch.Tensor, j: int, n_kv: int, d: int) -> torch.Tensor:
@@ -93,20 +108,25 @@ def mla_layer(
     latent_rank: int,
     source_scaling: float,
     key_weight: float = DEFAULT_KEY_WEIGHT,
+    rope_frequency_stride: int = 1,
 ) -> MLALayer:
     n_kv, d, n_q = geometry.num_key_value_heads, geometry.head_dim, geometry.num_attention_heads
     half = d // 2
     if not 1 <= rope_components <= n_kv:
         raise InvalidArgumentError(f"rope_components must be within 1..{n_kv} (KV heads), got {rope_components}")
-    full = full_latent_rank(geometry, rope_components)
+    check_rope_frequency_stride(geometry, rope_components, rope_frequency_stride)
+    full = full_latent_rank(geometry, rope_components, rope_frequency_stride)
     if not 1 <= latent_rank <= full:
         raise InvalidArgumentError(f"latent rank must be within 1..{full} at {rope_components} RoPE components, got {latent_rank}")
     q_weight, k_weight, v_weight, o_weight = (w.double() for w in (q_weight, k_weight, v_weight, o_weight))
     downs, ups, values = frequency_components(stats, geometry)
 
-    # Kept pairs: block l holds component l of every frequency in order, so with one block pair p is frequency p.
-    kept = [(j, l) for l in range(rope_components) for j in range(half)]
-    dropped = [(j, l) for j in range(half) for l in range(rope_components, n_kv)]
+    # Kept pairs: block l holds component l of every kept frequency in order, so with one block pair p is frequency
+    # stride * p. Frequencies between the kept ones lose the rotation of all their components.
+    kept_frequencies = range(0, half, rope_frequency_stride)
+    kept = [(j, l) for l in range(rope_components) for j in kept_frequencies]
+    dropped = [(j, l) for j in range(half)
+               for l in range(rope_components if j % rope_frequency_stride == 0 else 0, n_kv)]
     k_pe = torch.cat([_complex_pair_rows(downs[j][:, l], j, n_kv, d) for j, l in kept])  # [d_r, n_kv d] over keys
     k_np = (torch.cat([_complex_pair_rows(downs[j][:, l], j, n_kv, d) for j, l in dropped])
             if dropped else torch.zeros(0, n_kv * d, dtype=torch.float64))
@@ -151,7 +171,7 @@ def mla_layer(
         q_h = q_weight[h * d : (h + 1) * d]
         q_rows += [q_h * scale_fix, q_pe_map[g] @ q_h * scale_fix]
         kv_b_rows += [residual[g] @ up[:, :n_np].T, up[:, n_np + g * d : n_np + (g + 1) * d].T]
-    kept_energy = sum(float(values[j][:rope_components].square().sum()) for j in range(half))
+    kept_energy = sum(float(values[j][:rope_components].square().sum()) for j in kept_frequencies)
     total_energy = sum(float(v.square().sum()) for v in values)
     return MLALayer(
         q_proj=torch.cat(q_rows),

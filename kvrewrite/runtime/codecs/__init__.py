@@ -31,8 +31,9 @@ def build_layer_codecs(config: CodecConfig, key_ranks: list[list[int]], value_ra
 
 
 def make_codec_cache(config: CodecConfig, key_ranks: list[list[int]], value_ranks: list[list[int]],
-                     tables: dict[str, torch.Tensor] | None = None) -> CodecCache:
-    return CodecCache(build_layer_codecs(config, key_ranks, value_ranks, tables), config.residual)
+                     tables: dict[str, torch.Tensor] | None = None, read_mode: str | None = None) -> CodecCache:
+    """read_mode: "fused" (attention reads int4/int2 blocks in place), "decode", or None (KVREWRITE_CODEC_READ)."""
+    return CodecCache(build_layer_codecs(config, key_ranks, value_ranks, tables), config.residual, read_mode)
 
 
 __all__ = ["CodecCache", "CodecConfig", "CodecLayer", "LayerCodec", "bits_budget_codecs", "build_layer_codecs",

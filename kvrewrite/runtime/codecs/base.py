@@ -21,6 +21,7 @@ import torch
 
 from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.runtime.codecs.config import CodecConfig
+from kvrewrite.runtime.codecs.readout import QuantizedBlocks
 
 SIDES = ("key", "value")
 
@@ -95,6 +96,11 @@ class LayerCodec(ABC):
     @abstractmethod
     def block_bytes(self, side: str) -> int:
         """Bytes one coded block of G tokens occupies (one batch row): the formula the stored tensors must match."""
+
+    def fused_layout(self) -> QuantizedBlocks | None:
+        """The layout of the coded blocks if attention can read them in place (codecs.readout), else None: the
+        cache then decodes the whole store for attention on every forward."""
+        return None
 
 
 def as_blocks(x: torch.Tensor, block: int) -> torch.Tensor:

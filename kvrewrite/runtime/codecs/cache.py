@@ -1,22 +1,43 @@
 """A transformers cache whose layers store codec-coded K/V latents plus a short float16 residual window.
 
 `update()` appends the new tokens to the residual window; whenever the window holds more than `residual`
-tokens, its oldest whole blocks of G tokens are encoded and appended to the coded store. Attention gets
-decode(coded store) followed by the residual window as it was before that encoding: tokens coded by earlier
-updates are read back decoded, the current update's own tokens at float16 (as KIVI's prefill attends at full
-precision and quantizes afterwards), so the attention code needs no change. Everything kept per token is a tensor attribute of the layer (packed codes, scales, sparse
-parts, the residual window), so the cache size is measured on what is really stored.
+tokens, its oldest whole blocks of G tokens are encoded and appended to the coded store. Attention reads the
+blocks coded by earlier updates, then the residual window as it was before that encoding (this update's own
+tokens at float16, as KIVI's prefill attends at full precision and quantizes afterwards). How it reads them:
+
+- fused (codecs with a `fused_layout()`, int4/int2, unless switched off): `update_coded()` returns a
+  `CodedReadout` (the packed blocks and the window) and the attention dequantises block by block as it attends
+  (kernels.coded_attention); nothing decodes the whole store;
+- decode (every other codec, and the reference for the fused path): `update()` returns decode(coded store)
+  followed by the window, so the attention code needs no change; this decodes the whole store every forward.
+
+Everything kept per token is a tensor attribute of the layer (packed codes, scales, sparse parts, the residual
+window), so the cache size is measured on what is really stored.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 from transformers.cache_utils import Cache
 
+from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.runtime.batch_first_layer import BatchFirstLayer
 from kvrewrite.runtime.codecs.base import LayerCodec
+from kvrewrite.runtime.codecs.readout import CodedReadout, QuantizedBlocks
 
 RESIDUAL_DTYPE = torch.float16
+READ_MODES = ("fused", "decode")
+
+
+def default_read_mode() -> str:
+    """`KVREWRITE_CODEC_READ`: `fused` (default: attention reads coded blocks in place where the codec allows)
+    or `decode` (always hand attention the decoded store, the reference path)."""
+    mode = os.environ.get("KVREWRITE_CODEC_READ", "fused").strip().lower() or "fused"
+    if mode not in READ_MODES:
+        raise InvalidArgumentError(f"KVREWRITE_CODEC_READ={mode!r}; choose one of {', '.join(READ_MODES)}")
+    return mode
 
 
 def encode_append(codec: LayerCodec, store: dict | None, staged: torch.Tensor, n_blocks: int, side: str) -> dict:
@@ -46,17 +67,46 @@ class CodecLayer(BatchFirstLayer):
         self.values = value_states.new_empty((value_states.shape[0], 1, 0, value_states.shape[-1]), dtype=RESIDUAL_DTYPE)
         self.is_initialized = True
 
+    @property
+    def fused_layout(self) -> QuantizedBlocks | None:
+        """The codec's in-place layout (codecs.readout), or None when attention needs decoded tensors."""
+        layout = getattr(self.codec, "fused_layout", None)  # stand-in codecs (tests) may lack the method
+        return layout() if layout is not None else None
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        self.cumulative_length += key_states.shape[-2]
-        self.keys = torch.cat([self.keys, key_states.to(RESIDUAL_DTYPE)], dim=-2)
-        self.values = torch.cat([self.values, value_states.to(RESIDUAL_DTYPE)], dim=-2)
+        """The decode path: append, then return decode(store) + window (every stored token, decoded)."""
+        self._stage(key_states, value_states)
         # Attention reads what was coded by *earlier* updates, then the window including this update's tokens at
         # float16: like KIVI's prefill, the tokens of the current forward attend to each other at full precision
         # and are coded for storage afterwards. (Coding first made every chunk of a chunked prefill read its own
         # oldest tokens back quantized, the attention sink of the first chunk included.)
         out = self._read("key", key_states.dtype), self._read("value", value_states.dtype)
+        self._code_overflow()
+        return out
+
+    def update_coded(self, key_states: torch.Tensor, value_states: torch.Tensor) -> CodedReadout:
+        """The fused path: append, then return the coded blocks and the window as they are (nothing decoded).
+
+        Same reading order as update(): coding the overflow afterwards builds new tensors, so the readout keeps
+        what attention must see.
+        """
+        layout = self.fused_layout
+        if layout is None:
+            raise InvalidArgumentError(f"codec {type(self.codec).__name__} cannot be read in place; use update()")
+        self._stage(key_states, value_states)
+        readout = CodedReadout(layout, self.coded_keys, self.coded_values, self.keys, self.values)
+        self._code_overflow()
+        return readout
+
+    def _stage(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.cumulative_length += key_states.shape[-2]
+        self.keys = torch.cat([self.keys, key_states.to(RESIDUAL_DTYPE)], dim=-2)
+        self.values = torch.cat([self.values, value_states.to(RESIDUAL_DTYPE)], dim=-2)
+
+    def _code_overflow(self) -> None:
+        """Code the window's oldest whole blocks beyond `residual` tokens into the store."""
         g = self.codec.block_tokens
         n_blocks = max(0, self.keys.shape[-2] - self.residual_length) // g
         if n_blocks:
@@ -64,7 +114,6 @@ class CodecLayer(BatchFirstLayer):
             self.coded_values = encode_append(self.codec, self.coded_values, self.values, n_blocks, "value")
             self.keys = self.keys[..., n_blocks * g :, :].contiguous()
             self.values = self.values[..., n_blocks * g :, :].contiguous()
-        return out
 
     def _read(self, side: str, dtype: torch.dtype) -> torch.Tensor:
         """What attention sees: the decoded blocks, then the residual window."""
@@ -86,8 +135,19 @@ class CodecLayer(BatchFirstLayer):
 class CodecCache(Cache):
     """One CodecLayer per decoder layer; pass it as `past_key_values` or let the model's generate() make it."""
 
-    def __init__(self, layer_codecs: list[LayerCodec], residual: int):
+    def __init__(self, layer_codecs: list[LayerCodec], residual: int, read_mode: str | None = None):
         super().__init__(layers=[CodecLayer(codec, residual) for codec in layer_codecs])
+        self.read_mode = read_mode or default_read_mode()
+        if self.read_mode not in READ_MODES:
+            raise InvalidArgumentError(f"read_mode must be one of {', '.join(READ_MODES)}, got {self.read_mode!r}")
+
+    def reads_coded(self, layer_idx: int) -> bool:
+        """Whether attention should call update_coded() for this layer (fused reads on, the codec allows them)."""
+        return self.read_mode == "fused" and self.layers[layer_idx].fused_layout is not None
+
+    def update_coded(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int) -> CodedReadout:
+        """Cache.update's fused counterpart (token-major [B, 1, T, C] states): see CodecLayer.update_coded."""
+        return self.layers[layer_idx].update_coded(key_states, value_states)
 
     def stored_bytes(self) -> int:
         from kvrewrite.runtime.cache_bytes import cache_tensor_bytes

@@ -10,6 +10,7 @@ from kvrewrite.runtime.codecs.base import LayerCodec
 from kvrewrite.runtime.codecs.config import CodecConfig
 from kvrewrite.runtime.codecs.packing import (SUPPORTED_BITS, dequantize_minmax, pack_bits, packed_length,
                                               quantize_minmax, unpack_bits)
+from kvrewrite.runtime.codecs.readout import QuantizedBlocks
 from kvrewrite.runtime.codecs.registry import register_codec
 
 
@@ -75,6 +76,10 @@ class KiviCodec(LayerCodec):
 
     def block_bytes(self, side):
         return kivi_block_bytes(side, self.bits, self.group_size, self.block_tokens, self.channels[side])
+
+    def fused_layout(self):
+        # kivi_encode's store is exactly QuantizedBlocks: attention dequantises it block by block as it reads.
+        return QuantizedBlocks(self.bits, self.block_tokens, self.group_size)
 
 
 @register_codec

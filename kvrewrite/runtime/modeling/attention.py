@@ -15,7 +15,9 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from kvrewrite.errors import CorruptCheckpointError
 from kvrewrite.key_modes import allowed_key_modes, key_mode
 from kvrewrite.key_modes.rows import block_prefix_rows, slice_linear_rows
+from kvrewrite.runtime.codecs.readout import CodedReadout
 from kvrewrite.runtime.kernels.cache_layout import ROWS, packed_view, to_storage
+from kvrewrite.runtime.kernels.coded_attention import blockwise_coded_attention
 from kvrewrite.runtime.kernels.dispatch import PackedAttentionFn, build_attention, resolve_backend
 from kvrewrite.runtime.kernels.reference import PackedLayout, boolean_mask, grouped_attention, shared_key_attention
 from kvrewrite.spec import LayerSpec
@@ -123,6 +125,11 @@ class CompressedAttention(nn.Module):
         past_len = 0
         if past_key_values is not None:
             past_len = past_key_values.get_seq_length(self.layer_idx)
+            reads_coded = getattr(past_key_values, "reads_coded", None)
+            if reads_coded is not None and reads_coded(self.layer_idx):
+                # A codec cache whose blocks attention reads in place (int4/int2): no decoded copy of the store.
+                readout = past_key_values.update_coded(to_storage(key, ROWS), to_storage(value, ROWS), self.layer_idx)
+                return self.o_proj(self.attend_coded(query, readout, attention_mask, past_len)), None
             order = self.cache_order(past_key_values, query.device)
             key, value = past_key_values.update(to_storage(key, order), to_storage(value, order), self.layer_idx)
             key, value = packed_view(key), packed_view(value)  # logical [B, 1, S, C] views, no copy
@@ -156,6 +163,76 @@ class CompressedAttention(nn.Module):
         attend = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
         output, _ = attend(self, query, key, value, attention_mask, scaling=self.scaling, dropout=0.0, **kwargs)
         return output
+
+    def attend_coded(self, query: torch.Tensor, readout: CodedReadout, attention_mask, past_len: int) -> torch.Tensor:
+        """attend() over a codec cache's coded blocks and float16 window (codecs.readout), dequantised chunk by
+        chunk inside the attention (kernels.coded_attention) -> o_proj's input [B, T, Osum].
+
+        Each chunk is scored for all query heads at once ([B, H, T, n]) and multiplied with all packed value
+        columns; each head then keeps its own KV head's columns.
+        """
+        batch, q_len, _ = query.shape
+        if not self.mode.shared_key_block and resolve_backend(query.device) == "triton":
+            from kvrewrite.runtime.kernels import triton_coded_attention as triton_coded
+
+            if triton_coded.supports(readout):
+                return self._triton_coded(triton_coded, query, readout, attention_mask, past_len)
+        allowed = boolean_mask(attention_mask, q_len, readout.length, query.device)
+        group, n_kv, scaling = self.group_size, self.num_kv_heads, self.scaling
+        ko, vo = self.layout.key_offsets, self.layout.value_offsets
+        n_q = group * n_kv
+        if self.mode.rebuilds_keys:
+            rotary = self._rotary[0]
+
+            def rope(start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+                # Cache indices as positions, as in _latent_attention.
+                return rotary(query, torch.arange(start, start + n, device=query.device)[None].expand(batch, n))
+
+            heads = self._apply_rope(self._heads(query, self.num_heads), *rope(past_len, q_len))
+            grouped = heads.reshape(batch, n_kv, group * q_len, self.head_dim)  # a KV head's query rows
+
+            def score(start: int, keys: torch.Tensor) -> torch.Tensor:
+                cos, sin = rope(start, keys.shape[-2])
+                # Per KV head: rebuild its keys [B, 1, n, d], score its query rows; only the scores are joined.
+                scores = torch.cat([torch.matmul(grouped[:, g : g + 1], self.mode.rebuild_keys(
+                    self, keys[..., ko[g] : ko[g + 1]], g, cos, sin).transpose(-1, -2)) for g in range(n_kv)], dim=1)
+                return (scores * scaling).view(batch, n_q, q_len, -1)
+        elif self.mode.shared_key_block:
+            rows = query.view(batch, q_len, n_q, self.layout.key_ranks[0]).transpose(1, 2).reshape(batch, n_q * q_len, -1)
+
+            def score(start: int, keys: torch.Tensor) -> torch.Tensor:
+                return (torch.matmul(rows, keys[:, 0].transpose(-1, -2)) * scaling).view(batch, n_q, q_len, -1)
+        else:
+            # Block-diagonal queries: head h's columns at its KV head's key offset, so one GEMM scores every head.
+            qo = self.layout.query_offsets
+            spread = query.new_zeros(batch, n_q, q_len, ko[-1])
+            for g, rk in enumerate(self.layout.key_ranks):
+                spread[:, g * group : (g + 1) * group, :, ko[g] : ko[g + 1]] = (
+                    query[..., qo[g] : qo[g + 1]].view(batch, q_len, group, rk).transpose(1, 2))
+
+            spread = spread.view(batch, n_q * q_len, ko[-1])  # one GEMM per request, not one per head
+
+            def score(start: int, keys: torch.Tensor) -> torch.Tensor:
+                return (torch.matmul(spread, keys[:, 0].transpose(-1, -2)) * scaling).view(batch, n_q, q_len, -1)
+
+        out = blockwise_coded_attention(readout, score, allowed, query.dtype)  # [B, H, T, Vsum]
+        return torch.cat([out[:, g * group : (g + 1) * group, :, vo[g] : vo[g + 1]].transpose(1, 2)
+                          .reshape(batch, q_len, group * (vo[g + 1] - vo[g])) for g in range(n_kv)], dim=-1)
+
+    def _triton_coded(self, triton_coded, query: torch.Tensor, readout: CodedReadout, attention_mask,
+                      past_len: int) -> torch.Tensor:
+        """attend_coded on CUDA: the Triton kernel dequantises each block in registers (latent keys rebuilt and
+        rotated there too, with the cache indices' cos/sin)."""
+        if not self.mode.rebuilds_keys:
+            return triton_coded.triton_coded_attention(query, readout, attention_mask, self.scaling, self.layout)
+        batch, q_len, _ = query.shape
+        positions = torch.arange(readout.length, device=query.device)[None]
+        cos, sin = self._rotary[0](query, positions)  # [1, S, d]
+        heads = self._apply_rope(self._heads(query, self.num_heads), cos[:, past_len : past_len + q_len],
+                                 sin[:, past_len : past_len + q_len])
+        rotated = heads.transpose(1, 2).reshape(batch, q_len, self.num_heads * self.head_dim)
+        return triton_coded.triton_coded_attention(rotated, readout, attention_mask, self.scaling, self.layout,
+                                                   self.k_up, (cos[0], sin[0]))
 
     def cache_order(self, cache, device: torch.device) -> str:
         """Memory order of this layer's cache tensors (kernels.cache_layout): the packed runner's choice.
