@@ -31,23 +31,10 @@ from kvrewrite.publish.evaluation import evaluate_many
 from kvrewrite.compile.passes.pipeline import compile_variants
 from kvrewrite.compile.plan import Plan
 from kvrewrite.runtime.load import load
+from kvrewrite.io.calibration_data.news import news_split  # noqa: F401  (distill_domains imports it from here)
 
 RATES = (0.3, 0.5)
 RESULTS = Path(__file__).parent / "results" / "calibration_sources.json"
-
-
-def news_stories() -> list[str]:
-    import gensim
-
-    corpus = Path(gensim.__file__).parent / "test" / "test_data" / "lee_background.cor"
-    return [line.strip() for line in corpus.read_text(encoding="utf-8").splitlines() if line.strip()]
-
-
-def news_split() -> tuple[list[str], list[str]]:
-    """(calibration stories, held-out stories): first half / second half, in file order."""
-    stories = news_stories()
-    half = len(stories) // 2
-    return stories[:half], stories[half:]
 
 
 def write_news_calibration_dir(root: Path) -> Path:

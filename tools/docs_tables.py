@@ -261,6 +261,37 @@ def prefill_cpu_table(decode: dict) -> Table:
     return Table(_raw_table(["model", "prefill length x batch", "seconds", "vs stock"], rows))
 
 
+# ---- docs/results.md: one checkpoint, every rate, short and long context (benchmarks/long_context.py) -------------
+
+
+def _rate_quality(text: str, *results: dict) -> Table:
+    """Per checkpoint (one result file each) and protocol, the perplexity increase at every evaluated rate."""
+    rates = sorted({row["rate"] for result in results for run in result["runs"] if run["text"] == text
+                    for row in run["rows"] if not row.get("baseline")})
+    rows = []
+    for result in results:
+        for run in (r for r in result["runs"] if r["text"] == text):
+            groups: dict[str, dict[float, dict]] = {}
+            for row in run["rows"]:
+                if not row.get("baseline"):
+                    groups.setdefault(row.get("positions", "all"), {})[row["rate"]] = row
+            for positions, by_rate in groups.items():
+                where = "512-token windows" if positions == "all" else f"positions {positions}"
+                rows.append([result["checkpoint"].split(":")[0], where] + [f"{increase(by_rate[r]):+.1%}" if r in by_rate else ""
+                                                             for r in rates])
+    return Table(markdown(["checkpoint", "scored tokens"] + [f"p = {r:g}" for r in rates], rows))
+
+
+@renderer("rates-wiki")
+def rates_wiki_table(*results: dict) -> Table:
+    return _rate_quality("wiki", *results)
+
+
+@renderer("rates-news")
+def rates_news_table(*results: dict) -> Table:
+    return _rate_quality("news", *results)
+
+
 # ---- docs/frontier.md ----------------------------------------------------------------------------------------
 
 

@@ -150,37 +150,52 @@ def evaluate_command(
     kv_codec: Optional[str] = typer.Option(None, "--kv-codec", help="Evaluate with these codecs instead of the compiled one (';'-separated, e.g. 'none;int4;gear:bits=4')."),
     chunk: Optional[int] = typer.Option(None, "--chunk", help="Chunked prefill through the cache, this many tokens per chunk (default: 64 when a codec is in use, else one forward)."),
     recent_window: Optional[str] = typer.Option(None, "--recent-window", help="Token tiers: comma-separated windows W; each query reads its last W tokens at full rank, older ones at the rate's ranks (docs/tiers.md)."),
-    save: bool = typer.Option(True, "--save/--no-save", help="Save the results as DIR/eval_results.json (the model card's evaluation table)."),
+    positions: Optional[str] = typer.Option(None, "--positions", help="Continuation mode: score only these token positions, each with the cache of everything before it, e.g. 512-1K,2K-4K,4K-8K (windows as long as the last range; --tokens counts all their tokens)."),
+    text: str = typer.Option("wiki", "--text", help="Held-out evaluation text: wiki (Wikipedia articles) or news (Lee news stories)."),
+    save: bool = typer.Option(True, "--save/--no-save", help="Save the results as DIR/eval_results.json (the model card's evaluation table), or DIR/eval_results_continuation.json with --positions."),
 ) -> None:
     """Held-out perplexity, KL and top-1 agreement against the original, and KV bytes per token measured on the cache."""
     from kvrewrite.cli.evaluate import evaluate_checkpoint
     from kvrewrite.cli.tables import eval_table
+    from kvrewrite.io.calibration_data.corpus import EVALUATION_TEXTS
+    from kvrewrite.publish.continuation_eval import parse_positions
     from kvrewrite.io.output_safety import check_writable_file
 
     try:
         rate_list = list(numbers(rates, "--rates")) if rates else None
         codec_list = kv_codec.split(";") if kv_codec else None
         window_list = _parse_windows(recent_window) if recent_window else None
+        position_ranges = parse_positions(positions) if positions else None
+        if text not in EVALUATION_TEXTS:
+            raise InvalidArgumentError(f"--text {text!r}: choose one of {', '.join(EVALUATION_TEXTS)}")
         require_compile_extra("kvrewrite eval (its held-out text is gensim's Wikipedia slice)", ["gensim"])
         if json_out:  # found now, not after minutes of evaluation
             check_writable_file(json_out, "--json")
         rows = evaluate_checkpoint(directory, baseline=baseline, rates=rate_list, tokens=tokens, seq_len=seq_len,
-                                   kv_codecs=codec_list, chunk=chunk, recent_windows=window_list)
+                                   kv_codecs=codec_list, chunk=chunk, recent_windows=window_list,
+                                   positions=position_ranges, text=text)
     except (KVRewriteError, ValueError) as exc:
         _fail(exc)
     from kvrewrite.io.atomic_files import atomic_write_text
-    from kvrewrite.publish.eval_results import eval_results_document, write_eval_results
+    from kvrewrite.publish.eval_results import (
+        CONTINUATION_RESULTS_FILE, EVAL_RESULTS_FILE, eval_results_document, write_eval_results,
+    )
 
-    console.print(eval_table(rows))
+    where = f"positions {positions} of {position_ranges[-1].end}-token windows" if position_ranges else f"{seq_len}-token windows"
+    console.print(eval_table(rows, title=f"evaluation on held-out {text} text, {where}"))
     if json_out:
         atomic_write_text(json_out, json.dumps(rows, indent=2))
     if save:
         command = " ".join(["kvrewrite eval", str(directory), *([f"--baseline {baseline}"] if baseline else []),
                             *([f"--rates {rates}"] if rates else []), *([f"--kv-codec '{kv_codec}'"] if kv_codec else []),
                             *([f"--chunk {chunk}"] if chunk else []), *([f"--recent-window {recent_window}"] if recent_window else []),
-                            f"--tokens {tokens}", f"--seq-len {seq_len}"])
+                            *([f"--positions {positions}"] if positions else []), *([f"--text {text}"] if text != "wiki" else []),
+                            f"--tokens {tokens}", *([] if position_ranges else [f"--seq-len {seq_len}"])])
+        document = eval_results_document(
+            rows, tokens=tokens, seq_len=position_ranges[-1].end if position_ranges else seq_len, command=command,
+            text=EVALUATION_TEXTS[text], positions=[r.label for r in position_ranges] if position_ranges else None)
         try:
-            path = write_eval_results(directory, eval_results_document(rows, tokens=tokens, seq_len=seq_len, command=command))
+            path = write_eval_results(directory, document, CONTINUATION_RESULTS_FILE if position_ranges else EVAL_RESULTS_FILE)
             console.print(f"saved {path}")
         except OSError as exc:  # a read-only checkpoint (e.g. in the Hub cache) still gets its table printed
             console.print(f"[yellow]warning:[/] could not save the results in {directory}: {exc}")

@@ -55,6 +55,11 @@ def numbers(text: str, option: str) -> tuple[float, ...]:
     return values
 
 
+def numbers_or_none(text: str, option: str) -> tuple[float, ...]:
+    """numbers(), or () for an empty text (an option whose default is 'not used')."""
+    return numbers(text, option) if text.strip() else ()
+
+
 def _comma_list(values: tuple[float, ...]) -> str:
     return ",".join(f"{v:g}" for v in values)
 
@@ -108,6 +113,7 @@ PLAN_OPTIONS: tuple[PlanOption, ...] = (
     PlanOption("distill_tokens", "Calibration tokens the distillation trains on (1/16 of them held back for validation)."),
     PlanOption("distill_epochs", "Passes over the distillation tokens (the best epoch on the validation windows is kept)."),
     PlanOption("distill_lr", "Adam learning rate of the distillation (cosine decay)."),
+    PlanOption("distill_rates", "Nested --distill: comma-separated rates, e.g. 0.3,0.5,0.7; one checkpoint trained for every grid rate from the first to the last, and serving them all (docs/distill.md).", parse=numbers_or_none, show=_comma_list),
     PlanOption("probe_rates", "Sensitivity allocation: comma-separated truncation rates each layer side is probed at (one point, or a KL curve).", parse=numbers, show=_comma_list),
     PlanOption("probe_windows", "Sensitivity allocation: calibration windows (256 tokens each) the probe KL is measured on."),
     PlanOption("revision", "Hub revision of the source model."),

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from kvrewrite.errors import CorruptCheckpointError, InvalidArgumentError
+from kvrewrite.publish.continuation_eval import DEFAULT_CONTINUATION_CHUNK, PositionRange, continuation_quality
 from kvrewrite.publish.evaluation import default_chunk, kv_cache_bytes_per_token_formula
 from kvrewrite.spec import CompressionSpec
 
@@ -15,8 +16,13 @@ from kvrewrite.spec import CompressionSpec
 def evaluate_checkpoint(directory: Path, *, baseline: str | None = None, rates: list[float] | None = None,
                         tokens: int = 8192, seq_len: int = 512, progress: bool = True,
                         kv_codecs: list[str] | None = None, chunk: int | None = None,
-                        recent_windows: list[int] | None = None) -> list[dict]:
+                        recent_windows: list[int] | None = None, positions: tuple[PositionRange, ...] | None = None,
+                        text: str = "wiki") -> list[dict]:
     """Rows for the eval table: the baseline first, then the checkpoint at each rate (and each KV codec).
+
+    positions: continuation mode (kvrewrite.publish.continuation_eval): windows as long as the last range's end, fed
+    through each model's cache in chunks, and only the tokens at these positions scored; one group of rows per range.
+    text: the held-out evaluation text, "wiki" or "news".
 
     kv_codecs: codecs to evaluate instead of the compiled one ("none" = the plain reduced cache).
     recent_windows: token tiers (kvrewrite.runtime.tiers) to evaluate instead of the plain cache: each query reads its last W
@@ -48,7 +54,8 @@ def evaluate_checkpoint(directory: Path, *, baseline: str | None = None, rates: 
     refuse_compressed_baseline(Path(directory), baseline_dir, given=baseline is not None)
     original = load_fp32_model(baseline_dir)
     tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=False)
-    windows = evaluation_token_sequences(tokenizer, tokens, seq_len)
+    window_len = positions[-1].end if positions else seq_len
+    windows = evaluation_token_sequences(tokenizer, tokens, window_len, text)
     codec_list = kv_codecs if kv_codecs else ["compiled"]
     models, model_rates = {}, {}
     for rate in rate_list:
@@ -60,13 +67,19 @@ def evaluate_checkpoint(directory: Path, *, baseline: str | None = None, rates: 
                 name = (f"{Path(directory).name} p={rate:.2f}" + (f" +W={window}" if window is not None else "")
                         + (f" +{label}" if label != "none" else ""))
                 models[name], model_rates[name] = model, rate
-    chunk = chunk if chunk is not None else default_chunk(models.values())
-    results = evaluate_many(models, windows, baseline=original, progress=progress, chunk=chunk)
-    rows = result_rows(source, results, model_rates)
+    if positions:
+        chunk = chunk if chunk is not None else (default_chunk(models.values()) or DEFAULT_CONTINUATION_CHUNK)
+        measured = continuation_quality(models, windows, positions, baseline=original, chunk=chunk, progress=progress)
+        rows = continuation_rows(source, measured, model_rates)
+    else:
+        chunk = chunk if chunk is not None else default_chunk(models.values())
+        results = evaluate_many(models, windows, baseline=original, progress=progress, chunk=chunk)
+        rows = result_rows(source, results, model_rates)
     fp16 = kv_cache_bytes_per_token_formula(original.config, torch.float16)
     for row in rows:
         row["fp16_kv_bytes_per_token"] = fp16
         row["chunk"] = chunk
+        row["text"] = text
     return rows
 
 
@@ -84,6 +97,26 @@ def refuse_compressed_baseline(checkpoint: Path, baseline_dir: Path, given: bool
         raise InvalidArgumentError(
             f"the baseline {baseline_dir} ({where}) is itself a kvrewrite checkpoint, not the original model; {fix}"
         )
+
+
+def continuation_rows(baseline_name: str, measured: dict, rates: dict[str, float]) -> list[dict]:
+    """Per position range: the baseline's row, then each model's; cache bytes are those held after the window."""
+    base = measured["baseline"]
+    rows = []
+    for label, base_stats in base.by_range.items():
+        rows.append({"name": f"{baseline_name} (original)", "baseline": True, "rate": 0.0, "positions": label,
+                     "perplexity": base_stats.perplexity, "kl_mean": None, "top1_agreement": None,
+                     "kv_bytes_per_token": base.kv_bytes_per_token, "n_tokens": base_stats.n_tokens})
+        for name, result in measured.items():
+            if name == "baseline":
+                continue
+            stats = result.by_range[label]
+            rows.append({"name": name, "rate": rates[name], "positions": label, "perplexity": stats.perplexity,
+                         "kl_mean": stats.kl_mean, "top1_agreement": stats.top1_agreement,
+                         "kv_bytes_per_token": result.kv_bytes_per_token, "n_tokens": stats.n_tokens,
+                         "baseline_perplexity": stats.baseline_perplexity,
+                         "baseline_kv_bytes_per_token": base.kv_bytes_per_token})
+    return rows
 
 
 def result_rows(baseline_name: str, results: dict, rates: dict[str, float]) -> list[dict]:

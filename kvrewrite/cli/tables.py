@@ -56,20 +56,24 @@ def summary_table(spec: CompressionSpec, report: dict | None = None) -> Table:
 
 def eval_table(rows: list[dict], title: str = "evaluation on held-out wiki text") -> Table:
     table = Table(title=title)
-    for name, justify in (("model", "left"), ("rate", "right"), ("ppl", "right"), ("Δppl", "right"),
-                          ("KL (nats)", "right"), ("top-1", "right"), ("KV bytes/token", "right"), ("vs baseline", "right")):
+    by_position = any("positions" in r for r in rows)  # continuation mode: one group of rows per position range
+    columns = [("model", "left"), ("rate", "right")] + ([("positions", "right")] if by_position else [])
+    columns += [("ppl", "right"), ("Δppl", "right"), ("KL (nats)", "right"), ("top-1", "right"),
+                ("KV bytes/token", "right"), ("vs baseline", "right")]
+    for name, justify in columns:
         table.add_column(name, justify=justify)
     fp16 = any("fp16_kv_bytes_per_token" in r for r in rows)
     if fp16:  # codecs store float16 and packed integers: compare with the float16 cache of the original
         table.add_column("vs fp16", justify="right")
-    base = next((r for r in rows if r.get("baseline")), None)
+    bases = {r.get("positions"): r for r in rows if r.get("baseline")}
     for r in rows:
+        base = bases.get(r.get("positions"))
         delta = f"{(r['perplexity'] / base['perplexity'] - 1):+.1%}" if base and not r.get("baseline") else ""
         ratio = f"{r['kv_bytes_per_token'] / base['kv_bytes_per_token']:.3f}" if base else ""
         kl = "" if r.get("kl_mean") is None else f"{r['kl_mean']:.4f}"
         top1 = "" if r.get("top1_agreement") is None else f"{r['top1_agreement']:.3f}"
-        cells = [r["name"], f"{r.get('rate', 0.0):.2f}", f"{r['perplexity']:.2f}", delta, kl, top1,
-                 f"{r['kv_bytes_per_token']:.0f}", ratio]
+        cells = [r["name"], f"{r.get('rate', 0.0):.2f}"] + ([r.get("positions", "")] if by_position else [])
+        cells += [f"{r['perplexity']:.2f}", delta, kl, top1, f"{r['kv_bytes_per_token']:.0f}", ratio]
         if fp16:
             cells.append(f"{r['kv_bytes_per_token'] / r['fp16_kv_bytes_per_token']:.3f}" if r.get("fp16_kv_bytes_per_token") else "")
         table.add_row(*cells)

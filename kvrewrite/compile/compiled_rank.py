@@ -61,8 +61,13 @@ def whole_compressed_model(folded: FoldedWeights, spec: CompressionSpec, sliced:
 def keep_only_compiled_rate(spec: CompressionSpec, target_rate: float) -> CompressionSpec:
     """A rank-specific weight update (refit, distillation) is for the compiled ranks only: the spec with every other
     rate dropped from its rate table."""
-    key = rate_key(target_rate)
-    return dataclasses.replace(spec, rate_table={key: spec.rate_table[key]} if key in spec.rate_table else {})
+    return keep_only_rates(spec, [target_rate])
+
+
+def keep_only_rates(spec: CompressionSpec, rates) -> CompressionSpec:
+    """The spec with its rate table cut to `rates` (those it has): the rates a weight update was trained for."""
+    keys = [rate_key(r) for r in rates]
+    return dataclasses.replace(spec, rate_table={k: spec.rate_table[k] for k in keys if k in spec.rate_table})
 
 
 def remeasure_compiled_rank(ctx: CompileContext, original) -> tuple[dict, dict, float, float]:

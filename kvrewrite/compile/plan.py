@@ -74,6 +74,10 @@ class Plan:
     distill_tokens: int = 32768
     distill_epochs: float = 2.0
     distill_lr: float = 1e-5
+    # Nested distillation: instead of the compiled rate alone, train one set of weights for every rate of the rate
+    # grid between min and max of distill_rates (each window draws one; the named rates weigh as much as all the
+    # others together). The checkpoint keeps exactly those rates in its table. Empty: single-rate distillation.
+    distill_rates: tuple[float, ...] = ()
     # Quality budget (passes/quality_budget.py): instead of target_rate, the largest rate whose perplexity
     # increase (a fraction: 0.05 = 5%) and/or mean KL on held-back calibration text stays within budget.
     max_ppl_increase: float | None = None
@@ -141,6 +145,7 @@ class Plan:
             raise InvalidArgumentError(f"`distill_epochs` must be in (0, 100], got {self.distill_epochs!r}")
         if not 0 < self.distill_lr < 1:
             raise InvalidArgumentError(f"`distill_lr` must be in (0, 1), got {self.distill_lr!r}")
+        self._check_distill_rates()
         if not self.key_mode_cost >= 0:
             raise InvalidArgumentError(f"`key_mode_cost` must be >= 0, got {self.key_mode_cost!r}")
         if self.min_rank < 0:
@@ -157,6 +162,30 @@ class Plan:
             if not 0 < float(self.kv_bits_budget) <= 16:
                 raise InvalidArgumentError(f"`kv_bits_budget` must be in (0, 16] bits per cached element, got {self.kv_bits_budget!r}")
             self._normalise("kv_bits_budget", float(self.kv_bits_budget))
+
+    def _check_distill_rates(self) -> None:
+        if not self.distill_rates:
+            return
+        self._normalise("distill_rates", tuple(sorted({round(validate_rate(r, "every `distill_rates` entry"), 4) for r in self.distill_rates})))
+        if not self.distill:
+            raise InvalidArgumentError("`distill_rates` chooses the rates of a nested distillation; add `distill=True`")
+        if self.refit != "none":
+            raise InvalidArgumentError(
+                f"`refit={self.refit}` fits o_proj for the compiled ranks only; nested `distill_rates` train o_proj for "
+                "every rate, so leave `refit` at none")
+        off_grid = [r for r in self.distill_rates if r not in self.rate_grid]
+        if off_grid:
+            raise InvalidArgumentError(f"`distill_rates` {off_grid} are not in the `rate_grid` "
+                                       f"({', '.join(f'{r:g}' for r in self.rate_grid)})")
+        if not self.distill_rates[0] <= self.target_rate <= self.distill_rates[-1]:
+            raise InvalidArgumentError(f"`target_rate={self.target_rate:g}` must lie within the nested `distill_rates` "
+                                       f"({self.distill_rates[0]:g} to {self.distill_rates[-1]:g})")
+
+    def nested_distill_rates(self) -> tuple[float, ...]:
+        """Every rate a nested distillation trains and the checkpoint keeps: the grid from min to max of distill_rates."""
+        if not self.distill_rates:
+            return ()
+        return tuple(r for r in self.rate_grid if self.distill_rates[0] <= r <= self.distill_rates[-1])
 
     def compute_dtype(self) -> torch.dtype:
         return {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.dtype]

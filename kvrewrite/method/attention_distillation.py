@@ -18,13 +18,23 @@ those dims then get zero gradient, so Adam (no weight decay) leaves every weight
 bit-for-bit unchanged. The trained state dict therefore has the checkpoint's full-rank layout as it is.
 Post-RoPE key maps (q_map/k_map) are not trained: the runtime builds their block-diagonal product outside autograd.
 
-Like the output refit, the result depends on the ranks, so a distilled checkpoint serves its compiled rate only.
+Single-rate (the default): the result depends on the ranks, so the checkpoint serves its compiled rate only.
+
+Nested (a RateMix): one set of weights trained for several rank cuts at once. Every window draws one truncation of
+the mix (Matryoshka / nested-dropout style: the latent dims are already ordered by importance, so a smaller rate is
+a prefix of a larger one's dims), and the KL of that truncation, relative to its KL before training, is what it
+contributes to the step: measured on SmolLM2, absolute KLs let the deepest cut (ten times the KL of the mildest)
+take the gradient and the epoch choice, and the mildest rate got worse. The epoch kept is the one with the best
+mean relative validation KL over the mix's validation rates, so one checkpoint serves every rate of the mix. The
+dims no truncation of the mix reads get no gradient and stay bit-for-bit unchanged.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -48,6 +58,27 @@ class DistillSettings:
     seed: int = 0
 
 
+@dataclass(frozen=True)
+class RateMix:
+    """The truncations nested distillation trains together: each window draws one, with these weights.
+
+    enter[i]() returns a context manager inside which the student computes at truncation i (the caller's: the
+    method knows nothing of ranks); validate lists the truncations whose mean validation KL picks the epoch."""
+
+    names: tuple[str, ...]
+    enter: tuple[Callable[[], contextlib.AbstractContextManager], ...]
+    weights: tuple[float, ...]
+    validate: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not self.names or not (len(self.names) == len(self.enter) == len(self.weights)):
+            raise ValueError("a rate mix needs one name, context and weight per truncation")
+        if any(w < 0 for w in self.weights) or sum(self.weights) <= 0:
+            raise ValueError(f"rate mix weights must be >= 0 with a positive sum, got {self.weights}")
+        if not self.validate or any(not 0 <= i < len(self.names) for i in self.validate):
+            raise ValueError(f"rate mix validation indices {self.validate} are not truncations of the mix")
+
+
 @dataclass
 class DistillReport:
     steps: int
@@ -61,6 +92,11 @@ class DistillReport:
     kept_epoch: int = 0  # 0: no epoch beat the starting weights on the validation windows, nothing was changed
     learning_rate_per_epoch: list[float] = field(default_factory=list)  # peak rate of each epoch (after back-offs)
     seconds: float = 0.0
+    # Nested runs: validation KL of each truncation (by name), before training and of the weights kept; the epoch
+    # choice is by their mean relative to before (validation_kl_* above are the plain means over validation rates).
+    validation_kl_by_rate_before: dict[str, float] = field(default_factory=dict)
+    validation_kl_by_rate_after: dict[str, float] = field(default_factory=dict)
+    windows_per_rate: dict[str, int] = field(default_factory=dict)  # how many training windows drew each truncation
 
 
 def distilled_attention_parameters(model, adapter) -> dict[str, torch.nn.Parameter]:
@@ -93,14 +129,31 @@ def mean_kl(student, teacher, windows: torch.Tensor) -> float:
         return sum(_kl(_log_probs(teacher, w), _log_probs(student, w)).item() for w in windows.split(1)) / max(len(windows), 1)
 
 
+def _validation_kls(student, teacher, windows: torch.Tensor, mix: RateMix | None,
+                    which: tuple[int, ...] | None = None) -> dict[str, float]:
+    """Validation KL per truncation of the mix (`which`, default its validation ones; "" alone without a mix: the
+    caller's truncation)."""
+    if mix is None:
+        return {"": mean_kl(student, teacher, windows)}
+    kls = {}
+    for i in (mix.validate if which is None else which):
+        with mix.enter[i]():
+            kls[mix.names[i]] = mean_kl(student, teacher, windows)
+    return kls
+
+
 def distill_attention(student, teacher, adapter, train_windows: torch.Tensor, validation_windows: torch.Tensor,
-                      settings: DistillSettings, progress: bool = True) -> DistillReport:
+                      settings: DistillSettings, progress: bool = True, mix: RateMix | None = None) -> DistillReport:
     """Train the student's attention weights in place against the teacher's next-token distribution.
 
     student: the rewritten model at full rank, truncated to its compiled ranks (compile.probes.truncated_model);
     teacher: the original model. Windows are [n, seq_len] token ids. After every epoch the validation KL is
     measured: an epoch that is no better than the best so far is undone and the rate lowered (settings.backoff);
     the student ends with the weights of the best epoch, or unchanged when no epoch beat its start.
+
+    mix: nested distillation: each training window runs inside one truncation of the mix, drawn with its weights
+    (its own generator, so the window order is the single-rate run's); epochs are judged by the mean validation KL
+    over mix.validate. Without a mix the caller's truncation (if any) holds for the whole run.
     """
     t0 = time.perf_counter()
     trained = distilled_attention_parameters(student, adapter)
@@ -124,10 +177,40 @@ def distill_attention(student, teacher, adapter, train_windows: torch.Tensor, va
         * 0.5 * (1.0 + math.cos(math.pi * min(s, total_steps) / total_steps)))
     generator = torch.Generator().manual_seed(settings.seed)
 
-    before = mean_kl(student, teacher, validation_windows)
+    rate_draws = torch.Generator().manual_seed(settings.seed + 1)
+    mix_weights = torch.tensor(mix.weights, dtype=torch.float64) if mix is not None else None
+
+    def draw() -> tuple[contextlib.AbstractContextManager, float]:
+        """The truncation a window runs at, and its loss weight."""
+        if mix is None:
+            return contextlib.nullcontext(), 1.0
+        i = int(torch.multinomial(mix_weights, 1, generator=rate_draws))
+        report.windows_per_rate[mix.names[i]] = report.windows_per_rate.get(mix.names[i], 0) + 1
+        return mix.enter[i](), loss_weight[i]
+
+    # Nested: every truncation's KL before training, the yardstick of its loss and of the epoch choice.
+    start_kls = _validation_kls(student, teacher, validation_windows, mix, None if mix is None else tuple(range(len(mix.names))))
+    by_rate = start_kls if mix is None else {mix.names[i]: start_kls[mix.names[i]] for i in mix.validate}
+    before = sum(by_rate.values()) / len(by_rate)
+    loss_weight = None
+    if mix is not None:
+        floor = 1e-8  # a truncation the start already reproduces must not get an unbounded weight
+        yardstick = sum(by_rate.values()) / len(by_rate)  # keeps the loss, hence Adam's early steps, at the usual scale
+        loss_weight = [yardstick / max(start_kls[name], floor) for name in mix.names]
+
+    def score(kls: dict[str, float]) -> float:
+        """What picks the epoch: the validation KL, or (nested) its mean relative to each truncation's start."""
+        if mix is None:
+            return kls[""]
+        return sum(kls[name] / max(start_kls[name], 1e-8) for name in kls) / len(kls)
+
+    best_score = score(by_rate)
     report = DistillReport(steps=total_steps, train_tokens=int(train_windows.numel()), validation_tokens=int(validation_windows.numel()),
                            trained_tensor_elements=sum(p.numel() for p in trained.values()),
                            validation_kl_before=before, validation_kl_after=before)
+    if mix is not None:
+        report.validation_kl_by_rate_before = dict(start_kls)
+        report.validation_kl_by_rate_after = dict(by_rate)
     best = {name: p.detach().clone() for name, p in trained.items()}
     step = 0
     try:
@@ -146,8 +229,10 @@ def distill_attention(student, teacher, adapter, train_windows: torch.Tensor, va
                     for window in tokens.split(1):
                         with torch.no_grad():
                             reference = _log_probs(teacher, window)
-                        part = _kl(reference, _log_probs(student, window)) * (window.numel() / tokens.numel())
-                        part.backward()
+                        truncation, weight = draw()
+                        with truncation:
+                            part = _kl(reference, _log_probs(student, window)) * (weight * window.numel() / tokens.numel())
+                            part.backward()
                         loss += part.item()
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
@@ -158,10 +243,14 @@ def distill_attention(student, teacher, adapter, train_windows: torch.Tensor, va
                 if not losses:
                     break
                 report.train_loss_per_epoch.append(sum(losses) / len(losses))
-                kl = mean_kl(student, teacher, validation_windows)
+                by_rate = _validation_kls(student, teacher, validation_windows, mix)
+                kl = sum(by_rate.values()) / len(by_rate)
                 report.validation_kl_per_epoch.append(kl)
-                if kl < report.validation_kl_after:
+                if score(by_rate) < best_score:
+                    best_score = score(by_rate)
                     report.validation_kl_after, report.kept_epoch = kl, epoch
+                    if mix is not None:
+                        report.validation_kl_by_rate_after = dict(by_rate)
                     best = {name: p.detach().clone() for name, p in trained.items()}
                 elif epoch < epochs:  # too large a step for what is left to fix: undo it, go on more gently
                     with torch.no_grad():

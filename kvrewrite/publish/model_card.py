@@ -193,6 +193,11 @@ def card_body(facts: CheckpointFacts, *, repo_id: str | None, base_model: str | 
               "`pip install kvrewrite` is all it needs: no `trust_remote_code`, weights in safetensors only.", ""]
 
     parts += ["## Measured quality", ""]
+    nested = (report.get("distill") or {}).get("nested_rates")
+    if nested:
+        parts += [f"One file, every rate: the attention weights were distilled for the rates {nested[0]} to {nested[-1]} "
+                  "together (nested distillation: each training window drew one of them), so each rate of the table below "
+                  "is served by these same weights through `kvrewrite.load(..., rate=r)`.", ""]
     if evaluation:
         settings = evaluation.get("settings", {})
         parts += [

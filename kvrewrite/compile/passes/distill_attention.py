@@ -1,9 +1,11 @@
 """Pass (only with --distill): train the rewritten attention weights end to end against the original model's
-next-token distribution, at the compiled ranks (attention_distillation.py).
+next-token distribution, at the compiled ranks (attention_distillation.py), or with --distill-rates at every rate
+of the grid between two rates at once (nested: one checkpoint, every one of those rates served).
 
 Runs after the output refit (it starts from the refitted o_proj when --refit is on) and before the codec fit and
 emit. The trained weights replace the folded ones (FoldedWeights.overrides) in the checkpoint's full-rank layout;
-weights the compiled ranks do not read are left exactly as folded. The rate table keeps only the compiled rate.
+weights the compiled ranks do not read are left exactly as folded. The rate table keeps only the compiled rate
+(nested: only the trained rates).
 Like the refit, it holds both models whole (docs/big-models.md).
 """
 
@@ -13,10 +15,15 @@ import dataclasses
 
 import torch
 
-from kvrewrite.compile.compiled_rank import keep_only_compiled_rate, remeasure_compiled_rank, whole_compressed_model
+import contextlib
+
+from kvrewrite.compile.compiled_rank import keep_only_rates, remeasure_compiled_rank, whole_compressed_model
 from kvrewrite.compile.passes.context import CompileContext
 from kvrewrite.compile.probes import truncated_model
-from kvrewrite.method.attention_distillation import DistillSettings, distill_attention, distilled_attention_parameters
+from kvrewrite.method.attention_distillation import (
+    DistillSettings, RateMix, distill_attention, distilled_attention_parameters,
+)
+from kvrewrite.spec import CompressionSpec, rate_key
 
 # Share of the distillation windows held back to pick the best epoch (and to refuse a run that does not help).
 VALIDATION_SHARE = 1 / 16
@@ -31,6 +38,24 @@ def split_distill_windows(windows: torch.Tensor, n_tokens: int) -> tuple[torch.T
     if held == 0:
         return chosen, chosen
     return chosen[: n - held], chosen[n - held :]
+
+
+def nested_rate_mix(student, adapter, spec: CompressionSpec, trained: tuple[float, ...], named: tuple[float, ...]) -> RateMix:
+    """The truncations of a nested distillation: every trained rate of the spec's table; the named rates draw half
+    of the windows together, the rates between them the other half (all of them when none lie between), and the
+    named rates' mean validation KL picks the epoch."""
+    keys = [rate_key(r) for r in trained if rate_key(r) in spec.rate_table]
+    named_keys = {rate_key(r) for r in named}
+    between = [k for k in keys if k not in named_keys]
+    weights = tuple((0.5 / len(named_keys) if between else 1.0 / len(named_keys)) if k in named_keys else 0.5 / len(between)
+                    for k in keys)
+
+    def at(key: str):
+        key_ranks, value_ranks = spec.ranks_for_rate(float(key))
+        return lambda: truncated_model(student, adapter, key_ranks, value_ranks)
+
+    return RateMix(names=tuple(keys), enter=tuple(at(k) for k in keys), weights=weights,
+                   validate=tuple(i for i, k in enumerate(keys) if k in named_keys))
 
 
 class DistillAttention:
@@ -51,12 +76,18 @@ class DistillAttention:
         original = ctx.original_model().to(device)
         student = whole_compressed_model(ctx.folded, ctx.spec, sliced=False).to(device)
         settings = DistillSettings(epochs=plan.distill_epochs, learning_rate=plan.distill_lr, batch_windows=plan.batch_size, seed=plan.seed)
-        # Trained at full rank, computing as at the compiled ranks: the dims beyond them get no gradient.
-        with truncated_model(student, ctx.adapter, [l.key_ranks for l in ctx.spec.layers], [l.value_ranks for l in ctx.spec.layers]):
-            report = distill_attention(student, original, ctx.adapter, train.to(device), validation.to(device), settings, progress=plan.progress)
+        trained_rates = tuple(sorted({*plan.nested_distill_rates(), ctx.target_rate})) if plan.distill_rates else (ctx.target_rate,)
+        mix = nested_rate_mix(student, ctx.adapter, ctx.spec, trained_rates, (*plan.distill_rates, ctx.target_rate)) if plan.distill_rates else None
+        # Trained at full rank, computing as at the compiled ranks (nested: as at each window's drawn rate): the dims
+        # beyond them get no gradient.
+        whole_run = contextlib.nullcontext() if mix is not None else truncated_model(
+            student, ctx.adapter, [l.key_ranks for l in ctx.spec.layers], [l.value_ranks for l in ctx.spec.layers])
+        with whole_run:
+            report = distill_attention(student, original, ctx.adapter, train.to(device), validation.to(device), settings,
+                                       progress=plan.progress, mix=mix)
         original.to("cpu")
 
-        spec = keep_only_compiled_rate(ctx.spec, ctx.target_rate)
+        spec = keep_only_rates(ctx.spec, trained_rates)
         results = {"spec": spec, "rate_table": spec.rate_table, "report.rate_table": spec.rate_table}
         if report.kept_epoch > 0:
             # Full-rank names are the checkpoint's names; dims beyond the compiled ranks were never touched.
@@ -80,4 +111,11 @@ class DistillAttention:
             "verify_kl_before": verified.get("kl_mean"), "verify_top1_before": verified.get("top1_agreement"),
             "verify_kl_after": kl, "verify_top1_after": top1,
         }
+        if mix is not None:
+            results["report.distill"].update({
+                "nested_rates": list(mix.names), "validation_rates": [mix.names[i] for i in mix.validate],
+                "windows_per_rate": report.windows_per_rate,
+                "validation_kl_by_rate_before": report.validation_kl_by_rate_before,
+                "validation_kl_by_rate_after": report.validation_kl_by_rate_after,
+            })
         return results

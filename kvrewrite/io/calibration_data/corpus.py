@@ -15,11 +15,14 @@ from typing import Any, Sequence
 import torch
 
 from kvrewrite.io.calibration_data.synthetic import synthetic_texts
+from kvrewrite.io.calibration_data.news import news_split
 from kvrewrite.io.calibration_data.wiki import wiki_split
 from kvrewrite.errors import CalibrationError, InvalidArgumentError
 
 __all__ = [
+    "EVALUATION_TEXTS",
     "NAMED_SOURCES",
+    "evaluation_documents",
     "calibration_token_sequences",
     "evaluation_token_sequences",
     "load_text_documents",
@@ -173,19 +176,36 @@ def calibration_token_sequences(
     return _random_windows(stream, n_seq, seq_len, seed)
 
 
-def evaluation_token_sequences(tokenizer: Any, n_tokens: int, seq_len: int) -> torch.LongTensor:
-    """Evaluation token windows ``[ceil(n_tokens / seq_len), seq_len]`` from the held-out Wikipedia articles only.
+EVALUATION_TEXTS = {
+    "wiki": "held-out Wikipedia articles (gensim's enwiki slice; never used for calibration)",
+    "news": "held-out news stories (second half of gensim's Lee corpus; never used for calibration)",
+}
 
-    Windows are spread evenly over the whole evaluation text (every article contributes when enough windows are
-    asked for) and are fully deterministic.
+
+def evaluation_documents(text: str = "wiki") -> list[str]:
+    """The held-out documents of an evaluation text (EVALUATION_TEXTS), in a fixed order."""
+    if text == "wiki":
+        return [a.text for a in wiki_split()[1]]
+    if text == "news":
+        return news_split()[1]
+    raise InvalidArgumentError(f"unknown evaluation text {text!r}; choose one of: {', '.join(EVALUATION_TEXTS)}")
+
+
+def evaluation_token_sequences(tokenizer: Any, n_tokens: int, seq_len: int, text: str = "wiki") -> torch.LongTensor:
+    """Evaluation token windows ``[ceil(n_tokens / seq_len), seq_len]`` from held-out text only (`text`: "wiki" or
+    "news", see EVALUATION_TEXTS).
+
+    Windows are contiguous slices of the documents joined by EOS, spread evenly over the whole text (every document
+    contributes when enough windows are asked for), and fully deterministic. A window longer than a document spans
+    the documents that follow it.
     """
     _check_sizes(n_tokens, seq_len)
     n_seq = math.ceil(n_tokens / seq_len)
-    _, evaluation = wiki_split()
-    stream = token_stream(tokenizer, [a.text for a in evaluation])
+    documents = evaluation_documents(text)
+    stream = token_stream(tokenizer, documents)
     if len(stream) < n_seq * seq_len:
         raise _too_short(
-            "The held-out evaluation text", len(stream), n_tokens, n_seq, seq_len, "evaluate on fewer tokens"
+            f"The held-out evaluation text ({text})", len(stream), n_tokens, n_seq, seq_len, "evaluate on fewer tokens"
         )
     n_windows = len(stream) // seq_len
     starts = [(i * n_windows // n_seq) * seq_len for i in range(n_seq)]
