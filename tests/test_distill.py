@@ -72,6 +72,34 @@ def test_emitted_checkpoint_serves_exactly_the_trained_weights_and_lowers_kl(com
     assert report["verify_kl_after"] < report["verify_kl_before"]
 
 
+def count_changes_outside_ranks(before: dict, after: dict, d: int, group: int, key_ranks, value_ranks) -> int:
+    """Asserts that every weight outside attention, and inside it every row/column beyond each head's rank
+    (k_proj / v_proj rows, k_up rows, o_proj columns), is bit-for-bit the same; returns how many attention tensors
+    changed within the ranks."""
+    changed = 0
+    for name, tensor in before.items():
+        if ".self_attn." not in name:
+            assert torch.equal(tensor, after[name]), name
+            continue
+        layer = int(name.split(".")[2])
+        kept = torch.zeros_like(tensor, dtype=torch.bool)
+        if name.endswith(("k_proj.weight", "v_proj.weight")):
+            ranks = key_ranks[layer] if "k_proj" in name else value_ranks[layer]
+            for h, r in enumerate(ranks):
+                kept[h * d : h * d + r] = True
+        elif name.endswith("k_up"):
+            for h, r in enumerate(key_ranks[layer]):
+                kept[h, :r] = True
+        elif name.endswith("o_proj.weight"):
+            for q in range(tensor.shape[1] // d):
+                kept[:, q * d : q * d + value_ranks[layer][q // group]] = True
+        else:  # q_proj: the latent key mode keeps every query dim
+            kept[:] = True
+        assert torch.equal(tensor[~kept], after[name][~kept]), name
+        changed += int(not torch.equal(tensor[kept], after[name][kept]))
+    return changed
+
+
 def test_only_weights_read_at_the_compiled_ranks_change(compiled):
     """Against the same compile without --distill: everything outside attention is identical, and inside it every
     row/column beyond a head's compiled rank (k_proj / v_proj rows, k_up rows, o_proj columns) is bit-for-bit
@@ -80,29 +108,8 @@ def test_only_weights_read_at_the_compiled_ranks_change(compiled):
     before, after = checkpoint_tensors(contexts["none"].output_dir), checkpoint_tensors(contexts["distill"].output_dir)
     assert before.keys() == after.keys()
     spec = contexts["distill"].spec
-    d, group = spec.head_dim, 2
-    changed = 0
-    for name, tensor in before.items():
-        if ".self_attn." not in name:
-            assert torch.equal(tensor, after[name]), name
-            continue
-        layer = spec.layers[int(name.split(".")[2])]
-        kept = torch.zeros_like(tensor, dtype=torch.bool)
-        if name.endswith(("k_proj.weight", "v_proj.weight")):
-            ranks = layer.key_ranks if "k_proj" in name else layer.value_ranks
-            for h, r in enumerate(ranks):
-                kept[h * d : h * d + r] = True
-        elif name.endswith("k_up"):
-            for h, r in enumerate(layer.key_ranks):
-                kept[h, :r] = True
-        elif name.endswith("o_proj.weight"):
-            for q in range(tensor.shape[1] // d):
-                r = layer.value_ranks[q // group]
-                kept[:, q * d : q * d + r] = True
-        else:  # q_proj: the latent key mode keeps every query dim
-            kept[:] = True
-        assert torch.equal(tensor[~kept], after[name][~kept]), name
-        changed += int(not torch.equal(tensor[kept], after[name][kept]))
+    changed = count_changes_outside_ranks(before, after, spec.head_dim, 2,
+                                          [l.key_ranks for l in spec.layers], [l.value_ranks for l in spec.layers])
     assert changed >= 3 * 4  # q, k, v, o (and k_up) of every layer were trained
 
 
