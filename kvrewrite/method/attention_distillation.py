@@ -22,11 +22,9 @@ Single-rate (the default): the result depends on the ranks, so the checkpoint se
 
 Nested (a RateMix): one set of weights trained for several rank cuts at once. Every window draws one truncation of
 the mix (Matryoshka / nested-dropout style: the latent dims are already ordered by importance, so a smaller rate is
-a prefix of a larger one's dims), and the KL of that truncation, relative to its KL before training, is what it
-contributes to the step: measured on SmolLM2, absolute KLs let the deepest cut (ten times the KL of the mildest)
-take the gradient and the epoch choice, and the mildest rate got worse. The epoch kept is the one with the best
-mean relative validation KL over the mix's validation rates, so one checkpoint serves every rate of the mix. The
-dims no truncation of the mix reads get no gradient and stay bit-for-bit unchanged.
+a prefix of a larger one's dims), and the KL of that truncation is what it contributes to the step. The epoch kept
+is the one with the best mean validation KL over the mix's validation rates, so one checkpoint serves every rate of
+the mix. The dims no truncation of the mix reads get no gradient and stay bit-for-bit unchanged.
 """
 
 from __future__ import annotations
@@ -92,8 +90,7 @@ class DistillReport:
     kept_epoch: int = 0  # 0: no epoch beat the starting weights on the validation windows, nothing was changed
     learning_rate_per_epoch: list[float] = field(default_factory=list)  # peak rate of each epoch (after back-offs)
     seconds: float = 0.0
-    # Nested runs: validation KL of each truncation (by name), before training and of the weights kept; the epoch
-    # choice is by their mean relative to before (validation_kl_* above are the plain means over validation rates).
+    # Nested runs: validation KL of each validation truncation (by name), before training and of the weights kept.
     validation_kl_by_rate_before: dict[str, float] = field(default_factory=dict)
     validation_kl_by_rate_after: dict[str, float] = field(default_factory=dict)
     windows_per_rate: dict[str, int] = field(default_factory=dict)  # how many training windows drew each truncation
@@ -129,14 +126,12 @@ def mean_kl(student, teacher, windows: torch.Tensor) -> float:
         return sum(_kl(_log_probs(teacher, w), _log_probs(student, w)).item() for w in windows.split(1)) / max(len(windows), 1)
 
 
-def _validation_kls(student, teacher, windows: torch.Tensor, mix: RateMix | None,
-                    which: tuple[int, ...] | None = None) -> dict[str, float]:
-    """Validation KL per truncation of the mix (`which`, default its validation ones; "" alone without a mix: the
-    caller's truncation)."""
+def _validation_kls(student, teacher, windows: torch.Tensor, mix: RateMix | None) -> dict[str, float]:
+    """Validation KL per validation truncation of the mix ("" alone without a mix: the caller's truncation)."""
     if mix is None:
         return {"": mean_kl(student, teacher, windows)}
     kls = {}
-    for i in (mix.validate if which is None else which):
+    for i in mix.validate:
         with mix.enter[i]():
             kls[mix.names[i]] = mean_kl(student, teacher, windows)
     return kls
@@ -180,36 +175,20 @@ def distill_attention(student, teacher, adapter, train_windows: torch.Tensor, va
     rate_draws = torch.Generator().manual_seed(settings.seed + 1)
     mix_weights = torch.tensor(mix.weights, dtype=torch.float64) if mix is not None else None
 
-    def draw() -> tuple[contextlib.AbstractContextManager, float]:
-        """The truncation a window runs at, and its loss weight."""
+    def window_context() -> contextlib.AbstractContextManager:
         if mix is None:
-            return contextlib.nullcontext(), 1.0
+            return contextlib.nullcontext()
         i = int(torch.multinomial(mix_weights, 1, generator=rate_draws))
         report.windows_per_rate[mix.names[i]] = report.windows_per_rate.get(mix.names[i], 0) + 1
-        return mix.enter[i](), loss_weight[i]
+        return mix.enter[i]()
 
-    # Nested: every truncation's KL before training, the yardstick of its loss and of the epoch choice.
-    start_kls = _validation_kls(student, teacher, validation_windows, mix, None if mix is None else tuple(range(len(mix.names))))
-    by_rate = start_kls if mix is None else {mix.names[i]: start_kls[mix.names[i]] for i in mix.validate}
+    by_rate = _validation_kls(student, teacher, validation_windows, mix)
     before = sum(by_rate.values()) / len(by_rate)
-    loss_weight = None
-    if mix is not None:
-        floor = 1e-8  # a truncation the start already reproduces must not get an unbounded weight
-        yardstick = sum(by_rate.values()) / len(by_rate)  # keeps the loss, hence Adam's early steps, at the usual scale
-        loss_weight = [yardstick / max(start_kls[name], floor) for name in mix.names]
-
-    def score(kls: dict[str, float]) -> float:
-        """What picks the epoch: the validation KL, or (nested) its mean relative to each truncation's start."""
-        if mix is None:
-            return kls[""]
-        return sum(kls[name] / max(start_kls[name], 1e-8) for name in kls) / len(kls)
-
-    best_score = score(by_rate)
     report = DistillReport(steps=total_steps, train_tokens=int(train_windows.numel()), validation_tokens=int(validation_windows.numel()),
                            trained_tensor_elements=sum(p.numel() for p in trained.values()),
                            validation_kl_before=before, validation_kl_after=before)
     if mix is not None:
-        report.validation_kl_by_rate_before = dict(start_kls)
+        report.validation_kl_by_rate_before = dict(by_rate)
         report.validation_kl_by_rate_after = dict(by_rate)
     best = {name: p.detach().clone() for name, p in trained.items()}
     step = 0
@@ -229,9 +208,8 @@ def distill_attention(student, teacher, adapter, train_windows: torch.Tensor, va
                     for window in tokens.split(1):
                         with torch.no_grad():
                             reference = _log_probs(teacher, window)
-                        truncation, weight = draw()
-                        with truncation:
-                            part = _kl(reference, _log_probs(student, window)) * (weight * window.numel() / tokens.numel())
+                        with window_context():
+                            part = _kl(reference, _log_probs(student, window)) * (window.numel() / tokens.numel())
                             part.backward()
                         loss += part.item()
                     optimizer.step()
@@ -246,8 +224,7 @@ def distill_attention(student, teacher, adapter, train_windows: torch.Tensor, va
                 by_rate = _validation_kls(student, teacher, validation_windows, mix)
                 kl = sum(by_rate.values()) / len(by_rate)
                 report.validation_kl_per_epoch.append(kl)
-                if score(by_rate) < best_score:
-                    best_score = score(by_rate)
+                if kl < report.validation_kl_after:
                     report.validation_kl_after, report.kept_epoch = kl, epoch
                     if mix is not None:
                         report.validation_kl_by_rate_after = dict(by_rate)
