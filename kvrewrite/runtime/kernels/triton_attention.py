@@ -27,7 +27,7 @@ from kvrewrite.runtime.kernels.cache_layout import ROWS
 from kvrewrite.runtime.kernels.reference import PackedLayout, boolean_mask
 from kvrewrite.runtime.kernels.scheduling import head_work, lpt_decode_schedule, prefill_tasks
 
-NEG_INF = -1.0e30  # finite: a fully masked block must not turn the running max into -inf - -inf = nan
+NEG_INF = tl.constexpr(-1.0e30)  # a constexpr: compiled kernels read no plain globals; finite: a fully masked block must not turn the running max into -inf - -inf = nan
 INTERPRETER_WORKERS = 4
 
 

@@ -26,7 +26,7 @@ import triton.language as tl
 from kvrewrite.runtime.codecs.readout import CodedReadout
 from kvrewrite.runtime.kernels.reference import PackedLayout, boolean_mask
 
-NEG_INF = -1.0e30  # finite, as in triton_attention: a fully masked tile must not make the running max -inf
+NEG_INF = tl.constexpr(-1.0e30)  # a constexpr: compiled kernels read no plain globals; finite, as in triton_attention: a fully masked tile must not make the running max -inf
 
 
 @triton.jit
