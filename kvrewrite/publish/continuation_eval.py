@@ -133,19 +133,19 @@ def continuation_quality(
             # Logits at positions [s, s + chunk) predict the tokens at [s + 1, s + chunk + 1).
             for s in range(0, last - 1, chunk):
                 e = min(s + chunk, last - 1)
-                logp = {}
+                logits = {}
                 for name, model in runners.items():
                     ids = window[s:e][None].to(_model_device(model))
-                    out = model(input_ids=ids, past_key_values=caches[name], use_cache=True)
-                    logp[name] = torch.log_softmax(out.logits[0].float().cpu(), dim=-1)
+                    logits[name] = model(input_ids=ids, past_key_values=caches[name], use_cache=True).logits[0]
                 for r in ranges:
                     lo, hi = max(r.start - 1, s), min(r.end - 1, e)  # logit positions of this chunk in the range
                     if lo >= hi:
-                        continue
+                        continue  # context only: its logits are never normalised
                     targets = window[lo + 1 : hi + 1]
-                    ref = logp["baseline"][lo - s : hi - s] if baseline is not None else None
+                    logp = {name: torch.log_softmax(out[lo - s : hi - s].float().cpu(), dim=-1) for name, out in logits.items()}
+                    ref = logp["baseline"] if baseline is not None else None
                     for name in runners:
-                        lp = logp[name][lo - s : hi - s]
+                        lp = logp[name]
                         acc = sums[name][r.label]
                         acc.nll -= lp.gather(-1, targets[:, None]).double().sum().item()
                         acc.count += hi - lo
