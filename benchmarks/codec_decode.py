@@ -22,18 +22,15 @@ step time over all its rounds' steps.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from decode import _fill_cache, timed_decode_steps  # noqa: E402  (the same cache fill and steps as decode.py)
+from decode import _fill_cache, run_provenance, timed_decode_steps  # noqa: E402  (the same cache fill and steps as decode.py)
 
 RESULTS = Path(__file__).parent / "results"
 CHECKPOINTS = {
@@ -142,17 +139,9 @@ def main() -> None:
 
     threads = int(os.environ.get("OMP_NUM_THREADS", "1"))
     torch.set_num_threads(threads)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip()
     results: list[dict] = []
     record = {
-        "command": " ".join([f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '')}",
-                             Path(sys.executable).name, *sys.argv]),
-        "commit": commit,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.node()}: {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-                   f"{threads} torch thread(s); machine shared with other jobs (variants of one size take turns, "
-                   "so ratios within a size are same-run)",
+        **run_provenance(threads, "variants of one size take turns, so ratios within a size are same-run"),
         "dtype": "float32",
         "checkpoints": {name: {"directory": d, "codecs": c} for name, (d, c) in CHECKPOINTS.items()
                         if name in args.checkpoints},

@@ -66,6 +66,27 @@ def compile_checkpoints(root: Path, calib_tokens: int) -> None:
     compile_variants(plan, {m: {"rope_mode": m} for m in missing}, root)
 
 
+
+def run_provenance(threads: int, note: str) -> dict:
+    """command, commit, date and machine of a decode benchmark run (the header every decode result file starts with)."""
+    import datetime
+    import platform
+    import subprocess
+    import sys
+
+    import torch
+
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).parent).stdout.strip()
+    return {
+        "command": " ".join([f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '')}",
+                             Path(sys.executable).name, *sys.argv]),
+        "commit": commit,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{platform.node()}: {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+                   f"{threads} torch thread(s); machine shared with other jobs ({note})",
+    }
+
 def timed_decode_steps(model, cache, batch: int, context: int, steps: int, attention_times: list,
                        layer_times: list) -> tuple[list[float], list[float], list[float]]:
     """`steps` single-token decode steps on a filled cache after one warm-up: wall, attention and attention-layer

@@ -21,11 +21,9 @@ and W_uv), summed over layers, median over steps; attention-layer time: the whol
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -33,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode import _timed, timed_decode_steps  # noqa: E402  (the same timer and steps as the per-head decode benchmark)
+from decode import _timed, run_provenance, timed_decode_steps  # noqa: E402  (the same timer and steps as the per-head decode benchmark)
 
 RESULTS = Path(__file__).parent / "results"
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -137,16 +135,9 @@ def main() -> None:
         print("RESULT " + json.dumps(measure(args.worker, args.steps, configs)))
         return
 
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip()
     results: dict = {}
     record = {
-        "command": " ".join([f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '')}",
-                             Path(sys.executable).name, *sys.argv]),
-        "commit": commit,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.node()}: {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-                   f"{args.threads} torch thread(s); machine shared with other jobs (ratios are same-run)",
+        **run_provenance(args.threads, "ratios are same-run"),
         "dtype": "float32",
         "models": {
             "stock": "LlamaForCausalLM, SmolLM2-135M shapes, random weights, sdpa; cache K+V = 2 x 3 x 64 = 384 "
