@@ -106,13 +106,19 @@ def test_cached_latents_equal_stock_caches():
         torch.testing.assert_close(mine.keys, torch.cat([theirs.keys, theirs.values], dim=-1))
 
 
+def left_padded(config, length: int, row: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of two whose `row` starts with `pad` pad tokens, and its attention mask."""
+    x = ids(batch=2, length=length)
+    mask = torch.ones_like(x)
+    mask[row, :pad] = 0
+    x[row, :pad] = config.pad_token_id
+    return x, mask
+
+
 def test_left_padded_batch_decodes_like_each_sequence_alone():
     config = tiny_config()
     stock, ours = stock_and_ours(config, dtype=torch.float64)
-    x = ids(batch=2, length=16)
-    mask = torch.ones_like(x)
-    mask[0, :5] = 0
-    x[0, :5] = config.pad_token_id
+    x, mask = left_padded(config, length=16, row=0, pad=5)
     with torch.no_grad():
         got = ours.generate(x, attention_mask=mask, max_new_tokens=8, do_sample=False)
         want = stock.generate(x, attention_mask=mask, max_new_tokens=8, do_sample=False)
@@ -134,10 +140,7 @@ def test_greedy_generate_equals_stock(rope_interleave):
 def test_beam_search_on_left_padded_batch_equals_stock():
     config = tiny_config()
     stock, ours = stock_and_ours(config, dtype=torch.float64)
-    x = ids(batch=2, length=10)
-    mask = torch.ones_like(x)
-    mask[1, :3] = 0
-    x[1, :3] = config.pad_token_id
+    x, mask = left_padded(config, length=10, row=1, pad=3)
     kwargs = dict(attention_mask=mask, max_new_tokens=6, num_beams=3, num_return_sequences=2, do_sample=False)
     with torch.no_grad():
         got = ours.generate(x, **kwargs)
