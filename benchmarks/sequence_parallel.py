@@ -139,31 +139,41 @@ def measure_bytes(args, record: dict) -> None:
                            "counted by kvrewrite.runtime.sequence_parallel.CountingCollectives"}
 
 
+def _ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+
+
 def timing(args, record: dict) -> None:
+    """Prefill times, appended to those of earlier invocations. Ratios (vs 1 process, vs the original) compare rows
+    of one invocation only: the machine's load differs between invocations. A later invocation's rows say which run
+    they come from in their name, so every name stays unique."""
     rows = record.setdefault("timing", {}).setdefault("rows", [])
+    earlier = record["timing"].get("run")
+    invocation = 0 if earlier is None else len(earlier) if isinstance(earlier, list) else 1
+    suffix = f" ({_ordinal(invocation + 1)} run)" if invocation else ""
     started = time.perf_counter()
     for length in args.lengths:
         tokens = prompt_tokens(args.checkpoint, length)
         for world in args.procs:
             for rate in (ORIGINAL, 0.5):
+                label = f"{length} tokens N={world} {'original' if rate == ORIGINAL else 'p=0.5'}"
                 if time.perf_counter() - started > args.budget_s:
-                    record["timing"]["skipped_over_budget"] = record["timing"].get("skipped_over_budget", []) + [
-                        f"{length} tokens N={world} {'original' if rate == ORIGINAL else 'p=0.5'}"]
+                    record["timing"]["skipped_over_budget"] = record["timing"].get("skipped_over_budget", []) + [label]
                     continue
                 ranks = run_processes(timing_worker, world, args.checkpoint, tokens, rate)
-                label = f"{length} tokens N={world} {'original' if rate == ORIGINAL else 'p=0.5'}"
                 skipped = record["timing"].get("skipped_over_budget", [])
                 if label in skipped:  # skipped by an earlier invocation, measured now
                     skipped.remove(label)
-                rows.append({"name": f"{length // 1024}K N={world} {'original' if rate == ORIGINAL else 'p=0.5'}",
-                             "prompt_tokens": length, "processes": world, "rate": rate,
+                rows.append({"name": f"{length // 1024}K N={world} {'original' if rate == ORIGINAL else 'p=0.5'}{suffix}",
+                             "prompt_tokens": length, "processes": world, "rate": rate, "invocation": invocation,
                              "prefill_s": round(max(r["seconds"] for r in ranks), 1)})
                 print(rows[-1], flush=True)
                 write(record)
-    by = {(r["prompt_tokens"], r["processes"], r["rate"]): r["prefill_s"] for r in rows}
+    by = {(r.get("invocation", 0), r["prompt_tokens"], r["processes"], r["rate"]): r["prefill_s"] for r in rows}
     for row in rows:
-        one = by.get((row["prompt_tokens"], 1, row["rate"]))
-        original = by.get((row["prompt_tokens"], row["processes"], ORIGINAL))
+        run = row.get("invocation", 0)
+        one = by.get((run, row["prompt_tokens"], 1, row["rate"]))
+        original = by.get((run, row["prompt_tokens"], row["processes"], ORIGINAL))
         row["speedup_vs_1_process"] = round(one / row["prefill_s"], 2) if one else None
         row["vs_original"] = round(row["prefill_s"] / original, 2) if original else None
 
