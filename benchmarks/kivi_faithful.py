@@ -1,36 +1,50 @@
-"""Issue 20: where does our int2 lose to transformers' QuantizedCache? One change per row, same protocol.
+"""Issue 20's same-protocol table: our codecs against transformers' QuantizedCache, one model, one protocol, one
+byte count.
 
-Every row runs SmolLM2-135M-Instruct on held-out wiki text and scores it against the original model with a
+Every row runs a model on held-out wiki text and scores it against the original SmolLM2-135M-Instruct with a
 float32 DynamicCache under the *same* protocol:
   - `window`: 512-token windows, chunked prefill in 64-token chunks, every token scored (docs/codecs.md's protocol).
   - `continuation`: 1024-token sequences; the first 512 tokens are prefilled in one forward, the next 512 are fed
     64 tokens at a time and scored (the protocol of QuantizedCache's own numbers in issue 20).
+  - `long`: 4096-token sequences; the first 2048 prefilled in one forward, positions 2048-4095 fed 64 tokens at a
+    time and scored (the 2K-4K continuation positions of `kvrewrite eval --positions`).
 
-Caches compared:
-  - `ours:SPEC`     kvrewrite's CodecCache (kvrewrite.runtime.codecs) applied to the *original* model's raw K/V (post-RoPE
-                    keys, [B, H, S, D] packed as [B, 1, S, H*D]): the codec alone, no rewrite.
-  - `latent:SPEC`   the same codec on the full-rank rewrite (rate 0 of a compiled checkpoint, `--checkpoint`): what
-                    docs/codecs.md's "codec alone" row measures (pre-RoPE, whitened latents).
+A row is `[pRATE/]KIND:SPEC`. Without a prefix the model is the original (raw post-RoPE K/V); `pRATE/` loads the
+compiled checkpoint (`--checkpoint`) at that rate, so the cache holds its packed latents (p0.0 = the full-rank
+rewrite, which equals the original model: "codec alone" on the whitened pre-RoPE latents).
+  - `ours:SPEC`     kvrewrite's CodecCache on the original model's raw K/V ([B, H, S, D] packed as [B, 1, S, H*D]).
+  - `codec:SPEC`    kvrewrite's CodecCache on a compiled model (needs a prefix); trained codecs (tada, csr) are
+                    fitted here on 8 calibration windows with the compile pass's own function, as codec_table.py does.
+                    `codec:none` is the plain packed cache.
+  - `latent:SPEC`   old spelling of `p0.0/codec:SPEC`.
   - `quanto:b,ak,av,gs,res`  transformers' QuantizedCache, optimum-quanto backend: nbits, axis_key, axis_value,
                     q_group_size, residual_length (axis 0 = per token groups of gs channels, -1 = per channel groups
-                    of gs tokens; KIVI's axes are keys -1, values 0).
+                    of gs tokens; KIVI's axes are keys -1, values 0). On a compiled model it quantizes the packed
+                    latents, exactly as it would a model's K/V.
 
 Bytes per token: every tensor the cache holds at the end of a sequence (quanto's tensor subclasses unpacked into
-their packed data, scales and shifts), divided by the sequence length; `fp16 share` counts float tensors at 2 bytes
-per element (what a float16 deployment stores: our residual window is float16 already, quanto keeps the model's
-float32 residual and float32 scales) against the float16 cache, 23,040 bytes/token.
+their packed data, scales and shifts), divided by the sequence length (512, 1024 or 4096); `fp16 share` counts
+float tensors at 2 bytes per element (what a float16 deployment stores: our residual window is float16 already,
+quanto keeps the model's float32 residual and float32 scales) against the float16 cache, 23,040 bytes/token.
 
+optimum-quanto is not a project dependency; install it beside the venv and put it on the path:
+  pip install --target /tmp/quanto-site optimum-quanto==0.2.7 --no-deps
   PYTHONPATH=/tmp/quanto-site:. python benchmarks/kivi_faithful.py --rows ablation --eval-tokens 4096
+  PYTHONPATH=/tmp/quanto-site:. python benchmarks/kivi_faithful.py --checkpoint CKPT --protocols window,long \
+      --rows "p0.5/quanto:2,-1,0,64,128;p0.5/codec:int2:group_size=64,residual=128" --tag table
+  python benchmarks/kivi_faithful.py --report
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import json
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -118,7 +132,7 @@ def run_sequence(model, make_cache, ids: torch.Tensor, protocol: str) -> tuple[t
     pieces = []
     if protocol == "window":
         starts, first = range(0, ids.shape[1], CHUNK), None
-    else:  # continuation: prefill half, then chunks
+    else:  # continuation / long: prefill half in one forward, then chunks
         half = ids.shape[1] // 2
         out = model(input_ids=ids[:, :half], past_key_values=cache, use_cache=True)
         first = out.logits[:, -1:]  # predicts token `half`
@@ -138,7 +152,7 @@ def evaluate(model, make_cache, windows: torch.Tensor, protocol: str, base_logit
         for i, ids in enumerate(windows):
             ids = ids.unsqueeze(0)
             logits, cache = run_sequence(model, make_cache, ids, protocol)
-            target = ids[:, -logits.shape[1]:] if protocol == "continuation" else ids[:, 1:]
+            target = ids[:, 1:] if protocol == "window" else ids[:, -logits.shape[1]:]
             logp = F.log_softmax(logits.float(), -1)
             nll += float(-logp.gather(-1, target.unsqueeze(-1)).sum())
             n += target.numel()
@@ -173,20 +187,70 @@ ABLATION = [
 ]
 
 
-def make_factory(spec: str, original, checkpoint):
+SEQ_LEN = {"window": 512, "continuation": 1024, "long": 4096}
+FIT_WINDOWS = 8
+
+
+def split_row(spec: str) -> tuple[float | None, str, str]:
+    """'p0.5/codec:int2' -> (0.5, 'codec', 'int2'); 'quanto:2,-1,0,64,128' -> (None, 'quanto', '2,-1,0,64,128')."""
+    rate = None
+    if spec.startswith("p") and "/" in spec:
+        prefix, spec = spec.split("/", 1)
+        rate = float(prefix[1:])
     kind, _, rest = spec.partition(":")
-    if kind == "quanto":
-        return original, lambda: quanto_cache(rest)
-    if kind == "ours":
-        return original, lambda: ours_cache(rest)
     if kind == "latent":
+        rate, kind = 0.0, "codec"
+    return rate, kind, rest
+
+
+class Models:
+    """The original model, compiled views per rate (loaded once), and trained codec tables per (rate, codec)."""
+
+    def __init__(self, original, checkpoint: Path | None):
+        self.original, self.checkpoint = original, checkpoint
+        self._compiled: dict[float, object] = {}
+        self._tables: dict[tuple[float, str], dict] = {}
+
+    def compiled(self, rate: float):
         import kvrewrite
 
-        model = kvrewrite.load(checkpoint, rate=0.0, kv_codec=rest)
-        return model, model.make_kv_cache
-    if kind == "fp32":
-        return original, lambda: DynamicCache(config=original.config)
-    raise ValueError(spec)
+        if self.checkpoint is None:
+            raise SystemExit("rows with a pRATE/ prefix need --checkpoint")
+        if rate not in self._compiled:
+            self._compiled[rate] = kvrewrite.load(self.checkpoint, rate=rate, kv_codec="none")
+        return self._compiled[rate]
+
+    def tables(self, rate: float, codec: str) -> dict:
+        """Tables of a trained codec for this rate, fitted as the compile pass fits them (empty for untrained ones)."""
+        from kvrewrite.compile.codec_fitting import fit_codec_tables
+        from kvrewrite.io.calibration_data import calibration_token_sequences
+        from kvrewrite.runtime.codecs import parse_codec
+        from transformers import AutoTokenizer
+
+        config = parse_codec(codec)
+        if config is None or not getattr(config.codec_class, "fit_description", None):
+            return {}
+        if (rate, codec) not in self._tables:
+            tokenizer = AutoTokenizer.from_pretrained(self.checkpoint)
+            tokens = calibration_token_sequences("wiki", tokenizer, 16384, 512, seed=0)[:FIT_WINDOWS]
+            budget = 6.0 if config.name == "tada" else None  # codec_table.py's tada budget
+            self._tables[(rate, codec)], _ = fit_codec_tables(config, self.compiled(rate), tokens, budget_bits=budget)
+        return self._tables[(rate, codec)]
+
+    def factory(self, spec: str):
+        rate, kind, rest = split_row(spec)
+        if kind == "fp32":
+            return self.original, lambda: DynamicCache(config=self.original.config)
+        if kind == "ours":
+            return self.original, lambda: ours_cache(rest)
+        model = self.original if rate is None else self.compiled(rate)
+        if kind == "quanto":
+            return model, lambda: quanto_cache(rest)
+        if kind == "codec" and rate is not None:
+            view = copy.copy(model)  # shares every weight; only the codec differs
+            view.set_kv_codec(rest, self.tables(rate, rest))
+            return view, view.make_kv_cache
+        raise ValueError(f"unknown row {spec!r}")
 
 
 def git_commit() -> str:
@@ -200,14 +264,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", default="ablation", help="'ablation' or ';'-separated label=spec pairs or specs")
     parser.add_argument("--protocols", default="continuation,window")
-    parser.add_argument("--eval-tokens", type=int, default=4096)
+    parser.add_argument("--eval-tokens", type=int, default=4096, help="tokens per protocol (whole sequences of its length)")
     parser.add_argument("--checkpoint", type=Path)
     parser.add_argument("--tag", default="")
     parser.add_argument("--report", action="store_true")
     args = parser.parse_args()
-    record = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {"runs": []}
     if args.report:
-        report(record)
+        report(json.loads(RESULTS.read_text()))
         return
 
     from transformers import AutoTokenizer
@@ -219,30 +282,48 @@ def main() -> None:
     path = resolve_model_source("smollm2-135m").path
     tokenizer = AutoTokenizer.from_pretrained(path)
     original = load_fp32_model(path).eval()
+    models = Models(original, args.checkpoint)
     rows = ABLATION if args.rows == "ablation" else [
         tuple(r.split("=", 1)) if "=" in r.split(":")[0] else (r, r) for r in args.rows.split(";")]
     for protocol in args.protocols.split(","):
-        seq = 1024 if protocol == "continuation" else 512
+        seq = SEQ_LEN[protocol]
         windows = evaluation_token_sequences(tokenizer, args.eval_tokens, seq)
         base, base_logits = evaluate(original, lambda: DynamicCache(config=original.config), windows, protocol, None)
         print(f"[{protocol}] original fp32 DynamicCache ppl {base['ppl']:.3f}", flush=True)
         for label, spec in rows:
-            model, factory = make_factory(spec, original, args.checkpoint)
+            model, factory = models.factory(spec)
             t0 = time.perf_counter()
             st, _ = evaluate(model, factory, windows, protocol, base_logits)
             row = {"label": label, "spec": spec, "protocol": protocol, "tag": args.tag, "eval_tokens": int(windows.numel()),
+                   "seq_len": seq,
                    "baseline_ppl": base["ppl"], **st, "dppl": st["ppl"] / base["ppl"] - 1,
-                   "fp16_share": st["bytes_fp16"] / FP16_BYTES, "seconds": round(time.perf_counter() - t0, 1)}
+                   "fp16_share": st["bytes_fp16"] / FP16_BYTES, "seconds": round(time.perf_counter() - t0, 1),
+                   # each row keeps the invocation that measured it (the file accumulates rows of several runs)
+                   "command": " ".join(["python", *sys.argv]), "commit": git_commit(),
+                   "date": datetime.datetime.now().isoformat(timespec="seconds")}
             print(f"[{protocol}] {label:55s} ppl {st['ppl']:8.3f} ({row['dppl']:+8.1%}) KL {st['kl']:.4f} "
                   f"bytes/tok held {st['bytes_held']:7.0f} fp16-equiv {st['bytes_fp16']:7.0f} ({row['fp16_share']:.3f})", flush=True)
-            record["runs"] = [r for r in record["runs"] if not (r["spec"] == spec and r["protocol"] == protocol
-                                                                  and r.get("tag", "") == args.tag)]
-            record["runs"].append(row)
-            record.update(command=" ".join(["python", *sys.argv]), commit=git_commit(),
-                          machine=f"{platform.node()} {platform.machine()}, {torch.get_num_threads()} threads; torch {torch.__version__} CPU",
-                          date=datetime.datetime.now().isoformat(timespec="seconds"), fp16_bytes_per_token=FP16_BYTES)
-            RESULTS.parent.mkdir(parents=True, exist_ok=True)
-            RESULTS.write_text(json.dumps(record, indent=1))
+            save_row(row, args.tag)
+
+
+def save_row(row: dict, tag: str) -> None:
+    """Add one row to the results file under a lock, re-reading it first: several invocations (one per protocol)
+    may run at once and append to the same file."""
+    import fcntl
+
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    with open(Path(tempfile.gettempdir()) / "kivi_faithful.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        record = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {"runs": []}
+        record["runs"] = [r for r in record["runs"] if not (r["spec"] == row["spec"] and r["protocol"] == row["protocol"]
+                                                              and r.get("tag", "") == tag)]
+        record["runs"].append(row)
+        record.update(command=row["command"], commit=row["commit"],
+                      machine=f"{platform.node()} {platform.machine()}, {torch.get_num_threads()} threads; torch {torch.__version__} CPU",
+                      date=row["date"], fp16_bytes_per_token=FP16_BYTES)
+        tmp = RESULTS.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record, indent=1))
+        tmp.replace(RESULTS)
 
 
 def report(record: dict) -> None:
