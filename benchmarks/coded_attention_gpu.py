@@ -1,6 +1,8 @@
 """One decode step of one layer's attention on a CUDA GPU: stock SDPA over a float16 K/V cache against the int4 /
 int2 coded cache read two ways, (a) the decode path (dequantise the whole store, then attend) and (b) the fused
-Triton kernel (kernels.triton_coded_attention: dequantise each coded block in registers as it attends).
+Triton kernel (kernels.triton_coded_attention: dequantise each coded block in registers as it attends), once with
+one program per (request, KV head) walking the whole cache (`splits=1`) and once split over the sequence
+(flash-decoding, the kernel's default `split_count`).
 
 Shapes: SmolLM2-135M's layer (9 query heads, 3 KV heads, head_dim 64) at p = 0.5 with packed (non-latent) keys,
 key and value ranks 32 per KV head, batch 8, contexts 2K / 8K / 32K; random data (the cost does not depend on the
@@ -27,7 +29,7 @@ from kvrewrite.runtime.codecs import build_layer_codecs, parse_codec
 from kvrewrite.runtime.codecs.cache import CodecLayer
 from kvrewrite.runtime.kernels.coded_attention import readout_chunks
 from kvrewrite.runtime.kernels.reference import PackedLayout, packed_attention
-from kvrewrite.runtime.kernels.triton_coded_attention import triton_coded_attention
+from kvrewrite.runtime.kernels.triton_coded_attention import split_count, triton_coded_attention
 
 BATCH, Q_HEADS, KV_HEADS, HEAD_DIM, RANK = 8, 9, 3, 64, 32
 CODECS = ("int4:group_size=32", "int2:group_size=32")
@@ -67,15 +69,21 @@ def main() -> None:
         for codec in CODECS:
             readout = coded_readout(codec, context, device)
             query = torch.randn(BATCH, 1, layout.query_offsets[-1], device=device)
-            fused = triton_coded_attention(query, readout, None, HEAD_DIM ** -0.5, layout)
+            splits = split_count(BATCH * KV_HEADS, readout.coded_blocks, device)
             reference = decode_then_attend(query, readout, layout)
-            error = (fused - reference).abs().max().item()
+            error = (triton_coded_attention(query, readout, None, HEAD_DIM ** -0.5, layout, splits=1)
+                     - reference).abs().max().item()
+            split_error = (triton_coded_attention(query, readout, None, HEAD_DIM ** -0.5, layout, splits=splits)
+                           - reference).abs().max().item()
             decode_ms = do_bench(lambda: decode_then_attend(query, readout, layout))
-            fused_ms = do_bench(lambda: triton_coded_attention(query, readout, None, HEAD_DIM ** -0.5, layout))
+            fused_ms = do_bench(lambda: triton_coded_attention(query, readout, None, HEAD_DIM ** -0.5, layout, splits=1))
+            split_ms = do_bench(lambda: triton_coded_attention(query, readout, None, HEAD_DIM ** -0.5, layout, splits=splits))
             rows.append({"name": f"{context} {codec}", "context": context, "codec": codec, "stock_fp16_sdpa_ms": stock_ms,
                          "decode_path_ms": decode_ms, "fused_triton_ms": fused_ms,
                          "fused_vs_decode": decode_ms / fused_ms, "fused_vs_stock": stock_ms / fused_ms,
-                         "max_abs_diff_fused_vs_decode": error})
+                         "max_abs_diff_fused_vs_decode": error,
+                         "splits": splits, "fused_split_ms": split_ms, "split_vs_decode": decode_ms / split_ms,
+                         "split_vs_stock": stock_ms / split_ms, "max_abs_diff_split_vs_decode": split_error})
             print(rows[-1], flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     record = {"command": "python3 benchmarks/coded_attention_gpu.py --out " + str(args.out), "commit": commit or "see note",

@@ -177,7 +177,8 @@ def _coded_layer(codec: str, key_ranks, value_ranks, prefix: int, q_len: int, se
 @pytest.mark.parametrize("codec", ["int4:group_size=4,residual=3", "int2:group_size=8,residual=0"])
 @pytest.mark.parametrize("q_len", [1, 3], ids=["decode", "chunk"])
 @pytest.mark.parametrize("latent", [False, True], ids=["packed", "latent"])
-def test_triton_coded_attention_matches_the_torch_reference(codec, q_len, latent):
+@pytest.mark.parametrize("splits", [1, 2, 9], ids=["one-split", "two-splits", "more-splits-than-blocks"])
+def test_triton_coded_attention_matches_the_torch_reference(codec, q_len, latent, splits):
     triton_coded = pytest.importorskip("kvrewrite.runtime.kernels.triton_coded_attention", reason="triton not installed")
     from kvrewrite.runtime.kernels.reference import PackedLayout, boolean_mask, grouped_attention, packed_attention
 
@@ -194,7 +195,7 @@ def test_triton_coded_attention_matches_the_torch_reference(codec, q_len, latent
         cos, sin = _rope_tables(length, d)
         query = _rotate(torch.randn(2, q_len, 2 * group, d, generator=gen), cos[length - q_len :, None],
                         sin[length - q_len :, None]).reshape(2, q_len, 2 * group * d)
-        out = triton_coded.triton_coded_attention(query, readout, mask, 0.3, layout, k_up, (cos, sin))
+        out = triton_coded.triton_coded_attention(query, readout, mask, 0.3, layout, k_up, (cos, sin), splits=splits)
         allowed = boolean_mask(mask, q_len, length, query.device)
         heads = query.view(2, q_len, 2 * group, d).transpose(1, 2)
         ko, vo, expected = layout.key_offsets, layout.value_offsets, []
@@ -205,7 +206,7 @@ def test_triton_coded_attention_matches_the_torch_reference(codec, q_len, latent
         expected = torch.cat(expected, dim=-1)
     else:
         query = torch.randn(2, q_len, layout.query_offsets[-1], generator=gen)
-        out = triton_coded.triton_coded_attention(query, readout, mask, 0.3, layout)
+        out = triton_coded.triton_coded_attention(query, readout, mask, 0.3, layout, splits=splits)
         expected = packed_attention(query, keys, values, mask, 0.3, layout)
     assert (out - expected).abs().max().item() < 1e-4
 

@@ -7,6 +7,12 @@ dequantises them in registers (code * scale + low; keys one (scale, min) per cha
 token per group of channels), attends with an online softmax, and then walks the float16 window the same way.
 Nothing the size of the cache is written to memory.
 
+Flash-decoding split: a decode step has few programs (batch x KV heads), so one program walking the whole cache
+leaves most of a GPU idle. The cache's coded blocks are therefore split over a second grid axis: each program of
+a split walks its share of the blocks (the last split also walks the float16 window) and writes its unnormalised
+partial output with its running max and normaliser; a small torch step then merges the splits (the same rescaling
+the online softmax does between tiles). With one split the kernel writes the normalised output directly.
+
 Key modes: packed per-head keys (freq / post-rope / folded: `latent=False`), and rebuilt latent keys
 (`latent=True`): the key tile is up-projected in registers by the head's k_up rows and rotated with the cache
 positions' cos/sin (two half-width dots, rotate_half convention), the queries arriving already rotated.
@@ -26,6 +32,7 @@ import triton.language as tl
 from kvrewrite.runtime.codecs.readout import CodedReadout
 from kvrewrite.runtime.kernels.reference import PackedLayout, boolean_mask
 
+MIN_BLOCKS_PER_SPLIT = 4
 NEG_INF = tl.constexpr(-1.0e30)  # a constexpr: compiled kernels read no plain globals; finite, as in triton_attention: a fully masked tile must not make the running max -inf
 
 
@@ -73,15 +80,17 @@ def _coded_attention_kernel(
     q_ptr, o_ptr, mask_ptr,
     kc_ptr, ks_ptr, kl_ptr, vc_ptr, vs_ptr, vl_ptr, kw_ptr, vw_ptr,
     up_ptr, cos_ptr, sin_ptr,
-    q_off_ptr, k_off_ptr, v_off_ptr, o_off_ptr, k_rank_ptr, v_rank_ptr,
-    n_blocks, window, q_len, row_blocks, n_kv, key_channels, value_channels, head_d, scaling,
-    s_qb, s_qt, s_ob, s_ot, s_mb, s_mt,
+    q_off_ptr, k_off_ptr, v_off_ptr, o_off_ptr, k_rank_ptr, v_rank_ptr, pm_ptr, pl_ptr,
+    n_blocks, window, q_len, row_blocks, n_kv, key_channels, value_channels, head_d, scaling, blocks_per_split,
+    s_qb, s_qt, s_ob, s_ot, s_mb, s_mt, s_os, s_ps, s_pb, s_pt,
     s_kcb, s_kcn, s_ksb, s_ksn, s_vcb, s_vcn, s_vsb, s_vsn, s_vst, s_kwb, s_kwt, s_vwb, s_vwt,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr, HALF: tl.constexpr, BITS: tl.constexpr,
-    VALUE_GROUP: tl.constexpr, LATENT: tl.constexpr,
+    VALUE_GROUP: tl.constexpr, LATENT: tl.constexpr, PARTIAL: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    split = tl.program_id(1)
+    last_split = split == tl.num_programs(1) - 1
     rb = pid % row_blocks
     b = (pid // row_blocks // n_kv).to(tl.int64)
     h = pid // row_blocks % n_kv
@@ -113,7 +122,8 @@ def _coded_attention_kernel(
     k_cols = k_off + dims
     v_cols = v_off + dims
     tok = tl.arange(0, BLOCK_T)
-    for blk in range(0, n_blocks):
+    first_block = split * blocks_per_split
+    for blk in range(first_block, tl.minimum(first_block + blocks_per_split, n_blocks)):
         n = blk * BLOCK_T + tok
         n_ok = tok < BLOCK_T
         # Keys: one (scale, min) per channel per block; codes token-major over the block's [G, C] grid.
@@ -135,7 +145,7 @@ def _coded_attention_kernel(
         m_i, l_i, acc = _online_step(m_i, l_i, acc, s, allowed & row_ok[:, None], v)
     coded = n_blocks * BLOCK_T
     wtok = tl.arange(0, BLOCK_W)
-    for start in range(0, window, BLOCK_W):
+    for start in range(0, tl.where(last_split, window, 0), BLOCK_W):
         w = start + wtok
         w_ok = w < window
         n = coded + w
@@ -147,9 +157,15 @@ def _coded_attention_kernel(
         allowed = tl.load(mask_ptr + b * s_mb + pos[:, None] * s_mt + n[None, :], mask=row_ok[:, None] & w_ok[None, :],
                           other=0) != 0
         m_i, l_i, acc = _online_step(m_i, l_i, acc, s, allowed & row_ok[:, None] & w_ok[None, :], v)
-    out = tl.where(l_i[:, None] > 0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
-    o_ptrs = o_ptr + b * s_ob + pos[:, None] * s_ot + tl.load(o_off_ptr + h) + member[:, None] * rv + dims[None, :]
-    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & v_ok)
+    o_ptrs = o_ptr + split * s_os + b * s_ob + pos[:, None] * s_ot + tl.load(o_off_ptr + h) + member[:, None] * rv + dims[None, :]
+    if PARTIAL:  # this split's unnormalised sum, running max and normaliser, merged by _merge_splits
+        tl.store(o_ptrs, acc, mask=row_ok[:, None] & v_ok)
+        stat = split * s_ps + b * s_pb + pos * s_pt + h * GROUP + member
+        tl.store(pm_ptr + stat, m_i, mask=row_ok)
+        tl.store(pl_ptr + stat, l_i, mask=row_ok)
+    else:
+        out = tl.where(l_i[:, None] > 0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
+        tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & v_ok)
 
 
 def _pow2(n: int, floor: int = 16) -> int:
@@ -167,12 +183,33 @@ def supports(readout: CodedReadout) -> bool:
     return g & (g - 1) == 0 and (g >= 16 or _interpreting())
 
 
+def split_count(programs: int, blocks: int, device: torch.device) -> int:
+    """How many splits of the coded blocks a call gets: enough programs for about two per streaming multiprocessor,
+    never fewer than MIN_BLOCKS_PER_SPLIT blocks per split (a split's partial costs a write and a merge)."""
+    if device.type != "cuda" or blocks < 2 * MIN_BLOCKS_PER_SPLIT:
+        return 1
+    wanted = -(-2 * torch.cuda.get_device_properties(device).multi_processor_count // programs)
+    return max(1, min(wanted, blocks // MIN_BLOCKS_PER_SPLIT))
+
+
+def _merge_splits(partial: torch.Tensor, running_max: torch.Tensor, normaliser: torch.Tensor,
+                  column_heads: torch.Tensor) -> torch.Tensor:
+    """partial [splits, B, T, Osum] unnormalised outputs, running_max / normaliser [splits, B, T, H] -> [B, T, Osum]:
+    each split is rescaled to the common max, as the online softmax rescales between tiles."""
+    weight = torch.exp(running_max - running_max.amax(0, keepdim=True))  # [splits, B, T, H]; masked splits -> 0
+    total = (normaliser * weight).sum(0)[..., column_heads]  # [B, T, Osum]
+    summed = (partial * weight[..., column_heads]).sum(0)
+    return torch.where(total > 0, summed / total.clamp_min(1e-30), torch.zeros_like(summed))
+
+
 def triton_coded_attention(query: torch.Tensor, readout: CodedReadout, attention_mask, scaling: float,
                            layout: PackedLayout, k_up: torch.Tensor | None = None,
-                           rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                           rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                           splits: int | None = None) -> torch.Tensor:
     """query [B, T, Qsum] (latent: the rotated full-width queries [B, T, H * d]) over a CodedReadout -> [B, T, Osum].
 
     Latent layers pass k_up [n_kv, d, d] (rows = latent dims) and rope = (cos, sin) [S, d] at cache indices 0..S-1.
+    `splits` fixes how many programs share one row block's coded blocks (default: split_count).
     """
     batch, q_len, _ = query.shape
     kv_len = readout.length
@@ -206,16 +243,32 @@ def triton_coded_attention(query: torch.Tensor, readout: CodedReadout, attention
     # Tile rows = BLOCK_M positions x BLOCK_G members, at least 16 (tl.dot's minimum on the GPU; spare rows masked).
     block_m = max(16 // block_g, min(_pow2(q_len, floor=1), 64 // block_g), 1)
     row_blocks = -(-q_len // block_m)
-    _coded_attention_kernel[(batch * n_kv * row_blocks,)](
-        query, output, mask, kc, ks, kl, vc, vs, vl, key_window, value_window, up, cos, sin,
-        *tables.unbind(0),
+    programs = batch * n_kv * row_blocks
+    splits = max(1, min(splits or split_count(programs, blocks, device), max(blocks, 1)))
+    blocks_per_split = -(-blocks // splits) if blocks else 0
+    target = output
+    running_max = normaliser = dummy
+    if splits > 1:
+        target = torch.zeros(splits, *output.shape, device=device, dtype=torch.float32)
+        running_max = torch.full((splits, batch, q_len, n_kv * group), -1.0e30, device=device, dtype=torch.float32)
+        normaliser = torch.zeros_like(running_max)
+    _coded_attention_kernel[(programs, splits)](
+        query, target, mask, kc, ks, kl, vc, vs, vl, key_window, value_window, up, cos, sin,
+        *tables.unbind(0), running_max, normaliser,
         blocks, key_window.shape[1], q_len, row_blocks, n_kv, key_window.shape[-1], value_window.shape[-1], head_d, scaling,
-        query.stride(0), query.stride(1), output.stride(0), output.stride(1), mask.stride(0), mask.stride(1),
+        blocks_per_split,
+        query.stride(0), query.stride(1), target.stride(-3), target.stride(-2), mask.stride(0), mask.stride(1),
+        target.stride(0) if splits > 1 else 0, running_max.stride(0) if splits > 1 else 0,
+        running_max.stride(1) if splits > 1 else 0, running_max.stride(2) if splits > 1 else 0,
         kc.stride(0), kc.stride(1), ks.stride(0), ks.stride(1), vc.stride(0), vc.stride(1),
         vs.stride(0), vs.stride(1), vs.stride(2),
         key_window.stride(0), key_window.stride(1), value_window.stride(0), value_window.stride(1),
         GROUP=group, BLOCK_G=block_g, BLOCK_M=block_m, BLOCK_T=g, BLOCK_W=16, BLOCK_D=block_d,
         HALF=_pow2(head_d // 2) if latent else 16, BITS=readout.layout.bits, VALUE_GROUP=readout.layout.value_group,
-        LATENT=latent,
+        LATENT=latent, PARTIAL=splits > 1,
     )
-    return output
+    if splits == 1:
+        return output
+    column_heads = torch.cat([torch.full((layout.value_ranks[h],), h * group + m, dtype=torch.long, device=device)
+                              for h in range(n_kv) for m in range(group)])
+    return _merge_splits(target, running_max, normaliser, column_heads).to(output.dtype)
