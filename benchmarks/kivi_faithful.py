@@ -254,8 +254,12 @@ class Models:
 
 
 def git_commit() -> str:
+    """The commit of the kvrewrite that is imported (a worktree on PYTHONPATH may differ from this script's)."""
+    import kvrewrite
+
     try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, text=True).strip()
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=Path(kvrewrite.__file__).parent,
+                                       text=True).strip()
     except Exception:  # noqa: BLE001
         return "unknown"
 

@@ -193,6 +193,47 @@ def codecs_table(table: dict) -> Table:
     return Table(markdown(header, rows), tuple(derived))
 
 
+def _protocol_model(spec: str) -> str:
+    if spec.startswith("p") and "/" in spec:
+        rate = float(spec[1:spec.index("/")])
+        return "rewrite, p = 0 (codec alone on the whitened latents)" if rate == 0 else f"rewrite, p = {rate:g}"
+    return "original (raw post-RoPE K/V)"
+
+
+def _protocol_cache(spec: str) -> str:
+    cache = spec.split("/", 1)[-1]
+    kind, _, rest = cache.partition(":")
+    if kind == "quanto":
+        bits, ak, av, group, residual = rest.split(",")
+        axes = "KIVI axes" if (ak, av) == ("-1", "0") else f"axes {ak}/{av}"
+        return f"QuantizedCache int{bits}, {axes}, G = {group}, residual {residual}"
+    if rest == "none":
+        return "none (fp16 latents)"
+    return f"ours `{rest}`"
+
+
+@renderer("codec-protocol")
+def codec_protocol_table(faithful: dict, tag: str = "table") -> Table:
+    """benchmarks/kivi_faithful.py: QuantizedCache and our codecs per model, 512-token windows and 2K-4K positions,
+    each with the bytes held at the end of the sequence (512 / 4,096 tokens) against the float16 cache."""
+    fp16 = faithful["fp16_bytes_per_token"]
+    by_spec: dict[str, dict[str, dict]] = {}
+    for run in faithful["runs"]:
+        if run.get("tag") == tag:
+            by_spec.setdefault(run["spec"], {})[run["protocol"]] = run
+    rows = []
+    for spec, runs in by_spec.items():
+        cells = [_protocol_model(spec), _protocol_cache(spec)]
+        for protocol in ("window", "long"):
+            r = runs.get(protocol)
+            cells += ([f"{r['bytes_fp16']:.0f} ({r['fp16_share']:.3f})", f"{r['dppl']:+.1%}", f"{r['kl']:.3f}"]
+                      if r else ["", "", ""])
+        rows.append(cells)
+    header = ["model", "cache", "bytes/token @512 (of fp16)", "Δppl, 512-token windows", "KL",
+              "bytes/token @4096 (of fp16)", "Δppl, positions 2K–4K", "KL"]
+    return Table(markdown(header, rows), (float(fp16),))
+
+
 CODEC_GROUP_TAGS = {
     "default+refit": "default + refit",
     "refit30": "`compress -p 0.3 --refit output` (16K refit tokens)",
