@@ -8,6 +8,10 @@ codec spec (`--codecs`, `;`-separated, e.g. `int2:group_size=64,residual=0;gear;
   apart: cheap, so the whole ablation grid gets it;
 - ppl (only for the specs in `--ppl`): held-out wiki perplexity by chunked prefill (64-token chunks attending to
   the coded cache), KL and top-1 agreement against the original model under the same protocol;
+- spectrum (`--spectrum`, gear specs): the share of the backbone residual's energy in its top-r singular values
+  per KV head and block (what an exact rank-r correction removes), against Gaussian noise of the same shapes;
+- raw K/V (`--raw`): error and spectrum of the same specs on the original model's own K/V (post-RoPE keys),
+  for the first evaluation window;
 - bytes/token: read off the cache tensors after filling a fresh cache with 512 and with 2048 tokens of latents
   (what the cache holds depends on the shapes only, not on the values).
 
@@ -60,8 +64,58 @@ def filled_cache_bytes(model, length: int) -> float:
     return cache_tensor_bytes(cache) / length
 
 
+def residual_spectrum(spec: str, latents, key_ranks, value_ranks) -> dict[str, float]:
+    """What an exact rank-r correction could remove: the share of the backbone residual's energy (no outliers) in
+    its top-r singular values, per KV head and block, mean over layers, heads and blocks; and the same share for
+    Gaussian noise of the same shapes (a residual with no coherent part)."""
+    from kvrewrite.runtime.codecs import build_layer_codecs, parse_codec
+    from kvrewrite.runtime.codecs.base import as_blocks
+    from kvrewrite.runtime.codecs.kivi import kivi_decode, kivi_encode
+
+    gen = torch.Generator().manual_seed(0)
+    shares: dict[str, list[float]] = {}
+    for codec, layer in zip(build_layer_codecs(parse_codec(spec), key_ranks, value_ranks), latents):
+        for side in ("key", "value"):
+            x = as_blocks(layer[side], codec.block_tokens)
+            _, _, g, c = x.shape
+            residual = x - kivi_decode(kivi_encode(x, side, codec.bits, codec.group_size), side, codec.bits,
+                                       codec.group_size, g, c)
+            for start, end, rank in codec.head_ranks(side):
+                for name, matrix in ((side, residual[..., start:end]), (f"{side}_noise", torch.randn(
+                        residual[..., start:end].shape, generator=gen))):
+                    energy = torch.linalg.svdvals(matrix.double()).pow(2)
+                    shares.setdefault(name, []).extend((energy[..., :rank].sum(-1) / energy.sum(-1)).flatten().tolist())
+    return {f"top_r_share_{name}": sum(v) / len(v) for name, v in shares.items()}
+
+
+def raw_kv_rows(original, windows: torch.Tensor, specs: list[str], tag: str) -> list[dict]:
+    """Reconstruction error and residual spectrum of each spec on the original model's own K/V (post-RoPE keys,
+    heads side by side as [tokens, heads * head_dim]): the data GEAR was designed on, against our whitened latents."""
+    from transformers import DynamicCache
+
+    from kvrewrite.compile.codec_fitting import codec_calibration_errors
+    from kvrewrite.runtime.codecs import build_layer_codecs, parse_codec
+
+    cache = DynamicCache(config=original.config)
+    with torch.inference_mode():
+        original(input_ids=windows[:1], past_key_values=cache, use_cache=True)
+    latents = [{side: t[0].permute(1, 0, 2).reshape(t.shape[2], -1).float() for side, t in
+                (("key", layer.keys), ("value", layer.values))} for layer in cache.layers]
+    heads = [[layer.keys.shape[-1]] * layer.keys.shape[1] for layer in cache.layers]
+    rows = []
+    for spec in specs:
+        errors = codec_calibration_errors(build_layer_codecs(parse_codec(spec), heads, heads), latents)
+        row = {"tag": tag, "latents": "original model's raw K/V", "codec": spec,
+               **{f"rel_sq_error_{side}": sum(v) / len(v) for side, v in errors.items()}}
+        if spec.startswith("gear"):
+            row.update(residual_spectrum(spec, latents, heads, heads))
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
 def run(checkpoint: Path, rates: list[float], specs: list[str], ppl_specs: list[str], eval_tokens: int, tag: str,
-        commit: str) -> None:
+        commit: str, spectrum: bool = False, raw: bool = False) -> None:
     from transformers import AutoTokenizer
 
     import kvrewrite
@@ -76,6 +130,11 @@ def run(checkpoint: Path, rates: list[float], specs: list[str], ppl_specs: list[
     windows = evaluation_token_sequences(tokenizer, eval_tokens, SEQ_LEN)
     original = load_fp32_model(resolve_model_source("smollm2-135m").path) if ppl_specs else None
     record = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {"runs": []}
+    if raw:
+        original = original or load_fp32_model(resolve_model_source("smollm2-135m").path)
+        rows = raw_kv_rows(original, windows, [s for s in specs if s != "none"], tag)
+        keys = {(r["tag"], r["codec"]) for r in rows}
+        record["raw_kv"] = [r for r in record.get("raw_kv", []) if (r["tag"], r["codec"]) not in keys] + rows
     for rate in rates:
         base = kvrewrite.load(checkpoint, rate=rate, kv_codec="none")
         latents = collect_latents(base, windows[:1])
@@ -86,6 +145,8 @@ def run(checkpoint: Path, rates: list[float], specs: list[str], ppl_specs: list[
             if spec != "none":
                 errors = codec_calibration_errors(build_layer_codecs(parse_codec(spec), *ranks), latents)
                 row.update({f"rel_sq_error_{side}": sum(v) / len(v) for side, v in errors.items()})
+                if spec.startswith("gear") and spectrum:
+                    row.update(residual_spectrum(spec, latents, *ranks))
             view = copy.copy(base)  # shares every weight; only the codec differs
             view.set_kv_codec(spec, {})
             for length in BYTE_LENGTHS:
@@ -143,6 +204,9 @@ def main() -> None:
     parser.add_argument("--eval-tokens", type=int, default=2048)
     parser.add_argument("--tag", default="paper recipe")
     parser.add_argument("--commit", default=None, help="the commit measured, when not run from a git checkout")
+    parser.add_argument("--spectrum", action="store_true", help="also the top-r energy share of each gear spec's "
+                                                                     "backbone residual, against Gaussian noise")
+    parser.add_argument("--raw", action="store_true", help="also error and spectrum on the original model's raw K/V")
     parser.add_argument("--report", action="store_true")
     args = parser.parse_args()
     if args.report:
@@ -154,7 +218,7 @@ def main() -> None:
     if missing:
         parser.error(f"--ppl names specs not in --codecs: {sorted(missing)}")
     run(args.checkpoint, [float(r) for r in args.rates.split(",")], specs, ppl_specs, args.eval_tokens, args.tag,
-        args.commit or _commit())
+        args.commit or _commit(), args.spectrum, args.raw)
 
 
 if __name__ == "__main__":
