@@ -12,6 +12,8 @@ codec spec (`--codecs`, `;`-separated, e.g. `int2:group_size=64,residual=0;gear;
   per KV head and block (what an exact rank-r correction removes), against Gaussian noise of the same shapes;
 - raw K/V (`--raw`): error and spectrum of the same specs on the original model's own K/V (post-RoPE keys),
   for the first evaluation window;
+- value output (`--value-output`, rate 0): value errors seen through each layer's output projection, per token
+  and after averaging over tokens (value_output_errors);
 - bytes/token: read off the cache tensors after filling a fresh cache with 512 and with 2048 tokens of latents
   (what the cache holds depends on the shapes only, not on the values).
 
@@ -114,8 +116,47 @@ def raw_kv_rows(original, windows: torch.Tensor, specs: list[str], tag: str) -> 
     return rows
 
 
+def value_output_errors(base, latents, specs: list[str], tag: str) -> list[dict]:
+    """Value errors seen through the layer's output projection (full-rank rewrite only: every KV head the same width).
+
+    A value latent error e_t reaches the layer output as W_o e_t (each query head reading its KV head's latents).
+    Per layer and spec: rel_token_error = mean_t ||W_o e_t||^2 / mean_t ||W_o x_t||^2, and rel_mean_error =
+    ||W_o mean_t e_t||^2 / ||W_o mean_t x_t||^2 (uniform attention over the window's blocks: the part of the
+    error that averaging over tokens does not remove); importance = max / median of the column energies of W_o
+    per latent channel (how unevenly the output weighs the latent channels the codec treats alike).
+    """
+    from kvrewrite.runtime.codecs import build_layer_codecs, parse_codec
+    from kvrewrite.runtime.codecs.base import as_blocks
+
+    rows = []
+    key_ranks, value_ranks = base._layer_ranks()
+    for layer_idx, attn in enumerate(base.compressed_attentions()):
+        widths = value_ranks[layer_idx]
+        weight = attn.o_proj.weight.detach().float()
+        if len(set(widths)) != 1 or weight.shape[1] % widths[0]:
+            continue
+        width, kv_heads = widths[0], len(widths)
+        group = weight.shape[1] // width // kv_heads
+
+        def to_output(e: torch.Tensor) -> torch.Tensor:  # [T, kv_heads * width] -> [T, hidden]
+            return e.reshape(-1, kv_heads, width).repeat_interleave(group, 1).reshape(len(e), -1) @ weight.T
+
+        importance = weight.pow(2).sum(0).reshape(kv_heads, group, width).sum(1).flatten()
+        for spec in specs:
+            codec = build_layer_codecs(parse_codec(spec), key_ranks, value_ranks)[layer_idx]
+            x = as_blocks(latents[layer_idx]["value"], codec.block_tokens)
+            e = (codec.decode(codec.encode(x, "value"), "value") - x).reshape(-1, x.shape[-1])
+            x = x.reshape(-1, x.shape[-1])
+            rows.append({"tag": tag, "layer": layer_idx, "codec": spec,
+                         "rel_token_error": to_output(e).pow(2).sum(-1).mean().item() / to_output(x).pow(2).sum(-1).mean().item(),
+                         "rel_mean_error": to_output(e.mean(0, keepdim=True)).pow(2).sum().item()
+                         / to_output(x.mean(0, keepdim=True)).pow(2).sum().item(),
+                         "importance_max_over_median": (importance.max() / importance.median()).item()})
+    return rows
+
+
 def run(checkpoint: Path, rates: list[float], specs: list[str], ppl_specs: list[str], eval_tokens: int, tag: str,
-        commit: str, spectrum: bool = False, raw: bool = False) -> None:
+        commit: str, spectrum: bool = False, raw: bool = False, value_output: bool = False) -> None:
     from transformers import AutoTokenizer
 
     import kvrewrite
@@ -139,6 +180,15 @@ def run(checkpoint: Path, rates: list[float], specs: list[str], ppl_specs: list[
         base = kvrewrite.load(checkpoint, rate=rate, kv_codec="none")
         latents = collect_latents(base, windows[:1])
         ranks = base._layer_ranks()
+        if value_output and rate == 0.0:
+            diag = value_output_errors(base, latents, [s for s in specs if s != "none"], tag)
+            keys = {(r["tag"], r["codec"]) for r in diag}
+            record["value_output_space"] = [r for r in record.get("value_output_space", [])
+                                            if (r["tag"], r["codec"]) not in keys] + diag
+            for spec in [s for s in specs if s != "none"]:
+                mine = [r for r in diag if r["codec"] == spec]
+                print(spec, "layer 0:", {k: round(v, 3) for k, v in mine[0].items() if k.startswith("rel")},
+                      "layers 1+ mean rel_token_error:", round(sum(r["rel_token_error"] for r in mine[1:]) / max(len(mine) - 1, 1), 4), flush=True)
         rows = {}
         for spec in specs:
             row = {"tag": tag, "rate": rate, "codec": spec}
@@ -207,6 +257,8 @@ def main() -> None:
     parser.add_argument("--spectrum", action="store_true", help="also the top-r energy share of each gear spec's "
                                                                      "backbone residual, against Gaussian noise")
     parser.add_argument("--raw", action="store_true", help="also error and spectrum on the original model's raw K/V")
+    parser.add_argument("--value-output", action="store_true",
+                        help="at rate 0: value errors seen through each layer's output projection")
     parser.add_argument("--report", action="store_true")
     args = parser.parse_args()
     if args.report:
@@ -218,7 +270,7 @@ def main() -> None:
     if missing:
         parser.error(f"--ppl names specs not in --codecs: {sorted(missing)}")
     run(args.checkpoint, [float(r) for r in args.rates.split(",")], specs, ppl_specs, args.eval_tokens, args.tag,
-        args.commit or _commit(), args.spectrum, args.raw)
+        args.commit or _commit(), args.spectrum, args.raw, args.value_output)
 
 
 if __name__ == "__main__":
