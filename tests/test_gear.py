@@ -150,3 +150,39 @@ def test_cache_codes_a_block_exactly_when_the_buffer_of_g_tokens_fills():
         assert layer.keys.shape[-2] == step % 64
         coded_blocks = 0 if layer.coded_keys is None else layer.coded_keys["codes"].shape[1]
         assert coded_blocks == step // 64
+
+
+def test_outlier_slots_never_widen_a_quantization_group():
+    """The filtered entries' slots are filled inside the group's range: on a key channel whose entries are all far
+    from 0 (mean 8), the outlier-aware backbone is finer than plain KIVI there; a 0 in those slots would double the
+    channel's range and its error."""
+    x = latents("key", seed=6)
+    x[..., 5] = 8 + torch.randn(x[..., 5].shape, generator=torch.Generator().manual_seed(8))  # no spikes here
+    aware = codec("gear:outlier_percent=10,rank=0")
+    plain = codec("int2:group_size=64,residual=0")
+    channel = x[..., 5]
+    assert channel.min() > 2  # far from 0
+    aware_err = (aware.decode(aware.encode(x, "key"), "key")[..., 5] - channel).norm()
+    plain_err = (plain.decode(plain.encode(x, "key"), "key")[..., 5] - channel).norm()
+    assert aware_err < plain_err
+
+
+@pytest.mark.parametrize("side", ["key", "value"])
+def test_low_rank_factors_fit_the_residual_with_the_outliers_zeroed(side):
+    """B_h = R_h^T A_h with R = X - backbone, taken as 0 at the outliers (decode overwrites them there)."""
+    x = latents(side, seed=7)
+    gear = codec("gear:outlier_percent=10")
+    coded = gear.encode(x, side)
+    backbone = codec("gear:outlier_percent=10,rank=0")  # same outliers, fill and codes, no low-rank part
+    base = backbone.decode(backbone.encode(x, side), side)
+    dim = 2 if side == "key" else 3
+    outlier = torch.zeros_like(x, dtype=torch.bool).scatter(dim, coded["outlier_position"].long(), True)
+    residual = (x - base).masked_fill(outlier, 0.0)
+    left, right = coded["lowrank_left"].float(), coded["lowrank_right"].float()
+    col = flat = 0
+    for start, end, rank in gear.head_ranks(side):
+        a = left[..., col : col + rank]
+        b = right[..., flat : flat + (end - start) * rank].reshape(*x.shape[:2], end - start, rank)
+        expected = residual[..., start:end].transpose(-1, -2) @ a
+        assert torch.allclose(b, expected, rtol=0, atol=2e-3 * expected.abs().max().item())
+        col, flat = col + rank, flat + (end - start) * rank
