@@ -1,9 +1,21 @@
-"""`gear` / `gear-l`: quantized backbone + low-rank residual (power iteration) + sparse outliers (GEAR).
+"""`gear` / `gear-l`: GEAR (quantized backbone + low-rank residual per KV head + sparse outliers per vector).
 
-Per block of G tokens: S = the top and bottom s/2 % entries (kept exactly, as int16/int32 positions and
-float16 values); D = X - S is quantized KIVI-style; the quantization residual R = D - dequant(D) is
-approximated by a rank-rho product A B^T found by power iteration, stored in float16. decode = dequant + A B^T
-with the outlier entries put back. `gear-l` is the same without outliers.
+One coded block of G tokens is GEAR's streaming buffer of n_b tokens: the cache keeps new tokens in float16 and
+codes them when G have arrived (defaults G = n_b = 64 with no extra float16 window, `residual` = 0: the paper's
+2-bit setting, a KIVI backbone with g = 64 and n_b = 64). Per block, as the paper's Algorithm 1 does per buffer:
+
+1. S = Filter_s(X): in every vector, the top and bottom s/2 % of its entries (rounded to the nearest count), the
+   vectors aligned with the backbone's groups: keys per channel (the block's G tokens), values per token (its C
+   channels). Stored exactly: float16 values and their positions inside the vector (uint8 up to 256 entries).
+2. D = Quant_b(X - S): KIVI (keys per channel over the block, values per token in groups of G channels). The
+   outlier positions are filled with the mean of their quantization group's other entries, not 0, so the group's
+   range is that of the entries it really codes (a 0 would widen a key channel whose entries are all far from 0).
+3. L_h = A_h B_h^T ~ R_h, R = X - S - dequant(D), for each KV head h (its slice of channels): rank
+   min(rank, G, r_h) by power iteration, A_h [G, rank] with orthonormal columns and B_h = R_h^T A_h, float16.
+
+decode = dequant(D) + L, with the outlier entries written back exactly (so R is taken as 0 there: the low-rank
+part spends nothing on entries the decoder overwrites, and can then only lower the backbone's error).
+`gear-l` is the same without outliers.
 """
 
 from __future__ import annotations
@@ -19,7 +31,12 @@ from kvrewrite.runtime.codecs.registry import register_codec
 
 
 def low_rank(residual: torch.Tensor, rank: int, iterations: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank-`rank` approximation A B^T of each [G, C] matrix in residual [M, G, C] by subspace (power) iteration."""
+    """Rank-`rank` approximation A B^T of each [G, C] matrix in residual [M, G, C] by power (subspace) iteration.
+
+    GEAR's Algorithm 2 orthonormalises only in its last iteration; doing it in every iteration spans the same
+    subspace (a QR only changes the basis) in exact arithmetic and keeps the columns apart in floating point.
+    A has orthonormal columns and B = R^T A, so A B^T = A A^T R projects R: it never adds error.
+    """
     m, g, c = residual.shape
     generator = torch.Generator(device=residual.device).manual_seed(0)  # deterministic start, so coding is reproducible
     basis = torch.randn(m, c, rank, generator=generator, device=residual.device)
@@ -29,11 +46,18 @@ def low_rank(residual: torch.Tensor, rank: int, iterations: int) -> tuple[torch.
     return left, basis
 
 
+def position_dtype(length: int) -> torch.dtype:
+    """The smallest integer type that holds a position inside a vector of `length` entries."""
+    if length <= 256:
+        return torch.uint8
+    return torch.int16 if length <= torch.iinfo(torch.int16).max + 1 else torch.int32
+
+
 @register_codec
 class GearCodec(LayerCodec):
     name = "gear"
-    # rank: low-rank residual per block (power iteration); outlier_percent: top + bottom s% kept exactly.
-    defaults = {"bits": 2, "rank": 2, "outlier_percent": 2.0, "power_iterations": 3, "group_size": 32, "residual": 32}
+    # rank: per KV head and block (power iteration); outlier_percent: s, top + bottom s/2 % of every vector kept exactly.
+    defaults = {"bits": 2, "rank": 2, "outlier_percent": 2.0, "power_iterations": 3, "group_size": 64, "residual": 0}
 
     @classmethod
     def validate(cls, params):
@@ -51,53 +75,95 @@ class GearCodec(LayerCodec):
         self.rank, self.iterations = int(p["rank"]), int(p["power_iterations"])
         self.outlier_share = float(p["outlier_percent"]) / 100.0
 
-    def _outliers_per_end(self, side: str) -> int:
-        return int(self.outlier_share * self.block_tokens * self.channels[side] / 2)
+    # ---- layout ------------------------------------------------------------------------------------------
 
-    def _index_dtype(self, side: str) -> torch.dtype:
-        return torch.int16 if self.block_tokens * self.channels[side] <= torch.iinfo(torch.int16).max else torch.int32
+    def vector_length(self, side: str) -> int:
+        """Entries per outlier vector: a key channel's G tokens, a value token's C channels."""
+        return self.block_tokens if side == "key" else self.channels[side]
+
+    def outliers_per_end(self, side: str) -> int:
+        """Outliers taken from each end (top and bottom) of every vector: s/2 % of its length, rounded."""
+        return int(self.outlier_share / 2 * self.vector_length(side) + 0.5)
+
+    def head_ranks(self, side: str) -> list[tuple[int, int, int]]:
+        """(first channel, end channel, low-rank rank) of every KV head with a low-rank part."""
+        off, g = self.offsets[side], self.block_tokens
+        heads = [(off[h], off[h + 1], min(self.rank, g, off[h + 1] - off[h])) for h in range(len(off) - 1)]
+        return [head for head in heads if head[2] > 0]
+
+    # ---- coding ------------------------------------------------------------------------------------------
+
+    def _group_mean_fill(self, x: torch.Tensor, outlier: torch.Tensor, side: str) -> torch.Tensor:
+        """x with each outlier entry replaced by the mean of the other entries of its quantization group."""
+        batch, n, g, c = x.shape
+        kept = (~outlier).to(x.dtype)
+        if side == "key":  # one group per channel over the block's tokens
+            total, count = (x * kept).sum(2, keepdim=True), kept.sum(2, keepdim=True)
+            return torch.where(outlier, total / count.clamp_min(1), x)
+        group = self.group_size
+        pad = (-c) % group
+        xk, kp = torch.nn.functional.pad(x * kept, (0, pad)), torch.nn.functional.pad(kept, (0, pad))
+        total = xk.reshape(batch, n, g, -1, group).sum(-1)
+        count = kp.reshape(batch, n, g, -1, group).sum(-1)
+        mean = (total / count.clamp_min(1)).repeat_interleave(group, -1)[..., :c]
+        return torch.where(outlier, mean, x)
 
     def encode(self, x, side):
         batch, n, g, c = x.shape
         coded = {}
-        k = self._outliers_per_end(side)
-        dense = x
+        k = self.outliers_per_end(side)
+        dense, outlier = x, None
         if k > 0:
-            flat = x.reshape(batch, n, g * c)
-            top = flat.topk(k, dim=-1).indices
-            bottom = (-flat).topk(k, dim=-1).indices
-            index = torch.cat([top, bottom], dim=-1)
-            coded["outlier_index"] = index.to(self._index_dtype(side))
-            coded["outlier_value"] = flat.gather(-1, index).to(META_DTYPE)
-            dense = flat.scatter(-1, index, 0.0).reshape(batch, n, g, c)
+            dim = 2 if side == "key" else 3
+            order = x.argsort(dim=dim)
+            length = x.shape[dim]
+            keep = torch.cat([order.narrow(dim, 0, k), order.narrow(dim, length - k, k)], dim=dim)  # disjoint ends
+            outlier = torch.zeros_like(x, dtype=torch.bool).scatter(dim, keep, True)
+            coded["outlier_position"] = keep.to(position_dtype(length))
+            coded["outlier_value"] = x.gather(dim, keep).to(META_DTYPE)
+            dense = self._group_mean_fill(x, outlier, side)
         backbone = kivi_encode(dense, side, self.bits, self.group_size)
         coded.update(backbone)
-        if self.rank > 0:
+        heads = self.head_ranks(side)
+        if heads:
             residual = dense - kivi_decode(backbone, side, self.bits, self.group_size, g, c)
-            left, right = low_rank(residual.reshape(batch * n, g, c), min(self.rank, g, c), self.iterations)
-            coded["lowrank_left"] = left.reshape(batch, n, g, -1).to(META_DTYPE)
-            coded["lowrank_right"] = right.reshape(batch, n, c, -1).to(META_DTYPE)
+            if outlier is not None:
+                residual = residual.masked_fill(outlier, 0.0)  # decode writes these entries back exactly
+            lefts, rights = [], []
+            for start, end, rank in heads:
+                left, right = low_rank(residual[..., start:end].reshape(batch * n, g, end - start), rank, self.iterations)
+                lefts.append(left.reshape(batch, n, g, rank))
+                rights.append(right.reshape(batch, n, (end - start) * rank))
+            coded["lowrank_left"] = torch.cat(lefts, -1).to(META_DTYPE)  # [B, n, G, sum of ranks]
+            coded["lowrank_right"] = torch.cat(rights, -1).to(META_DTYPE)  # [B, n, sum of r_h * rank_h]
         return coded
 
     def decode(self, coded, side):
         g, c = self.block_tokens, self.channels[side]
         out = kivi_decode(coded, side, self.bits, self.group_size, g, c)
         if "lowrank_left" in coded:
-            out = out + coded["lowrank_left"].float() @ coded["lowrank_right"].float().transpose(-1, -2)
-        if "outlier_index" in coded:
             batch, n = out.shape[:2]
-            index = coded["outlier_index"].long()
-            out = out.reshape(batch, n, g * c).scatter(-1, index, coded["outlier_value"].float()).reshape(batch, n, g, c)
+            left, right = coded["lowrank_left"].float(), coded["lowrank_right"].float()
+            col, flat = 0, 0
+            for start, end, rank in self.head_ranks(side):
+                a = left[..., col : col + rank]  # [B, n, G, rank]
+                b = right[..., flat : flat + (end - start) * rank].reshape(batch, n, end - start, rank)
+                out[..., start:end] += a @ b.transpose(-1, -2)
+                col, flat = col + rank, flat + (end - start) * rank
+        if "outlier_position" in coded:
+            dim = 2 if side == "key" else 3
+            out = out.scatter(dim, coded["outlier_position"].long(), coded["outlier_value"].float())
         return out
 
     def block_bytes(self, side):
         g, c = self.block_tokens, self.channels[side]
         total = kivi_block_bytes(side, self.bits, self.group_size, g, c)
-        if self.rank > 0:
-            total += (g + c) * min(self.rank, g, c) * 2
-        k = self._outliers_per_end(side)
+        total += sum((g + end - start) * rank * 2 for start, end, rank in self.head_ranks(side))  # float16 A_h, B_h
+        k = self.outliers_per_end(side)
         if k > 0:
-            total += 2 * k * (torch.empty((), dtype=self._index_dtype(side)).element_size() + 2)
+            vectors = c if side == "key" else g
+            position = torch.empty((), dtype=position_dtype(self.vector_length(side))).element_size()
+            total += vectors * 2 * k * (position + 2)  # a position and a float16 value per outlier
         return total
 
 
