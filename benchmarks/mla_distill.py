@@ -55,6 +55,8 @@ def main() -> None:
     parser.add_argument("--distill-epochs", type=float, default=2.0)
     parser.add_argument("--distill-lr", type=float, default=1e-5)
     parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--skip-free", action="store_true", help="Only the distilled compile (the training-free row is in mla_distill.json).")
+    parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args()
     started = time.perf_counter()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
@@ -63,10 +65,9 @@ def main() -> None:
     common = ["export-mla", MODEL, "--kv-share", str(args.kv_share), "--dtype", "float32", "--calib-tokens", str(args.calib_tokens)]
     distill = ["--distill", "--distill-tokens", str(args.distill_tokens), "--distill-epochs", str(args.distill_epochs),
                "--distill-lr", str(args.distill_lr)]
-    compiles = {
-        "distilled": timed_compile([*common, *distill, "-o", str(work / "distilled"), "--overwrite"], work / "distilled.log"),
-        "training-free": timed_compile([*common, "-o", str(work / "free"), "--overwrite"], work / "free.log"),
-    }
+    compiles = {"distilled": timed_compile([*common, *distill, "-o", str(work / "distilled"), "--overwrite"], work / "distilled.log")}
+    if not args.skip_free:
+        compiles["training-free"] = timed_compile([*common, "-o", str(work / "free"), "--overwrite"], work / "free.log")
     print(json.dumps(compiles, indent=1), flush=True)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -79,7 +80,7 @@ def main() -> None:
     source = resolve_model_source(MODEL).path
     original = load_fp32_model(source)
     windows = evaluation_token_sequences(AutoTokenizer.from_pretrained(source), args.eval_tokens, 512)
-    paths = {"training-free": work / "free", "distilled": work / "distilled"}
+    paths = {name: work / ("free" if name == "training-free" else name) for name in ("training-free", "distilled") if name in compiles}
     models = {name: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval() for name, path in paths.items()}
     results = perplexity_and_agreement_many(models, windows, baseline=original, progress=False)
     base = next(iter(results.values())).baseline_perplexity
@@ -110,8 +111,8 @@ def main() -> None:
         "rows": rows,
         "total_time_s": round(time.perf_counter() - started, 1),
     }
-    RESULTS.write_text(json.dumps(document, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    args.results.write_text(json.dumps(document, indent=2) + "\n")
+    print(f"wrote {args.results}")
 
 
 if __name__ == "__main__":

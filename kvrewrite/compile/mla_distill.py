@@ -29,6 +29,7 @@ from kvrewrite.compile.mla_form import MLAReferenceAttention, mla_layers_of, mla
 from kvrewrite.compile.passes.distill_attention import split_distill_windows
 from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.method.attention_distillation import DistillReport, DistillSettings, distill_attention
+from kvrewrite.progress import progress_bar
 from kvrewrite.method.mla import MLALayer, balance_latent_gauge, full_latent_rank
 
 
@@ -77,12 +78,12 @@ def distill_mla_layers(prepared, layers: list[MLALayer], progress: bool = True) 
         teacher.to("cpu")
     student.to("cpu")
     trained = mla_layers_of(student, layers)
-    inputs, latents = _measure_attention_inputs(student, calibration)
+    inputs, latents = _measure_attention_inputs(student, calibration, progress)
     norms = [max(a, b) for a, b in zip(prepared.inputs.max_square_norms, inputs)]
     return MLADistillResult(trained, report, norms, latents)
 
 
-def _measure_attention_inputs(model, windows: torch.Tensor) -> tuple[list[float], list[float]]:
+def _measure_attention_inputs(model, windows: torch.Tensor, progress: bool = False) -> tuple[list[float], list[float]]:
     """Per MLA layer of `model`: the largest ||x||^2 at its input and the largest mean(c^2) of its latent c, over
     every token of `windows` (one window at a time, no gradients)."""
     attentions = [m for m in model.modules() if isinstance(m, MLAReferenceAttention)]
@@ -99,9 +100,10 @@ def _measure_attention_inputs(model, windows: torch.Tensor) -> tuple[list[float]
 
     handles = [a.register_forward_pre_hook(hook(i, a), with_kwargs=True) for i, a in enumerate(attentions)]
     try:
-        with torch.no_grad():
+        with torch.no_grad(), progress_bar("latent-norm check on the trained form", len(windows), progress) as bar:
             for window in windows.split(1):
                 model(window)
+                bar.advance()
     finally:
         for handle in handles:
             handle.remove()
