@@ -8,7 +8,9 @@ Two real CLI compiles under /usr/bin/time -v (wall time, peak RSS), the same fla
 then both checkpoints are loaded in stock transformers (DeepseekV3ForCausalLM) and scored against the original on
 benchmarks/mla_quality.py's held-out protocol (wiki, 8,192 tokens in 512-token windows, disjoint from calibration).
 The distillation's own record (validation KL per epoch, kept epoch) is read from the checkpoint's config marker.
-Writes benchmarks/results/mla_distill.json.
+Writes benchmarks/results/mla_distill.json. A second setting, the distilled compile only:
+    OMP_NUM_THREADS=1 python benchmarks/mla_distill.py --skip-free --distill-epochs 3 --distill-lr 3e-5 \
+        --results benchmarks/results/mla_distill_lr3e-5.json
 """
 
 from __future__ import annotations
