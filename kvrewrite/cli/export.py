@@ -13,6 +13,23 @@ from rich.table import Table
 from kvrewrite.errors import KVRewriteError
 
 DTYPES = {"auto": None, "bfloat16": "bfloat16", "float32": "float32", "float16": "float16"}
+# --distill defaults (compress --distill's epochs and learning rate; the MLA form's factors are balanced to the
+# source projections' scale before training, compile/mla_distill.py).
+DISTILL_EPOCHS = 2.0
+DISTILL_LR = 1e-5
+
+
+def _distill_settings(distill: bool, tokens: int | None, epochs: float | None, lr: float | None, calib_tokens: int) -> dict:
+    """Plan fields for the distillation; options that only --distill reads are refused without it."""
+    from kvrewrite.errors import InvalidArgumentError
+
+    given = [name for name, value in (("--distill-tokens", tokens), ("--distill-epochs", epochs), ("--distill-lr", lr)) if value is not None]
+    if not distill:
+        if given:
+            raise InvalidArgumentError(f"{', '.join(given)} only apply with --distill")
+        return {}
+    return {"distill": True, "distill_tokens": calib_tokens if tokens is None else tokens,
+            "distill_epochs": DISTILL_EPOCHS if epochs is None else epochs, "distill_lr": DISTILL_LR if lr is None else lr}
 
 
 def export_mla(
@@ -27,19 +44,24 @@ def export_mla(
     key_weight: float | None = typer.Option(None, "--key-weight", help="Weight of the key side against the value side in the latent's objective (default 0.25, chosen on calibration text)."),
     verify_tokens: int = typer.Option(128, "--verify-tokens", help="Tokens of one calibration window for the checks at the end."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
+    distill: bool = typer.Option(False, "--distill", help="Train the MLA form's attention weights at its widths against the original model's next-token distribution (no run-time cost; docs/distill.md)."),
+    distill_tokens: int | None = typer.Option(None, "--distill-tokens", help="With --distill: calibration tokens it trains on, 1/16 of them held back for validation (default: every calibration token)."),
+    distill_epochs: float | None = typer.Option(None, "--distill-epochs", help=f"With --distill: passes over the distillation tokens; the best epoch on the validation windows is kept (default {DISTILL_EPOCHS:g})."),
+    distill_lr: float | None = typer.Option(None, "--distill-lr", help=f"With --distill: Adam learning rate, cosine decay (default {DISTILL_LR:g})."),
 ) -> None:
     """Compute a multi-head latent (MLA) form from calibration statistics and write it as a stock DeepSeek-V3 checkpoint."""
     console = Console() if sys.stdout.isatty() else Console(width=140)
     try:
+        distilling = _distill_settings(distill, distill_tokens, distill_epochs, distill_lr, calib_tokens)
         _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, verify_tokens, overwrite, console,
-             kv_lora_rank, qk_rope_head_dim)
+             kv_lora_rank, qk_rope_head_dim, distilling)
     except (KVRewriteError, ValueError) as exc:
         console.print(f"[bold red]error:[/] {escape(str(exc))}")
         raise typer.Exit(code=2) from None
 
 
 def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, verify_tokens, overwrite, console,
-         kv_lora_rank=None, qk_rope_head_dim=None) -> None:
+         kv_lora_rank=None, qk_rope_head_dim=None, distilling: dict | None = None) -> None:
     import torch
 
     from kvrewrite.adapters import adapter_for
@@ -58,7 +80,11 @@ def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, 
         raise InvalidArgumentError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if not 0 < kv_share <= 1:
         raise InvalidArgumentError(f"--kv-share must be in (0, 1], got {kv_share}")
-    plan = Plan(model=model, calibration=calibration, calib_tokens=calib_tokens, output=output, overwrite=overwrite)
+    plan = Plan(model=model, calibration=calibration, calib_tokens=calib_tokens, output=output, overwrite=overwrite,
+                **(distilling or {}))
+    if plan.distill and plan.distill_tokens > calib_tokens:
+        raise InvalidArgumentError(f"--distill-tokens {plan.distill_tokens} is more than --calib-tokens {calib_tokens}: "
+                                   "the distillation trains on calibration windows; raise --calib-tokens")
     if qk_rope_head_dim is not None and kv_lora_rank is None:
         raise InvalidArgumentError("--qk-rope-head-dim needs --kv-lora-rank (exact widths)")
     check_source_exportable(plan)  # the family, before any weight is read
@@ -74,7 +100,14 @@ def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, 
     with progress_bar("MLA form per layer", ctx.geometry.num_layers, plan.progress) as bar:
         weighting = {} if key_weight is None else {"key_weight": key_weight}
         layers = mla_layers_at_widths(prepared, widths, progress=bar.advance, **weighting)
-    summary = export_at_share(prepared, layers, output, dtype=chosen, overwrite=overwrite)
+    norms, provenance, distilled = None, None, None
+    if plan.distill:
+        from kvrewrite.compile.mla_distill import distill_mla_layers, distill_provenance
+
+        distilled = distill_mla_layers(prepared, layers, progress=plan.progress)
+        layers, norms, provenance = distilled.layers, distilled.max_square_norms, distill_provenance(distilled, plan)
+    summary = export_at_share(prepared, layers, output, dtype=chosen, overwrite=overwrite, max_square_norms=norms,
+                              provenance=provenance)
 
     tokens = ctx.calibration_tokens[:1, :verify_tokens]
     full_diff = full_width_max_logit_diff(prepared, tokens)
@@ -87,6 +120,8 @@ def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, 
         table.add_row(str(idx), str(layer.kv_lora_rank), str(layer.qk_rope_head_dim), f"{widths.share:.3f}",
                       f"{layer.rope_energy_kept:.3f}", f"{norm.relative_error_bound:.0e}")
     console.print(table)
+    if distilled is not None:
+        _print_distillation(console, distilled, summary)
     console.print(f"verify: full-width MLA (every RoPE component, full latent) vs original, max |Δlogit| = {full_diff:.2e}")
     console.print(f"verify: exported checkpoint in stock transformers ({str(chosen).removeprefix('torch.')}) vs our maths, "
                   f"max |Δlogit| = {export_diff:.2e}")
@@ -101,3 +136,20 @@ def _source_dtype(config):
     if isinstance(name, torch.dtype):
         return name
     return getattr(torch, str(name)) if name in ("bfloat16", "float32") else torch.float32
+
+
+def _print_distillation(console, distilled, summary) -> None:
+    from kvrewrite.compile.deepseek_v3_export import TRANSFORMERS_LATENT_NORM_EPS
+    from kvrewrite.compile.mla_distill import measured_latent_norm_errors
+
+    report = distilled.report
+    if report is None:
+        console.print("distill: the form is exact at these widths (every RoPE component, full latent): nothing trained")
+        return
+    kept = f"epoch {report.kept_epoch} kept" if report.kept_epoch else "no epoch helped, weights unchanged"
+    console.print(f"distill: validation KL {report.validation_kl_before:.4f} -> {report.validation_kl_after:.4f} nats "
+                  f"({kept}; {report.train_tokens} training, {report.validation_tokens} validation tokens, {report.seconds:.0f} s)")
+    errors = measured_latent_norm_errors(distilled, summary.neutralisers, TRANSFORMERS_LATENT_NORM_EPS)
+    bound = max(n.relative_error_bound for n in summary.neutralisers)
+    console.print(f"distill: kv_a_layernorm neutralisation re-derived from the trained weights: largest error on calibration "
+                  f"tokens {max(errors):.1e} (bound {bound:.0e})")

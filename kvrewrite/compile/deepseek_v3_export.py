@@ -41,7 +41,7 @@ class ExportSummary:
     dtype: torch.dtype
 
 
-def deepseek_v3_config(source_config, layer: MLALayer, dtype: torch.dtype) -> dict:
+def deepseek_v3_config(source_config, layer: MLALayer, dtype: torch.dtype, provenance: dict | None = None) -> dict:
     rope = dict(getattr(source_config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": source_config.rope_theta})
     # DeepSeek rotates pair p with base^(-2p/d_r); the source rotated frequency j with base^(-2j/head_dim). They agree
     # iff pair p holds frequency p * head_dim / d_r (one component per kept frequency, every stride-th frequency).
@@ -96,14 +96,16 @@ def deepseek_v3_config(source_config, layer: MLALayer, dtype: torch.dtype) -> di
         "use_cache": True,
         # kvrewrite.load recognises its own export by this and runs the absorbed runtime (runtime/mla/); stock
         # transformers keeps it as a plain config attribute.
-        MLA_MARKER: {"format_version": MLA_FORMAT_VERSION, "source_model_type": source_config.model_type},
+        MLA_MARKER: {"format_version": MLA_FORMAT_VERSION, "source_model_type": source_config.model_type, **(provenance or {})},
     }
 
 
 def export_deepseek_v3(source, layers: list[MLALayer], max_square_norms: list[float], output: Path, *,
-                       dtype: torch.dtype, norm_tolerance: float = 1e-6, overwrite: bool = False) -> ExportSummary:
+                       dtype: torch.dtype, norm_tolerance: float = 1e-6, overwrite: bool = False,
+                       provenance: dict | None = None) -> ExportSummary:
     """source: compile.layer_streaming.SourceModel of the original; layers: its MLA form; max_square_norms: per layer
-    the largest calibration ||x||^2 at the attention input (bounds the latent's mean square for the norm)."""
+    the largest calibration ||x||^2 at the attention input (bounds the latent's mean square for the norm);
+    provenance: extra keys for the config's kvrewrite_mla marker (how the form was made, e.g. its distillation)."""
     from kvrewrite.compile.mla_form import latent_max_mean_square
 
     eps = TRANSFORMERS_LATENT_NORM_EPS
@@ -115,7 +117,7 @@ def export_deepseek_v3(source, layers: list[MLALayer], max_square_norms: list[fl
             f"{str(dtype).removeprefix('torch.')} cannot hold the neutralised latent (rms {neutralisers[bad[0]].latent_rms:.1e} "
             f"in layer {bad[0]} is below its smallest normal number {torch.finfo(dtype).tiny:.1e}); export bfloat16 or float32"
         )
-    config = deepseek_v3_config(source.config, layers[0], dtype)
+    config = deepseek_v3_config(source.config, layers[0], dtype, provenance)
     state = _weights(source, layers, neutralisers, dtype)
     with atomic_output_dir(Path(output), overwrite=overwrite) as tmp:
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")

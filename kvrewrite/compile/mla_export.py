@@ -56,9 +56,13 @@ def mla_layers_at_widths(prepared: PreparedSource, widths: MLAWidths, key_weight
 
 
 def export_at_share(prepared: PreparedSource, layers: list[MLALayer], output: Path, *, dtype: torch.dtype,
-                    overwrite: bool = False) -> ExportSummary:
-    return export_deepseek_v3(prepared.ctx.source, layers, prepared.inputs.max_square_norms, output,
-                              dtype=dtype, overwrite=overwrite)
+                    overwrite: bool = False, max_square_norms: list[float] | None = None,
+                    provenance: dict | None = None) -> ExportSummary:
+    """max_square_norms: the attention inputs' largest ||x||^2 per layer for the latent-norm bound (default: the
+    original's on the calibration windows; a distilled form passes its own, mla_distill.py)."""
+    norms = prepared.inputs.max_square_norms if max_square_norms is None else max_square_norms
+    return export_deepseek_v3(prepared.ctx.source, layers, norms, output, dtype=dtype, overwrite=overwrite,
+                              provenance=provenance)
 
 
 def full_width_max_logit_diff(prepared: PreparedSource, tokens: torch.Tensor) -> float:

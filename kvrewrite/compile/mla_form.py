@@ -12,6 +12,7 @@ the maths' logits, which the verify step and the tests compare with the original
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -177,14 +178,23 @@ def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     return torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2)
 
 
-class MLAReferenceAttention(nn.Module):
-    """Expanded MLA attention from MLALayer weights; RoPE angles read from the source model's own cos/sin tables."""
+MLA_WEIGHT_NAMES = ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
 
-    def __init__(self, layer: MLALayer, num_heads: int, dtype: torch.dtype):
+
+class MLAReferenceAttention(nn.Module):
+    """Expanded MLA attention from MLALayer weights; RoPE angles read from the source model's own cos/sin tables.
+
+    trainable: the four weights are parameters (what --distill trains, compile/mla_distill.py), else buffers."""
+
+    def __init__(self, layer: MLALayer, num_heads: int, dtype: torch.dtype, trainable: bool = False):
         super().__init__()
         self.layer, self.num_heads = layer, num_heads
-        for name in ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"):
-            self.register_buffer(name, getattr(layer, name).to(dtype))
+        for name in MLA_WEIGHT_NAMES:
+            weight = getattr(layer, name).to(dtype)
+            if trainable:
+                self.register_parameter(name, nn.Parameter(weight.clone()))
+            else:
+                self.register_buffer(name, weight)
         self.scaling = (layer.qk_nope_head_dim + layer.qk_rope_head_dim) ** -0.5
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
@@ -207,11 +217,25 @@ class MLAReferenceAttention(nn.Module):
         return out @ self.o_proj.T, None
 
 
-def mla_reference_model(model: nn.Module, layers: list[MLALayer]) -> nn.Module:
-    """A copy of the stock model whose attention is the MLA form (for whole-sequence logits; no cache, no padding)."""
+def mla_reference_model(model: nn.Module, layers: list[MLALayer], trainable: bool = False) -> nn.Module:
+    """A copy of the stock model whose attention is the MLA form (for whole-sequence logits; no cache, no padding).
+
+    trainable: the MLA weights are parameters (the rest of the copy is the original's, as parameters too)."""
     adapter = adapter_for(model.config)
     mla = copy.deepcopy(model)
     dtype = next(model.parameters()).dtype
     for layer, weights in zip(adapter.decoder_layers(mla), layers):
-        setattr(layer, adapter.attention_attr, MLAReferenceAttention(weights, model.config.num_attention_heads, dtype))
+        setattr(layer, adapter.attention_attr,
+                MLAReferenceAttention(weights, model.config.num_attention_heads, dtype, trainable=trainable))
     return mla.eval()
+
+
+def mla_layers_of(model: nn.Module, layers: list[MLALayer]) -> list[MLALayer]:
+    """The MLA weights `model` (an mla_reference_model) holds now, as MLALayers (float64) with `layers`' widths."""
+    adapter = adapter_for(model.config)
+    found = []
+    for decoder_layer, layer in zip(adapter.decoder_layers(model), layers):
+        attention = getattr(decoder_layer, adapter.attention_attr)
+        found.append(dataclasses.replace(
+            layer, **{name: getattr(attention, name).detach().to("cpu", torch.float64).clone() for name in MLA_WEIGHT_NAMES}))
+    return found

@@ -31,7 +31,7 @@ total energy and the key side weighted by `key_weight`. At full width (r = 2 n_k
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -186,3 +186,19 @@ def mla_layer(
         latent_spectrum=pair.spectrum,
         rope_energy_kept=kept_energy / max(total_energy, 1e-300),
     )
+
+
+def balance_latent_gauge(layer: MLALayer) -> MLALayer:
+    """The same layer with every latent dim i rescaled so that its kv_a row and its kv_b column have equal norms.
+
+    c_i -> t_i c_i with kv_b's column i divided by t_i changes no output. The whitened latent comes out at the
+    calibration Gram's scale (a token's c is ~ 1 / sqrt(calibration tokens)), with kv_a's latent rows tiny and
+    kv_b's columns large; a per-element optimiser (Adam, --distill) would move the former by far more, relatively,
+    than the latter. Balanced, both sit at the source projections' scale. The RoPE rows are untouched."""
+    r = layer.kv_lora_rank
+    down_norms = layer.kv_a_proj_with_mqa[:r].norm(dim=1)
+    up_norms = layer.kv_b_proj.norm(dim=0)
+    t = (up_norms / down_norms.clamp_min(1e-300)).sqrt().where((down_norms > 0) & (up_norms > 0), torch.ones_like(up_norms))
+    kv_a = layer.kv_a_proj_with_mqa.clone()
+    kv_a[:r] *= t[:, None]
+    return replace(layer, kv_a_proj_with_mqa=kv_a, kv_b_proj=layer.kv_b_proj / t)

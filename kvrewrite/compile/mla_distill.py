@@ -1,0 +1,132 @@
+"""`export-mla --distill`: train the MLA form's own weights at its compiled widths against the original model's
+next-token distribution, with the machinery `compress --distill` uses (method/attention_distillation.py: one window
+per backward, a held-back validation split, the best epoch kept, back-off on an epoch that does not help).
+
+The student is mla_reference_model with trainable weights: per layer q_proj (q_nope and q_pe rows), the latent
+down-projection and the shared RoPE key (kv_a_proj_with_mqa), the key/value up-projection (kv_b_proj) and o_proj.
+Everything else (embeddings, norms, MLPs, LM head) is frozen at the original's. The widths do not change: the
+trained tensors have the export's shapes, so the DeepSeek-V3 checkpoint and our absorbed runtime carry them as they
+are. Nothing is added at run time.
+
+Before training, each latent dim is rescaled so its kv_a row and kv_b column have equal norms (an exact
+reparametrisation, method/mla.py balance_latent_gauge): the whitened latent comes out at the calibration Gram's
+scale, far from the other projections', and Adam's per-element steps would otherwise train the two factors at
+wildly different relative rates.
+
+The kv_a_layernorm neutralisation is derived afresh from the trained weights: its bound reads the trained latent
+rows' spectral norm and the largest attention input, now the larger of the original's calibration inputs and the
+distilled form's own (its residual stream differs from the original's); mean(c^2) of the trained latent on the
+calibration windows is measured too, so the bound can be checked against it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvrewrite.compile.mla_form import MLAReferenceAttention, mla_layers_of, mla_reference_model
+from kvrewrite.compile.passes.distill_attention import split_distill_windows
+from kvrewrite.errors import InvalidArgumentError
+from kvrewrite.method.attention_distillation import DistillReport, DistillSettings, distill_attention
+from kvrewrite.progress import progress_bar
+from kvrewrite.method.mla import MLALayer, balance_latent_gauge, full_latent_rank
+
+
+@dataclass(frozen=True)
+class MLADistillResult:
+    layers: list[MLALayer]  # the trained form (or the starting one where nothing was trained)
+    report: DistillReport | None  # None: nothing to train (the form is exact)
+    max_square_norms: list[float]  # per layer, for the latent-norm bound: max(original's, distilled form's) ||x||^2
+    latent_mean_square_max: list[float]  # per layer, the largest measured mean(c^2) of the trained latent (unscaled); [] untrained
+
+
+def form_is_exact(layers: list[MLALayer], geometry) -> bool:
+    """Every RoPE component kept and a full latent: the form equals the original, there is nothing to recover."""
+    n_kv, d = geometry.num_key_value_heads, geometry.head_dim
+    return all(l.qk_rope_head_dim == n_kv * d and l.kv_lora_rank == full_latent_rank(geometry, n_kv) for l in layers)
+
+
+def distill_mla_layers(prepared, layers: list[MLALayer], progress: bool = True) -> MLADistillResult:
+    """Train `layers` (the MLA form of prepared.ctx's source) as the plan's distill settings say."""
+    ctx = prepared.ctx
+    plan = ctx.plan
+    calibration = ctx.calibration_tokens
+    if plan.distill_tokens > calibration.numel():
+        raise InvalidArgumentError(
+            f"--distill-tokens {plan.distill_tokens} is more than the {calibration.numel()} calibration tokens it trains "
+            f"on; raise --calib-tokens to at least {plan.distill_tokens} or lower --distill-tokens")
+    if plan.distill_tokens < 2 * calibration.shape[1]:
+        raise InvalidArgumentError(
+            f"--distill-tokens {plan.distill_tokens} is less than two {calibration.shape[1]}-token windows: nothing would "
+            "be left to validate on")
+    device = torch.device(plan.device)
+    teacher = ctx.original_model().to(device)
+    if form_is_exact(layers, ctx.geometry):  # trained, it could only drift by rounding noise
+        teacher.to("cpu")
+        return MLADistillResult(list(layers), None, list(prepared.inputs.max_square_norms), [])
+    train, validation = split_distill_windows(calibration, plan.distill_tokens)
+    # Same function, latent factors at one scale, so Adam's per-element steps move both alike (method/mla.py).
+    layers = [balance_latent_gauge(layer) for layer in layers]
+    student = mla_reference_model(teacher, layers, trainable=True)
+    settings = DistillSettings(epochs=plan.distill_epochs, learning_rate=plan.distill_lr, batch_windows=plan.batch_size,
+                               seed=plan.seed)
+    try:
+        report = distill_attention(student, teacher, ctx.adapter, train.to(device), validation.to(device), settings,
+                                   progress=progress)
+    finally:
+        teacher.to("cpu")
+    student.to("cpu")
+    trained = mla_layers_of(student, layers)
+    inputs, latents = _measure_attention_inputs(student, calibration, progress)
+    norms = [max(a, b) for a, b in zip(prepared.inputs.max_square_norms, inputs)]
+    return MLADistillResult(trained, report, norms, latents)
+
+
+def _measure_attention_inputs(model, windows: torch.Tensor, progress: bool = False) -> tuple[list[float], list[float]]:
+    """Per MLA layer of `model`: the largest ||x||^2 at its input and the largest mean(c^2) of its latent c, over
+    every token of `windows` (one window at a time, no gradients)."""
+    attentions = [m for m in model.modules() if isinstance(m, MLAReferenceAttention)]
+    inputs, latents = [0.0] * len(attentions), [0.0] * len(attentions)
+
+    def hook(idx: int, attention: MLAReferenceAttention):
+        def measure(_module, args, kwargs):
+            x = (args[0] if args else kwargs["hidden_states"]).detach().double()
+            c = x @ attention.kv_a_proj_with_mqa[: attention.layer.kv_lora_rank].detach().double().T
+            inputs[idx] = max(inputs[idx], float(x.square().sum(-1).max()))
+            latents[idx] = max(latents[idx], float(c.square().mean(-1).max()))
+
+        return measure
+
+    handles = [a.register_forward_pre_hook(hook(i, a), with_kwargs=True) for i, a in enumerate(attentions)]
+    try:
+        with torch.no_grad(), progress_bar("latent-norm check on the trained form", len(windows), progress) as bar:
+            for window in windows.split(1):
+                model(window)
+                bar.advance()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return inputs, latents
+
+
+def measured_latent_norm_errors(result: MLADistillResult, neutralisers: list, eps: float) -> list[float]:
+    """Per layer, the neutralised kv_a_layernorm's relative error at the largest measured latent mean(c^2) of the
+    trained form on the calibration windows (method/latent_norm.py); each must be within its neutraliser's bound."""
+    from kvrewrite.method.latent_norm import relative_error
+
+    return [float(relative_error(torch.tensor(m), n, eps)) for m, n in zip(result.latent_mean_square_max, neutralisers)]
+
+
+def distill_provenance(result: MLADistillResult, plan) -> dict:
+    """What the checkpoint's kvrewrite_mla marker records of its distillation (stock loaders ignore it)."""
+    report = result.report
+    entry = {"tokens": plan.distill_tokens, "epochs": plan.distill_epochs, "learning_rate": plan.distill_lr}
+    if report is None:
+        return {"distill": {**entry, "trained": False, "why": "the form is exact at these widths"}}
+    return {"distill": {**entry, "trained": report.kept_epoch > 0, "train_tokens": report.train_tokens,
+                        "validation_tokens": report.validation_tokens, "steps": report.steps,
+                        "validation_kl_before": report.validation_kl_before,
+                        "validation_kl_per_epoch": report.validation_kl_per_epoch,
+                        "validation_kl_after": report.validation_kl_after, "kept_epoch": report.kept_epoch,
+                        "learning_rate_per_epoch": report.learning_rate_per_epoch, "seconds": round(report.seconds, 1)}}
