@@ -1,0 +1,109 @@
+"""Value-latent balancing (kvrewrite.runtime.codecs.value_balance) under KIVI codecs: held-out wiki ppl of a p = 0.5
+SmolLM2-135M checkpoint at rates 0.0 and 0.5, unbalanced (alpha 0) against s_j = ||o_proj columns of j||^alpha.
+
+  OMP_NUM_THREADS=1 python benchmarks/value_balance.py --checkpoint /work/ckpt/p50 --rate 0.0 --codec int2:group_size=64,residual=128
+(one rate and codec per call; results merge into benchmarks/results/value_balance.json; --rate R --codec none records
+the uncoded ppl and the balanced model's exactness at R).
+
+Protocol as benchmarks/codec_table.py: 512-token held-out windows, 64-token chunked prefill through the codec cache.
+No baseline model (ppl only, no agreement), to keep a row short on a shared CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).parent / "results" / "value_balance.json"
+CHUNK = 64
+
+
+def _record() -> dict:
+    return json.loads(RESULTS.read_text()) if RESULTS.is_file() else {"rates": {}}
+
+
+def _save(record: dict) -> None:
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(record, indent=1))
+
+
+def _weight_spread(model) -> list[dict]:
+    """Per layer: max / median of the value dims' o_proj weight (squared column norm), as the balance sees it."""
+    from kvrewrite.runtime.codecs.value_balance import value_column_norms
+
+    out = []
+    for layer in model.model.layers:
+        w = torch.cat(value_column_norms(layer.self_attn)).pow(2)
+        out.append(round(float(w.max() / w.median()), 1))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--checkpoint", type=Path, required=True)
+    parser.add_argument("--rate", type=float, required=True)
+    parser.add_argument("--codec", required=True)
+    parser.add_argument("--alphas", default="0.5,1.0")
+    parser.add_argument("--eval-tokens", type=int, default=2048)
+    args = parser.parse_args()
+
+    from transformers import AutoTokenizer
+
+    import kvrewrite
+    from kvrewrite.io.calibration_data import evaluation_token_sequences
+    from kvrewrite.publish.evaluation import perplexity_and_agreement_many
+    from kvrewrite.runtime.codecs.value_balance import balance_value_latents
+
+    tokenizer = AutoTokenizer.from_pretrained(args.checkpoint)
+    windows = evaluation_token_sequences(tokenizer, args.eval_tokens, 512)
+    alphas = [float(a) for a in args.alphas.split(",")]
+    base = kvrewrite.load(args.checkpoint, rate=args.rate, kv_codec="none")
+    models = {"alpha=0": base}
+    for alpha in alphas:
+        balanced = copy.deepcopy(base)
+        balance_value_latents(balanced, alpha)
+        models[f"alpha={alpha:g}"] = balanced
+    record = _record()
+    entry = record["rates"].setdefault(f"{args.rate:.2f}", {})
+    if args.codec == "none":
+        # Exactness: without a codec every balanced model gives the unbalanced model's logits (float32 rounding).
+        with torch.no_grad():
+            ref = base(windows[:1]).logits
+            entry["max_abs_logit_diff_no_codec"] = {
+                name: float((m(windows[:1]).logits - ref).abs().max()) for name, m in models.items() if name != "alpha=0"}
+        entry["max_abs_logit"] = float(ref.abs().max())
+        entry["value_weight_max_over_median_per_layer"] = _weight_spread(base)
+        models = {"alpha=0": base}  # uncoded ppl once: the balanced models are the same function
+    else:
+        for m in models.values():
+            m.set_kv_codec(args.codec)
+    t0 = time.perf_counter()
+    stats = perplexity_and_agreement_many(models, windows, None, chunk=CHUNK, progress=False)
+    rows = {name: round(st.perplexity, 4) for name, st in stats.items()}
+    print(args.rate, args.codec, rows, flush=True)
+    entry.setdefault("ppl", {})[args.codec] = rows
+    entry.setdefault("eval_s", {})[args.codec] = round(time.perf_counter() - t0, 1)
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).parent).stdout.strip()
+    record.update(
+        command_prefix=f"OMP_NUM_THREADS=1 {Path(sys.executable).name} benchmarks/value_balance.py --checkpoint {args.checkpoint}",
+        commit=commit,
+        machine=f"{platform.node()} {platform.machine()}; torch {torch.__version__} CPU, {torch.get_num_threads()} threads "
+                "(2 cores shared with other jobs)",
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        eval_tokens=int(windows.numel()), window=512, chunk=CHUNK, checkpoint=str(args.checkpoint),
+        scales="s_j = (2-norm of value dim j's o_proj input columns, all group members)^alpha / layer geometric mean")
+    _save(record)
+
+
+if __name__ == "__main__":
+    main()
