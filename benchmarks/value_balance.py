@@ -47,14 +47,40 @@ def _weight_spread(model) -> list[dict]:
     return out
 
 
+def summary(record: dict) -> dict:
+    """Per rate and codec: each variant's ppl increase over the uncoded model (a share), and the share of the
+    unbalanced increase that the best alpha removes."""
+    out = {}
+    for rate, entry in record["rates"].items():
+        uncoded = entry.get("ppl", {}).get("none", {}).get("alpha=0")
+        if uncoded is None:
+            continue
+        for codec, rows in entry["ppl"].items():
+            if codec == "none":
+                continue
+            increase = {name: round(ppl / uncoded - 1, 4) for name, ppl in rows.items()}
+            best = min(increase, key=increase.get)
+            out.setdefault(rate, {})[codec] = {
+                "increase": increase, "best": best,
+                "share_of_increase_removed": round(1 - increase[best] / increase["alpha=0"], 3)}
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--checkpoint", type=Path, required=True)
-    parser.add_argument("--rate", type=float, required=True)
-    parser.add_argument("--codec", required=True)
+    parser.add_argument("--checkpoint", type=Path)
+    parser.add_argument("--rate", type=float)
+    parser.add_argument("--codec")
+    parser.add_argument("--summary", action="store_true", help="only add the summary of the recorded rows")
     parser.add_argument("--alphas", default="0.5,1.0")
     parser.add_argument("--eval-tokens", type=int, default=2048)
     args = parser.parse_args()
+    if args.summary:
+        record = _record()
+        record["summary"] = summary(record)
+        _save(record)
+        print(json.dumps(record["summary"], indent=1))
+        return
 
     from transformers import AutoTokenizer
 
@@ -90,8 +116,9 @@ def main() -> None:
     stats = perplexity_and_agreement_many(models, windows, None, chunk=CHUNK, progress=False)
     rows = {name: round(st.perplexity, 4) for name, st in stats.items()}
     print(args.rate, args.codec, rows, flush=True)
-    entry.setdefault("ppl", {})[args.codec] = rows
-    entry.setdefault("eval_s", {})[args.codec] = round(time.perf_counter() - t0, 1)
+    entry.setdefault("ppl", {}).setdefault(args.codec, {}).update(rows)  # a later alpha grid adds to the row
+    seconds = entry.setdefault("eval_s", {}).get(args.codec, [])
+    entry["eval_s"][args.codec] = [*(seconds if isinstance(seconds, list) else [seconds]), round(time.perf_counter() - t0, 1)]
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                             cwd=Path(__file__).parent).stdout.strip()
     record.update(
