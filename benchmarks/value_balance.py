@@ -47,6 +47,30 @@ def _weight_spread(model) -> list[dict]:
     return out
 
 
+def raw_reference(codec: str, windows: torch.Tensor) -> None:
+    """The same codec on the original SmolLM2-135M's raw post-RoPE K/V, same windows and 64-token chunks
+    (kivi_faithful's `window` protocol, whose scoring equals perplexity_and_agreement_many's)."""
+    from transformers import DynamicCache
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from kivi_faithful import evaluate, ours_cache
+
+    from kvrewrite.compile.passes.load_checkpoint import load_fp32_model
+    from kvrewrite.io.sources import resolve_model_source
+
+    original = load_fp32_model(resolve_model_source("smollm2-135m").path).eval()
+    plain, _ = evaluate(original, lambda: DynamicCache(config=original.config), windows, "window", None)
+    coded, _ = evaluate(original, lambda: ours_cache(codec), windows, "window", None)
+    rows = {"none": round(plain["ppl"], 4), codec: round(coded["ppl"], 4)}
+    print("original raw K/V", rows, flush=True)
+    record = _record()
+    record.setdefault("original_raw_kv", {}).update(rows)
+    record["original_raw_kv_increase"] = {
+        name: round(ppl / record["original_raw_kv"]["none"] - 1, 4) for name, ppl in record["original_raw_kv"].items()
+        if name != "none"}
+    _save(record)
+
+
 def summary(record: dict) -> dict:
     """Per rate and codec: each variant's ppl increase over the uncoded model (a share), and the share of the
     unbalanced increase that the best alpha removes."""
@@ -72,6 +96,8 @@ def main() -> None:
     parser.add_argument("--rate", type=float)
     parser.add_argument("--codec")
     parser.add_argument("--summary", action="store_true", help="only add the summary of the recorded rows")
+    parser.add_argument("--raw-reference", action="store_true",
+                        help="the codec on the original model's raw K/V (benchmarks/kivi_faithful.py's cache), same windows")
     parser.add_argument("--alphas", default="0.5,1.0")
     parser.add_argument("--eval-tokens", type=int, default=2048)
     args = parser.parse_args()
@@ -91,6 +117,9 @@ def main() -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(args.checkpoint)
     windows = evaluation_token_sequences(tokenizer, args.eval_tokens, 512)
+    if args.raw_reference:
+        raw_reference(args.codec, windows)
+        return
     alphas = [float(a) for a in args.alphas.split(",")]
     base = kvrewrite.load(args.checkpoint, rate=args.rate, kv_codec="none")
     models = {"alpha=0": base}
