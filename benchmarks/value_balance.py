@@ -128,7 +128,10 @@ def main() -> None:
         balance_value_latents(balanced, alpha)
         models[f"alpha={alpha:g}"] = balanced
     record = _record()
-    entry = record["rates"].setdefault(f"{args.rate:.2f}", {})
+    # The default 2,048-token rows sit under the rate; a longer check under "RATE/TOKENStok" beside them.
+    key = f"{args.rate:.2f}" if windows.numel() == 2048 else f"{args.rate:.2f}/{int(windows.numel())}tok"
+    entry = record["rates"].setdefault(key, {})
+    entry["eval_tokens"] = int(windows.numel())
     if args.codec == "none":
         # Exactness: without a codec every balanced model gives the unbalanced model's logits (float32 rounding).
         with torch.no_grad():
@@ -156,7 +159,7 @@ def main() -> None:
         machine=f"{platform.node()} {platform.machine()}; torch {torch.__version__} CPU, {torch.get_num_threads()} threads "
                 "(2 cores shared with other jobs)",
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        eval_tokens=int(windows.numel()), window=512, chunk=CHUNK, checkpoint=str(args.checkpoint),
+        window=512, chunk=CHUNK, checkpoint=str(args.checkpoint),
         scales="s_j = (2-norm of value dim j's o_proj input columns, all group members)^alpha / layer geometric mean")
     _save(record)
 
