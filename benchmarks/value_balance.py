@@ -86,7 +86,9 @@ def summary(record: dict) -> dict:
             best = min(increase, key=increase.get)
             out.setdefault(rate, {})[codec] = {
                 "increase": increase, "best": best,
-                "share_of_increase_removed": round(1 - increase[best] / increase["alpha=0"], 3)}
+                "share_of_increase_removed": round(1 - increase[best] / increase["alpha=0"], 3),
+                "share_removed_by": {name: round(1 - inc / increase["alpha=0"], 3) for name, inc in increase.items()
+                                     if name != "alpha=0"}}
     return out
 
 
