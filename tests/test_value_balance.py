@@ -95,3 +95,35 @@ def test_key_side_per_channel_quantization_is_scale_invariant():
     assert torch.equal(scaled[..., others], plain[..., others])
     rms = lambda t: t.pow(2).mean().sqrt().item()  # noqa: E731
     assert rms(scaled[..., 11]) == pytest.approx(7.3 * rms(plain[..., 11]), rel=0.02)
+
+
+def test_balancing_carries_a_v_proj_bias():
+    """A family with a v_proj bias (Qwen2): the bias entry scales with its row. Attention mixes value rows with
+    weights summing to 1, so any mix of the balanced values through the balanced o_proj equals the original."""
+    from torch import nn
+
+    from kvrewrite.runtime.kernels.reference import PackedLayout
+
+    class Stub(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layout = PackedLayout((4, 3), (5, 2), 2)
+            self.v_proj = nn.Linear(8, 7, bias=True)
+            self.o_proj = nn.Linear(2 * 7, 8, bias=True)
+
+    torch.manual_seed(0)
+    stub = Stub().double()
+    with torch.no_grad():
+        stub.o_proj.weight[:, 3] *= 50  # one heavy dim (head 0, member 0, dim 3) so the scales are far from 1
+    original = copy.deepcopy(stub)
+    x, mix = torch.randn(6, 8, dtype=torch.float64), torch.softmax(torch.randn(6, 6, dtype=torch.float64), -1)
+
+    def output(m):
+        value = mix @ m.v_proj(x)  # [6, 7]: head 0's 5 dims, then head 1's 2
+        heads = [value[:, :5], value[:, 5:]]
+        packed = torch.cat([h for h in heads for _ in range(2)], dim=-1)  # member-major per KV head
+        return m.o_proj(packed)
+
+    balance_value_latents(stub, 1.0)
+    assert not torch.allclose(stub.v_proj.bias, original.v_proj.bias)
+    assert torch.allclose(output(stub), output(original), atol=1e-12)
