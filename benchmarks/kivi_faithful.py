@@ -16,6 +16,8 @@ rewrite, which equals the original model: "codec alone" on the whitened pre-RoPE
   - `codec:SPEC`    kvrewrite's CodecCache on a compiled model (needs a prefix); trained codecs (tada, csr) are
                     fitted here on 8 calibration windows with the compile pass's own function, as codec_table.py does.
                     `codec:none` is the plain packed cache.
+  - `balanced:SPEC` `codec:SPEC` on the compiled model with its value latents balanced for the codec
+                    (kvrewrite.runtime.codecs.value_balance, alpha 0.5; untrained codecs only).
   - `latent:SPEC`   old spelling of `p0.0/codec:SPEC`.
   - `quanto:b,ak,av,gs,res`  transformers' QuantizedCache, optimum-quanto backend: nbits, axis_key, axis_value,
                     q_group_size, residual_length (axis 0 = per token groups of gs channels, -1 = per channel groups
@@ -189,6 +191,7 @@ ABLATION = [
 
 SEQ_LEN = {"window": 512, "continuation": 1024, "long": 4096}
 FIT_WINDOWS = 8
+BALANCE_ALPHA = 0.5
 
 
 def split_row(spec: str) -> tuple[float | None, str, str]:
@@ -208,7 +211,7 @@ class Models:
 
     def __init__(self, original, checkpoint: Path | None):
         self.original, self.checkpoint = original, checkpoint
-        self._compiled: dict[float, object] = {}
+        self._compiled: dict[object, object] = {}
         self._tables: dict[tuple[float, str], dict] = {}
 
     def compiled(self, rate: float):
@@ -219,6 +222,17 @@ class Models:
         if rate not in self._compiled:
             self._compiled[rate] = kvrewrite.load(self.checkpoint, rate=rate, kv_codec="none")
         return self._compiled[rate]
+
+    def balanced(self, rate: float):
+        """The compiled model at this rate with its value latents balanced (codecs.value_balance, alpha 0.5)."""
+        import kvrewrite
+        from kvrewrite.runtime.codecs.value_balance import balance_value_latents
+
+        if ("balanced", rate) not in self._compiled:
+            model = kvrewrite.load(self.checkpoint, rate=rate, kv_codec="none")
+            balance_value_latents(model, BALANCE_ALPHA)
+            self._compiled[("balanced", rate)] = model
+        return self._compiled[("balanced", rate)]
 
     def tables(self, rate: float, codec: str) -> dict:
         """Tables of a trained codec for this rate, fitted as the compile pass fits them (empty for untrained ones)."""
@@ -249,6 +263,11 @@ class Models:
         if kind == "codec" and rate is not None:
             view = copy.copy(model)  # shares every weight; only the codec differs
             view.set_kv_codec(rest, self.tables(rate, rest))
+            return view, view.make_kv_cache
+        if kind == "balanced" and rate is not None:  # value latents balanced for the codec (alpha 0.5), own weights
+            balanced = self.balanced(rate)
+            view = copy.copy(balanced)
+            view.set_kv_codec(rest, {})
             return view, view.make_kv_cache
         raise ValueError(f"unknown row {spec!r}")
 

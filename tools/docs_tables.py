@@ -209,7 +209,20 @@ def _protocol_cache(spec: str) -> str:
         return f"QuantizedCache int{bits}, {axes}, G = {group}, residual {residual}"
     if rest == "none":
         return "none (fp16 latents)"
+    if kind == "balanced":
+        return f"ours `{rest}`, value latents balanced (α = 0.5)"
     return f"ours `{rest}`"
+
+
+CODEC_ORDER = ("none", "quanto:4", "int4", "quanto:2", "int2", "tada", "gear", "gear-l", "csr")
+
+
+def _protocol_order(spec: str) -> tuple:
+    """Rows by model (original first, then by rate), then by codec family, 4-bit before 2-bit, quanto first."""
+    rate = float(spec[1:spec.index("/")]) if spec.startswith("p") and "/" in spec else -1.0
+    cache = spec.split("/", 1)[-1].replace("codec:", "").replace("ours:", "").replace("balanced:", "")
+    family = cache.split(":")[0] if not cache.startswith("quanto") else cache[:8]
+    return rate, CODEC_ORDER.index(family) if family in CODEC_ORDER else len(CODEC_ORDER), cache
 
 
 @renderer("codec-protocol")
@@ -222,7 +235,7 @@ def codec_protocol_table(faithful: dict, tag: str = "table") -> Table:
         if run.get("tag") == tag:
             by_spec.setdefault(run["spec"], {})[run["protocol"]] = run
     rows = []
-    for spec, runs in by_spec.items():
+    for spec, runs in sorted(by_spec.items(), key=lambda item: _protocol_order(item[0])):
         cells = [_protocol_model(spec), _protocol_cache(spec)]
         for protocol in ("window", "long"):
             r = runs.get(protocol)
