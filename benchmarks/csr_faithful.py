@@ -8,6 +8,8 @@ Steps (results accumulate in benchmarks/results/csr_faithful.json; each step is 
   python benchmarks/csr_faithful.py --checkpoint /work/ckpt/p50 --step ablation --rate 0.5
   python benchmarks/csr_faithful.py --checkpoint /work/ckpt/p50 --step old --rate 0.0     (the csr before this
       change, its fitting function loaded from git at OLD_COMMIT, on the same latents)
+  python benchmarks/csr_faithful.py --checkpoint /work/ckpt/p50 --step diagnose --rate 0.0 (after fit: how white
+      the latents are, a random dictionary's error, first-token errors)
 Fitting uses the compile pass's function on the codec_table.py calibration windows (8 x 512 wiki tokens);
 held-out latents and perplexity use the held-out evaluation windows (2,048 tokens by default), with the
 codec_table.py protocol (512-token windows, 64-token chunks, each chunk attending to the coded cache).
@@ -83,13 +85,17 @@ def _latents(checkpoint: Path, rate: float, eval_tokens: int):
     return model, collect_latents(model, fit_tokens), collect_latents(model, held_tokens)
 
 
+WINDOW = 512  # held-out latents are 512-token windows, one after the other
+
+
 def _held_out_error(codecs, held, layers=None) -> dict:
-    """Relative squared error of decode(encode(x)) on held-out latents: per layer, and pooled per side."""
+    """Relative squared error of decode(encode(x)) on held-out latents: per layer, and pooled per side; also
+    pooled over the first token of each window only (the attention sink, whose value most queries read)."""
     from kvrewrite.runtime.codecs.base import as_blocks
 
     out = {}
     for side in ("key", "value"):
-        per_layer, num, den = [], 0.0, 0.0
+        per_layer, num, den, first_num, first_den = [], 0.0, 0.0, 0.0, 0.0
         for i, codec in enumerate(codecs):
             if layers is not None and i not in layers:
                 continue
@@ -98,13 +104,53 @@ def _held_out_error(codecs, held, layers=None) -> dict:
                 per_layer.append(0.0)
                 continue
             blocks = as_blocks(x, codec.block_tokens)
-            err = (codec.decode(codec.encode(blocks, side), side) - blocks).pow(2).sum().item()
-            energy = blocks.pow(2).sum().item()
-            per_layer.append(round(err / max(energy, 1e-30), 5))
-            num, den = num + err, den + energy
+            sq = (codec.decode(codec.encode(blocks, side), side) - blocks).pow(2).reshape(-1, x.shape[1]).sum(-1)
+            energy = blocks.pow(2).reshape(-1, x.shape[1]).sum(-1)
+            per_layer.append(round(sq.sum().item() / max(energy.sum().item(), 1e-30), 5))
+            num, den = num + sq.sum().item(), den + energy.sum().item()
+            first_num, first_den = first_num + sq[::WINDOW].sum().item(), first_den + energy[::WINDOW].sum().item()
         out[side] = {"pooled": round(num / max(den, 1e-30), 5), "per_layer": per_layer,
-                     "mean_of_layers": round(sum(per_layer) / max(len(per_layer), 1), 5)}
+                     "mean_of_layers": round(sum(per_layer) / max(len(per_layer), 1), 5),
+                     "first_token_of_window_pooled": round(first_num / max(first_den, 1e-30), 5)}
     return out
+
+
+def diagnose(checkpoint: Path, work: Path, rate: float, eval_tokens: int, spec: str) -> dict:
+    """Why sparse coding is hard on these latents: how isotropic they are (participation ratio of each head's
+    covariance spectrum, (sum l)^2 / sum l^2, which is the width for white latents and 1 for a single direction), what
+    a random unit dictionary of the same size achieves, and the first-token errors of the fitted codec."""
+    from kvrewrite.runtime.codecs import build_layer_codecs, parse_codec
+
+    import kvrewrite
+    from kvrewrite.compile.codec_fitting import collect_latents
+
+    model = kvrewrite.load(checkpoint, rate=rate, kv_codec="none")
+    held = collect_latents(model, _windows(checkpoint, eval_tokens)[1])
+    key_ranks, value_ranks = model._layer_ranks()
+    config = parse_codec(spec)
+    tables = load_file(str(work / f"csr_tables_p{rate:.2f}.safetensors"))
+    generator = torch.Generator().manual_seed(0)
+    random_tables = {name: t for name, t in ((n, torch.randn(a.shape, generator=generator)) for n, a in tables.items())}
+    random_tables = {name: t / t.norm(dim=1, keepdim=True) for name, t in random_tables.items()}
+    no_online = parse_codec(spec + (",", ":")[":" not in spec] + "online_per_block=0")
+    ratio = {}
+    for side, ranks in (("key", key_ranks), ("value", value_ranks)):
+        values = []
+        for i, layer in enumerate(held):
+            start = 0
+            for r in ranks[i]:
+                if r > 1:
+                    x = layer[side][:, start : start + r]
+                    spectrum = torch.linalg.eigvalsh(x.T @ x / x.shape[0]).clamp_min(0)
+                    values.append((float(spectrum.sum() ** 2 / spectrum.pow(2).sum()), r))
+                start += r
+        ratio[side] = {"mean_participation_ratio": round(sum(v for v, _ in values) / len(values), 2),
+                       "mean_width": round(sum(r for _, r in values) / len(values), 2)}
+    return {"participation_ratio": ratio,
+            "random_dictionary_no_online": _held_out_error(build_layer_codecs(no_online, key_ranks, value_ranks,
+                                                                              random_tables), held),
+            "csr": _held_out_error(build_layer_codecs(config, key_ranks, value_ranks, tables), held),
+            "csr, no online part": _held_out_error(build_layer_codecs(no_online, key_ranks, value_ranks, tables), held)}
 
 
 def fit(checkpoint: Path, work: Path, rate: float, eval_tokens: int, spec: str) -> dict:
@@ -206,7 +252,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--checkpoint", type=Path, required=True)
     parser.add_argument("--work", type=Path, default=Path("/tmp/kvrewrite-csr-faithful"))
-    parser.add_argument("--step", choices=("fit", "eval", "ablation", "old"), required=True)
+    parser.add_argument("--step", choices=("fit", "eval", "ablation", "old", "diagnose"), required=True)
     parser.add_argument("--rate", type=float, required=True)
     parser.add_argument("--eval-tokens", type=int, default=2048)
     parser.add_argument("--codec", default="csr", help="codec spec to fit / evaluate (default: the paper's CSR-8)")
@@ -219,6 +265,8 @@ def main() -> None:
         out = evaluate(args.checkpoint, args.work, args.rate, args.eval_tokens, args.codec)
     elif args.step == "ablation":
         out = ablation(args.checkpoint, args.rate, args.eval_tokens)
+    elif args.step == "diagnose":
+        out = diagnose(args.checkpoint, args.work, args.rate, args.eval_tokens, args.codec)
     else:
         out = old_codec_error(args.checkpoint, args.rate, args.eval_tokens)
     print(json.dumps({k: v for k, v in out.items() if "per_layer" not in str(k)}, indent=1)[:4000])
