@@ -130,8 +130,10 @@ def diagnose(checkpoint: Path, work: Path, rate: float, eval_tokens: int, spec: 
     config = parse_codec(spec)
     tables = load_file(str(work / f"csr_tables_p{rate:.2f}.safetensors"))
     generator = torch.Generator().manual_seed(0)
-    random_tables = {name: t for name, t in ((n, torch.randn(a.shape, generator=generator)) for n, a in tables.items())}
-    random_tables = {name: t / t.norm(dim=1, keepdim=True) for name, t in random_tables.items()}
+    random_tables = {}
+    for name, atoms in tables.items():
+        t = torch.randn(atoms.shape, generator=generator)
+        random_tables[name] = t / t.norm(dim=1, keepdim=True)
     no_online = parse_codec(spec + (",", ":")[":" not in spec] + "online_per_block=0")
     ratio = {}
     for side, ranks in (("key", key_ranks), ("value", value_ranks)):
@@ -187,10 +189,15 @@ def evaluate(checkpoint: Path, work: Path, rate: float, eval_tokens: int, spec: 
     base = kvrewrite.load(checkpoint, rate=rate, kv_codec="none")
     tables = load_file(str(work / f"csr_tables_p{rate:.2f}.safetensors"))
     no_online = spec + (",", ":")[":" not in spec] + "online_per_block=0"
+    variants = [("none", None, {}), ("csr", spec, tables), ("csr, no online part", no_online, tables)]
+    old_tables = work / f"csr_before_tables_p{rate:.2f}.safetensors"
+    if old_tables.is_file():  # the old step ran: the csr before this change, same protocol
+        _old_codec_class()
+        variants.append((f"csr before this change ({OLD_COMMIT})", OLD_NAME, load_file(str(old_tables))))
     models = {}
-    for name, codec in (("none", None), ("csr", spec), ("csr, no online part", no_online)):
+    for name, codec, codec_tables in variants:
         view = copy.copy(base)  # shares every weight; only the codec differs
-        view.set_kv_codec(parse_codec(codec) if codec else None, tables if codec else {})
+        view.set_kv_codec(parse_codec(codec) if codec else None, codec_tables)
         models[name] = view
     t0 = time.perf_counter()
     stats = perplexity_and_agreement_many(models, windows, original, chunk=CHUNK, progress=False)
@@ -226,21 +233,35 @@ def ablation(checkpoint: Path, rate: float, eval_tokens: int) -> dict:
     return {"layers": list(ABLATION_LAYERS), "variants": rows}
 
 
-def old_codec_error(checkpoint: Path, rate: float, eval_tokens: int) -> dict:
-    """The csr before this change (k-means + matching pursuit / least-squares refits, sparsity 8 on keys and
-    values, uint8 indices), its module text taken from git, fitted and measured on the same latents."""
+OLD_NAME = "csr-before"  # the old class is registered under this name while a step uses it
+
+
+def _old_codec_class():
+    """The csr class at OLD_COMMIT (module text from git), renamed OLD_NAME and registered."""
+    from kvrewrite.runtime.codecs import register_codec
+
     source = subprocess.run(["git", "show", f"{OLD_COMMIT}:kvrewrite/runtime/codecs/csr.py"], capture_output=True,
                             text=True, check=True, cwd=Path(__file__).parent).stdout
     namespace: dict = {}
     exec(compile(source.replace("@register_codec\n", ""), f"csr@{OLD_COMMIT}", "exec"), namespace)
+    old = namespace["CsrCodec"]
+    old.name = OLD_NAME
+    return register_codec(old)
+
+
+def old_codec_error(checkpoint: Path, work: Path, rate: float, eval_tokens: int) -> dict:
+    """The csr before this change (k-means + matching pursuit / least-squares refits, sparsity 8 on keys and
+    values, uint8 indices), its module text taken from git, fitted and measured on the same latents; its
+    dictionaries are saved for the eval step."""
+    old = _old_codec_class()
     model, fit_lat, held = _latents(checkpoint, rate, eval_tokens)
     key_ranks, value_ranks = model._layer_ranks()
     from kvrewrite.runtime.codecs.config import CodecConfig
 
-    old = namespace["CsrCodec"]
-    config = CodecConfig("csr", dict(old.defaults))
+    config = CodecConfig(OLD_NAME, dict(old.defaults))
     t0 = time.perf_counter()
     tables, _ = old.fit_tables(config, fit_lat, key_ranks, value_ranks)
+    save_file(tables, str(work / f"csr_before_tables_p{rate:.2f}.safetensors"))
     codecs = [old.for_layer(config, i, k, v, tables) for i, (k, v) in enumerate(zip(key_ranks, value_ranks))]
     train = _held_out_error(codecs, fit_lat)
     return {"commit": OLD_COMMIT, "params": config.params, "fit_s": round(time.perf_counter() - t0, 1),
@@ -268,7 +289,7 @@ def main() -> None:
     elif args.step == "diagnose":
         out = diagnose(args.checkpoint, args.work, args.rate, args.eval_tokens, args.codec)
     else:
-        out = old_codec_error(args.checkpoint, args.rate, args.eval_tokens)
+        out = old_codec_error(args.checkpoint, args.work, args.rate, args.eval_tokens)
     print(json.dumps({k: v for k, v in out.items() if "per_layer" not in str(k)}, indent=1)[:4000])
     record = _record()
     record.update(checkpoint=str(args.checkpoint), model="SmolLM2-135M (p = 0.5 sensitivity checkpoint)")
