@@ -10,6 +10,8 @@ Steps (results accumulate in benchmarks/results/csr_faithful.json; each step is 
       change, its fitting function loaded from git at OLD_COMMIT, on the same latents)
   python benchmarks/csr_faithful.py --checkpoint /work/ckpt/p50 --step diagnose --rate 0.0 (after fit: how white
       the latents are, a random dictionary's error, first-token errors)
+  python benchmarks/csr_faithful.py --checkpoint /work/ckpt/p50 --step variants --rate 0.0  (after fit: int4 and
+      CSR with more online atoms per block, same protocol as eval)
 Fitting uses the compile pass's function on the codec_table.py calibration windows (8 x 512 wiki tokens);
 held-out latents and perplexity use the held-out evaluation windows (2,048 tokens by default), with the
 codec_table.py protocol (512-token windows, 64-token chunks, each chunk attending to the coded cache).
@@ -208,6 +210,36 @@ def evaluate(checkpoint: Path, work: Path, rate: float, eval_tokens: int, spec: 
             "chunk": CHUNK, "fp16_kv_bytes_per_token": 2 * 30 * 3 * 64 * 2}
 
 
+VARIANTS = ("int4", "csr:online_per_block=2", "csr:online_per_block=4")  # the variants step's default
+
+
+def variants(checkpoint: Path, work: Path, rate: float, eval_tokens: int, specs: list[str]) -> dict:
+    """Perplexity and bytes of more codecs under the eval step's protocol: references (int4) and run-time-only
+    CSR settings (online atoms per block) that reuse the fitted CSR dictionaries."""
+    import kvrewrite
+    from kvrewrite.compile.passes.load_checkpoint import load_fp32_model
+    from kvrewrite.io.sources import resolve_model_source
+    from kvrewrite.publish.evaluation import kv_cache_bytes_per_token, perplexity_and_agreement_many
+    from kvrewrite.runtime.codecs import parse_codec
+
+    _, windows = _windows(checkpoint, eval_tokens)
+    original = load_fp32_model(resolve_model_source("smollm2-135m").path)
+    base = kvrewrite.load(checkpoint, rate=rate, kv_codec="none")
+    tables = load_file(str(work / f"csr_tables_p{rate:.2f}.safetensors"))
+    models = {}
+    for spec in specs:
+        view = copy.copy(base)
+        view.set_kv_codec(parse_codec(spec), tables if spec.startswith("csr") else {})
+        models[spec] = view
+    t0 = time.perf_counter()
+    stats = perplexity_and_agreement_many(models, windows, original, chunk=CHUNK, progress=False)
+    rows = {name: {**st.__dict__, "kv_bytes_per_token_512": kv_cache_bytes_per_token(models[name], 512),
+                   "kv_bytes_per_token_2048": kv_cache_bytes_per_token(models[name], 2048)}
+            for name, st in stats.items()}
+    return {"results": rows, "eval_s": round(time.perf_counter() - t0, 1), "eval_tokens": int(windows.numel()),
+            "chunk": CHUNK}
+
+
 def ablation(checkpoint: Path, rate: float, eval_tokens: int) -> dict:
     from kvrewrite.compile.codec_fitting import fit_codec_tables_on_latents
     from kvrewrite.runtime.codecs import build_layer_codecs, parse_codec
@@ -273,7 +305,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--checkpoint", type=Path, required=True)
     parser.add_argument("--work", type=Path, default=Path("/tmp/kvrewrite-csr-faithful"))
-    parser.add_argument("--step", choices=("fit", "eval", "ablation", "old", "diagnose"), required=True)
+    parser.add_argument("--step", choices=("fit", "eval", "ablation", "old", "diagnose", "variants"), required=True)
+    parser.add_argument("--variants", default=";".join(VARIANTS), help="variants step: codec specs, ';'-separated")
     parser.add_argument("--rate", type=float, required=True)
     parser.add_argument("--eval-tokens", type=int, default=2048)
     parser.add_argument("--codec", default="csr", help="codec spec to fit / evaluate (default: the paper's CSR-8)")
@@ -286,6 +319,8 @@ def main() -> None:
         out = evaluate(args.checkpoint, args.work, args.rate, args.eval_tokens, args.codec)
     elif args.step == "ablation":
         out = ablation(args.checkpoint, args.rate, args.eval_tokens)
+    elif args.step == "variants":
+        out = variants(args.checkpoint, args.work, args.rate, args.eval_tokens, args.variants.split(";"))
     elif args.step == "diagnose":
         out = diagnose(args.checkpoint, args.work, args.rate, args.eval_tokens, args.codec)
     else:
