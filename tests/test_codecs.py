@@ -10,7 +10,7 @@ import torch
 
 import kvrewrite
 from kvrewrite.runtime.codecs import build_layer_codecs, make_codec_cache, parse_codec
-from kvrewrite.runtime.codecs.csr import fit_dictionary, matching_pursuit, reconstruct
+from kvrewrite.runtime.codecs.csr import matching_pursuit, neural_dict, reconstruct
 from kvrewrite.runtime.codecs.tada import search_tada_bits
 from kvrewrite.runtime.codecs.packing import pack_bits, packed_length, unpack_bits
 from kvrewrite.errors import CorruptCheckpointError, InvalidArgumentError
@@ -35,9 +35,10 @@ def one_codec(name: str, tables=None):
     if name == "csr" and tables is None:
         gen = torch.Generator().manual_seed(1)
         tables = {}
+        chunks = parse_codec("csr").params
         for side, ranks in (("key", k), ("value", v)):
             for h, r in enumerate(ranks):
-                atoms = torch.randn(256, r, generator=gen)
+                atoms = torch.randn(256, -(-r // chunks[f"{side}_chunks"]), generator=gen)  # one piece's width
                 tables[f"csr.layer0.{side}.head{h}"] = atoms / atoms.norm(dim=1, keepdim=True)
     return build_layer_codecs(parse_codec(name), [k], [v], tables)[0]
 
@@ -94,17 +95,48 @@ def dense_gear(x: torch.Tensor, side: str, bits: int, group: int, rank: int, sha
 
 
 def dense_matching_pursuit(x: torch.Tensor, atoms: torch.Tensor, sparsity: int) -> torch.Tensor:
-    """Float64 matching pursuit (no float16 coefficients): the dictionary approximation CSR aims for."""
+    """Float64 matching pursuit (no float16 coefficients): the dictionary approximation CSR aims for. Atoms need
+    not be exactly unit (CSR's online atoms are float16-rounded): pick the largest |<R, d>| / |d|, subtract the
+    projection."""
     residual, atoms = x.double().clone(), atoms.double()
+    norms = atoms.norm(dim=1).clamp_min(1e-12)
     for _ in range(sparsity):
         corr = residual @ atoms.T
-        best = corr.abs().argmax(-1)
-        residual -= corr.gather(-1, best[:, None]) * atoms[best]
+        best = (corr.abs() / norms).argmax(-1)
+        residual -= (corr.gather(-1, best[:, None]) / norms[best, None] ** 2) * atoms[best]
     return (x.double() - residual).float()
 
 
-def dense_reference(codec, x: torch.Tensor, side: str) -> torch.Tensor:
-    """What `codec` should decode x [B, n, G, C] to, computed from its configuration (and CSR's dictionaries)."""
+def dense_csr(codec, x: torch.Tensor, side: str, online: torch.Tensor | None) -> torch.Tensor:
+    """CSR in float64: each head's vectors cut into `chunks` zero-padded pieces, each piece matching-pursued with
+    `sparsity` atoms over the offline dictionary plus the online atoms its block can see (those of every block up
+    to its own; online [B, n_earlier + n, sum over heads of k * width] as the codec stored them)."""
+    p = codec.config.params
+    s, chunks, k = int(p[f"{side}_sparsity"]), int(p[f"{side}_chunks"]), int(p["online_per_block"])
+    b, n, g, _ = x.shape
+    earlier = 0 if online is None else online.shape[1] - n
+    off, col, pieces = codec.offsets[side], 0, []
+    for h, atoms in enumerate(codec.dictionaries[side]):
+        if atoms is None:
+            continue
+        r, w = off[h + 1] - off[h], atoms.shape[1]
+        xh = torch.nn.functional.pad(x[..., off[h] : off[h + 1]], (0, chunks * w - r)).reshape(b, n, g * chunks, w)
+        out = torch.empty_like(xh)
+        for i in range(b):
+            for j in range(n):
+                seen = atoms
+                if k:
+                    mine = online[i, : earlier + j + 1, col : col + k * w].float().reshape(-1, w)
+                    seen = torch.cat([atoms, mine])
+                out[i, j] = dense_matching_pursuit(xh[i, j], seen, s)
+        col += k * w
+        pieces.append(out.reshape(b, n, g, chunks * w)[..., :r])
+    return torch.cat(pieces, -1)
+
+
+def dense_reference(codec, x: torch.Tensor, side: str, online: torch.Tensor | None = None) -> torch.Tensor:
+    """What `codec` should decode x [B, n, G, C] to, computed from its configuration (and CSR's dictionaries;
+    `online`: CSR's online atoms as stored, whose choice test_csr.py checks separately)."""
     name, p = codec.config.name, codec.config.params
     if name in ("int2", "int4"):
         return dense_kivi(x, side, int(p["bits"]), int(p["group_size"]))
@@ -112,12 +144,7 @@ def dense_reference(codec, x: torch.Tensor, side: str) -> torch.Tensor:
         share = float(p["outlier_percent"]) / 100
         return dense_gear(x, side, int(p["bits"]), int(p["group_size"]), int(p["rank"]), share, codec.ranks[side])
     assert name == "csr", name
-    off, pieces = codec.offsets[side], []
-    for h, atoms in enumerate(codec.dictionaries[side]):
-        if atoms is not None:
-            xh = x[..., off[h] : off[h + 1]]
-            pieces.append(dense_matching_pursuit(xh.reshape(-1, xh.shape[-1]), atoms, int(p["sparsity"])).reshape(xh.shape))
-    return torch.cat(pieces, -1)
+    return dense_csr(codec, x, side, online)
 
 
 class DenseReferenceCodec:
@@ -129,6 +156,15 @@ class DenseReferenceCodec:
 
     def encode(self, x, side):
         return {"decoded": dense_reference(self.codec, x, side)}
+
+    def encode_next(self, x, side, store):
+        if "online" not in (store or {}) and not int(self.codec.config.params.get("online_per_block", 0)):
+            return self.encode(x, side)
+        # CSR with online atoms: the real codec picks them (and keeps its store next to the reference's); the
+        # reference codes against every online atom of the sequence so far.
+        coded = self.codec.encode_next(x, side, store)
+        online = coded["online"] if store is None else torch.cat([store["online"], coded["online"]], 1)
+        return {"decoded": dense_reference(self.codec, x, side, online), "coef": coded["coef"], "online": coded["online"]}
 
     def decode(self, coded, side):
         return coded["decoded"]
@@ -227,8 +263,9 @@ def test_lossy_codecs_match_the_dense_reference(name, side):
     low-rank correction and stays within 10% of its error; CSR's float16 matching pursuit within 2% of float64's."""
     codec = one_codec(name)
     x = latents(seed=3, g=codec.block_tokens, c=codec.channels[side])
-    decoded = codec.decode(codec.encode(x, side), side)
-    reference = dense_reference(codec, x, side)
+    coded = codec.encode(x, side)
+    decoded = codec.decode(coded, side)
+    reference = dense_reference(codec, x, side, coded.get("online"))
     err, ref_err = (decoded - x).norm().item(), (reference - x).norm().item()
     assert 0.01 * x.norm().item() < ref_err < x.norm().item()  # lossy, and better than storing nothing
     if name.startswith("int"):
@@ -255,7 +292,7 @@ def test_fitted_dictionary_beats_a_random_one():
     gen = torch.Generator().manual_seed(5)
     mix = torch.randn(6, 16, generator=gen)
     x = torch.randn(2000, 6, generator=gen) @ mix + 0.05 * torch.randn(2000, 16, generator=gen)  # low-dim structure
-    fitted = fit_dictionary(x[:1500], 64, 2, 10, 5)
+    fitted, _ = neural_dict(x[:1500], 64, 2)
     rand = torch.randn(64, 16, generator=gen)
     rand = rand / rand.norm(dim=1, keepdim=True)
     test = x[1500:]

@@ -89,6 +89,11 @@ class LayerCodec(ABC):
     @abstractmethod
     def encode(self, x: torch.Tensor, side: str) -> dict[str, torch.Tensor]: ...
 
+    def encode_next(self, x: torch.Tensor, side: str, store: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        """encode(x) for blocks that follow `store` (this sequence's blocks coded so far, or None). Codecs whose
+        coding depends on the sequence's earlier blocks (CSR's online dictionary) override it."""
+        return self.encode(x, side)
+
     @abstractmethod
     def decode(self, coded: dict[str, torch.Tensor], side: str) -> torch.Tensor:
         """-> float32 [B, n, G, C]."""

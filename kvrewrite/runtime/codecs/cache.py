@@ -44,7 +44,9 @@ def encode_append(codec: LayerCodec, store: dict | None, staged: torch.Tensor, n
     """Code the first n_blocks whole blocks of G tokens of `staged` [B, 1, S, C] and append them to `store`."""
     batch, _, _, c = staged.shape
     g = codec.block_tokens
-    coded = codec.encode(staged[:, 0, : n_blocks * g].float().reshape(batch, n_blocks, g, c), side)
+    blocks = staged[:, 0, : n_blocks * g].float().reshape(batch, n_blocks, g, c)
+    encode_next = getattr(codec, "encode_next", None)  # stand-in codecs (tests) may lack the method
+    coded = encode_next(blocks, side, store) if encode_next is not None else codec.encode(blocks, side)
     if store is None:
         return coded
     return {name: torch.cat([store[name], coded[name]], dim=1) for name in store}
