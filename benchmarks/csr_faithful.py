@@ -3,18 +3,20 @@ on SmolLM2-135M: reconstruction error on held-out latents, perplexity, bytes per
 ablations (sparsity, dictionary size, online part, NeuralDict vs its k-means start) where our model allows.
 
 Steps (results accumulate in benchmarks/results/csr_faithful.json; each step is a separate small run):
-  python benchmarks/csr_faithful.py --checkpoint /work/ckpt/p50 --step fit --rate 0.0     (then 0.5)
-  python benchmarks/csr_faithful.py --checkpoint /work/ckpt/p50 --step eval --rate 0.0    (then 0.5)
-  python benchmarks/csr_faithful.py --checkpoint /work/ckpt/p50 --step ablation --rate 0.5
-  python benchmarks/csr_faithful.py --checkpoint /work/ckpt/p50 --step old --rate 0.0     (the csr before this
+  python benchmarks/csr_faithful.py --checkpoint CKPT --step fit --rate 0.0     (then 0.5)
+  python benchmarks/csr_faithful.py --checkpoint CKPT --step eval --rate 0.0    (then 0.5)
+  python benchmarks/csr_faithful.py --checkpoint CKPT --step ablation --rate 0.5
+  python benchmarks/csr_faithful.py --checkpoint CKPT --step old --rate 0.0     (the csr before this
       change, its fitting function loaded from git at OLD_COMMIT, on the same latents)
-  python benchmarks/csr_faithful.py --checkpoint /work/ckpt/p50 --step diagnose --rate 0.0 (after fit: how white
+  python benchmarks/csr_faithful.py --checkpoint CKPT --step diagnose --rate 0.0 (after fit: how white
       the latents are, a random dictionary's error, first-token errors)
-  python benchmarks/csr_faithful.py --checkpoint /work/ckpt/p50 --step variants --rate 0.0  (after fit: int4 and
+  python benchmarks/csr_faithful.py --checkpoint CKPT --step variants --rate 0.0  (after fit: int4 and
       CSR with more online atoms per block, same protocol as eval)
 Fitting uses the compile pass's function on the codec_table.py calibration windows (8 x 512 wiki tokens);
 held-out latents and perplexity use the held-out evaluation windows (2,048 tokens by default), with the
 codec_table.py protocol (512-token windows, 64-token chunks, each chunk attending to the coded cache).
+
+CKPT is the default p = 0.5 checkpoint: `kvrewrite compress smollm2-135m -p 0.5 --calib-tokens 16384 -o CKPT`.
 """
 
 from __future__ import annotations

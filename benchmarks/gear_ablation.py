@@ -17,8 +17,10 @@ codec spec (`--codecs`, `;`-separated, e.g. `int2:group_size=64,residual=0;gear;
 - bytes/token: read off the cache tensors after filling a fresh cache with 512 and with 2048 tokens of latents
   (what the cache holds depends on the shapes only, not on the values).
 
-One job, small: `OMP_NUM_THREADS=1 python benchmarks/gear_ablation.py --checkpoint /work/ckpt/p50 --rates 0,0.5`
+One job, small: `OMP_NUM_THREADS=1 python benchmarks/gear_ablation.py --checkpoint CKPT --rates 0,0.5`
 Results are merged into benchmarks/results/gear_ablation.json by (tag, rate, codec).
+
+CKPT is the default p = 0.5 checkpoint: `kvrewrite compress smollm2-135m -p 0.5 --calib-tokens 16384 -o CKPT`.
 """
 
 from __future__ import annotations

@@ -4,8 +4,10 @@ Issue 16's two tables: every figure at independent 512-token windows AND at cont
 scored with the cache of everything before it, `kvrewrite eval --positions`). Runs `evaluate_checkpoint` (what
 `kvrewrite eval` runs) once per text and protocol and writes every row with its provenance.
 
-    OMP_NUM_THREADS=1 python benchmarks/long_context.py /work/ckpt/p50 --rates 0.3,0.5,0.7 \
+    OMP_NUM_THREADS=1 python benchmarks/long_context.py CKPT --rates 0.3,0.5,0.7 \
         --positions 512-1K,2K-4K --tokens 16384 --out benchmarks/results/long_context_default.json
+
+CKPT is the default p = 0.5 checkpoint: `kvrewrite compress smollm2-135m -p 0.5 --calib-tokens 16384 -o CKPT`.
 """
 
 from __future__ import annotations

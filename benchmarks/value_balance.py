@@ -1,12 +1,14 @@
 """Value-latent balancing (kvrewrite.runtime.codecs.value_balance) under KIVI codecs: held-out wiki ppl of a p = 0.5
 SmolLM2-135M checkpoint at rates 0.0 and 0.5, unbalanced (alpha 0) against s_j = ||o_proj columns of j||^alpha.
 
-  OMP_NUM_THREADS=1 python benchmarks/value_balance.py --checkpoint /work/ckpt/p50 --rate 0.0 --codec int2:group_size=64,residual=128
+  OMP_NUM_THREADS=1 python benchmarks/value_balance.py --checkpoint CKPT --rate 0.0 --codec int2:group_size=64,residual=128
 (one rate and codec per call; results merge into benchmarks/results/value_balance.json; --rate R --codec none records
 the uncoded ppl and the balanced model's exactness at R).
 
 Protocol as benchmarks/codec_table.py: 512-token held-out windows, 64-token chunked prefill through the codec cache.
 No baseline model (ppl only, no agreement), to keep a row short on a shared CPU.
+
+CKPT is the default p = 0.5 checkpoint: `kvrewrite compress smollm2-135m -p 0.5 --calib-tokens 16384 -o CKPT`.
 """
 
 from __future__ import annotations

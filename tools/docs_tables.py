@@ -244,7 +244,8 @@ def codec_protocol_table(faithful: dict, tag: str = "table") -> Table:
         rows.append(cells)
     header = ["model", "cache", "bytes/token @512 (of fp16)", "Δppl, 512-token windows", "KL",
               "bytes/token @4096 (of fp16)", "Δppl, positions 2K–4K", "KL"]
-    return Table(markdown(header, rows), (float(fp16),))
+    rates = {float(spec[1:spec.index("/")]) for spec in by_spec if spec.startswith("p") and "/" in spec}
+    return Table(markdown(header, rows), (float(fp16), *sorted(rates)))  # the rates are read off the row specs
 
 
 CODEC_GROUP_TAGS = {
