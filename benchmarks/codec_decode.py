@@ -35,6 +35,9 @@ from decode import _fill_cache, run_provenance, timed_decode_steps  # noqa: E402
 RESULTS = Path(__file__).parent / "results"
 CHECKPOINTS = {
     "p50": ("/work/ckpt/p50", ["int4", "int2", "gear"]),
+    # every codec at its defaults (gear and csr as their papers; tada at 4 bits everywhere; csr with the
+    # dictionaries given by --csr-tables, fitted for this checkpoint's compiled rate)
+    "p50-every": ("/work/ckpt/p50", ["int4", "int2", "gear", "gear-l", "tada", "csr"]),
     "p32refit": ("/work/ckpt/p32refit", ["int4:group_size=128", "int2:group_size=128"]),
 }
 
@@ -51,6 +54,25 @@ def fill_codec_cache(model, codec_cache, batch: int, context: int) -> None:
         codec_cache.update(keys, values, i)
 
 
+CSR_TABLES: list[Path] = []  # --csr-tables
+
+
+def timing_tables(codec: str, model) -> dict:
+    """Tables a trained codec needs to run; a step's cost does not depend on their values. tada: 4 bits for every
+    layer and side; csr: the dictionaries of --csr-tables (their shapes must fit the model's ranks)."""
+    import torch
+    from safetensors.torch import load_file
+
+    name = codec.split(":")[0]
+    if name == "tada":
+        return {"tada.bits": torch.full((len(model.model.layers), 2), 4, dtype=torch.int32)}
+    if name == "csr":
+        if not CSR_TABLES:
+            raise SystemExit("csr needs --csr-tables FILE (e.g. benchmarks/csr_faithful.py's fitted dictionaries)")
+        return load_file(str(CSR_TABLES[0]))
+    return {}
+
+
 def variants_for(name: str, batch: int, context: int):
     """(label, model, cache) of one checkpoint at one size."""
     import torch
@@ -62,7 +84,8 @@ def variants_for(name: str, batch: int, context: int):
     model = kvrewrite.load(directory, kv_codec="none").eval()
     out = [("none", model, _fill_cache(model, batch, context, stock=False)[0])]
     for codec in codecs:
-        coded = kvrewrite.load(directory, kv_codec=codec).eval()
+        coded = kvrewrite.load(directory, kv_codec="none").eval()
+        coded.set_kv_codec(codec, timing_tables(codec, coded))
         modes = ["decode", "fused"] if coded.make_kv_cache().reads_coded(0) else ["decode"]
         for mode in modes:
             cache = coded.make_kv_cache()
@@ -125,7 +148,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", type=Path, default=RESULTS / "codec_decode_cpu.json")
     parser.add_argument("--summarize-only", action="store_true", help="recompute `summary` of an existing --out")
+    parser.add_argument("--csr-tables", type=Path, help="csr dictionaries for the checkpoint's compiled rate")
     args = parser.parse_args()
+    if args.csr_tables:
+        CSR_TABLES.append(args.csr_tables)
     if args.summarize_only:
         record = json.loads(args.out.read_text())
         summarize(record)
