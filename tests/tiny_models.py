@@ -9,6 +9,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTraine
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from kvrewrite.compile.passes.allocate_ranks import AllocateRanks
+from kvrewrite.compile.passes.balance_values import BalanceValues
 from kvrewrite.compile.passes.collect_fisher import CollectFisher
 from kvrewrite.compile.passes.collect_statistics import CollectStatistics
 from kvrewrite.compile.passes.compute_transforms import ComputeTransforms
@@ -92,6 +93,7 @@ def tiny_pipeline(tokens: torch.Tensor | None = None) -> list:
         Verify(),
         RefitOutput(),
         DistillAttention(),
+        BalanceValues(),
         FitKVCodec(),
         Emit(),
     ]

@@ -126,6 +126,7 @@ PLAN_OPTIONS: tuple[PlanOption, ...] = (
     PlanOption("overwrite", "Replace an existing output directory."),
     PlanOption("kv_codec", f"KV codec on the reduced cache: {', '.join(codec_names())}; parameters as int4:group_size=64 (docs/codecs.md)."),
     PlanOption("kv_bits_budget", "tada: stored bits per cached element for the per-layer bit search."),
+    PlanOption("balance_values", "Exponent ALPHA in [0, 2] (0: off): scale each value latent dim by its o_proj column norm^ALPHA, folded exactly into v_proj/o_proj, so a value codec (int2) costs less; every rate keeps it (docs/codecs.md)."),
 )
 
 # Plan fields `kvrewrite compress` does not offer as options, and why.

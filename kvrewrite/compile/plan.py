@@ -97,6 +97,10 @@ class Plan:
     # parameters ("gear:bits=4,rank=4"); kv_bits_budget: tada's search budget in stored bits per cached element.
     kv_codec: str = "none"
     kv_bits_budget: float | None = None
+    # Value-latent balancing (passes/balance_values.py): value dim j scaled by (its o_proj column norm)^alpha over
+    # the layer's geometric mean, folded exactly into v_proj rows and o_proj columns so a value codec's shared step
+    # costs the heavy dims less. 0: off; at most 2.
+    balance_values: float = 0.0
 
     def _normalise(self, name: str, value) -> None:
         # Frozen: a changed plan is dataclasses.replace(plan, ...), which validates again. Only __post_init__
@@ -146,6 +150,13 @@ class Plan:
         if not 0 < self.distill_lr < 1:
             raise InvalidArgumentError(f"`distill_lr` must be in (0, 1), got {self.distill_lr!r}")
         self._check_distill_rates()
+        try:
+            alpha = float(self.balance_values)
+        except (TypeError, ValueError):
+            alpha = float("nan")
+        if not 0.0 <= alpha <= 2.0:  # also refuses NaN
+            raise InvalidArgumentError(f"`balance_values` must be an exponent in [0, 2] (0: off), got {self.balance_values!r}")
+        self._normalise("balance_values", alpha)
         if not self.key_mode_cost >= 0:
             raise InvalidArgumentError(f"`key_mode_cost` must be >= 0, got {self.key_mode_cost!r}")
         if self.min_rank < 0:

@@ -9,6 +9,7 @@ import warnings
 from pathlib import Path
 
 from kvrewrite.compile.passes.allocate_ranks import AllocateRanks
+from kvrewrite.compile.passes.balance_values import BalanceValues
 from kvrewrite.compile.passes.base import run_pass
 from kvrewrite.compile.passes.build_calibration import BuildCalibration
 from kvrewrite.compile.passes.collect_fisher import CollectFisher
@@ -50,6 +51,7 @@ def rewrite_passes() -> list:
         Verify(),  # full-rank equivalence, compiled-rank error
         RefitOutput(),  # (--refit output) o_proj refitted by least squares at the compiled ranks
         DistillAttention(),  # (--distill) attention weights trained against the original's next-token distribution
+        BalanceValues(),  # (--balance-values) value latents rescaled per dim, exactly (after o_proj's last change)
         FitKVCodec(),  # (--kv-codec) codec tables fitted on the compiled model's calibration latents
         Emit(),  # checkpoint directory, written atomically
     ]
