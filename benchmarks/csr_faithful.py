@@ -185,7 +185,6 @@ def evaluate(checkpoint: Path, work: Path, rate: float, eval_tokens: int, spec: 
     import kvrewrite
     from kvrewrite.compile.passes.load_checkpoint import load_fp32_model
     from kvrewrite.io.sources import resolve_model_source
-    from kvrewrite.publish.evaluation import kv_cache_bytes_per_token, perplexity_and_agreement_many
     from kvrewrite.runtime.codecs import parse_codec
 
     _, windows = _windows(checkpoint, eval_tokens)
@@ -203,13 +202,20 @@ def evaluate(checkpoint: Path, work: Path, rate: float, eval_tokens: int, spec: 
         view = copy.copy(base)  # shares every weight; only the codec differs
         view.set_kv_codec(parse_codec(codec) if codec else None, codec_tables)
         models[name] = view
+    return {**_scored(models, windows, original), "fp16_kv_bytes_per_token": 2 * 30 * 3 * 64 * 2}
+
+
+def _scored(models: dict, windows, original) -> dict:
+    """Perplexity, agreement and bytes/token (at 512 and 2,048 tokens) of each model, eval protocol (chunked)."""
+    from kvrewrite.publish.evaluation import kv_cache_bytes_per_token, perplexity_and_agreement_many
+
     t0 = time.perf_counter()
     stats = perplexity_and_agreement_many(models, windows, original, chunk=CHUNK, progress=False)
     rows = {name: {**st.__dict__, "kv_bytes_per_token_512": kv_cache_bytes_per_token(models[name], 512),
                    "kv_bytes_per_token_2048": kv_cache_bytes_per_token(models[name], 2048)}
             for name, st in stats.items()}
     return {"results": rows, "eval_s": round(time.perf_counter() - t0, 1), "eval_tokens": int(windows.numel()),
-            "chunk": CHUNK, "fp16_kv_bytes_per_token": 2 * 30 * 3 * 64 * 2}
+            "chunk": CHUNK}
 
 
 VARIANTS = ("int4", "csr:online_per_block=2", "csr:online_per_block=4")  # the variants step's default
@@ -221,7 +227,6 @@ def variants(checkpoint: Path, work: Path, rate: float, eval_tokens: int, specs:
     import kvrewrite
     from kvrewrite.compile.passes.load_checkpoint import load_fp32_model
     from kvrewrite.io.sources import resolve_model_source
-    from kvrewrite.publish.evaluation import kv_cache_bytes_per_token, perplexity_and_agreement_many
     from kvrewrite.runtime.codecs import parse_codec
 
     _, windows = _windows(checkpoint, eval_tokens)
@@ -233,13 +238,7 @@ def variants(checkpoint: Path, work: Path, rate: float, eval_tokens: int, specs:
         view = copy.copy(base)
         view.set_kv_codec(parse_codec(spec), tables if spec.startswith("csr") else {})
         models[spec] = view
-    t0 = time.perf_counter()
-    stats = perplexity_and_agreement_many(models, windows, original, chunk=CHUNK, progress=False)
-    rows = {name: {**st.__dict__, "kv_bytes_per_token_512": kv_cache_bytes_per_token(models[name], 512),
-                   "kv_bytes_per_token_2048": kv_cache_bytes_per_token(models[name], 2048)}
-            for name, st in stats.items()}
-    return {"results": rows, "eval_s": round(time.perf_counter() - t0, 1), "eval_tokens": int(windows.numel()),
-            "chunk": CHUNK}
+    return _scored(models, windows, original)
 
 
 def ablation(checkpoint: Path, rate: float, eval_tokens: int) -> dict:
