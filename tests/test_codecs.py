@@ -392,9 +392,13 @@ def test_coded_model_tracks_the_uncoded_one(compiled, name):
         for layer in cache.layers:
             layer.codec = DenseReferenceCodec(layer.codec)
         dense = chunked_logits(coded, tokens, cache)
-        if name in ("int4", "int2", "csr"):
-            # KIVI matches exactly; CSR up to its float16 coefficients (measured 0.09 of its own error).
-            assert (chunked - dense).abs().max().item() <= 0.2 * diff
+        if name in ("int4", "int2"):
+            assert (chunked - dense).abs().max().item() <= 0.2 * diff  # KIVI matches exactly
+        elif name == "csr":
+            # CSR up to its float16 coefficients, which can flip one of matching pursuit's atom choices: measured
+            # 0.09 of its own error with one torch thread and 0.24 with two (the dictionaries are trained in the
+            # fixture, and their float sums depend on the thread count).
+            assert (chunked - dense).abs().max().item() <= 0.5 * diff
         else:
             # Power iteration vs the SVD optimum: the logit error within [0.85, 1.25]x the reference's (measured
             # gear 1.11, gear-l 1.02; dropping the low-rank part gives 1.42 / 1.37).
