@@ -16,10 +16,8 @@ Writes benchmarks/results/mla_distill.json. A second setting, the distilled comp
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import re
 import subprocess
 import sys
@@ -28,6 +26,9 @@ import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from decode import run_provenance  # noqa: E402  (the provenance header every benchmark result starts with)
 
 RESULTS = Path(__file__).parent / "results" / "mla_distill.json"
 MODEL = "smollm2-135m"
@@ -61,7 +62,7 @@ def main() -> None:
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args()
     started = time.perf_counter()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
+    provenance = run_provenance(1, "one torch thread, no GPU")  # taken at the start: the commit that ran
     work = args.workdir or Path(tempfile.mkdtemp(prefix="mla_distill_"))
     work.mkdir(parents=True, exist_ok=True)
     common = ["export-mla", MODEL, "--kv-share", str(args.kv_share), "--dtype", "float32", "--calib-tokens", str(args.calib_tokens)]
@@ -99,10 +100,7 @@ def main() -> None:
     for row in rows:
         print(json.dumps(row))
     document = {
-        "command": "OMP_NUM_THREADS=1 python benchmarks/mla_distill.py " + " ".join(sys.argv[1:]),
-        "commit": commit,
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores shared with other jobs, 1 torch thread, {platform.system()} (no GPU)",
-        "date": datetime.date.today().isoformat(),
+        **provenance,
         "kv_share": args.kv_share,
         "calibration_tokens": args.calib_tokens,
         "eval_tokens": int(windows.numel()),
