@@ -23,6 +23,7 @@ The kernel runs on CUDA; its tests run it on CPU tensors under TRITON_INTERPRET=
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -185,7 +186,7 @@ def supports(readout: CodedReadout) -> bool:
 
 def split_count(programs: int, blocks: int, device: torch.device) -> int:
     """How many splits of the coded blocks a call gets: enough programs for about two per streaming multiprocessor,
-    never fewer than MIN_BLOCKS_PER_SPLIT blocks per split (a split's partial costs a write and a merge)."""
+    and at most blocks // MIN_BLOCKS_PER_SPLIT splits (a split's partial costs a write and a merge)."""
     if device.type != "cuda" or blocks < 2 * MIN_BLOCKS_PER_SPLIT:
         return 1
     wanted = -(-2 * torch.cuda.get_device_properties(device).multi_processor_count // programs)
@@ -250,7 +251,7 @@ def triton_coded_attention(query: torch.Tensor, readout: CodedReadout, attention
     running_max = normaliser = dummy
     if splits > 1:
         target = torch.zeros(splits, *output.shape, device=device, dtype=torch.float32)
-        running_max = torch.full((splits, batch, q_len, n_kv * group), -1.0e30, device=device, dtype=torch.float32)
+        running_max = torch.full((splits, batch, q_len, n_kv * group), NEG_INF.value, device=device, dtype=torch.float32)
         normaliser = torch.zeros_like(running_max)
     _coded_attention_kernel[(programs, splits)](
         query, target, mask, kc, ks, kl, vc, vs, vl, key_window, value_window, up, cos, sin,
@@ -269,6 +270,11 @@ def triton_coded_attention(query: torch.Tensor, readout: CodedReadout, attention
     )
     if splits == 1:
         return output
-    column_heads = torch.cat([torch.full((layout.value_ranks[h],), h * group + m, dtype=torch.long, device=device)
-                              for h in range(n_kv) for m in range(group)])
-    return _merge_splits(target, running_max, normaliser, column_heads).to(output.dtype)
+    return _merge_splits(target, running_max, normaliser, _column_heads(layout, str(device))).to(output.dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _column_heads(layout: PackedLayout, device: str) -> torch.Tensor:
+    """The query head each packed output column belongs to ([Osum]); built once per layout and device, not per step."""
+    return torch.cat([torch.full((rv,), h * layout.group_size + m, dtype=torch.long, device=device)
+                      for h, rv in enumerate(layout.value_ranks) for m in range(layout.group_size)])
