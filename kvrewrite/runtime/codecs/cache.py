@@ -45,8 +45,7 @@ def encode_append(codec: LayerCodec, store: dict | None, staged: torch.Tensor, n
     batch, _, _, c = staged.shape
     g = codec.block_tokens
     blocks = staged[:, 0, : n_blocks * g].float().reshape(batch, n_blocks, g, c)
-    encode_next = getattr(codec, "encode_next", None)  # stand-in codecs (tests) may lack the method
-    coded = encode_next(blocks, side, store) if encode_next is not None else codec.encode(blocks, side)
+    coded = codec.encode_next(blocks, side, store)
     if store is None:
         return coded
     return {name: torch.cat([store[name], coded[name]], dim=1) for name in store}
