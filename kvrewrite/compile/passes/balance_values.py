@@ -55,7 +55,8 @@ def full_rank_logit_difference(before: FoldedWeights, after: FoldedWeights, spec
         h_b = [h_a[0].clone()]
         for _ in zip(a.walk(h_a), b.walk(h_b)):
             pass
-        return (a.logits(h_a[0]) - b.logits(h_b[0])).abs().max().item()
+        with a.output_head() as head:  # the pass changes no head weights: one head serves both streams
+            return (head(h_a[0]) - head(h_b[0])).abs().max().item()
 
 
 class BalanceValues:
