@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import json
-import platform
 import subprocess
 import sys
 import time
@@ -33,6 +31,9 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+
+sys.path.insert(0, str(Path(__file__).parent))
+from decode import run_provenance  # noqa: E402  (the provenance header every benchmark result starts with)
 
 RESULTS = Path(__file__).parent / "results" / "csr_faithful.json"
 FIT_WINDOWS = 8
@@ -52,20 +53,12 @@ ABLATIONS = {  # name -> codec spec (each fitted on the ablation layers only)
 }
 
 
-def _git_commit() -> str:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                          cwd=Path(__file__).parent).stdout.strip()
-
-
 def _record() -> dict:
     return json.loads(RESULTS.read_text()) if RESULTS.is_file() else {"rates": {}}
 
 
-def _save(record: dict, step: str, argv: list[str]) -> None:
-    record.setdefault("runs", []).append({
-        "step": step, "command": f"OMP_NUM_THREADS=1 python benchmarks/csr_faithful.py {' '.join(argv)}",
-        "commit": _git_commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.node()} {platform.machine()}; torch {torch.__version__} CPU, {torch.get_num_threads()} threads"})
+def _save(record: dict, step: str) -> None:
+    record.setdefault("runs", []).append({"step": step, **run_provenance(torch.get_num_threads(), "one process")})
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(record, indent=1))
 
@@ -330,7 +323,7 @@ def main() -> None:
     record = _record()
     record.update(checkpoint=str(args.checkpoint), model="SmolLM2-135M (p = 0.5 sensitivity checkpoint)")
     record["rates"].setdefault(f"{args.rate:.2f}", {})[args.step] = out
-    _save(record, args.step, sys.argv[1:])
+    _save(record, args.step)
 
 
 if __name__ == "__main__":

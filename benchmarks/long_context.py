@@ -13,17 +13,17 @@ CKPT is the default p = 0.5 checkpoint: `kvrewrite compress smollm2-135m -p 0.5 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from kvrewrite.cli.evaluate import evaluate_checkpoint
 from kvrewrite.publish.continuation_eval import parse_positions
+
+sys.path.insert(0, str(Path(__file__).parent))
+from decode import run_provenance  # noqa: E402  (the provenance header every benchmark result starts with)
 
 
 def main() -> None:
@@ -37,14 +37,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).resolve().parent).stdout.strip()
     record = {
-        "command": " ".join(["python", *sys.argv]),
-        "commit": commit,
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores shared, torch CPU, OMP_NUM_THREADS="
-                   f"{os.environ.get('OMP_NUM_THREADS', 'unset')}",
-        "date": datetime.date.today().isoformat(),
+        **run_provenance(int(os.environ.get("OMP_NUM_THREADS", "1")), "one process"),
         "checkpoint": args.label or args.checkpoint.name,
         "tokens": args.tokens,
         "runs": [],

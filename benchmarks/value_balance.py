@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import json
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from decode import run_provenance  # noqa: E402  (the provenance header every benchmark result starts with)
 
 RESULTS = Path(__file__).parent / "results" / "value_balance.json"
 CHUNK = 64
@@ -155,14 +155,9 @@ def main() -> None:
     entry.setdefault("ppl", {}).setdefault(args.codec, {}).update(rows)  # a later alpha grid adds to the row
     seconds = entry.setdefault("eval_s", {}).get(args.codec, [])
     entry["eval_s"][args.codec] = [*(seconds if isinstance(seconds, list) else [seconds]), round(time.perf_counter() - t0, 1)]
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip()
     record.update(
         command_prefix=f"OMP_NUM_THREADS=1 {Path(sys.executable).name} benchmarks/value_balance.py --checkpoint {args.checkpoint}",
-        commit=commit,
-        machine=f"{platform.node()} {platform.machine()}; torch {torch.__version__} CPU, {torch.get_num_threads()} threads "
-                "(2 cores shared with other jobs)",
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **{k: v for k, v in run_provenance(torch.get_num_threads(), "one process").items() if k != "command"},
         window=512, chunk=CHUNK, checkpoint=str(args.checkpoint),
         scales="s_j = (2-norm of value dim j's o_proj input columns, all group members)^alpha / layer geometric mean")
     _save(record)
