@@ -36,7 +36,7 @@ def worker(rank: int, world: int, directory: str, input_ids: torch.Tensor, rate,
     import torch.distributed as dist
 
     import kvrewrite
-    from kvrewrite.runtime.sequence_parallel import greedy_continue, head_runs, prefill, token_runs
+    from kvrewrite.runtime.sequence_parallel import greedy_continue, head_runs, prefill
 
     started = time.perf_counter()
     model = kvrewrite.load(directory, rate=rate).eval()
@@ -47,7 +47,7 @@ def worker(rank: int, world: int, directory: str, input_ids: torch.Tensor, rate,
     prefilled = time.perf_counter()
     generated = greedy_continue(model, result, new_tokens)[0].tolist() if rank == 0 and new_tokens > 0 else []
     return {
-        "rank": rank, "tokens": list(token_runs(input_ids.shape[1], world)[rank]),
+        "rank": rank, "tokens": list(result.tokens),
         "heads": list(head_runs(model.compressed_attentions()[0].num_heads, world)[rank]),
         "load_s": loaded - started, "prefill_s": prefilled - begin, "decode_s": time.perf_counter() - prefilled,
         "sent_bytes": result.collectives.bytes_by_name(), "generated": generated,
