@@ -1,12 +1,16 @@
 """MLA form exported as DeepSeek-V3, on SmolLM2-135M: held-out wiki perplexity at 30/50/70% of the K+V values, training-free.
 
     OMP_NUM_THREADS=1 python benchmarks/mla_quality.py [--calib-tokens 16384 --eval-tokens 8192]
+    OMP_NUM_THREADS=1 python benchmarks/mla_quality.py --allocations uniform,sensitivity \
+        --out benchmarks/results/mla_quality_allocated.json
 
 Statistics once (16K wiki calibration tokens, as `kvrewrite demo`), then per share: the MLA form, exported (float32)
 and loaded in stock transformers (AutoModelForCausalLM, DeepseekV3ForCausalLM), scored against the original on the
 same held-out windows. Extra rows isolate the costs: the original with rms_norm_eps 1e-6 (what the export sets so the
 engines agree), and our maths with a full latent at d_r = head_dim (only the RoPE dropped from the other components).
-Writes benchmarks/results/mla_quality.json.
+`--allocations sensitivity` adds, per share, the form with per-layer latent widths from measured sensitivity
+(`export-mla --allocation sensitivity`), exported zero-padded and scored in kvrewrite's runtime (`kvrewrite.load`),
+which caches each layer's true width. Writes benchmarks/results/mla_quality.json (or --out).
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ from pathlib import Path
 
 import torch
 
-from kvrewrite.compile.mla_export import export_at_share, export_matches_maths, mla_layers_at_share, prepare_source
+from kvrewrite.compile.mla_export import (
+    allocated_at_share, export_at_share, export_matches_maths, mla_layers_at_share, prepare_source, probe_full_form,
+)
 from kvrewrite.compile.mla_form import MLAWidths, compute_mla_layers, mla_reference_model
 from kvrewrite.compile.plan import Plan
 from kvrewrite.io.calibration_data import evaluation_token_sequences
@@ -40,7 +46,15 @@ def main() -> None:
     parser.add_argument("--calib-tokens", type=int, default=16384)
     parser.add_argument("--eval-tokens", type=int, default=8192)
     parser.add_argument("--key-weight", type=float, default=DEFAULT_KEY_WEIGHT)
+    parser.add_argument("--allocations", default="uniform", help="uniform and/or sensitivity, comma-separated")
+    parser.add_argument("--probe-windows", type=int, default=None, help="sensitivity probes' windows (default: the plan's)")
+    parser.add_argument("--extra-rows", action=argparse.BooleanOptionalAction, default=True,
+                        help="the rms_norm_eps and RoPE-drop-only rows")
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
+    allocations = args.allocations.split(",")
+    if not set(allocations) <= {"uniform", "sensitivity"}:
+        parser.error(f"--allocations: uniform and/or sensitivity, got {args.allocations}")
     started = time.perf_counter()
     plan = Plan(model="smollm2-135m", calibration="wiki", calib_tokens=args.calib_tokens, progress=False)
     prepared = prepare_source(plan)
@@ -50,20 +64,39 @@ def main() -> None:
     geo = ctx.geometry
 
     models, rows = {}, []
-    eps_model = copy.deepcopy(original)
-    for module in eps_model.modules():
-        if hasattr(module, "variance_epsilon"):
-            module.variance_epsilon = 1e-6
-    models["original, rms_norm_eps 1e-6"] = eps_model
-    widths_full = MLAWidths(1, geo.head_dim, full_latent_rank(geo, 1), None)
-    models[f"ours: d_r={geo.head_dim}, full latent r={widths_full.kv_lora_rank} (RoPE-drop cost only)"] = mla_reference_model(
-        original, compute_mla_layers(ctx, prepared.inputs, widths_full, key_weight=args.key_weight))
+    if args.extra_rows:
+        eps_model = copy.deepcopy(original)
+        for module in eps_model.modules():
+            if hasattr(module, "variance_epsilon"):
+                module.variance_epsilon = 1e-6
+        models["original, rms_norm_eps 1e-6"] = eps_model
+        widths_full = MLAWidths(1, geo.head_dim, full_latent_rank(geo, 1), None)
+        models[f"ours: d_r={geo.head_dim}, full latent r={widths_full.kv_lora_rank} (RoPE-drop cost only)"] = mla_reference_model(
+            original, compute_mla_layers(ctx, prepared.inputs, widths_full, key_weight=args.key_weight))
 
     tmp = Path(tempfile.mkdtemp(prefix="mla_quality_"))
     from transformers import AutoModelForCausalLM
 
+    import kvrewrite
+
     shares = {}
+    probed = (probe_full_form(prepared, key_weight=args.key_weight, probe_windows=args.probe_windows)
+              if "sensitivity" in allocations else None)
     for share in SHARES:
+        if probed is not None:
+            form = allocated_at_share(prepared, probed, share)
+            out = tmp / f"allocated{share}"
+            export_at_share(prepared, form.layers, out, dtype=torch.float32)
+            ranks = list(form.allocation.ranks)
+            name = (f"MLA allocated {share:.0%} of K+V (r={min(ranks)}..{max(ranks)}, mean {sum(ranks) / len(ranks):.1f}, "
+                    f"d_r={form.widths.qk_rope_head_dim}), kvrewrite runtime")
+            models[name] = kvrewrite.load(out).eval()
+            shares[name] = {"share": (sum(ranks) / len(ranks) + form.widths.qk_rope_head_dim) / (2 * geo.num_key_value_heads * geo.head_dim),
+                            "kv_lora_ranks": ranks, "qk_rope_head_dim": form.widths.qk_rope_head_dim,
+                            "export_vs_maths_max_abs_logit_diff": export_matches_maths(prepared, form.layers, out, windows[:1, :128]),
+                            "probe_tokens": form.sensitivity.probe_tokens, "full_width_probe_kl": form.sensitivity.full_width_kl}
+        if "uniform" not in allocations:
+            continue
         widths, layers = mla_layers_at_share(prepared, share, key_weight=args.key_weight)
         out = tmp / f"share{share}"
         export_at_share(prepared, layers, out, dtype=torch.float32)
@@ -73,8 +106,9 @@ def main() -> None:
         shares[name] = {"share": widths.share, "kv_lora_rank": widths.kv_lora_rank, "qk_rope_head_dim": widths.qk_rope_head_dim,
                         "export_vs_maths_max_abs_logit_diff": check, "model_class": type(models[name]).__name__,
                         "rope_energy_kept_mean": sum(l.rope_energy_kept for l in layers) / len(layers)}
-    for name in shares:  # what stock transformers really caches per token (all layers, float32)
-        shares[name]["stock_cache_bytes_per_token"] = kv_cache_bytes_per_token(models[name], 64)
+    for name in shares:  # what the model really caches per token (all layers, float32)
+        key = "runtime_cache_bytes_per_token" if "kvrewrite runtime" in name else "stock_cache_bytes_per_token"
+        shares[name][key] = kv_cache_bytes_per_token(models[name], 64)
     results = perplexity_and_agreement_many(models, windows, baseline=original, progress=False)
     base = next(iter(results.values())).baseline_perplexity
     rows.append({"name": "SmolLM2-135M-Instruct (original)", "perplexity": base, "stock_cache_bytes_per_token": kv_cache_bytes_per_token(original, 64)})
@@ -97,8 +131,8 @@ def main() -> None:
         "rows": rows,
         "total_time_s": round(time.perf_counter() - started, 1),
     }
-    RESULTS.write_text(json.dumps(document, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    args.out.write_text(json.dumps(document, indent=2) + "\n")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

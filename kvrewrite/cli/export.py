@@ -38,6 +38,7 @@ def export_mla(
     kv_share: float = typer.Option(0.5, "--kv-share", help="Cached values per token and layer, as a share of the source's K+V: (r + d_r) / (2 n_kv d)."),
     kv_lora_rank: int | None = typer.Option(None, "--kv-lora-rank", help="Exact latent width r instead of --kv-share (engines with fixed cached widths: vLLM's MLA kernels take r + d_r = 512 + 64)."),
     qk_rope_head_dim: int | None = typer.Option(None, "--qk-rope-head-dim", help="With --kv-lora-rank: the shared RoPE key's width d_r, head_dim (default) or head_dim / s, s dividing head_dim / 2 (every s-th frequency keeps its rotation)."),
+    allocation: str = typer.Option("uniform", "--allocation", help="Latent widths across layers: uniform (every engine caches the share) or sensitivity (per-layer widths from measured KL at the same total; exported zero-padded to the widest layer, so only kvrewrite's runtime caches the share; docs/serving.md)."),
     calib_tokens: int = typer.Option(16384, "--calib-tokens", help="Calibration tokens (wiki)."),
     calibration: str = typer.Option("wiki", help="Calibration source: wiki, synthetic or a text file."),
     dtype: str = typer.Option("auto", help="Weights dtype: auto (the source's), bfloat16 or float32 (float16 cannot hold the neutralised latent)."),
@@ -54,14 +55,14 @@ def export_mla(
     try:
         distilling = _distill_settings(distill, distill_tokens, distill_epochs, distill_lr, calib_tokens)
         _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, verify_tokens, overwrite, console,
-             kv_lora_rank, qk_rope_head_dim, distilling)
+             kv_lora_rank, qk_rope_head_dim, distilling, allocation)
     except (KVRewriteError, ValueError) as exc:
         console.print(f"[bold red]error:[/] {escape(str(exc))}")
         raise typer.Exit(code=2) from None
 
 
 def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, verify_tokens, overwrite, console,
-         kv_lora_rank=None, qk_rope_head_dim=None, distilling: dict | None = None) -> None:
+         kv_lora_rank=None, qk_rope_head_dim=None, distilling: dict | None = None, allocation: str = "uniform") -> None:
     import torch
 
     from kvrewrite.adapters import adapter_for
@@ -87,6 +88,11 @@ def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, 
                                    "the distillation trains on calibration windows; raise --calib-tokens")
     if qk_rope_head_dim is not None and kv_lora_rank is None:
         raise InvalidArgumentError("--qk-rope-head-dim needs --kv-lora-rank (exact widths)")
+    if allocation not in ("uniform", "sensitivity"):
+        raise InvalidArgumentError(f"--allocation must be uniform or sensitivity, got {allocation!r}")
+    if allocation == "sensitivity" and kv_lora_rank is not None:
+        raise InvalidArgumentError("--kv-lora-rank gives every layer one exact width; --allocation sensitivity places "
+                                   "widths per layer at a --kv-share")
     check_source_exportable(plan)  # the family, before any weight is read
     # The widths, from the config alone, before any weight is read.
     config = load_config(resolve_model_source(plan.model, revision=plan.revision).path)
@@ -97,15 +103,28 @@ def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, 
     prepared = prepare_source(plan)
     ctx = prepared.ctx
     chosen = getattr(torch, DTYPES[dtype]) if DTYPES[dtype] else _source_dtype(ctx.config)
-    with progress_bar("MLA form per layer", ctx.geometry.num_layers, plan.progress) as bar:
-        weighting = {} if key_weight is None else {"key_weight": key_weight}
-        layers = mla_layers_at_widths(prepared, widths, progress=bar.advance, **weighting)
+    weighting = {} if key_weight is None else {"key_weight": key_weight}
+    allocation_record = None
+    if allocation == "sensitivity":
+        from kvrewrite.compile.mla_allocation import allocation_report
+        from kvrewrite.compile.mla_export import allocated_at_share, probe_full_form
+
+        with progress_bar("MLA form at full width, then sensitivity probes", 2 * ctx.geometry.num_layers, plan.progress) as bar:
+            probed = probe_full_form(prepared, progress=bar.advance, **weighting)
+        allocated = allocated_at_share(prepared, probed, kv_share)
+        layers, allocation_record = allocated.layers, allocation_report(allocated.sensitivity, allocated.allocation)
+    else:
+        with progress_bar("MLA form per layer", ctx.geometry.num_layers, plan.progress) as bar:
+            layers = mla_layers_at_widths(prepared, widths, progress=bar.advance, **weighting)
     norms, provenance, distilled = None, None, None
     if plan.distill:
         from kvrewrite.compile.mla_distill import distill_mla_layers, distill_provenance
 
         distilled = distill_mla_layers(prepared, layers, progress=plan.progress)
         layers, norms, provenance = distilled.layers, distilled.max_square_norms, distill_provenance(distilled, plan)
+    if allocation_record is not None:  # kept in the marker: how the widths were placed (the probes stay out of config.json)
+        summary_record = {k: v for k, v in allocation_record.items() if k != "probes"}
+        provenance = {**(provenance or {}), "allocation": summary_record}
     summary = export_at_share(prepared, layers, output, dtype=chosen, overwrite=overwrite, max_square_norms=norms,
                               provenance=provenance)
 
@@ -113,11 +132,13 @@ def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, 
     full_diff = full_width_max_logit_diff(prepared, tokens)
     export_diff = export_matches_maths(prepared, layers, output, tokens)
     source_values = 2 * ctx.geometry.num_key_value_heads * ctx.geometry.head_dim
-    table = Table(title=f"MLA form of {model}: {widths.kv_lora_rank + widths.qk_rope_head_dim} of {source_values} K+V values per token and layer")
+    mean_cached = sum(layer.cached_values_per_token for layer in layers) / len(layers)
+    table = Table(title=f"MLA form of {model}: {mean_cached:g} of {source_values} K+V values per token and layer"
+                        + (" (mean over layers)" if allocation == "sensitivity" else ""))
     for column in ("layer", "r (kv_lora_rank)", "d_r (qk_rope_head_dim)", "share", "RoPE energy kept", "latent-norm error bound"):
         table.add_column(column, justify="right")
     for idx, (layer, norm) in enumerate(zip(layers, summary.neutralisers)):
-        table.add_row(str(idx), str(layer.kv_lora_rank), str(layer.qk_rope_head_dim), f"{widths.share:.3f}",
+        table.add_row(str(idx), str(layer.kv_lora_rank), str(layer.qk_rope_head_dim), f"{layer.cached_values_per_token / source_values:.3f}",
                       f"{layer.rope_energy_kept:.3f}", f"{norm.relative_error_bound:.0e}")
     console.print(table)
     if distilled is not None:

@@ -9,6 +9,9 @@
 - kv_a_layernorm neutralised (method/latent_norm.py). transformers builds that norm with eps 1e-6 whatever the config
   says, while llama.cpp and vLLM use config.rms_norm_eps: the config's rms_norm_eps is set to 1e-6 so all three agree;
   that also moves the model's other RMSNorms from the source eps to 1e-6 (its effect is measured by the caller).
+- Per-layer latent widths (`export-mla --allocation sensitivity`): every layer is zero-padded to the widest one,
+  whose width is the config's kv_lora_rank, and the marker lists the true widths (`kv_lora_ranks`). Stock engines run
+  the padded form (same outputs, padded cache); kvrewrite's runtime drops the zero rows and caches the true widths.
 - Written atomically: nothing is left at the output if anything fails.
 """
 
@@ -21,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from kvrewrite.runtime.mla.checkpoint import MLA_FORMAT_VERSION, MLA_MARKER
+from kvrewrite.runtime.mla.checkpoint import LATENT_RANKS_KEY, MLA_FORMAT_VERSION, MLA_MARKER
 from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.io.checkpoint_io import atomic_output_dir, write_safetensors_shards
 from kvrewrite.method.latent_norm import LatentNormNeutraliser, dtype_holds_latent, neutralise_latent_norm
@@ -41,7 +44,19 @@ class ExportSummary:
     dtype: torch.dtype
 
 
-def deepseek_v3_config(source_config, layer: MLALayer, dtype: torch.dtype, provenance: dict | None = None) -> dict:
+def padded_latent_rank(layers: list[MLALayer]) -> int:
+    return max(layer.kv_lora_rank for layer in layers)
+
+
+def latent_width_marker(layers: list[MLALayer]) -> dict:
+    """The marker's record of per-layer widths; nothing when every layer has the config's width."""
+    ranks = [layer.kv_lora_rank for layer in layers]
+    return {} if len(set(ranks)) == 1 else {LATENT_RANKS_KEY: ranks}
+
+
+def deepseek_v3_config(source_config, layer: MLALayer, dtype: torch.dtype, provenance: dict | None = None,
+                       kv_lora_rank: int | None = None) -> dict:
+    """kv_lora_rank: the padded width when layers differ (default: layer's own)."""
     rope = dict(getattr(source_config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": source_config.rope_theta})
     # DeepSeek rotates pair p with base^(-2p/d_r); the source rotated frequency j with base^(-2j/head_dim). They agree
     # iff pair p holds frequency p * head_dim / d_r (one component per kept frequency, every stride-th frequency).
@@ -63,7 +78,7 @@ def deepseek_v3_config(source_config, layer: MLALayer, dtype: torch.dtype, prove
         "num_attention_heads": source_config.num_attention_heads,
         "num_key_value_heads": source_config.num_attention_heads,
         "q_lora_rank": None,
-        "kv_lora_rank": layer.kv_lora_rank,
+        "kv_lora_rank": layer.kv_lora_rank if kv_lora_rank is None else kv_lora_rank,
         "qk_rope_head_dim": layer.qk_rope_head_dim,
         "qk_nope_head_dim": layer.qk_nope_head_dim,
         "v_head_dim": layer.v_head_dim,
@@ -117,7 +132,10 @@ def export_deepseek_v3(source, layers: list[MLALayer], max_square_norms: list[fl
             f"{str(dtype).removeprefix('torch.')} cannot hold the neutralised latent (rms {neutralisers[bad[0]].latent_rms:.1e} "
             f"in layer {bad[0]} is below its smallest normal number {torch.finfo(dtype).tiny:.1e}); export bfloat16 or float32"
         )
-    config = deepseek_v3_config(source.config, layers[0], dtype, provenance)
+    if len({layer.qk_rope_head_dim for layer in layers}) != 1:
+        raise InvalidArgumentError("every layer of a DeepSeek-V3 export has the same qk_rope_head_dim")
+    config = deepseek_v3_config(source.config, layers[0], dtype, {**latent_width_marker(layers), **(provenance or {})},
+                                kv_lora_rank=padded_latent_rank(layers))
     state = _weights(source, layers, neutralisers, dtype)
     with atomic_output_dir(Path(output), overwrite=overwrite) as tmp:
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
@@ -133,12 +151,19 @@ def _weights(source, layers: list[MLALayer], neutralisers: list[LatentNormNeutra
     attention_prefixes = [source.attention_prefix(i) for i in range(len(layers))]
     kept = [n for n in names if not any(n.startswith(f"{p}.{proj}.") for p in attention_prefixes for proj in ATTENTION_PROJECTIONS)]
     state = {name: tensor.to(dtype) for name, tensor in source.read(kept).items()}  # embeddings, norms, MLPs, lm_head
+    padded = padded_latent_rank(layers)
     for prefix, layer, norm in zip(attention_prefixes, layers, neutralisers):
-        kv_a = layer.kv_a_proj_with_mqa.clone()
-        kv_a[: layer.kv_lora_rank] *= norm.scale
+        r = layer.kv_lora_rank
+        # Zero latent rows (and kv_b columns) up to the padded width: those latent dims are 0 for every token. The
+        # norm then averages over the padded width, which only lowers its mean square (the bound still holds).
+        kv_a = torch.zeros(padded + layer.qk_rope_head_dim, layer.kv_a_proj_with_mqa.shape[1], dtype=torch.float64)
+        kv_a[:r] = layer.kv_a_proj_with_mqa[:r] * norm.scale
+        kv_a[padded:] = layer.kv_a_proj_with_mqa[r:]
+        kv_b = torch.zeros(layer.kv_b_proj.shape[0], padded, dtype=torch.float64)
+        kv_b[:, :r] = layer.kv_b_proj
         state[f"{prefix}.q_proj.weight"] = layer.q_proj.to(dtype)
         state[f"{prefix}.kv_a_proj_with_mqa.weight"] = kv_a.to(dtype)
-        state[f"{prefix}.kv_a_layernorm.weight"] = torch.full((layer.kv_lora_rank,), norm.norm_weight, dtype=dtype)
-        state[f"{prefix}.kv_b_proj.weight"] = layer.kv_b_proj.to(dtype)
+        state[f"{prefix}.kv_a_layernorm.weight"] = torch.full((padded,), norm.norm_weight, dtype=dtype)
+        state[f"{prefix}.kv_b_proj.weight"] = kv_b.to(dtype)
         state[f"{prefix}.o_proj.weight"] = layer.o_proj.to(dtype)
     return state

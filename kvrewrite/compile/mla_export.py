@@ -18,12 +18,15 @@ from kvrewrite.compile.mla_form import (
     run_statistics_with_attention_inputs,
     widths_for_share,
 )
+from kvrewrite.compile.mla_allocation import (
+    LatentAllocation, LatentSensitivity, allocate_latent_ranks, measure_latent_sensitivity, sensitivity_tokens,
+)
 from kvrewrite.compile.passes.context import CompileContext
 from kvrewrite.compile.passes.load_checkpoint import load_config
 from kvrewrite.compile.passes.pipeline import statistics_passes
 from kvrewrite.compile.plan import Plan
 from kvrewrite.io.sources import resolve_model_source
-from kvrewrite.method.mla import DEFAULT_KEY_WEIGHT, MLALayer, full_latent_rank
+from kvrewrite.method.mla import DEFAULT_KEY_WEIGHT, MLALayer, full_latent_rank, truncate_latent
 
 
 @dataclass
@@ -53,6 +56,48 @@ def mla_layers_at_share(prepared: PreparedSource, kv_share: float, key_weight: f
 def mla_layers_at_widths(prepared: PreparedSource, widths: MLAWidths, key_weight: float = DEFAULT_KEY_WEIGHT,
                          progress=None) -> list[MLALayer]:
     return compute_mla_layers(prepared.ctx, prepared.inputs, widths, key_weight=key_weight, progress=progress)
+
+
+@dataclass(frozen=True)
+class ProbedForm:
+    """Every layer at its full latent width, with the measured sensitivity of narrowing each: serves every share."""
+    full_layers: list[MLALayer]
+    sensitivity: LatentSensitivity
+
+
+@dataclass(frozen=True)
+class AllocatedForm:
+    widths: MLAWidths  # the uniform widths of the same share (target_rank per layer)
+    layers: list[MLALayer]  # each at its allocated latent width
+    allocation: LatentAllocation
+    sensitivity: LatentSensitivity
+
+
+def probe_full_form(prepared: PreparedSource, key_weight: float = DEFAULT_KEY_WEIGHT, progress=None,
+                    probe_windows: int | None = None) -> ProbedForm:
+    """Every layer computed once at full latent width (d_r = head_dim), then probed (compile/mla_allocation.py).
+    progress: called once per layer computed and once per layer probed."""
+    ctx = prepared.ctx
+    geometry = ctx.geometry
+    full = MLAWidths(1, geometry.head_dim, full_latent_rank(geometry, 1), 1.0)
+    full_layers = compute_mla_layers(ctx, prepared.inputs, full, key_weight=key_weight, progress=progress)
+    windows = ctx.plan.probe_windows if probe_windows is None else probe_windows
+    sensitivity = measure_latent_sensitivity(ctx.original_model(), full_layers,
+                                             sensitivity_tokens(ctx.calibration_tokens, windows), progress)
+    return ProbedForm(full_layers, sensitivity)
+
+
+def allocated_at_share(prepared: PreparedSource, probed: ProbedForm, kv_share: float) -> AllocatedForm:
+    """Per-layer latent widths keeping the uniform form's cached values at this share, placed by measured KL."""
+    widths = widths_for_share(prepared.ctx.geometry, kv_share)
+    allocation = allocate_latent_ranks(probed.full_layers, probed.sensitivity, widths.kv_lora_rank)
+    layers = [truncate_latent(layer, rank) for layer, rank in zip(probed.full_layers, allocation.ranks)]
+    return AllocatedForm(widths, layers, allocation, probed.sensitivity)
+
+
+def mla_layers_allocated(prepared: PreparedSource, kv_share: float, key_weight: float = DEFAULT_KEY_WEIGHT,
+                         progress=None, probe_windows: int | None = None) -> AllocatedForm:
+    return allocated_at_share(prepared, probe_full_form(prepared, key_weight, progress, probe_windows), kv_share)
 
 
 def export_at_share(prepared: PreparedSource, layers: list[MLALayer], output: Path, *, dtype: torch.dtype,

@@ -202,3 +202,13 @@ def balance_latent_gauge(layer: MLALayer) -> MLALayer:
     kv_a = layer.kv_a_proj_with_mqa.clone()
     kv_a[:r] *= t[:, None]
     return replace(layer, kv_a_proj_with_mqa=kv_a, kv_b_proj=layer.kv_b_proj / t)
+
+
+def truncate_latent(layer: MLALayer, rank: int) -> MLALayer:
+    """The layer at latent width `rank` <= its own: the first `rank` latent dims, which is exactly mla_layer computed
+    at that rank (the whitened projection's dims are ordered by importance, so every width is a prefix)."""
+    if not 1 <= rank <= layer.kv_lora_rank:
+        raise InvalidArgumentError(f"latent rank must be within 1..{layer.kv_lora_rank}, got {rank}")
+    r = layer.kv_lora_rank
+    kv_a = torch.cat([layer.kv_a_proj_with_mqa[:rank], layer.kv_a_proj_with_mqa[r:]])
+    return replace(layer, kv_a_proj_with_mqa=kv_a, kv_b_proj=layer.kv_b_proj[:, :rank].clone(), kv_lora_rank=rank)

@@ -21,6 +21,7 @@ from torch import nn
 
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_pos_emb, apply_rotary_pos_emb_interleave
 
+from kvrewrite.errors import CorruptCheckpointError
 from kvrewrite.runtime.kernels.reference import boolean_mask, softmax_dtype
 from kvrewrite.runtime.mla.latent_cache import cache_latent_rows
 
@@ -38,16 +39,57 @@ def expansion_is_cheaper(new_tokens: int, cached_tokens: int, heads: int, rank: 
     return expanded < absorbed
 
 
-class AbsorbedMLAAttention(nn.Module):
-    """Drop-in replacement for a DeepseekV3Attention (same parameters, same outputs) with a latent-only cache."""
+class PaddedWidthRMSNorm(nn.Module):
+    """The stock latent RMSNorm of a layer narrowed from a zero-padded width: the dropped dims were 0 for every token,
+    so the mean square still divides by the padded width, exactly as the stock model computes it."""
 
-    def __init__(self, stock: nn.Module):
+    def __init__(self, stock_norm: nn.Module, width: int):
+        super().__init__()
+        self.weight = nn.Parameter(stock_norm.weight.detach()[:width].clone(), requires_grad=False)
+        self.variance_epsilon = stock_norm.variance_epsilon
+        self.padded_width = stock_norm.weight.shape[0]
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).sum(-1, keepdim=True) / self.padded_width
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+def _narrowed_linear(weight: torch.Tensor) -> nn.Linear:
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+    linear.weight = nn.Parameter(weight.detach().contiguous(), requires_grad=False)
+    return linear
+
+
+def narrow_latent(stock: nn.Module, rank: int) -> None:
+    """Slice stock's latent weights (in place) from the padded width to `rank`; refuse if the dropped ones are not 0."""
+    padded, rope = stock.config.kv_lora_rank, stock.config.qk_rope_head_dim
+    kv_a, kv_b = stock.kv_a_proj_with_mqa.weight, stock.kv_b_proj.weight
+    if bool(kv_a[rank:padded].any()) or bool(kv_b[:, rank:].any()):
+        raise CorruptCheckpointError(
+            f"layer {stock.layer_idx}: latent width {rank} is recorded, but its latent weights beyond it are not zero")
+    stock.kv_a_proj_with_mqa = _narrowed_linear(torch.cat([kv_a[:rank], kv_a[padded : padded + rope]]))
+    stock.kv_b_proj = _narrowed_linear(kv_b[:, :rank])
+    stock.kv_a_layernorm = PaddedWidthRMSNorm(stock.kv_a_layernorm, rank)
+
+
+class AbsorbedMLAAttention(nn.Module):
+    """Drop-in replacement for a DeepseekV3Attention (same parameters, same outputs) with a latent-only cache.
+
+    kv_lora_rank: this layer's true latent width where the export zero-padded it to the config's (allocated widths);
+    its latent weights are sliced to it, so the cache holds that width."""
+
+    def __init__(self, stock: nn.Module, kv_lora_rank: int | None = None):
         super().__init__()
         config = stock.config
         self.config = config
         self.layer_idx = stock.layer_idx
         self.num_heads = config.num_attention_heads
-        self.kv_lora_rank = config.kv_lora_rank
+        self.kv_lora_rank = config.kv_lora_rank if kv_lora_rank is None else kv_lora_rank
+        if self.kv_lora_rank != config.kv_lora_rank:
+            narrow_latent(stock, self.kv_lora_rank)
         self.qk_nope_head_dim = config.qk_nope_head_dim
         self.qk_rope_head_dim = config.qk_rope_head_dim
         self.v_head_dim = config.v_head_dim

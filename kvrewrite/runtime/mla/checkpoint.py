@@ -17,6 +17,8 @@ from kvrewrite.runtime.mla.attention import AbsorbedMLAAttention
 
 MLA_MARKER = "kvrewrite_mla"
 MLA_FORMAT_VERSION = 1
+# Per-layer latent widths (an allocated export): the config's kv_lora_rank is the widest, the others zero-padded.
+LATENT_RANKS_KEY = "kv_lora_ranks"
 
 
 def is_mla_checkpoint(config: dict[str, Any]) -> bool:
@@ -33,8 +35,25 @@ def check_mla_marker(config: dict[str, Any], where: str) -> None:
         )
 
 
+def latent_ranks(config) -> list[int] | None:
+    """The marker's per-layer latent widths, checked against the config; None for a uniform export."""
+    marker = getattr(config, MLA_MARKER, None) or {}
+    ranks = marker.get(LATENT_RANKS_KEY) if isinstance(marker, dict) else None
+    if ranks is None:
+        return None
+    padded = config.kv_lora_rank
+    if (not isinstance(ranks, list) or len(ranks) != config.num_hidden_layers
+            or not all(isinstance(r, int) and 1 <= r <= padded for r in ranks)):
+        raise CorruptCheckpointError(
+            f"{MLA_MARKER}.{LATENT_RANKS_KEY} must list {config.num_hidden_layers} widths within 1..{padded} "
+            f"(kv_lora_rank), got {ranks!r}")
+    return ranks
+
+
 def absorb_attention(model: nn.Module) -> nn.Module:
-    """Swap every DeepseekV3Attention of `model` (in place) for the absorbed one; weights are shared, not copied."""
+    """Swap every DeepseekV3Attention of `model` (in place) for the absorbed one; weights are shared, not copied,
+    except where an allocated export's layer is narrower than the padded width (its latent weights are sliced)."""
+    ranks = latent_ranks(model.config)
     swapped = 0
     for module in model.modules():
         layers = getattr(module, "layers", None)
@@ -43,7 +62,7 @@ def absorb_attention(model: nn.Module) -> nn.Module:
         for layer in layers:
             attention = getattr(layer, "self_attn", None)
             if attention is not None and type(attention).__name__ == "DeepseekV3Attention":
-                layer.self_attn = AbsorbedMLAAttention(attention)
+                layer.self_attn = AbsorbedMLAAttention(attention, None if ranks is None else ranks[attention.layer_idx])
                 swapped += 1
     if not swapped:
         raise CorruptCheckpointError(f"{type(model).__name__} has no DeepseekV3Attention layers to absorb")
