@@ -40,13 +40,14 @@ MLA_WIDTHS = dict(kv_lora_rank=128, qk_rope_head_dim=64, qk_nope_head_dim=64, v_
 
 
 def build(name: str):
+    """stock / stock-static (the same model; the latter decodes on a preallocated StaticCache) / mla."""
     import torch
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM
 
     from kvrewrite.runtime.mla.checkpoint import absorb_attention
 
     torch.manual_seed(0)
-    if name == "stock":
+    if name.startswith("stock"):
         config = LlamaConfig(head_dim=64, rope_theta=100000.0, **SMOLLM2)
         config._attn_implementation = "sdpa"
         return LlamaForCausalLM(config).eval()
@@ -57,21 +58,23 @@ def build(name: str):
     return absorb_attention(DeepseekV3ForCausalLM(config)).eval()
 
 
-def fill_cache(model, name: str, batch: int, context: int):
+def fill_cache(model, name: str, batch: int, context: int, steps: int):
+    """The cache a prefill of `context` tokens leaves, filled through the path the model's own forward takes."""
     import torch
-    from transformers import DynamicCache
+    from transformers import DynamicCache, StaticCache
+
+    from kvrewrite.runtime.mla.latent_cache import cache_latent_rows
 
     cfg = model.config
-    cache = DynamicCache(config=cfg)
+    # stock-static: room for the warm-up and timed steps, preallocated (transformers' in-place StaticCache).
+    cache = StaticCache(config=cfg, max_cache_len=context + steps + 1) if name == "stock-static" else DynamicCache(config=cfg)
     g = torch.Generator().manual_seed(0)
     for i in range(cfg.num_hidden_layers):
-        if name == "stock":
+        if name.startswith("stock"):
             shape = (batch, cfg.num_key_value_heads, context, cfg.head_dim)
-            keys, values = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
-        else:  # the latent rows [c | k_pe] and the zero-width values (runtime.mla.latent_cache)
-            keys = torch.randn(batch, 1, context, cfg.kv_lora_rank + cfg.qk_rope_head_dim, generator=g)
-            values = keys.new_empty(batch, 1, context, 0)
-        cache.update(keys, values, i)
+            cache.update(torch.randn(shape, generator=g), torch.randn(shape, generator=g), i)
+        else:  # the latent rows [c | k_pe], appended as runtime.mla appends them (a growing buffer, in place)
+            cache_latent_rows(cache, i, torch.randn(batch, 1, context, cfg.kv_lora_rank + cfg.qk_rope_head_dim, generator=g))
     return cache
 
 
@@ -85,7 +88,7 @@ def measure(name: str, steps: int, configs: list[tuple[int, int]]) -> dict:
     model = build(name)
     attention_times: list[float] = []
     layer_times: list[float] = []
-    timer = (_timed(ALL_ATTENTION_FUNCTIONS._global_mapping, "sdpa", attention_times) if name == "stock"
+    timer = (_timed(ALL_ATTENTION_FUNCTIONS._global_mapping, "sdpa", attention_times) if name.startswith("stock")
              else _timed(AbsorbedMLAAttention, "_absorbed", attention_times))
     starts: dict[int, float] = {}
     for layer in model.model.layers:
@@ -94,7 +97,7 @@ def measure(name: str, steps: int, configs: list[tuple[int, int]]) -> dict:
     record = {"parameters": sum(p.numel() for p in model.parameters()), "decode": []}
     with torch.inference_mode(), timer:
         for context, batch in configs:
-            cache = fill_cache(model, name, batch, context)
+            cache = fill_cache(model, name, batch, context, steps)
             cache_bytes = cache_tensor_bytes(cache)
             step_s, attn_s, layer_s = timed_decode_steps(model, cache, batch, context, steps, attention_times, layer_times)
             del cache
@@ -111,11 +114,13 @@ def measure(name: str, steps: int, configs: list[tuple[int, int]]) -> dict:
 
 
 def add_ratios(results: dict) -> None:
-    base = {(e["context"], e["batch"]): e for e in results["stock"]["decode"]}
-    for e in results["mla"]["decode"]:
-        b = base[(e["context"], e["batch"])]
-        e["vs_stock"] = {k: round(e[k] / b[k], 3) for k in ("tokens_per_s", "attention_s", "attention_layer_s",
-                                                              "cache_bytes")}
+    for reference, key in (("stock", "vs_stock"), ("stock-static", "vs_stock_static")):
+        if reference not in results:
+            continue
+        base = {(e["context"], e["batch"]): e for e in results[reference]["decode"]}
+        for e in results["mla"]["decode"]:
+            b = base[(e["context"], e["batch"])]
+            e[key] = {k: round(e[k] / b[k], 3) for k in ("tokens_per_s", "attention_s", "attention_layer_s", "cache_bytes")}
 
 
 def main() -> None:
@@ -124,6 +129,7 @@ def main() -> None:
     parser.add_argument("--configs", nargs="*", default=["512x8", "2048x8", "8192x8"], help="CONTEXTxBATCH")
     parser.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "1")))
     parser.add_argument("--out", type=Path, default=RESULTS / "mla_decode_cpu.json")
+    parser.add_argument("--models", default="stock,stock-static,mla", help="stock, stock-static and/or mla")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     configs = [tuple(int(x) for x in c.split("x")) for c in args.configs]
@@ -141,17 +147,20 @@ def main() -> None:
         "dtype": "float32",
         "models": {
             "stock": "LlamaForCausalLM, SmolLM2-135M shapes, random weights, sdpa; cache K+V = 2 x 3 x 64 = 384 "
-                     "values per token per layer",
+                     "values per token per layer; DynamicCache (transformers' default: torch.cat per step)",
+            "stock-static": "the same stock model decoding on transformers' StaticCache, preallocated for the "
+                            "context plus the steps (in-place writes; attention over the preallocated length)",
             "mla": f"DeepseekV3ForCausalLM, same hidden/heads/layers/MLP/vocab, {MLA_WIDTHS}, random weights, "
                    "attention swapped for kvrewrite.runtime.mla (absorbed); cache 128 + 64 = 192 values per token "
-                   "per layer (50%)",
+                   "per layer (50%), appended in place into a buffer with spare rows (runtime/mla/latent_cache.py)",
         },
-        "cache_fill": "caches filled with torch.randn tensors of each model's own cache shapes (no prefill)",
+        "cache_fill": "caches filled with torch.randn tensors of each model's own cache shapes (no prefill), through "
+                      "the append path each model's forward uses",
         "attention_s": "stock: transformers' sdpa attention function; mla: AbsorbedMLAAttention._absorbed",
         "results": results,
     }
     args.out.parent.mkdir(exist_ok=True)
-    for name in ("stock", "mla"):
+    for name in args.models.split(","):
         cmd = [sys.executable, __file__, "--worker", name, "--steps", str(args.steps), "--threads", str(args.threads),
                "--configs", *args.configs]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=os.environ.copy()).stdout

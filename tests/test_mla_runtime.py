@@ -210,3 +210,35 @@ def test_plain_deepseek_checkpoint_is_not_taken_for_an_export(tmp_path):
     DeepseekV3ForCausalLM(tiny_config()).save_pretrained(tmp_path)
     with pytest.raises(CorruptCheckpointError, match="not a kvrewrite checkpoint"):
         kvrewrite.load(tmp_path)
+
+
+def test_the_growing_rows_layer_appends_in_place_and_holds_what_torch_cat_would():
+    """Reference: stock DynamicLayer (torch.cat on every append), fed the same rows, cropped and batch-selected alike."""
+    from transformers.cache_utils import DynamicCache as StockCache
+
+    from kvrewrite.runtime.mla.latent_cache import GrowingRowsLayer, cache_latent_rows, spare_rows
+
+    torch.manual_seed(0)
+    ours, stock = StockCache(), StockCache()
+    prefill = torch.randn(2, 1, 300, 12)
+    cache_latent_rows(ours, 0, prefill)
+    stock.update(prefill, prefill[..., :0], 0)
+    layer = ours.layers[0]
+    assert isinstance(layer, GrowingRowsLayer) and type(stock.layers[0]) is not GrowingRowsLayer
+    buffer = layer._buffer.data_ptr()
+    assert layer._buffer.shape[-2] == 300 + spare_rows(300) == 318
+    for step in range(20):
+        row = torch.randn(2, 1, 1, 12)
+        cache_latent_rows(ours, 0, row)
+        stock.update(row, row[..., :0], 0)
+        assert (layer._buffer.data_ptr() == buffer) == (step < 18)  # in place until the spare rows run out
+        assert torch.equal(layer.keys, stock.layers[0].keys) and layer.values.shape[-2] == layer.keys.shape[-2]
+    # The spare rows are held memory and counted as such.
+    assert cache_tensor_bytes(ours) == layer._buffer.numel() * 4 > layer.keys.numel() * 4
+    for cache in (ours, stock):
+        cache.crop(-10)
+        cache.batch_select_indices(torch.tensor([1]))
+    row = torch.randn(1, 1, 1, 12)
+    cache_latent_rows(ours, 0, row)
+    stock.update(row, row[..., :0], 0)
+    assert torch.equal(ours.layers[0].keys, stock.layers[0].keys) and ours.get_seq_length() == 311
