@@ -155,8 +155,33 @@ def test_the_cli_allocates_per_layer_widths(tmp_path):
     assert result.exit_code == 0, result.output
     marker = json.loads((out / "config.json").read_text())["kvrewrite_mla"]
     assert sum(marker["kv_lora_ranks"]) <= 4 * 16 and marker["allocation"]["method"] == "sensitivity"
-    assert "mean over layers" in result.output
+    assert "mean over layers" in result.output and "rate table: kvrewrite.load(DIR, rate=p) serves p = " in result.output
+    assert set(marker["rate_table"]) >= {"0.50", "0.60"}
 
     refused = CliRunner().invoke(app, ["export-mla", str(src), "--kv-lora-rank", "16", "--allocation", "sensitivity",
                                        "-o", str(tmp_path / "no")])
     assert refused.exit_code == 2 and "--allocation sensitivity" in refused.output and not (tmp_path / "no").exists()
+
+
+def test_one_allocated_export_serves_narrower_rates_as_exports_made_for_them(deep, tmp_path):
+    """Export at 75% of K+V with its rate table; loaded at rate 0.5 it runs the widths an export made for 50% has,
+    with the same logits (up to the latent-norm neutralisation's bound), and caches those widths."""
+    import kvrewrite
+    from kvrewrite.compile.mla_export import allocated_at_share, probe_full_form
+
+    probed = probe_full_form(deep)
+    wide, narrow = allocated_at_share(deep, probed, 0.75), allocated_at_share(deep, probed, 0.5)
+    assert wide.rate_table["0.50"] == list(narrow.allocation.ranks)
+    assert all(set(widths) and all(w <= r for w, r in zip(widths, wide.allocation.ranks)) for widths in wide.rate_table.values())
+    export_at_share(deep, wide.layers, tmp_path / "wide", dtype=torch.float32, rate_table=wide.rate_table)
+    export_at_share(deep, narrow.layers, tmp_path / "narrow", dtype=torch.float32)
+    tokens = random_windows(1, 24, seed=3)
+    at_rate, made = kvrewrite.load(tmp_path / "wide", rate=0.5).eval(), kvrewrite.load(tmp_path / "narrow").eval()
+    with torch.no_grad():
+        got, want = at_rate(tokens, use_cache=True), made(tokens).logits
+        full = kvrewrite.load(tmp_path / "wide")(tokens).logits
+    assert (got.logits - want).abs().max() < 1e-4 < (full - want).abs().max()
+    d_r = deep.ctx.geometry.head_dim
+    assert [layer.keys.shape[-1] - d_r for layer in got.past_key_values.layers] == list(narrow.allocation.ranks)
+    with pytest.raises(CorruptCheckpointError, match="rates: "):
+        kvrewrite.load(tmp_path / "wide", rate=0.05)

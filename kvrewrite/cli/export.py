@@ -104,7 +104,7 @@ def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, 
     ctx = prepared.ctx
     chosen = getattr(torch, DTYPES[dtype]) if DTYPES[dtype] else _source_dtype(ctx.config)
     weighting = {} if key_weight is None else {"key_weight": key_weight}
-    allocation_record = None
+    allocation_record, served_rates = None, None
     if allocation == "sensitivity":
         from kvrewrite.compile.mla_allocation import allocation_report
         from kvrewrite.compile.mla_export import allocated_at_share, probe_full_form
@@ -113,6 +113,9 @@ def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, 
             probed = probe_full_form(prepared, progress=bar.advance, **weighting)
         allocated = allocated_at_share(prepared, probed, kv_share)
         layers, allocation_record = allocated.layers, allocation_report(allocated.sensitivity, allocated.allocation)
+        # Narrower rates are prefixes of one removal order; after --distill trains the exported widths they are not
+        # trained, so a distilled export serves its own widths only.
+        served_rates = None if plan.distill else allocated.rate_table
     else:
         with progress_bar("MLA form per layer", ctx.geometry.num_layers, plan.progress) as bar:
             layers = mla_layers_at_widths(prepared, widths, progress=bar.advance, **weighting)
@@ -126,7 +129,7 @@ def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, 
         summary_record = {k: v for k, v in allocation_record.items() if k != "probes"}
         provenance = {**(provenance or {}), "allocation": summary_record}
     summary = export_at_share(prepared, layers, output, dtype=chosen, overwrite=overwrite, max_square_norms=norms,
-                              provenance=provenance)
+                              provenance=provenance, rate_table=served_rates)
 
     tokens = ctx.calibration_tokens[:1, :verify_tokens]
     full_diff = full_width_max_logit_diff(prepared, tokens)
@@ -146,6 +149,9 @@ def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, 
     console.print(f"verify: full-width MLA (every RoPE component, full latent) vs original, max |Δlogit| = {full_diff:.2e}")
     console.print(f"verify: exported checkpoint in stock transformers ({str(chosen).removeprefix('torch.')}) vs our maths, "
                   f"max |Δlogit| = {export_diff:.2e}")
+    if served_rates:
+        console.print(f"rate table: kvrewrite.load(DIR, rate=p) serves p = {', '.join(served_rates)} from this file "
+                      "(per-layer widths, prefixes of the exported ones)")
     console.print(f"wrote {output} (DeepseekV3ForCausalLM; load with AutoModelForCausalLM.from_pretrained)")
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from kvrewrite.runtime.mla.checkpoint import LATENT_RANKS_KEY, MLA_FORMAT_VERSION, MLA_MARKER
+from kvrewrite.runtime.mla.checkpoint import LATENT_RANKS_KEY, MLA_FORMAT_VERSION, MLA_MARKER, RATE_TABLE_KEY
 from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.io.checkpoint_io import atomic_output_dir, write_safetensors_shards
 from kvrewrite.method.latent_norm import LatentNormNeutraliser, dtype_holds_latent, neutralise_latent_norm
@@ -48,10 +48,17 @@ def padded_latent_rank(layers: list[MLALayer]) -> int:
     return max(layer.kv_lora_rank for layer in layers)
 
 
-def latent_width_marker(layers: list[MLALayer]) -> dict:
-    """The marker's record of per-layer widths; nothing when every layer has the config's width."""
+def latent_width_marker(layers: list[MLALayer], rate_table: dict[str, list[int]] | None = None) -> dict:
+    """The marker's record of per-layer widths (nothing when every layer has the config's width) and of the rate
+    table, whose widths must be prefixes of the exported ones."""
     ranks = [layer.kv_lora_rank for layer in layers]
-    return {} if len(set(ranks)) == 1 else {LATENT_RANKS_KEY: ranks}
+    marker = {} if len(set(ranks)) == 1 else {LATENT_RANKS_KEY: ranks}
+    for key, widths in (rate_table or {}).items():
+        if len(widths) != len(ranks) or any(not 1 <= w <= r for w, r in zip(widths, ranks)):
+            raise InvalidArgumentError(f"rate {key}'s latent widths {widths} are not within the exported ones {ranks}")
+    if rate_table:
+        marker[RATE_TABLE_KEY] = {key: list(widths) for key, widths in sorted(rate_table.items())}
+    return marker
 
 
 def deepseek_v3_config(source_config, layer: MLALayer, dtype: torch.dtype, provenance: dict | None = None,
@@ -117,7 +124,7 @@ def deepseek_v3_config(source_config, layer: MLALayer, dtype: torch.dtype, prove
 
 def export_deepseek_v3(source, layers: list[MLALayer], max_square_norms: list[float], output: Path, *,
                        dtype: torch.dtype, norm_tolerance: float = 1e-6, overwrite: bool = False,
-                       provenance: dict | None = None) -> ExportSummary:
+                       provenance: dict | None = None, rate_table: dict[str, list[int]] | None = None) -> ExportSummary:
     """source: compile.layer_streaming.SourceModel of the original; layers: its MLA form; max_square_norms: per layer
     the largest calibration ||x||^2 at the attention input (bounds the latent's mean square for the norm);
     provenance: extra keys for the config's kvrewrite_mla marker (how the form was made, e.g. its distillation)."""
@@ -134,7 +141,7 @@ def export_deepseek_v3(source, layers: list[MLALayer], max_square_norms: list[fl
         )
     if len({layer.qk_rope_head_dim for layer in layers}) != 1:
         raise InvalidArgumentError("every layer of a DeepSeek-V3 export has the same qk_rope_head_dim")
-    config = deepseek_v3_config(source.config, layers[0], dtype, {**latent_width_marker(layers), **(provenance or {})},
+    config = deepseek_v3_config(source.config, layers[0], dtype, {**latent_width_marker(layers, rate_table), **(provenance or {})},
                                 kv_lora_rank=padded_latent_rank(layers))
     state = _weights(source, layers, neutralisers, dtype)
     with atomic_output_dir(Path(output), overwrite=overwrite) as tmp:

@@ -32,6 +32,7 @@ from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.method.curve_allocation import curve_removal_order
 from kvrewrite.method.mla import MLALayer, truncate_latent
 from kvrewrite.method.rank_allocation import RankItem, allocate_greedy
+from kvrewrite.spec import rate_key
 
 # Probe widths as shares of the full latent width: the allocations users ask for (30-70% of K+V) keep 15-65% of it.
 PROBE_SHARES = (0.1, 0.25, 0.5, 0.75)
@@ -130,6 +131,19 @@ def allocate_latent_ranks(full_layers: list[MLALayer], sensitivity: LatentSensit
                                  order=order)
     ranks = tuple(allocation.ranks[(idx, 0, "latent")] for idx in range(len(full_layers)))
     return LatentAllocation(ranks, target_rank, tuple((key[0], dims) for key, dims, _ in order))
+
+
+def latent_rate_table(full_layers: list[MLALayer], sensitivity: LatentSensitivity, values_per_token: int,
+                      rope_dim: int, largest_rank: int, rates: tuple[float, ...]) -> dict[str, list[int]]:
+    """Per-layer widths at every rate p of the grid that an export of mean latent width `largest_rank` can serve: the
+    same removal order cut at (1 - p) * values_per_token - rope_dim dims per layer, so each rate's widths are a prefix
+    of the export's and `kvrewrite.load(dir, rate=p)` serves it from the same file. Keys as the per-head rate tables'."""
+    table = {}
+    for rate in rates:
+        target = round((1 - rate) * values_per_token) - rope_dim
+        if RANK_MULTIPLE <= target <= largest_rank:
+            table[rate_key(rate)] = list(allocate_latent_ranks(full_layers, sensitivity, target).ranks)
+    return table
 
 
 def allocation_report(sensitivity: LatentSensitivity, allocation: LatentAllocation) -> dict:

@@ -19,12 +19,13 @@ from kvrewrite.compile.mla_form import (
     widths_for_share,
 )
 from kvrewrite.compile.mla_allocation import (
-    LatentAllocation, LatentSensitivity, allocate_latent_ranks, measure_latent_sensitivity, sensitivity_tokens,
+    LatentAllocation, LatentSensitivity, allocate_latent_ranks, latent_rate_table, measure_latent_sensitivity,
+    sensitivity_tokens,
 )
 from kvrewrite.compile.passes.context import CompileContext
 from kvrewrite.compile.passes.load_checkpoint import load_config
 from kvrewrite.compile.passes.pipeline import statistics_passes
-from kvrewrite.compile.plan import Plan
+from kvrewrite.compile.plan import DEFAULT_RATE_GRID, Plan
 from kvrewrite.io.sources import resolve_model_source
 from kvrewrite.method.mla import DEFAULT_KEY_WEIGHT, MLALayer, full_latent_rank, truncate_latent
 
@@ -71,6 +72,7 @@ class AllocatedForm:
     layers: list[MLALayer]  # each at its allocated latent width
     allocation: LatentAllocation
     sensitivity: LatentSensitivity
+    rate_table: dict[str, list[int]]  # rate key -> per-layer widths, every one a prefix of `layers`' widths
 
 
 def probe_full_form(prepared: PreparedSource, key_weight: float = DEFAULT_KEY_WEIGHT, progress=None,
@@ -92,7 +94,10 @@ def allocated_at_share(prepared: PreparedSource, probed: ProbedForm, kv_share: f
     widths = widths_for_share(prepared.ctx.geometry, kv_share)
     allocation = allocate_latent_ranks(probed.full_layers, probed.sensitivity, widths.kv_lora_rank)
     layers = [truncate_latent(layer, rank) for layer, rank in zip(probed.full_layers, allocation.ranks)]
-    return AllocatedForm(widths, layers, allocation, probed.sensitivity)
+    geometry = prepared.ctx.geometry
+    table = latent_rate_table(probed.full_layers, probed.sensitivity, 2 * geometry.num_key_value_heads * geometry.head_dim,
+                              widths.qk_rope_head_dim, widths.kv_lora_rank, DEFAULT_RATE_GRID)
+    return AllocatedForm(widths, layers, allocation, probed.sensitivity, table)
 
 
 def mla_layers_allocated(prepared: PreparedSource, kv_share: float, key_weight: float = DEFAULT_KEY_WEIGHT,
@@ -102,12 +107,13 @@ def mla_layers_allocated(prepared: PreparedSource, kv_share: float, key_weight: 
 
 def export_at_share(prepared: PreparedSource, layers: list[MLALayer], output: Path, *, dtype: torch.dtype,
                     overwrite: bool = False, max_square_norms: list[float] | None = None,
-                    provenance: dict | None = None) -> ExportSummary:
+                    provenance: dict | None = None, rate_table: dict[str, list[int]] | None = None) -> ExportSummary:
     """max_square_norms: the attention inputs' largest ||x||^2 per layer for the latent-norm bound (default: the
-    original's on the calibration windows; a distilled form passes its own, mla_distill.py)."""
+    original's on the calibration windows; a distilled form passes its own, mla_distill.py); rate_table: narrower
+    per-layer widths that kvrewrite.load(dir, rate=p) serves from the same file (AllocatedForm.rate_table)."""
     norms = prepared.inputs.max_square_norms if max_square_norms is None else max_square_norms
     return export_deepseek_v3(prepared.ctx.source, layers, norms, output, dtype=dtype, overwrite=overwrite,
-                              provenance=provenance)
+                              provenance=provenance, rate_table=rate_table)
 
 
 def full_width_max_logit_diff(prepared: PreparedSource, tokens: torch.Tensor) -> float:

@@ -11,7 +11,9 @@ from transformers.modeling_utils import AttentionInterface
 
 from kvrewrite.errors import CorruptCheckpointError
 from kvrewrite.runtime.modeling.attention import PACKED_ATTENTION, packed_attention_forward
-from kvrewrite.runtime.mla.checkpoint import absorb_attention, check_mla_marker, is_mla_checkpoint
+from kvrewrite.runtime.mla.checkpoint import (
+    MLA_MARKER, RATE_TABLE_KEY, absorb_attention, check_mla_marker, is_mla_checkpoint, widths_at_rate,
+)
 from kvrewrite.runtime.modeling.families import COMPRESSED_FAMILIES
 
 COMPRESSED_MODEL_CLASSES = {model_type: model_class for model_type, (_, model_class) in COMPRESSED_FAMILIES.items()}
@@ -144,16 +146,18 @@ def load(name_or_path, rate: float | None = None, **kwargs):
 
 
 def load_mla(directory: Path, config: dict, rate: float | None = None, **kwargs):
-    """A kvrewrite MLA export: stock DeepseekV3ForCausalLM, loaded strictly, with absorbed attention."""
+    """A kvrewrite MLA export: stock DeepseekV3ForCausalLM, loaded strictly, with absorbed attention; at a rate of its
+    rate table (an --allocation sensitivity export), every layer narrowed to that rate's latent width."""
     from transformers import DeepseekV3ForCausalLM
 
     check_mla_marker(config, str(directory / "config.json"))
-    if rate is not None:
+    if rate is not None and not config[MLA_MARKER].get(RATE_TABLE_KEY):
         raise CorruptCheckpointError(
             f"{directory} is an MLA export: its latent width is fixed at export time and it has no rate table "
-            f"(got rate={rate}); load it without rate"
+            f"(got rate={rate}); load it without rate, or export with --allocation sensitivity"
         )
     kwargs.pop("output_loading_info", None)
     model, info = DeepseekV3ForCausalLM.from_pretrained(directory, output_loading_info=True, **kwargs)
     ensure_complete_load(info, directory)
-    return absorb_attention(model)
+    widths = None if rate is None else widths_at_rate(model.config, rate, str(directory))
+    return absorb_attention(model, widths)

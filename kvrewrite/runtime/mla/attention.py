@@ -63,13 +63,15 @@ def _narrowed_linear(weight: torch.Tensor) -> nn.Linear:
     return linear
 
 
-def narrow_latent(stock: nn.Module, rank: int) -> None:
-    """Slice stock's latent weights (in place) from the padded width to `rank`; refuse if the dropped ones are not 0."""
+def narrow_latent(stock: nn.Module, rank: int, exported: int | None = None) -> None:
+    """Slice stock's latent weights (in place) from the padded width to `rank`. The dims between `exported` (the width
+    the export records for this layer) and the padded width must be zero, or the file is not what it says."""
     padded, rope = stock.config.kv_lora_rank, stock.config.qk_rope_head_dim
     kv_a, kv_b = stock.kv_a_proj_with_mqa.weight, stock.kv_b_proj.weight
-    if bool(kv_a[rank:padded].any()) or bool(kv_b[:, rank:].any()):
+    recorded = padded if exported is None else exported
+    if bool(kv_a[recorded:padded].any()) or bool(kv_b[:, recorded:].any()):
         raise CorruptCheckpointError(
-            f"layer {stock.layer_idx}: latent width {rank} is recorded, but its latent weights beyond it are not zero")
+            f"layer {stock.layer_idx}: latent width {recorded} is recorded, but its latent weights beyond it are not zero")
     stock.kv_a_proj_with_mqa = _narrowed_linear(torch.cat([kv_a[:rank], kv_a[padded : padded + rope]]))
     stock.kv_b_proj = _narrowed_linear(kv_b[:, :rank])
     stock.kv_a_layernorm = PaddedWidthRMSNorm(stock.kv_a_layernorm, rank)
@@ -78,10 +80,11 @@ def narrow_latent(stock: nn.Module, rank: int) -> None:
 class AbsorbedMLAAttention(nn.Module):
     """Drop-in replacement for a DeepseekV3Attention (same parameters, same outputs) with a latent-only cache.
 
-    kv_lora_rank: this layer's true latent width where the export zero-padded it to the config's (allocated widths);
-    its latent weights are sliced to it, so the cache holds that width."""
+    kv_lora_rank: the latent width this layer runs at, where it is below the config's (an allocated export zero-pads
+    its layers to the widest; a rate of its table narrows them further); its latent weights are sliced to it, so the
+    cache holds that width. exported_rank: the width the export records (the zero padding starts there)."""
 
-    def __init__(self, stock: nn.Module, kv_lora_rank: int | None = None):
+    def __init__(self, stock: nn.Module, kv_lora_rank: int | None = None, exported_rank: int | None = None):
         super().__init__()
         config = stock.config
         self.config = config
@@ -89,7 +92,7 @@ class AbsorbedMLAAttention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.kv_lora_rank = config.kv_lora_rank if kv_lora_rank is None else kv_lora_rank
         if self.kv_lora_rank != config.kv_lora_rank:
-            narrow_latent(stock, self.kv_lora_rank)
+            narrow_latent(stock, self.kv_lora_rank, exported_rank)
         self.qk_nope_head_dim = config.qk_nope_head_dim
         self.qk_rope_head_dim = config.qk_rope_head_dim
         self.v_head_dim = config.v_head_dim

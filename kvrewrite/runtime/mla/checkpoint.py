@@ -13,12 +13,15 @@ from typing import Any
 from torch import nn
 
 from kvrewrite.errors import CorruptCheckpointError
+from kvrewrite.spec import rate_key
 from kvrewrite.runtime.mla.attention import AbsorbedMLAAttention
 
 MLA_MARKER = "kvrewrite_mla"
 MLA_FORMAT_VERSION = 1
 # Per-layer latent widths (an allocated export): the config's kv_lora_rank is the widest, the others zero-padded.
 LATENT_RANKS_KEY = "kv_lora_ranks"
+# Narrower per-layer widths the same file serves (rate key -> widths, each a prefix of the exported ones).
+RATE_TABLE_KEY = "rate_table"
 
 
 def is_mla_checkpoint(config: dict[str, Any]) -> bool:
@@ -35,25 +38,53 @@ def check_mla_marker(config: dict[str, Any], where: str) -> None:
         )
 
 
+def _checked_widths(ranks, config, where: str, within: list[int] | None = None) -> list[int]:
+    limits = within or [config.kv_lora_rank] * config.num_hidden_layers
+    if (not isinstance(ranks, list) or len(ranks) != config.num_hidden_layers
+            or not all(isinstance(r, int) and 1 <= r <= limit for r, limit in zip(ranks, limits))):
+        raise CorruptCheckpointError(
+            f"{MLA_MARKER}.{where} must list {config.num_hidden_layers} widths within 1..{config.kv_lora_rank} "
+            f"(kv_lora_rank){' and within the exported widths' if within else ''}, got {ranks!r}")
+    return ranks
+
+
 def latent_ranks(config) -> list[int] | None:
     """The marker's per-layer latent widths, checked against the config; None for a uniform export."""
     marker = getattr(config, MLA_MARKER, None) or {}
     ranks = marker.get(LATENT_RANKS_KEY) if isinstance(marker, dict) else None
-    if ranks is None:
-        return None
-    padded = config.kv_lora_rank
-    if (not isinstance(ranks, list) or len(ranks) != config.num_hidden_layers
-            or not all(isinstance(r, int) and 1 <= r <= padded for r in ranks)):
+    return None if ranks is None else _checked_widths(ranks, config, LATENT_RANKS_KEY)
+
+
+def rate_table(config) -> dict[str, list[int]]:
+    """Rate key -> per-layer widths this file also serves (empty without a table)."""
+    marker = getattr(config, MLA_MARKER, None) or {}
+    table = marker.get(RATE_TABLE_KEY) if isinstance(marker, dict) else None
+    if table is None:
+        return {}
+    if not isinstance(table, dict):
+        raise CorruptCheckpointError(f"{MLA_MARKER}.{RATE_TABLE_KEY} must map rates to widths, got {table!r}")
+    exported = latent_ranks(config) or [config.kv_lora_rank] * config.num_hidden_layers
+    return {key: _checked_widths(widths, config, f"{RATE_TABLE_KEY}.{key}", exported) for key, widths in table.items()}
+
+
+def widths_at_rate(config, rate: float, where: str) -> list[int]:
+    """The per-layer widths the rate table gives `rate`; a clear error naming the rates it has."""
+    table = rate_table(config)
+    if rate_key(rate) not in table:
+        have = ", ".join(table) if table else "none"
         raise CorruptCheckpointError(
-            f"{MLA_MARKER}.{LATENT_RANKS_KEY} must list {config.num_hidden_layers} widths within 1..{padded} "
-            f"(kv_lora_rank), got {ranks!r}")
-    return ranks
+            f"{where} is an MLA export with no rate {rate_key(rate)} in its rate table (rates: {have}); "
+            "load it without rate, or export with --allocation sensitivity at a larger --kv-share")
+    return table[rate_key(rate)]
 
 
-def absorb_attention(model: nn.Module) -> nn.Module:
+def absorb_attention(model: nn.Module, widths: list[int] | None = None) -> nn.Module:
     """Swap every DeepseekV3Attention of `model` (in place) for the absorbed one; weights are shared, not copied,
-    except where an allocated export's layer is narrower than the padded width (its latent weights are sliced)."""
-    ranks = latent_ranks(model.config)
+    except where a layer runs narrower than the padded width (its latent weights are sliced).
+
+    widths: per-layer latent widths to run at (a rate of the table, widths_at_rate); default: the exported ones."""
+    exported = latent_ranks(model.config)
+    ranks = widths if widths is not None else exported
     swapped = 0
     for module in model.modules():
         layers = getattr(module, "layers", None)
@@ -62,7 +93,9 @@ def absorb_attention(model: nn.Module) -> nn.Module:
         for layer in layers:
             attention = getattr(layer, "self_attn", None)
             if attention is not None and type(attention).__name__ == "DeepseekV3Attention":
-                layer.self_attn = AbsorbedMLAAttention(attention, None if ranks is None else ranks[attention.layer_idx])
+                idx = attention.layer_idx
+                layer.self_attn = AbsorbedMLAAttention(attention, None if ranks is None else ranks[idx],
+                                                       None if exported is None else exported[idx])
                 swapped += 1
     if not swapped:
         raise CorruptCheckpointError(f"{type(model).__name__} has no DeepseekV3Attention layers to absorb")
