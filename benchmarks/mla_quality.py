@@ -50,6 +50,9 @@ def main() -> None:
     parser.add_argument("--probe-windows", type=int, default=None, help="sensitivity probes' windows (default: the plan's)")
     parser.add_argument("--extra-rows", action=argparse.BooleanOptionalAction, default=True,
                         help="the rms_norm_eps and RoPE-drop-only rows")
+    parser.add_argument("--rope-frequency-stride", type=int, default=1,
+                        help="allocated forms: d_r = head_dim / stride (every stride-th frequency keeps its rotation)")
+    parser.add_argument("--shares", default=",".join(str(s) for s in SHARES))
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     allocations = args.allocations.split(",")
@@ -80,9 +83,10 @@ def main() -> None:
     import kvrewrite
 
     shares = {}
-    probed = (probe_full_form(prepared, key_weight=args.key_weight, probe_windows=args.probe_windows)
+    probed = (probe_full_form(prepared, key_weight=args.key_weight, probe_windows=args.probe_windows,
+                              rope_frequency_stride=args.rope_frequency_stride)
               if "sensitivity" in allocations else None)
-    for share in SHARES:
+    for share in (float(s) for s in args.shares.split(",")):
         if probed is not None:
             form = allocated_at_share(prepared, probed, share)
             out = tmp / f"allocated{share}"

@@ -64,6 +64,7 @@ class ProbedForm:
     """Every layer at its full latent width, with the measured sensitivity of narrowing each: serves every share."""
     full_layers: list[MLALayer]
     sensitivity: LatentSensitivity
+    rope_frequency_stride: int = 1  # d_r = head_dim / stride (every stride-th frequency keeps its rotation)
 
 
 @dataclass(frozen=True)
@@ -76,22 +77,23 @@ class AllocatedForm:
 
 
 def probe_full_form(prepared: PreparedSource, key_weight: float = DEFAULT_KEY_WEIGHT, progress=None,
-                    probe_windows: int | None = None) -> ProbedForm:
-    """Every layer computed once at full latent width (d_r = head_dim), then probed (compile/mla_allocation.py).
-    progress: called once per layer computed and once per layer probed."""
+                    probe_windows: int | None = None, rope_frequency_stride: int = 1) -> ProbedForm:
+    """Every layer computed once at full latent width (d_r = head_dim / rope_frequency_stride), then probed
+    (compile/mla_allocation.py). progress: called once per layer computed and once per layer probed."""
     ctx = prepared.ctx
     geometry = ctx.geometry
-    full = MLAWidths(1, geometry.head_dim, full_latent_rank(geometry, 1), 1.0)
+    full = MLAWidths(1, geometry.head_dim // rope_frequency_stride, full_latent_rank(geometry, 1, rope_frequency_stride),
+                     1.0, rope_frequency_stride)
     full_layers = compute_mla_layers(ctx, prepared.inputs, full, key_weight=key_weight, progress=progress)
     windows = ctx.plan.probe_windows if probe_windows is None else probe_windows
     sensitivity = measure_latent_sensitivity(ctx.original_model(), full_layers,
                                              sensitivity_tokens(ctx.calibration_tokens, windows), progress)
-    return ProbedForm(full_layers, sensitivity)
+    return ProbedForm(full_layers, sensitivity, rope_frequency_stride)
 
 
 def allocated_at_share(prepared: PreparedSource, probed: ProbedForm, kv_share: float) -> AllocatedForm:
     """Per-layer latent widths keeping the uniform form's cached values at this share, placed by measured KL."""
-    widths = widths_for_share(prepared.ctx.geometry, kv_share)
+    widths = widths_for_share(prepared.ctx.geometry, kv_share, rope_frequency_stride=probed.rope_frequency_stride)
     allocation = allocate_latent_ranks(probed.full_layers, probed.sensitivity, widths.kv_lora_rank)
     layers = [truncate_latent(layer, rank) for layer, rank in zip(probed.full_layers, allocation.ranks)]
     geometry = prepared.ctx.geometry

@@ -64,17 +64,18 @@ class MLAWidths:
     rope_frequency_stride: int = 1  # every stride-th rotary frequency keeps its rotation (method/mla.py)
 
 
-def widths_for_share(geometry, kv_share: float, rope_components: int = 1) -> MLAWidths:
-    """Uniform widths for a target share of the source's K+V values per token and layer."""
+def widths_for_share(geometry, kv_share: float, rope_components: int = 1, rope_frequency_stride: int = 1) -> MLAWidths:
+    """Uniform widths for a target share of the source's K+V values per token and layer (d_r = rope_components *
+    head_dim / rope_frequency_stride)."""
     total = 2 * geometry.num_key_value_heads * geometry.head_dim
-    d_r = rope_components * geometry.head_dim
-    r = min(round(kv_share * total) - d_r, full_latent_rank(geometry, rope_components))
+    d_r = rope_components * geometry.head_dim // rope_frequency_stride
+    r = min(round(kv_share * total) - d_r, full_latent_rank(geometry, rope_components, rope_frequency_stride))
     if r < 1:
         raise InvalidArgumentError(
             f"--kv-share {kv_share} keeps {round(kv_share * total)} values per token, not more than the {d_r} of the "
             f"shared RoPE key; choose a share above {(d_r + 1) / total:.3f}"
         )
-    return MLAWidths(rope_components, d_r, r, (r + d_r) / total)
+    return MLAWidths(rope_components, d_r, r, (r + d_r) / total, rope_frequency_stride)
 
 
 def widths_for_ranks(geometry, kv_lora_rank: int, qk_rope_head_dim: int | None = None) -> MLAWidths:
