@@ -1,7 +1,9 @@
-"""`kvrewrite demo`: SmolLM2-135M compressed two ways, evaluated at several rates against the original.
+"""`kvrewrite demo`: SmolLM2-135M compressed two ways, and exported as an MLA form, evaluated at several rates.
 
-Statistics are collected once and shared by both configurations; every rate comes from the same
-checkpoint's rate table, and all variants are scored in one pass over the held-out text.
+Statistics are collected once and shared by both per-head configurations; every rate comes from the same
+checkpoint's rate table, and all variants are scored in one pass over the held-out text. The MLA row
+(`export-mla --allocation sensitivity` at the smallest rate's share) collects its own statistics (it also needs the
+attention inputs' Gram) and serves its rates from its own rate table, loaded with kvrewrite's absorbed runtime.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ DEMO_CONFIGS = {
     # Our best so far: query-aware pre-RoPE latent keys, output-aware values, ranks by measured sensitivity.
     "kvrewrite-optimal": {"objective": "optimal", "allocation": "sensitivity", "rope_mode": "latent"},
 }
+# The DeepSeek-V3 MLA export with per-layer widths from measured sensitivity (docs/serving.md).
+MLA_VARIANT = "mla-allocated"
 
 
 def run_demo(output: Path, rates: list[float], calib_tokens: int, eval_tokens: int, console: Console) -> list[dict]:
@@ -41,9 +45,13 @@ def run_demo(output: Path, rates: list[float], calib_tokens: int, eval_tokens: i
     for name, ctx in compiled.items():
         console.print(f"  {name}: full-rank max |Δlogit| = {ctx.verification['full_rank_max_abs_logit_diff']:.2e}, wrote {ctx.output_dir}")
 
+    mla_started = time.perf_counter()
+    _export_mla(plan, rates, output / MLA_VARIANT, console)
+    compile_times[MLA_VARIANT] = time.perf_counter() - mla_started
+
     windows = evaluation_token_sequences(shared.tokenizer, eval_tokens, plan.seq_len)
     models, model_rates = {}, {}
-    for name in DEMO_CONFIGS:
+    for name in (*DEMO_CONFIGS, MLA_VARIANT):
         for rate in rates:
             label = f"{name} p={rate:.2f}"
             models[label], model_rates[label] = load(output / name, rate=rate), rate
@@ -68,6 +76,21 @@ def run_demo(output: Path, rates: list[float], calib_tokens: int, eval_tokens: i
     return rows
 
 
+def _export_mla(plan, rates: list[float], output: Path, console: Console) -> None:
+    """The allocated MLA form at the smallest rate's share, with a rate table serving every demo rate."""
+    from dataclasses import replace
+
+    import torch
+
+    from kvrewrite.compile.mla_export import allocated_at_share, export_at_share, prepare_source, probe_full_form
+
+    console.print(f"[cyan]{MLA_VARIANT}[/] statistics, full-width MLA form, sensitivity probes, per-layer widths")
+    prepared = prepare_source(replace(plan, output=None))
+    form = allocated_at_share(prepared, probe_full_form(prepared), 1 - min(rates), rates=plan.rate_grid)
+    export_at_share(prepared, form.layers, output, dtype=torch.float32, overwrite=True, rate_table=form.rate_table)
+    console.print(f"  {MLA_VARIANT}: latent widths {min(form.allocation.ranks)}..{max(form.allocation.ranks)} per layer, wrote {output}")
+
+
 def _plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -78,7 +101,7 @@ def _plot(rows: list[dict], path: Path) -> None:
 
     base = next(r for r in rows if r.get("baseline"))
     fig, ax = plt.subplots(figsize=(6, 4))
-    for name in DEMO_CONFIGS:
+    for name in (*DEMO_CONFIGS, MLA_VARIANT):
         pts = sorted((r["kv_bytes_per_token"] / base["kv_bytes_per_token"], r["perplexity"]) for r in rows if r["name"].startswith(name))
         ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=name)
     ax.axhline(base["perplexity"], color="gray", linestyle="--", label="original")

@@ -91,14 +91,16 @@ def probe_full_form(prepared: PreparedSource, key_weight: float = DEFAULT_KEY_WE
     return ProbedForm(full_layers, sensitivity, rope_frequency_stride)
 
 
-def allocated_at_share(prepared: PreparedSource, probed: ProbedForm, kv_share: float) -> AllocatedForm:
-    """Per-layer latent widths keeping the uniform form's cached values at this share, placed by measured KL."""
+def allocated_at_share(prepared: PreparedSource, probed: ProbedForm, kv_share: float,
+                       rates: tuple[float, ...] = DEFAULT_RATE_GRID) -> AllocatedForm:
+    """Per-layer latent widths keeping the uniform form's cached values at this share, placed by measured KL, with a
+    rate table over `rates` (those this share can serve)."""
     widths = widths_for_share(prepared.ctx.geometry, kv_share, rope_frequency_stride=probed.rope_frequency_stride)
     allocation = allocate_latent_ranks(probed.full_layers, probed.sensitivity, widths.kv_lora_rank)
     layers = [truncate_latent(layer, rank) for layer, rank in zip(probed.full_layers, allocation.ranks)]
     geometry = prepared.ctx.geometry
     table = latent_rate_table(probed.full_layers, probed.sensitivity, 2 * geometry.num_key_value_heads * geometry.head_dim,
-                              widths.qk_rope_head_dim, widths.kv_lora_rank, DEFAULT_RATE_GRID)
+                              widths.qk_rope_head_dim, widths.kv_lora_rank, rates)
     return AllocatedForm(widths, layers, allocation, probed.sensitivity, table)
 
 
