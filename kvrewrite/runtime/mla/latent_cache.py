@@ -11,9 +11,10 @@ dim -2, select batch rows for beam search, crop) works on both tensors unchanged
 
 Appending: stock DynamicLayer appends with torch.cat, which copies the layer's whole cache on every decode step
 (at 8K tokens and batch 8, more time than the absorbed attention itself). A layer this module fills is a
-GrowingRowsLayer instead: the rows live in a buffer with spare room, and a step writes its row in place. The spare
-room is counted as held memory (runtime/cache_bytes.py counts the buffer), and kept small: none below 256 tokens,
-then 1/16 of the length, at most 64 rows.
+GrowingRowsLayer instead: the rows live in a buffer with spare room, and a step writes its row in place. The first
+write (a prefill) allocates exactly its rows; an append that does not fit reallocates with spare rows: none below
+256 tokens, then 1/16 of the length, at most 64. The spare room is counted as held memory (runtime/cache_bytes.py
+counts the buffer).
 """
 
 from __future__ import annotations
@@ -45,7 +46,9 @@ class GrowingRowsLayer(DynamicLayer):
         buffer = getattr(self, "_buffer", None)
         ours = held is getattr(self, "_view", None)
         if not ours or buffer is None or buffer.shape[-2] < needed or buffer.shape[:-2] != key_states.shape[:-2]:
-            buffer = key_states.new_empty(*key_states.shape[:-2], needed + spare_rows(needed), key_states.shape[-1])
+            # Spare rows only when appending: a prefill into an empty layer holds exactly its rows.
+            spare = spare_rows(needed) if length else 0
+            buffer = key_states.new_empty(*key_states.shape[:-2], needed + spare, key_states.shape[-1])
             if length:
                 buffer[..., :length, :] = held
         buffer[..., length:needed, :] = key_states
@@ -81,7 +84,7 @@ def cache_latent_rows(cache, layer_idx: int, rows: torch.Tensor) -> torch.Tensor
 
 def latent_cache_bytes(batch: int, tokens: int, layers: int, kv_lora_rank: int, rope_dim: int,
                        dtype: torch.dtype) -> int:
-    """Bytes an MLA cache holds after one prefill of `tokens`: (r + d_r) values per token, layer and sequence, plus each
-    layer's spare rows (appends that fit the spare room hold the same buffer)."""
+    """Bytes an MLA cache holds after one prefill of `tokens`: (r + d_r) values per token, layer and sequence (decode
+    appends then add at most SPARE_MAX spare rows per layer)."""
     element = torch.empty((), dtype=dtype).element_size()
-    return (kv_lora_rank + rope_dim) * (tokens + spare_rows(tokens)) * batch * layers * element
+    return (kv_lora_rank + rope_dim) * tokens * batch * layers * element
