@@ -185,3 +185,20 @@ def test_one_allocated_export_serves_narrower_rates_as_exports_made_for_them(dee
     assert [layer.keys.shape[-1] - d_r for layer in got.past_key_values.layers] == list(narrow.allocation.ranks)
     with pytest.raises(CorruptCheckpointError, match="rates: "):
         kvrewrite.load(tmp_path / "wide", rate=0.05)
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["--distill-rates", "0.5,0.6"], "add --distill and --allocation sensitivity"),
+    (["--distill", "--distill-rates", "0.5,0.6"], "add --distill and --allocation sensitivity"),
+    (["--distill", "--allocation", "sensitivity", "--distill-rates", "0.3,0.6"], "--kv-share 0.7"),
+    (["--distill", "--allocation", "sensitivity", "--distill-rates", "0.5,0.9"], "leaves a latent of"),
+])
+def test_nested_mla_distillation_settings_that_cannot_work_are_refused_before_any_work(tmp_path, extra, says):
+    from typer.testing import CliRunner
+
+    from kvrewrite.cli.app import app
+    from tests.tiny_models import save_tiny_llama
+
+    src = save_tiny_llama(tmp_path / "src")
+    result = CliRunner().invoke(app, ["export-mla", str(src), "--kv-share", "0.5", "-o", str(tmp_path / "out"), *extra])
+    assert result.exit_code == 2 and says in " ".join(result.output.split()) and not (tmp_path / "out").exists(), result.output

@@ -189,3 +189,38 @@ def test_the_cli_distills_and_names_bad_options(tmp_path):
         bad = CliRunner().invoke(app, [*base, "-o", str(tmp_path / "bad"), *extra])
         assert bad.exit_code == 2 and message in bad.output, (extra, bad.output)
         assert not (tmp_path / "bad").exists()
+
+
+def test_nested_distillation_lowers_kl_at_every_rate_of_one_allocated_export(tmp_path):
+    """--distill-rates on an --allocation sensitivity export: one training over every rate of its table; the file
+    loaded at each trained rate (kvrewrite.load(dir, rate=p)) has lower KL on unseen text than the same export before
+    training at that rate, and the marker keeps exactly the trained rates."""
+    import kvrewrite
+    from kvrewrite.compile.mla_distill import distill_provenance
+    from kvrewrite.compile.mla_export import allocated_at_share, probe_full_form
+
+    src = save_tiny_llama(tmp_path / "src")
+    plan = Plan(model=str(src), progress=False, distill_rates=(0.5, 0.6), target_rate=0.5, **DISTILL)
+    prepared = prepared_from_windows(plan)
+    form = allocated_at_share(prepared, probe_full_form(prepared), 0.5)
+    trained_keys = ("0.50", "0.55", "0.60")
+    table = {k: form.rate_table[k] for k in trained_keys}
+    result = distill_mla_layers(prepared, form.layers, progress=False, rate_table=table, named_rates=("0.50", "0.60"))
+    assert result.rates == trained_keys and result.report.kept_epoch > 0
+    assert set(result.report.windows_per_rate) == set(trained_keys)
+    export_at_share(prepared, form.layers, tmp_path / "free", dtype=torch.float32, rate_table=table)
+    export_at_share(prepared, result.layers, tmp_path / "nested", dtype=torch.float32,
+                    max_square_norms=result.max_square_norms, rate_table=table,
+                    provenance=distill_provenance(result, prepared.ctx.plan))
+    marker = json.loads((tmp_path / "nested" / "config.json").read_text())["kvrewrite_mla"]
+    assert sorted(marker["rate_table"]) == list(trained_keys) and marker["distill"]["nested_rates"] == list(trained_keys)
+    unseen = random_windows(6, LENGTH, seed=321)
+    reference = _logits(prepared.ctx.original_model(), unseen)
+    ratios = []
+    for key in trained_keys:
+        before = _kl(reference, _logits(kvrewrite.load(tmp_path / "free", rate=float(key)).eval(), unseen))
+        after = _kl(reference, _logits(kvrewrite.load(tmp_path / "nested", rate=float(key)).eval(), unseen))
+        assert after < before, (key, before, after)
+        ratios.append(after / before)
+    assert sum(ratios) / len(ratios) < 0.96, ratios  # measured 0.94 (0.97, 0.90, 0.95)
+    assert set(result.report.validation_kl_by_rate_after) == {"0.50", "0.60"}

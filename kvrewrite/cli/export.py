@@ -32,6 +32,25 @@ def _distill_settings(distill: bool, tokens: int | None, epochs: float | None, l
             "distill_epochs": DISTILL_EPOCHS if epochs is None else epochs, "distill_lr": DISTILL_LR if lr is None else lr}
 
 
+def _nested_settings(rates: str | None, distill: bool, allocation: str, kv_share: float, kv_lora_rank: int | None) -> dict:
+    """Plan fields for a nested MLA distillation (--distill-rates), checked before any work."""
+    from kvrewrite.errors import InvalidArgumentError
+
+    if rates is None:
+        return {}
+    if not distill or allocation != "sensitivity" or kv_lora_rank is not None:
+        raise InvalidArgumentError("--distill-rates trains the rate table of an --allocation sensitivity export at a "
+                                   "--kv-share; add --distill and --allocation sensitivity")
+    try:
+        parsed = tuple(sorted(float(r) for r in rates.split(",")))
+    except ValueError:
+        raise InvalidArgumentError(f"--distill-rates takes rates A,B (e.g. 0.3,0.7), got {rates!r}") from None
+    if round(1 - kv_share, 4) != round(parsed[0], 4):
+        raise InvalidArgumentError(f"--distill-rates starts at {parsed[0]:g}: export at --kv-share {1 - parsed[0]:g}, the "
+                                   "widest rate it trains, so every trained rate is a prefix of the exported widths")
+    return {"distill_rates": parsed, "target_rate": parsed[0]}
+
+
 def export_mla(
     model: str = typer.Argument(..., help="Hub id, local directory, or 'smollm2-135m' (bundled)."),
     output: Path = typer.Option(..., "--output", "-o", help="Directory for the DeepSeek-V3 checkpoint (written atomically)."),
@@ -49,11 +68,13 @@ def export_mla(
     distill_tokens: int | None = typer.Option(None, "--distill-tokens", help="With --distill: calibration tokens it trains on, 1/16 of them held back for validation (default: every calibration token)."),
     distill_epochs: float | None = typer.Option(None, "--distill-epochs", help=f"With --distill: passes over the distillation tokens; the best epoch on the validation windows is kept (default {DISTILL_EPOCHS:g})."),
     distill_lr: float | None = typer.Option(None, "--distill-lr", help=f"With --distill: Adam learning rate, cosine decay (default {DISTILL_LR:g})."),
+    distill_rates: str | None = typer.Option(None, "--distill-rates", help="With --distill and --allocation sensitivity: A,B trains every rate of the rate table from A to B together (nested over the latent widths; one file serves them all). A must be 1 - --kv-share."),
 ) -> None:
     """Compute a multi-head latent (MLA) form from calibration statistics and write it as a stock DeepSeek-V3 checkpoint."""
     console = Console() if sys.stdout.isatty() else Console(width=140)
     try:
         distilling = _distill_settings(distill, distill_tokens, distill_epochs, distill_lr, calib_tokens)
+        distilling.update(_nested_settings(distill_rates, distill, allocation, kv_share, kv_lora_rank))
         _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, verify_tokens, overwrite, console,
              kv_lora_rank, qk_rope_head_dim, distilling, allocation)
     except (KVRewriteError, ValueError) as exc:
@@ -76,6 +97,7 @@ def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, 
     from kvrewrite.errors import InvalidArgumentError
     from kvrewrite.io.output_safety import check_output_location
     from kvrewrite.progress import progress_bar
+    from kvrewrite.spec import rate_key
 
     if dtype not in DTYPES:
         raise InvalidArgumentError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -99,6 +121,14 @@ def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, 
     geometry = adapter_for(config).geometry(config)
     widths = (widths_for_share(geometry, kv_share) if kv_lora_rank is None
               else widths_for_ranks(geometry, kv_lora_rank, qk_rope_head_dim))
+    if plan.distill_rates:  # every trained rate keeps at least the allocation's smallest latent width per layer
+        from kvrewrite.compile.mla_allocation import RANK_MULTIPLE
+
+        values = 2 * geometry.num_key_value_heads * geometry.head_dim
+        narrowest = round((1 - plan.distill_rates[-1]) * values) - widths.qk_rope_head_dim
+        if narrowest < RANK_MULTIPLE:
+            raise InvalidArgumentError(f"--distill-rates up to {plan.distill_rates[-1]:g} leaves a latent of {narrowest} per layer; "
+                                       f"the largest rate keeps at least {RANK_MULTIPLE}")
     check_output_location(output, source=None, overwrite=overwrite)
     prepared = prepare_source(plan)
     ctx = prepared.ctx
@@ -113,9 +143,9 @@ def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, 
             probed = probe_full_form(prepared, progress=bar.advance, **weighting)
         allocated = allocated_at_share(prepared, probed, kv_share)
         layers, allocation_record = allocated.layers, allocation_report(allocated.sensitivity, allocated.allocation)
-        # Narrower rates are prefixes of one removal order; after --distill trains the exported widths they are not
-        # trained, so a distilled export serves its own widths only.
-        served_rates = None if plan.distill else allocated.rate_table
+        # Narrower rates are prefixes of one removal order. A single-rate --distill trains the exported widths only,
+        # so its export serves those alone; a nested one (--distill-rates) keeps the rates it trained.
+        served_rates = allocated.rate_table
     else:
         with progress_bar("MLA form per layer", ctx.geometry.num_layers, plan.progress) as bar:
             layers = mla_layers_at_widths(prepared, widths, progress=bar.advance, **weighting)
@@ -123,8 +153,18 @@ def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, 
     if plan.distill:
         from kvrewrite.compile.mla_distill import distill_mla_layers, distill_provenance
 
-        distilled = distill_mla_layers(prepared, layers, progress=plan.progress)
+        nested = {}
+        if plan.distill_rates:  # the rates the table holds between A and B, each a prefix of the exported widths
+            keys = [rate_key(r) for r in plan.nested_distill_rates() if rate_key(r) in served_rates]
+            missing = [rate_key(r) for r in plan.distill_rates if rate_key(r) not in served_rates]
+            if missing:
+                raise InvalidArgumentError(f"--distill-rates {', '.join(missing)} are not in the export's rate table "
+                                           f"({', '.join(served_rates)})")
+            nested = {"rate_table": {k: served_rates[k] for k in keys},
+                      "named_rates": tuple(rate_key(r) for r in plan.distill_rates)}
+        distilled = distill_mla_layers(prepared, layers, progress=plan.progress, **nested)
         layers, norms, provenance = distilled.layers, distilled.max_square_norms, distill_provenance(distilled, plan)
+        served_rates = nested.get("rate_table")  # a nested run keeps exactly the rates it trained
     if allocation_record is not None:  # kept in the marker: how the widths were placed (the probes stay out of config.json)
         summary_record = {k: v for k, v in allocation_record.items() if k != "probes"}
         provenance = {**(provenance or {}), "allocation": summary_record}

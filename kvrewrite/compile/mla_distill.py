@@ -21,6 +21,7 @@ calibration windows is measured too, so the bound can be checked against it.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +29,7 @@ import torch
 from kvrewrite.compile.mla_form import MLAReferenceAttention, mla_layers_of, mla_reference_model
 from kvrewrite.compile.passes.distill_attention import split_distill_windows
 from kvrewrite.errors import InvalidArgumentError
-from kvrewrite.method.attention_distillation import DistillReport, DistillSettings, distill_attention
+from kvrewrite.method.attention_distillation import DistillReport, DistillSettings, RateMix, distill_attention
 from kvrewrite.progress import progress_bar
 from kvrewrite.method.mla import MLALayer, balance_latent_gauge, full_latent_rank
 
@@ -39,6 +40,7 @@ class MLADistillResult:
     report: DistillReport | None  # None: nothing to train (the form is exact)
     max_square_norms: list[float]  # per layer, for the latent-norm bound: max(original's, distilled form's) ||x||^2
     latent_mean_square_max: list[float]  # per layer, the largest measured mean(c^2) of the trained latent (unscaled); [] untrained
+    rates: tuple[str, ...] = ()  # nested: the rate keys trained together (their widths are the rate table's)
 
 
 def form_is_exact(layers: list[MLALayer], geometry) -> bool:
@@ -47,8 +49,38 @@ def form_is_exact(layers: list[MLALayer], geometry) -> bool:
     return all(l.qk_rope_head_dim == n_kv * d and l.kv_lora_rank == full_latent_rank(geometry, n_kv) for l in layers)
 
 
-def distill_mla_layers(prepared, layers: list[MLALayer], progress: bool = True) -> MLADistillResult:
-    """Train `layers` (the MLA form of prepared.ctx's source) as the plan's distill settings say."""
+@contextlib.contextmanager
+def _latent_widths(model, widths: list[int]):
+    """Inside the block, every MLA layer of `model` computes as truncated to its width in `widths`."""
+    attentions = [m for m in model.modules() if isinstance(m, MLAReferenceAttention)]
+    for attention, width in zip(attentions, widths):
+        r = attention.layer.kv_lora_rank
+        attention.latent_keep = (torch.arange(r, device=attention.kv_a_proj_with_mqa.device) < width).to(
+            attention.kv_a_proj_with_mqa.dtype)
+    try:
+        yield model
+    finally:
+        for attention in attentions:
+            attention.latent_keep = None
+
+
+def nested_mla_rate_mix(student, rate_table: dict[str, list[int]], named: tuple[str, ...]) -> RateMix:
+    """The truncations of a nested MLA distillation: every rate of `rate_table` (its per-layer latent widths); the
+    named rates draw half of the windows together, the others the other half, and the named rates' mean validation
+    KL picks the epoch (as the per-head forms' nested_rate_mix)."""
+    keys = sorted(rate_table)
+    between = [k for k in keys if k not in named]
+    weights = tuple((0.5 / len(named) if between else 1.0 / len(named)) if k in named else 0.5 / len(between) for k in keys)
+    return RateMix(names=tuple(keys), enter=tuple((lambda w=rate_table[k]: _latent_widths(student, w)) for k in keys),
+                   weights=weights, validate=tuple(i for i, k in enumerate(keys) if k in named))
+
+
+def distill_mla_layers(prepared, layers: list[MLALayer], progress: bool = True,
+                       rate_table: dict[str, list[int]] | None = None, named_rates: tuple[str, ...] = ()) -> MLADistillResult:
+    """Train `layers` (the MLA form of prepared.ctx's source) as the plan's distill settings say.
+
+    rate_table (nested, `--distill-rates`): per-layer widths of every rate to train together, each window drawing one
+    (named_rates weigh as much as the others together); `layers` are at the widest, and every rate keeps a prefix."""
     ctx = prepared.ctx
     plan = ctx.plan
     calibration = ctx.calibration_tokens
@@ -70,16 +102,17 @@ def distill_mla_layers(prepared, layers: list[MLALayer], progress: bool = True) 
     student = mla_reference_model(teacher, layers, trainable=True)
     settings = DistillSettings(epochs=plan.distill_epochs, learning_rate=plan.distill_lr, batch_windows=plan.batch_size,
                                seed=plan.seed)
+    mix = nested_mla_rate_mix(student, rate_table, named_rates) if rate_table else None
     try:
         report = distill_attention(student, teacher, ctx.adapter, train.to(device), validation.to(device), settings,
-                                   progress=progress)
+                                   progress=progress, mix=mix)
     finally:
         teacher.to("cpu")
     inputs, latents = _measure_attention_inputs(student, calibration.to(device), progress)  # on the training device
     student.to("cpu")
     trained = mla_layers_of(student, layers)
     norms = [max(a, b) for a, b in zip(prepared.inputs.max_square_norms, inputs)]
-    return MLADistillResult(trained, report, norms, latents)
+    return MLADistillResult(trained, report, norms, latents, tuple(mix.names) if mix is not None else ())
 
 
 def _measure_attention_inputs(model, windows: torch.Tensor, progress: bool = False) -> tuple[list[float], list[float]]:
@@ -124,9 +157,15 @@ def distill_provenance(result: MLADistillResult, plan) -> dict:
     entry = {"tokens": plan.distill_tokens, "epochs": plan.distill_epochs, "learning_rate": plan.distill_lr}
     if report is None:
         return {"distill": {**entry, "trained": False, "why": "the form is exact at these widths"}}
-    return {"distill": {**entry, "trained": report.kept_epoch > 0, "train_tokens": report.train_tokens,
-                        "validation_tokens": report.validation_tokens, "steps": report.steps,
-                        "validation_kl_before": report.validation_kl_before,
-                        "validation_kl_per_epoch": report.validation_kl_per_epoch,
-                        "validation_kl_after": report.validation_kl_after, "kept_epoch": report.kept_epoch,
-                        "learning_rate_per_epoch": report.learning_rate_per_epoch, "seconds": round(report.seconds, 1)}}
+    record = {**entry, "trained": report.kept_epoch > 0, "train_tokens": report.train_tokens,
+              "validation_tokens": report.validation_tokens, "steps": report.steps,
+              "validation_kl_before": report.validation_kl_before,
+              "validation_kl_per_epoch": report.validation_kl_per_epoch,
+              "validation_kl_after": report.validation_kl_after, "kept_epoch": report.kept_epoch,
+              "learning_rate_per_epoch": report.learning_rate_per_epoch, "seconds": round(report.seconds, 1)}
+    if result.rates:  # nested: every rate of the table trained together
+        record.update({"nested_rates": list(result.rates), "validation_rates": sorted(report.validation_kl_by_rate_before),
+                       "windows_per_rate": report.windows_per_rate,
+                       "validation_kl_by_rate_before": report.validation_kl_by_rate_before,
+                       "validation_kl_by_rate_after": report.validation_kl_by_rate_after})
+    return {"distill": record}

@@ -197,6 +197,9 @@ class MLAReferenceAttention(nn.Module):
             else:
                 self.register_buffer(name, weight)
         self.scaling = (layer.qk_nope_head_dim + layer.qk_rope_head_dim) ** -0.5
+        # [r] of 0/1 while a narrower width of the rate table is trained (mla_distill.nested_mla_rate_mix): the dims
+        # beyond it are zero, exactly as the form truncated to that width, and get no gradient.
+        self.latent_keep: torch.Tensor | None = None
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
         lay, n_h = self.layer, self.num_heads
@@ -205,6 +208,8 @@ class MLAReferenceAttention(nn.Module):
         q = (hidden_states @ self.q_proj.T).view(batch, length, n_h, d_nope + d_r).transpose(1, 2)
         q_nope, q_pe = q.split([d_nope, d_r], dim=-1)
         latent, k_pe = (hidden_states @ self.kv_a_proj_with_mqa.T).split([r, d_r], dim=-1)
+        if self.latent_keep is not None:
+            latent = latent * self.latent_keep
         kv = (latent @ self.kv_b_proj.T).view(batch, length, n_h, d_nope + d_v).transpose(1, 2)
         k_nope, v = kv.split([d_nope, d_v], dim=-1)
         cos, sin = position_embeddings  # [B, T, head_dim], HF layout: angle of frequency j at j and j + d/2
