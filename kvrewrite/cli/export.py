@@ -144,7 +144,7 @@ def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, 
         allocated = allocated_at_share(prepared, probed, kv_share)
         layers, allocation_record = allocated.layers, allocation_report(allocated.sensitivity, allocated.allocation)
         # Narrower rates are prefixes of one removal order. A single-rate --distill trains the exported widths only,
-        # so its export serves those alone; a nested one (--distill-rates) keeps the rates it trained.
+        # so its export serves those alone; a nested one (--distill-rates) keeps the rates it trained (below).
         served_rates = allocated.rate_table
     else:
         with progress_bar("MLA form per layer", ctx.geometry.num_layers, plan.progress) as bar:
@@ -164,7 +164,7 @@ def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, 
                       "named_rates": tuple(rate_key(r) for r in plan.distill_rates)}
         distilled = distill_mla_layers(prepared, layers, progress=plan.progress, **nested)
         layers, norms, provenance = distilled.layers, distilled.max_square_norms, distill_provenance(distilled, plan)
-        served_rates = nested.get("rate_table")  # a nested run keeps exactly the rates it trained
+        served_rates = nested.get("rate_table")  # exactly the rates trained (none beside the export's own: single-rate)
     if allocation_record is not None:  # kept in the marker: how the widths were placed (the probes stay out of config.json)
         summary_record = {k: v for k, v in allocation_record.items() if k != "probes"}
         provenance = {**(provenance or {}), "allocation": summary_record}
