@@ -202,3 +202,30 @@ def test_nested_mla_distillation_settings_that_cannot_work_are_refused_before_an
     src = save_tiny_llama(tmp_path / "src")
     result = CliRunner().invoke(app, ["export-mla", str(src), "--kv-share", "0.5", "-o", str(tmp_path / "out"), *extra])
     assert result.exit_code == 2 and says in " ".join(result.output.split()) and not (tmp_path / "out").exists(), result.output
+
+
+def test_kvrewrite_eval_scores_an_mla_export_at_the_rates_of_its_table(deep, allocated, tmp_path, monkeypatch):
+    """The eval rows of an allocated export equal a direct evaluation of kvrewrite.load(dir, rate=p) against the
+    source the export records; codecs and unknown rates are refused."""
+    import kvrewrite
+    from kvrewrite.cli.evaluate import evaluate_checkpoint
+    from kvrewrite.compile.passes.load_checkpoint import load_fp32_model
+    from kvrewrite.io import calibration_data
+    from kvrewrite.publish.evaluation import evaluate_many
+
+    out = tmp_path / "mla"
+    export_at_share(deep, allocated.layers, out, dtype=torch.float32, rate_table=allocated.rate_table)
+    assert json.loads((out / "config.json").read_text())["kvrewrite_mla"]["source_model"] == deep.ctx.plan.model
+    windows = random_windows(4, 32, seed=11)
+    # The tiny model's word tokenizer cannot read the held-out articles: evaluate on random ids instead.
+    monkeypatch.setattr(calibration_data, "evaluation_token_sequences", lambda *args, **kwargs: windows)
+    rows = evaluate_checkpoint(out, rates=[0.5, 0.6], tokens=windows.numel(), seq_len=32, progress=False)
+    with pytest.raises(InvalidArgumentError, match="no rate 0.05"):
+        evaluate_checkpoint(out, rates=[0.05], progress=False)
+    with pytest.raises(InvalidArgumentError, match="per-head forms only"):
+        evaluate_checkpoint(out, kv_codecs=["int4"], progress=False)
+    reference = evaluate_many({"r": kvrewrite.load(out, rate=0.5).eval()}, windows,
+                              baseline=load_fp32_model(deep.ctx.plan.model), progress=False)["r"]
+    row = next(r for r in rows if r["name"].endswith("p=0.50"))
+    assert row["perplexity"] == pytest.approx(reference.perplexity, rel=1e-6)
+    assert row["kv_bytes_per_token"] == reference.kv_bytes_per_token

@@ -10,7 +10,7 @@ import torch
 from kvrewrite.errors import CorruptCheckpointError, InvalidArgumentError
 from kvrewrite.publish.continuation_eval import DEFAULT_CONTINUATION_CHUNK, PositionRange, continuation_quality
 from kvrewrite.publish.evaluation import default_chunk, kv_cache_bytes_per_token_formula
-from kvrewrite.spec import CompressionSpec
+from kvrewrite.spec import CompressionSpec, rate_key
 
 
 def evaluate_checkpoint(directory: Path, *, baseline: str | None = None, rates: list[float] | None = None,
@@ -34,39 +34,20 @@ def evaluate_checkpoint(directory: Path, *, baseline: str | None = None, rates: 
 
     from kvrewrite.io.calibration_data import evaluation_token_sequences
     from kvrewrite.publish.evaluation import evaluate_many
-    from kvrewrite.compile.passes.load_checkpoint import load_fp32_model
-    from kvrewrite.runtime.load import load, verify_checkpoint_files
-    from kvrewrite.io.sources import resolve_model_source
+    from kvrewrite.runtime.mla.checkpoint import is_mla_checkpoint
 
     config_path = Path(directory) / "config.json"
     if not config_path.is_file():
         raise CorruptCheckpointError(f"{directory} has no config.json; is it a kvrewrite checkpoint?")
-    spec = json.loads(config_path.read_text()).get("kvrewrite")
-    if spec is None:
-        raise CorruptCheckpointError(f"{config_path} has no kvrewrite compression spec")
-    rate_list = rates if rates else [spec["target_rate"]]
-    parsed = CompressionSpec.from_dict(spec)
-    for rate in rate_list:
-        parsed.ranks_for_rate(rate)  # an unknown rate fails now, naming the table, not after loading two models
-    verify_checkpoint_files(Path(directory))  # likewise a damaged or edited checkpoint
-    source = baseline or spec["source_model"]
-    baseline_dir = resolve_model_source(source).path
-    refuse_compressed_baseline(Path(directory), baseline_dir, given=baseline is not None)
-    original = load_fp32_model(baseline_dir)
+    config = json.loads(config_path.read_text())
+    if is_mla_checkpoint(config):
+        source, original, models, model_rates = _mla_models(Path(directory), config, baseline, rates, kv_codecs, recent_windows)
+    else:
+        source, original, models, model_rates = _per_head_models(Path(directory), config, baseline, rates, kv_codecs,
+                                                                 recent_windows)
     tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=False)
     window_len = positions[-1].end if positions else seq_len
     windows = evaluation_token_sequences(tokenizer, tokens, window_len, text)
-    codec_list = kv_codecs if kv_codecs else ["compiled"]
-    models, model_rates = {}, {}
-    for rate in rate_list:
-        for codec in codec_list:
-            for window in recent_windows or [None]:
-                model = load(directory, rate=rate, kv_codec=codec, recent_window=window)
-                codec_config = model.kv_codec if window is None else model.tier_policy.codec
-                label = codec_config.describe() if codec_config is not None else "none"
-                name = (f"{Path(directory).name} p={rate:.2f}" + (f" +W={window}" if window is not None else "")
-                        + (f" +{label}" if label != "none" else ""))
-                models[name], model_rates[name] = model, rate
     if positions:
         chunk = chunk if chunk is not None else (default_chunk(models.values()) or DEFAULT_CONTINUATION_CHUNK)
         measured = continuation_quality(models, windows, positions, baseline=original, chunk=chunk, progress=progress)
@@ -83,6 +64,76 @@ def evaluate_checkpoint(directory: Path, *, baseline: str | None = None, rates: 
     return rows
 
 
+def _per_head_models(directory: Path, config: dict, baseline: str | None, rates: list[float] | None,
+                     kv_codecs: list[str] | None, recent_windows: list[int] | None):
+    """A per-head checkpoint at each rate (and codec, and token tier), with its source model."""
+    from kvrewrite.compile.passes.load_checkpoint import load_fp32_model
+    from kvrewrite.io.sources import resolve_model_source
+    from kvrewrite.runtime.load import load, verify_checkpoint_files
+
+    spec = config.get("kvrewrite")
+    if spec is None:
+        raise CorruptCheckpointError(f"{directory / 'config.json'} has no kvrewrite compression spec")
+    rate_list = rates if rates else [spec["target_rate"]]
+    parsed = CompressionSpec.from_dict(spec)
+    for rate in rate_list:
+        parsed.ranks_for_rate(rate)  # an unknown rate fails now, naming the table, not after loading two models
+    verify_checkpoint_files(directory)  # likewise a damaged or edited checkpoint
+    source = baseline or spec["source_model"]
+    baseline_dir = resolve_model_source(source).path
+    refuse_compressed_baseline(directory, baseline_dir, given=baseline is not None)
+    original = load_fp32_model(baseline_dir)
+    codec_list = kv_codecs if kv_codecs else ["compiled"]
+    models, model_rates = {}, {}
+    for rate in rate_list:
+        for codec in codec_list:
+            for window in recent_windows or [None]:
+                model = load(directory, rate=rate, kv_codec=codec, recent_window=window)
+                codec_config = model.kv_codec if window is None else model.tier_policy.codec
+                label = codec_config.describe() if codec_config is not None else "none"
+                name = (f"{directory.name} p={rate:.2f}" + (f" +W={window}" if window is not None else "")
+                        + (f" +{label}" if label != "none" else ""))
+                models[name], model_rates[name] = model, rate
+    return source, original, models, model_rates
+
+
+def _mla_models(directory: Path, config: dict, baseline: str | None, rates: list[float] | None,
+                kv_codecs: list[str] | None, recent_windows: list[int] | None):
+    """An MLA export (export-mla) at its own widths, or at each rate of its rate table, run by kvrewrite's absorbed
+    runtime, with its source model (recorded by the export, or --baseline)."""
+    from kvrewrite.compile.passes.load_checkpoint import load_fp32_model
+    from kvrewrite.io.sources import resolve_model_source
+    from kvrewrite.runtime.load import load
+    from kvrewrite.runtime.mla.checkpoint import MLA_MARKER, RATE_TABLE_KEY, latent_ranks
+
+    if kv_codecs or recent_windows:
+        raise InvalidArgumentError(f"{directory} is an MLA export: --kv-codec and --recent-window apply to the per-head "
+                                   "forms only")
+    marker = config[MLA_MARKER]
+    table = marker.get(RATE_TABLE_KEY) or {}
+    unknown = [rate_key(r) for r in rates or [] if rate_key(r) not in table]
+    if unknown:
+        raise InvalidArgumentError(f"{directory} is an MLA export whose rate table has no rate {', '.join(unknown)} "
+                                   f"(rates: {', '.join(table) or 'none'})")
+    source = baseline or marker.get("source_model")
+    if source is None:
+        raise InvalidArgumentError(f"{directory} is an MLA export that does not record its source model; pass --baseline")
+    baseline_dir = resolve_model_source(source).path
+    refuse_compressed_baseline(directory, baseline_dir, given=baseline is not None)
+    original = load_fp32_model(baseline_dir)
+    text = original.config
+    values = 2 * text.num_key_value_heads * getattr(text, "head_dim", text.hidden_size // text.num_attention_heads)
+    models, model_rates = {}, {}
+    for rate in rates or [None]:
+        model = load(directory, rate=rate)
+        if rate is None:  # the export's own widths: its rate is the share of K+V it does not cache
+            own = latent_ranks(model.config) or [model.config.kv_lora_rank] * model.config.num_hidden_layers
+            rate = round(1 - (sum(own) / len(own) + model.config.qk_rope_head_dim) / values, 4)
+        name = f"{directory.name} p={rate:.2f}"
+        models[name], model_rates[name] = model, rate
+    return source, original, models, model_rates
+
+
 def refuse_compressed_baseline(checkpoint: Path, baseline_dir: Path, given: bool) -> None:
     """The baseline must be an original model: comparing a checkpoint with itself reports a perfect, false result."""
     where = "--baseline" if given else "the source model recorded in its spec"
@@ -90,7 +141,8 @@ def refuse_compressed_baseline(checkpoint: Path, baseline_dir: Path, given: bool
     if baseline_dir.resolve() == checkpoint.resolve():
         raise InvalidArgumentError(f"the baseline ({where}) is {checkpoint} itself; {fix}")
     try:
-        compressed = "kvrewrite" in json.loads((baseline_dir / "config.json").read_text(encoding="utf-8"))
+        baseline_config = json.loads((baseline_dir / "config.json").read_text(encoding="utf-8"))
+        compressed = "kvrewrite" in baseline_config or "kvrewrite_mla" in baseline_config
     except (OSError, ValueError, TypeError):
         return  # an unreadable baseline is reported, naming its file, when it is loaded
     if compressed:

@@ -116,8 +116,10 @@ def export_at_share(prepared: PreparedSource, layers: list[MLALayer], output: Pa
     original's on the calibration windows; a distilled form passes its own, mla_distill.py); rate_table: narrower
     per-layer widths that kvrewrite.load(dir, rate=p) serves from the same file (AllocatedForm.rate_table)."""
     norms = prepared.inputs.max_square_norms if max_square_norms is None else max_square_norms
+    # The source, as the user named it: `kvrewrite eval` compares the export with it.
+    marker = {"source_model": prepared.ctx.plan.model, **(provenance or {})}
     return export_deepseek_v3(prepared.ctx.source, layers, norms, output, dtype=dtype, overwrite=overwrite,
-                              provenance=provenance, rate_table=rate_table)
+                              provenance=marker, rate_table=rate_table)
 
 
 def full_width_max_logit_diff(prepared: PreparedSource, tokens: torch.Tensor) -> float:
