@@ -56,10 +56,10 @@ def test_sequential_compile_is_exact_at_full_rank(source, tmp_path, mode):
         assert (full(tokens).logits - original(tokens).logits).abs().max().item() < 1e-4
 
 
-@pytest.mark.parametrize("option", ["keep-ranks", "reallocate"])
-def test_grams_are_measured_on_the_compressed_prefix(source, tmp_path, option):
-    plain = compile_tiny(source, tmp_path / "plain")
-    sequential = compile_tiny(source, tmp_path / "seq", sequential_statistics=option)
+@pytest.mark.parametrize(("option", "mode"), [("keep-ranks", "latent"), ("keep-ranks", "freq"), ("reallocate", "latent")])
+def test_grams_are_measured_on_the_compressed_prefix(source, tmp_path, option, mode):
+    plain = compile_tiny(source, tmp_path / "plain", rope_mode=mode)
+    sequential = compile_tiny(source, tmp_path / "seq", rope_mode=mode, sequential_statistics=option)
     assert sequential.provenance["statistics"] == "collect_statistics > sequential_statistics"
     layers = len(plain.statistics.layers)
     # Layer 0 sees the embeddings either way; every later layer sees a compressed prefix.

@@ -29,7 +29,7 @@ from kvrewrite.compile.passes.context import CompileContext
 from kvrewrite.compile.passes.measure_sensitivity import MeasureSensitivity
 from kvrewrite.compile.probes import truncated
 from kvrewrite.compile.rewrite_spec import build_spec, full_rank_ranks
-from kvrewrite.key_modes import key_transform
+from kvrewrite.key_modes import key_mode, key_transform
 from kvrewrite.method.statistics import CalibrationStatistics, GramAccumulator, LayerStatistics
 from kvrewrite.method.value_transforms import value_transform
 from kvrewrite.progress import progress_bar
@@ -89,6 +89,7 @@ def sequential_statistics(ctx: CompileContext, key_ranks: list[list[int]], value
     metrics = ctx.output_metric or [None] * geo.num_layers
     transforms = list(ctx.transforms)
     full_keys, full_values = full_rank_ranks(ctx)
+    rewritten, orders = None, []
     with torch.inference_mode(), progress_bar("sequential statistics", geo.num_layers, plan.progress) as bar:
         hidden = original.embed_batches(list(torch.split(ctx.calibration_tokens, plan.batch_size)))
         for idx in range(geo.num_layers):
@@ -103,9 +104,13 @@ def sequential_statistics(ctx: CompileContext, key_ranks: list[list[int]], value
                 key_transform(transforms[idx].key.mode, plan.objective, stats, geo),
                 value_transform(plan.objective, stats, o_weight, geo, output_metric=metrics[idx]))
             # 3. The rewritten layer idx (new transforms, truncated to its compiled ranks) gives the next input.
-            # A fresh skeleton per layer: the spec's stored order (freq / crosshead modes) follows the transforms.
-            rewritten = FoldedWeights(ctx.source, transforms, geo).streamed(
-                build_spec(ctx, full_keys, full_values, transforms), dtype, plan.device)
+            # FoldedWeights reads `transforms` (this list) when it folds a layer, so layer idx folds with its new
+            # transforms; the skeleton is rebuilt only when the spec's stored order (freq / crosshead) changed.
+            order = key_mode(transforms[idx].key.mode).stored_order(transforms[idx].key)
+            if rewritten is None or order != orders[idx]:
+                rewritten = FoldedWeights(ctx.source, transforms, geo).streamed(
+                    build_spec(ctx, full_keys, full_values, transforms), dtype, plan.device)
+                orders = [key_mode(t.key.mode).stored_order(t.key) for t in transforms]
             with rewritten.layer(idx) as layer, truncated(rewritten.adapter.attention(layer), list(key_ranks[idx]), list(value_ranks[idx])):
                 hidden = [rewritten.run_layer(layer, h, rewritten.layer_inputs(h)) for h in hidden]
             bar.advance()
