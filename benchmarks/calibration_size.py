@@ -51,6 +51,9 @@ def compile_facts(checkpoint: Path, time_file: Path | None) -> dict:
     facts = {"calibration": report["calibration"], "pipeline_total_s": report["timings_s"]["total"],
              "pipeline_peak_rss_mib": report.get("peak_rss_mib"),
              "sequential_statistics": report.get("sequential_statistics")}
+    mix = Path(str(report["calibration"]["source"])) / "mix.json"
+    if mix.is_file():
+        facts["mix"] = json.loads(mix.read_text())
     if time_file is not None:
         facts["time_v"] = time_v(time_file)
     return facts
@@ -84,8 +87,11 @@ def write_mix(directory: Path, synthetic_tokens: int, wiki_chars: int) -> dict:
         (directory / f"synthetic-{i:04d}.txt").write_text(text + "\n", encoding="utf-8")
     for i, text in enumerate(leads):
         (directory / f"wiki-{i:04d}.txt").write_text(text + "\n", encoding="utf-8")
-    return {"synthetic_texts": len(synthetic), "synthetic_tokens": len(token_stream(tokenizer, synthetic)),
-            "wiki_articles": len(leads), "wiki_tokens": len(token_stream(tokenizer, leads))}
+    facts = {"synthetic_texts": len(synthetic), "synthetic_tokens": len(token_stream(tokenizer, synthetic)),
+             "wiki_articles": len(leads), "wiki_tokens": len(token_stream(tokenizer, leads)), "wiki_chars": wiki_chars}
+    # Beside the texts (only *.txt files are calibration documents), so the results can say what the mix held.
+    (directory / "mix.json").write_text(json.dumps(facts) + "\n", encoding="utf-8")
+    return facts
 
 
 def main() -> None:
