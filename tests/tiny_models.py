@@ -20,6 +20,7 @@ from kvrewrite.compile.passes.fold_weights import FoldWeights
 from kvrewrite.compile.passes.load_checkpoint import LoadCheckpoint
 from kvrewrite.compile.passes.measure_sensitivity import MeasureSensitivity
 from kvrewrite.compile.passes.refit_output import RefitOutput
+from kvrewrite.compile.passes.sequential_statistics import SequentialStatistics
 from kvrewrite.compile.passes.verify import Verify
 
 VOCAB = 96
@@ -89,6 +90,7 @@ def tiny_pipeline(tokens: torch.Tensor | None = None) -> list:
         ComputeTransforms(),
         MeasureSensitivity(),
         AllocateRanks(),
+        SequentialStatistics(),
         FoldWeights(),
         Verify(),
         RefitOutput(),

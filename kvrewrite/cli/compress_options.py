@@ -106,6 +106,7 @@ PLAN_OPTIONS: tuple[PlanOption, ...] = (
     PlanOption("value_metric", "output (attention-output error) or fisher (weighted by the loss gradient at the attention output)."),
     PlanOption("fisher_tokens", "--value-metric fisher: calibration tokens the loss gradients are collected on."),
     PlanOption("fisher_shrink", "--value-metric fisher: shrinkage of the measured Fisher towards the identity, in [0, 1] (0: as measured, 1: the plain output metric)."),
+    PlanOption("sequential_statistics", "off; keep-ranks: re-collect each layer's Grams on hidden states that went through the already-compressed layers before it (at the compiled ranks) and re-solve its transforms, GPTQ-style; reallocate: the same, then measure sensitivity and allocate ranks again (docs/compress.md)."),
     PlanOption("refit", "none; output: refit every o_proj by least squares at the compiled ranks against the original model's attention outputs; output-local: against the original layer on the compressed hidden states (the checkpoint serves its compiled rate only; docs/refit.md)."),
     PlanOption("refit_tokens", "Calibration tokens the output refit is fitted on."),
     PlanOption("refit_ridge", "Ridge of the output refit, relative to the mean diagonal of the latents' Gram (>= 0)."),

@@ -29,6 +29,10 @@ VALUE_METRICS = ("output", "fisher")
 # model's attention outputs, so upstream drift is absorbed too); output-local (target: the original layer on the
 # compressed model's own hidden states).
 REFITS = ("none", "output", "output-local")
+# Statistics on the compressed prefix (passes/sequential_statistics.py): off; keep-ranks (re-solve every layer's
+# transforms from Grams measured after the compressed layers before it, keep the first allocation); reallocate
+# (the same, then measure sensitivity and allocate again on the new transforms).
+SEQUENTIAL_STATISTICS = ("off", "keep-ranks", "reallocate")
 DEFAULT_RATE_GRID = tuple(round(0.05 * i, 2) for i in range(20))  # 0.00 .. 0.95
 
 
@@ -65,6 +69,8 @@ class Plan:
     # original attention outputs, layer by layer on refit_tokens calibration tokens; ridge is relative to the
     # mean diagonal of the latents' Gram. A refitted checkpoint serves its compiled rate only.
     refit: str = "none"
+    # GPTQ-style sequential statistics (see SEQUENTIAL_STATISTICS above); opt-in until held-out numbers back it.
+    sequential_statistics: str = "off"
     refit_tokens: int = 16384
     refit_ridge: float = 1e-4
     # Distillation (passes/distill_attention.py): the attention weights trained at the compiled ranks against the
@@ -118,6 +124,7 @@ class Plan:
             "reduce": (self.reduce, REDUCERS),
             "value_metric": (self.value_metric, VALUE_METRICS),
             "refit": (self.refit, REFITS),
+            "sequential_statistics": (self.sequential_statistics, SEQUENTIAL_STATISTICS),
             "prefer": (self.prefer, PREFER),
             "dtype": (self.dtype, DTYPES),
         }
@@ -150,6 +157,9 @@ class Plan:
         if not 0 < self.distill_lr < 1:
             raise InvalidArgumentError(f"`distill_lr` must be in (0, 1), got {self.distill_lr!r}")
         self._check_distill_rates()
+        if self.sequential_statistics != "off" and self.reduce != "none":
+            raise InvalidArgumentError(f"`sequential_statistics={self.sequential_statistics}` collects exact Grams; "
+                                       f"it cannot be combined with `reduce={self.reduce}`")
         try:
             alpha = float(self.balance_values)
         except (TypeError, ValueError):

@@ -8,6 +8,7 @@ O_h = P_h V_g that the output projection sees.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 import torch
 
@@ -56,12 +57,41 @@ def collect_statistics(
     """
     adapter = model.adapter
     geo = adapter.geometry(model.skeleton.config)
-    d, n_kv, n_q, group = geo.head_dim, geo.num_key_value_heads, geo.num_attention_heads, geo.group_size
     if reduce == "kmeans":
-        sink = KMeansGramReducer(geo.num_layers, n_kv, n_q, d, clusters=kmeans_clusters, keep_share=kmeans_keep_share, seed=seed)
+        sink = KMeansGramReducer(geo.num_layers, geo.num_key_value_heads, geo.num_attention_heads, geo.head_dim,
+                                 clusters=kmeans_clusters, keep_share=kmeans_keep_share, seed=seed)
     else:
-        sink = GramAccumulator(geo.num_layers, n_kv, n_q, d)
+        sink = GramAccumulator(geo.num_layers, geo.num_key_value_heads, geo.num_attention_heads, geo.head_dim)
+    with gram_hooks(model, sink):
+        same_batches = None
+        extra = []
+        if isinstance(sink, KMeansGramReducer):
+            # The k-means reducer samples whole batches; the same batches must be kept at every layer. (On the
+            # attention, not the layer: the stock forward calls the layers' stand-ins while it prepares their inputs.)
+            extra = [adapter.attention(layer).register_forward_pre_hook(lambda *_: sink.start_batch()) for layer in model.layers]
 
+            @contextlib.contextmanager
+            def same_batches(_idx, _layer):
+                state = sink.batch_rng_state()
+                yield
+                sink.restore_batch_rng_state(state)
+
+        try:
+            with torch.inference_mode(), progress_bar("collecting statistics", geo.num_layers, progress) as bar:
+                model.forward(list(torch.split(token_windows, batch_size)), on_layer=same_batches, progress=bar.advance)
+        finally:
+            for handle in extra:
+                handle.remove()
+    return sink.finish()
+
+
+@contextlib.contextmanager
+def gram_hooks(model: StreamedModel, sink: GramAccumulator) -> Iterator[GramAccumulator]:
+    """Inside the block, every decoder layer of `model` that runs adds its activations' Grams to `sink` (at its
+    layer index): pre- and post-RoPE queries and keys per KV head, values, attention outputs per query head."""
+    adapter = model.adapter
+    geo = adapter.geometry(model.skeleton.config)
+    d, n_kv, n_q, group = geo.head_dim, geo.num_key_value_heads, geo.num_attention_heads, geo.group_size
     captured: dict[int, dict[str, torch.Tensor]] = {}
     rope: dict[tuple, list | None] = {}  # batch shape -> per layer (cos, sin), as the stock model makes them
 
@@ -116,22 +146,8 @@ def collect_statistics(
         attn = adapter.attention(layer)
         handles += [module.register_forward_hook(keep_output(idx, read)) for module, read in adapter.activation_taps(attn)]
         handles.append(adapter.output_projection(attn).register_forward_pre_hook(on_attention_output(idx)))
-    same_batches = None
-    if isinstance(sink, KMeansGramReducer):
-        # The k-means reducer samples whole batches; the same batches must be kept at every layer. (On the
-        # attention, not the layer: the stock forward calls the layers' stand-ins while it prepares their inputs.)
-        handles += [adapter.attention(layer).register_forward_pre_hook(lambda *_: sink.start_batch()) for layer in model.layers]
-
-        @contextlib.contextmanager
-        def same_batches(_idx, _layer):
-            state = sink.batch_rng_state()
-            yield
-            sink.restore_batch_rng_state(state)
-
     try:
-        with torch.inference_mode(), progress_bar("collecting statistics", geo.num_layers, progress) as bar:
-            model.forward(list(torch.split(token_windows, batch_size)), on_layer=same_batches, progress=bar.advance)
+        yield sink
     finally:
         for handle in handles:
             handle.remove()
-    return sink.finish()

@@ -26,6 +26,7 @@ from kvrewrite.compile.passes.fold_weights import FoldWeights
 from kvrewrite.compile.passes.load_checkpoint import LoadCheckpoint
 from kvrewrite.compile.passes.measure_sensitivity import MeasureSensitivity
 from kvrewrite.compile.passes.refit_output import RefitOutput
+from kvrewrite.compile.passes.sequential_statistics import SequentialStatistics
 from kvrewrite.compile.passes.verify import Verify
 from kvrewrite.compile.plan import Plan
 from kvrewrite.io.sources import local_source_dir
@@ -47,6 +48,7 @@ def rewrite_passes() -> list:
         ComputeTransforms(),  # Grams -> key-side and value-side transforms
         MeasureSensitivity(),  # (sensitivity allocation) end-to-end KL per layer and side
         AllocateRanks(),  # target rate (given, or the largest within a quality budget) -> ranks per head, rate table
+        SequentialStatistics(),  # (--sequential-statistics) Grams and transforms again, on the compressed prefix
         FoldWeights(),  # transforms -> rewritten q/k/v/o weights, spec
         Verify(),  # full-rank equivalence, compiled-rank error
         RefitOutput(),  # (--refit output) o_proj refitted by least squares at the compiled ranks
