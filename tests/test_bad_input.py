@@ -296,3 +296,15 @@ def test_calibration_text_shorter_than_needed(source, tmp_path):
                 "--calib-tokens", "4096", "--seq-len", "64"], str(text), f"has {available} tokens", "4096 tokens")
     assert not (tmp_path / "out").exists()
 
+
+
+@pytest.mark.parametrize("command", [["card"], ["push", "--dry-run"], ["inspect"]])
+def test_per_head_commands_name_an_mla_export_as_such(tmp_path, command):
+    # An export-mla checkpoint has no per-head spec; the error says what it is and what runs it instead.
+    config = {"model_type": "deepseek_v3", "kvrewrite_mla": {"format_version": 1}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    args = [command[0], str(tmp_path)] + (["me/repo"] if command[0] == "push" else []) + command[1:]
+    result = runner.invoke(app, args)
+    assert result.exit_code != 0
+    text = flat(result.output)
+    assert "is an MLA export" in text and "kvrewrite eval" in text, text

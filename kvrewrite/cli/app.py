@@ -219,7 +219,9 @@ def inspect(
             raise KVRewriteError(f"{directory} has no config.json; is it a kvrewrite checkpoint?")
         config = json.loads(config_path.read_text())
         if "kvrewrite" not in config:
-            raise KVRewriteError(f"{config_path} has no kvrewrite compression spec (model_type {config.get('model_type')!r})")
+            from kvrewrite.runtime.mla.checkpoint import missing_spec_message
+
+            raise KVRewriteError(missing_spec_message(config_path, config, "inspect"))
         spec = CompressionSpec.from_dict(config["kvrewrite"])
         if rate is not None:
             spec = spec.with_ranks(*spec.ranks_for_rate(rate), rate)

@@ -52,7 +52,9 @@ def read_checkpoint_facts(directory: Path) -> CheckpointFacts:
     except ValueError as exc:
         raise CorruptCheckpointError(f"{config_path} is not valid JSON ({exc})") from exc
     if "kvrewrite" not in config:
-        raise CorruptCheckpointError(f"{config_path} has no kvrewrite compression spec (model_type {config.get('model_type')!r})")
+        from kvrewrite.runtime.mla.checkpoint import missing_spec_message
+
+        raise CorruptCheckpointError(missing_spec_message(config_path, config, "card / push"))
     spec = CompressionSpec.from_dict(config["kvrewrite"])
     report_path = directory / REPORT_FILE
     try:

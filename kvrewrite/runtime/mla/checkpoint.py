@@ -29,6 +29,16 @@ def is_mla_checkpoint(config: dict[str, Any]) -> bool:
     return config.get("model_type") == "deepseek_v3" and isinstance(config.get(MLA_MARKER), dict)
 
 
+def missing_spec_message(config_path: Any, config: dict[str, Any], command: str) -> str:
+    """Why `command` (card, push, inspect) cannot read a config without a per-head spec: an MLA export is named as
+    such, with what to use instead, rather than reported as a config with no spec."""
+    if is_mla_checkpoint(config):
+        return (f"{config_path} is an MLA export (export-mla, a stock DeepSeek-V3 checkpoint); `kvrewrite {command}` "
+                "reads per-head checkpoints (kvrewrite compress) only. Its widths and rate table are in config.json's "
+                f"`{MLA_MARKER}` marker; `kvrewrite eval` and `kvrewrite.load` run it (docs/serving.md).")
+    return f"{config_path} has no kvrewrite compression spec (model_type {config.get('model_type')!r})"
+
+
 def check_mla_marker(config: dict[str, Any], where: str) -> None:
     version = config[MLA_MARKER].get("format_version")
     if version != MLA_FORMAT_VERSION:
