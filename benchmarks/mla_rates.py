@@ -3,11 +3,14 @@ loaded at several rates of its table by kvrewrite's runtime, against the origina
 windows and (optionally) continuation positions, one file per export serving every rate.
 
     OMP_NUM_THREADS=1 python benchmarks/mla_rates.py --export free=DIR1 --export nested=DIR2 --rates 0.3,0.5,0.7 \
-        [--texts wiki,news] [--positions 2K-4K] --out benchmarks/results/mla_rates.json
+        [--texts wiki,news] [--positions 2K-4K] [--compile-log free=TIME_V_FILE ...] --out benchmarks/results/mla_rates.json
 
 The 512-token protocol is benchmarks/mla_quality.py's and `kvrewrite eval`'s (evaluation_token_sequences, 16 windows
 of 512 for 8,192 tokens); the continuation protocol is `kvrewrite eval --positions`' (publish/continuation_eval.py:
 every scored token predicted from the cache of everything before it, fed in chunks).
+
+`--compile-log NAME=FILE` records what building that export cost: FILE is the `/usr/bin/time -v` output of the
+`kvrewrite export-mla` run that wrote it (its command, wall time and peak RSS go under `compiles`).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -25,6 +29,19 @@ from decode import run_provenance  # noqa: E402  (the provenance header every be
 SOURCE = "smollm2-135m"
 
 
+def compile_cost(time_v_output: str) -> dict:
+    """The command, wall seconds and peak RSS of one `/usr/bin/time -v` report."""
+    def field(label: str) -> str:
+        found = re.search(rf"{re.escape(label)}: (.+)", time_v_output)
+        if found is None:
+            raise SystemExit(f"not a `/usr/bin/time -v` report: no {label!r} line")
+        return found.group(1).strip()
+    wall = field("Elapsed (wall clock) time (h:mm:ss or m:ss)")
+    return {"command": field("Command being timed").strip('"'),
+            "wall_s": round(sum(float(part) * 60**i for i, part in enumerate(reversed(wall.split(":")))), 1),
+            "peak_rss_mib": round(int(field("Maximum resident set size (kbytes)")) / 1024, 1)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--export", action="append", required=True, help="NAME=DIR, repeatable")
@@ -32,6 +49,8 @@ def main() -> None:
     parser.add_argument("--texts", default="wiki,news")
     parser.add_argument("--positions", default=None, help="continuation ranges as `kvrewrite eval --positions` takes them")
     parser.add_argument("--tokens", type=int, default=8192, help="held-out tokens per text and protocol")
+    parser.add_argument("--compile-log", action="append", default=[],
+                        help="NAME=FILE: the `/usr/bin/time -v` report of the export-mla run that wrote export NAME")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
@@ -48,8 +67,12 @@ def main() -> None:
 
     exports = dict(item.split("=", 1) for item in args.export)
     rates = [float(r) for r in args.rates.split(",")]
+    compile_logs = dict(item.split("=", 1) for item in args.compile_log)
+    if unknown := set(compile_logs) - set(exports):
+        raise SystemExit(f"--compile-log names no --export: {', '.join(sorted(unknown))}")
     record = {**run_provenance(int(os.environ.get("OMP_NUM_THREADS", "1")), "one process"),
               "exports": {name: json.loads((Path(d) / "config.json").read_text())["kvrewrite_mla"] for name, d in exports.items()},
+              "compiles": {name: compile_cost(Path(log).read_text()) for name, log in compile_logs.items()},
               "tokens": args.tokens, "runs": []}
     original = load_fp32_model(resolve_model_source(SOURCE).path)
     tokenizer = AutoTokenizer.from_pretrained(next(iter(exports.values())))

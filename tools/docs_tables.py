@@ -321,20 +321,23 @@ def prefill_cpu_table(decode: dict) -> Table:
 
 
 def _rate_quality(text: str, *results: dict) -> Table:
-    """Per checkpoint (one result file each) and protocol, the perplexity increase at every evaluated rate."""
+    """Per checkpoint and protocol, the perplexity increase at every evaluated rate. A long_context.py file holds one
+    checkpoint (named by its label up to the first colon); an mla_rates.py file holds several exports, each row
+    named "EXPORT p=RATE"."""
     rates = sorted({row["rate"] for result in results for run in result["runs"] if run["text"] == text
                     for row in run["rows"] if not row.get("baseline")})
     rows = []
     for result in results:
+        groups: dict[tuple[str, str], dict[float, dict]] = {}
         for run in (r for r in result["runs"] if r["text"] == text):
-            groups: dict[str, dict[float, dict]] = {}
             for row in run["rows"]:
                 if not row.get("baseline"):
-                    groups.setdefault(row.get("positions", "all"), {})[row["rate"]] = row
-            for positions, by_rate in groups.items():
-                where = "512-token windows" if positions == "all" else f"positions {positions}"
-                rows.append([result["checkpoint"].split(":")[0], where] + [f"{increase(by_rate[r]):+.1%}" if r in by_rate else ""
-                                                             for r in rates])
+                    name = result["checkpoint"].split(":")[0] if "checkpoint" in result else row["name"].rsplit(" p=", 1)[0]
+                    groups.setdefault((name, row.get("positions", "all")), {})[row["rate"]] = row
+        names = list(dict.fromkeys(name for name, _ in groups))  # each export's rows together, in file order
+        for (name, positions), by_rate in sorted(groups.items(), key=lambda item: names.index(item[0][0])):
+            where = "512-token windows" if positions == "all" else f"positions {positions}"
+            rows.append([name, where] + [f"{increase(by_rate[r]):+.1%}" if r in by_rate else "" for r in rates])
     return Table(markdown(["checkpoint", "scored tokens"] + [f"p = {r:g}" for r in rates], rows))
 
 
