@@ -26,6 +26,17 @@ sys.path.insert(0, str(Path(__file__).parent))
 from decode import run_provenance  # noqa: E402  (the provenance header every benchmark result starts with)
 
 
+def compile_cost(checkpoint: Path) -> dict | None:
+    """What compiling the checkpoint cost, from its compress_report.json: the pipeline's wall time, peak RSS and
+    calibration (None for a checkpoint without one)."""
+    report_path = checkpoint / "compress_report.json"
+    if not report_path.exists():
+        return None
+    report = json.loads(report_path.read_text(encoding="utf-8"))
+    return {"seconds": report["timings_s"]["total"], "peak_rss_mib": report["peak_rss_mib"],
+            "calibration": report["calibration"]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", type=Path)
@@ -40,6 +51,7 @@ def main() -> None:
     record = {
         **run_provenance(int(os.environ.get("OMP_NUM_THREADS", "1")), "one process"),
         "checkpoint": args.label or args.checkpoint.name,
+        "compile": compile_cost(args.checkpoint),
         "tokens": args.tokens,
         "runs": [],
     }

@@ -9,6 +9,7 @@ The 512-token protocol is benchmarks/mla_quality.py's and `kvrewrite eval`'s (ev
 of 512 for 8,192 tokens); the continuation protocol is `kvrewrite eval --positions`' (publish/continuation_eval.py:
 every scored token predicted from the cache of everything before it, fed in chunks).
 
+An export without a rate table (a single-rate `--distill`) is evaluated once, at its exported widths.
 `--compile-log NAME=FILE` records what building that export cost: FILE is the `/usr/bin/time -v` output of the
 `kvrewrite export-mla` run that wrote it (its command, wall time and peak RSS go under `compiles`).
 """
@@ -40,6 +41,14 @@ def compile_cost(time_v_output: str) -> dict:
     return {"command": field("Command being timed").strip('"'),
             "wall_s": round(sum(float(part) * 60**i for i, part in enumerate(reversed(wall.split(":")))), 1),
             "peak_rss_mib": round(int(field("Maximum resident set size (kbytes)")) / 1024, 1)}
+
+
+def exported_rate(config: dict, source_config) -> float:
+    """The share of the source's K+V values an export without a rate table removes: 1 - (mean r + d_r) / (2 n_kv d)."""
+    ranks = config["kvrewrite_mla"].get("kv_lora_ranks") or [config["kv_lora_rank"]] * config["num_hidden_layers"]
+    head_dim = getattr(source_config, "head_dim", None) or source_config.hidden_size // source_config.num_attention_heads
+    full = 2 * source_config.num_key_value_heads * head_dim
+    return round(1 - (sum(ranks) / len(ranks) + config["qk_rope_head_dim"]) / full, 2)
 
 
 def main() -> None:
@@ -78,9 +87,15 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(next(iter(exports.values())))
     models, model_rates = {}, {}
     for name, directory in exports.items():
-        for rate in rates:
+        marker = record["exports"][name]
+        if "rate_table" in marker:
+            for rate in rates:
+                label = f"{name} p={rate:.2f}"
+                models[label], model_rates[label] = kvrewrite.load(directory, rate=rate).eval(), rate
+        else:  # a single-rate export (e.g. --distill without --distill-rates) serves its exported widths only
+            rate = exported_rate(json.loads((Path(directory) / "config.json").read_text()), original.config)
             label = f"{name} p={rate:.2f}"
-            models[label], model_rates[label] = kvrewrite.load(directory, rate=rate).eval(), rate
+            models[label], model_rates[label] = kvrewrite.load(directory).eval(), rate
     protocols = [None] + ([parse_positions(args.positions)] if args.positions else [])
     for text in args.texts.split(","):
         for positions in protocols:
