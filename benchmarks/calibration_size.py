@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import time
 from pathlib import Path
@@ -32,30 +31,19 @@ from pathlib import Path
 from kvrewrite.cli.evaluate import evaluate_checkpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
+from compile_cost import compress_report_cost, time_v_report  # noqa: E402
 from decode import run_provenance  # noqa: E402  (the provenance header every benchmark result starts with)
 
 
-def time_v(path: Path) -> dict:
-    """Wall time (s) and peak RSS (MiB) from a `/usr/bin/time -v` report."""
-    text = path.read_text()
-    wall = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): (\S+)", text).group(1)
-    seconds = 0.0
-    for part in wall.split(":"):
-        seconds = seconds * 60 + float(part)
-    rss_kib = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", text).group(1))
-    return {"wall_s": round(seconds, 1), "peak_rss_mib": round(rss_kib / 1024, 1)}
-
-
 def compile_facts(checkpoint: Path, time_file: Path | None) -> dict:
-    report = json.loads((checkpoint / "compress_report.json").read_text())
-    facts = {"calibration": report["calibration"], "pipeline_total_s": report["timings_s"]["total"],
-             "pipeline_peak_rss_mib": report.get("peak_rss_mib"),
-             "sequential_statistics": report.get("sequential_statistics")}
-    mix = Path(str(report["calibration"]["source"])) / "mix.json"
+    facts = compress_report_cost(checkpoint)
+    if facts is None:
+        raise SystemExit(f"{checkpoint} has no compress_report.json (not a kvrewrite compress checkpoint)")
+    mix = Path(str(facts["calibration"]["source"])) / "mix.json"
     if mix.is_file():
         facts["mix"] = json.loads(mix.read_text())
     if time_file is not None:
-        facts["time_v"] = time_v(time_file)
+        facts["time_v"] = time_v_report(time_file.read_text())
     return facts
 
 

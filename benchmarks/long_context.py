@@ -23,18 +23,8 @@ from kvrewrite.cli.evaluate import evaluate_checkpoint
 from kvrewrite.publish.continuation_eval import parse_positions
 
 sys.path.insert(0, str(Path(__file__).parent))
+from compile_cost import compress_report_cost  # noqa: E402
 from decode import run_provenance  # noqa: E402  (the provenance header every benchmark result starts with)
-
-
-def compile_cost(checkpoint: Path) -> dict | None:
-    """What compiling the checkpoint cost, from its compress_report.json: the pipeline's wall time, peak RSS and
-    calibration (None for a checkpoint without one)."""
-    report_path = checkpoint / "compress_report.json"
-    if not report_path.exists():
-        return None
-    report = json.loads(report_path.read_text(encoding="utf-8"))
-    return {"seconds": report["timings_s"]["total"], "peak_rss_mib": report["peak_rss_mib"],
-            "calibration": report["calibration"]}
 
 
 def main() -> None:
@@ -51,7 +41,7 @@ def main() -> None:
     record = {
         **run_provenance(int(os.environ.get("OMP_NUM_THREADS", "1")), "one process"),
         "checkpoint": args.label or args.checkpoint.name,
-        "compile": compile_cost(args.checkpoint),
+        "compile": compress_report_cost(args.checkpoint),
         "tokens": args.tokens,
         "runs": [],
     }

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from compile_cost import time_v_report  # noqa: E402
 from decode import run_provenance  # noqa: E402  (the provenance header every benchmark result starts with)
 
 RESULTS = Path(__file__).parent / "results" / "mla_distill.json"
@@ -42,11 +42,9 @@ def timed_compile(args: list[str], log: Path) -> dict:
     log.write_text(done.stdout + "\n" + done.stderr)
     if done.returncode != 0:
         raise SystemExit(f"compile failed ({done.returncode}), see {log}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    wall = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): (\S+)", done.stderr).group(1)
-    seconds = sum(float(part) * 60**i for i, part in enumerate(reversed(wall.split(":"))))
-    rss_kb = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", done.stderr).group(1))
-    return {"command": "kvrewrite " + " ".join(args), "compile_wall_s": round(seconds, 1),
-            "peak_rss_mib": round(rss_kb / 1024, 1), "console_tail": done.stdout.strip().splitlines()[-6:]}
+    cost = time_v_report(done.stderr)
+    return {"command": "kvrewrite " + " ".join(args), "compile_wall_s": cost["wall_s"],
+            "peak_rss_mib": cost["peak_rss_mib"], "console_tail": done.stdout.strip().splitlines()[-6:]}
 
 
 def main() -> None:
