@@ -19,36 +19,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+from compile_cost import time_v_report  # noqa: E402
 from decode import run_provenance  # noqa: E402  (the provenance header every benchmark result starts with)
 
 SOURCE = "smollm2-135m"
-
-
-def compile_cost(time_v_output: str) -> dict:
-    """The command, wall seconds and peak RSS of one `/usr/bin/time -v` report."""
-    def field(label: str) -> str:
-        found = re.search(rf"{re.escape(label)}: (.+)", time_v_output)
-        if found is None:
-            raise SystemExit(f"not a `/usr/bin/time -v` report: no {label!r} line")
-        return found.group(1).strip()
-    wall = field("Elapsed (wall clock) time (h:mm:ss or m:ss)")
-    return {"command": field("Command being timed").strip('"'),
-            "wall_s": round(sum(float(part) * 60**i for i, part in enumerate(reversed(wall.split(":")))), 1),
-            "peak_rss_mib": round(int(field("Maximum resident set size (kbytes)")) / 1024, 1)}
-
-
-def exported_rate(config: dict, source_config) -> float:
-    """The share of the source's K+V values an export without a rate table removes: 1 - (mean r + d_r) / (2 n_kv d)."""
-    ranks = config["kvrewrite_mla"].get("kv_lora_ranks") or [config["kv_lora_rank"]] * config["num_hidden_layers"]
-    head_dim = getattr(source_config, "head_dim", None) or source_config.hidden_size // source_config.num_attention_heads
-    full = 2 * source_config.num_key_value_heads * head_dim
-    return round(1 - (sum(ranks) / len(ranks) + config["qk_rope_head_dim"]) / full, 2)
 
 
 def main() -> None:
@@ -66,8 +45,7 @@ def main() -> None:
     import torch
     from transformers import AutoTokenizer
 
-    import kvrewrite
-    from kvrewrite.cli.evaluate import continuation_rows, result_rows
+    from kvrewrite.cli.evaluate import continuation_rows, mla_models_at_rates, result_rows
     from kvrewrite.compile.passes.load_checkpoint import load_fp32_model
     from kvrewrite.io.calibration_data import evaluation_token_sequences
     from kvrewrite.io.sources import resolve_model_source
@@ -81,21 +59,17 @@ def main() -> None:
         raise SystemExit(f"--compile-log names no --export: {', '.join(sorted(unknown))}")
     record = {**run_provenance(int(os.environ.get("OMP_NUM_THREADS", "1")), "one process"),
               "exports": {name: json.loads((Path(d) / "config.json").read_text())["kvrewrite_mla"] for name, d in exports.items()},
-              "compiles": {name: compile_cost(Path(log).read_text()) for name, log in compile_logs.items()},
+              "compiles": {name: time_v_report(Path(log).read_text()) for name, log in compile_logs.items()},
               "tokens": args.tokens, "runs": []}
     original = load_fp32_model(resolve_model_source(SOURCE).path)
     tokenizer = AutoTokenizer.from_pretrained(next(iter(exports.values())))
     models, model_rates = {}, {}
     for name, directory in exports.items():
-        marker = record["exports"][name]
-        if "rate_table" in marker:
-            for rate in rates:
-                label = f"{name} p={rate:.2f}"
-                models[label], model_rates[label] = kvrewrite.load(directory, rate=rate).eval(), rate
-        else:  # a single-rate export (e.g. --distill without --distill-rates) serves its exported widths only
-            rate = exported_rate(json.loads((Path(directory) / "config.json").read_text()), original.config)
-            label = f"{name} p={rate:.2f}"
-            models[label], model_rates[label] = kvrewrite.load(directory).eval(), rate
+        # A single-rate export (e.g. --distill without --distill-rates) has no table: it serves its own widths only.
+        served = rates if "rate_table" in record["exports"][name] else None
+        loaded, loaded_rates = mla_models_at_rates(Path(directory), served, original.config, name)
+        models.update({label: model.eval() for label, model in loaded.items()})
+        model_rates.update(loaded_rates)
     protocols = [None] + ([parse_positions(args.positions)] if args.positions else [])
     for text in args.texts.split(","):
         for positions in protocols:

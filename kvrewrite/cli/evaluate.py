@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -103,8 +104,7 @@ def _mla_models(directory: Path, config: dict, baseline: str | None, rates: list
     runtime, with its source model (recorded by the export, or --baseline)."""
     from kvrewrite.compile.passes.load_checkpoint import load_fp32_model
     from kvrewrite.io.sources import resolve_model_source
-    from kvrewrite.runtime.load import load
-    from kvrewrite.runtime.mla.checkpoint import MLA_MARKER, RATE_TABLE_KEY, latent_ranks
+    from kvrewrite.runtime.mla.checkpoint import MLA_MARKER, RATE_TABLE_KEY
 
     if kv_codecs or recent_windows:
         raise InvalidArgumentError(f"{directory} is an MLA export: --kv-codec and --recent-window apply to the per-head "
@@ -121,7 +121,18 @@ def _mla_models(directory: Path, config: dict, baseline: str | None, rates: list
     baseline_dir = resolve_model_source(source).path
     refuse_compressed_baseline(directory, baseline_dir, given=baseline is not None)
     original = load_fp32_model(baseline_dir)
-    text = original.config
+    models, model_rates = mla_models_at_rates(directory, rates, original.config, directory.name)
+    return source, original, models, model_rates
+
+
+def mla_models_at_rates(directory: Path, rates: list[float] | None, source_config: Any, name: str
+                        ) -> tuple[dict[str, Any], dict[str, float]]:
+    """An MLA export loaded by kvrewrite's runtime at each rate of its table (rates), or at its own widths (None),
+    as {"NAME p=RATE": model} and {"NAME p=RATE": rate}."""
+    from kvrewrite.runtime.load import load
+    from kvrewrite.runtime.mla.checkpoint import latent_ranks
+
+    text = source_config
     values = 2 * text.num_key_value_heads * getattr(text, "head_dim", text.hidden_size // text.num_attention_heads)
     models, model_rates = {}, {}
     for rate in rates or [None]:
@@ -129,9 +140,9 @@ def _mla_models(directory: Path, config: dict, baseline: str | None, rates: list
         if rate is None:  # the export's own widths: its rate is the share of K+V it does not cache
             own = latent_ranks(model.config) or [model.config.kv_lora_rank] * model.config.num_hidden_layers
             rate = round(1 - (sum(own) / len(own) + model.config.qk_rope_head_dim) / values, 4)
-        name = f"{directory.name} p={rate:.2f}"
-        models[name], model_rates[name] = model, rate
-    return source, original, models, model_rates
+        label = f"{name} p={rate:.2f}"
+        models[label], model_rates[label] = model, rate
+    return models, model_rates
 
 
 def refuse_compressed_baseline(checkpoint: Path, baseline_dir: Path, given: bool) -> None:
