@@ -328,16 +328,17 @@ def _rate_quality(text: str, *results: dict) -> Table:
                     for row in run["rows"] if not row.get("baseline")})
     rows = []
     for result in results:
-        groups: dict[tuple[str, str], dict[float, dict]] = {}
+        # checkpoint -> scored positions -> rate -> row, so each checkpoint's rows stay together, in file order.
+        groups: dict[str, dict[str, dict[float, dict]]] = {}
         for run in (r for r in result["runs"] if r["text"] == text):
             for row in run["rows"]:
                 if not row.get("baseline"):
                     name = result["checkpoint"].split(":")[0] if "checkpoint" in result else row["name"].rsplit(" p=", 1)[0]
-                    groups.setdefault((name, row.get("positions", "all")), {})[row["rate"]] = row
-        names = list(dict.fromkeys(name for name, _ in groups))  # each export's rows together, in file order
-        for (name, positions), by_rate in sorted(groups.items(), key=lambda item: names.index(item[0][0])):
-            where = "512-token windows" if positions == "all" else f"positions {positions}"
-            rows.append([name, where] + [f"{increase(by_rate[r]):+.1%}" if r in by_rate else "" for r in rates])
+                    groups.setdefault(name, {}).setdefault(row.get("positions", "all"), {})[row["rate"]] = row
+        for name, by_positions in groups.items():
+            for positions, by_rate in by_positions.items():
+                where = "512-token windows" if positions == "all" else f"positions {positions}"
+                rows.append([name, where] + [f"{increase(by_rate[r]):+.1%}" if r in by_rate else "" for r in rates])
     return Table(markdown(["checkpoint", "scored tokens"] + [f"p = {r:g}" for r in rates], rows))
 
 
