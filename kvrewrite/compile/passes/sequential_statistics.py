@@ -55,13 +55,13 @@ class SequentialStatistics:
             return {}
         ranks = ctx.rate_table[rate_key(ctx.target_rate)]
         statistics, transforms = sequential_statistics(ctx, ranks["key"], ranks["value"])
-        before = [layer_relative_change(a, b) for a, b in zip(ctx.statistics.layers, statistics.layers)]
+        changes = [layer_relative_change(a, b) for a, b in zip(ctx.statistics.layers, statistics.layers)]
         results = {
             "statistics": statistics, "transforms": transforms,
             "report.sequential_statistics": {
                 "mode": plan.sequential_statistics, "rate": ctx.target_rate, "tokens": statistics.tokens,
                 # How far each layer's key_pre Gram moved from the original-model one (relative Frobenius norm).
-                "key_gram_relative_change": [round(c, 6) for c in before],
+                "key_gram_relative_change": [round(c, 6) for c in changes],
             },
         }
         if plan.sequential_statistics == "reallocate":
