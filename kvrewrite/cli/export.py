@@ -61,6 +61,7 @@ def export_mla(
     calib_tokens: int = typer.Option(16384, "--calib-tokens", help="Calibration tokens (wiki)."),
     calibration: str = typer.Option("wiki", help="Calibration source: wiki, synthetic or a text file."),
     dtype: str = typer.Option("auto", help="Weights dtype: auto (the source's), bfloat16 or float32 (float16 cannot hold the neutralised latent)."),
+    position_free_queries: str = typer.Option("expected-rotation", "--position-free-queries", help="How the latent's key part scores the RoPE components whose rotation is dropped: expected-rotation (each head's expected rotation over the distances its attention covers, measured on calibration text and folded into q_proj) or source (unrotated, as before; docs/serving.md)."),
     key_weight: float | None = typer.Option(None, "--key-weight", help="Weight of the key side against the value side in the latent's objective (default 0.25, chosen on calibration text)."),
     verify_tokens: int = typer.Option(128, "--verify-tokens", help="Tokens of one calibration window for the checks at the end."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
@@ -76,19 +77,21 @@ def export_mla(
         distilling = _distill_settings(distill, distill_tokens, distill_epochs, distill_lr, calib_tokens)
         distilling.update(_nested_settings(distill_rates, distill, allocation, kv_share, kv_lora_rank))
         _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, verify_tokens, overwrite, console,
-             kv_lora_rank, qk_rope_head_dim, distilling, allocation)
+             kv_lora_rank, qk_rope_head_dim, distilling, allocation, position_free_queries)
     except (KVRewriteError, ValueError) as exc:
         console.print(f"[bold red]error:[/] {escape(str(exc))}")
         raise typer.Exit(code=2) from None
 
 
 def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, verify_tokens, overwrite, console,
-         kv_lora_rank=None, qk_rope_head_dim=None, distilling: dict | None = None, allocation: str = "uniform") -> None:
+         kv_lora_rank=None, qk_rope_head_dim=None, distilling: dict | None = None, allocation: str = "uniform",
+         position_free_queries: str = "expected-rotation") -> None:
     import torch
 
     from kvrewrite.adapters import adapter_for
     from kvrewrite.compile.mla_export import (
-        check_source_exportable, export_at_share, export_matches_maths, full_width_max_logit_diff, mla_layers_at_widths, prepare_source,
+        POSITION_FREE_QUERIES, check_source_exportable, export_at_share, export_matches_maths, full_width_max_logit_diff,
+        mla_layers_at_widths, prepare_source,
     )
     from kvrewrite.compile.mla_form import widths_for_ranks, widths_for_share
     from kvrewrite.compile.passes.load_checkpoint import load_config
@@ -110,6 +113,9 @@ def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, 
                                    "the distillation trains on calibration windows; raise --calib-tokens")
     if qk_rope_head_dim is not None and kv_lora_rank is None:
         raise InvalidArgumentError("--qk-rope-head-dim needs --kv-lora-rank (exact widths)")
+    if position_free_queries not in POSITION_FREE_QUERIES:
+        raise InvalidArgumentError(f"--position-free-queries must be one of {', '.join(POSITION_FREE_QUERIES)}, "
+                                   f"got {position_free_queries!r}")
     if allocation not in ("uniform", "sensitivity"):
         raise InvalidArgumentError(f"--allocation must be uniform or sensitivity, got {allocation!r}")
     if allocation == "sensitivity" and kv_lora_rank is not None:
@@ -130,7 +136,7 @@ def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, 
             raise InvalidArgumentError(f"--distill-rates up to {plan.distill_rates[-1]:g} leaves a latent of {narrowest} per layer; "
                                        f"the largest rate keeps at least {RANK_MULTIPLE}")
     check_output_location(output, source=None, overwrite=overwrite)
-    prepared = prepare_source(plan)
+    prepared = prepare_source(plan, position_free_queries=position_free_queries)
     ctx = prepared.ctx
     chosen = getattr(torch, DTYPES[dtype]) if DTYPES[dtype] else _source_dtype(ctx.config)
     weighting = {} if key_weight is None else {"key_weight": key_weight}
@@ -165,6 +171,7 @@ def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, 
         distilled = distill_mla_layers(prepared, layers, progress=plan.progress, **nested)
         layers, norms, provenance = distilled.layers, distilled.max_square_norms, distill_provenance(distilled, plan)
         served_rates = nested.get("rate_table")  # exactly the rates trained (none beside the export's own: single-rate)
+    provenance = {**(provenance or {}), "position_free_queries": position_free_queries}
     if allocation_record is not None:  # kept in the marker: how the widths were placed (the probes stay out of config.json)
         summary_record = {k: v for k, v in allocation_record.items() if k != "probes"}
         provenance = {**(provenance or {}), "allocation": summary_record}

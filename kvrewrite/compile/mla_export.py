@@ -25,15 +25,23 @@ from kvrewrite.compile.mla_allocation import (
 from kvrewrite.compile.passes.context import CompileContext
 from kvrewrite.compile.passes.load_checkpoint import load_config
 from kvrewrite.compile.passes.pipeline import statistics_passes
+from kvrewrite.compile.rope_response import measure_rope_response
 from kvrewrite.compile.plan import DEFAULT_RATE_GRID, Plan
+from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.io.sources import resolve_model_source
 from kvrewrite.method.mla import DEFAULT_KEY_WEIGHT, MLALayer, full_latent_rank, truncate_latent
+
+
+# How the position-free part scores the components whose rotation is dropped (method/mla.py): by the expected
+# rotation over the distances each head attends to (compile/rope_response.py; the default), or unrotated.
+POSITION_FREE_QUERIES = ("expected-rotation", "source")
 
 
 @dataclass
 class PreparedSource:
     ctx: CompileContext  # after the statistics passes: source, adapter, geometry, statistics, calibration windows
     inputs: AttentionInputStatistics
+    rope_response: torch.Tensor | None = None  # [layers, heads, head_dim / 2]; None: position-free queries unrotated
 
 
 def check_source_exportable(plan: Plan) -> None:
@@ -42,11 +50,17 @@ def check_source_exportable(plan: Plan) -> None:
     check_exportable(load_config(resolved.path))
 
 
-def prepare_source(plan: Plan, passes: list | None = None) -> PreparedSource:
+def prepare_source(plan: Plan, passes: list | None = None, position_free_queries: str = "expected-rotation") -> PreparedSource:
+    """The statistics every MLA width is computed from, and (expected-rotation) each head's measured rotation."""
+    if position_free_queries not in POSITION_FREE_QUERIES:
+        raise InvalidArgumentError(f"position-free queries must be one of {', '.join(POSITION_FREE_QUERIES)}, "
+                                   f"got {position_free_queries!r}")
     check_source_exportable(plan)
     ctx = CompileContext(plan=plan)
     ctx, inputs = run_statistics_with_attention_inputs(ctx, passes if passes is not None else statistics_passes())
-    return PreparedSource(ctx, inputs)
+    response = (measure_rope_response(ctx.original_model(), ctx.calibration_tokens)
+                if position_free_queries == "expected-rotation" else None)
+    return PreparedSource(ctx, inputs, response)
 
 
 def mla_layers_at_share(prepared: PreparedSource, kv_share: float, key_weight: float = DEFAULT_KEY_WEIGHT, progress=None) -> tuple[MLAWidths, list[MLALayer]]:
@@ -56,7 +70,8 @@ def mla_layers_at_share(prepared: PreparedSource, kv_share: float, key_weight: f
 
 def mla_layers_at_widths(prepared: PreparedSource, widths: MLAWidths, key_weight: float = DEFAULT_KEY_WEIGHT,
                          progress=None) -> list[MLALayer]:
-    return compute_mla_layers(prepared.ctx, prepared.inputs, widths, key_weight=key_weight, progress=progress)
+    return compute_mla_layers(prepared.ctx, prepared.inputs, widths, key_weight=key_weight, progress=progress,
+                              rope_response=prepared.rope_response)
 
 
 @dataclass(frozen=True)
@@ -84,7 +99,8 @@ def probe_full_form(prepared: PreparedSource, key_weight: float = DEFAULT_KEY_WE
     geometry = ctx.geometry
     full = MLAWidths(1, geometry.head_dim // rope_frequency_stride, full_latent_rank(geometry, 1, rope_frequency_stride),
                      1.0, rope_frequency_stride)
-    full_layers = compute_mla_layers(ctx, prepared.inputs, full, key_weight=key_weight, progress=progress)
+    full_layers = compute_mla_layers(ctx, prepared.inputs, full, key_weight=key_weight, progress=progress,
+                                     rope_response=prepared.rope_response)
     windows = ctx.plan.probe_windows if probe_windows is None else probe_windows
     sensitivity = measure_latent_sensitivity(ctx.original_model(), full_layers,
                                              sensitivity_tokens(ctx.calibration_tokens, windows), progress)

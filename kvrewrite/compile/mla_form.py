@@ -148,8 +148,12 @@ def source_scaling(adapter, config, geometry) -> float:
     return scaling if scaling is not None else geometry.head_dim**-0.5
 
 
-def compute_mla_layers(ctx, inputs: AttentionInputStatistics, widths: MLAWidths, key_weight: float = DEFAULT_KEY_WEIGHT, progress=None) -> list[MLALayer]:
-    """Every layer's MLA weights at the given uniform widths (float64)."""
+def compute_mla_layers(ctx, inputs: AttentionInputStatistics, widths: MLAWidths, key_weight: float = DEFAULT_KEY_WEIGHT,
+                       progress=None, rope_response: torch.Tensor | None = None) -> list[MLALayer]:
+    """Every layer's MLA weights at the given uniform widths (float64).
+
+    rope_response: [layers, heads, head_dim / 2] expected rotations (compile/rope_response.py) that the position-free
+    queries are scored with; None scores them with the source queries as they are (rotation dropped)."""
     layers = []
     scaling = source_scaling(ctx.adapter, ctx.config, ctx.geometry)
     for idx in range(ctx.geometry.num_layers):
@@ -158,6 +162,7 @@ def compute_mla_layers(ctx, inputs: AttentionInputStatistics, widths: MLAWidths,
             ctx.statistics.layers[idx], ctx.geometry, proj.q_weight, proj.k_weight, proj.v_weight, proj.o_weight,
             inputs.grams[idx], rope_components=widths.rope_components, latent_rank=widths.kv_lora_rank,
             source_scaling=scaling, key_weight=key_weight, rope_frequency_stride=widths.rope_frequency_stride,
+            rope_response=None if rope_response is None else rope_response[idx],
         ))
         if progress is not None:
             progress()

@@ -18,14 +18,17 @@ source's own frequency for every kept pair; the other frequencies' components jo
 what reaches an engine's fixed cached width (vLLM's MLA kernels: d_r = 64) from a head_dim of 128.
 
 Position-free part: what the kept components do not carry of head g's key, r_g = k_g - (kept components mapped back),
-is scored against the source query q_h WITHOUT rotation (qk_nope_head_dim = head_dim, q_nope_h is the source q_h).
-That drops RoPE from the discarded components: the one approximation besides the latent's width. With
-rope_components = n_kv the residual is zero and the form is exact (the full-width test).
+is scored WITHOUT rotation (qk_nope_head_dim = head_dim) against q_nope_h = D_h q_h. D_h is the identity when no
+rope_response is given (the source query: the rotation simply dropped, exact at distance 0 only), or, per frequency
+pair, the head's expected rotation over the distances it attends to (position_free_query_maps; measured by
+compile/rope_response.py): the least-squares fixed stand-in for the rotation. Either way this is the one
+approximation besides the latent's width. With rope_components = n_kv the residual is zero and the form is exact
+(the full-width test).
 
 Latent part: one latent reconstructs the coordinates of every r_g (n_kv*d - d_r of them) and every value v_g jointly,
 as a whitened low-rank projection (linalg.whitened_projection) of y = T x with the Gram T H T^T of the attention input
-x (H, [hidden, hidden]). Errors are measured query-aware on keys (r_g's error e scored as e^T S_g e with S_g the
-group's pre-RoPE query Gram) and output-aware on values (through the group's W_O rows), each side normalised by its
+x (H, [hidden, hidden]). Errors are measured query-aware on keys (r_g's error e scored as e^T D S_g D^T e with S_g the
+group's pre-RoPE query Gram and D the group's mean map) and output-aware on values (through the group's W_O rows), each side normalised by its
 total energy and the key side weighted by `key_weight`. At full width (r = 2 n_kv d - d_r) it is exact.
 """
 
@@ -109,6 +112,7 @@ def mla_layer(
     source_scaling: float,
     key_weight: float = DEFAULT_KEY_WEIGHT,
     rope_frequency_stride: int = 1,
+    rope_response: torch.Tensor | None = None,
 ) -> MLALayer:
     n_kv, d, n_q = geometry.num_key_value_heads, geometry.head_dim, geometry.num_attention_heads
     half = d // 2
@@ -146,10 +150,17 @@ def mla_layer(
             q_pe_map[g, 2 * p, j], q_pe_map[g, 2 * p, j + half] = mu.real, -mu.imag
             q_pe_map[g, 2 * p + 1, j], q_pe_map[g, 2 * p + 1, j + half] = mu.imag, mu.real
 
+    # Position-free queries: each head's source query, or with a rope_response the query that scores the dropped
+    # components by their expected rotation over the attention's distances (position_free_query_maps).
+    # The key side's query Gram is per KV group, so it sees the group's mean response.
+    query_maps = position_free_query_maps(rope_response, n_q, d)
+    group_maps = position_free_query_maps(None if rope_response is None else rope_response.view(n_kv, -1, half).mean(1), n_kv, d)
+
     # Latent: y = T x = [dropped-component coordinates; values of every KV head].
     target = torch.cat([k_np @ k_weight, v_weight])
     gram = target @ hidden_gram.double() @ target.T
-    key_map = torch.cat([residual[g].T @ psd_sqrt(stats.gram("query_pre", g)) for g in range(n_kv)], dim=1)  # [n_np, n_kv d]
+    key_map = torch.cat([residual[g].T @ psd_sqrt(group_maps[g] @ stats.gram("query_pre", g) @ group_maps[g].T)
+                         for g in range(n_kv)], dim=1)  # [n_np, n_kv d]
     value_map = torch.block_diag(*[stacked_output_rows(o_weight, geometry, g) for g in range(n_kv)])  # [n_kv d, n_kv*group*hidden]
     root = psd_sqrt(gram)
 
@@ -169,7 +180,7 @@ def mla_layer(
     for h in range(n_q):
         g = h // geometry.group_size
         q_h = q_weight[h * d : (h + 1) * d]
-        q_rows += [q_h * scale_fix, q_pe_map[g] @ q_h * scale_fix]
+        q_rows += [query_maps[h] @ q_h * scale_fix, q_pe_map[g] @ q_h * scale_fix]
         kv_b_rows += [residual[g] @ up[:, :n_np].T, up[:, n_np + g * d : n_np + (g + 1) * d].T]
     kept_energy = sum(float(values[j][:rope_components].square().sum()) for j in kept_frequencies)
     total_energy = sum(float(v.square().sum()) for v in values)
@@ -186,6 +197,28 @@ def mla_layer(
         latent_spectrum=pair.spectrum,
         rope_energy_kept=kept_energy / max(total_energy, 1e-300),
     )
+
+
+def position_free_query_maps(rope_response: torch.Tensor | None, num_heads: int, head_dim: int) -> torch.Tensor:
+    """[n_h, d, d]: the map applied to each head's source query before it scores the position-free key part.
+
+    A dropped component of frequency j really scores q^T R(-theta_j delta) k at distance delta = n - m; the
+    position-free part scores it with one fixed 2x2 map instead. Without a response that map is the identity
+    (rotation dropped: exact at delta = 0 only). With rope_response[h, j] = E[exp(i theta_j delta)] over the
+    distances head h attends to (attention-weighted), the map is E[R(theta_j delta)] on the query pair (j, j + d/2):
+    the least-squares fixed map over those distances. High frequencies average out (|E| ~ 0: the dropped part is not
+    scored at all rather than scored wrongly); low ones keep ~ the identity."""
+    maps = torch.eye(head_dim, dtype=torch.float64).repeat(num_heads, 1, 1)
+    if rope_response is None:
+        return maps
+    half = head_dim // 2
+    if tuple(rope_response.shape) != (num_heads, half):
+        raise InvalidArgumentError(f"rope_response must be [{num_heads}, {half}], got {tuple(rope_response.shape)}")
+    c, s = rope_response.real.double(), rope_response.imag.double()
+    j = torch.arange(half)
+    maps[:, j, j], maps[:, j, j + half] = c, -s
+    maps[:, j + half, j], maps[:, j + half, j + half] = s, c
+    return maps
 
 
 def balance_latent_gauge(layer: MLALayer) -> MLALayer:
