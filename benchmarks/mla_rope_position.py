@@ -1,5 +1,6 @@
 """What dropping RoPE costs the MLA form, at 512 tokens and at positions 2K-4K, with the position-free queries
-unrotated (`--position-free-queries source`) or scored by each head's expected rotation (the default).
+unrotated (`--position-free-queries source`, the default) or scored by each head's expected rotation
+(`--position-free-queries expected-rotation`).
 
     OMP_NUM_THREADS=1 python benchmarks/mla_rope_position.py [--texts wiki] [--shares 0.5] \
         --out benchmarks/results/mla_rope_position.json
@@ -62,7 +63,7 @@ def main() -> None:
     args = parser.parse_args()
     document = run_provenance(torch.get_num_threads(), "quality only, no timings")
     plan = Plan(model="smollm2-135m", calibration="wiki", calib_tokens=args.calib_tokens, progress=False)
-    prepared = prepare_source(plan)  # statistics and the measured rotations (position_free_queries: expected-rotation)
+    prepared = prepare_source(plan, position_free_queries="expected-rotation")  # statistics and the measured rotations
     ctx, geometry = prepared.ctx, prepared.ctx.geometry
     original = ctx.original_model().eval()
     forms = {"full latent (RoPE drop only)": MLAWidths(1, geometry.head_dim, full_latent_rank(geometry, 1), 1.0)}

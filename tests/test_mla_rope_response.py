@@ -115,8 +115,9 @@ def test_the_cli_records_how_position_free_queries_were_scored_and_refuses_an_un
     src = save_tiny_llama(tmp_path / "src")
     common = ["export-mla", str(src), "--kv-share", "0.5", "--calibration", "synthetic", "--calib-tokens", "512",
               "--verify-tokens", "32"]
-    result = CliRunner().invoke(app, [*common, "-o", str(tmp_path / "mla"), "--position-free-queries", "source"])
+    result = CliRunner().invoke(app, [*common, "-o", str(tmp_path / "mla"), "--position-free-queries", "expected-rotation"])
     assert result.exit_code == 0, result.output
-    assert json.loads((tmp_path / "mla" / "config.json").read_text())[MLA_MARKER]["position_free_queries"] == "source"
+    marker = json.loads((tmp_path / "mla" / "config.json").read_text())[MLA_MARKER]
+    assert marker["position_free_queries"] == "expected-rotation"
     refused = CliRunner().invoke(app, [*common, "-o", str(tmp_path / "bad"), "--position-free-queries", "rotated"])
     assert refused.exit_code == 2 and "--position-free-queries" in refused.output and not (tmp_path / "bad").exists()

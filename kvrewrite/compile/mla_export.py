@@ -32,9 +32,10 @@ from kvrewrite.io.sources import resolve_model_source
 from kvrewrite.method.mla import DEFAULT_KEY_WEIGHT, MLALayer, full_latent_rank, truncate_latent
 
 
-# How the position-free part scores the components whose rotation is dropped (method/mla.py): by the expected
-# rotation over the distances each head attends to (compile/rope_response.py; the default), or unrotated.
-POSITION_FREE_QUERIES = ("expected-rotation", "source")
+# How the position-free part scores the components whose rotation is dropped (method/mla.py): unrotated (the
+# default), or by the expected rotation over the distances each head attends to (compile/rope_response.py; better at
+# long context, not on both held-out texts at 512 tokens: docs/serving.md).
+POSITION_FREE_QUERIES = ("source", "expected-rotation")
 
 
 @dataclass
@@ -50,7 +51,7 @@ def check_source_exportable(plan: Plan) -> None:
     check_exportable(load_config(resolved.path))
 
 
-def prepare_source(plan: Plan, passes: list | None = None, position_free_queries: str = "expected-rotation") -> PreparedSource:
+def prepare_source(plan: Plan, passes: list | None = None, position_free_queries: str = "source") -> PreparedSource:
     """The statistics every MLA width is computed from, and (expected-rotation) each head's measured rotation."""
     if position_free_queries not in POSITION_FREE_QUERIES:
         raise InvalidArgumentError(f"position-free queries must be one of {', '.join(POSITION_FREE_QUERIES)}, "
