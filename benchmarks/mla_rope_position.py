@@ -9,21 +9,20 @@ Rows: our maths (compile/mla_form.mla_reference_model, float32) at a full latent
 uniform widths for each --share, each way. Both use the same statistics (16K wiki calibration tokens) and the same
 measured rotations, so the only difference is the position-free queries.
 
-Protocols: 512-token windows (16 for 8,192 tokens, as `kvrewrite eval`), and tokens 2048-4095 of 4,096-token
-windows (2 for 8,192 tokens, `kvrewrite eval --positions 2K-4K`'s windows) scored from one causal forward of the
-whole window: the same predictions the chunked-cache protocol makes, since the reference form has no cache.
+Protocols, by the evaluators `kvrewrite eval` uses: 512-token windows (publish/evaluation.py, 16 windows for 8,192
+tokens), and positions 2048-4096 of 4,096-token windows (publish/continuation_eval.py, 2 windows), fed as one chunk:
+the reference form keeps no cache, so the whole window goes through one causal forward, which makes the same
+predictions as the chunked-cache protocol.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 from decode import run_provenance  # noqa: E402  (the provenance header every benchmark result starts with)
@@ -33,24 +32,10 @@ from kvrewrite.compile.mla_form import MLAWidths, compute_mla_layers, mla_refere
 from kvrewrite.compile.plan import Plan  # noqa: E402
 from kvrewrite.io.calibration_data import evaluation_token_sequences  # noqa: E402
 from kvrewrite.method.mla import full_latent_rank  # noqa: E402
-from kvrewrite.progress import progress_bar  # noqa: E402
+from kvrewrite.publish.continuation_eval import PositionRange, continuation_quality  # noqa: E402
+from kvrewrite.publish.evaluation import perplexity_and_agreement_many  # noqa: E402
 
-LONG_WINDOW, LONG_START = 4096, 2048
-
-
-def _score(model, original, windows: torch.Tensor, start: int) -> dict:
-    """Mean NLL and KL to the original over the targets at positions >= start of every window."""
-    nll = kl = 0.0
-    count = 0
-    with torch.no_grad():
-        for window in windows.split(1):
-            log_probs = F.log_softmax(model(input_ids=window, use_cache=False).logits[0, start - 1 : -1].double(), -1)
-            reference = F.log_softmax(original(input_ids=window, use_cache=False).logits[0, start - 1 : -1].double(), -1)
-            targets = window[0, start:]
-            nll -= float(log_probs.gather(-1, targets[:, None]).sum())
-            kl += float((reference.exp() * (reference - log_probs)).sum())
-            count += targets.numel()
-    return {"nll": nll / count, "kl_mean": kl / count, "tokens": count}
+LONG = PositionRange(2048, 4096)
 
 
 def main() -> None:
@@ -68,30 +53,29 @@ def main() -> None:
     original = ctx.original_model().eval()
     forms = {"full latent (RoPE drop only)": MLAWidths(1, geometry.head_dim, full_latent_rank(geometry, 1), 1.0)}
     forms.update({f"{float(s):.0%} of K+V, uniform": widths_for_share(geometry, float(s)) for s in args.shares.split(",")})
-    models = {}
+    models, forms_of = {}, {}
     for form, widths in forms.items():
         for queries, response in (("source", None), ("expected-rotation", prepared.rope_response)):
             layers = compute_mla_layers(ctx, prepared.inputs, widths, rope_response=response)
-            models[(form, queries, widths.kv_lora_rank, widths.qk_rope_head_dim)] = mla_reference_model(original, layers)
-    texts = args.texts.split(",")
+            name = f"{form}, {queries}"
+            models[name] = mla_reference_model(original, layers)
+            forms_of[name] = {"form": form, "position_free_queries": queries, "kv_lora_rank": widths.kv_lora_rank,
+                              "qk_rope_head_dim": widths.qk_rope_head_dim}
     rows = []
-    with progress_bar("scoring", len(texts) * (len(models) + 1) * 2, True) as bar:
-        for text in texts:
-            protocols = {"512-token windows": (evaluation_token_sequences(ctx.tokenizer, args.tokens, 512, text), 1),
-                         f"positions {LONG_START}-{LONG_WINDOW}": (
-                             evaluation_token_sequences(ctx.tokenizer, args.tokens, LONG_WINDOW, text), LONG_START)}
-            for protocol, (windows, start) in protocols.items():
-                base = _score(original, original, windows, start)
-                bar.advance()
-                for (form, queries, rank, d_r), model in models.items():
-                    scored = _score(model, original, windows, start)
-                    rows.append({"text": text, "protocol": protocol, "form": form, "position_free_queries": queries,
-                                 "kv_lora_rank": rank, "qk_rope_head_dim": d_r,
-                                 "perplexity": math.exp(scored["nll"]), "baseline_perplexity": math.exp(base["nll"]),
-                                 "ppl_increase_pct": 100 * (math.exp(scored["nll"] - base["nll"]) - 1),
-                                 "kl_mean": scored["kl_mean"], "tokens": scored["tokens"]})
-                    print(json.dumps(rows[-1]), flush=True)
-                    bar.advance()
+    for text in args.texts.split(","):
+        short = perplexity_and_agreement_many(models, evaluation_token_sequences(ctx.tokenizer, args.tokens, 512, text),
+                                              baseline=original)
+        long = continuation_quality(models, evaluation_token_sequences(ctx.tokenizer, args.tokens, LONG.end, text), (LONG,),
+                                    baseline=original, chunk=LONG.end)
+        for protocol, stats in (("512-token windows", short),
+                                (f"positions {LONG.label}", {n: r.by_range[LONG.label] for n, r in long.items()})):
+            for name in models:
+                q = stats[name]
+                rows.append({"text": text, "protocol": protocol, **forms_of[name], "perplexity": q.perplexity,
+                             "baseline_perplexity": q.baseline_perplexity,
+                             "ppl_increase_pct": 100 * (q.perplexity / q.baseline_perplexity - 1),
+                             "kl_mean": q.kl_mean, "top1_agreement": q.top1_agreement, "tokens": q.n_tokens})
+                print(json.dumps(rows[-1]), flush=True)
     document.update({"calibration_tokens": int(ctx.calibration_tokens.numel()), "tokens": args.tokens, "rows": rows})
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
