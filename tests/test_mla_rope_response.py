@@ -93,6 +93,17 @@ def test_attention_by_distance_holds_every_query_once(gqa):
     geo = gqa.ctx.geometry
     assert mass.shape == (geo.num_layers, geo.num_attention_heads, 20)
     torch.testing.assert_close(mass.sum(-1), torch.full_like(mass[..., 0], 3 * 20.0))
+    # Against the stock model's probabilities summed pair by pair.
+    model.set_attn_implementation("eager")
+    expected = torch.zeros_like(mass)
+    with torch.no_grad():
+        for window in windows.split(1):
+            for layer, probs in enumerate(model(input_ids=window, output_attentions=True).attentions):
+                for n in range(20):
+                    for m in range(n + 1):
+                        expected[layer, :, n - m] += probs[0, :, n, m].double()
+    model.set_attn_implementation(before)
+    torch.testing.assert_close(mass, expected)
     assert model.config._attn_implementation == before
     response = expected_rotation(mass, rotary_frequencies(model))
     assert response.abs().max() <= 1 + 1e-12

@@ -90,7 +90,7 @@ def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, 
 
     from kvrewrite.adapters import adapter_for
     from kvrewrite.compile.mla_export import (
-        POSITION_FREE_QUERIES, check_source_exportable, export_at_share, export_matches_maths, full_width_max_logit_diff,
+        check_position_free_queries, check_source_exportable, export_at_share, export_matches_maths, full_width_max_logit_diff,
         mla_layers_at_widths, prepare_source,
     )
     from kvrewrite.compile.mla_form import widths_for_ranks, widths_for_share
@@ -113,9 +113,7 @@ def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, 
                                    "the distillation trains on calibration windows; raise --calib-tokens")
     if qk_rope_head_dim is not None and kv_lora_rank is None:
         raise InvalidArgumentError("--qk-rope-head-dim needs --kv-lora-rank (exact widths)")
-    if position_free_queries not in POSITION_FREE_QUERIES:
-        raise InvalidArgumentError(f"--position-free-queries must be one of {', '.join(POSITION_FREE_QUERIES)}, "
-                                   f"got {position_free_queries!r}")
+    check_position_free_queries(position_free_queries, "--position-free-queries")
     if allocation not in ("uniform", "sensitivity"):
         raise InvalidArgumentError(f"--allocation must be uniform or sensitivity, got {allocation!r}")
     if allocation == "sensitivity" and kv_lora_rank is not None:
@@ -173,8 +171,7 @@ def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, 
         served_rates = nested.get("rate_table")  # exactly the rates trained (none beside the export's own: single-rate)
     provenance = {**(provenance or {}), "position_free_queries": position_free_queries}
     if allocation_record is not None:  # kept in the marker: how the widths were placed (the probes stay out of config.json)
-        summary_record = {k: v for k, v in allocation_record.items() if k != "probes"}
-        provenance = {**(provenance or {}), "allocation": summary_record}
+        provenance["allocation"] = {k: v for k, v in allocation_record.items() if k != "probes"}
     summary = export_at_share(prepared, layers, output, dtype=chosen, overwrite=overwrite, max_square_norms=norms,
                               provenance=provenance, rate_table=served_rates)
 

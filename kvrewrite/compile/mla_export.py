@@ -51,11 +51,14 @@ def check_source_exportable(plan: Plan) -> None:
     check_exportable(load_config(resolved.path))
 
 
+def check_position_free_queries(choice: str, option: str = "position_free_queries") -> None:
+    if choice not in POSITION_FREE_QUERIES:
+        raise InvalidArgumentError(f"{option} must be one of {', '.join(POSITION_FREE_QUERIES)}, got {choice!r}")
+
+
 def prepare_source(plan: Plan, passes: list | None = None, position_free_queries: str = "source") -> PreparedSource:
     """The statistics every MLA width is computed from, and (expected-rotation) each head's measured rotation."""
-    if position_free_queries not in POSITION_FREE_QUERIES:
-        raise InvalidArgumentError(f"position-free queries must be one of {', '.join(POSITION_FREE_QUERIES)}, "
-                                   f"got {position_free_queries!r}")
+    check_position_free_queries(position_free_queries)
     check_source_exportable(plan)
     ctx = CompileContext(plan=plan)
     ctx, inputs = run_statistics_with_attention_inputs(ctx, passes if passes is not None else statistics_passes())

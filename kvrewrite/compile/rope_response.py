@@ -27,6 +27,9 @@ RESPONSE_LENGTH = 512
 def attention_by_distance(model: nn.Module, windows: torch.Tensor) -> torch.Tensor:
     """[layers, heads, window length] float64: attention probability mass at each distance, summed over queries and
     windows, from the model's own eager attention (one window at a time)."""
+    positions = torch.arange(windows.shape[1])
+    distance = positions[:, None] - positions[None, :]  # [queries, keys]: query n looks delta = n - m back at key m
+    causal = distance >= 0
     previous = model.config._attn_implementation
     model.set_attn_implementation("eager")  # the only implementation that returns the probabilities
     mass = None
@@ -36,10 +39,8 @@ def attention_by_distance(model: nn.Module, windows: torch.Tensor) -> torch.Tens
                 attentions = model(input_ids=window, output_attentions=True, use_cache=False).attentions
                 if mass is None:
                     mass = torch.zeros(len(attentions), attentions[0].shape[1], window.shape[1], dtype=torch.float64)
-                for layer, probs in enumerate(attentions):
-                    probs = probs[0].double()  # [heads, queries, keys]
-                    for delta in range(window.shape[1]):
-                        mass[layer, :, delta] += probs.diagonal(offset=-delta, dim1=-2, dim2=-1).sum(-1)
+                for layer, probs in enumerate(attentions):  # probs [1, heads, queries, keys]
+                    mass[layer].index_add_(1, distance[causal], probs[0][:, causal].double())
     finally:
         model.set_attn_implementation(previous)
     if mass is None:

@@ -27,9 +27,9 @@ approximation besides the latent's width. With rope_components = n_kv the residu
 
 Latent part: one latent reconstructs the coordinates of every r_g (n_kv*d - d_r of them) and every value v_g jointly,
 as a whitened low-rank projection (linalg.whitened_projection) of y = T x with the Gram T H T^T of the attention input
-x (H, [hidden, hidden]). Errors are measured query-aware on keys (r_g's error e scored as e^T D S_g D^T e with S_g the
-group's pre-RoPE query Gram and D the group's mean map) and output-aware on values (through the group's W_O rows), each side normalised by its
-total energy and the key side weighted by `key_weight`. At full width (r = 2 n_kv d - d_r) it is exact.
+x (H, [hidden, hidden]). Errors are measured query-aware on keys (r_g's error e scored as e^T D S_g D^T e with S_g
+the group's pre-RoPE query Gram and D the group's mean query map) and output-aware on values (through the group's W_O
+rows), each side normalised by its total energy and the key side weighted by `key_weight`. At full width (r = 2 n_kv d - d_r) it is exact.
 """
 
 from __future__ import annotations
