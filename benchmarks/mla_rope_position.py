@@ -2,12 +2,14 @@
 unrotated (`--position-free-queries source`, the default) or scored by each head's expected rotation
 (`--position-free-queries expected-rotation`).
 
-    OMP_NUM_THREADS=1 python benchmarks/mla_rope_position.py [--texts wiki] [--shares 0.5] \
+    OMP_NUM_THREADS=1 python benchmarks/mla_rope_position.py [--texts wiki] [--shares 0.5] [--response-lengths 512,2048] \
         --out benchmarks/results/mla_rope_position.json
 
 Rows: our maths (compile/mla_form.mla_reference_model, float32) at a full latent (only the RoPE drop), and at
 uniform widths for each --share, each way. Both use the same statistics (16K wiki calibration tokens) and the same
-measured rotations, so the only difference is the position-free queries.
+measured rotations, so the only difference is the position-free queries. The rotations are read from 4,096 wiki
+calibration tokens in windows of each --response-lengths length (8 windows of 512 is what `export-mla` reads at its
+default --seq-len).
 
 Protocols, by the evaluators `kvrewrite eval` uses: 512-token windows (publish/evaluation.py, 16 windows for 8,192
 tokens), and positions 2048-4096 of 4,096-token windows (publish/continuation_eval.py, 2 windows), fed as one chunk:
@@ -30,7 +32,8 @@ from decode import run_provenance  # noqa: E402  (the provenance header every be
 from kvrewrite.compile.mla_export import prepare_source  # noqa: E402
 from kvrewrite.compile.mla_form import MLAWidths, compute_mla_layers, mla_reference_model, widths_for_share  # noqa: E402
 from kvrewrite.compile.plan import Plan  # noqa: E402
-from kvrewrite.io.calibration_data import evaluation_token_sequences  # noqa: E402
+from kvrewrite.compile.rope_response import RESPONSE_TOKENS, measure_rope_response  # noqa: E402
+from kvrewrite.io.calibration_data import calibration_token_sequences, evaluation_token_sequences  # noqa: E402
 from kvrewrite.method.mla import full_latent_rank  # noqa: E402
 from kvrewrite.publish.continuation_eval import PositionRange, continuation_quality  # noqa: E402
 from kvrewrite.publish.evaluation import perplexity_and_agreement_many  # noqa: E402
@@ -44,38 +47,51 @@ def main() -> None:
     parser.add_argument("--shares", default="0.5")
     parser.add_argument("--tokens", type=int, default=8192, help="held-out tokens per text and protocol")
     parser.add_argument("--calib-tokens", type=int, default=16384)
+    parser.add_argument("--response-lengths", default="512",
+                        help="calibration window lengths the expected rotation is measured at (one row set each); "
+                             "LENGTH-nosink leaves each window's first token (the attention sink) out of the mass")
+    parser.add_argument("--no-source", action="store_true", help="skip the unrotated (source) rows")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     document = run_provenance(torch.get_num_threads(), "quality only, no timings")
     plan = Plan(model="smollm2-135m", calibration="wiki", calib_tokens=args.calib_tokens, progress=False)
-    prepared = prepare_source(plan, position_free_queries="expected-rotation")  # statistics and the measured rotations
+    prepared = prepare_source(plan)  # the statistics every row shares
     ctx, geometry = prepared.ctx, prepared.ctx.geometry
     original = ctx.original_model().eval()
+    responses = {} if args.no_source else {"source": None}
+    for choice in args.response_lengths.split(","):  # RESPONSE_TOKENS of wiki calibration text each
+        length = int(choice.removesuffix("-nosink"))
+        windows = calibration_token_sequences(plan.calibration, ctx.tokenizer, RESPONSE_TOKENS, length)
+        responses[f"expected-rotation@{choice}"] = measure_rope_response(original, windows,
+                                                                         skip_first_key=choice.endswith("-nosink"))
     forms = {"full latent (RoPE drop only)": MLAWidths(1, geometry.head_dim, full_latent_rank(geometry, 1), 1.0)}
     forms.update({f"{float(s):.0%} of K+V, uniform": widths_for_share(geometry, float(s)) for s in args.shares.split(",")})
-    models, forms_of = {}, {}
-    for form, widths in forms.items():
-        for queries, response in (("source", None), ("expected-rotation", prepared.rope_response)):
-            layers = compute_mla_layers(ctx, prepared.inputs, widths, rope_response=response)
-            name = f"{form}, {queries}"
-            models[name] = mla_reference_model(original, layers)
-            forms_of[name] = {"form": form, "position_free_queries": queries, "kv_lora_rank": widths.kv_lora_rank,
-                              "qk_rope_head_dim": widths.qk_rope_head_dim}
     rows = []
-    for text in args.texts.split(","):
-        short = perplexity_and_agreement_many(models, evaluation_token_sequences(ctx.tokenizer, args.tokens, 512, text),
-                                              baseline=original)
-        long = continuation_quality(models, evaluation_token_sequences(ctx.tokenizer, args.tokens, LONG.end, text), (LONG,),
-                                    baseline=original, chunk=LONG.end)
-        for protocol, stats in (("512-token windows", short),
-                                (f"positions {LONG.label}", {n: r.by_range[LONG.label] for n, r in long.items()})):
-            for name in models:
-                q = stats[name]
-                rows.append({"text": text, "protocol": protocol, **forms_of[name], "perplexity": q.perplexity,
-                             "baseline_perplexity": q.baseline_perplexity,
-                             "ppl_increase_pct": 100 * (q.perplexity / q.baseline_perplexity - 1),
-                             "kl_mean": q.kl_mean, "top1_agreement": q.top1_agreement, "tokens": q.n_tokens})
-                print(json.dumps(rows[-1]), flush=True)
+    for form, widths in forms.items():  # one form's models at a time: each is a whole float32 model
+        models, forms_of = {}, {}
+        for queries, response in responses.items():
+            name = f"{form}, {queries}"
+            models[name] = mla_reference_model(original, compute_mla_layers(ctx, prepared.inputs, widths,
+                                                                             rope_response=response))
+            forms_of[name] = {"form": form, "position_free_queries": queries.split("@")[0],
+                              "response_length": int(queries.split("@")[1].removesuffix("-nosink")) if "@" in queries else None,
+                              "attention_sink_in_mass": (not queries.endswith("-nosink")) if "@" in queries else None,
+                              "kv_lora_rank": widths.kv_lora_rank, "qk_rope_head_dim": widths.qk_rope_head_dim}
+        for text in args.texts.split(","):
+            short = perplexity_and_agreement_many(models, evaluation_token_sequences(ctx.tokenizer, args.tokens, 512, text),
+                                                  baseline=original)
+            long = continuation_quality(models, evaluation_token_sequences(ctx.tokenizer, args.tokens, LONG.end, text),
+                                        (LONG,), baseline=original, chunk=LONG.end)
+            for protocol, stats in (("512-token windows", short),
+                                    (f"positions {LONG.label}", {n: r.by_range[LONG.label] for n, r in long.items()})):
+                for name in models:
+                    q = stats[name]
+                    rows.append({"text": text, "protocol": protocol, **forms_of[name], "perplexity": q.perplexity,
+                                 "baseline_perplexity": q.baseline_perplexity,
+                                 "ppl_increase_pct": 100 * (q.perplexity / q.baseline_perplexity - 1),
+                                 "kl_mean": q.kl_mean, "top1_agreement": q.top1_agreement, "tokens": q.n_tokens})
+                    print(json.dumps(rows[-1]), flush=True)
+        del models
     document.update({"calibration_tokens": int(ctx.calibration_tokens.numel()), "tokens": args.tokens, "rows": rows})
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")

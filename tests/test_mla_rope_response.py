@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvrewrite.compile.mla_form import MLAWidths, compute_mla_layers, source_scaling
-from kvrewrite.compile.rope_response import attention_by_distance, expected_rotation, rotary_frequencies
+from kvrewrite.compile.rope_response import attention_by_distance, expected_rotation, measure_rope_response, rotary_frequencies
 from kvrewrite.method.mla import full_latent_rank
 from tests.test_mla_export import _prepared
 from tests.tiny_models import random_windows
@@ -88,8 +88,10 @@ def test_attention_by_distance_holds_every_query_once(gqa):
     implementation is restored afterwards."""
     model = gqa.ctx.original_model()
     before = model.config._attn_implementation
+    hooks_before = sum(len(m._forward_hooks) for m in model.modules())
     windows = random_windows(3, 20, seed=2)
     mass = attention_by_distance(model, windows)
+    assert sum(len(m._forward_hooks) for m in model.modules()) == hooks_before  # the per-layer readers are removed
     geo = gqa.ctx.geometry
     assert mass.shape == (geo.num_layers, geo.num_attention_heads, 20)
     torch.testing.assert_close(mass.sum(-1), torch.full_like(mass[..., 0], 3 * 20.0))
@@ -132,3 +134,32 @@ def test_the_cli_records_how_position_free_queries_were_scored_and_refuses_an_un
     assert marker["position_free_queries"] == "expected-rotation"
     refused = CliRunner().invoke(app, [*common, "-o", str(tmp_path / "bad"), "--position-free-queries", "rotated"])
     assert refused.exit_code == 2 and "--position-free-queries" in refused.output and not (tmp_path / "bad").exists()
+
+
+def test_the_rotation_is_read_from_whole_calibration_windows_holding_the_token_budget(gqa):
+    """Windows keep their own length (long --seq-len windows measure long distances); the budget sets how many."""
+    model = gqa.ctx.original_model()
+    windows = random_windows(5, 24, seed=3)
+    frequencies = rotary_frequencies(model)
+    torch.testing.assert_close(measure_rope_response(model, windows, n_tokens=48),
+                               expected_rotation(attention_by_distance(model, windows[:2]), frequencies))
+    torch.testing.assert_close(measure_rope_response(model, windows, n_tokens=10),  # fewer tokens than a window
+                               expected_rotation(attention_by_distance(model, windows[:1]), frequencies))
+
+
+def test_skipping_the_first_key_removes_exactly_its_mass(gqa):
+    """Without the attention sink, each distance loses what query n = distance gave to the window's first token."""
+    model = gqa.ctx.original_model()
+    windows = random_windows(2, 16, seed=4)
+    full = attention_by_distance(model, windows)
+    skipped = attention_by_distance(model, windows, skip_first_key=True)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    sink = torch.zeros_like(full)
+    with torch.no_grad():
+        for window in windows.split(1):
+            for layer, probs in enumerate(model(input_ids=window, output_attentions=True).attentions):
+                sink[layer] += probs[0, :, :, 0].double()  # query n reads key 0 at distance n
+    model.set_attn_implementation(previous)
+    torch.testing.assert_close(full - skipped, sink)
+    assert (skipped[..., -1] == 0).all()  # the longest distance is only ever to the first key

@@ -18,34 +18,50 @@ from torch import nn
 
 from kvrewrite.errors import InvalidArgumentError
 
-# Calibration windows whose attention is read, and how many of their tokens: every layer's probabilities are held at
-# once (layers x heads x length^2 floats: 1 GiB for a Llama-3-8B shape at 512).
-RESPONSE_WINDOWS = 8
-RESPONSE_LENGTH = 512
+# Calibration tokens whose attention is read: as many calibration windows (at their own length, --seq-len) as hold
+# this many tokens, at least one. Each layer's probabilities are summed by distance as soon as that layer has run, so
+# only one layer's [heads, length, length] is held at a time.
+RESPONSE_TOKENS = 4096
 
 
-def attention_by_distance(model: nn.Module, windows: torch.Tensor) -> torch.Tensor:
+def attention_by_distance(model: nn.Module, windows: torch.Tensor, skip_first_key: bool = False) -> torch.Tensor:
     """[layers, heads, window length] float64: attention probability mass at each distance, summed over queries and
-    windows, from the model's own eager attention (one window at a time)."""
+    windows, from the model's own eager attention (one window at a time). skip_first_key leaves out the mass on each
+    window's first token (the attention sink, which every query reads at its own distance)."""
     positions = torch.arange(windows.shape[1])
     distance = positions[:, None] - positions[None, :]  # [queries, keys]: query n looks delta = n - m back at key m
-    causal = distance >= 0
+    causal = (distance >= 0) & (positions[None, :] > 0) if skip_first_key else distance >= 0
+    causal_distance = distance[causal]
+    layers = [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
+    if not layers:
+        raise InvalidArgumentError("found no attention layers (modules with a layer_idx) to read probabilities from")
+    mass: list[torch.Tensor | None] = [None] * len(layers)
+
+    def accumulate(index: int):
+        def hook(module: nn.Module, args, output) -> None:
+            probs = output[1]  # eager attention returns (output, probabilities [batch, heads, queries, keys])
+            if probs is None:
+                raise InvalidArgumentError(f"attention layer {index} returned no probabilities under eager attention")
+            summed = torch.zeros(probs.shape[1], probs.shape[-1], dtype=torch.float64)
+            for window in probs:
+                summed.index_add_(1, causal_distance, window[:, causal].double())
+            mass[index] = summed if mass[index] is None else mass[index] + summed
+        return hook
+
     previous = model.config._attn_implementation
     model.set_attn_implementation("eager")  # the only implementation that returns the probabilities
-    mass = None
+    handles = [layer.register_forward_hook(accumulate(i)) for i, layer in enumerate(layers)]
     try:
         with torch.no_grad():
             for window in windows.split(1):
-                attentions = model(input_ids=window, output_attentions=True, use_cache=False).attentions
-                if mass is None:
-                    mass = torch.zeros(len(attentions), attentions[0].shape[1], window.shape[1], dtype=torch.float64)
-                for layer, probs in enumerate(attentions):  # probs [1, heads, queries, keys]
-                    mass[layer].index_add_(1, distance[causal], probs[0][:, causal].double())
+                model(input_ids=window, use_cache=False)
     finally:
+        for handle in handles:
+            handle.remove()
         model.set_attn_implementation(previous)
-    if mass is None:
+    if mass[0] is None:
         raise InvalidArgumentError("no calibration windows to measure attention distances on")
-    return mass
+    return torch.stack(mass)
 
 
 def rotary_frequencies(model: nn.Module) -> torch.Tensor:
@@ -65,8 +81,9 @@ def expected_rotation(mass: torch.Tensor, frequencies: torch.Tensor) -> torch.Te
 
 
 def measure_rope_response(model: nn.Module, calibration_windows: torch.Tensor,
-                          n_windows: int = RESPONSE_WINDOWS) -> torch.Tensor:
-    """Every layer's and head's expected rotation, measured on the first RESPONSE_LENGTH tokens of the first n_windows
-    calibration windows."""
-    windows = calibration_windows[:n_windows, :RESPONSE_LENGTH]
-    return expected_rotation(attention_by_distance(model, windows), rotary_frequencies(model))
+                          n_tokens: int = RESPONSE_TOKENS, skip_first_key: bool = False) -> torch.Tensor:
+    """Every layer's and head's expected rotation, measured on the first calibration windows (whole, at their own
+    length) that hold n_tokens tokens, at least one window."""
+    n_windows = max(1, n_tokens // calibration_windows.shape[1])
+    mass = attention_by_distance(model, calibration_windows[:n_windows], skip_first_key=skip_first_key)
+    return expected_rotation(mass, rotary_frequencies(model))
