@@ -137,14 +137,17 @@ def test_the_cli_records_how_position_free_queries_were_scored_and_refuses_an_un
 
 
 def test_the_rotation_is_read_from_whole_calibration_windows_holding_the_token_budget(gqa):
-    """Windows keep their own length (long --seq-len windows measure long distances); the budget sets how many."""
+    """Windows keep their own length; the budget sets how many; the attention sink is left out unless asked for."""
     model = gqa.ctx.original_model()
     windows = random_windows(5, 24, seed=3)
     frequencies = rotary_frequencies(model)
     torch.testing.assert_close(measure_rope_response(model, windows, n_tokens=48),
-                               expected_rotation(attention_by_distance(model, windows[:2]), frequencies))
+                               expected_rotation(attention_by_distance(model, windows[:2], skip_first_key=True), frequencies))
     torch.testing.assert_close(measure_rope_response(model, windows, n_tokens=10),  # fewer tokens than a window
-                               expected_rotation(attention_by_distance(model, windows[:1]), frequencies))
+                               expected_rotation(attention_by_distance(model, windows[:1], skip_first_key=True), frequencies))
+    with_sink = measure_rope_response(model, windows, n_tokens=48, skip_first_key=False)
+    torch.testing.assert_close(with_sink, expected_rotation(attention_by_distance(model, windows[:2]), frequencies))
+    assert (with_sink - measure_rope_response(model, windows, n_tokens=48)).abs().max() > 1e-3
 
 
 def test_skipping_the_first_key_removes_exactly_its_mass(gqa):

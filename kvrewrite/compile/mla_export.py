@@ -33,8 +33,8 @@ from kvrewrite.method.mla import DEFAULT_KEY_WEIGHT, MLALayer, full_latent_rank,
 
 
 # How the position-free part scores the components whose rotation is dropped (method/mla.py): unrotated (the
-# default), or by the expected rotation over the distances each head attends to (compile/rope_response.py; better at
-# long context, not on both held-out texts at 512 tokens: docs/serving.md).
+# default), or by the expected rotation over the distances each head attends to, attention sink left out
+# (compile/rope_response.py; better in the uniform form on both held-out texts and lengths: docs/serving.md).
 POSITION_FREE_QUERIES = ("source", "expected-rotation")
 
 
