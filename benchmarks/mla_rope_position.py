@@ -8,8 +8,8 @@ unrotated (`--position-free-queries source`, the default) or scored by each head
 Rows: our maths (compile/mla_form.mla_reference_model, float32) at a full latent (only the RoPE drop), and at
 uniform widths for each --share, each way. Both use the same statistics (16K wiki calibration tokens) and the same
 measured rotations, so the only difference is the position-free queries. The rotations are read from 4,096 wiki
-calibration tokens in windows of each --response-lengths length (8 windows of 512 is what `export-mla` reads at its
-default --seq-len).
+calibration tokens in windows of each --response-lengths length, with the attention sink counted, or left out with
+LENGTH-nosink (`512-nosink` is what `export-mla --position-free-queries expected-rotation` reads).
 
 Protocols, by the evaluators `kvrewrite eval` uses: 512-token windows (publish/evaluation.py, 16 windows for 8,192
 tokens), and positions 2048-4096 of 4,096-token windows (publish/continuation_eval.py, 2 windows), fed as one chunk:
@@ -58,25 +58,26 @@ def main() -> None:
     prepared = prepare_source(plan)  # the statistics every row shares
     ctx, geometry = prepared.ctx, prepared.ctx.geometry
     original = ctx.original_model().eval()
-    responses = {} if args.no_source else {"source": None}
+    # label -> (rotation or None for the unrotated source queries, its columns in every row)
+    responses = {} if args.no_source else {"source": (None, {"position_free_queries": "source", "response_length": None,
+                                                               "attention_sink_in_mass": None})}
     for choice in args.response_lengths.split(","):  # RESPONSE_TOKENS of wiki calibration text each
-        length = int(choice.removesuffix("-nosink"))
+        length, sink_in = int(choice.removesuffix("-nosink")), not choice.endswith("-nosink")
         windows = calibration_token_sequences(plan.calibration, ctx.tokenizer, RESPONSE_TOKENS, length)
-        responses[f"expected-rotation@{choice}"] = measure_rope_response(original, windows,
-                                                                         skip_first_key=choice.endswith("-nosink"))
+        responses[f"expected-rotation@{choice}"] = (
+            measure_rope_response(original, windows, skip_first_key=not sink_in),
+            {"position_free_queries": "expected-rotation", "response_length": length, "attention_sink_in_mass": sink_in})
     forms = {"full latent (RoPE drop only)": MLAWidths(1, geometry.head_dim, full_latent_rank(geometry, 1), 1.0)}
     forms.update({f"{float(s):.0%} of K+V, uniform": widths_for_share(geometry, float(s)) for s in args.shares.split(",")})
     rows = []
     for form, widths in forms.items():  # one form's models at a time: each is a whole float32 model
         models, forms_of = {}, {}
-        for queries, response in responses.items():
+        for queries, (response, columns) in responses.items():
             name = f"{form}, {queries}"
             models[name] = mla_reference_model(original, compute_mla_layers(ctx, prepared.inputs, widths,
                                                                              rope_response=response))
-            forms_of[name] = {"form": form, "position_free_queries": queries.split("@")[0],
-                              "response_length": int(queries.split("@")[1].removesuffix("-nosink")) if "@" in queries else None,
-                              "attention_sink_in_mass": (not queries.endswith("-nosink")) if "@" in queries else None,
-                              "kv_lora_rank": widths.kv_lora_rank, "qk_rope_head_dim": widths.qk_rope_head_dim}
+            forms_of[name] = {"form": form, **columns, "kv_lora_rank": widths.kv_lora_rank,
+                              "qk_rope_head_dim": widths.qk_rope_head_dim}
         for text in args.texts.split(","):
             short = perplexity_and_agreement_many(models, evaluation_token_sequences(ctx.tokenizer, args.tokens, 512, text),
                                                   baseline=original)

@@ -10,8 +10,9 @@ q_proj: nothing changes at run time).
 Measured here on calibration windows with the source model's own (eager) attention: every query's attention
 probabilities summed by distance, per layer and head, then the expected rotation of every rotary frequency. The mass
 on each window's first token, the attention sink, is left out by default: every query reads it at its own distance,
-so it spreads evenly over all distances and averages every frequency's rotation toward zero; with it left out the
-form is better at 512 tokens and at long context, on wiki and news (docs/serving.md).
+so its mass lands at every distance up to the window's length, where fast and slow frequencies alike turn through
+many angles; with it left out the form is better at 512 tokens and at long context, on wiki and news
+(docs/serving.md).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvrewrite.adapters import adapter_for
 from kvrewrite.errors import InvalidArgumentError
 
 # Calibration tokens whose attention is read: as many calibration windows (at their own length, --seq-len) as hold
@@ -31,29 +33,28 @@ def attention_by_distance(model: nn.Module, windows: torch.Tensor, skip_first_ke
     """[layers, heads, window length] float64: attention probability mass at each distance, summed over queries and
     windows, from the model's own eager attention (one window at a time). skip_first_key leaves out the mass on each
     window's first token (the attention sink, which every query reads at its own distance)."""
+    if windows.shape[0] == 0:
+        raise InvalidArgumentError("no calibration windows to measure attention distances on")
+    adapter = adapter_for(model.config)
+    attentions = [adapter.attention(layer) for layer in adapter.decoder_layers(model)]
     positions = torch.arange(windows.shape[1])
     distance = positions[:, None] - positions[None, :]  # [queries, keys]: query n looks delta = n - m back at key m
-    causal = (distance >= 0) & (positions[None, :] > 0) if skip_first_key else distance >= 0
-    causal_distance = distance[causal]
-    layers = [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
-    if not layers:
-        raise InvalidArgumentError("found no attention layers (modules with a layer_idx) to read probabilities from")
-    mass: list[torch.Tensor | None] = [None] * len(layers)
+    counted = (distance >= 0) & (positions[None, :] > 0) if skip_first_key else distance >= 0
+    counted_distance = distance[counted]
+    mass = torch.zeros(len(attentions), adapter.geometry(model.config).num_attention_heads, windows.shape[1],
+                       dtype=torch.float64)
 
     def accumulate(index: int):
         def hook(module: nn.Module, args, output) -> None:
-            probs = output[1]  # eager attention returns (output, probabilities [batch, heads, queries, keys])
+            probs = output[1]  # eager attention returns (output, probabilities [1, heads, queries, keys])
             if probs is None:
                 raise InvalidArgumentError(f"attention layer {index} returned no probabilities under eager attention")
-            summed = torch.zeros(probs.shape[1], probs.shape[-1], dtype=torch.float64)
-            for window in probs:
-                summed.index_add_(1, causal_distance, window[:, causal].double())
-            mass[index] = summed if mass[index] is None else mass[index] + summed
+            mass[index].index_add_(1, counted_distance, probs[0][:, counted].double())
         return hook
 
     previous = model.config._attn_implementation
     model.set_attn_implementation("eager")  # the only implementation that returns the probabilities
-    handles = [layer.register_forward_hook(accumulate(i)) for i, layer in enumerate(layers)]
+    handles = [attention.register_forward_hook(accumulate(i)) for i, attention in enumerate(attentions)]
     try:
         with torch.no_grad():
             for window in windows.split(1):
@@ -62,18 +63,16 @@ def attention_by_distance(model: nn.Module, windows: torch.Tensor, skip_first_ke
         for handle in handles:
             handle.remove()
         model.set_attn_implementation(previous)
-    if mass[0] is None:
-        raise InvalidArgumentError("no calibration windows to measure attention distances on")
-    return torch.stack(mass)
+    return mass
 
 
 def rotary_frequencies(model: nn.Module) -> torch.Tensor:
     """[head_dim / 2] the source's rotary angle per position of each frequency (its rotary embedding's inv_freq)."""
-    for module in model.modules():
-        inv_freq = getattr(module, "inv_freq", None)
-        if isinstance(inv_freq, torch.Tensor):
-            return inv_freq.double().cpu()
-    raise InvalidArgumentError("the model has no rotary embedding (inv_freq) to measure the expected rotation of")
+    rotary = adapter_for(model.config).rotary_embedding(model)
+    inv_freq = getattr(rotary, "inv_freq", None)
+    if not isinstance(inv_freq, torch.Tensor):
+        raise InvalidArgumentError("the model has no rotary embedding (inv_freq) to measure the expected rotation of")
+    return inv_freq.double().cpu()
 
 
 def expected_rotation(mass: torch.Tensor, frequencies: torch.Tensor) -> torch.Tensor:
