@@ -10,9 +10,8 @@ q_proj: nothing changes at run time).
 Measured here on calibration windows with the source model's own (eager) attention: every query's attention
 probabilities summed by distance, per layer and head, then the expected rotation of every rotary frequency. The mass
 on each window's first token, the attention sink, is left out by default: every query reads it at its own distance,
-so its mass lands at every distance up to the window's length, where fast and slow frequencies alike turn through
-many angles; with it left out the form is better at 512 tokens and at long context, on wiki and news
-(docs/serving.md).
+so its mass lands at every distance up to the window's length, whatever the head reads by content; with it left
+out the form is better at 512 tokens and at long context, on wiki and news (docs/serving.md).
 """
 
 from __future__ import annotations
