@@ -48,7 +48,7 @@ def main() -> None:
     parser.add_argument("--weights", default="0.125,0.25,0.5,1,2,4")
     args = parser.parse_args()
     plan = Plan(model="smollm2-135m", calibration="wiki", calib_tokens=CALIB_TOKENS, progress=False)
-    prepared = prepare_source(plan)
+    prepared = prepare_source(plan, position_free_queries="source")  # the screen that chose the key weight ran unrotated
     ctx = prepared.ctx
     original = ctx.original_model()
     sets = {"calibration_held_back": held_back_windows(ctx.tokenizer, plan.seq_len, args.windows),

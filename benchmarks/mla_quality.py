@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 
 from kvrewrite.compile.mla_export import (
-    allocated_at_share, export_at_share, export_matches_maths, mla_layers_at_share, prepare_source, probe_full_form,
+    POSITION_FREE_QUERIES, allocated_at_share, export_at_share, export_matches_maths, mla_layers_at_share, prepare_source,
+    probe_full_form,
 )
 from kvrewrite.compile.mla_form import MLAWidths, compute_mla_layers, mla_reference_model
 from kvrewrite.compile.plan import Plan
@@ -52,6 +53,8 @@ def main() -> None:
                         help="the rms_norm_eps and RoPE-drop-only rows")
     parser.add_argument("--rope-frequency-stride", type=int, default=1,
                         help="allocated forms: d_r = head_dim / stride (every stride-th frequency keeps its rotation)")
+    parser.add_argument("--position-free-queries", default="source", choices=POSITION_FREE_QUERIES,
+                        help="source reproduces the committed mla_quality*.json; export-mla's default is expected-rotation")
     parser.add_argument("--shares", default=",".join(str(s) for s in SHARES))
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -60,7 +63,7 @@ def main() -> None:
         parser.error(f"--allocations: uniform and/or sensitivity, got {args.allocations}")
     started = time.perf_counter()
     plan = Plan(model="smollm2-135m", calibration="wiki", calib_tokens=args.calib_tokens, progress=False)
-    prepared = prepare_source(plan)
+    prepared = prepare_source(plan, position_free_queries=args.position_free_queries)
     ctx = prepared.ctx
     original = ctx.original_model()
     windows = evaluation_token_sequences(ctx.tokenizer, args.eval_tokens, plan.seq_len)
@@ -75,7 +78,8 @@ def main() -> None:
         models["original, rms_norm_eps 1e-6"] = eps_model
         widths_full = MLAWidths(1, geo.head_dim, full_latent_rank(geo, 1), None)
         models[f"ours: d_r={geo.head_dim}, full latent r={widths_full.kv_lora_rank} (RoPE-drop cost only)"] = mla_reference_model(
-            original, compute_mla_layers(ctx, prepared.inputs, widths_full, key_weight=args.key_weight))
+            original, compute_mla_layers(ctx, prepared.inputs, widths_full, key_weight=args.key_weight,
+                                         rope_response=prepared.rope_response))
 
     tmp = Path(tempfile.mkdtemp(prefix="mla_quality_"))
     from transformers import AutoModelForCausalLM
@@ -130,6 +134,7 @@ def main() -> None:
         "calibration_tokens": int(ctx.calibration_tokens.numel()),
         "eval_tokens": int(windows.numel()),
         "key_weight": args.key_weight,
+        "position_free_queries": args.position_free_queries,
         "export_dtype": "float32",
         "compare_with": "benchmarks/results/demo_smollm2.json: latent (kvrewrite-optimal) p=0.50 -> 33.29 (+35.7%)",
         "rows": rows,

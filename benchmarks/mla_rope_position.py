@@ -1,6 +1,6 @@
 """What dropping RoPE costs the MLA form, at 512 tokens and at positions 2K-4K, with the position-free queries
-unrotated (`--position-free-queries source`, the default) or scored by each head's expected rotation
-(`--position-free-queries expected-rotation`).
+unrotated (`--position-free-queries source`) or scored by each head's expected rotation
+(`--position-free-queries expected-rotation`, export-mla's default since these rows were measured).
 
     OMP_NUM_THREADS=1 python benchmarks/mla_rope_position.py [--texts wiki] [--shares 0.5] [--response-lengths 512,2048] \
         --out benchmarks/results/mla_rope_position.json
@@ -55,7 +55,7 @@ def main() -> None:
     args = parser.parse_args()
     document = run_provenance(torch.get_num_threads(), "quality only, no timings")
     plan = Plan(model="smollm2-135m", calibration="wiki", calib_tokens=args.calib_tokens, progress=False)
-    prepared = prepare_source(plan)  # the statistics every row shares
+    prepared = prepare_source(plan, position_free_queries="source")  # the statistics every row shares; rotations below
     ctx, geometry = prepared.ctx, prepared.ctx.geometry
     original = ctx.original_model().eval()
     # label -> (rotation or None for the unrotated source queries, its columns in every row)

@@ -116,22 +116,23 @@ def test_attention_by_distance_holds_every_query_once(gqa):
                                torch.ones(*mass.shape[:2], geo.head_dim // 2, dtype=torch.complex128))
 
 
-def test_the_cli_records_how_position_free_queries_were_scored_and_refuses_an_unknown_choice(tmp_path):
+def test_the_cli_scores_position_free_queries_by_expected_rotation_by_default_records_it_and_refuses_an_unknown_choice(tmp_path):
     import json
 
     from typer.testing import CliRunner
 
     from kvrewrite.cli.app import app
+    from kvrewrite.compile.mla_export import DEFAULT_POSITION_FREE_QUERIES
     from kvrewrite.runtime.mla.checkpoint import MLA_MARKER
     from tests.tiny_models import save_tiny_llama
 
     src = save_tiny_llama(tmp_path / "src")
     common = ["export-mla", str(src), "--kv-share", "0.5", "--calibration", "synthetic", "--calib-tokens", "512",
               "--verify-tokens", "32"]
-    result = CliRunner().invoke(app, [*common, "-o", str(tmp_path / "mla"), "--position-free-queries", "expected-rotation"])
+    result = CliRunner().invoke(app, [*common, "-o", str(tmp_path / "mla")])  # the default
     assert result.exit_code == 0, result.output
     marker = json.loads((tmp_path / "mla" / "config.json").read_text())[MLA_MARKER]
-    assert marker["position_free_queries"] == "expected-rotation"
+    assert marker["position_free_queries"] == "expected-rotation" == DEFAULT_POSITION_FREE_QUERIES
     refused = CliRunner().invoke(app, [*common, "-o", str(tmp_path / "bad"), "--position-free-queries", "rotated"])
     assert refused.exit_code == 2 and "--position-free-queries" in refused.output and not (tmp_path / "bad").exists()
 

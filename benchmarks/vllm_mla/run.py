@@ -93,7 +93,8 @@ def calibration_file(path: Path, vocab_size: int, words: int, seed: int = 0) -> 
 def export_command(source: Path, output: Path, calibration: Path, calib_tokens: int) -> list[str]:
     return [sys.executable, "-m", "kvrewrite.cli.app", "export-mla", str(source), "-o", str(output),
             "--kv-lora-rank", str(KV_LORA_RANK), "--qk-rope-head-dim", str(ROPE_DIM), "--dtype", "bfloat16",
-            "--calibration", str(calibration), "--calib-tokens", str(calib_tokens), "--verify-tokens", "32"]
+            "--calibration", str(calibration), "--calib-tokens", str(calib_tokens), "--verify-tokens", "32",
+            "--position-free-queries", "source"]  # as export_large: random weights, nothing to measure
 
 
 def export_large(source: Path, output: Path, calibration: Path, calib_tokens: int) -> None:
@@ -109,7 +110,9 @@ def export_large(source: Path, output: Path, calibration: Path, calib_tokens: in
         return
     device = "cuda" if torch.cuda.is_available() else "cpu"
     plan = Plan(model=str(source), calibration=str(calibration), calib_tokens=calib_tokens, device=device, progress=True)
-    prepared = prepare_source(plan)
+    # Serving speed and cache size do not depend on how the position-free queries are scored (only q_proj's
+    # values change), and random weights have no attention pattern worth measuring: unrotated.
+    prepared = prepare_source(plan, position_free_queries="source")
     widths = widths_for_ranks(prepared.ctx.geometry, KV_LORA_RANK, ROPE_DIM)
     layers = mla_layers_at_widths(prepared, widths)
     export_at_share(prepared, layers, output, dtype=torch.bfloat16)

@@ -61,7 +61,7 @@ def export_mla(
     calib_tokens: int = typer.Option(16384, "--calib-tokens", help="Calibration tokens (wiki)."),
     calibration: str = typer.Option("wiki", help="Calibration source: wiki, synthetic or a text file."),
     dtype: str = typer.Option("auto", help="Weights dtype: auto (the source's), bfloat16 or float32 (float16 cannot hold the neutralised latent)."),
-    position_free_queries: str = typer.Option("source", "--position-free-queries", help="How the latent's key part scores the RoPE components whose rotation is dropped: source (the head's query unrotated) or expected-rotation (turned by each head's expected rotation over the distances its attention covers, measured on calibration text and folded into q_proj: better at long context; docs/serving.md)."),
+    position_free_queries: str = typer.Option("expected-rotation", "--position-free-queries", help="How the latent's key part scores the RoPE components whose rotation is dropped: expected-rotation (the default: turned by each head's expected rotation over the distances its attention covers, attention sink left out, measured on calibration text and folded into q_proj) or source (the head's query unrotated). docs/serving.md has both measured."),
     key_weight: float | None = typer.Option(None, "--key-weight", help="Weight of the key side against the value side in the latent's objective (default 0.25, chosen on calibration text)."),
     verify_tokens: int = typer.Option(128, "--verify-tokens", help="Tokens of one calibration window for the checks at the end."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
@@ -85,7 +85,7 @@ def export_mla(
 
 def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, verify_tokens, overwrite, console,
          kv_lora_rank=None, qk_rope_head_dim=None, distilling: dict | None = None, allocation: str = "uniform",
-         position_free_queries: str = "source") -> None:
+         position_free_queries: str = "expected-rotation") -> None:
     import torch
 
     from kvrewrite.adapters import adapter_for

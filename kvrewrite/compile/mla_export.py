@@ -32,10 +32,12 @@ from kvrewrite.io.sources import resolve_model_source
 from kvrewrite.method.mla import DEFAULT_KEY_WEIGHT, MLALayer, full_latent_rank, truncate_latent
 
 
-# How the position-free part scores the components whose rotation is dropped (method/mla.py): unrotated (the
-# default), or by the expected rotation over the distances each head attends to, attention sink left out
-# (compile/rope_response.py; better in the uniform form on both held-out texts and lengths: docs/serving.md).
-POSITION_FREE_QUERIES = ("source", "expected-rotation")
+# How the position-free part scores the components whose rotation is dropped (method/mla.py): by the expected
+# rotation over the distances each head attends to, attention sink left out (compile/rope_response.py; the default:
+# better than unrotated in the uniform form on both held-out texts at 512 tokens and at 2K-4K, docs/serving.md), or
+# unrotated (source).
+POSITION_FREE_QUERIES = ("expected-rotation", "source")
+DEFAULT_POSITION_FREE_QUERIES = "expected-rotation"
 
 
 @dataclass
@@ -56,7 +58,8 @@ def check_position_free_queries(choice: str, option: str = "position_free_querie
         raise InvalidArgumentError(f"{option} must be one of {', '.join(POSITION_FREE_QUERIES)}, got {choice!r}")
 
 
-def prepare_source(plan: Plan, passes: list | None = None, position_free_queries: str = "source") -> PreparedSource:
+def prepare_source(plan: Plan, passes: list | None = None,
+                   position_free_queries: str = DEFAULT_POSITION_FREE_QUERIES) -> PreparedSource:
     """The statistics every MLA width is computed from, and (expected-rotation) each head's measured rotation."""
     check_position_free_queries(position_free_queries)
     check_source_exportable(plan)
