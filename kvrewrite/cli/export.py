@@ -13,13 +13,17 @@ from rich.table import Table
 from kvrewrite.errors import KVRewriteError
 
 DTYPES = {"auto": None, "bfloat16": "bfloat16", "float32": "float32", "float16": "float16"}
-# --distill defaults (compress --distill's epochs and learning rate; the MLA form's factors are balanced to the
-# source projections' scale before training, compile/mla_distill.py).
-DISTILL_EPOCHS = 2.0
+# --distill defaults (compress --distill's learning rate; the MLA form's factors are balanced to the source
+# projections' scale before training, compile/mla_distill.py). Single-rate: 8 passes over the tokens, measured better
+# than 2 on held-out wiki and news at 512 tokens and positions 2K-4K (docs/serving.md); nested (--distill-rates):
+# 2, the setting its tables were measured at.
+DISTILL_EPOCHS = 8.0
+NESTED_DISTILL_EPOCHS = 2.0
 DISTILL_LR = 1e-5
 
 
-def _distill_settings(distill: bool, tokens: int | None, epochs: float | None, lr: float | None, calib_tokens: int) -> dict:
+def _distill_settings(distill: bool, tokens: int | None, epochs: float | None, lr: float | None, calib_tokens: int,
+                      nested: bool = False) -> dict:
     """Plan fields for the distillation; options that only --distill reads are refused without it."""
     from kvrewrite.errors import InvalidArgumentError
 
@@ -29,7 +33,8 @@ def _distill_settings(distill: bool, tokens: int | None, epochs: float | None, l
             raise InvalidArgumentError(f"{', '.join(given)} only apply with --distill")
         return {}
     return {"distill": True, "distill_tokens": calib_tokens if tokens is None else tokens,
-            "distill_epochs": DISTILL_EPOCHS if epochs is None else epochs, "distill_lr": DISTILL_LR if lr is None else lr}
+            "distill_epochs": (NESTED_DISTILL_EPOCHS if nested else DISTILL_EPOCHS) if epochs is None else epochs,
+            "distill_lr": DISTILL_LR if lr is None else lr}
 
 
 def _nested_settings(rates: str | None, distill: bool, allocation: str, kv_share: float, kv_lora_rank: int | None) -> dict:
@@ -67,14 +72,15 @@ def export_mla(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
     distill: bool = typer.Option(False, "--distill", help="Train the MLA form's attention weights at its widths against the original model's next-token distribution (no run-time cost; docs/distill.md)."),
     distill_tokens: int | None = typer.Option(None, "--distill-tokens", help="With --distill: calibration tokens it trains on, 1/16 of them held back for validation (default: every calibration token)."),
-    distill_epochs: float | None = typer.Option(None, "--distill-epochs", help=f"With --distill: passes over the distillation tokens; the best epoch on the validation windows is kept (default {DISTILL_EPOCHS:g})."),
+    distill_epochs: float | None = typer.Option(None, "--distill-epochs", help=f"With --distill: passes over the distillation tokens; the best epoch on the validation windows is kept (default {DISTILL_EPOCHS:g}, with --distill-rates {NESTED_DISTILL_EPOCHS:g})."),
     distill_lr: float | None = typer.Option(None, "--distill-lr", help=f"With --distill: Adam learning rate, cosine decay (default {DISTILL_LR:g})."),
     distill_rates: str | None = typer.Option(None, "--distill-rates", help="With --distill and --allocation sensitivity: A,B trains every rate of the rate table from A to B together (nested over the latent widths; one file serves them all). A must be 1 - --kv-share."),
 ) -> None:
     """Compute a multi-head latent (MLA) form from calibration statistics and write it as a stock DeepSeek-V3 checkpoint."""
     console = Console() if sys.stdout.isatty() else Console(width=140)
     try:
-        distilling = _distill_settings(distill, distill_tokens, distill_epochs, distill_lr, calib_tokens)
+        distilling = _distill_settings(distill, distill_tokens, distill_epochs, distill_lr, calib_tokens,
+                                       nested=distill_rates is not None)
         distilling.update(_nested_settings(distill_rates, distill, allocation, kv_share, kv_lora_rank))
         _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, verify_tokens, overwrite, console,
              kv_lora_rank, qk_rope_head_dim, distilling, allocation, position_free_queries)
