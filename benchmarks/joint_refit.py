@@ -7,8 +7,8 @@ every rate from 0.3 to 0.7 at once, against no refit, all evaluated at p = 0.3 /
 Issue 16 asks for the o_proj refit (single-rate today) to become either nested or rate-conditional at no run-time
 cost. The cheapest nested form is one closed-form refit whose rows are every fitted rate's: the calibration windows
 run once per rate in one batch, each copy truncated to its rate's ranks in every layer (the latent dims beyond a
-rank zeroed: exactly the sliced model, compile/probes.py), GPTQ-style layer by layer as `refit_output_projections`
-(method/output_refit.py), and each o_proj solves
+rank zeroed: exactly the sliced model, compile/probes.py), GPTQ-style layer by layer (`refit_output_projections(...,
+copies=len(rates))` under `probes.truncated_by_rows`), and each o_proj solves
 
     min_W  sum over fitted rates r  || z_r W^T - t ||^2 + lam ||W||^2
 
@@ -21,7 +21,6 @@ Every row scores held-out wiki and news (8,192 tokens each, 512-token windows) a
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 import time
@@ -32,10 +31,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import kvrewrite
 from kvrewrite.adapters import adapter_for
-from kvrewrite.compile.probes import truncated_model
+from kvrewrite.compile.probes import truncated_by_rows, truncated_model
 from kvrewrite.io.calibration_data.corpus import calibration_token_sequences, evaluation_token_sequences
 from kvrewrite.io.sources import resolve_model_source
-from kvrewrite.method.output_refit import least_squares_output, original_attention_outputs
+from kvrewrite.method.output_refit import refit_output_projections
 from kvrewrite.publish.evaluation import perplexity_and_agreement_many
 from kvrewrite.spec import CompressionSpec
 
@@ -46,59 +45,11 @@ EVALUATED_RATES = (0.3, 0.5, 0.7)
 CONFIGS = {"no refit": (), "refit for p = 0.5 only": (0.5,), "one refit for p = 0.3 to 0.7": (0.3, 0.4, 0.5, 0.6, 0.7)}
 
 
-def keep_mask(widths: list[int], keep: list[int]) -> torch.Tensor:
-    """1 on each packed block's first `keep` dims."""
-    return torch.cat([(torch.arange(w) < r).float() for w, r in zip(widths, keep)])
-
-
-@contextlib.contextmanager
-def rows_at_rates(model, adapter, ranks: dict, rates: tuple[float, ...], rows_per_rate: int):
-    """Batch rows [i * rows_per_rate, (i + 1) * rows_per_rate) run at rates[i]'s ranks in every layer."""
-    wrapped = []
-    for idx, layer in enumerate(adapter.decoder_layers(model)):
-        attention = adapter.attention(layer)
-        key_mask = torch.stack([keep_mask(attention.key_ranks, ranks[r][0][idx]) for r in rates])
-        value_mask = torch.stack([keep_mask(attention.value_ranks, ranks[r][1][idx]) for r in rates])
-        key_mask = key_mask.repeat_interleave(rows_per_rate, 0)[:, None]
-        value_mask = value_mask.repeat_interleave(rows_per_rate, 0)[:, None]
-
-        def project(hidden, position_embeddings=None, inner=attention.project, km=key_mask, vm=value_mask):
-            query, key, value = inner(hidden, position_embeddings)
-            return query, key * km.to(key.dtype), value * vm.to(value.dtype)
-
-        attention.project = project
-        wrapped.append(attention)
-    try:
-        yield
-    finally:
-        for attention in wrapped:
-            del attention.project
-
-
-def joint_refit(model, original, adapter, ranks: dict, rates: tuple[float, ...], windows: torch.Tensor,
-                ridge: float = 1e-4) -> None:
-    """Refit every o_proj in place on the rows of every rate at once (module docstring)."""
-    targets = original_attention_outputs(original, adapter, windows)
-
-    def hook_for(idx: int):
-        def hook(module, inputs):
-            z = inputs[0].reshape(-1, inputs[0].shape[-1]).double()
-            t = targets[idx].reshape(-1, targets[idx].shape[-1]).double().repeat(len(rates), 1)
-            targets[idx] = None
-            read = z.abs().amax(0) > 0  # columns some fitted rate reads; the others keep their folded values
-            weight = module.weight.detach().double().clone()
-            weight[:, read] = least_squares_output(z[:, read], t, ridge)
-            module.weight.copy_(weight.to(module.weight.dtype))
-        return hook
-
-    handles = [adapter.output_projection(adapter.attention(layer)).register_forward_pre_hook(hook_for(i))
-               for i, layer in enumerate(adapter.decoder_layers(model))]
-    try:
-        with torch.no_grad(), rows_at_rates(model, adapter, ranks, rates, windows.shape[0]):
-            model.get_decoder()(input_ids=windows.repeat(len(rates), 1), use_cache=False)
-    finally:
-        for handle in handles:
-            handle.remove()
+def joint_refit(model, original, adapter, ranks: dict, rates: tuple[float, ...], windows: torch.Tensor) -> None:
+    """Refit every o_proj in place on the rows of every rate at once: one batch copy of the windows per rate, each
+    truncated to its rate's ranks (module docstring)."""
+    with truncated_by_rows(model, adapter, [ranks[r] for r in rates], windows.shape[0]):
+        refit_output_projections(model, original, adapter, windows, copies=len(rates))
 
 
 def main() -> None:

@@ -10,7 +10,8 @@ import kvrewrite
 from kvrewrite.adapters import adapter_for
 from kvrewrite.compile.passes.pipeline import run_pipeline
 from kvrewrite.compile.plan import Plan
-from kvrewrite.compile.probes import truncated, truncated_model
+from kvrewrite.compile.probes import truncated, truncated_by_rows, truncated_model
+from kvrewrite.errors import InvalidArgumentError
 from tiny_models import random_windows, save_tiny_llama, tiny_pipeline
 
 MODES = ["freq", "post-rope", "latent", "crosshead"]
@@ -83,3 +84,29 @@ def test_the_hook_is_removed_when_the_block_raises(compiled):
             assert torch.equal(full(tokens).logits, outer)
         assert torch.equal(full(tokens).logits, before)
 
+
+
+def test_truncation_by_rows_runs_each_block_as_its_own_truncation(compiled):
+    """Two rank sets in one batch: each block's rows equal the whole model truncated to that block's ranks."""
+    full = kvrewrite.load(compiled["latent"], rate=0.0)
+    spec_model = kvrewrite.load(compiled["latent"])
+    adapter = adapter_for(AutoConfig.from_pretrained(compiled["src"]))
+    compiled_ranks = ([a.key_ranks for a in (l.self_attn for l in spec_model.model.layers)],
+                      [a.value_ranks for a in (l.self_attn for l in spec_model.model.layers)])
+    narrow = ([[2] * len(k) for k in compiled_ranks[0]], [[3] * len(v) for v in compiled_ranks[1]])
+    tokens = random_windows(2, 24, seed=5)
+    with torch.no_grad():
+        with truncated_by_rows(full, adapter, [compiled_ranks, narrow], rows_per_block=2):
+            both = full(tokens.repeat(2, 1)).logits
+        separate = []
+        for ranks in (compiled_ranks, narrow):
+            with truncated_model(full, adapter, *ranks):
+                separate.append(full(tokens).logits)
+    assert (both[:2] - separate[0]).abs().max().item() < 1e-5
+    assert (both[2:] - separate[1]).abs().max().item() < 1e-5
+    assert (separate[0] - separate[1]).abs().max().item() > 1e-3  # the two blocks really differ
+    assert all("project" not in layer.self_attn.__dict__ for layer in full.model.layers)
+    with pytest.raises(InvalidArgumentError, match="blocks of 2"), torch.no_grad():
+        with truncated_by_rows(full, adapter, [compiled_ranks, narrow], rows_per_block=2):
+            full(tokens)  # 2 rows, not 2 blocks of 2
+    assert all("project" not in layer.self_attn.__dict__ for layer in full.model.layers)

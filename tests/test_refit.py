@@ -108,3 +108,37 @@ def test_sweep_compiles_refit_configs_at_every_rate():
     assert rate_sliceable(parse_config("latent-sensitivity").overrides)
     with pytest.raises(InvalidArgumentError, match="refit"):
         Plan(model="x", refit="bogus")
+
+
+def test_one_refit_over_stacked_truncations_is_the_refit_of_their_rows(compiled):
+    """refit_output_projections(copies=2) on a full-rank model truncated by rows: with both copies at the compiled
+    ranks the rows are duplicated, which leaves the ridge solution unchanged, so it equals the production refit of
+    the sliced model (same logits); o_proj columns beyond the compiled ranks, read by no row, keep their weights."""
+    from kvrewrite.adapters import adapter_for
+    from kvrewrite.compile.probes import truncated_by_rows, truncated_model
+    from kvrewrite.method.output_refit import refit_output_projections
+
+    src, contexts = compiled
+    original = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    adapter = adapter_for(original.config)
+    directory = contexts["none"].output_dir
+    sliced = kvrewrite.load(directory)
+    ranks = ([l.self_attn.key_ranks for l in sliced.model.layers], [l.self_attn.value_ranks for l in sliced.model.layers])
+    full = kvrewrite.load(directory, rate=0.0)
+    before = [l.self_attn.o_proj.weight.detach().clone() for l in full.model.layers]
+    refit_output_projections(sliced, original, adapter, CALIB, ridge=1e-4)
+    with truncated_by_rows(full, adapter, [ranks, ranks], rows_per_block=CALIB.shape[0]):
+        refit_output_projections(full, original, adapter, CALIB, ridge=1e-4, copies=2)
+    held_out = random_windows(4, 48, seed=13)
+    with torch.no_grad(), truncated_model(full, adapter, *ranks):
+        stacked = full(held_out).logits
+    with torch.no_grad():
+        assert (stacked - sliced(held_out).logits).abs().max().item() < 1e-4
+    n_q = original.config.num_attention_heads
+    for layer, old, values in zip(full.model.layers, before, ranks[1]):
+        o_proj, d = layer.self_attn.o_proj.weight, layer.self_attn.head_dim
+        group = n_q // len(values)  # query heads per KV head; head h reads its KV head's first values[h // group] dims
+        for h in range(n_q):
+            unread = slice(h * d + values[h // group], (h + 1) * d)
+            assert torch.equal(o_proj[:, unread], old[:, unread])
+        assert not torch.equal(o_proj, old)  # the read columns were refitted

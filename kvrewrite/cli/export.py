@@ -83,15 +83,15 @@ def export_mla(
                                        nested=distill_rates is not None)
         distilling.update(_nested_settings(distill_rates, distill, allocation, kv_share, kv_lora_rank))
         _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, verify_tokens, overwrite, console,
-             kv_lora_rank, qk_rope_head_dim, distilling, allocation, position_free_queries)
+             kv_lora_rank, qk_rope_head_dim, distilling, allocation, position_free_queries=position_free_queries)
     except (KVRewriteError, ValueError) as exc:
         console.print(f"[bold red]error:[/] {escape(str(exc))}")
         raise typer.Exit(code=2) from None
 
 
 def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, verify_tokens, overwrite, console,
-         kv_lora_rank=None, qk_rope_head_dim=None, distilling: dict | None = None, allocation: str = "uniform",
-         position_free_queries: str = "expected-rotation") -> None:
+         kv_lora_rank=None, qk_rope_head_dim=None, distilling: dict | None = None, allocation: str = "uniform", *,
+         position_free_queries: str) -> None:
     import torch
 
     from kvrewrite.adapters import adapter_for

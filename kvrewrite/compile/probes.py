@@ -6,7 +6,8 @@ quality-budget search, the key-mode choice and the distillation (whose masked di
 The switch lives here, on the compile side, not in the shipped attention module: `truncated` wraps the
 attention's `project` (where the cached key and value latents are final: after any q/k norm, RoPE pairing or
 post-RoPE map, so a hook on k_proj could not do it) for the duration of a `with` block, and always unwraps it.
-`probe_kls` measures the KL of one probed layer at a time, layer-streamed.
+`truncated_by_rows` runs several truncations in one batch (each block of rows at its own ranks), for a fit over all
+of them at once. `probe_kls` measures the KL of one probed layer at a time, layer-streamed.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvrewrite.compile.layer_streaming import StreamedModel
+from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.progress import progress_bar
 
 ProbeRanks = tuple[list[int], list[int]]  # (key ranks, value ranks) of one layer while it is probed
@@ -30,17 +32,15 @@ def _keep_mask(widths: list[int], keep: list[int], like: torch.Tensor) -> torch.
 
 
 @contextlib.contextmanager
-def truncated(attention: nn.Module, key_ranks: list[int], value_ranks: list[int]) -> Iterator[nn.Module]:
-    """Inside the block, `attention` (a CompressedAttention at full rank) caches and attends with every head's latent
-    dims beyond key_ranks / value_ranks zeroed: the same numbers as the model sliced to those ranks (set_ranks).
-    Block widths are the current ranks: head_dim per head, or [n_kv * d, 0, ...] for crosshead keys."""
+def _masking(attention: nn.Module, masks: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]) -> Iterator[nn.Module]:
+    """Inside the block, `attention`'s key and value latents are multiplied by masks(key, value); always unwrapped."""
     shadowed = attention.__dict__.get("project")  # a truncation already in force (nested blocks)
     project = attention.project
 
     def probed(hidden_states: torch.Tensor, position_embeddings=None):
         query, key, value = project(hidden_states, position_embeddings)
-        return (query, key * _keep_mask(attention.key_ranks, key_ranks, key),
-                value * _keep_mask(attention.value_ranks, value_ranks, value))
+        key_mask, value_mask = masks(key, value)
+        return query, key * key_mask, value * value_mask
 
     attention.project = probed
     try:
@@ -50,6 +50,37 @@ def truncated(attention: nn.Module, key_ranks: list[int], value_ranks: list[int]
             del attention.project
         else:
             attention.project = shadowed
+
+
+def truncated(attention: nn.Module, key_ranks: list[int], value_ranks: list[int]) -> contextlib.AbstractContextManager:
+    """Inside the block, `attention` (a CompressedAttention at full rank) caches and attends with every head's latent
+    dims beyond key_ranks / value_ranks zeroed: the same numbers as the model sliced to those ranks (set_ranks).
+    Block widths are the current ranks: head_dim per head, or [n_kv * d, 0, ...] for crosshead keys."""
+    return _masking(attention, lambda key, value: (_keep_mask(attention.key_ranks, key_ranks, key),
+                                                   _keep_mask(attention.value_ranks, value_ranks, value)))
+
+
+@contextlib.contextmanager
+def truncated_by_rows(model: nn.Module, adapter, blocks: list[tuple[list[list[int]], list[list[int]]]],
+                      rows_per_block: int) -> Iterator[nn.Module]:
+    """Several truncations of one full-rank model in one forward: batch rows [i * rows_per_block, (i + 1) *
+    rows_per_block) run at blocks[i] = (key ranks, value ranks) per layer, in every layer (each row as
+    truncated_model with those ranks computes it)."""
+    with contextlib.ExitStack() as stack:
+        for idx, layer in enumerate(adapter.decoder_layers(model)):
+            attention = adapter.attention(layer)
+
+            def masks(key: torch.Tensor, value: torch.Tensor, attention=attention, idx=idx):
+                if key.shape[0] != len(blocks) * rows_per_block:
+                    raise InvalidArgumentError(f"truncated_by_rows: a batch of {key.shape[0]} rows, expected "
+                                               f"{len(blocks)} blocks of {rows_per_block}")
+                key_mask = torch.stack([_keep_mask(attention.key_ranks, keys[idx], key) for keys, _ in blocks])
+                value_mask = torch.stack([_keep_mask(attention.value_ranks, values[idx], value) for _, values in blocks])
+                return (key_mask.repeat_interleave(rows_per_block, 0)[:, None],
+                        value_mask.repeat_interleave(rows_per_block, 0)[:, None])
+
+            stack.enter_context(_masking(attention, masks))
+        yield model
 
 
 def truncating(adapter, layer_ranks: list[ProbeRanks]) -> Callable[[int, nn.Module], contextlib.AbstractContextManager]:

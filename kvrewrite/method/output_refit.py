@@ -61,7 +61,7 @@ def original_attention_outputs(original, adapter, windows: torch.Tensor) -> list
 
 
 def refit_output_projections(compressed, original, adapter, windows: torch.Tensor, ridge: float = 1e-4,
-                             target: str = "model") -> list[RefitLayerReport]:
+                             target: str = "model", copies: int = 1) -> list[RefitLayerReport]:
     """Refit, in place and layer by layer, the o_proj of every compressed attention against the original.
 
     compressed: the rewritten model at its compiled ranks (modified in place); original: the stock model.
@@ -69,6 +69,9 @@ def refit_output_projections(compressed, original, adapter, windows: torch.Tenso
     target: "layer": the original attention on the compressed model's own hidden states (fix this layer's error);
     "model": the original model's attention output on the original hidden states (also absorb the drift the
     earlier layers left in the residual stream, as far as this o_proj can).
+    copies: the compressed model runs `copies` stacked copies of the windows (a caller truncating each copy to other
+    ranks, probes.truncated_by_rows, fits one o_proj to the rows of every truncation at once). o_proj columns that
+    no row reads (all-zero latents) keep their weights.
     """
     c_layers = list(adapter.decoder_layers(compressed))
     o_layers = list(adapter.decoder_layers(original))
@@ -82,7 +85,7 @@ def refit_output_projections(compressed, original, adapter, windows: torch.Tenso
     def on_output_projection(idx: int):
         def hook(module, inputs):
             if model_targets is not None:
-                target = model_targets[idx]
+                target = model_targets[idx].repeat(copies, 1, 1)  # every copy's rows have the same target
                 model_targets[idx] = None  # free it once used
             else:  # the original attention on exactly the hidden states (and positions, mask) the compressed one got
                 target = adapter.attention(o_layers[idx])(*call["args"], **call["kwargs"])[0]
@@ -90,7 +93,9 @@ def refit_output_projections(compressed, original, adapter, windows: torch.Tenso
                 target = target - module.bias
             z = inputs[0].reshape(-1, inputs[0].shape[-1]).double()
             t = target.reshape(-1, target.shape[-1]).double()
-            weight = least_squares_output(z, t, ridge)
+            read = z.abs().amax(0) > 0  # columns some row reads; the others stay as they are
+            weight = module.weight.detach().double().clone()
+            weight[:, read] = least_squares_output(z[:, read], t, ridge)
             norm = t.norm().clamp_min(1e-30)
             reports.append(RefitLayerReport(float((z @ module.weight.double().T - t).norm() / norm),
                                             float((z @ weight.T - t).norm() / norm)))
@@ -105,7 +110,7 @@ def refit_output_projections(compressed, original, adapter, windows: torch.Tenso
     try:
         with torch.no_grad():
             # The decoder stack only: the LM head's logits over the whole batch are not needed.
-            compressed.get_decoder()(input_ids=windows, use_cache=False)
+            compressed.get_decoder()(input_ids=windows.repeat(copies, 1), use_cache=False)
     finally:
         for handle in handles:
             handle.remove()
