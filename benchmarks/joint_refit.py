@@ -2,7 +2,7 @@
 every rate from 0.3 to 0.7 at once, against no refit, all evaluated at p = 0.3 / 0.5 / 0.7 from one checkpoint.
 
     kvrewrite compress smollm2-135m -p 0.5 --calib-tokens 16384 -o CKPT
-    OMP_NUM_THREADS=1 python benchmarks/joint_refit.py CKPT --out benchmarks/results/joint_refit.json
+    OMP_NUM_THREADS=2 python benchmarks/joint_refit.py CKPT --out benchmarks/results/joint_refit.json
 
 Issue 16 asks for the o_proj refit (single-rate today) to become either nested or rate-conditional at no run-time
 cost. The cheapest nested form is one closed-form refit whose rows are every fitted rate's: the calibration windows
