@@ -20,6 +20,8 @@ DTYPES = {"auto": None, "bfloat16": "bfloat16", "float32": "float32", "float16":
 DISTILL_EPOCHS = 8.0
 NESTED_DISTILL_EPOCHS = 2.0
 DISTILL_LR = 1e-5
+# --refit default for one-width exports (a rate table's narrower widths, --distill-rates, are not refitted).
+DEFAULT_REFIT = "none"
 
 
 def _distill_settings(distill: bool, tokens: int | None, epochs: float | None, lr: float | None, calib_tokens: int,
@@ -56,6 +58,20 @@ def _nested_settings(rates: str | None, distill: bool, allocation: str, kv_share
     return {"distill_rates": parsed, "target_rate": parsed[0]}
 
 
+def _refit_settings(refit: str | None, refit_tokens: int | None, distill_rates: str | None) -> dict:
+    """Plan fields for the o_proj refit: the default for one-width exports; none for a nested (--distill-rates)
+    export, whose o_proj serves every rate of its table; an explicit refit there is refused by the plan."""
+    from kvrewrite.compile.plan import REFITS
+    from kvrewrite.errors import InvalidArgumentError
+
+    chosen = refit if refit is not None else ("none" if distill_rates is not None else DEFAULT_REFIT)
+    if chosen not in REFITS:
+        raise InvalidArgumentError(f"--refit must be one of {', '.join(REFITS)}, got {chosen!r}")
+    if chosen == "none" and refit_tokens is not None:
+        raise InvalidArgumentError("--refit-tokens only applies with --refit output or output-local")
+    return {"refit": chosen, **({} if refit_tokens is None else {"refit_tokens": refit_tokens})}
+
+
 def export_mla(
     model: str = typer.Argument(..., help="Hub id, local directory, or 'smollm2-135m' (bundled)."),
     output: Path = typer.Option(..., "--output", "-o", help="Directory for the DeepSeek-V3 checkpoint (written atomically)."),
@@ -70,6 +86,8 @@ def export_mla(
     key_weight: float | None = typer.Option(None, "--key-weight", help="Weight of the key side against the value side in the latent's objective (default 0.25, chosen on calibration text)."),
     verify_tokens: int = typer.Option(128, "--verify-tokens", help="Tokens of one calibration window for the checks at the end."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
+    refit: str | None = typer.Option(None, "--refit", help=f"Least-squares refit of every o_proj at the exported widths, layer by layer: output (against the original model's attention outputs), output-local (against the original layer on the form's own inputs) or none. Default {DEFAULT_REFIT}; none with --distill-rates. A refitted export serves its exported widths only (docs/serving.md)."),
+    refit_tokens: int | None = typer.Option(None, "--refit-tokens", help="With --refit: calibration tokens the least squares read (default 16384)."),
     distill: bool = typer.Option(False, "--distill", help="Train the MLA form's attention weights at its widths against the original model's next-token distribution (no run-time cost; docs/distill.md)."),
     distill_tokens: int | None = typer.Option(None, "--distill-tokens", help="With --distill: calibration tokens it trains on, 1/16 of them held back for validation (default: every calibration token)."),
     distill_epochs: float | None = typer.Option(None, "--distill-epochs", help=f"With --distill: passes over the distillation tokens; the best epoch on the validation windows is kept (default {DISTILL_EPOCHS:g}, with --distill-rates {NESTED_DISTILL_EPOCHS:g})."),
@@ -82,6 +100,7 @@ def export_mla(
         distilling = _distill_settings(distill, distill_tokens, distill_epochs, distill_lr, calib_tokens,
                                        nested=distill_rates is not None)
         distilling.update(_nested_settings(distill_rates, distill, allocation, kv_share, kv_lora_rank))
+        distilling.update(_refit_settings(refit, refit_tokens, distill_rates))
         _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, verify_tokens, overwrite, console,
              kv_lora_rank, qk_rope_head_dim, distilling, allocation, position_free_queries=position_free_queries)
     except (KVRewriteError, ValueError) as exc:
@@ -159,7 +178,17 @@ def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, 
     else:
         with progress_bar("MLA form per layer", ctx.geometry.num_layers, plan.progress) as bar:
             layers = mla_layers_at_widths(prepared, widths, progress=bar.advance, **weighting)
-    norms, provenance, distilled = None, None, None
+    norms, provenance, distilled = None, {}, None
+    if plan.refit != "none":
+        from kvrewrite.compile.mla_refit import refit_mla_output
+
+        refitted = refit_mla_output(prepared, layers, plan.refit, plan.refit_tokens, plan.refit_ridge, plan.progress)
+        layers, norms, provenance = refitted.layers, refitted.max_square_norms, {"refit": refitted.provenance()}
+        served_rates = None  # fitted for the exported widths: the narrower rates of a table are not served
+        errors = [(r.relative_error_before, r.relative_error_after) for r in refitted.reports]
+        console.print(f"refit: o_proj of {len(errors)} layers on {refitted.tokens} calibration tokens; relative error of the "
+                      f"attention output, mean over layers {sum(b for b, _ in errors) / len(errors):.3f} -> "
+                      f"{sum(a for _, a in errors) / len(errors):.3f}")
     if plan.distill:
         from kvrewrite.compile.mla_distill import distill_mla_layers, distill_provenance
 
@@ -173,9 +202,10 @@ def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, 
             nested = {"rate_table": {k: served_rates[k] for k in keys},
                       "named_rates": tuple(rate_key(r) for r in plan.distill_rates)}
         distilled = distill_mla_layers(prepared, layers, progress=plan.progress, **nested)
-        layers, norms, provenance = distilled.layers, distilled.max_square_norms, distill_provenance(distilled, plan)
+        layers, norms = distilled.layers, distilled.max_square_norms
+        provenance.update(distill_provenance(distilled, plan))
         served_rates = nested.get("rate_table")  # exactly the rates trained (none beside the export's own: single-rate)
-    provenance = {**(provenance or {}), "position_free_queries": position_free_queries}
+    provenance["position_free_queries"] = position_free_queries
     if allocation_record is not None:  # kept in the marker: how the widths were placed (the probes stay out of config.json)
         provenance["allocation"] = {k: v for k, v in allocation_record.items() if k != "probes"}
     summary = export_at_share(prepared, layers, output, dtype=chosen, overwrite=overwrite, max_square_norms=norms,

@@ -26,11 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvrewrite.compile.mla_form import MLAReferenceAttention, mla_layers_of, mla_reference_model
+from kvrewrite.compile.mla_form import MLAReferenceAttention, measure_attention_inputs, mla_layers_of, mla_reference_model
 from kvrewrite.compile.passes.distill_attention import split_distill_windows
 from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.method.attention_distillation import DistillReport, DistillSettings, RateMix, distill_attention
-from kvrewrite.progress import progress_bar
 from kvrewrite.method.mla import MLALayer, balance_latent_gauge, full_latent_rank
 
 
@@ -108,38 +107,11 @@ def distill_mla_layers(prepared, layers: list[MLALayer], progress: bool = True,
                                    progress=progress, mix=mix)
     finally:
         teacher.to("cpu")
-    inputs, latents = _measure_attention_inputs(student, calibration.to(device), progress)  # on the training device
+    inputs, latents = measure_attention_inputs(student, calibration.to(device), progress)  # on the training device
     student.to("cpu")
     trained = mla_layers_of(student, layers)
     norms = [max(a, b) for a, b in zip(prepared.inputs.max_square_norms, inputs)]
     return MLADistillResult(trained, report, norms, latents, tuple(mix.names) if mix is not None else ())
-
-
-def _measure_attention_inputs(model, windows: torch.Tensor, progress: bool = False) -> tuple[list[float], list[float]]:
-    """Per MLA layer of `model`: the largest ||x||^2 at its input and the largest mean(c^2) of its latent c, over
-    every token of `windows` (one window at a time, no gradients)."""
-    attentions = [m for m in model.modules() if isinstance(m, MLAReferenceAttention)]
-    inputs, latents = [0.0] * len(attentions), [0.0] * len(attentions)
-
-    def hook(idx: int, attention: MLAReferenceAttention):
-        def measure(_module, args, kwargs):
-            x = (args[0] if args else kwargs["hidden_states"]).detach().double()
-            c = x @ attention.kv_a_proj_with_mqa[: attention.layer.kv_lora_rank].detach().double().T
-            inputs[idx] = max(inputs[idx], float(x.square().sum(-1).max()))
-            latents[idx] = max(latents[idx], float(c.square().mean(-1).max()))
-
-        return measure
-
-    handles = [a.register_forward_pre_hook(hook(i, a), with_kwargs=True) for i, a in enumerate(attentions)]
-    try:
-        with torch.no_grad(), progress_bar("latent-norm check on the trained form", len(windows), progress) as bar:
-            for window in windows.split(1):
-                model(window)
-                bar.advance()
-    finally:
-        for handle in handles:
-            handle.remove()
-    return inputs, latents
 
 
 def measured_latent_norm_errors(result: MLADistillResult, neutralisers: list, eps: float) -> list[float]:

@@ -23,6 +23,7 @@ from torch import nn
 from kvrewrite.adapters import adapter_for
 from kvrewrite.compile.passes.base import run_pass
 from kvrewrite.errors import InvalidArgumentError, UnsupportedModelError
+from kvrewrite.progress import progress_bar
 from kvrewrite.method.mla import DEFAULT_KEY_WEIGHT, MLALayer, full_latent_rank, mla_layer
 
 # Families whose layers map one to one onto DeepseekV3's dense layers (RMSNorm, gated SiLU MLP, q/k/v/o linears).
@@ -190,17 +191,24 @@ MLA_WEIGHT_NAMES = ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
 class MLAReferenceAttention(nn.Module):
     """Expanded MLA attention from MLALayer weights; RoPE angles read from the source model's own cos/sin tables.
 
-    trainable: the four weights are parameters (what --distill trains, compile/mla_distill.py), else buffers."""
+    trainable: the four weights are parameters (what --distill trains, compile/mla_distill.py), else frozen.
+    o_proj is a bias-free nn.Linear, as in the stock attention, so the adapters' output_projection(attn) finds it
+    (the o_proj refit hooks it, compile/mla_refit.py); the other three are plain tensors."""
 
     def __init__(self, layer: MLALayer, num_heads: int, dtype: torch.dtype, trainable: bool = False):
         super().__init__()
         self.layer, self.num_heads = layer, num_heads
-        for name in MLA_WEIGHT_NAMES:
+        for name in MLA_WEIGHT_NAMES[:-1]:
             weight = getattr(layer, name).to(dtype)
             if trainable:
                 self.register_parameter(name, nn.Parameter(weight.clone()))
             else:
                 self.register_buffer(name, weight)
+        out_features, in_features = layer.o_proj.shape
+        self.o_proj = nn.Linear(in_features, out_features, bias=False, dtype=dtype)
+        with torch.no_grad():
+            self.o_proj.weight.copy_(layer.o_proj)
+        self.o_proj.weight.requires_grad_(trainable)
         self.scaling = (layer.qk_nope_head_dim + layer.qk_rope_head_dim) ** -0.5
         # [r] of 0/1 while a narrower width of the rate table is trained (mla_distill.nested_mla_rate_mix): the dims
         # beyond it are zero, exactly as the form truncated to that width, and get no gradient.
@@ -225,7 +233,7 @@ class MLAReferenceAttention(nn.Module):
         causal = torch.ones(length, length, dtype=torch.bool, device=scores.device).triu(1)
         probs = scores.masked_fill(causal, -math.inf).softmax(-1)
         out = (probs @ v).transpose(1, 2).reshape(batch, length, n_h * d_v)
-        return out @ self.o_proj.T, None
+        return self.o_proj(out), None
 
 
 def mla_reference_model(model: nn.Module, layers: list[MLALayer], trainable: bool = False) -> nn.Module:
@@ -247,6 +255,34 @@ def mla_layers_of(model: nn.Module, layers: list[MLALayer]) -> list[MLALayer]:
     found = []
     for decoder_layer, layer in zip(adapter.decoder_layers(model), layers):
         attention = getattr(decoder_layer, adapter.attention_attr)
+        weights = {name: getattr(attention, name) for name in MLA_WEIGHT_NAMES[:-1]} | {"o_proj": attention.o_proj.weight}
         found.append(dataclasses.replace(
-            layer, **{name: getattr(attention, name).detach().to("cpu", torch.float64).clone() for name in MLA_WEIGHT_NAMES}))
+            layer, **{name: weight.detach().to("cpu", torch.float64).clone() for name, weight in weights.items()}))
     return found
+
+
+def measure_attention_inputs(model, windows: torch.Tensor, progress: bool = False) -> tuple[list[float], list[float]]:
+    """Per MLA layer of `model`: the largest ||x||^2 at its input and the largest mean(c^2) of its latent c, over
+    every token of `windows` (one window at a time, no gradients)."""
+    attentions = [m for m in model.modules() if isinstance(m, MLAReferenceAttention)]
+    inputs, latents = [0.0] * len(attentions), [0.0] * len(attentions)
+
+    def hook(idx: int, attention: MLAReferenceAttention):
+        def measure(_module, args, kwargs):
+            x = (args[0] if args else kwargs["hidden_states"]).detach().double()
+            c = x @ attention.kv_a_proj_with_mqa[: attention.layer.kv_lora_rank].detach().double().T
+            inputs[idx] = max(inputs[idx], float(x.square().sum(-1).max()))
+            latents[idx] = max(latents[idx], float(c.square().mean(-1).max()))
+
+        return measure
+
+    handles = [a.register_forward_pre_hook(hook(i, a), with_kwargs=True) for i, a in enumerate(attentions)]
+    try:
+        with torch.no_grad(), progress_bar("latent-norm check on the form", len(windows), progress) as bar:
+            for window in windows.split(1):
+                model(window)
+                bar.advance()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return inputs, latents

@@ -61,7 +61,7 @@ def original_attention_outputs(original, adapter, windows: torch.Tensor) -> list
 
 
 def refit_output_projections(compressed, original, adapter, windows: torch.Tensor, ridge: float = 1e-4,
-                             target: str = "model", copies: int = 1) -> list[RefitLayerReport]:
+                             target: str = "model", copies: int = 1, on_layer=None) -> list[RefitLayerReport]:
     """Refit, in place and layer by layer, the o_proj of every compressed attention against the original.
 
     compressed: the rewritten model at its compiled ranks (modified in place); original: the stock model.
@@ -72,6 +72,7 @@ def refit_output_projections(compressed, original, adapter, windows: torch.Tenso
     copies: the compressed model runs `copies` stacked copies of the windows (a caller truncating each copy to other
     ranks, probes.truncated_by_rows, fits one o_proj to the rows of every truncation at once). o_proj columns that
     no row reads (all-zero latents) keep their weights.
+    on_layer: called once after each layer's fit (a progress bar's advance).
     """
     c_layers = list(adapter.decoder_layers(compressed))
     o_layers = list(adapter.decoder_layers(original))
@@ -100,6 +101,8 @@ def refit_output_projections(compressed, original, adapter, windows: torch.Tenso
             reports.append(RefitLayerReport(float((z @ module.weight.double().T - t).norm() / norm),
                                             float((z @ weight.T - t).norm() / norm)))
             module.weight.copy_(weight.to(module.weight.dtype))  # o_proj's forward then uses the refitted weight
+            if on_layer is not None:
+                on_layer()
         return hook
 
     handles = []
