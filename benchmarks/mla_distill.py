@@ -58,13 +58,17 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--skip-free", action="store_true", help="Only the distilled compile (the training-free row is in mla_distill.json).")
     parser.add_argument("--position-free-queries", default=None, help="passed to export-mla (default: export-mla's)")
+    parser.add_argument("--refit", default="none",
+                        help="passed to export-mla (none reproduces the committed results; export-mla's default for the "
+                             "training-free uniform export is output-local)")
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args()
     started = time.perf_counter()
     provenance = run_provenance(1, "one torch thread, no GPU")  # taken at the start: the commit that ran
     work = args.workdir or Path(tempfile.mkdtemp(prefix="mla_distill_"))
     work.mkdir(parents=True, exist_ok=True)
-    common = ["export-mla", MODEL, "--kv-share", str(args.kv_share), "--dtype", "float32", "--calib-tokens", str(args.calib_tokens)]
+    common = ["export-mla", MODEL, "--kv-share", str(args.kv_share), "--dtype", "float32", "--calib-tokens", str(args.calib_tokens),
+              "--refit", args.refit]
     if args.position_free_queries is not None:
         common += ["--position-free-queries", args.position_free_queries]
     distill = ["--distill", "--distill-tokens", str(args.distill_tokens), "--distill-epochs", str(args.distill_epochs),

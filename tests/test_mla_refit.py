@@ -8,31 +8,20 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from kvrewrite.compile.mla_export import export_at_share, export_matches_maths
+from kvrewrite.compile.mla_export import export_at_share, export_matches_maths, prepare_source
 from kvrewrite.compile.mla_form import MLAWidths, compute_mla_layers, mla_reference_model, widths_for_share
 from kvrewrite.compile.mla_refit import refit_mla_output
 from kvrewrite.compile.plan import Plan
-from kvrewrite.method.mla import full_latent_rank
-from kvrewrite.compile.mla_export import prepare_source
 from kvrewrite.compile.passes.collect_statistics import CollectStatistics
 from kvrewrite.compile.passes.load_checkpoint import LoadCheckpoint
+from kvrewrite.method.mla import full_latent_rank
+from tests.test_mla_distill import _kl, _logits
 from tests.tiny_models import FixedCalibration, random_windows, save_tiny_llama
 
 # 64 calibration windows: with 16 the refit of the tiny model's 64 o_proj inputs fits the random tokens' noise, and
 # does not lower the KL on other random tokens.
 WINDOWS, LENGTH = 64, 48
-
-
-def _kl(reference: torch.Tensor, logits: torch.Tensor) -> float:
-    return float(F.kl_div(F.log_softmax(logits, -1).flatten(0, 1), F.log_softmax(reference, -1).flatten(0, 1),
-                          log_target=True, reduction="batchmean"))
-
-
-def _logits(model, tokens):
-    with torch.no_grad():
-        return model(tokens).logits
 
 
 @pytest.fixture(scope="module")

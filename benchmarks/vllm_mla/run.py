@@ -94,7 +94,7 @@ def export_command(source: Path, output: Path, calibration: Path, calib_tokens: 
     return [sys.executable, "-m", "kvrewrite.cli.app", "export-mla", str(source), "-o", str(output),
             "--kv-lora-rank", str(KV_LORA_RANK), "--qk-rope-head-dim", str(ROPE_DIM), "--dtype", "bfloat16",
             "--calibration", str(calibration), "--calib-tokens", str(calib_tokens), "--verify-tokens", "32",
-            "--position-free-queries", "source"]  # as export_large: random weights, nothing to measure
+            "--position-free-queries", "source", "--refit", "none"]  # as export_large: random weights, nothing to measure
 
 
 def export_large(source: Path, output: Path, calibration: Path, calib_tokens: int) -> None:

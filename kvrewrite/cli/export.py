@@ -20,8 +20,10 @@ DTYPES = {"auto": None, "bfloat16": "bfloat16", "float32": "float32", "float16":
 DISTILL_EPOCHS = 8.0
 NESTED_DISTILL_EPOCHS = 2.0
 DISTILL_LR = 1e-5
-# --refit default for one-width exports (a rate table's narrower widths, --distill-rates, are not refitted).
-DEFAULT_REFIT = "none"
+# --refit default where it was measured: a uniform export without --distill (held-out wiki and news, 512-token windows
+# and positions 2K-4K, docs/serving.md). An --allocation sensitivity export keeps its rate table (a refit serves the
+# exported widths only), and --distill was measured from the unrefitted form, so both default to none.
+DEFAULT_REFIT = "output-local"
 
 
 def _distill_settings(distill: bool, tokens: int | None, epochs: float | None, lr: float | None, calib_tokens: int,
@@ -58,13 +60,13 @@ def _nested_settings(rates: str | None, distill: bool, allocation: str, kv_share
     return {"distill_rates": parsed, "target_rate": parsed[0]}
 
 
-def _refit_settings(refit: str | None, refit_tokens: int | None, distill_rates: str | None) -> dict:
-    """Plan fields for the o_proj refit: the default for one-width exports; none for a nested (--distill-rates)
-    export, whose o_proj serves every rate of its table; an explicit refit there is refused by the plan."""
+def _refit_settings(refit: str | None, refit_tokens: int | None, allocation: str, distill: bool) -> dict:
+    """Plan fields for the o_proj refit: DEFAULT_REFIT for a uniform export without --distill, else none unless asked
+    for (an explicit refit with --distill-rates is refused by the plan: that o_proj serves every rate of its table)."""
     from kvrewrite.compile.plan import REFITS
     from kvrewrite.errors import InvalidArgumentError
 
-    chosen = refit if refit is not None else ("none" if distill_rates is not None else DEFAULT_REFIT)
+    chosen = refit if refit is not None else (DEFAULT_REFIT if allocation == "uniform" and not distill else "none")
     if chosen not in REFITS:
         raise InvalidArgumentError(f"--refit must be one of {', '.join(REFITS)}, got {chosen!r}")
     if chosen == "none" and refit_tokens is not None:
@@ -86,7 +88,7 @@ def export_mla(
     key_weight: float | None = typer.Option(None, "--key-weight", help="Weight of the key side against the value side in the latent's objective (default 0.25, chosen on calibration text)."),
     verify_tokens: int = typer.Option(128, "--verify-tokens", help="Tokens of one calibration window for the checks at the end."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
-    refit: str | None = typer.Option(None, "--refit", help=f"Least-squares refit of every o_proj at the exported widths, layer by layer: output (against the original model's attention outputs), output-local (against the original layer on the form's own inputs) or none. Default {DEFAULT_REFIT}; none with --distill-rates. A refitted export serves its exported widths only (docs/serving.md)."),
+    refit: str | None = typer.Option(None, "--refit", help=f"Least-squares refit of every o_proj at the exported widths, layer by layer (closed form, no run-time cost): output-local (against the original layer on the form's own inputs), output (against the original model's attention outputs) or none. Default: {DEFAULT_REFIT} for a uniform export, none with --allocation sensitivity (it keeps its rate table; a refitted export serves its exported widths only) or --distill (docs/serving.md)."),
     refit_tokens: int | None = typer.Option(None, "--refit-tokens", help="With --refit: calibration tokens the least squares read (default 16384)."),
     distill: bool = typer.Option(False, "--distill", help="Train the MLA form's attention weights at its widths against the original model's next-token distribution (no run-time cost; docs/distill.md)."),
     distill_tokens: int | None = typer.Option(None, "--distill-tokens", help="With --distill: calibration tokens it trains on, 1/16 of them held back for validation (default: every calibration token)."),
@@ -100,7 +102,7 @@ def export_mla(
         distilling = _distill_settings(distill, distill_tokens, distill_epochs, distill_lr, calib_tokens,
                                        nested=distill_rates is not None)
         distilling.update(_nested_settings(distill_rates, distill, allocation, kv_share, kv_lora_rank))
-        distilling.update(_refit_settings(refit, refit_tokens, distill_rates))
+        distilling.update(_refit_settings(refit, refit_tokens, allocation, distill))
         _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, verify_tokens, overwrite, console,
              kv_lora_rank, qk_rope_head_dim, distilling, allocation, position_free_queries=position_free_queries)
     except (KVRewriteError, ValueError) as exc:
