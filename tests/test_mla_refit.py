@@ -131,6 +131,22 @@ def test_the_cli_refits_an_allocated_export_and_drops_the_rates_it_was_not_fitte
     assert "rate_table" not in marker and "refit: o_proj of" in result.output
 
 
+def test_a_refit_before_distill_leaves_the_latent_norm_pass_to_the_distillation(tmp_path, monkeypatch):
+    """--refit with --distill: the distillation starts from the refitted form, and only its own pass over the
+    calibration windows sets the latent-norm bound (the refit's would be overwritten); the marker records both."""
+    from kvrewrite.compile import mla_form
+
+    passes = []
+    measure = mla_form._measure_attention_inputs
+    monkeypatch.setattr(mla_form, "_measure_attention_inputs", lambda *a, **k: passes.append(1) or measure(*a, **k))
+    result, out = _cli(tmp_path, "--kv-share", "0.5", "--refit", "output-local", "--distill", "--calib-tokens", "1024",
+                       "--distill-epochs", "1")
+    assert result.exit_code == 0, result.output
+    marker = json.loads((out / "config.json").read_text())["kvrewrite_mla"]
+    assert marker["refit"]["method"] == "output-local" and "distill" in marker
+    assert len(passes) == 1
+
+
 @pytest.mark.parametrize("extra, message", [
     (("--refit", "output", "--kv-share", "0.7", "--allocation", "sensitivity", "--distill", "--distill-rates", "0.3,0.5"),
      "compiled ranks only"),

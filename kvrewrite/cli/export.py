@@ -184,7 +184,8 @@ def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, 
     if plan.refit != "none":
         from kvrewrite.compile.mla_refit import refit_mla_output
 
-        refitted = refit_mla_output(prepared, layers, plan.refit, plan.refit_tokens, plan.refit_ridge, plan.progress)
+        refitted = refit_mla_output(prepared, layers, plan.refit, plan.refit_tokens, plan.refit_ridge, plan.progress,
+                                    measure_inputs=not plan.distill)  # a --distill after it measures its own form
         layers, norms, provenance = refitted.layers, refitted.max_square_norms, {"refit": refitted.provenance()}
         served_rates = None  # fitted for the exported widths: the narrower rates of a table are not served
         errors = [(r.relative_error_before, r.relative_error_after) for r in refitted.reports]

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvrewrite.compile.mla_form import MLAReferenceAttention, measure_attention_inputs, mla_layers_of, mla_reference_model
+from kvrewrite.compile.mla_form import MLAReferenceAttention, latent_norm_inputs, mla_layers_of, mla_reference_model
 from kvrewrite.compile.passes.distill_attention import split_distill_windows
 from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.method.attention_distillation import DistillReport, DistillSettings, RateMix, distill_attention
@@ -107,10 +107,9 @@ def distill_mla_layers(prepared, layers: list[MLALayer], progress: bool = True,
                                    progress=progress, mix=mix)
     finally:
         teacher.to("cpu")
-    inputs, latents = measure_attention_inputs(student, calibration.to(device), progress)  # on the training device
+    norms, latents = latent_norm_inputs(prepared, student, calibration.to(device), progress)  # on the training device
     student.to("cpu")
     trained = mla_layers_of(student, layers)
-    norms = [max(a, b) for a, b in zip(prepared.inputs.max_square_norms, inputs)]
     return MLADistillResult(trained, report, norms, latents, tuple(mix.names) if mix is not None else ())
 
 

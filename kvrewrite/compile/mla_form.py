@@ -185,7 +185,9 @@ def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     return torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2)
 
 
-MLA_WEIGHT_NAMES = ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+# The MLA weights the reference attention holds as tensors; o_proj, the fourth, is an nn.Linear (below).
+MLA_TENSOR_WEIGHT_NAMES = ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+MLA_WEIGHT_NAMES = (*MLA_TENSOR_WEIGHT_NAMES, "o_proj")
 
 
 class MLAReferenceAttention(nn.Module):
@@ -198,7 +200,7 @@ class MLAReferenceAttention(nn.Module):
     def __init__(self, layer: MLALayer, num_heads: int, dtype: torch.dtype, trainable: bool = False):
         super().__init__()
         self.layer, self.num_heads = layer, num_heads
-        for name in MLA_WEIGHT_NAMES[:-1]:
+        for name in MLA_TENSOR_WEIGHT_NAMES:
             weight = getattr(layer, name).to(dtype)
             if trainable:
                 self.register_parameter(name, nn.Parameter(weight.clone()))
@@ -255,13 +257,13 @@ def mla_layers_of(model: nn.Module, layers: list[MLALayer]) -> list[MLALayer]:
     found = []
     for decoder_layer, layer in zip(adapter.decoder_layers(model), layers):
         attention = getattr(decoder_layer, adapter.attention_attr)
-        weights = {name: getattr(attention, name) for name in MLA_WEIGHT_NAMES[:-1]} | {"o_proj": attention.o_proj.weight}
+        weights = {name: getattr(attention, name) for name in MLA_TENSOR_WEIGHT_NAMES} | {"o_proj": attention.o_proj.weight}
         found.append(dataclasses.replace(
             layer, **{name: weight.detach().to("cpu", torch.float64).clone() for name, weight in weights.items()}))
     return found
 
 
-def measure_attention_inputs(model, windows: torch.Tensor, progress: bool = False) -> tuple[list[float], list[float]]:
+def _measure_attention_inputs(model, windows: torch.Tensor, progress: bool = False) -> tuple[list[float], list[float]]:
     """Per MLA layer of `model`: the largest ||x||^2 at its input and the largest mean(c^2) of its latent c, over
     every token of `windows` (one window at a time, no gradients)."""
     attentions = [m for m in model.modules() if isinstance(m, MLAReferenceAttention)]
@@ -286,3 +288,11 @@ def measure_attention_inputs(model, windows: torch.Tensor, progress: bool = Fals
         for handle in handles:
             handle.remove()
     return inputs, latents
+
+
+def latent_norm_inputs(prepared, model, windows: torch.Tensor, progress: bool = False) -> tuple[list[float], list[float]]:
+    """For the latent-norm bound of a form whose weights changed after the statistics (refit, distillation): per
+    layer, the larger of the original's and `model`'s largest ||x||^2 at the attention input (its residual stream
+    differs from the original's), and `model`'s largest latent mean(c^2), over `windows`."""
+    inputs, latents = _measure_attention_inputs(model, windows, progress)
+    return [max(a, b) for a, b in zip(prepared.inputs.max_square_norms, inputs)], latents

@@ -12,11 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-import torch
-
-from kvrewrite.compile.mla_form import measure_attention_inputs, mla_reference_model
+from kvrewrite.compile.mla_form import latent_norm_inputs, mla_reference_model
 from kvrewrite.method.mla import MLALayer
-from kvrewrite.method.output_refit import RefitLayerReport, refit_output_projections
+from kvrewrite.method.output_refit import RefitLayerReport, refit_output_projections, refit_windows
 from kvrewrite.progress import progress_bar
 
 # --refit choice -> refit_output_projections' target (as `compress --refit`).
@@ -30,7 +28,8 @@ class MLARefitResult:
     tokens: int  # calibration tokens the least squares read
     ridge: float
     reports: list[RefitLayerReport]  # per layer: ||z W^T - t|| / ||t|| before and after
-    max_square_norms: list[float]  # per layer, for the latent-norm bound: max(original's, refitted form's) ||x||^2
+    # per layer, for the latent-norm bound: max(original's, refitted form's) ||x||^2; None when not measured
+    max_square_norms: list[float] | None
 
     def provenance(self) -> dict:
         return {"method": self.method, "target": REFIT_TARGETS[self.method], "tokens": self.tokens, "ridge": self.ridge,
@@ -39,16 +38,16 @@ class MLARefitResult:
 
 
 def refit_mla_output(prepared, layers: list[MLALayer], method: str, tokens: int, ridge: float,
-                     progress: bool = False) -> MLARefitResult:
+                     progress: bool = False, measure_inputs: bool = True) -> MLARefitResult:
     """The MLA form `layers` of prepared.ctx's source with every o_proj refitted on the first `tokens` calibration
     tokens (whole windows, at least one), all run as one batch (memory: one layer's activations of them).
 
     The refitted o_proj change every later layer's input, so the latent-norm bound then reads the larger of the
-    original's and the refitted form's largest attention input on the calibration windows (as --distill does)."""
+    original's and the refitted form's largest attention input on the calibration windows (as --distill does).
+    measure_inputs=False skips that pass (a --distill that follows measures its own trained form)."""
     ctx = prepared.ctx
     original = ctx.original_model()
-    n_windows = max(1, -(-tokens // ctx.calibration_tokens.shape[1]))
-    windows = ctx.calibration_tokens[:n_windows]
+    windows = refit_windows(ctx.calibration_tokens, tokens)
     model = mla_reference_model(original, layers)
     with progress_bar(f"o_proj refit ({method}), layer by layer", ctx.geometry.num_layers, progress) as bar:
         reports = refit_output_projections(model, original, ctx.adapter, windows, ridge=ridge, target=REFIT_TARGETS[method],
@@ -56,6 +55,5 @@ def refit_mla_output(prepared, layers: list[MLALayer], method: str, tokens: int,
     # Only o_proj changed; the other weights keep their float64 values rather than the model's copies.
     refitted = [replace(layer, o_proj=ctx.adapter.output_projection(ctx.adapter.attention(decoder_layer)).weight.detach().double().clone())
                 for layer, decoder_layer in zip(layers, ctx.adapter.decoder_layers(model))]
-    inputs, _ = measure_attention_inputs(model, ctx.calibration_tokens, progress)
-    norms = [max(a, b) for a, b in zip(prepared.inputs.max_square_norms, inputs)]
+    norms = latent_norm_inputs(prepared, model, ctx.calibration_tokens, progress)[0] if measure_inputs else None
     return MLARefitResult(refitted, method, int(windows.numel()), ridge, reports, norms)

@@ -31,6 +31,11 @@ class RefitLayerReport:
     relative_error_after: float  # the same with the refitted o_proj
 
 
+def refit_windows(calibration_tokens: torch.Tensor, tokens: int) -> torch.Tensor:
+    """The first calibration windows holding `tokens` tokens, rounded up to whole windows (at least one)."""
+    return calibration_tokens[:max(1, -(-tokens // calibration_tokens.shape[1]))]
+
+
 def least_squares_output(z: torch.Tensor, target: torch.Tensor, ridge: float) -> torch.Tensor:
     """argmin_W ||z W^T - target||^2 + lam ||W||^2, lam = ridge * mean diag(z^T z); float64, -> [out, in]."""
     gram = z.T @ z

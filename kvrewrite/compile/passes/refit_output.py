@@ -11,7 +11,7 @@ import dataclasses
 
 from kvrewrite.compile.compiled_rank import keep_only_compiled_rate, remeasure_compiled_rank, whole_compressed_model
 from kvrewrite.compile.passes.context import CompileContext
-from kvrewrite.method.output_refit import refit_output_projections, scatter_refit_columns
+from kvrewrite.method.output_refit import refit_output_projections, refit_windows, scatter_refit_columns
 
 
 class RefitOutput:
@@ -28,8 +28,7 @@ class RefitOutput:
         if plan.refit == "none":
             return {}
         geo = ctx.geometry
-        n_windows = max(1, -(-plan.refit_tokens // ctx.calibration_tokens.shape[1]))
-        windows = ctx.calibration_tokens[:n_windows]
+        windows = refit_windows(ctx.calibration_tokens, plan.refit_tokens)
         original = ctx.original_model()
         model = whole_compressed_model(ctx.folded, ctx.spec)
         target = "layer" if plan.refit == "output-local" else "model"
