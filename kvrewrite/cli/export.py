@@ -60,18 +60,46 @@ def _nested_settings(rates: str | None, distill: bool, allocation: str, kv_share
     return {"distill_rates": parsed, "target_rate": parsed[0]}
 
 
-def _refit_settings(refit: str | None, refit_tokens: int | None, allocation: str, distill: bool) -> dict:
-    """Plan fields for the o_proj refit: DEFAULT_REFIT for a uniform export without --distill, else none unless asked
-    for (an explicit refit with --distill-rates is refused by the plan: that o_proj serves every rate of its table)."""
+def _refit_settings(refit: str | None, refit_tokens: int | None, allocation: str, distill: bool,
+                    rates_given: bool = False) -> dict:
+    """Plan fields for the o_proj refit: DEFAULT_REFIT for a uniform export without --distill or with --refit-rates,
+    else none unless asked for (an explicit refit with --distill-rates is refused by the plan: that o_proj serves
+    every rate of its table)."""
     from kvrewrite.compile.plan import REFITS
     from kvrewrite.errors import InvalidArgumentError
 
-    chosen = refit if refit is not None else (DEFAULT_REFIT if allocation == "uniform" and not distill else "none")
+    chosen = refit if refit is not None else (DEFAULT_REFIT if rates_given or (allocation == "uniform" and not distill)
+                                              else "none")
     if chosen not in REFITS:
         raise InvalidArgumentError(f"--refit must be one of {', '.join(REFITS)}, got {chosen!r}")
     if chosen == "none" and refit_tokens is not None:
         raise InvalidArgumentError("--refit-tokens only applies with --refit output or output-local")
+    if chosen == "none" and rates_given:
+        raise InvalidArgumentError("--refit-rates refits o_proj at each rate; it needs --refit output or output-local")
     return {"refit": chosen, **({} if refit_tokens is None else {"refit_tokens": refit_tokens})}
+
+
+def _refit_rates(rates: str | None, distill: bool, allocation: str, kv_share: float,
+                 kv_lora_rank: int | None) -> tuple[float, ...]:
+    """The rates of --refit-rates, checked before any work: the widest is the export's own (1 - --kv-share)."""
+    from kvrewrite.compile.mla_rate_refit import parse_refit_rates
+    from kvrewrite.compile.plan import DEFAULT_RATE_GRID
+    from kvrewrite.errors import InvalidArgumentError
+    from kvrewrite.spec import rate_key
+
+    if rates is None:
+        return ()
+    if distill or kv_lora_rank is not None:
+        raise InvalidArgumentError("--refit-rates refits a training-free export at a --kv-share; it does not combine "
+                                   "with --distill or --kv-lora-rank")
+    parsed = parse_refit_rates(rates)
+    if round(1 - kv_share, 4) != parsed[0]:
+        raise InvalidArgumentError(f"--refit-rates starts at {parsed[0]:g}: export at --kv-share {1 - parsed[0]:g}, the "
+                                   "widest rate, so every refitted rate is a prefix of the exported widths")
+    grid = {rate_key(r) for r in DEFAULT_RATE_GRID}
+    if allocation == "sensitivity" and (off := [f"{r:g}" for r in parsed if rate_key(r) not in grid]):
+        raise InvalidArgumentError(f"--refit-rates {', '.join(off)} are not on the rate table's grid (steps of 0.05)")
+    return parsed
 
 
 def export_mla(
@@ -95,6 +123,7 @@ def export_mla(
     distill_epochs: float | None = typer.Option(None, "--distill-epochs", help=f"With --distill: passes over the distillation tokens; the best epoch on the validation windows is kept (default {DISTILL_EPOCHS:g}, with --distill-rates {NESTED_DISTILL_EPOCHS:g})."),
     distill_lr: float | None = typer.Option(None, "--distill-lr", help=f"With --distill: Adam learning rate, cosine decay (default {DISTILL_LR:g})."),
     distill_rates: str | None = typer.Option(None, "--distill-rates", help="With --distill and --allocation sensitivity: A,B trains every rate of the rate table from A to B together (nested over the latent widths; one file serves them all). A must be 1 - --kv-share."),
+    refit_rates: str | None = typer.Option(None, "--refit-rates", help=f"A,B,...: one file serving these rates, o_proj refitted at each on its own (the stock weights hold A's, the others a side file kvrewrite.load(dir, rate=p) reads; no run-time cost). A must be 1 - --kv-share; widths uniform, or the rate table's with --allocation sensitivity. --refit defaults to {DEFAULT_REFIT} (docs/serving.md)."),
 ) -> None:
     """Compute a multi-head latent (MLA) form from calibration statistics and write it as a stock DeepSeek-V3 checkpoint."""
     console = Console() if sys.stdout.isatty() else Console(width=140)
@@ -102,9 +131,11 @@ def export_mla(
         distilling = _distill_settings(distill, distill_tokens, distill_epochs, distill_lr, calib_tokens,
                                        nested=distill_rates is not None)
         distilling.update(_nested_settings(distill_rates, distill, allocation, kv_share, kv_lora_rank))
-        distilling.update(_refit_settings(refit, refit_tokens, allocation, distill))
+        refitted_rates = _refit_rates(refit_rates, distill, allocation, kv_share, kv_lora_rank)
+        distilling.update(_refit_settings(refit, refit_tokens, allocation, distill, rates_given=bool(refitted_rates)))
         _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, verify_tokens, overwrite, console,
-             kv_lora_rank, qk_rope_head_dim, distilling, allocation, position_free_queries=position_free_queries)
+             kv_lora_rank, qk_rope_head_dim, distilling, allocation, position_free_queries=position_free_queries,
+             refit_rates=refitted_rates)
     except (KVRewriteError, ValueError) as exc:
         console.print(f"[bold red]error:[/] {escape(str(exc))}")
         raise typer.Exit(code=2) from None
@@ -112,7 +143,7 @@ def export_mla(
 
 def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, verify_tokens, overwrite, console,
          kv_lora_rank=None, qk_rope_head_dim=None, distilling: dict | None = None, allocation: str = "uniform", *,
-         position_free_queries: str) -> None:
+         position_free_queries: str, refit_rates: tuple[float, ...] = ()) -> None:
     import torch
 
     from kvrewrite.adapters import adapter_for
@@ -180,8 +211,24 @@ def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, 
     else:
         with progress_bar("MLA form per layer", ctx.geometry.num_layers, plan.progress) as bar:
             layers = mla_layers_at_widths(prepared, widths, progress=bar.advance, **weighting)
-    norms, provenance, distilled = None, {}, None
-    if plan.refit != "none":
+    norms, provenance, distilled, rate_o_proj = None, {}, None, None
+    if refit_rates:
+        from kvrewrite.compile.mla_rate_refit import refit_mla_at_rates, uniform_rate_widths
+
+        if allocation == "sensitivity":
+            missing = [rate_key(r) for r in refit_rates if rate_key(r) not in served_rates]
+            if missing:
+                raise InvalidArgumentError(f"--refit-rates {', '.join(missing)} are not in the export's rate table "
+                                           f"({', '.join(served_rates)})")
+            table = {rate_key(r): served_rates[rate_key(r)] for r in refit_rates}
+        else:
+            table = uniform_rate_widths(refit_rates, 2 * ctx.geometry.num_key_value_heads * ctx.geometry.head_dim,
+                                        widths.qk_rope_head_dim, widths.kv_lora_rank, ctx.geometry.num_layers)
+        rated = refit_mla_at_rates(prepared, layers, table, plan.refit, plan.refit_tokens, plan.refit_ridge, plan.progress)
+        layers, norms, rate_o_proj = rated.layers, rated.max_square_norms, rated.rate_o_proj
+        provenance, served_rates = {"refit": rated.provenance()}, rated.rate_table
+        _print_rate_refits(console, rated)
+    elif plan.refit != "none":
         from kvrewrite.compile.mla_refit import refit_mla_output
 
         refitted = refit_mla_output(prepared, layers, plan.refit, plan.refit_tokens, plan.refit_ridge, plan.progress,
@@ -212,7 +259,7 @@ def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, 
     if allocation_record is not None:  # kept in the marker: how the widths were placed (the probes stay out of config.json)
         provenance["allocation"] = {k: v for k, v in allocation_record.items() if k != "probes"}
     summary = export_at_share(prepared, layers, output, dtype=chosen, overwrite=overwrite, max_square_norms=norms,
-                              provenance=provenance, rate_table=served_rates)
+                              provenance=provenance, rate_table=served_rates, rate_o_proj=rate_o_proj)
 
     tokens = ctx.calibration_tokens[:1, :verify_tokens]
     full_diff = full_width_max_logit_diff(prepared, tokens)
@@ -234,8 +281,22 @@ def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, 
                   f"max |Δlogit| = {export_diff:.2e}")
     if served_rates:
         console.print(f"rate table: kvrewrite.load(DIR, rate=p) serves p = {', '.join(served_rates)} from this file "
-                      "(per-layer widths, prefixes of the exported ones)")
+                      "(per-layer widths, prefixes of the exported ones"
+                      + (", each with its own refitted o_proj)" if rate_o_proj is not None else ")"))
     console.print(f"wrote {output} (DeepseekV3ForCausalLM; load with AutoModelForCausalLM.from_pretrained)")
+
+
+def _print_rate_refits(console, rated) -> None:
+    table = Table(title="o_proj refitted per rate (--refit-rates): relative error of the attention output, mean over layers")
+    for column in ("rate", "mean latent width", "before", "after", "stored in"):
+        table.add_column(column, justify="right")
+    for key, refit in rated.refits.items():
+        widths = rated.rate_table[key]
+        before = sum(r.relative_error_before for r in refit.reports) / len(refit.reports)
+        after = sum(r.relative_error_after for r in refit.reports) / len(refit.reports)
+        table.add_row(key, f"{sum(widths) / len(widths):g}", f"{before:.3f}", f"{after:.3f}",
+                      "side file" if key in rated.rate_o_proj else "stock weights")
+    console.print(table)
 
 
 def _source_dtype(config):

@@ -12,6 +12,8 @@
 - Per-layer latent widths (`export-mla --allocation sensitivity`): every layer is zero-padded to the widest one,
   whose width is the config's kv_lora_rank, and the marker lists the true widths (`kv_lora_ranks`). Stock engines run
   the padded form (same outputs, padded cache); kvrewrite's runtime drops the zero rows and caches the true widths.
+- `--refit-rates`: every narrower served rate's own o_proj in `kvrewrite_rates/o_proj.safetensors`, which no engine
+  reads (runtime/mla/rate_projections.py); the stock weights hold the widest rate's.
 - Written atomically: nothing is left at the output if anything fails.
 """
 
@@ -25,6 +27,7 @@ from pathlib import Path
 import torch
 
 from kvrewrite.runtime.mla.checkpoint import LATENT_RANKS_KEY, MLA_FORMAT_VERSION, MLA_MARKER, RATE_TABLE_KEY
+from kvrewrite.runtime.mla.rate_projections import RATE_O_PROJ_FILE, RATE_O_PROJ_KEY, rate_o_proj_name
 from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.io.checkpoint_io import atomic_output_dir, write_safetensors_shards
 from kvrewrite.method.latent_norm import LatentNormNeutraliser, dtype_holds_latent, neutralise_latent_norm
@@ -124,10 +127,13 @@ def deepseek_v3_config(source_config, layer: MLALayer, dtype: torch.dtype, prove
 
 def export_deepseek_v3(source, layers: list[MLALayer], max_square_norms: list[float], output: Path, *,
                        dtype: torch.dtype, norm_tolerance: float = 1e-6, overwrite: bool = False,
-                       provenance: dict | None = None, rate_table: dict[str, list[int]] | None = None) -> ExportSummary:
+                       provenance: dict | None = None, rate_table: dict[str, list[int]] | None = None,
+                       rate_o_proj: dict[str, list[torch.Tensor]] | None = None) -> ExportSummary:
     """source: compile.layer_streaming.SourceModel of the original; layers: its MLA form; max_square_norms: per layer
     the largest calibration ||x||^2 at the attention input (bounds the latent's mean square for the norm);
-    provenance: extra keys for the config's kvrewrite_mla marker (how the form was made, e.g. its distillation)."""
+    provenance: extra keys for the config's kvrewrite_mla marker (how the form was made, e.g. its distillation);
+    rate_o_proj: rate key -> per-layer o_proj for that rate of rate_table (--refit-rates), written to the side file
+    runtime/mla/rate_projections.py reads."""
     from kvrewrite.compile.mla_form import latent_max_mean_square
 
     eps = TRANSFORMERS_LATENT_NORM_EPS
@@ -141,12 +147,24 @@ def export_deepseek_v3(source, layers: list[MLALayer], max_square_norms: list[fl
         )
     if len({layer.qk_rope_head_dim for layer in layers}) != 1:
         raise InvalidArgumentError("every layer of a DeepSeek-V3 export has the same qk_rope_head_dim")
-    config = deepseek_v3_config(source.config, layers[0], dtype, {**latent_width_marker(layers, rate_table), **(provenance or {})},
-                                kv_lora_rank=padded_latent_rank(layers))
+    unserved = sorted(set(rate_o_proj or {}) - set(rate_table or {}))
+    if unserved:
+        raise InvalidArgumentError(f"o_proj given for rates {unserved} that the rate table does not serve")
+    marker = {**latent_width_marker(layers, rate_table), **(provenance or {})}
+    if rate_o_proj:
+        marker[RATE_O_PROJ_KEY] = sorted(rate_o_proj)
+    config = deepseek_v3_config(source.config, layers[0], dtype, marker, kv_lora_rank=padded_latent_rank(layers))
     state = _weights(source, layers, neutralisers, dtype)
     with atomic_output_dir(Path(output), overwrite=overwrite) as tmp:
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         write_safetensors_shards(tmp, state, {"kvrewrite_form": "mla-deepseek-v3"}, max_shard_size="2GB")
+        if rate_o_proj:  # beside the stock weights, where no engine reads it
+            from safetensors.torch import save_file
+
+            (tmp / RATE_O_PROJ_FILE).parent.mkdir(parents=True)
+            save_file({rate_o_proj_name(key, idx): weight.to(dtype).contiguous()
+                       for key, weights in rate_o_proj.items() for idx, weight in enumerate(weights)},
+                      str(tmp / RATE_O_PROJ_FILE), metadata={"kvrewrite_form": "mla-rate-o-proj"})
         for name in TOKENIZER_FILES:
             if (source.directory / name).is_file():
                 shutil.copy2(source.directory / name, tmp / name)

@@ -134,15 +134,17 @@ def mla_layers_allocated(prepared: PreparedSource, kv_share: float, key_weight: 
 
 def export_at_share(prepared: PreparedSource, layers: list[MLALayer], output: Path, *, dtype: torch.dtype,
                     overwrite: bool = False, max_square_norms: list[float] | None = None,
-                    provenance: dict | None = None, rate_table: dict[str, list[int]] | None = None) -> ExportSummary:
+                    provenance: dict | None = None, rate_table: dict[str, list[int]] | None = None,
+                    rate_o_proj: dict[str, list[torch.Tensor]] | None = None) -> ExportSummary:
     """max_square_norms: the attention inputs' largest ||x||^2 per layer for the latent-norm bound (default: the
     original's on the calibration windows; a distilled form passes its own, mla_distill.py); rate_table: narrower
-    per-layer widths that kvrewrite.load(dir, rate=p) serves from the same file (AllocatedForm.rate_table)."""
+    per-layer widths that kvrewrite.load(dir, rate=p) serves from the same file (AllocatedForm.rate_table);
+    rate_o_proj: each narrower rate's own refitted o_proj (mla_rate_refit.py)."""
     norms = prepared.inputs.max_square_norms if max_square_norms is None else max_square_norms
     # The source, as the user named it: `kvrewrite eval` compares the export with it.
     marker = {"source_model": prepared.ctx.plan.model, **(provenance or {})}
     return export_deepseek_v3(prepared.ctx.source, layers, norms, output, dtype=dtype, overwrite=overwrite,
-                              provenance=marker, rate_table=rate_table)
+                              provenance=marker, rate_table=rate_table, rate_o_proj=rate_o_proj)
 
 
 def full_width_max_logit_diff(prepared: PreparedSource, tokens: torch.Tensor) -> float:

@@ -14,7 +14,9 @@ from kvrewrite.runtime.modeling.attention import PACKED_ATTENTION, packed_attent
 from kvrewrite.runtime.mla.checkpoint import (
     MLA_MARKER, RATE_TABLE_KEY, absorb_attention, check_mla_marker, is_mla_checkpoint, widths_at_rate,
 )
+from kvrewrite.runtime.mla.rate_projections import load_rate_o_proj, rates_with_o_proj
 from kvrewrite.runtime.modeling.families import COMPRESSED_FAMILIES
+from kvrewrite.spec import rate_key
 
 COMPRESSED_MODEL_CLASSES = {model_type: model_class for model_type, (_, model_class) in COMPRESSED_FAMILIES.items()}
 
@@ -147,17 +149,20 @@ def load(name_or_path, rate: float | None = None, **kwargs):
 
 def load_mla(directory: Path, config: dict, rate: float | None = None, **kwargs):
     """A kvrewrite MLA export: stock DeepseekV3ForCausalLM, loaded strictly, with absorbed attention; at a rate of its
-    rate table (an --allocation sensitivity export), every layer narrowed to that rate's latent width."""
+    rate table (--allocation sensitivity or --refit-rates), every layer narrowed to that rate's latent width and,
+    where the export refitted o_proj for that rate (--refit-rates), that rate's o_proj read from its side file."""
     from transformers import DeepseekV3ForCausalLM
 
     check_mla_marker(config, str(directory / "config.json"))
     if rate is not None and not config[MLA_MARKER].get(RATE_TABLE_KEY):
         raise CorruptCheckpointError(
             f"{directory} is an MLA export: its latent width is fixed at export time and it has no rate table "
-            f"(got rate={rate}); load it without rate, or export with --allocation sensitivity"
+            f"(got rate={rate}); load it without rate, or export with --allocation sensitivity or --refit-rates"
         )
     kwargs.pop("output_loading_info", None)
     model, info = DeepseekV3ForCausalLM.from_pretrained(directory, output_loading_info=True, **kwargs)
     ensure_complete_load(info, directory)
     widths = None if rate is None else widths_at_rate(model.config, rate, str(directory))
+    if rate is not None and rate_key(rate) in rates_with_o_proj(config[MLA_MARKER]):  # export-mla --refit-rates
+        load_rate_o_proj(model, directory, rate_key(rate))
     return absorb_attention(model, widths)
