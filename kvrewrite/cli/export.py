@@ -191,6 +191,12 @@ def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, 
         if narrowest < RANK_MULTIPLE:
             raise InvalidArgumentError(f"--distill-rates up to {plan.distill_rates[-1]:g} leaves a latent of {narrowest} per layer; "
                                        f"the largest rate keeps at least {RANK_MULTIPLE}")
+    uniform_rates = None
+    if refit_rates and allocation == "uniform":  # every rate's widths, from the config alone
+        from kvrewrite.compile.mla_rate_refit import uniform_rate_widths
+
+        uniform_rates = uniform_rate_widths(refit_rates, 2 * geometry.num_key_value_heads * geometry.head_dim,
+                                            widths.qk_rope_head_dim, widths.kv_lora_rank, geometry.num_layers)
     check_output_location(output, source=None, overwrite=overwrite)
     prepared = prepare_source(plan, position_free_queries=position_free_queries)
     ctx = prepared.ctx
@@ -213,17 +219,15 @@ def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, 
             layers = mla_layers_at_widths(prepared, widths, progress=bar.advance, **weighting)
     norms, provenance, distilled, rate_o_proj = None, {}, None, None
     if refit_rates:
-        from kvrewrite.compile.mla_rate_refit import refit_mla_at_rates, uniform_rate_widths
+        from kvrewrite.compile.mla_rate_refit import refit_mla_at_rates
 
+        table = uniform_rates
         if allocation == "sensitivity":
             missing = [rate_key(r) for r in refit_rates if rate_key(r) not in served_rates]
             if missing:
                 raise InvalidArgumentError(f"--refit-rates {', '.join(missing)} are not in the export's rate table "
                                            f"({', '.join(served_rates)})")
             table = {rate_key(r): served_rates[rate_key(r)] for r in refit_rates}
-        else:
-            table = uniform_rate_widths(refit_rates, 2 * ctx.geometry.num_key_value_heads * ctx.geometry.head_dim,
-                                        widths.qk_rope_head_dim, widths.kv_lora_rank, ctx.geometry.num_layers)
         rated = refit_mla_at_rates(prepared, layers, table, plan.refit, plan.refit_tokens, plan.refit_ridge, plan.progress)
         layers, norms, rate_o_proj = rated.layers, rated.max_square_norms, rated.rate_o_proj
         provenance, served_rates = {"refit": rated.provenance()}, rated.rate_table
