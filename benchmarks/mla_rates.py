@@ -30,6 +30,12 @@ from decode import run_provenance  # noqa: E402  (the provenance header every be
 SOURCE = "smollm2-135m"
 
 
+def export_file_bytes(directory: Path) -> dict[str, int]:
+    """Bytes of every weight file of an export (the stock shards, and --refit-rates' side file), by relative path."""
+    return {path.relative_to(directory).as_posix(): path.stat().st_size
+            for path in sorted(directory.rglob("*.safetensors"))}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--export", action="append", required=True, help="NAME=DIR, repeatable")
@@ -60,6 +66,7 @@ def main() -> None:
     record = {**run_provenance(int(os.environ.get("OMP_NUM_THREADS", "1")), "one process"),
               "exports": {name: json.loads((Path(d) / "config.json").read_text())["kvrewrite_mla"] for name, d in exports.items()},
               "compiles": {name: time_v_report(Path(log).read_text()) for name, log in compile_logs.items()},
+              "export_files": {name: export_file_bytes(Path(d)) for name, d in exports.items()},
               "tokens": args.tokens, "runs": []}
     original = load_fp32_model(resolve_model_source(SOURCE).path)
     tokenizer = AutoTokenizer.from_pretrained(next(iter(exports.values())))
