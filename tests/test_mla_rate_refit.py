@@ -147,10 +147,32 @@ def test_the_cli_serves_an_allocated_tables_refitted_rates(tmp_path):
     assert "o_proj refitted per rate" in result.output and (out / RATE_O_PROJ_FILE).is_file()
 
 
+def test_after_a_nested_distillation_each_rate_is_refitted_on_the_trained_weights(tmp_path):
+    """--distill --distill-rates with --refit-rates: the refit runs after the training, on its weights, and the file
+    serves exactly the refitted rates; the trained latent and query weights are the stock file's at every rate."""
+    import kvrewrite
+    from safetensors.torch import load_file
+
+    result, out = _cli(tmp_path, "--kv-share", "0.7", "--allocation", "sensitivity", "--distill", "--distill-rates",
+                       "0.3,0.5", "--distill-epochs", "1", "--calib-tokens", "1024", "--refit-rates", "0.3,0.4")
+    assert result.exit_code == 0, result.output
+    marker = json.loads((out / "config.json").read_text())["kvrewrite_mla"]
+    assert marker["refit"]["after"] == "distill" and "distill" in marker
+    assert set(marker["rate_table"]) == {"0.30", "0.40"} and marker["rate_o_proj"] == ["0.40"]
+    stock = load_file(str(out / "model.safetensors"))
+    narrow = kvrewrite.load(out, rate=0.4, dtype=torch.float32)
+    side = load_file(str(out / RATE_O_PROJ_FILE))
+    layer = narrow.model.layers[1].self_attn
+    assert torch.equal(layer.o_proj.weight.detach(), side[rate_o_proj_name("0.40", 1)])
+    assert torch.equal(layer.q_proj.weight.detach(), stock["model.layers.1.self_attn.q_proj.weight"])
+
+
 @pytest.mark.parametrize("extra, message", [
     (("--kv-share", "0.7", "--refit-rates", "0.3,0.5", "--refit", "none"), "needs --refit output or output-local"),
     (("--kv-share", "0.5", "--refit-rates", "0.3,0.5"), "export at --kv-share 0.7"),
     (("--kv-share", "0.7", "--refit-rates", "0.3,0.5", "--distill"), "does not combine"),
+    (("--kv-share", "0.7", "--allocation", "sensitivity", "--distill", "--distill-rates", "0.3,0.5",
+      "--refit-rates", "0.3,0.6"), "must lie within --distill-rates 0.3..0.5"),
     (("--kv-lora-rank", "20", "--refit-rates", "0.3,0.5"), "does not combine"),
     (("--kv-share", "0.7", "--refit-rates", "0.3,0.52", "--allocation", "sensitivity"), "not on the rate table's grid"),
     (("--kv-share", "0.7", "--refit-rates", "0.3,0.5,0.8"), "leaves a latent of"),

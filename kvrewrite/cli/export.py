@@ -80,8 +80,9 @@ def _refit_settings(refit: str | None, refit_tokens: int | None, allocation: str
 
 
 def _refit_rates(rates: str | None, distill: bool, allocation: str, kv_share: float,
-                 kv_lora_rank: int | None) -> tuple[float, ...]:
-    """The rates of --refit-rates, checked before any work: the widest is the export's own (1 - --kv-share)."""
+                 kv_lora_rank: int | None, nested: tuple[float, ...] = ()) -> tuple[float, ...]:
+    """The rates of --refit-rates, checked before any work: the widest is the export's own (1 - --kv-share); with a
+    nested --distill (nested: its --distill-rates A,B) every one lies within A..B, refitted after the training."""
     from kvrewrite.compile.mla_rate_refit import parse_refit_rates
     from kvrewrite.compile.plan import DEFAULT_RATE_GRID
     from kvrewrite.errors import InvalidArgumentError
@@ -89,10 +90,13 @@ def _refit_rates(rates: str | None, distill: bool, allocation: str, kv_share: fl
 
     if rates is None:
         return ()
-    if distill or kv_lora_rank is not None:
-        raise InvalidArgumentError("--refit-rates refits a training-free export at a --kv-share; it does not combine "
-                                   "with --distill or --kv-lora-rank")
+    if (distill and not nested) or kv_lora_rank is not None:
+        raise InvalidArgumentError("--refit-rates refits an export at a --kv-share, training-free or after a nested "
+                                   "--distill-rates; it does not combine with a single-rate --distill or --kv-lora-rank")
     parsed = parse_refit_rates(rates)
+    if nested and not nested[0] <= parsed[-1] <= nested[-1]:
+        raise InvalidArgumentError(f"--refit-rates must lie within --distill-rates {nested[0]:g}..{nested[-1]:g}, the "
+                                   "rates the nested distillation trains")
     if round(1 - kv_share, 4) != parsed[0]:
         raise InvalidArgumentError(f"--refit-rates starts at {parsed[0]:g}: export at --kv-share {1 - parsed[0]:g}, the "
                                    "widest rate, so every refitted rate is a prefix of the exported widths")
@@ -123,7 +127,7 @@ def export_mla(
     distill_epochs: float | None = typer.Option(None, "--distill-epochs", help=f"With --distill: passes over the distillation tokens; the best epoch on the validation windows is kept (default {DISTILL_EPOCHS:g}, with --distill-rates {NESTED_DISTILL_EPOCHS:g})."),
     distill_lr: float | None = typer.Option(None, "--distill-lr", help=f"With --distill: Adam learning rate, cosine decay (default {DISTILL_LR:g})."),
     distill_rates: str | None = typer.Option(None, "--distill-rates", help="With --distill and --allocation sensitivity: A,B trains every rate of the rate table from A to B together (nested over the latent widths; one file serves them all). A must be 1 - --kv-share."),
-    refit_rates: str | None = typer.Option(None, "--refit-rates", help=f"A,B,...: one file serving these rates, o_proj refitted at each on its own (the stock weights hold A's, the others a side file kvrewrite.load(dir, rate=p) reads; no run-time cost). A must be 1 - --kv-share; widths uniform, or the rate table's with --allocation sensitivity. --refit defaults to {DEFAULT_REFIT} (docs/serving.md)."),
+    refit_rates: str | None = typer.Option(None, "--refit-rates", help=f"A,B,...: one file serving these rates, o_proj refitted at each on its own (the stock weights hold A's, the others a side file kvrewrite.load(dir, rate=p) reads; no run-time cost). A must be 1 - --kv-share; widths uniform, or the rate table's with --allocation sensitivity. With --distill --distill-rates, each rate is refitted after the nested training. --refit defaults to {DEFAULT_REFIT} (docs/serving.md)."),
 ) -> None:
     """Compute a multi-head latent (MLA) form from calibration statistics and write it as a stock DeepSeek-V3 checkpoint."""
     console = Console() if sys.stdout.isatty() else Console(width=140)
@@ -131,11 +135,19 @@ def export_mla(
         distilling = _distill_settings(distill, distill_tokens, distill_epochs, distill_lr, calib_tokens,
                                        nested=distill_rates is not None)
         distilling.update(_nested_settings(distill_rates, distill, allocation, kv_share, kv_lora_rank))
-        refitted_rates = _refit_rates(refit_rates, distill, allocation, kv_share, kv_lora_rank)
-        distilling.update(_refit_settings(refit, refit_tokens, allocation, distill, rates_given=bool(refitted_rates)))
+        refitted_rates = _refit_rates(refit_rates, distill, allocation, kv_share, kv_lora_rank,
+                                      distilling.get("distill_rates", ()))
+        refitting = _refit_settings(refit, refit_tokens, allocation, distill, rates_given=bool(refitted_rates))
+        rate_refit = None
+        if refitted_rates:  # per-rate refits, after a nested distillation where there is one (the plan's refit is
+            # the single-rate one, which a nested distillation refuses)
+            from kvrewrite.compile.mla_rate_refit import RateRefitSettings
+
+            rate_refit = RateRefitSettings(refitted_rates, refitting.pop("refit"), refitting.pop("refit_tokens", None))
+        distilling.update(refitting)
         _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, verify_tokens, overwrite, console,
              kv_lora_rank, qk_rope_head_dim, distilling, allocation, position_free_queries=position_free_queries,
-             refit_rates=refitted_rates)
+             rate_refit=rate_refit)
     except (KVRewriteError, ValueError) as exc:
         console.print(f"[bold red]error:[/] {escape(str(exc))}")
         raise typer.Exit(code=2) from None
@@ -143,7 +155,7 @@ def export_mla(
 
 def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, verify_tokens, overwrite, console,
          kv_lora_rank=None, qk_rope_head_dim=None, distilling: dict | None = None, allocation: str = "uniform", *,
-         position_free_queries: str, refit_rates: tuple[float, ...] = ()) -> None:
+         position_free_queries: str, rate_refit=None) -> None:
     import torch
 
     from kvrewrite.adapters import adapter_for
@@ -192,10 +204,10 @@ def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, 
             raise InvalidArgumentError(f"--distill-rates up to {plan.distill_rates[-1]:g} leaves a latent of {narrowest} per layer; "
                                        f"the largest rate keeps at least {RANK_MULTIPLE}")
     uniform_rates = None
-    if refit_rates and allocation == "uniform":  # every rate's widths, from the config alone
+    if rate_refit is not None and allocation == "uniform":  # every rate's widths, from the config alone
         from kvrewrite.compile.mla_rate_refit import uniform_rate_widths
 
-        uniform_rates = uniform_rate_widths(refit_rates, 2 * geometry.num_key_value_heads * geometry.head_dim,
+        uniform_rates = uniform_rate_widths(rate_refit.rates, 2 * geometry.num_key_value_heads * geometry.head_dim,
                                             widths.qk_rope_head_dim, widths.kv_lora_rank, geometry.num_layers)
     check_output_location(output, source=None, overwrite=overwrite)
     prepared = prepare_source(plan, position_free_queries=position_free_queries)
@@ -218,20 +230,28 @@ def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, 
         with progress_bar("MLA form per layer", ctx.geometry.num_layers, plan.progress) as bar:
             layers = mla_layers_at_widths(prepared, widths, progress=bar.advance, **weighting)
     norms, provenance, distilled, rate_o_proj = None, {}, None, None
-    if refit_rates:
+
+    def refit_each_rate(layers, served_rates, norms):
+        """--refit-rates: o_proj refitted at every named rate of the served table (uniform: uniform_rates)."""
         from kvrewrite.compile.mla_rate_refit import refit_mla_at_rates
 
         table = uniform_rates
         if allocation == "sensitivity":
-            missing = [rate_key(r) for r in refit_rates if rate_key(r) not in served_rates]
+            missing = [rate_key(r) for r in rate_refit.rates if rate_key(r) not in served_rates]
             if missing:
                 raise InvalidArgumentError(f"--refit-rates {', '.join(missing)} are not in the export's rate table "
                                            f"({', '.join(served_rates)})")
-            table = {rate_key(r): served_rates[rate_key(r)] for r in refit_rates}
-        rated = refit_mla_at_rates(prepared, layers, table, plan.refit, plan.refit_tokens, plan.refit_ridge, plan.progress)
-        layers, norms, rate_o_proj = rated.layers, rated.max_square_norms, rated.rate_o_proj
-        provenance, served_rates = {"refit": rated.provenance()}, rated.rate_table
+            table = {rate_key(r): served_rates[rate_key(r)] for r in rate_refit.rates}
+        rated = refit_mla_at_rates(prepared, layers, table, rate_refit.method, rate_refit.tokens or plan.refit_tokens,
+                                   plan.refit_ridge, plan.progress)
         _print_rate_refits(console, rated)
+        bound = rated.max_square_norms if norms is None else [max(a, b) for a, b in zip(norms, rated.max_square_norms)]
+        return rated, bound
+
+    if rate_refit is not None and not plan.distill:
+        rated, norms = refit_each_rate(layers, served_rates, norms)
+        layers, rate_o_proj, served_rates = rated.layers, rated.rate_o_proj, rated.rate_table
+        provenance = {"refit": rated.provenance()}
     elif plan.refit != "none":
         from kvrewrite.compile.mla_refit import refit_mla_output
 
@@ -259,6 +279,10 @@ def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, 
         layers, norms = distilled.layers, distilled.max_square_norms
         provenance.update(distill_provenance(distilled, plan))
         served_rates = nested.get("rate_table")  # exactly the rates trained (none beside the export's own: single-rate)
+        if rate_refit is not None:  # nested: each named rate's o_proj refitted on the trained weights
+            rated, norms = refit_each_rate(layers, served_rates, norms)
+            layers, rate_o_proj, served_rates = rated.layers, rated.rate_o_proj, rated.rate_table
+            provenance["refit"] = {**rated.provenance(), "after": "distill"}
     provenance["position_free_queries"] = position_free_queries
     if allocation_record is not None:  # kept in the marker: how the widths were placed (the probes stay out of config.json)
         provenance["allocation"] = {k: v for k, v in allocation_record.items() if k != "probes"}

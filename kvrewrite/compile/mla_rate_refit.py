@@ -23,6 +23,19 @@ from kvrewrite.spec import rate_key
 
 
 @dataclass(frozen=True)
+class RateRefitSettings:
+    rates: tuple[float, ...]  # sorted; the first is the export's own (widest) rate
+    method: str  # the --refit choice: output or output-local
+    tokens: int | None = None  # calibration tokens the least squares read (None: the plan's refit_tokens)
+
+    def __post_init__(self) -> None:
+        if self.method not in ("output", "output-local"):
+            raise InvalidArgumentError(f"--refit-rates refits with --refit output or output-local, got {self.method!r}")
+        if self.tokens is not None and self.tokens < 1:
+            raise InvalidArgumentError(f"--refit-tokens must be a positive number of tokens, got {self.tokens}")
+
+
+@dataclass(frozen=True)
 class RateRefitResult:
     layers: list[MLALayer]  # the form at the exported (widest rate's) widths, with that rate's refitted o_proj
     rate_table: dict[str, list[int]]  # every served rate -> per-layer latent widths (prefixes of `layers`')
