@@ -322,7 +322,7 @@ def _print_rate_refits(console, rated) -> None:
         widths = rated.rate_table[key]
         before = sum(r.relative_error_before for r in refit.reports) / len(refit.reports)
         after = sum(r.relative_error_after for r in refit.reports) / len(refit.reports)
-        table.add_row(key, f"{sum(widths) / len(widths):g}", f"{before:.3f}", f"{after:.3f}",
+        table.add_row(key, f"{round(sum(widths) / len(widths), 1):g}", f"{before:.3f}", f"{after:.3f}",
                       "side file" if key in rated.rate_o_proj else "stock weights")
     console.print(table)
 
