@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
@@ -11,6 +12,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from kvrewrite.errors import KVRewriteError
+
+if TYPE_CHECKING:
+    from kvrewrite.compile.mla_rate_refit import RateRefitSettings
 
 DTYPES = {"auto": None, "bfloat16": "bfloat16", "float32": "float32", "float16": "float16"}
 # --distill defaults (compress --distill's learning rate; the MLA form's factors are balanced to the source
@@ -155,7 +159,7 @@ def export_mla(
 
 def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, verify_tokens, overwrite, console,
          kv_lora_rank=None, qk_rope_head_dim=None, distilling: dict | None = None, allocation: str = "uniform", *,
-         position_free_queries: str, rate_refit=None) -> None:
+         position_free_queries: str, rate_refit: RateRefitSettings | None = None) -> None:
     import torch
 
     from kvrewrite.adapters import adapter_for
