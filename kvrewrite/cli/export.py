@@ -14,7 +14,7 @@ from rich.table import Table
 from kvrewrite.errors import KVRewriteError
 
 if TYPE_CHECKING:
-    from kvrewrite.compile.mla_rate_refit import RateRefitSettings
+    from kvrewrite.compile.mla_rate_refit import RateRefitResult, RateRefitSettings
 
 DTYPES = {"auto": None, "bfloat16": "bfloat16", "float32": "float32", "float16": "float16"}
 # --distill defaults (compress --distill's learning rate; the MLA form's factors are balanced to the source
@@ -26,7 +26,8 @@ NESTED_DISTILL_EPOCHS = 2.0
 DISTILL_LR = 1e-5
 # --refit default where it was measured: a uniform export without --distill (held-out wiki and news, 512-token windows
 # and positions 2K-4K, docs/serving.md). An --allocation sensitivity export keeps its rate table (a refit serves the
-# exported widths only), and --distill was measured from the unrefitted form, so both default to none.
+# exported widths only), and --distill was measured from the unrefitted form, so both default to none; with
+# --refit-rates (one o_proj per named rate) it is the default for either allocation.
 DEFAULT_REFIT = "output-local"
 
 
@@ -208,11 +209,16 @@ def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, 
             raise InvalidArgumentError(f"--distill-rates up to {plan.distill_rates[-1]:g} leaves a latent of {narrowest} per layer; "
                                        f"the largest rate keeps at least {RANK_MULTIPLE}")
     uniform_rates = None
-    if rate_refit is not None and allocation == "uniform":  # every rate's widths, from the config alone
-        from kvrewrite.compile.mla_rate_refit import uniform_rate_widths
+    if rate_refit is not None:  # every rate's widths (uniform) or mean width (allocated), from the config alone
+        from kvrewrite.compile.mla_allocation import RANK_MULTIPLE
+        from kvrewrite.compile.mla_rate_refit import check_allocated_rates, uniform_rate_widths
 
-        uniform_rates = uniform_rate_widths(rate_refit.rates, 2 * geometry.num_key_value_heads * geometry.head_dim,
-                                            widths.qk_rope_head_dim, widths.kv_lora_rank, geometry.num_layers)
+        values = 2 * geometry.num_key_value_heads * geometry.head_dim
+        if allocation == "uniform":
+            uniform_rates = uniform_rate_widths(rate_refit.rates, values, widths.qk_rope_head_dim, widths.kv_lora_rank,
+                                                geometry.num_layers)
+        else:
+            check_allocated_rates(rate_refit.rates, values, widths.qk_rope_head_dim, RANK_MULTIPLE)
     check_output_location(output, source=None, overwrite=overwrite)
     prepared = prepare_source(plan, position_free_queries=position_free_queries)
     ctx = prepared.ctx
@@ -236,16 +242,10 @@ def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, 
     norms, provenance, distilled, rate_o_proj = None, {}, None, None
 
     def refit_each_rate(layers, served_rates, norms):
-        """--refit-rates: o_proj refitted at every named rate of the served table (uniform: uniform_rates)."""
-        from kvrewrite.compile.mla_rate_refit import refit_mla_at_rates
+        """--refit-rates: o_proj refitted at every named rate (uniform widths, or the served table's rows)."""
+        from kvrewrite.compile.mla_rate_refit import refit_mla_at_rates, served_refit_table
 
-        table = uniform_rates
-        if allocation == "sensitivity":
-            missing = [rate_key(r) for r in rate_refit.rates if rate_key(r) not in served_rates]
-            if missing:
-                raise InvalidArgumentError(f"--refit-rates {', '.join(missing)} are not in the export's rate table "
-                                           f"({', '.join(served_rates)})")
-            table = {rate_key(r): served_rates[rate_key(r)] for r in rate_refit.rates}
+        table = uniform_rates if allocation == "uniform" else served_refit_table(rate_refit.rates, served_rates)
         rated = refit_mla_at_rates(prepared, layers, table, rate_refit.method, rate_refit.tokens or plan.refit_tokens,
                                    plan.refit_ridge, plan.progress)
         _print_rate_refits(console, rated)
@@ -296,6 +296,11 @@ def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, 
     tokens = ctx.calibration_tokens[:1, :verify_tokens]
     full_diff = full_width_max_logit_diff(prepared, tokens)
     export_diff = export_matches_maths(prepared, layers, output, tokens)
+    rate_diffs = {}
+    if rate_o_proj:
+        from kvrewrite.compile.mla_rate_refit import rates_match_maths
+
+        rate_diffs = rates_match_maths(prepared, rated, output, tokens)
     source_values = 2 * ctx.geometry.num_key_value_heads * ctx.geometry.head_dim
     mean_cached = sum(layer.cached_values_per_token for layer in layers) / len(layers)
     table = Table(title=f"MLA form of {model}: {mean_cached:g} of {source_values} K+V values per token and layer"
@@ -311,6 +316,9 @@ def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, 
     console.print(f"verify: full-width MLA (every RoPE component, full latent) vs original, max |Δlogit| = {full_diff:.2e}")
     console.print(f"verify: exported checkpoint in stock transformers ({str(chosen).removeprefix('torch.')}) vs our maths, "
                   f"max |Δlogit| = {export_diff:.2e}")
+    for key, diff in rate_diffs.items():
+        console.print(f"verify: rate {key} loaded by kvrewrite.load (its own o_proj from the side file) vs our maths, "
+                      f"max |Δlogit| = {diff:.2e}")
     if served_rates:
         console.print(f"rate table: kvrewrite.load(DIR, rate=p) serves p = {', '.join(served_rates)} from this file "
                       "(per-layer widths, prefixes of the exported ones"
@@ -318,7 +326,7 @@ def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, 
     console.print(f"wrote {output} (DeepseekV3ForCausalLM; load with AutoModelForCausalLM.from_pretrained)")
 
 
-def _print_rate_refits(console, rated) -> None:
+def _print_rate_refits(console: Console, rated: RateRefitResult) -> None:
     table = Table(title="o_proj refitted per rate (--refit-rates): relative error of the attention output, mean over layers")
     for column in ("rate", "mean latent width", "before", "after", "stored in"):
         table.add_column(column, justify="right")

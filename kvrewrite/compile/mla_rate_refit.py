@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvrewrite.compile.mla_export import PreparedSource
 from kvrewrite.compile.mla_refit import MLARefitResult, refit_mla_output
 from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.method.mla import MLALayer, truncate_latent
@@ -54,23 +55,37 @@ class RateRefitResult:
 
 
 def parse_refit_rates(text: str, option: str = "--refit-rates") -> tuple[float, ...]:
-    """'0.3,0.5,0.7' -> (0.3, 0.5, 0.7): distinct rates in [0, 1), sorted, at least two."""
+    """'0.3,0.5,0.7' -> (0.3, 0.5, 0.7): distinct rates in [0, 1) in hundredths (the rate table's keys), sorted, at
+    least two."""
     try:
-        rates = tuple(sorted({round(float(r), 4) for r in text.split(",")}))
+        given = [float(r) for r in text.split(",")]
     except ValueError:
         raise InvalidArgumentError(f"{option} takes rates A,B,... (e.g. 0.3,0.5,0.7), got {text!r}") from None
+    if any(abs(r - round(r, 2)) > 1e-9 for r in given):
+        raise InvalidArgumentError(f"{option} takes rates in hundredths (the rate table's keys), got {text!r}")
+    rates = tuple(sorted({round(r, 2) for r in given}))
     if len(rates) < 2 or not all(0 <= r < 1 for r in rates):
         raise InvalidArgumentError(f"{option} takes at least two distinct rates in [0, 1), got {text!r}")
     return rates
 
 
+def check_allocated_rates(rates: tuple[float, ...], values_per_token: int, rope_dim: int, smallest_width: int) -> None:
+    """Before any work: every rate of an --allocation sensitivity export keeps a mean latent the rate table serves
+    (at least `smallest_width` per layer, mla_allocation.RANK_MULTIPLE)."""
+    for rate in rates:
+        target = round((1 - rate) * values_per_token) - rope_dim
+        if target < smallest_width:
+            raise InvalidArgumentError(f"rate {rate:g} leaves a mean latent of {target} per layer; the rate table serves "
+                                       f"at least {smallest_width}: choose smaller rates")
+
+
 def uniform_rate_widths(rates: tuple[float, ...], values_per_token: int, rope_dim: int, exported_rank: int,
                         layers: int) -> dict[str, list[int]]:
-    """Every layer at one latent width per rate: (1 - p) * values_per_token - rope_dim, each within the exported width
-    (the widest rate's), so every rate is a prefix of the exported widths."""
+    """Every layer at one latent width per rate: the exported width for the widest (first) rate, (1 - p) *
+    values_per_token - rope_dim for the others, each within the exported width, so every rate is a prefix of it."""
     table = {}
     for rate in rates:
-        width = round((1 - rate) * values_per_token) - rope_dim
+        width = exported_rank if rate == rates[0] else round((1 - rate) * values_per_token) - rope_dim
         if not 1 <= width <= exported_rank:
             raise InvalidArgumentError(f"rate {rate:g} leaves a latent of {width} per layer, outside 1..{exported_rank} "
                                        f"(the export's); choose rates that keep more than the {rope_dim} RoPE values")
@@ -78,8 +93,18 @@ def uniform_rate_widths(rates: tuple[float, ...], values_per_token: int, rope_di
     return table
 
 
-def refit_mla_at_rates(prepared, layers: list[MLALayer], rate_table: dict[str, list[int]], method: str, tokens: int,
-                       ridge: float, progress: bool = False) -> RateRefitResult:
+def served_refit_table(rates: tuple[float, ...], served: dict[str, list[int]]) -> dict[str, list[int]]:
+    """The named rates' rows of an allocated or nested export's rate table: the refitted file serves those alone (a
+    table rate without its own o_proj would run another rate's)."""
+    missing = [rate_key(r) for r in rates if rate_key(r) not in served]
+    if missing:
+        raise InvalidArgumentError(f"--refit-rates {', '.join(missing)} are not in the export's rate table "
+                                   f"({', '.join(served)})")
+    return {rate_key(r): served[rate_key(r)] for r in rates}
+
+
+def refit_mla_at_rates(prepared: PreparedSource, layers: list[MLALayer], rate_table: dict[str, list[int]], method: str,
+                       tokens: int, ridge: float, progress: bool = False) -> RateRefitResult:
     """The MLA form `layers` (the exported widths) with o_proj refitted at every rate of `rate_table` on its own; the
     table's widest rate must be the exported widths."""
     exported = [layer.kv_lora_rank for layer in layers]
@@ -95,3 +120,19 @@ def refit_mla_at_rates(prepared, layers: list[MLALayer], rate_table: dict[str, l
         if key != widest[0]:
             rate_o_proj[key] = [layer.o_proj for layer in refit.layers]
     return RateRefitResult(refits[widest[0]].layers, dict(rate_table), rate_o_proj, norms, refits)
+
+
+def rates_match_maths(prepared: PreparedSource, rated: RateRefitResult, output, tokens: torch.Tensor) -> dict[str, float]:
+    """Per narrower rate: max |Δlogit| between the export loaded by kvrewrite.load(output, rate=p) (float32) and our
+    maths at that rate's widths with its refitted o_proj (the check export_matches_maths makes of the widest)."""
+    from kvrewrite.compile.mla_form import mla_reference_model
+    from kvrewrite.runtime.load import load
+
+    original = prepared.ctx.original_model()
+    diffs = {}
+    for key in rated.rate_o_proj:
+        model = load(output, rate=float(key), dtype=torch.float32).eval()
+        with torch.no_grad():
+            ours = mla_reference_model(original, rated.refits[key].layers)(tokens).logits
+            diffs[key] = float((model(tokens).logits - ours).abs().max())
+    return diffs

@@ -50,6 +50,9 @@ def load_rate_o_proj(model: nn.Module, directory: Path, rate: str) -> None:
             target = layer.self_attn.o_proj.weight
             if name not in stored:
                 raise CorruptCheckpointError(f"{path} has no tensor {name}; re-download the checkpoint or re-export it")
+            if target.is_meta:  # offloaded (device_map): there is nothing here to copy into
+                raise CorruptCheckpointError(f"rate {rate}'s o_proj cannot be loaded into offloaded weights; load "
+                                             f"{directory} at that rate without a device_map that offloads layers")
             weight = tensors.get_tensor(name)
             if weight.shape != target.shape:
                 raise CorruptCheckpointError(f"{path}: {name} has shape {list(weight.shape)}, the model's o_proj "
