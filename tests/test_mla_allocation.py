@@ -191,7 +191,7 @@ def test_one_allocated_export_serves_narrower_rates_as_exports_made_for_them(dee
     (["--distill-rates", "0.5,0.6"], "add --distill and --allocation sensitivity"),
     (["--distill", "--distill-rates", "0.5,0.6"], "add --distill and --allocation sensitivity"),
     (["--distill", "--allocation", "sensitivity", "--distill-rates", "0.3,0.6"], "--kv-share 0.7"),
-    (["--distill", "--allocation", "sensitivity", "--distill-rates", "0.5,0.9"], "leaves a latent of"),
+    (["--distill", "--allocation", "sensitivity", "--distill-rates", "0.5,0.9"], "leaves a mean latent of"),
 ])
 def test_nested_mla_distillation_settings_that_cannot_work_are_refused_before_any_work(tmp_path, extra, says):
     from typer.testing import CliRunner

@@ -148,7 +148,7 @@ def export_mla(
             # the single-rate one, which a nested distillation refuses)
             from kvrewrite.compile.mla_rate_refit import RateRefitSettings
 
-            rate_refit = RateRefitSettings(refitted_rates, refitting.pop("refit"), refitting.pop("refit_tokens", None))
+            rate_refit = RateRefitSettings(refitted_rates, refitting.pop("refit"))
         distilling.update(refitting)
         _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, verify_tokens, overwrite, console,
              kv_lora_rank, qk_rope_head_dim, distilling, allocation, position_free_queries=position_free_queries,
@@ -200,25 +200,20 @@ def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, 
     geometry = adapter_for(config).geometry(config)
     widths = (widths_for_share(geometry, kv_share) if kv_lora_rank is None
               else widths_for_ranks(geometry, kv_lora_rank, qk_rope_head_dim))
-    if plan.distill_rates:  # every trained rate keeps at least the allocation's smallest latent width per layer
-        from kvrewrite.compile.mla_allocation import RANK_MULTIPLE
+    # Every trained or refitted rate's widths (uniform) or mean width (allocated), from the config alone.
+    from kvrewrite.compile.mla_allocation import check_rate_latents
 
-        values = 2 * geometry.num_key_value_heads * geometry.head_dim
-        narrowest = round((1 - plan.distill_rates[-1]) * values) - widths.qk_rope_head_dim
-        if narrowest < RANK_MULTIPLE:
-            raise InvalidArgumentError(f"--distill-rates up to {plan.distill_rates[-1]:g} leaves a latent of {narrowest} per layer; "
-                                       f"the largest rate keeps at least {RANK_MULTIPLE}")
+    values = 2 * geometry.num_key_value_heads * geometry.head_dim
+    if plan.distill_rates:
+        check_rate_latents(plan.distill_rates, values, widths.qk_rope_head_dim, "--distill-rates")
     uniform_rates = None
-    if rate_refit is not None:  # every rate's widths (uniform) or mean width (allocated), from the config alone
-        from kvrewrite.compile.mla_allocation import RANK_MULTIPLE
-        from kvrewrite.compile.mla_rate_refit import check_allocated_rates, uniform_rate_widths
+    if rate_refit is not None and allocation == "uniform":
+        from kvrewrite.compile.mla_rate_refit import uniform_rate_widths
 
-        values = 2 * geometry.num_key_value_heads * geometry.head_dim
-        if allocation == "uniform":
-            uniform_rates = uniform_rate_widths(rate_refit.rates, values, widths.qk_rope_head_dim, widths.kv_lora_rank,
-                                                geometry.num_layers)
-        else:
-            check_allocated_rates(rate_refit.rates, values, widths.qk_rope_head_dim, RANK_MULTIPLE)
+        uniform_rates = uniform_rate_widths(rate_refit.rates, values, widths.qk_rope_head_dim, widths.kv_lora_rank,
+                                            geometry.num_layers)
+    elif rate_refit is not None:
+        check_rate_latents(rate_refit.rates, values, widths.qk_rope_head_dim, "--refit-rates")
     check_output_location(output, source=None, overwrite=overwrite)
     prepared = prepare_source(plan, position_free_queries=position_free_queries)
     ctx = prepared.ctx
@@ -246,7 +241,7 @@ def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, 
         from kvrewrite.compile.mla_rate_refit import refit_mla_at_rates, served_refit_table
 
         table = uniform_rates if allocation == "uniform" else served_refit_table(rate_refit.rates, served_rates)
-        rated = refit_mla_at_rates(prepared, layers, table, rate_refit.method, rate_refit.tokens or plan.refit_tokens,
+        rated = refit_mla_at_rates(prepared, layers, table, rate_refit.method, plan.refit_tokens,
                                    plan.refit_ridge, plan.progress)
         _print_rate_refits(console, rated)
         bound = rated.max_square_norms if norms is None else [max(a, b) for a, b in zip(norms, rated.max_square_norms)]
@@ -335,7 +330,7 @@ def _print_rate_refits(console: Console, rated: RateRefitResult) -> None:
         before = sum(r.relative_error_before for r in refit.reports) / len(refit.reports)
         after = sum(r.relative_error_after for r in refit.reports) / len(refit.reports)
         table.add_row(key, f"{round(sum(widths) / len(widths), 1):g}", f"{before:.3f}", f"{after:.3f}",
-                      "side file" if key in rated.rate_o_proj else "stock weights")
+                      "stock weights" if key == rated.widest else "side file")
     console.print(table)
 
 

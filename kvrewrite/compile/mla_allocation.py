@@ -133,6 +133,21 @@ def allocate_latent_ranks(full_layers: list[MLALayer], sensitivity: LatentSensit
     return LatentAllocation(ranks, target_rank, tuple((key[0], dims) for key, dims, _ in order))
 
 
+def latent_width_at_rate(rate: float, values_per_token: int, rope_dim: int) -> int:
+    """The mean latent width per layer that leaves a share `rate` of the source's K+V values uncached, beside the
+    shared RoPE key: (1 - rate) * values_per_token - rope_dim."""
+    return round((1 - rate) * values_per_token) - rope_dim
+
+
+def check_rate_latents(rates: tuple[float, ...], values_per_token: int, rope_dim: int, option: str) -> None:
+    """Before any work: every rate keeps a mean latent the rate table serves (at least RANK_MULTIPLE per layer)."""
+    for rate in rates:
+        width = latent_width_at_rate(rate, values_per_token, rope_dim)
+        if width < RANK_MULTIPLE:
+            raise InvalidArgumentError(f"{option} {rate:g} leaves a mean latent of {width} per layer; the rate table "
+                                       f"keeps at least {RANK_MULTIPLE}: choose smaller rates")
+
+
 def latent_rate_table(full_layers: list[MLALayer], sensitivity: LatentSensitivity, values_per_token: int,
                       rope_dim: int, largest_rank: int, rates: tuple[float, ...]) -> dict[str, list[int]]:
     """Per-layer widths at every rate p of the grid that an export of mean latent width `largest_rank` can serve: the
@@ -140,7 +155,7 @@ def latent_rate_table(full_layers: list[MLALayer], sensitivity: LatentSensitivit
     of the export's and `kvrewrite.load(dir, rate=p)` serves it from the same file. Keys as the per-head rate tables'."""
     table = {}
     for rate in rates:
-        target = round((1 - rate) * values_per_token) - rope_dim
+        target = latent_width_at_rate(rate, values_per_token, rope_dim)
         if RANK_MULTIPLE <= target <= largest_rank:
             table[rate_key(rate)] = list(allocate_latent_ranks(full_layers, sensitivity, target).ranks)
     return table

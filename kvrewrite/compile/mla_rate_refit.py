@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from kvrewrite.compile.mla_export import PreparedSource
-from kvrewrite.compile.mla_refit import MLARefitResult, refit_mla_output
+from kvrewrite.compile.mla_allocation import latent_width_at_rate
+from kvrewrite.compile.mla_refit import REFIT_TARGETS, MLARefitResult, refit_mla_output
 from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.method.mla import MLALayer, truncate_latent
 from kvrewrite.spec import rate_key
@@ -26,29 +27,31 @@ from kvrewrite.spec import rate_key
 @dataclass(frozen=True)
 class RateRefitSettings:
     rates: tuple[float, ...]  # sorted; the first is the export's own (widest) rate
-    method: str  # the --refit choice: output or output-local
-    tokens: int | None = None  # calibration tokens the least squares read (None: the plan's refit_tokens)
-
-    def __post_init__(self) -> None:
-        if self.method not in ("output", "output-local"):
-            raise InvalidArgumentError(f"--refit-rates refits with --refit output or output-local, got {self.method!r}")
-        if self.tokens is not None and self.tokens < 1:
-            raise InvalidArgumentError(f"--refit-tokens must be a positive number of tokens, got {self.tokens}")
+    method: str  # the --refit choice: output or output-local (checked by the CLI with the single-rate refit's)
 
 
 @dataclass(frozen=True)
 class RateRefitResult:
-    layers: list[MLALayer]  # the form at the exported (widest rate's) widths, with that rate's refitted o_proj
-    rate_table: dict[str, list[int]]  # every served rate -> per-layer latent widths (prefixes of `layers`')
-    rate_o_proj: dict[str, list[torch.Tensor]]  # every narrower rate -> per-layer refitted o_proj (float64)
+    refits: dict[str, MLARefitResult]  # per served rate: the form at its widths with its refitted o_proj
+    widest: str  # the rate key of the exported widths, whose o_proj the stock weights hold
+    rate_table: dict[str, list[int]]  # every served rate -> per-layer latent widths (prefixes of the exported ones)
     # per layer, the largest attention input ||x||^2 over the original and every rate's refitted form: the latent-norm
     # bound then holds at every rate (a narrower latent is a prefix of the widest one, its mean square no larger)
     max_square_norms: list[float]
-    refits: dict[str, MLARefitResult]  # per rate
+
+    @property
+    def layers(self) -> list[MLALayer]:
+        """The form at the exported widths, with the widest rate's refitted o_proj."""
+        return self.refits[self.widest].layers
+
+    @property
+    def rate_o_proj(self) -> dict[str, list[torch.Tensor]]:
+        """Every narrower rate -> its per-layer refitted o_proj (float64), for the side file."""
+        return {key: [layer.o_proj for layer in refit.layers] for key, refit in self.refits.items() if key != self.widest}
 
     def provenance(self) -> dict:
-        first = next(iter(self.refits.values()))
-        return {"method": first.method, "target": first.provenance()["target"], "tokens": first.tokens,
+        first = self.refits[self.widest]
+        return {"method": first.method, "target": REFIT_TARGETS[first.method], "tokens": first.tokens,
                 "ridge": first.ridge, "rates": {key: {k: v for k, v in refit.provenance().items()
                                                        if k.startswith("layer_relative_error")}
                                                  for key, refit in self.refits.items()}}
@@ -69,23 +72,13 @@ def parse_refit_rates(text: str, option: str = "--refit-rates") -> tuple[float, 
     return rates
 
 
-def check_allocated_rates(rates: tuple[float, ...], values_per_token: int, rope_dim: int, smallest_width: int) -> None:
-    """Before any work: every rate of an --allocation sensitivity export keeps a mean latent the rate table serves
-    (at least `smallest_width` per layer, mla_allocation.RANK_MULTIPLE)."""
-    for rate in rates:
-        target = round((1 - rate) * values_per_token) - rope_dim
-        if target < smallest_width:
-            raise InvalidArgumentError(f"rate {rate:g} leaves a mean latent of {target} per layer; the rate table serves "
-                                       f"at least {smallest_width}: choose smaller rates")
-
-
 def uniform_rate_widths(rates: tuple[float, ...], values_per_token: int, rope_dim: int, exported_rank: int,
                         layers: int) -> dict[str, list[int]]:
     """Every layer at one latent width per rate: the exported width for the widest (first) rate, (1 - p) *
     values_per_token - rope_dim for the others, each within the exported width, so every rate is a prefix of it."""
     table = {}
     for rate in rates:
-        width = exported_rank if rate == rates[0] else round((1 - rate) * values_per_token) - rope_dim
+        width = exported_rank if rate == rates[0] else latent_width_at_rate(rate, values_per_token, rope_dim)
         if not 1 <= width <= exported_rank:
             raise InvalidArgumentError(f"rate {rate:g} leaves a latent of {width} per layer, outside 1..{exported_rank} "
                                        f"(the export's); choose rates that keep more than the {rope_dim} RoPE values")
@@ -111,15 +104,11 @@ def refit_mla_at_rates(prepared: PreparedSource, layers: list[MLALayer], rate_ta
     widest = [key for key, widths in rate_table.items() if list(widths) == exported]
     if not widest:
         raise InvalidArgumentError("the widest refitted rate must be the exported widths (export at --kv-share 1 - A)")
-    refits, rate_o_proj, norms = {}, {}, None
-    for key, widths in sorted(rate_table.items()):
-        narrowed = [truncate_latent(layer, width) for layer, width in zip(layers, widths)]
-        refit = refit_mla_output(prepared, narrowed, method, tokens, ridge, progress)
-        refits[key] = refit
-        norms = refit.max_square_norms if norms is None else [max(a, b) for a, b in zip(norms, refit.max_square_norms)]
-        if key != widest[0]:
-            rate_o_proj[key] = [layer.o_proj for layer in refit.layers]
-    return RateRefitResult(refits[widest[0]].layers, dict(rate_table), rate_o_proj, norms, refits)
+    refits = {key: refit_mla_output(prepared, [truncate_latent(layer, width) for layer, width in zip(layers, widths)],
+                                    method, tokens, ridge, progress)
+              for key, widths in sorted(rate_table.items())}
+    norms = [max(per_rate) for per_rate in zip(*(refit.max_square_norms for refit in refits.values()))]
+    return RateRefitResult(refits, widest[0], dict(rate_table), norms)
 
 
 def rates_match_maths(prepared: PreparedSource, rated: RateRefitResult, output, tokens: torch.Tensor) -> dict[str, float]:
