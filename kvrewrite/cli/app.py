@@ -379,7 +379,8 @@ def budget(
     from kvrewrite.io.output_safety import check_writable_file
 
     try:
-        share = _budget_share(kv_budget)
+        share = _budget_share(kv_budget, context)
+        _check_budget_checkpoint(directory)
         if calibration == "wiki":
             require_compile_extra("kvrewrite budget --calibration wiki (gensim's Wikipedia slice)", ["gensim"])
         if json_out:  # found now, not after minutes of measurement
@@ -393,11 +394,34 @@ def budget(
                       write=write, json_out=json_out, command=command)
 
 
-def _budget_share(text: str) -> float:
+def _budget_share(text: str, context: int = 4096) -> float:
+    """--kv-budget as a share, refused before any work where no split can hold it at `context` tokens (--context)."""
+    from kvrewrite.compile.token_budget import DEFAULT_WINDOWS
+
     share = number(text, "--kv-budget")
     if not 0 < share <= 1:
         raise InvalidArgumentError(f"--kv-budget must be a share of the fp16 cache in (0, 1], got {text}")
+    longest, shortest = max(DEFAULT_WINDOWS), min(DEFAULT_WINDOWS)
+    if context <= longest:
+        raise InvalidArgumentError(f"--context {context}: every split keeps a full-rank window of up to {longest} tokens; "
+                                   f"the budget is held at a longer context (> {longest} tokens)")
+    if share < shortest / context:  # the shortest full-rank window alone, in float16, holds this share
+        raise InvalidArgumentError(f"--kv-budget {text}: no split can fit: the shortest full-rank window ({shortest} "
+                                   f"tokens) alone holds {shortest / context:.4f} of the fp16 cache at {context} tokens")
     return share
+
+
+def _check_budget_checkpoint(directory: Path) -> None:
+    """budget splits a per-head checkpoint's cache: anything else is named now, not in a traceback after loading."""
+    config_path = directory / "config.json"
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise KVRewriteError(f"{config_path}: unreadable ({exc}); is {directory} a kvrewrite checkpoint?") from None
+    if not isinstance(config, dict) or "kvrewrite" not in config:
+        from kvrewrite.runtime.mla.checkpoint import missing_spec_message
+
+        raise KVRewriteError(missing_spec_message(config_path, config if isinstance(config, dict) else {}, "budget"))
 
 
 def _split_and_report(directory: Path, share: float, json_out: Path | None = None, command: str = "", **options) -> None:
@@ -440,16 +464,15 @@ def prefill_parallel(
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the per-process results as JSON here."),
 ) -> None:
     """Sequence-parallel prefill across N local processes (gloo), shipping the packed latents; then decode on rank 0."""
-    from kvrewrite.cli.prefill_parallel import run
+    from kvrewrite.cli.prefill_parallel import read_prompt, run
 
     try:
-        if not prompt_file.is_file():
-            raise InvalidArgumentError(f"--prompt-file {prompt_file} does not exist")
+        prompt = read_prompt(prompt_file)
         if json_out is not None:
             from kvrewrite.io.output_safety import check_writable_file
 
             check_writable_file(json_out, "--json")
-        outcome = run(directory, prompt_file.read_text(), nproc, rate, new_tokens, threads, console)
+        outcome = run(directory, prompt, nproc, rate, new_tokens, threads, console)
     except (KVRewriteError, ValueError) as exc:
         _fail(exc)
     if json_out is not None:

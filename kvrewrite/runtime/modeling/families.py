@@ -138,7 +138,8 @@ def compressed_family(adapter: ArchitectureAdapter) -> tuple[type, type]:
             token_policy: when the checkpoint holds a budget split (token_policy.json, written by `kvrewrite budget`)
                 and none of rate, recent_window, important, evict or kv_codec is given, load with it. False: ignore it.
             """
-            from kvrewrite.runtime.load import checkpoint_directory, ensure_complete_load, verify_checkpoint_files
+            from kvrewrite.runtime.load import (checkpoint_directory, ensure_complete_load, refuse_remote_code,
+                                                verify_checkpoint_files)
 
             if (important is not None or evict is not None) and recent_window is None:  # refused before any weight is read
                 from kvrewrite.errors import InvalidArgumentError
@@ -160,8 +161,9 @@ def compressed_family(adapter: ArchitectureAdapter) -> tuple[type, type]:
             # A mis-shaped tensor is reported by ensure_complete_load (naming file and tensor), not raised by
             # transformers as a bare RuntimeError; the half-loaded model is discarded either way.
             kwargs.setdefault("ignore_mismatched_sizes", True)
-            kwargs["trust_remote_code"] = False
-            model, info = super().from_pretrained(directory, *args, output_loading_info=True, **kwargs)
+            refuse_remote_code(kwargs)
+            model, info = super().from_pretrained(directory, *args, output_loading_info=True, trust_remote_code=False,
+                                                  **kwargs)
             ensure_complete_load(info, directory)
             from kvrewrite.runtime.codecs.checkpoint import read_codec_tables
 
