@@ -572,3 +572,85 @@ def test_a_bad_rate_table_entry_is_refused_on_the_tier_path(tmp_path, compiled, 
     _spec_edited_everywhere(ckpt, edit)
     with pytest.raises(CorruptCheckpointError, match="rate table's entry for rate 0.30"):
         kvrewrite.load(ckpt, rate=0.3, recent_window=4, kv_codec="none")
+
+
+@pytest.mark.parametrize("keywords", [{"evict": "x", "recent_window": 4}, {"kv_codec": 5},
+                                      {"important": 3, "recent_window": 4},
+                                      {"evict": {"keep": "0.5"}, "recent_window": 4, "kv_codec": "none"},
+                                      {"evict": {"keep": 0.5, "bits": 8.0}, "recent_window": 4, "kv_codec": "none"}],
+                         ids=["evict str", "kv_codec int", "important int", "keep str", "bits float"])
+def test_load_keyword_types_are_refused_before_any_file_is_read(tmp_path, keywords):
+    import kvrewrite
+    from kvrewrite.errors import InvalidArgumentError
+
+    name = next(iter(keywords))
+    with pytest.raises(InvalidArgumentError, match=f"{name}="):
+        kvrewrite.load(tmp_path / "no-such-checkpoint", **keywords)  # refused before the directory is even looked at
+
+
+@pytest.mark.parametrize("evict", [{"keep": 0.5, "bits": 8.0}, {"keep": "0.5", "bits": 8}], ids=["bits 8.0", "keep '0.5'"])
+def test_hand_edited_policy_values_name_the_file(tmp_path, compiled, evict):
+    import json
+
+    import kvrewrite
+    from kvrewrite.io.manifest import write_manifest
+
+    ckpt = shutil.copytree(compiled[1], tmp_path / "ckpt")
+    (ckpt / "token_policy.json").write_text(json.dumps({"load": {"rate": 0.3, "recent_window": 4, "kv_codec": "none",
+                                                                 "evict": evict}}))
+    write_manifest(ckpt)  # re-signed: only the values' own check is left
+    with pytest.raises(CorruptCheckpointError, match=r"token_policy\.json: recorded load option evict="):
+        kvrewrite.load(ckpt)
+
+
+def test_prefill_parallel_runs_the_plain_cache_of_a_checkpoint_with_a_token_policy(tmp_path, compiled):
+    import json
+
+    from fault_cases import run_cli
+    from kvrewrite.io.manifest import write_manifest
+
+    ckpt = shutil.copytree(compiled[1], tmp_path / "ckpt")
+    (ckpt / "token_policy.json").write_text(json.dumps({"load": {"rate": 0.3, "recent_window": 4, "kv_codec": "none",
+                                                                 "evict": {"keep": 0.5, "bits": 8}}}))
+    write_manifest(ckpt)
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("w3 w4 w5 w6 w7 w8")
+    code, output = run_cli(["prefill-parallel", str(ckpt), "--prompt-file", str(prompt), "--new-tokens", "2"])
+    assert code == 0 and "token policy recorded by `kvrewrite budget` is not used" in output, output
+
+
+CONSOLE = "import sys; sys.argv[0] = 'kvrewrite'; from kvrewrite.cli.app import main; main()"  # as the console script
+
+
+def _console(args: list[str], cwd: Path) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    return subprocess.Popen([sys.executable, "-c", CONSOLE, *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_an_interrupt_during_the_imports_is_one_line(tmp_path, sig):
+    import time
+
+    process = _console(["--help"], tmp_path)
+    time.sleep(0.5)  # torch and transformers take seconds to import: the signal lands inside an import
+    process.send_signal(sig)
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 130, (out, err)
+    assert err.strip() == "error: interrupted; nothing was written" and "Traceback" not in out + err
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_an_interrupt_during_compress_is_one_line_and_leaves_nothing(tmp_path, source, sig):
+    process = _console(["compress", str(source), "-o", str(tmp_path / "out"), "--calibration", "synthetic",
+                        "--calib-tokens", "512"], tmp_path)
+    seen = []
+    for line in process.stdout:  # wait until the passes run, then interrupt
+        seen.append(line)
+        if line.startswith("[3/"):
+            process.send_signal(sig)
+            break
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 130, ("".join(seen) + out, err)
+    assert "error: interrupted; nothing was written" in err and "Traceback" not in out + err and "Aborted" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no output, nothing hidden

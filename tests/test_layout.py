@@ -24,7 +24,8 @@ ALLOWED = {
     "publish": {"errors", "spec", "extras", "io", "runtime", "progress", "key_modes"},
     "compile": {"errors", "spec", "extras", "io", "runtime", "method", "adapters", "progress", "publish", "key_modes"},
     "cli": {"errors", "spec", "extras", "io", "runtime", "method", "adapters", "progress", "publish", "compile", "key_modes"},
-    "kvrewrite": {"runtime", "spec"},
+    "interrupts": set(),
+    "kvrewrite": {"runtime", "spec", "interrupts"},
 }
 
 

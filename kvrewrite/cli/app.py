@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import signal
 import sys
 import threading
 import warnings
@@ -20,6 +19,7 @@ from kvrewrite.cli.export import export_mla
 from kvrewrite.cli.compress_options import PLAN_FLAGS, cli_message, number, numbers, plan_arguments, plan_parameters, with_signature
 from kvrewrite.errors import InvalidArgumentError, KVRewriteError, KVRewriteWarning
 from kvrewrite.extras import require_compile_extra
+from kvrewrite.interrupts import EXIT_INTERRUPTED, INTERRUPTED_MESSAGE, Interrupted, unwind_while_running
 from kvrewrite.compile.sweep import NAMED_CONFIGS
 from kvrewrite.spec import per_head_key_ranks
 
@@ -35,11 +35,6 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
         _default_showwarning(message, category, filename, lineno, file, line)
 
 
-def _terminate(signum, frame) -> None:
-    # SIGTERM unwinds like Ctrl-C, so the atomic writers delete their temporary files on the way out.
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 _default_showwarning = warnings.showwarning
 
 
@@ -47,7 +42,8 @@ _default_showwarning = warnings.showwarning
 def _setup() -> None:
     warnings.showwarning = _show_warning
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _terminate)
+        # SIGINT and SIGTERM unwind (the atomic writers delete their temporary files), then main() says so in one line.
+        unwind_while_running()
 
 
 def _flags() -> dict[str, str]:
@@ -490,7 +486,12 @@ def prefill_parallel(
 
 
 def main() -> None:
-    app()
+    unwind_while_running()
+    try:
+        app()
+    except Interrupted:
+        print(INTERRUPTED_MESSAGE, file=sys.stderr)
+        sys.exit(EXIT_INTERRUPTED)
 
 
 if __name__ == "__main__":

@@ -74,11 +74,11 @@ def _per_head_models(directory: Path, config: dict, baseline: str | None, rates:
     spec = config.get("kvrewrite")
     if spec is None:
         raise CorruptCheckpointError(f"{directory / 'config.json'} has no kvrewrite compression spec")
+    verify_checkpoint_files(directory)  # a damaged or edited checkpoint fails now, naming the file
     rate_list = rates if rates else [spec["target_rate"]]
     parsed = CompressionSpec.from_dict(spec)
     for rate in rate_list:
-        parsed.ranks_for_rate(rate)  # an unknown rate fails now, naming the table, not after loading two models
-    verify_checkpoint_files(directory)  # likewise a damaged or edited checkpoint
+        parsed.ranks_for_rate(rate)  # likewise an unknown rate, naming the table, not after loading two models
     source = baseline or spec["source_model"]
     baseline_dir = resolve_model_source(source).path
     refuse_compressed_baseline(directory, baseline_dir, given=baseline is not None)

@@ -3,7 +3,7 @@
 transformers asks "Do you wish to run the custom code? [y/N]" when a tokenizer_config.json (or config.json) carries
 an `auto_map` and trust_remote_code is not given, and a `y` on stdin then imports the shipped code. Every tokenizer
 kvrewrite loads goes through here: trust_remote_code=False, a custom tokenizer class refused up front naming the file,
-and transformers' own refusal (which tells the user to pass trust_remote_code=True) replaced by one that does not.
+and transformers' own refusal (which advises allowing the shipped code to run) replaced by one that does not.
 """
 
 from __future__ import annotations

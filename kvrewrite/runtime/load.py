@@ -62,7 +62,8 @@ def _spec_differences(config_spec: dict, written: dict) -> list[str]:
         return text if len(text) <= 40 else text[:37] + "..."
 
     problems = []
-    for name in sorted(set(config_spec) | set(written)):
+    # Scalar fields first (a changed head count or codec explains the per-layer differences that follow).
+    for name in sorted(set(config_spec) | set(written), key=lambda n: (n in ("layers", "rate_table"), n)):
         have, want = config_spec.get(name), written.get(name)
         if have == want:
             continue
@@ -173,6 +174,10 @@ def load(name_or_path, rate: float | None = None, **kwargs):
     An MLA export (a stock DeepSeek-V3 checkpoint with the `kvrewrite_mla` marker) loads as the stock model with
     its attention swapped for the absorbed one (runtime.mla).
     """
+    from kvrewrite.runtime.tiers.load_options import check_cache_keywords
+
+    check_cache_keywords(kwargs.get("kv_codec"), kwargs.get("recent_window"), kwargs.get("important"),
+                         kwargs.get("evict"))  # a wrong type named before any file is read
     directory = checkpoint_directory(name_or_path, kwargs.get("revision"))
     config_file = directory / "config.json"
     try:

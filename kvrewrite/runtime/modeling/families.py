@@ -146,6 +146,9 @@ def compressed_family(adapter: ArchitectureAdapter) -> tuple[type, type]:
 
                 what = "important= (token-adaptive dims)" if important is not None else "evict= (re-scored eviction)"
                 raise InvalidArgumentError(f"{what} needs recent_window= (kvrewrite.runtime.tiers)")
+            from kvrewrite.runtime.tiers.load_options import check_cache_keywords
+
+            check_cache_keywords(kv_codec, recent_window, important, evict)  # types, before any file is read
             directory = checkpoint_directory(pretrained_model_name_or_path, kwargs.get("revision"))
             if verify_checksums:
                 verify_checkpoint_files(directory)
