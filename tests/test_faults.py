@@ -654,3 +654,25 @@ def test_an_interrupt_during_compress_is_one_line_and_leaves_nothing(tmp_path, s
     assert process.returncode == 130, ("".join(seen) + out, err)
     assert "error: interrupted; nothing was written" in err and "Traceback" not in out + err and "Aborted" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no output, nothing hidden
+
+
+def test_a_rate_whose_first_layer_keeps_no_key_dims_prefills_in_chunks(compiled):
+    """At p = 0.75 the tiny checkpoint's layer 0 caches zero key dims; chunked prefill through the model's own cache
+    (eval --chunk, --positions, generate) must give the one-shot forward's logits, not a mask of the wrong length."""
+    import torch
+
+    import kvrewrite
+    from tiny_models import random_windows
+
+    model = kvrewrite.load(compiled[1], rate=0.75)
+    assert sum(model.compression_spec.ranks_for_rate(0.75)[0][0]) == 0
+    tokens = random_windows(n=1, length=32, seed=3)
+    with torch.no_grad():
+        one_shot = model(tokens).logits
+        cache = model.make_kv_cache()
+        chunked = torch.cat([model(tokens[:, i:i + 8], past_key_values=cache, use_cache=True).logits
+                             for i in range(0, 32, 8)], dim=1)
+        generated = model.generate(tokens[:, :16], max_new_tokens=4, do_sample=False)
+    assert cache.get_seq_length() == 32
+    torch.testing.assert_close(chunked, one_shot, atol=1e-4, rtol=1e-4)
+    assert generated.shape == (1, 20)

@@ -381,6 +381,8 @@ def budget(
             require_compile_extra("kvrewrite budget --calibration wiki (gensim's Wikipedia slice)", ["gensim"])
         if json_out:  # found now, not after minutes of measurement
             check_writable_file(json_out, "--json")
+        if write:  # likewise the checkpoint the split is recorded in
+            check_writable_file(directory / "token_policy.json", "recording the split (--write) in")
     except (KVRewriteError, ValueError) as exc:
         _fail(exc)
     command = " ".join(["kvrewrite budget", str(directory), f"--kv-budget {kv_budget}", f"--context {context}",

@@ -88,21 +88,21 @@ def compressed_family(adapter: ArchitectureAdapter) -> tuple[type, type]:
         def make_kv_cache(self):
             """The cache this model generates with: a TieredCache with a tier policy, a CodecCache when a codec is
             set, else a DynamicCache."""
-            from transformers import DynamicCache
-
             from kvrewrite.runtime.codecs import make_codec_cache
+            from kvrewrite.runtime.modeling.dynamic_cache import plain_cache
 
             if self.tier_policy is not None:
                 from kvrewrite.runtime.tiers.build import make_tiered_cache
 
                 return make_tiered_cache(self, self.tier_policy)
             if self.kv_codec is None:
-                return DynamicCache(config=self.config)
+                return plain_cache(self.config)  # counts tokens even where a layer keeps no key dims
             return make_codec_cache(self.kv_codec, *self._layer_ranks(), self.kv_codec_tables)
 
         def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
-            # generate() without a user cache: use the configured codec cache, so no extra code is needed.
-            if ((self.kv_codec is not None or self.tier_policy is not None) and model_kwargs.get("past_key_values") is None
+            # generate() without a user cache: this model's own cache (codec, tiers, or a plain one that counts tokens
+            # where a layer keeps no key dims), so no extra code is needed.
+            if (model_kwargs.get("past_key_values") is None
                     and generation_config.use_cache is not False and generation_config.cache_implementation is None):
                 model_kwargs["past_key_values"] = self.make_kv_cache()
                 return
