@@ -10,6 +10,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -402,4 +406,48 @@ CASES = [
     FaultCase("`budget --context 2` (below the calibration window)", _budget_context("2"), ("--context 2",)),
     FaultCase("`export-mla --verify-tokens 0`", _export_mla_verify_tokens, ("--verify-tokens 0",)),
     FaultCase("`compress --kv-budget 1e-9` (no split can fit)", _tiny_kv_budget, ("--kv-budget", "no split")),
+]
+
+
+# ---- interrupts: a real `kvrewrite` process, signalled while it imports or while it compiles ----------------------
+
+CONSOLE = "import sys; sys.argv[0] = 'kvrewrite'; from kvrewrite.cli.app import main; main()"  # as the console script
+
+
+@dataclass(frozen=True)
+class InterruptCase:
+    name: str
+    args: Callable[[Path, Path], list[str]]  # (source, working directory) -> CLI args
+    signal_name: str  # SIGINT or SIGTERM
+    after_line: str | None = None  # signal once stdout shows a line starting so; None: 0.5 s in, inside the imports
+
+
+def interrupted_run(case: InterruptCase, source: Path, cwd: Path) -> tuple[int, str, list[str]]:
+    """Run the case in a fresh process in `cwd`, signal it; (exit code, stderr, what is left in cwd)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    process = subprocess.Popen([sys.executable, "-c", CONSOLE, *case.args(source, cwd)], cwd=cwd, env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    sig = getattr(signal, case.signal_name)
+    if case.after_line is None:
+        time.sleep(0.5)  # torch and transformers take seconds to import: the signal lands inside an import
+        process.send_signal(sig)
+    else:
+        for line in process.stdout:
+            if line.startswith(case.after_line):
+                process.send_signal(sig)
+                break
+    out, err = process.communicate(timeout=180)
+    return process.returncode, err + ("Traceback in stdout" if "Traceback" in out else ""), sorted(
+        p.name for p in cwd.iterdir())
+
+
+def _compress_synthetic(source: Path, cwd: Path) -> list[str]:
+    return ["compress", str(source), "-o", str(cwd / "out"), "--calibration", "synthetic", "--calib-tokens", "512"]
+
+
+INTERRUPT_CASES = [
+    InterruptCase("Ctrl-C while the command imports", lambda source, cwd: ["--help"], "SIGINT"),
+    InterruptCase("SIGTERM while the command imports", lambda source, cwd: ["--help"], "SIGTERM"),
+    InterruptCase("Ctrl-C during `compress` (at its third pass)", _compress_synthetic, "SIGINT", after_line="[3/"),
+    InterruptCase("SIGTERM during `compress` (at its third pass)", _compress_synthetic, "SIGTERM", after_line="[3/"),
 ]

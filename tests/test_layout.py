@@ -23,7 +23,8 @@ ALLOWED = {
     "modeling": {"runtime"},
     "publish": {"errors", "spec", "extras", "io", "runtime", "progress", "key_modes"},
     "compile": {"errors", "spec", "extras", "io", "runtime", "method", "adapters", "progress", "publish", "key_modes"},
-    "cli": {"errors", "spec", "extras", "io", "runtime", "method", "adapters", "progress", "publish", "compile", "key_modes"},
+    "cli": {"errors", "spec", "extras", "io", "runtime", "method", "adapters", "progress", "publish", "compile", "key_modes",
+            "interrupts"},
     "interrupts": set(),
     "kvrewrite": {"runtime", "spec", "interrupts"},
 }
