@@ -348,12 +348,14 @@ def test_config_auto_map_is_ignored(tmp_path, source):
 
 
 def test_compressed_checkpoint_code_is_not_run(tmp_path, compiled):
-    """A tampered modeling_kvrewrite.py in a checkpoint is never imported by kvrewrite.load or inspect."""
+    """A tampered modeling_kvrewrite.py in a checkpoint is never imported by kvrewrite.load (which names it: the
+    manifest lists it) or inspect."""
     import kvrewrite
 
     ckpt = shutil.copytree(compiled[1], tmp_path / "ckpt")
     (ckpt / MODELING_FILE).write_text(f"import pathlib\npathlib.Path({str(tmp_path / SENTINEL_NAME)!r}).write_text('ran')\n")
-    kvrewrite.load(ckpt)
+    with pytest.raises(CorruptCheckpointError, match=MODELING_FILE):
+        kvrewrite.load(ckpt)
     assert run_cli(["inspect", str(ckpt)])[0] == 0
     assert not (tmp_path / SENTINEL_NAME).exists()
 

@@ -363,6 +363,24 @@ def frontier_table(frontier: dict) -> Table:
     return Table(markdown_table(frontier["results"]))
 
 
+# ---- docs/reliability.md -------------------------------------------------------------------------------------
+
+
+def _code(text: str) -> str:
+    """Inline code that may itself hold backquotes, with table pipes escaped."""
+    fence = "``" if "`" in text else "`"
+    pad = " " if fence == "``" else ""
+    return f"{fence}{pad}{text}{pad}{fence}".replace("|", "\\|")
+
+
+@renderer("fault-table")
+def fault_table(result: dict) -> Table:
+    """benchmarks/fault_table.py: every case of the fault suite through the CLI, what the user saw, the exit code."""
+    rows = [[r["case"].replace("|", "\\|"), _code(r["command"]), _code(r["message"]), str(r["exit"])]
+            for r in result["cases"]]
+    return Table(markdown(["case", "command", "what the user sees", "exit"], rows))
+
+
 # ---- rendering -----------------------------------------------------------------------------------------------
 
 
