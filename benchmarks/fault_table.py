@@ -62,8 +62,8 @@ def main() -> None:
             rows.append({"case": case.name, "command": command_line(args, case.stdin, root, base),
                          "message": shown(error_line(output), root, base), "exit": code,
                          "code_ran": (root / SENTINEL_NAME).exists()})
-        for case in INTERRUPT_CASES:
-            root = base / f"interrupt-{case.name.split()[0]}"
+        for j, case in enumerate(INTERRUPT_CASES):
+            root = base / f"interrupt{j}"
             root.mkdir()
             args = case.args(source, root)
             code, err, left = interrupted_run(case, source, root)

@@ -403,7 +403,7 @@ CASES = [
     FaultCase("`prefill-parallel --prompt-file` on a directory", _prefill_prompt("directory"), ("--prompt-file", "is a directory")),
     FaultCase("`budget --context 0`", _budget_context("0"), ("--context 0",)),
     FaultCase("`budget --context -5`", _budget_context("-5"), ("--context -5",)),
-    FaultCase("`budget --context 2` (below the calibration window)", _budget_context("2"), ("--context 2",)),
+    FaultCase("`budget --context 2` (below the full-rank window)", _budget_context("2"), ("--context 2",)),
     FaultCase("`export-mla --verify-tokens 0`", _export_mla_verify_tokens, ("--verify-tokens 0",)),
     FaultCase("`compress --kv-budget 1e-9` (no split can fit)", _tiny_kv_budget, ("--kv-budget", "no split")),
 ]

@@ -652,3 +652,17 @@ def test_a_rate_whose_first_layer_keeps_no_key_dims_prefills_in_chunks(compiled)
     assert cache.get_seq_length() == 32
     torch.testing.assert_close(chunked, one_shot, atol=1e-4, rtol=1e-4)
     assert generated.shape == (1, 20)
+
+
+def test_the_documented_fault_table_is_the_suites_own_run():
+    """docs/reliability.md renders benchmarks/results/fault_table.json; that run holds exactly this suite's cases, each
+    one error line with exit 2 (130 for an interrupt) and no code run. A case added here without re-running
+    benchmarks/fault_table.py fails this test."""
+    import json
+
+    recorded = json.loads((Path(__file__).resolve().parents[1] / "benchmarks/results/fault_table.json").read_text())
+    names = [r["case"] for r in recorded["cases"]]
+    assert names[:len(CASES) + len(INTERRUPT_CASES)] == [c.name for c in CASES] + [c.name for c in INTERRUPT_CASES]
+    for row in recorded["cases"]:
+        assert row["message"].startswith("error: ") and row["exit"] in (2, 130) and not row.get("code_ran"), row
+        assert row["exit"] == 2 or (row["message"] == "error: interrupted; nothing was written" and row["left_behind"] == [])
