@@ -153,6 +153,10 @@ def run(directory: Path, prompt: str, nproc: int, rate, new_tokens: int, threads
                       f"runs the plain cache at the compiled rate {spec['target_rate']:g} (--rate picks another)")
     console.print(f"prefilling {input_ids.shape[1]} tokens across {nproc} processes (gloo, {threads} thread(s) each, "
                   f"{heads} query heads split over them) ...")
+    import logging
+
+    # torch logs each sibling it terminates after a worker failed; the failure itself is reported below, in one line.
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     try:
         results = run_processes(worker, nproc, str(directory), input_ids, rate, new_tokens, threads=threads)
     except KVRewriteError:
