@@ -353,6 +353,10 @@ def _budget_context(value: str):
     return setup
 
 
+def _budget_on_mla_export(root, source, ckpt):
+    return ["budget", str(shared_mla_export(ckpt)), "--kv-budget", "0.5", "--calibration", str(_prompt(root))]
+
+
 def _export_mla_verify_tokens(root, source, ckpt):
     return ["export-mla", str(source), "-o", str(root / "out"), "--calibration", "synthetic", "--calib-tokens", "512",
             "--verify-tokens", "0"]
@@ -404,6 +408,7 @@ CASES = [
     FaultCase("`budget --context 0`", _budget_context("0"), ("--context 0",)),
     FaultCase("`budget --context -5`", _budget_context("-5"), ("--context -5",)),
     FaultCase("`budget --context 2` (below the full-rank window)", _budget_context("2"), ("--context 2",)),
+    FaultCase("`budget` on an MLA export", _budget_on_mla_export, ("is an MLA export", "kvrewrite budget")),
     FaultCase("`export-mla --verify-tokens 0`", _export_mla_verify_tokens, ("--verify-tokens 0",)),
     FaultCase("`compress --kv-budget 1e-9` (no split can fit)", _tiny_kv_budget, ("--kv-budget", "no split")),
 ]
