@@ -55,7 +55,7 @@ from kvrewrite.compile.layer_groups import (  # noqa: E402
     record_attention_evidence,
     repetition_matrix,
 )
-from kvrewrite.compile.passes.load_checkpoint import load_fp32_model  # noqa: E402
+from kvrewrite.io.source_model import load_fp32_model  # noqa: E402
 from kvrewrite.io.sources import resolve_model_source  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"

@@ -208,8 +208,8 @@ def test_kvrewrite_eval_scores_an_mla_export_at_the_rates_of_its_table(deep, all
     """The eval rows of an allocated export equal a direct evaluation of kvrewrite.load(dir, rate=p) against the
     source the export records; codecs and unknown rates are refused."""
     import kvrewrite
-    from kvrewrite.cli.evaluate import evaluate_checkpoint
-    from kvrewrite.compile.passes.load_checkpoint import load_fp32_model
+    from kvrewrite.publish.checkpoint_eval import evaluate_checkpoint
+    from kvrewrite.io.source_model import load_fp32_model
     from kvrewrite.io import calibration_data
     from kvrewrite.publish.evaluation import evaluate_many
 

@@ -160,11 +160,9 @@ def test_what_does_not_combine_is_refused_before_any_work(tmp_path, extra, messa
 
 
 def test_the_default_refits_a_uniform_export_and_leaves_an_allocated_one_its_rate_table(tmp_path):
-    from kvrewrite.cli.export import DEFAULT_REFIT
-
     uniform, out = _cli(tmp_path / "uniform", "--kv-share", "0.5")
     assert uniform.exit_code == 0, uniform.output
-    assert json.loads((out / "config.json").read_text())["kvrewrite_mla"]["refit"]["method"] == DEFAULT_REFIT == "output-local"
+    assert json.loads((out / "config.json").read_text())["kvrewrite_mla"]["refit"]["method"] == "output-local"
     allocated, out = _cli(tmp_path / "allocated", "--kv-share", "0.7", "--allocation", "sensitivity")
     assert allocated.exit_code == 0, allocated.output
     marker = json.loads((out / "config.json").read_text())["kvrewrite_mla"]

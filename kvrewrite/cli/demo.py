@@ -26,7 +26,7 @@ MLA_VARIANT = "mla-allocated"
 
 def run_demo(output: Path, rates: list[float], calib_tokens: int, eval_tokens: int, console: Console) -> list[dict]:
     from kvrewrite.io.calibration_data import evaluation_token_sequences
-    from kvrewrite.cli.evaluate import result_rows
+    from kvrewrite.publish.checkpoint_eval import result_rows
     from kvrewrite.cli.tables import eval_table
     from kvrewrite.publish.evaluation import evaluate_many
     from kvrewrite.compile.passes.pipeline import compile_variants
