@@ -51,7 +51,7 @@ def test_unsupported_architecture_fails_before_loading_weights(tmp_path, monkeyp
     def no_weights(*args, **kwargs):
         raise AssertionError("weights were loaded before the architecture check")
 
-    monkeypatch.setattr("kvrewrite.compile.passes.load_checkpoint.AutoModelForCausalLM.from_pretrained", no_weights)
+    monkeypatch.setattr("kvrewrite.io.source_model.AutoModelForCausalLM.from_pretrained", no_weights)
     ctx = CompileContext(plan=Plan(model=str(tmp_path / "neox"), progress=False))
     with pytest.raises(UnsupportedModelError, match="'gpt_neox'.*supported model types: gemma3_text, gpt2, llama, mistral, opt, phi3, qwen2, qwen3"):
         LoadCheckpoint().run(ctx)

@@ -82,7 +82,7 @@ def _export_mla(plan, rates: list[float], output: Path, console: Console) -> Non
 
     import torch
 
-    from kvrewrite.compile.mla_export import allocated_at_share, export_at_share, prepare_source, probe_full_form
+    from kvrewrite.compile.mla.export import allocated_at_share, export_at_share, prepare_source, probe_full_form
 
     console.print(f"[cyan]{MLA_VARIANT}[/] statistics, full-width MLA form, sensitivity probes, per-layer widths")
     prepared = prepare_source(replace(plan, output=None))
