@@ -59,13 +59,26 @@ def folder_edges() -> dict[tuple[str, str], list[str]]:
     return dict(edges)
 
 
+def _executed_nodes(tree: ast.AST):
+    """Every node of a module except the bodies of `if TYPE_CHECKING:` (imports for annotations only, never run)."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            for other in node.orelse:
+                yield other
+                yield from _executed_nodes(other)
+            continue
+        yield node
+        yield from _executed_nodes(node)
+
+
 def module_edges() -> dict[str, set[str]]:
-    """File-level arrows: module -> the kvrewrite modules it imports (`from pkg import name` counts as pkg.name when
-    that is a module of ours, else as pkg, i.e. its __init__)."""
+    """File-level arrows: module -> the kvrewrite modules it imports when it runs, lazy imports included and imports
+    under `if TYPE_CHECKING:` left out (`from pkg import name` counts as pkg.name when that is a module of ours, else
+    as pkg, i.e. its __init__)."""
     modules = {module_name(path): path for path in PACKAGE.rglob("*.py")}
     edges: dict[str, set[str]] = {name: set() for name in modules}
     for importer, path in modules.items():
-        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        for node in _executed_nodes(ast.parse(path.read_text(), filename=str(path))):
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:

@@ -71,7 +71,8 @@ def _per_head_models(directory: Path, config: dict, baseline: str | None, rates:
     """A per-head checkpoint at each rate (and codec, and token tier), with its source model."""
     from kvrewrite.io.source_model import load_fp32_model
     from kvrewrite.io.sources import resolve_model_source
-    from kvrewrite.runtime.load import load, verify_checkpoint_files
+    from kvrewrite.runtime.checkpoint_files import verify_checkpoint_files
+    from kvrewrite.runtime.load import load
 
     spec = config.get("kvrewrite")
     if spec is None:
