@@ -32,7 +32,7 @@ def read_prompt(path: Path) -> str:
 
 def check_options(directory: Path, nproc: int, rate, new_tokens: int, threads: int) -> dict:
     """Every option against the checkpoint, before any process starts: the spec (config.json, verified)."""
-    from kvrewrite.runtime.load import verify_checkpoint_files
+    from kvrewrite.runtime.checkpoint_files import verify_checkpoint_files
     from kvrewrite.spec import CompressionSpec
 
     if threads < 1:
