@@ -70,7 +70,8 @@ def main() -> None:
             rows.append({"case": case.name, "command": command_line(args, None, root, base) + f" ({case.signal_name})",
                          "message": shown(err.strip().splitlines()[-1], root, base), "exit": code, "left_behind": left})
         rows += list(mounted_cases(base, source, ckpt))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    commit = git.stdout.strip()
     RESULT.write_text(json.dumps({
         "command": "PYTHONPATH=. python benchmarks/fault_table.py", "commit": commit, "machine": platform.platform(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
