@@ -362,6 +362,17 @@ def _export_mla_verify_tokens(root, source, ckpt):
             "--verify-tokens", "0"]
 
 
+def _eval_option(option: str, value: str):
+    def setup(root, source, ckpt):
+        return ["eval", str(ckpt), "--baseline", str(source), "--no-save", option, value]
+    return setup
+
+
+def _export_mla_key_weight(root, source, ckpt):
+    return ["export-mla", str(source), "-o", str(root / "out"), "--calibration", "synthetic", "--calib-tokens", "512",
+            "--key-weight", "-1"]
+
+
 def _tiny_kv_budget(root, source, ckpt):
     return _compress(source, root / "out", "--kv-budget", "1e-9")
 
@@ -410,6 +421,9 @@ CASES = [
     FaultCase("`budget --context 2` (below the full-rank window)", _budget_context("2"), ("--context 2",)),
     FaultCase("`budget` on an MLA export", _budget_on_mla_export, ("is an MLA export", "kvrewrite budget")),
     FaultCase("`export-mla --verify-tokens 0`", _export_mla_verify_tokens, ("--verify-tokens 0",)),
+    FaultCase("`eval --tokens 0`", _eval_option("--tokens", "0"), ("--tokens 0",)),
+    FaultCase("`eval --chunk 0`", _eval_option("--chunk", "0"), ("--chunk 0",)),
+    FaultCase("`export-mla --key-weight -1`", _export_mla_key_weight, ("--key-weight -1",)),
     FaultCase("`compress --kv-budget 1e-9` (no split can fit)", _tiny_kv_budget, ("--kv-budget", "no split")),
 ]
 

@@ -158,6 +158,9 @@ def evaluate_command(
     from kvrewrite.io.output_safety import check_writable_file
 
     try:
+        for flag, value, least in (("--tokens", tokens, 1), ("--seq-len", seq_len, 2), ("--chunk", chunk, 1)):
+            if value is not None and value < least:  # named as flags, before any model is loaded
+                raise InvalidArgumentError(f"{flag} {value}: give at least {least}")
         rate_list = list(numbers(rates, "--rates")) if rates else None
         codec_list = kv_codec.split(";") if kv_codec else None
         window_list = _parse_windows(recent_window) if recent_window else None

@@ -184,6 +184,9 @@ def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, 
 
     if dtype not in DTYPES:
         raise InvalidArgumentError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if key_weight is not None and not 0 < key_weight < float("inf"):
+        raise InvalidArgumentError(f"--key-weight {key_weight}: the key side's weight against the value side must be a "
+                                   "positive number")
     if verify_tokens < 1:
         raise InvalidArgumentError(f"--verify-tokens {verify_tokens}: the checks at the end compare logits on at "
                                    "least 1 calibration token")
