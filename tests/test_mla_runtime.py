@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCa
 import kvrewrite
 from kvrewrite.errors import CorruptCheckpointError
 from kvrewrite.runtime.cache_bytes import cache_tensor_bytes
+from kvrewrite.runtime.inplace_cache import grown_capacity
 from kvrewrite.runtime.mla.attention import AbsorbedMLAAttention, expansion_is_cheaper
 from kvrewrite.runtime.mla.checkpoint import MLA_MARKER, absorb_attention
 from kvrewrite.runtime.mla.latent_cache import latent_cache_bytes
@@ -82,6 +83,7 @@ def test_cached_decoding_equals_one_shot_and_cache_holds_only_latent_rows():
         one_shot = ours(x).logits
         cache = DynamicCache(config=config)
         steps = [ours(x[:, :10], past_key_values=cache, use_cache=True).logits]
+        after_prefill = cache_tensor_bytes(cache)
         for t in range(10, 24):
             steps.append(ours(x[:, t : t + 1], past_key_values=cache, use_cache=True).logits)
     torch.testing.assert_close(torch.cat(steps, dim=1), one_shot, atol=2e-5, rtol=1e-5)
@@ -89,8 +91,10 @@ def test_cached_decoding_equals_one_shot_and_cache_holds_only_latent_rows():
     for layer in cache.layers:
         assert layer.keys.shape == (3, 1, 24, r + dr)
         assert layer.values.numel() == 0
-    assert cache_tensor_bytes(cache) == (r + dr) * 24 * 3 * config.num_hidden_layers * 4
-    assert cache_tensor_bytes(cache) == latent_cache_bytes(3, 24, config.num_hidden_layers, r, dr, torch.float32)
+    # A prefill holds exactly its rows; the first append grew each layer's buffer once, in one large step.
+    assert after_prefill == (r + dr) * 10 * 3 * config.num_hidden_layers * 4
+    assert after_prefill == latent_cache_bytes(3, 10, config.num_hidden_layers, r, dr, torch.float32)
+    assert cache_tensor_bytes(cache) == (r + dr) * grown_capacity(11) * 3 * config.num_hidden_layers * 4
 
 
 def test_cached_latents_equal_stock_caches():
@@ -212,11 +216,12 @@ def test_plain_deepseek_checkpoint_is_not_taken_for_an_export(tmp_path):
         kvrewrite.load(tmp_path)
 
 
-def test_the_growing_rows_layer_appends_in_place_and_holds_what_torch_cat_would():
+def test_the_latent_rows_append_in_place_and_hold_what_torch_cat_would():
     """Reference: stock DynamicLayer (torch.cat on every append), fed the same rows, cropped and batch-selected alike."""
     from transformers.cache_utils import DynamicCache as StockCache
 
-    from kvrewrite.runtime.mla.latent_cache import GrowingRowsLayer, cache_latent_rows, spare_rows
+    from kvrewrite.runtime.inplace_cache import InPlaceLayer, grown_capacity
+    from kvrewrite.runtime.mla.latent_cache import cache_latent_rows
 
     torch.manual_seed(0)
     ours, stock = StockCache(), StockCache()
@@ -224,19 +229,19 @@ def test_the_growing_rows_layer_appends_in_place_and_holds_what_torch_cat_would(
     cache_latent_rows(ours, 0, prefill)
     stock.update(prefill, prefill[..., :0], 0)
     layer = ours.layers[0]
-    assert isinstance(layer, GrowingRowsLayer) and type(stock.layers[0]) is not GrowingRowsLayer
-    assert layer._buffer.shape[-2] == 300  # a prefill holds exactly its rows
+    assert isinstance(layer, InPlaceLayer) and type(stock.layers[0]) is not InPlaceLayer
+    assert layer._buffers["keys"].shape[-2] == 300  # a prefill holds exactly its rows
     for step in range(20):
         row = torch.randn(2, 1, 1, 12)
         cache_latent_rows(ours, 0, row)
         stock.update(row, row[..., :0], 0)
-        if step == 0:  # the first append reallocates with spare rows ...
-            assert layer._buffer.shape[-2] == 301 + spare_rows(301) == 319
-            buffer = layer._buffer.data_ptr()
-        assert (layer._buffer.data_ptr() == buffer) == (step < 19)  # ... and the next 18 write in place
+        if step == 0:  # the first append reallocates in one large step ...
+            assert layer._buffers["keys"].shape[-2] == grown_capacity(301) == 557
+            buffer = layer._buffers["keys"].data_ptr()
+        assert layer._buffers["keys"].data_ptr() == buffer  # ... and the next ones write in place
         assert torch.equal(layer.keys, stock.layers[0].keys) and layer.values.shape[-2] == layer.keys.shape[-2]
-    # The spare rows are held memory and counted as such.
-    assert cache_tensor_bytes(ours) == layer._buffer.numel() * 4 > layer.keys.numel() * 4
+    # The room is held memory and counted as such.
+    assert cache_tensor_bytes(ours) == layer._buffers["keys"].numel() * 4 > layer.keys.numel() * 4
     for cache in (ours, stock):
         cache.crop(-10)
         cache.batch_select_indices(torch.tensor([1]))

@@ -16,15 +16,20 @@ from kvrewrite.errors import CorruptCheckpointError
 from kvrewrite.key_modes import allowed_key_modes, key_mode
 from kvrewrite.key_modes.rows import block_prefix_rows, slice_linear_rows
 from kvrewrite.runtime.codecs.readout import CodedReadout
-from kvrewrite.runtime.kernels.cache_layout import ROWS, packed_view, to_storage
+from kvrewrite.runtime.kernels.cache_layout import COLUMNS, ROWS, packed_view, to_storage
 from kvrewrite.runtime.kernels.coded_attention import blockwise_coded_attention
+from kvrewrite.runtime.inplace_cache import InPlaceLayer, in_place_layer
 from kvrewrite.runtime.kernels.dispatch import PackedAttentionFn, build_attention, resolve_backend
+from kvrewrite.runtime.kernels.latent_decode import latent_decode_attention
 from kvrewrite.runtime.kernels.reference import PackedLayout, boolean_mask, grouped_attention, shared_key_attention
+from kvrewrite.runtime.kernels.rope_table import rope_table
 from kvrewrite.spec import LayerSpec
 
 PACKED_ATTENTION = "kvrewrite_packed"
 # Cache layers that may hold column-major packed latents (see CompressedAttention.cache_order).
-_COLUMN_CACHE_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
+_COLUMN_CACHE_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, InPlaceLayer)
+# Up to this many new tokens, latent layers rebuild keys tile by tile (kernels.latent_decode) instead of all at once.
+LATENT_DECODE_ROWS = 16
 
 
 class CompressedAttention(nn.Module):
@@ -130,6 +135,7 @@ class CompressedAttention(nn.Module):
                 # A codec cache whose blocks attention reads in place (int4/int2): no decoded copy of the store.
                 readout = past_key_values.update_coded(to_storage(key, ROWS), to_storage(value, ROWS), self.layer_idx)
                 return self.o_proj(self.attend_coded(query, readout, attention_mask, past_len)), None
+            in_place_layer(past_key_values, self.layer_idx)  # a stock DynamicLayer would torch.cat every step
             order = self.cache_order(past_key_values, query.device)
             key, value = past_key_values.update(to_storage(key, order), to_storage(value, order), self.layer_idx)
             key, value = packed_view(key), packed_view(value)  # logical [B, 1, S, C] views, no copy
@@ -245,6 +251,8 @@ class CompressedAttention(nn.Module):
         """
         layers = getattr(cache, "layers", None)
         layer = layers[self.layer_idx] if layers is not None and self.layer_idx < len(layers) else None
+        if type(layer) in _COLUMN_CACHE_LAYERS and self.mode.rebuilds_keys and resolve_backend(device) == "torch":
+            return COLUMNS  # kernels.latent_decode reads each head's latent block C_g^T as contiguous rows
         if (
             type(layer) not in _COLUMN_CACHE_LAYERS
             or not self.mode.uses_packed_kernel
@@ -263,6 +271,14 @@ class CompressedAttention(nn.Module):
         batch, q_len, _ = query.shape
         kv_len = key_latent.shape[-2]
         rotary = self._rotary[0]
+        if q_len <= LATENT_DECODE_ROWS:
+            cos_t, sin_t = rope_table(rotary, query, kv_len)  # [d, >= S]
+            cos_q = cos_t[:, past_len : past_len + q_len].transpose(0, 1)[None]
+            sin_q = sin_t[:, past_len : past_len + q_len].transpose(0, 1)[None]
+            q = self._apply_rope(self._heads(query, self.num_heads), cos_q, sin_q)
+            allowed = boolean_mask(attention_mask, q_len, kv_len, query.device)
+            return latent_decode_attention(q, key_latent, value, allowed, self.scaling, self.key_ranks,
+                                           self.value_ranks, self.k_up, cos_t, sin_t)
         positions = torch.arange(kv_len, device=query.device)[None].expand(batch, kv_len)
         cos_k, sin_k = rotary(query, positions)
         cos_q, sin_q = cos_k[:, past_len : past_len + q_len], sin_k[:, past_len : past_len + q_len]

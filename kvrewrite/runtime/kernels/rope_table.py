@@ -1,0 +1,36 @@
+"""cos/sin of cache positions 0..S-1 for layers that rotate keys at attention time, computed once per model.
+
+A `latent` layer rotates every cached key by its cache index on every step. Asking the rotary module for S
+positions in each layer and step costs S x d transcendentals per layer; the values only depend on the position,
+so one table, transposed to [d, S] for the tile loops of kernels.latent_decode, serves every layer and step. It
+grows in steps of GROW positions. Rotary types whose frequencies depend on the sequence length (dynamic NTK,
+longrope) are computed per call instead.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+GROW = 4096
+_LENGTH_DEPENDENT = ("dynamic", "longrope")
+
+
+def _computed(rotary: nn.Module, like: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    positions = torch.arange(length, device=like.device)[None]
+    cos, sin = rotary(like, positions)  # [1, S, d]
+    return cos[0].transpose(0, 1).contiguous(), sin[0].transpose(0, 1).contiguous()
+
+
+def rope_table(rotary: nn.Module, like: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos_t, sin_t) [d, >= length] in `like`'s dtype and device for cache positions 0.., first `length` valid."""
+    rope_type = str(getattr(rotary, "rope_type", "default"))
+    if any(kind in rope_type for kind in _LENGTH_DEPENDENT):
+        return _computed(rotary, like, length)
+    tables = rotary.__dict__.setdefault("_kvrewrite_rope_tables", {})
+    key = (like.device, like.dtype)
+    held = tables.get(key)
+    if held is None or held[0].shape[1] < length:
+        held = _computed(rotary, like, -(-length // GROW) * GROW)
+        tables[key] = held
+    return held
