@@ -186,3 +186,50 @@ def test_tiled_latent_decode_equals_dense_rebuild(monkeypatch, order, q_len):
                                   cos.T.contiguous(), sin.T.contiguous())
     want = dense_latent_attention(queries, keys, values, allowed, 0.3, key_ranks, value_ranks, up, cos, sin)
     assert (got - want).abs().max().item() < 1e-10
+
+
+def static_decode_logits(model, forward, steps: int = 4) -> torch.Tensor:
+    """Prefill eagerly into a StaticCache, then `steps` single-token steps through `forward` (what generate() does
+    with cache_implementation="static" and a compiled forward)."""
+    from transformers import StaticCache
+
+    capacity = IDS.shape[1] + steps + 2
+    cache = StaticCache(config=model.config, max_cache_len=capacity)
+    # One mask of the cache's length for every step (slots not yet written are masked causally): the compiled step
+    # then sees the same shapes every time and is compiled once.
+    mask = torch.cat([MASK, torch.ones(2, capacity - MASK.shape[1], dtype=MASK.dtype)], dim=1)
+    logits = []
+    with torch.no_grad():
+        out = model(input_ids=IDS, attention_mask=mask[:, : IDS.shape[1]], past_key_values=cache, use_cache=True)
+        token = out.logits[:, -1:].argmax(-1)
+        for _ in range(steps):
+            out = forward(input_ids=token, attention_mask=mask, past_key_values=cache, use_cache=True)
+            logits.append(out.logits[:, -1])
+            token = out.logits[:, -1:].argmax(-1)
+    return torch.stack(logits, dim=1)
+
+
+def tiny_mla_model():
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from kvrewrite.runtime.mla.checkpoint import absorb_attention
+
+    config = DeepseekV3Config(
+        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=12,
+        v_head_dim=10, first_k_dense_replace=2, n_routed_experts=4, n_group=1, topk_group=1, num_experts_per_tok=2,
+        max_position_embeddings=256, initializer_range=0.2, pad_token_id=0, bos_token_id=1, eos_token_id=None)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return absorb_attention(DeepseekV3ForCausalLM(config)).eval()
+
+
+@pytest.mark.parametrize("form", ["latent", "mla"])
+def test_decode_step_compiles_as_one_graph_on_a_static_cache_and_equals_eager(compiled, monkeypatch, form):
+    """fullgraph=True: no graph break, no data-dependent shape or host sync in the step (what CUDA graphs need)."""
+    monkeypatch.delenv("KVREWRITE_ATTENTION", raising=False)
+    torch._dynamo.reset()
+    model = tiny_mla_model() if form == "mla" else kvrewrite.load(compiled[form], rate=0.5).eval()
+    eager = static_decode_logits(model, model.forward)
+    graph = static_decode_logits(model, torch.compile(model.forward, fullgraph=True, dynamic=False))
+    assert (graph - eager).abs().max().item() < 1e-4 and eager.abs().max().item() > 0.1

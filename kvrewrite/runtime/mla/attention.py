@@ -151,8 +151,9 @@ class AbsorbedMLAAttention(nn.Module):
         keys = rows.view(batch, kv_len, -1)
         scores = torch.bmm(queries, keys.transpose(1, 2)).view(batch, q_len, heads, kv_len)
         scores = scores.to(softmax_dtype(scores.dtype))
-        if not bool(allowed.all()):
-            scores = scores.masked_fill(~allowed[:, 0, :, None, :], torch.finfo(scores.dtype).min)
+        # Always masked (no test of whether any slot is masked: that would be a host sync, and data-dependent control
+        # flow that torch.compile / CUDA graphs cannot capture); a StaticCache's unfilled slots are masked here too.
+        scores = scores.masked_fill(~allowed[:, 0, :, None, :], torch.finfo(scores.dtype).min)
         probs = torch.softmax(scores, dim=-1).to(rows.dtype).view(batch, q_len * heads, kv_len)
         latent_out = torch.bmm(probs, keys[..., : self.kv_lora_rank]).view(batch, q_len, heads, -1)
         return torch.einsum("bthr,hvr->bthv", latent_out, w_uv)

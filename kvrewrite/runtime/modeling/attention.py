@@ -273,8 +273,10 @@ class CompressedAttention(nn.Module):
         rotary = self._rotary[0]
         if q_len <= LATENT_DECODE_ROWS:
             cos_t, sin_t = rope_table(rotary, query, kv_len)  # [d, >= S]
-            cos_q = cos_t[:, past_len : past_len + q_len].transpose(0, 1)[None]
-            sin_q = sin_t[:, past_len : past_len + q_len].transpose(0, 1)[None]
+            # Gathered, not sliced: past_len is a tensor on a StaticCache, and a slice by it would give the queries
+            # a data-dependent length under torch.compile.
+            rows = torch.arange(q_len, device=query.device) + past_len
+            cos_q, sin_q = cos_t.index_select(1, rows).T[None], sin_t.index_select(1, rows).T[None]
             q = self._apply_rope(self._heads(query, self.num_heads), cos_q, sin_q)
             allowed = boolean_mask(attention_mask, q_len, kv_len, query.device)
             return latent_decode_attention(q, key_latent, value, allowed, self.scaling, self.key_ranks,
