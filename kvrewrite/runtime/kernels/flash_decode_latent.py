@@ -8,7 +8,7 @@ loads the latent tile, rebuilds both halves of the keys with two tl.dot, rotates
 scores them against the queries, then accumulates the value tile (online softmax, exp2, fp32 statistics). The
 rebuilt keys exist only as a [BLOCK_N, d] register tile.
 
-Splits, the merge, the live length read from device memory, the allowed-slot masking and the rank balance are the
+Splits, the merge, the live length read from device memory, the allowed-slot handling and the rank balance are the
 packed kernel's (kernels.flash_decode_packed, kernels.flash_decode_splits): CUDA-graph safe, nothing by kv_len.
 """
 
@@ -88,15 +88,19 @@ def _latent_split_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
     for n0 in range(start, stop, BLOCK_N):
         n = n0 + cols
-        slot_ok = (n < stop) & (tl.load(mask_ptr + b * s_mb + n, mask=n < stop, other=0) != 0)
-        lat = tl.load(k_base + n[:, None] * s_ks + dr[None, :], mask=slot_ok[:, None] & r_in[None, :], other=0.0)
-        v = tl.load(v_base + n[:, None] * s_vs + dv[None, :], mask=slot_ok[:, None] & v_in[None, :], other=0.0)
+        live = n < stop
+        slot_ok = live & (tl.load(mask_ptr + b * s_mb + n, mask=live, other=0) != 0)
+        # Loads masked by the live length only (as in the packed kernel); disallowed slots: scores replaced,
+        # values zeroed.
+        lat = tl.load(k_base + n[:, None] * s_ks + dr[None, :], mask=live[:, None] & r_in[None, :], other=0.0)
+        v = tl.load(v_base + n[:, None] * s_vs + dv[None, :], mask=live[:, None] & v_in[None, :], other=0.0)
+        v = tl.where(slot_ok[:, None], v, 0.0)
         if UPCAST:
             lat = lat.to(tl.float32)
             v = v.to(tl.float32)
         k1 = tl.dot(lat, up1)  # [N, HALF] fp32: the first half of the rebuilt pre-RoPE keys
         k2 = tl.dot(lat, up2)
-        rope_ok = slot_ok[:, None] & half_ok[None, :]
+        rope_ok = live[:, None] & half_ok[None, :]
         cos1 = tl.load(cos_ptr + n[:, None] * s_cs + half[None, :], mask=rope_ok, other=0.0).to(tl.float32)
         cos2 = tl.load(cos_ptr + n[:, None] * s_cs + half_d + half[None, :], mask=rope_ok, other=0.0).to(tl.float32)
         sin1 = tl.load(sin_ptr + n[:, None] * s_ss + half[None, :], mask=rope_ok, other=0.0).to(tl.float32)

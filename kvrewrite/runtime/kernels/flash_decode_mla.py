@@ -8,8 +8,8 @@ split of its slots, so each row tile is read from memory once and serves both th
 the same registers, the value sum: the cache's bytes are read once per step. Online softmax in exp2 with fp32
 statistics; splits written to the workspace and merged as in kernels.flash_decode_splits.
 
-Slots are read only where `allowed` is true and below kv_len (loaded from device memory): CUDA-graph safe, the
-grid and workspace depend on S_cap only.
+Slots at or past kv_len (loaded from device memory) are never read; rows `allowed` excludes may hold anything, NaN
+included. CUDA-graph safe: the grid and workspace depend on S_cap only.
 """
 
 from __future__ import annotations
@@ -61,15 +61,22 @@ def _mla_split_kernel(
     if UPCAST:  # the CPU interpreter computes bf16 dots wrongly: widen tiles there, compiled kernels keep bf16
         q_lat = q_lat.to(tl.float32)
         q_pe = q_pe.to(tl.float32)
+    else:
+        q_lat = q_lat.to(rows_ptr.dtype.element_ty)
+        q_pe = q_pe.to(rows_ptr.dtype.element_ty)
     row_base = rows_ptr + b * s_rb
     m_i = tl.full([BLOCK_H], NEG_INF, tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
     for n0 in range(start, stop, BLOCK_N):
         n = n0 + cols
-        slot_ok = (n < stop) & (tl.load(mask_ptr + b * s_mb + n, mask=n < stop, other=0) != 0)
-        c = tl.load(row_base + n[:, None] * s_rs + dr[None, :], mask=slot_ok[:, None] & r_in[None, :], other=0.0)
-        pe = tl.load(row_base + n[:, None] * s_rs + rank + dp[None, :], mask=slot_ok[:, None] & p_in[None, :],
+        live = n < stop
+        slot_ok = live & (tl.load(mask_ptr + b * s_mb + n, mask=live, other=0) != 0)
+        # Loads masked by the live length only (no stall on the mask just loaded); a disallowed row may hold
+        # anything (NaN): zeroed before it serves as keys and values, its score replaced.
+        c = tl.load(row_base + n[:, None] * s_rs + dr[None, :], mask=live[:, None] & r_in[None, :], other=0.0)
+        c = tl.where(slot_ok[:, None], c, 0.0)
+        pe = tl.load(row_base + n[:, None] * s_rs + rank + dp[None, :], mask=live[:, None] & p_in[None, :],
                      other=0.0)
         if UPCAST:
             c = c.to(tl.float32)

@@ -7,8 +7,9 @@ the group once, walks its split's key blocks with an online softmax (exp2, fp32 
 normalised output (a plan with one split everywhere) or its partial to the workspace that
 kernels.flash_decode_splits.merge_splits reduces.
 
-Slots are read only where `allowed` is true and below the live length kv_len (loaded from device memory, so a CUDA
-graph replays correctly as the cache fills): left padding, unfilled slots and anything past kv_len may hold garbage.
+Slots at or past the live length kv_len (loaded from device memory, so a CUDA graph replays correctly as the cache
+fills) are never read; slots `allowed` excludes (left padding, unfilled slots) are read but may hold anything, NaN
+included: their scores are replaced and their values zeroed before use.
 Heads of different ranks get split counts proportional to rk + rv + 1 (ZACK §5.3 balance) and the (head, split)
 programs launch heaviest first. Nothing here syncs with the host or allocates by kv_len: CUDA-graph safe.
 """
@@ -66,6 +67,8 @@ def _packed_split_kernel(
                 mask=row_ok[:, None] & k_in[None, :], other=0.0)
     if UPCAST:  # the CPU interpreter computes bf16 dots wrongly: widen tiles there, compiled kernels keep bf16
         q = q.to(tl.float32)
+    else:
+        q = q.to(k_ptr.dtype.element_ty)
     k_base = k_ptr + b * s_kb + tl.load(k_off_ptr + h)
     v_base = v_ptr + b * s_vb + tl.load(v_off_ptr + h)
     m_i = tl.full([BLOCK_G], NEG_INF, tl.float32)
@@ -73,10 +76,13 @@ def _packed_split_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
     for n0 in range(start, stop, BLOCK_N):
         n = n0 + cols
-        # A slot is read only if it is live and allowed: padding and unfilled slots may hold anything.
-        slot_ok = (n < stop) & (tl.load(mask_ptr + b * s_mb + n, mask=n < stop, other=0) != 0)
-        k = tl.load(k_base + n[:, None] * s_ks + dk[None, :], mask=slot_ok[:, None] & k_in[None, :], other=0.0)
-        v = tl.load(v_base + n[:, None] * s_vs + dv[None, :], mask=slot_ok[:, None] & v_in[None, :], other=0.0)
+        live = n < stop
+        slot_ok = live & (tl.load(mask_ptr + b * s_mb + n, mask=live, other=0) != 0)
+        # K/V loads depend on the live length only, not on the mask just loaded (nothing stalls the pipelined
+        # loads on it); a disallowed slot may hold anything (NaN): its score is replaced and its value zeroed.
+        k = tl.load(k_base + n[:, None] * s_ks + dk[None, :], mask=live[:, None] & k_in[None, :], other=0.0)
+        v = tl.load(v_base + n[:, None] * s_vs + dv[None, :], mask=live[:, None] & v_in[None, :], other=0.0)
+        v = tl.where(slot_ok[:, None], v, 0.0)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
