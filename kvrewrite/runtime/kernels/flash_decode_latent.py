@@ -22,8 +22,8 @@ import triton.language as tl
 
 from kvrewrite.runtime.kernels.flash_decode_packed import head_costs
 from kvrewrite.runtime.kernels.flash_decode_splits import (
-    LOG2E, NEG_INF, SplitPlan, decode_tile, int_table, interpreting, kv_len_argument, mask_argument, merge_splits,
-    plan_splits, pow2, workspace,
+    LOG2E, NEG_INF, SplitPlan, column_alignment, decode_tile, int_table, interpreting, kv_len_argument,
+    mask_argument, merge_splits, plan_splits, pow2, workspace,
 )
 from kvrewrite.runtime.kernels.reference import PackedLayout
 
@@ -39,14 +39,16 @@ def _latent_split_kernel(
     s_qb, s_kb, s_ks, s_vb, s_vs, s_mb, s_ug, s_ur, s_cs, s_ss, s_ob, s_ab, s_ah, s_as, s_lb, s_lh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_DV: tl.constexpr, HALF: tl.constexpr, HAS_KV_LEN: tl.constexpr, PARTIAL: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, K_ALIGN: tl.constexpr, V_ALIGN: tl.constexpr,
 ):
     task = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     h = tl.load(tasks_ptr + 2 * task)
     split = tl.load(tasks_ptr + 2 * task + 1)
-    rk = tl.load(k_rank_ptr + h)
-    rv = tl.load(v_rank_ptr + h)
+    # Ranks and column offsets are multiples of K_ALIGN / V_ALIGN (the host checked): written so the compiler
+    # knows it and issues 16-byte loads.
+    rk = tl.load(k_rank_ptr + h) // K_ALIGN * K_ALIGN
+    rv = tl.load(v_rank_ptr + h) // V_ALIGN * V_ALIGN
     chunk = tl.load(chunk_ptr + h)
     kv_len = s_cap
     if HAS_KV_LEN:
@@ -81,8 +83,8 @@ def _latent_split_kernel(
     else:
         up1 = up1.to(k_ptr.dtype.element_ty)
         up2 = up2.to(k_ptr.dtype.element_ty)
-    k_base = k_ptr + b * s_kb + tl.load(k_off_ptr + h)
-    v_base = v_ptr + b * s_vb + tl.load(v_off_ptr + h)
+    k_base = k_ptr + b * s_kb + tl.load(k_off_ptr + h) // K_ALIGN * K_ALIGN
+    v_base = v_ptr + b * s_vb + tl.load(v_off_ptr + h) // V_ALIGN * V_ALIGN
     m_i = tl.full([BLOCK_G], NEG_INF, tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
@@ -123,8 +125,8 @@ def _latent_split_kernel(
         tl.store(l_ptr + b * s_lb + hq * s_lh + split, l_i, mask=row_ok)
     else:
         out = tl.where(l_i[:, None] > 0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
-        tl.store(o_ptr + b * s_ob + tl.load(o_off_ptr + h) + member[:, None] * rv + dv[None, :],
-                 out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & v_in[None, :])
+        o_cols = tl.load(o_off_ptr + h) // V_ALIGN * V_ALIGN + member[:, None] * rv + dv[None, :]
+        tl.store(o_ptr + b * s_ob + o_cols, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & v_in[None, :])
 
 
 def latent_plan(layout: PackedLayout, head_dim: int, batch: int, s_cap: int, element_bytes: int,
@@ -192,6 +194,8 @@ def latent_flash_decode(query_rotated: torch.Tensor, key_latents: torch.Tensor, 
         GROUP=g, BLOCK_G=pow2(g), BLOCK_N=plan.block_n, BLOCK_R=block_r, BLOCK_DV=block_dv, HALF=half,
         HAS_KV_LEN=has_kv_len, PARTIAL=plan.partial,
         UPCAST=query.dtype != torch.float32 and interpreting(),
+        K_ALIGN=column_alignment(layout.key_offsets, key_latents.element_size()),
+        V_ALIGN=column_alignment(layout.value_offsets, values.element_size()),
         # Two [rk, d / 2] up-projection tiles stay in registers for the walk: wide heads get more warps.
         num_warps=8 if block_r * half >= 64 * 64 else 4, num_stages=NUM_STAGES,
     )

@@ -3,7 +3,7 @@
 The cache holds one row [c | k_pe] per token (runtime.mla.latent_cache), rows [B, S_cap, r + d_r]; the caller
 absorbs W_uk into the queries, q_rows [B, H, r + d_r] = [W_uk^T q_nope | q_pe]. Every head's score is q_row . row,
 and its output is the softmax-weighted sum of the rows' first r columns, kept in latent space (the caller applies
-W_uv). As in FlashMLA, a program owns all H heads (up to 64; more heads take more head blocks) of one request and one
+W_uv). As in FlashMLA, a program owns all H heads (up to 32; more heads take more head blocks) of one request and one
 split of its slots, so each row tile is read from memory once and serves both the scores of every head and, from
 the same registers, the value sum: the cache's bytes are read once per step. Online softmax in exp2 with fp32
 statistics; splits written to the workspace and merged as in kernels.flash_decode_splits.
@@ -25,9 +25,13 @@ from kvrewrite.runtime.kernels.flash_decode_splits import (
     pow2, workspace,
 )
 
-MAX_BLOCK_H = 64  # FlashMLA's head tile; a [64, 512] fp32 accumulator is already 128 KB of registers over 8 warps
+# Sized by compiling for sm_90 here (benchmarks/flash_decode_resources.py; no GPU timing yet). At r = 512 a [32, 512]
+# fp32 accumulator plus the [32, 512] queries fit 8 warps without spills (178 registers); a 64-head tile spills (at 8
+# and at 16 warps), and so does software pipelining (num_stages=2 pushes the 32-head kernel past 255 registers).
+# More heads take more head blocks.
+MAX_BLOCK_H = 32
 NUM_WARPS = 8
-NUM_STAGES = 2
+NUM_STAGES = 1
 
 
 @triton.jit(do_not_specialize=["s_cap"])
@@ -101,7 +105,7 @@ def _mla_split_kernel(
 
 
 def mla_tile(rank: int) -> int:
-    """Row block height: a [BLOCK_N, r] latent tile of about 32 KB in bf16 (r = 512: 32 rows), 16 to 64 rows;
+    """Row block height: a [BLOCK_N, r] latent tile of 32 KB in bf16 (r = 512: 32 rows), 16 to 64 rows;
     16 under the interpreter so tiny caches span several blocks."""
     if interpreting():
         return 16
