@@ -193,6 +193,25 @@ def test_latent_matches_reference(ranks, dtype, splits):
     _check(out, ref, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_latent_reads_both_rope_halves_when_told(dtype):
+    """Tables whose halves differ (not HF's, which repeat the frequencies): rope_halves_equal=False reads both."""
+    layout = PackedLayout((12, 20), (8, 16), 3)
+    gen = torch.Generator().manual_seed(11)
+    ks, vs = sum(layout.key_ranks), sum(layout.value_ranks)
+    latents = torch.randn(BATCH, S_CAP, ks, generator=gen).to(dtype)
+    values = torch.randn(BATCH, S_CAP, vs, generator=gen).to(dtype)
+    k_up = (torch.randn(2, HEAD_DIM, HEAD_DIM, generator=gen) / HEAD_DIM**0.5).to(dtype)
+    query = torch.randn(BATCH, 2 * 3 * HEAD_DIM, generator=gen).to(dtype)
+    angles = torch.rand(S_CAP, HEAD_DIM, generator=gen, dtype=torch.float64) * 6.3
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    allowed = _allowed()
+    ref = _latent_reference(query, latents, values, allowed, layout, k_up, cos.double(), sin.double(), KV_LEN)
+    out = latent_flash_decode(query, latents, values, allowed, torch.tensor([KV_LEN]), SCALING, layout, k_up, cos,
+                              sin, 2, rope_halves_equal=False)
+    _check(out, ref, dtype)
+
+
 # ---- absorbed MLA ------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("heads,rank,rope_dim", [(5, 24, 8), (1, 16, 16)], ids=["h5-r24", "h1-r16"])

@@ -39,7 +39,7 @@ def _latent_split_kernel(
     s_qb, s_kb, s_ks, s_vb, s_vs, s_mb, s_ug, s_ur, s_cs, s_ss, s_ob, s_ab, s_ah, s_as, s_lb, s_lh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_DV: tl.constexpr, HALF: tl.constexpr, HAS_KV_LEN: tl.constexpr, PARTIAL: tl.constexpr,
-    UPCAST: tl.constexpr, K_ALIGN: tl.constexpr, V_ALIGN: tl.constexpr,
+    UPCAST: tl.constexpr, K_ALIGN: tl.constexpr, V_ALIGN: tl.constexpr, SAME_HALVES: tl.constexpr,
 ):
     task = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -104,9 +104,15 @@ def _latent_split_kernel(
         k2 = tl.dot(lat, up2)
         rope_ok = live[:, None] & half_ok[None, :]
         cos1 = tl.load(cos_ptr + n[:, None] * s_cs + half[None, :], mask=rope_ok, other=0.0).to(tl.float32)
-        cos2 = tl.load(cos_ptr + n[:, None] * s_cs + half_d + half[None, :], mask=rope_ok, other=0.0).to(tl.float32)
         sin1 = tl.load(sin_ptr + n[:, None] * s_ss + half[None, :], mask=rope_ok, other=0.0).to(tl.float32)
-        sin2 = tl.load(sin_ptr + n[:, None] * s_ss + half_d + half[None, :], mask=rope_ok, other=0.0).to(tl.float32)
+        if SAME_HALVES:  # HF's tables repeat the frequencies over both halves: half the cos/sin traffic
+            cos2 = cos1
+            sin2 = sin1
+        else:
+            cos2 = tl.load(cos_ptr + n[:, None] * s_cs + half_d + half[None, :], mask=rope_ok, other=0.0)
+            sin2 = tl.load(sin_ptr + n[:, None] * s_ss + half_d + half[None, :], mask=rope_ok, other=0.0)
+            cos2 = cos2.to(tl.float32)
+            sin2 = sin2.to(tl.float32)
         r1 = k1 * cos1 - k2 * sin1  # rotate_half(k) = (-k2, k1)
         r2 = k2 * cos2 + k1 * sin2
         s = (tl.dot(q1, tl.trans(r1.to(q1.dtype))) + tl.dot(q2, tl.trans(r2.to(q2.dtype)))) * qk_scale
@@ -156,12 +162,14 @@ def _tables(layout: PackedLayout, plan: SplitPlan, device: str) -> dict[str, tor
 def latent_flash_decode(query_rotated: torch.Tensor, key_latents: torch.Tensor, values: torch.Tensor,
                         allowed: torch.Tensor, kv_len: torch.Tensor | None, scaling: float, layout: PackedLayout,
                         k_up: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                        splits: int | None = None) -> torch.Tensor:
+                        splits: int | None = None, *, rope_halves_equal: bool = True) -> torch.Tensor:
     """One decode step over a latent-key cache: query_rotated [B, H * d] -> output [B, Osum] (packed value layout).
 
     key_latents [B, S_cap, Ksum] and values [B, S_cap, Vsum] (unit last stride), allowed [B, S_cap] bool/int8,
     kv_len: 1-element int device tensor or None (= S_cap), k_up [n_kv, d, d] (rows: latent dims), cos / sin
     [S_cap, d] of cache positions 0..S_cap-1 (unit last stride). `splits` as in packed_flash_decode.
+    rope_halves_equal: the tables' two halves are equal, as HF's always are (emb = cat(freqs, freqs)): the kernel
+    then reads only the first half of each row. False reads both.
     """
     batch, s_cap = key_latents.shape[0], key_latents.shape[1]
     head_dim = k_up.shape[-1]
@@ -195,7 +203,7 @@ def latent_flash_decode(query_rotated: torch.Tensor, key_latents: torch.Tensor, 
         HAS_KV_LEN=has_kv_len, PARTIAL=plan.partial,
         UPCAST=query.dtype != torch.float32 and interpreting(),
         K_ALIGN=column_alignment(layout.key_offsets, key_latents.element_size()),
-        V_ALIGN=column_alignment(layout.value_offsets, values.element_size()),
+        V_ALIGN=column_alignment(layout.value_offsets, values.element_size()), SAME_HALVES=rope_halves_equal,
         # Two [rk, d / 2] up-projection tiles stay in registers for the walk: wide heads get more warps.
         num_warps=8 if block_r * half >= 64 * 64 else 4, num_stages=NUM_STAGES,
     )
