@@ -1,0 +1,181 @@
+"""Flash-decoding kernel for the packed variable-rank cache (freq, post-rope, folded keys): one query token.
+
+Reads what the cache holds, in place: keys [B, S_cap, Ksum] and values [B, S_cap, Vsum] (any batch and slot
+strides, unit column stride: views of the [B, 1, S_cap, C] preallocated buffers), KV head g's columns at its packed
+offset (kernels.reference.PackedLayout). A program owns one (request, KV head, split): it loads the G query heads of
+the group once, walks its split's key blocks with an online softmax (exp2, fp32 statistics) and writes either the
+normalised output (a plan with one split everywhere) or its partial to the workspace that
+kernels.flash_decode_splits.merge_splits reduces.
+
+Slots at or past the live length kv_len (loaded from device memory, so a CUDA graph replays correctly as the cache
+fills) are never read; slots `allowed` excludes (left padding, unfilled slots) are read but may hold anything, NaN
+included: their scores are replaced and their values zeroed before use.
+Heads of different ranks get split counts proportional to rk + rv + 1 (ZACK §5.3 balance) and the (head, split)
+programs launch heaviest first. Nothing here syncs with the host or allocates by kv_len: CUDA-graph safe.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from kvrewrite.runtime.kernels.flash_decode_splits import (
+    LOG2E, NEG_INF, SplitPlan, column_alignment, decode_tile, int_table, interpreting, kv_len_argument,
+    mask_argument, merge_splits, plan_splits, pow2, workspace,
+)
+from kvrewrite.runtime.kernels.reference import PackedLayout
+from kvrewrite.runtime.kernels.scheduling import head_work
+
+NUM_WARPS = 4
+NUM_STAGES = 3  # key/value tiles in flight per program (software pipelining of the block loop)
+
+
+@triton.jit(do_not_specialize=["s_cap"])  # s_cap == 1 would turn into a constexpr
+def _packed_split_kernel(
+    q_ptr, k_ptr, v_ptr, mask_ptr, kv_len_ptr, tasks_ptr,
+    q_off_ptr, k_off_ptr, v_off_ptr, o_off_ptr, k_rank_ptr, v_rank_ptr, chunk_ptr,
+    o_ptr, acc_ptr, m_ptr, l_ptr,
+    s_cap, qk_scale,
+    s_qb, s_kb, s_ks, s_vb, s_vs, s_mb, s_ob, s_ab, s_ah, s_as, s_lb, s_lh,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr, HAS_KV_LEN: tl.constexpr, PARTIAL: tl.constexpr, UPCAST: tl.constexpr,
+    K_ALIGN: tl.constexpr, V_ALIGN: tl.constexpr,
+):
+    task = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    h = tl.load(tasks_ptr + 2 * task)
+    split = tl.load(tasks_ptr + 2 * task + 1)
+    # Ranks and column offsets are multiples of K_ALIGN / V_ALIGN (the host checked): written so the compiler
+    # knows it and issues 16-byte loads.
+    rk = tl.load(k_rank_ptr + h) // K_ALIGN * K_ALIGN
+    rv = tl.load(v_rank_ptr + h) // V_ALIGN * V_ALIGN
+    chunk = tl.load(chunk_ptr + h)
+    kv_len = s_cap
+    if HAS_KV_LEN:
+        kv_len = tl.minimum(tl.load(kv_len_ptr).to(tl.int32), s_cap)
+    start = split * chunk
+    stop = tl.minimum(start + chunk, kv_len)
+
+    member = tl.arange(0, BLOCK_G)
+    row_ok = member < GROUP
+    dk = tl.arange(0, BLOCK_DK)
+    dv = tl.arange(0, BLOCK_DV)
+    cols = tl.arange(0, BLOCK_N)
+    k_in = dk < rk
+    v_in = dv < rv
+    q_cols = tl.load(q_off_ptr + h) // K_ALIGN * K_ALIGN + member[:, None] * rk + dk[None, :]
+    q = tl.load(q_ptr + b * s_qb + q_cols, mask=row_ok[:, None] & k_in[None, :], other=0.0)
+    if UPCAST:  # the CPU interpreter computes bf16 dots wrongly: widen tiles there, compiled kernels keep bf16
+        q = q.to(tl.float32)
+    else:
+        q = q.to(k_ptr.dtype.element_ty)
+    k_base = k_ptr + b * s_kb + tl.load(k_off_ptr + h) // K_ALIGN * K_ALIGN
+    v_base = v_ptr + b * s_vb + tl.load(v_off_ptr + h) // V_ALIGN * V_ALIGN
+    m_i = tl.full([BLOCK_G], NEG_INF, tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
+    for n0 in range(start, stop, BLOCK_N):
+        n = n0 + cols
+        live = n < stop
+        slot_ok = live & (tl.load(mask_ptr + b * s_mb + n, mask=live, other=0) != 0)
+        # K/V loads depend on the live length only, not on the mask just loaded (nothing stalls the pipelined
+        # loads on it); a disallowed slot may hold anything (NaN): its score is replaced and its value zeroed.
+        k = tl.load(k_base + n[:, None] * s_ks + dk[None, :], mask=live[:, None] & k_in[None, :], other=0.0)
+        v = tl.load(v_base + n[:, None] * s_vs + dv[None, :], mask=live[:, None] & v_in[None, :], other=0.0)
+        v = tl.where(slot_ok[:, None], v, 0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k)) * qk_scale  # [G, N], log2 units
+        s = tl.where(slot_ok[None, :], s, NEG_INF)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.where(slot_ok[None, :], tl.exp2(s - m_new[:, None]), 0.0)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    hq = h * GROUP + member
+    if PARTIAL:
+        tl.store(acc_ptr + b * s_ab + hq[:, None] * s_ah + split * s_as + dv[None, :], acc,
+                 mask=row_ok[:, None] & v_in[None, :])
+        tl.store(m_ptr + b * s_lb + hq * s_lh + split, m_i, mask=row_ok)
+        tl.store(l_ptr + b * s_lb + hq * s_lh + split, l_i, mask=row_ok)
+    else:
+        out = tl.where(l_i[:, None] > 0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
+        o_cols = tl.load(o_off_ptr + h) // V_ALIGN * V_ALIGN + member[:, None] * rv + dv[None, :]
+        tl.store(o_ptr + b * s_ob + o_cols, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & v_in[None, :])
+
+
+def head_costs(layout: PackedLayout) -> tuple[int, ...]:
+    """Per-token work of each KV head: the bytes it reads and the multiply-adds it does both scale with rk + rv + 1."""
+    return tuple(head_work(rk, rv) for rk, rv in zip(layout.key_ranks, layout.value_ranks))
+
+
+def packed_plan(layout: PackedLayout, batch: int, s_cap: int, element_bytes: int, device: torch.device | str,
+                splits: int | None = None) -> SplitPlan:
+    block_n = decode_tile(max(max(layout.key_ranks), max(layout.value_ranks)), element_bytes)
+    return plan_splits(head_costs(layout), batch, s_cap, block_n, device, splits)
+
+
+@functools.lru_cache(maxsize=64)
+def _tables(layout: PackedLayout, plan: SplitPlan, device: str) -> dict[str, torch.Tensor]:
+    """Everything per head the launch reads, as device tables built once per (layout, plan, device)."""
+    g = layout.group_size
+    per_query = range(len(layout.key_ranks) * g)
+    tasks = plan.tasks(head_costs(layout))
+    return {
+        "tasks": int_table(tuple(x for t in tasks for x in t), device),
+        "heads": torch.stack([int_table(tuple(v), device) for v in (
+            layout.query_offsets[:-1], layout.key_offsets[:-1], layout.value_offsets[:-1], layout.output_offsets[:-1],
+            layout.key_ranks, layout.value_ranks, plan.chunks)]),
+        "out_offsets": int_table(tuple(layout.output_offsets[h // g] + (h % g) * layout.value_ranks[h // g]
+                                       for h in per_query), device),
+        "out_widths": int_table(tuple(layout.value_ranks[h // g] for h in per_query), device),
+        "split_counts": int_table(tuple(plan.splits[h // g] for h in per_query), device),
+    }
+
+
+def packed_flash_decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor,
+                        kv_len: torch.Tensor | None, scaling: float, layout: PackedLayout,
+                        splits: int | None = None) -> torch.Tensor:
+    """One decode step over the packed cache: query [B, Qsum] -> output [B, Osum] in the query's dtype.
+
+    keys [B, S_cap, Ksum], values [B, S_cap, Vsum] (unit last stride), allowed [B, S_cap] bool/int8 (unit last
+    stride), kv_len: 1-element int device tensor (slots >= it are never read) or None (= S_cap). `splits`: how many
+    splits the heaviest head gets (default: from the device's multiprocessor count, the batch and S_cap).
+    """
+    batch, s_cap = keys.shape[0], keys.shape[1]
+    device = query.device
+    g = layout.group_size
+    n_query_heads = len(layout.key_ranks) * g
+    query = query if query.stride(-1) == 1 else query.contiguous()
+    plan = packed_plan(layout, batch, s_cap, keys.element_size(), device, splits)
+    tables = _tables(layout, plan, str(device))
+    output = torch.empty(batch, layout.output_offsets[-1], device=device, dtype=query.dtype)
+    block_dv = pow2(max(layout.value_ranks))
+    ws = workspace(batch, n_query_heads, plan.max_splits, block_dv, device) if plan.partial else None
+    acc, m, l = (ws.acc, ws.running_max, ws.normaliser) if ws else (output, output, output)
+    mask = mask_argument(allowed)
+    kv_len_t, has_kv_len = kv_len_argument(kv_len, mask)
+    n_tasks = tables["tasks"].numel() // 2
+    _packed_split_kernel[(n_tasks, batch)](
+        query, keys, values, mask, kv_len_t, tables["tasks"], *tables["heads"].unbind(0),
+        output, acc, m, l,
+        s_cap, scaling * LOG2E,
+        query.stride(0), keys.stride(0), keys.stride(1), values.stride(0), values.stride(1), mask.stride(0),
+        output.stride(0), acc.stride(0) if ws else 0, acc.stride(1) if ws else 0, acc.stride(2) if ws else 0,
+        m.stride(0) if ws else 0, m.stride(1) if ws else 0,
+        GROUP=g, BLOCK_G=pow2(g), BLOCK_N=plan.block_n, BLOCK_DK=pow2(max(layout.key_ranks)), BLOCK_DV=block_dv,
+        HAS_KV_LEN=has_kv_len, PARTIAL=plan.partial,
+        UPCAST=query.dtype != torch.float32 and interpreting(),
+        K_ALIGN=column_alignment(layout.key_offsets, keys.element_size()),
+        V_ALIGN=column_alignment(layout.value_offsets, values.element_size()),
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+    )
+    if ws:
+        merge_splits(ws, output, tables["out_offsets"], tables["out_widths"], tables["split_counts"],
+                     max(layout.value_ranks))
+    return output
