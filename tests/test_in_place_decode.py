@@ -233,3 +233,33 @@ def test_decode_step_compiles_as_one_graph_on_a_static_cache_and_equals_eager(co
     eager = static_decode_logits(model, model.forward)
     graph = static_decode_logits(model, torch.compile(model.forward, fullgraph=True, dynamic=False))
     assert (graph - eager).abs().max().item() < 1e-4 and eager.abs().max().item() > 0.1
+
+
+@pytest.mark.parametrize("mode", ["latent", "post-rope"])
+def test_triton_flash_decoding_generate_equals_the_slow_path(compiled, monkeypatch, mode):
+    """The CUDA decode path (kernels.flash_decode_*), run by Triton's interpreter on CPU tensors."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("KVREWRITE_ATTENTION", "triton")
+    fast_ids, fast_logits = generate(compiled[mode], 0.5, max_new_tokens=5)
+    with monkeypatch.context() as patch:
+        slow_path(patch)
+        slow_ids, slow_logits = generate(compiled[mode], 0.5, max_new_tokens=5)
+    assert torch.equal(fast_ids, slow_ids)
+    assert (fast_logits - slow_logits).abs().max().item() < 1e-4
+
+
+def test_triton_flash_decoding_of_the_absorbed_mla_equals_torch(monkeypatch):
+    pytest.importorskip("triton")
+    model = tiny_mla_model()
+    ids = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding
+    runs = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("KVREWRITE_ATTENTION", backend)
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0,
+                                 output_logits=True, return_dict_in_generate=True)
+        runs[backend] = out.sequences, torch.stack(out.logits, dim=1)
+    assert torch.equal(runs["torch"][0], runs["triton"][0])
+    assert (runs["torch"][1] - runs["triton"][1]).abs().max().item() < 1e-4

@@ -271,6 +271,8 @@ class CompressedAttention(nn.Module):
         batch, q_len, _ = query.shape
         kv_len = key_latent.shape[-2]
         rotary = self._rotary[0]
+        if q_len == 1 and resolve_backend(query.device) == "triton":
+            return self._latent_flash_decode(query, key_latent, value, attention_mask, past_len)
         if q_len <= LATENT_DECODE_ROWS:
             cos_t, sin_t = rope_table(rotary, query, kv_len)  # [d, >= S]
             # Gathered, not sliced: past_len is a tensor on a StaticCache, and a slice by it would give the queries
@@ -294,6 +296,21 @@ class CompressedAttention(nn.Module):
             out = grouped_attention(q_g, k, value[..., vo[g] : vo[g + 1]], allowed, self.scaling)
             outputs.append(out.transpose(1, 2).reshape(batch, q_len, self.group_size * rv))
         return torch.cat(outputs, dim=-1)
+
+
+    def _latent_flash_decode(self, query, key_latent, value, attention_mask, past_len) -> torch.Tensor:
+        """One decode step on CUDA: kernels.flash_decode_latent rebuilds and rotates the keys in registers."""
+        from kvrewrite.runtime.kernels.flash_decode_latent import latent_flash_decode
+
+        batch, kv_len = query.shape[0], key_latent.shape[-2]
+        cos, sin = rope_table(self._rotary[0], query, kv_len, transposed=False)  # [>= S, d]
+        at = torch.arange(1, device=query.device) + past_len  # gathered: past_len may be a tensor (StaticCache)
+        q = self._apply_rope(self._heads(query, self.num_heads), cos.index_select(0, at)[None],
+                             sin.index_select(0, at)[None])  # [B, H, 1, d]
+        keep = boolean_mask(attention_mask, 1, kv_len, query.device).expand(batch, 1, 1, kv_len)[:, 0, 0]
+        out = latent_flash_decode(q[:, :, 0].reshape(batch, -1), key_latent[:, 0], value[:, 0], keep, None,
+                                  self.scaling, self.layout, self.k_up, cos, sin)
+        return out[:, None]
 
 
 def packed_attention_forward(module: CompressedAttention, query, key, value, attention_mask, scaling, **kwargs):
