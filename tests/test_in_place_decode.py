@@ -263,3 +263,12 @@ def test_triton_flash_decoding_of_the_absorbed_mla_equals_torch(monkeypatch):
         runs[backend] = out.sequences, torch.stack(out.logits, dim=1)
     assert torch.equal(runs["torch"][0], runs["triton"][0])
     assert (runs["torch"][1] - runs["triton"][1]).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("mode", ["latent", "post-rope"])
+def test_generate_on_a_static_cache_equals_the_default_in_place_cache(compiled, monkeypatch, mode):
+    monkeypatch.delenv("KVREWRITE_ATTENTION", raising=False)
+    default_ids, default_logits = generate(compiled[mode], 0.5, max_new_tokens=6)
+    static_ids, static_logits = generate(compiled[mode], 0.5, max_new_tokens=6, cache_implementation="static")
+    assert torch.equal(default_ids, static_ids)
+    assert (default_logits - static_logits).abs().max().item() < 1e-4

@@ -130,6 +130,8 @@ class CompressedAttention(nn.Module):
         past_len = 0
         if past_key_values is not None:
             past_len = past_key_values.get_seq_length(self.layer_idx)
+            if isinstance(past_len, torch.Tensor):  # a StaticLayer's length tensor, which update() grows in place
+                past_len = past_len.clone()
             reads_coded = getattr(past_key_values, "reads_coded", None)
             if reads_coded is not None and reads_coded(self.layer_idx):
                 # A codec cache whose blocks attention reads in place (int4/int2): no decoded copy of the store.
