@@ -18,6 +18,7 @@ import datetime
 import inspect
 import json
 import os
+import platform
 import re
 import subprocess
 import sys
@@ -141,7 +142,9 @@ def main() -> None:
     records.append({"kernel": "merge", "shape": {"splits": 8, "width": 64}, **result})
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     out = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "commit": commit,
-           "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"), "target": "sm_90",
+           "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+           "machine": {"platform": platform.platform(), "gpu": "none: compiled offline for the target"},
+           "target": "sm_90",
            "triton": triton.__version__, "results": records}
     RESULTS.write_text(json.dumps(out, indent=1) + "\n")
     print(f"{'kernel':<36} {'warps':>5} {'stages':>6} {'regs':>4} {'stack':>5} {'shared':>7}  sass")

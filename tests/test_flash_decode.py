@@ -250,3 +250,61 @@ def test_heavy_heads_get_more_splits_and_no_chosen_split_is_empty():
     # The launch aims at PROGRAMS_PER_SM programs per multiprocessor of the device (CPU: a pretend one).
     assert 2 * sum(chosen.splits) >= PROGRAMS_PER_SM * multiprocessor_count("cpu")
     assert chosen.splits[0] > chosen.splits[-1]
+
+
+# ---- CUDA graphs (GPU only: the capture needs a device) -----------------------------------------------------------
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")
+@pytest.mark.parametrize("form", ["packed", "latent", "mla"])
+def test_captured_step_replays_as_the_cache_grows(form):
+    """One decode call captured in a CUDA graph, replayed after a new slot is written and kv_len bumped in place:
+    the replay attends the new slot (the kernels read kv_len from memory and sync nothing with the host)."""
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    gen = torch.Generator().manual_seed(13)
+    s_cap, start = 4096, 1000
+    layout = PackedLayout((64, 32), (32, 64), 4)
+    ks, vs = sum(layout.key_ranks), sum(layout.value_ranks)
+    rank, heads = 64, 8
+    width = {"packed": ks + vs, "latent": ks + vs, "mla": rank + 16}[form]
+    cache = torch.randn(BATCH, s_cap, width, generator=gen).to(device, dtype)
+    allowed = torch.zeros(BATCH, s_cap, dtype=torch.bool, device=device)
+    allowed[:, :start] = True
+    kv_len = torch.tensor([start], device=device)
+    k_up = (torch.randn(2, HEAD_DIM, HEAD_DIM, generator=gen) / HEAD_DIM**0.5).to(device, dtype)
+    cos, sin = (t.to(device, dtype) for t in _rope_tables(s_cap, HEAD_DIM))
+    if form == "packed":
+        query = torch.randn(BATCH, layout.query_offsets[-1], generator=gen).to(device, dtype)
+        step = lambda: packed_flash_decode(query, cache[..., :ks], cache[..., ks:], allowed, kv_len, SCALING, layout)
+    elif form == "latent":
+        query = torch.randn(BATCH, 2 * layout.group_size * HEAD_DIM, generator=gen).to(device, dtype)
+        step = lambda: latent_flash_decode(query, cache[..., :ks], cache[..., ks:], allowed, kv_len, SCALING, layout,
+                                           k_up, cos, sin)
+    else:
+        query = torch.randn(BATCH, heads, width, generator=gen).to(device, dtype)
+        step = lambda: mla_flash_decode(query, cache, allowed, kv_len, SCALING, rank)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # compiles the kernels and builds the tables before the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for _ in range(3):  # a decode step: the new token's slot written in place, then the captured attention
+        cache[:, kv_len.item()] = torch.randn(BATCH, width, generator=gen).to(device, dtype)
+        allowed[:, kv_len.item()] = True
+        kv_len += 1
+        graph.replay()
+        expected = step()
+        torch.testing.assert_close(captured, expected, rtol=0, atol=0)
+    n = start + 3
+    if form == "packed":
+        ref = packed_attention(query[:, None].double(), cache[:, None, :n, :ks].double(),
+                               cache[:, None, :n, ks:].double(), allowed[:, None, None, :n], SCALING, layout)[:, 0]
+    elif form == "latent":
+        ref = _latent_reference(query, cache[..., :ks], cache[..., ks:], allowed, layout, k_up, cos.double(),
+                                sin.double(), n)
+    else:
+        scores = query.double() @ cache[:, :n].double().transpose(1, 2) * SCALING
+        ref = scores.softmax(-1) @ cache[:, :n, :rank].double()
+    _check(captured, ref, dtype)
