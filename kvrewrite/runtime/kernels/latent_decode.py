@@ -70,10 +70,12 @@ def latent_decode_attention(
             scores.zero_()  # no key dims kept: every key scores 0
         else:
             latent_t = latent_block_columns(keys, key_start, rk)  # [B, rk, S]
-            up_t = up[g, :rk].transpose(0, 1)  # [d, rk]
+            # bmm with the up-projection expanded over the batch: the rebuilt tile comes out contiguous [B, d, n]
+            # (torch.matmul would fold the batch into a GEMM whose result is a transposed view).
+            up_t = up[g, :rk].transpose(0, 1).expand(batch, d, rk)
             for start in range(0, kv_len, TILE):
                 stop = min(start + TILE, kv_len)
-                keys_t = torch.matmul(up_t, latent_t[..., start:stop])  # [B, d, n]
+                keys_t = torch.bmm(up_t, latent_t[..., start:stop])  # [B, d, n]
                 keys_t = rotate_columns_(keys_t, cos_t[:, start:stop], sin_t[:, start:stop])
                 scores[..., start:stop] = torch.matmul(rows, keys_t)
         scores.mul_(scaling)

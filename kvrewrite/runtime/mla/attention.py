@@ -161,7 +161,7 @@ class AbsorbedMLAAttention(nn.Module):
         scores = scores.to(softmax_dtype(scores.dtype))
         # Always masked (no test of whether any slot is masked: that would be a host sync, and data-dependent control
         # flow that torch.compile / CUDA graphs cannot capture); a StaticCache's unfilled slots are masked here too.
-        scores = scores.masked_fill(~allowed[:, 0, :, None, :], torch.finfo(scores.dtype).min)
+        scores = scores.masked_fill_(~allowed[:, 0, :, None, :], torch.finfo(scores.dtype).min)
         probs = torch.softmax(scores, dim=-1).to(rows.dtype).view(batch, q_len * heads, kv_len)
         latent_out = torch.bmm(probs, keys[..., : self.kv_lora_rank]).view(batch, q_len, heads, -1)
         return torch.einsum("bthr,hvr->bthv", latent_out, w_uv)
