@@ -17,7 +17,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from kvrewrite.cli.export import export_mla
-from kvrewrite.cli.compress_options import PLAN_FLAGS, cli_message, number, numbers, plan_arguments, plan_parameters, with_signature
+from kvrewrite.cli.compress_options import (
+    PANEL_OF, PLAN_FLAGS, cli_message, number, numbers, plan_arguments, plan_parameters, with_signature,
+)
 from kvrewrite.errors import InvalidArgumentError, KVRewriteError, KVRewriteWarning
 from kvrewrite.extras import require_compile_extra
 from kvrewrite.compile.sweep import NAMED_CONFIGS
@@ -119,13 +121,17 @@ app.command()(with_signature(compress, [
         ..., help="Hub id (e.g. meta-llama/Llama-3.1-8B), local directory, or 'smollm2-135m' (bundled).")),
     *plan_parameters(),
     inspect.Parameter("dry_run", inspect.Parameter.KEYWORD_ONLY, annotation=bool, default=typer.Option(
-        False, "--dry-run", help="Print the plan and the pipeline, do nothing.")),
+        False, "--dry-run", help="Print the plan and the pipeline, do nothing.",
+        rich_help_panel=PANEL_OF["dry_run"])),
     inspect.Parameter("push_to_hub", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[str], default=typer.Option(
-        None, "--push-to-hub", help="Then upload the checkpoint (with a generated model card) to this Hub repo id.")),
+        None, "--push-to-hub", help="Then upload the checkpoint (with a generated model card) to this Hub repo id.",
+        rich_help_panel=PANEL_OF["push_to_hub"])),
     inspect.Parameter("hub_private", inspect.Parameter.KEYWORD_ONLY, annotation=bool, default=typer.Option(
-        False, "--hub-private", help="With --push-to-hub: create the repo private.")),
+        False, "--hub-private", help="With --push-to-hub: create the repo private.",
+        rich_help_panel=PANEL_OF["hub_private"])),
     inspect.Parameter("kv_budget", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[str], default=typer.Option(
-        None, "--kv-budget", help="Then split this share of the fp16 cache (at 4,096 tokens) across full-rank window, kept ranks, bits and re-scored eviction by calibration quality, and record it so kvrewrite.load(DIR) uses it (as `kvrewrite budget`; docs/tiers.md).")),
+        None, "--kv-budget", help="Then split this share of the fp16 cache (at 4,096 tokens) across full-rank window, kept ranks, bits and re-scored eviction by calibration quality, and record it so kvrewrite.load(DIR) uses it (as `kvrewrite budget`; docs/tiers.md).",
+        rich_help_panel=PANEL_OF["kv_budget"])),
 ]))
 
 
