@@ -19,7 +19,7 @@ from rich.table import Table
 from kvrewrite.cli.export import export_mla
 from kvrewrite.cli.compress_options import PLAN_FLAGS, cli_message, number, numbers, plan_arguments, plan_parameters, with_signature
 from kvrewrite.errors import InvalidArgumentError, KVRewriteError, KVRewriteWarning
-from kvrewrite.extras import require_compile_extra
+from kvrewrite.extras import PLOTS, WIKI_TEXT, require_compile_extra, require_package
 from kvrewrite.compile.sweep import NAMED_CONFIGS
 from kvrewrite.spec import per_head_key_ranks
 
@@ -94,7 +94,8 @@ def compress(model: str, dry_run: bool, push_to_hub: str | None, hub_private: bo
                 console.print(f"quality budget: ppl increase <= {plan.max_ppl_increase}, KL <= {plan.max_kl} "
                               f"on {plan.budget_tokens} held-back calibration tokens (replaces --target-rate)")
             return
-        require_compile_extra("kvrewrite compress")  # before any work, not mid-run at the first missing import
+        for module, feature in plan.optional_packages():  # before any work, not mid-run at the first missing import
+            require_package(module, feature)
         counter = iter(range(1, len(passes) + 1))
         ctx = run_pipeline(plan, passes, on_pass=lambda p: console.print(f"[cyan][{next(counter)}/{len(passes)}][/] {p.name}: {p.description}"))
     except (KVRewriteError, ValueError) as exc:
@@ -168,7 +169,7 @@ def evaluate_command(
         position_ranges = parse_positions(positions) if positions else None
         if text not in EVALUATION_TEXTS:
             raise InvalidArgumentError(f"--text {text!r}: choose one of {', '.join(EVALUATION_TEXTS)}")
-        require_compile_extra("kvrewrite eval (its held-out text is gensim's Wikipedia slice)", ["gensim"])
+        require_package("gensim", f"kvrewrite eval ({WIKI_TEXT})")
         if json_out:  # found now, not after minutes of evaluation
             check_writable_file(json_out, "--json")
         rows = evaluate_checkpoint(directory, baseline=baseline, rates=rate_list, tokens=tokens, seq_len=seq_len,
@@ -229,7 +230,7 @@ def inspect(
         report = json.loads(report_path.read_text()) if report_path.is_file() and rate is None else None
         target = plot or directory / "rank_heatmap.png"
         if plot is not None:
-            require_compile_extra("kvrewrite inspect --plot", ["matplotlib"])
+            require_package("matplotlib", f"kvrewrite inspect --plot ({PLOTS})")
             check_writable_file(plot, "--plot")
         else:
             try:
@@ -326,7 +327,7 @@ def demo(
     from kvrewrite.cli.demo import run_demo
 
     try:
-        require_compile_extra("kvrewrite demo")
+        require_compile_extra("kvrewrite demo (wiki text and plots)", ["gensim", "matplotlib"])
         run_demo(output, [float(r) for r in rates.split(",")], calib_tokens, eval_tokens, console)
     except (KVRewriteError, ValueError) as exc:
         _fail(exc)
@@ -347,7 +348,7 @@ def sweep(
     from kvrewrite.compile.sweep import parse_config, run_sweep
 
     try:
-        require_compile_extra("kvrewrite sweep")
+        require_compile_extra("kvrewrite sweep (held-out wiki text and a plot)", ["gensim", "matplotlib"])
         rate_list = [float(r) for r in rates.split(",") if r.strip()]
         chosen = [parse_config(c) for c in configs.split(",") if c.strip()] + [parse_config(c) for c in (config or [])]
         summary = run_sweep(
@@ -381,7 +382,7 @@ def budget(
     try:
         share = _budget_share(kv_budget)
         if calibration == "wiki":
-            require_compile_extra("kvrewrite budget --calibration wiki (gensim's Wikipedia slice)", ["gensim"])
+            require_package("gensim", f"kvrewrite budget --calibration wiki ({WIKI_TEXT})")
         if json_out:  # found now, not after minutes of measurement
             check_writable_file(json_out, "--json")
     except (KVRewriteError, ValueError) as exc:

@@ -107,6 +107,10 @@ def compile_variants(plan: Plan, variants: dict[str, dict], output_root: Path, o
 
 
 def run_pipeline(plan: Plan, passes: list | None = None, on_pass=None) -> CompileContext:
+    from kvrewrite.extras import require_package
+
+    for module, feature in plan.optional_packages():  # refused before any work, not at the first import mid-run
+        require_package(module, feature)
     # A bad output is refused before minutes of work, not after (Emit checks again: it may appear meanwhile).
     prepare_output(output_dir_for(plan), plan)
     ctx = CompileContext(plan=plan)
