@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvrewrite-installed
 
-.PHONY: install demo test clean docs-tables
+.PHONY: install demo test lint clean docs-tables
 
 install: $(STAMP)
 
@@ -24,6 +24,11 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest -q
+
+# Formatting and lint ([tool.ruff] in pyproject.toml); not yet part of `test`: the tree is not formatted yet.
+lint: install
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
 
 # Redraw the docs' tables from their committed result files (tools/docs_tables.py); tests fail on a hand edit.
 docs-tables: install

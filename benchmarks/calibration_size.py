@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvrewrite.cli.evaluate import evaluate_checkpoint
+from kvrewrite.publish.checkpoint_eval import evaluate_checkpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
 from compile_cost import compress_report_cost, time_v_report  # noqa: E402
@@ -60,7 +60,7 @@ def article_lead(text: str, chars: int) -> str:
 
 def write_mix(directory: Path, synthetic_tokens: int, wiki_chars: int) -> dict:
     """Synthetic texts + wiki calibration-article leads, one .txt each; returns their token counts."""
-    from kvrewrite.compile.passes.load_checkpoint import load_fp32_model
+    from kvrewrite.io.source_model import load_fp32_model
     from kvrewrite.io.calibration_data import synthetic_texts, wiki_split
     from kvrewrite.io.calibration_data.corpus import token_stream
     from kvrewrite.io.sources import resolve_model_source

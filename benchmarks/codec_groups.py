@@ -48,7 +48,7 @@ def run(checkpoint: Path, rates: list[float], codecs: list[str], seq_len: int, e
     from kvrewrite.io.calibration_data import calibration_token_sequences, evaluation_token_sequences
     from kvrewrite.method.output_refit import refit_output_projections
     from kvrewrite.publish.evaluation import kv_cache_bytes_per_token, perplexity_and_agreement_many
-    from kvrewrite.compile.passes.load_checkpoint import load_fp32_model
+    from kvrewrite.io.source_model import load_fp32_model
     from kvrewrite.io.sources import resolve_model_source
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)

@@ -90,7 +90,7 @@ def evaluate(checkpoint: Path, work: Path, rate: float, eval_tokens: int) -> Non
     import kvrewrite
     from kvrewrite.io.calibration_data import evaluation_token_sequences
     from kvrewrite.publish.evaluation import kv_cache_bytes_per_token, perplexity_and_agreement_many
-    from kvrewrite.compile.passes.load_checkpoint import load_fp32_model
+    from kvrewrite.io.source_model import load_fp32_model
     from kvrewrite.io.sources import resolve_model_source
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)

@@ -176,7 +176,7 @@ def fit(checkpoint: Path, work: Path, rate: float, eval_tokens: int, spec: str) 
 
 def evaluate(checkpoint: Path, work: Path, rate: float, eval_tokens: int, spec: str) -> dict:
     import kvrewrite
-    from kvrewrite.compile.passes.load_checkpoint import load_fp32_model
+    from kvrewrite.io.source_model import load_fp32_model
     from kvrewrite.io.sources import resolve_model_source
     from kvrewrite.runtime.codecs import parse_codec
 
@@ -218,7 +218,7 @@ def variants(checkpoint: Path, work: Path, rate: float, eval_tokens: int, specs:
     """Perplexity and bytes of more codecs under the eval step's protocol: references (int4) and run-time-only
     CSR settings (online atoms per block) that reuse the fitted CSR dictionaries."""
     import kvrewrite
-    from kvrewrite.compile.passes.load_checkpoint import load_fp32_model
+    from kvrewrite.io.source_model import load_fp32_model
     from kvrewrite.io.sources import resolve_model_source
     from kvrewrite.runtime.codecs import parse_codec
 

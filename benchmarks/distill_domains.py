@@ -26,7 +26,7 @@ from calibration_sources import evenly_spaced_windows, news_split  # noqa: E402
 from kvrewrite.io.calibration_data import evaluation_token_sequences  # noqa: E402
 from kvrewrite.io.calibration_data.corpus import token_stream  # noqa: E402
 from kvrewrite.publish.evaluation import evaluate_many  # noqa: E402
-from kvrewrite.compile.passes.load_checkpoint import load_fp32_model  # noqa: E402
+from kvrewrite.io.source_model import load_fp32_model  # noqa: E402
 from kvrewrite.runtime.load import load  # noqa: E402
 from kvrewrite.io.sources import resolve_model_source  # noqa: E402
 

@@ -163,7 +163,7 @@ def run(checkpoint: Path, rates: list[float], specs: list[str], ppl_specs: list[
 
     import kvrewrite
     from kvrewrite.compile.codec_fitting import codec_calibration_errors, collect_latents
-    from kvrewrite.compile.passes.load_checkpoint import load_fp32_model
+    from kvrewrite.io.source_model import load_fp32_model
     from kvrewrite.io.calibration_data import evaluation_token_sequences
     from kvrewrite.io.sources import resolve_model_source
     from kvrewrite.publish.evaluation import perplexity_and_agreement_many

@@ -299,7 +299,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from kvrewrite.io.calibration_data import evaluation_token_sequences
-    from kvrewrite.compile.passes.load_checkpoint import load_fp32_model
+    from kvrewrite.io.source_model import load_fp32_model
     from kvrewrite.io.sources import resolve_model_source
 
     path = resolve_model_source("smollm2-135m").path

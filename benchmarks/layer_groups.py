@@ -3,7 +3,7 @@
     python benchmarks/layer_groups.py [--calib-windows 4] [--heldout-windows 4] [--length 1024] [--window 64] \
         [--pool 64] [--share 0.25] [--checkpoint DIR]
 
-For every layer (kvrewrite.compile.layer_groups.record_attention_evidence, one eager forward per window):
+For every layer (benchmarks/attention_evidence.py's record_attention_evidence, one eager forward per window):
 1. each token's importance under two scores: `attention` (attention received, mean over the queries that read it,
    summed over heads) and `denominator` (ZDC's: sum over heads of the token's own softmax denominator as a query);
 2. the important-token set at share g: the top g of the scored tokens, per pool of `pool` tokens (as
@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvrewrite.io.calibration_data import calibration_token_sequences, evaluation_token_sequences  # noqa: E402
-from kvrewrite.compile.layer_groups import (  # noqa: E402
+from attention_evidence import (  # noqa: E402
     greedy_layer_groups,
     group_ratio,
     important_mask,
@@ -55,7 +55,7 @@ from kvrewrite.compile.layer_groups import (  # noqa: E402
     record_attention_evidence,
     repetition_matrix,
 )
-from kvrewrite.compile.passes.load_checkpoint import load_fp32_model  # noqa: E402
+from kvrewrite.io.source_model import load_fp32_model  # noqa: E402
 from kvrewrite.io.sources import resolve_model_source  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
@@ -274,7 +274,7 @@ def main() -> None:
         "machine": machine(),
         "model": {"source": args.baseline, "path": str(source.path), "layers": config.num_hidden_layers,
                   "heads": config.num_attention_heads, "kv_heads": config.num_key_value_heads,
-                  "attention": "eager (kvrewrite.compile.layer_groups), float32 weights"},
+                  "attention": "eager (benchmarks/attention_evidence.py), float32 weights"},
         "settings": {"calib_windows": args.calib_windows, "heldout_windows": args.heldout_windows,
                      "length": args.length, "window": args.window, "pool": args.pool, "share": args.share,
                      "scored_tokens": n_scored, "thresholds": thresholds, "mass_fractions": fractions,

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvrewrite.cli.evaluate import evaluate_checkpoint
+from kvrewrite.publish.checkpoint_eval import evaluate_checkpoint
 from kvrewrite.publish.continuation_eval import parse_positions
 
 sys.path.insert(0, str(Path(__file__).parent))

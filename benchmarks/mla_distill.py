@@ -80,7 +80,7 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from kvrewrite.compile.passes.load_checkpoint import load_fp32_model
+    from kvrewrite.io.source_model import load_fp32_model
     from kvrewrite.io.calibration_data import evaluation_token_sequences
     from kvrewrite.io.sources import resolve_model_source
     from kvrewrite.publish.evaluation import kv_cache_bytes_per_token, perplexity_and_agreement_many

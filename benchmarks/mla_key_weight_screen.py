@@ -17,8 +17,8 @@ import random
 
 import torch
 
-from kvrewrite.compile.mla_export import mla_layers_at_share, prepare_source
-from kvrewrite.compile.mla_form import mla_reference_model
+from kvrewrite.compile.mla.export import mla_layers_at_share, prepare_source
+from kvrewrite.compile.mla.form import mla_reference_model
 from kvrewrite.compile.plan import Plan
 from kvrewrite.io.calibration_data import evaluation_token_sequences
 from kvrewrite.io.calibration_data.corpus import token_stream

@@ -51,8 +51,8 @@ def main() -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from kvrewrite.cli.evaluate import continuation_rows, mla_models_at_rates, result_rows
-    from kvrewrite.compile.passes.load_checkpoint import load_fp32_model
+    from kvrewrite.publish.checkpoint_eval import continuation_rows, mla_models_at_rates, result_rows
+    from kvrewrite.io.source_model import load_fp32_model
     from kvrewrite.io.calibration_data import evaluation_token_sequences
     from kvrewrite.io.sources import resolve_model_source
     from kvrewrite.publish.continuation_eval import continuation_quality, parse_positions

@@ -5,7 +5,7 @@ unrotated (`--position-free-queries source`) or scored by each head's expected r
     OMP_NUM_THREADS=1 python benchmarks/mla_rope_position.py [--texts wiki] [--shares 0.5] [--response-lengths 512,2048] \
         --out benchmarks/results/mla_rope_position.json
 
-Rows: our maths (compile/mla_form.mla_reference_model, float32) at a full latent (only the RoPE drop), and at
+Rows: our maths (compile/mla/form.mla_reference_model, float32) at a full latent (only the RoPE drop), and at
 uniform widths for each --share, each way. Both use the same statistics (16K wiki calibration tokens) and the same
 measured rotations, so the only difference is the position-free queries. The rotations are read from 4,096 wiki
 calibration tokens in windows of each --response-lengths length, with the attention sink counted, or left out with
@@ -29,8 +29,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from decode import run_provenance  # noqa: E402  (the provenance header every benchmark result starts with)
 
-from kvrewrite.compile.mla_export import prepare_source  # noqa: E402
-from kvrewrite.compile.mla_form import MLAWidths, compute_mla_layers, mla_reference_model, widths_for_share  # noqa: E402
+from kvrewrite.compile.mla.export import prepare_source  # noqa: E402
+from kvrewrite.compile.mla.form import MLAWidths, compute_mla_layers, mla_reference_model, widths_for_share  # noqa: E402
 from kvrewrite.compile.plan import Plan  # noqa: E402
 from kvrewrite.compile.rope_response import RESPONSE_TOKENS, measure_rope_response  # noqa: E402
 from kvrewrite.io.calibration_data import calibration_token_sequences, evaluation_token_sequences  # noqa: E402

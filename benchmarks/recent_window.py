@@ -30,7 +30,7 @@ from transformers import AutoTokenizer
 import kvrewrite
 from kvrewrite.io.calibration_data import evaluation_token_sequences
 from kvrewrite.publish.evaluation import continuation_nll, kv_cache_bytes_per_token_formula
-from kvrewrite.compile.passes.load_checkpoint import load_fp32_model
+from kvrewrite.io.source_model import load_fp32_model
 from kvrewrite.io.sources import resolve_model_source
 
 RESULTS = Path(__file__).parent / "results" / "recent_window.json"

@@ -32,7 +32,7 @@ def main() -> None:
     from kvrewrite.io.calibration_data import calibration_token_sequences, evaluation_token_sequences
     from kvrewrite.publish.evaluation import evaluate_many
     from kvrewrite.method.output_refit import refit_output_projections
-    from kvrewrite.compile.passes.load_checkpoint import load_fp32_model
+    from kvrewrite.io.source_model import load_fp32_model
     from kvrewrite.io.sources import resolve_model_source
 
     parser = argparse.ArgumentParser()

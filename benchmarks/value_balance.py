@@ -57,7 +57,7 @@ def raw_reference(codec: str, windows: torch.Tensor) -> None:
     sys.path.insert(0, str(Path(__file__).parent))
     from kivi_faithful import evaluate, ours_cache
 
-    from kvrewrite.compile.passes.load_checkpoint import load_fp32_model
+    from kvrewrite.io.source_model import load_fp32_model
     from kvrewrite.io.sources import resolve_model_source
 
     original = load_fp32_model(resolve_model_source("smollm2-135m").path).eval()

@@ -51,7 +51,7 @@ def test_unsupported_architecture_fails_before_loading_weights(tmp_path, monkeyp
     def no_weights(*args, **kwargs):
         raise AssertionError("weights were loaded before the architecture check")
 
-    monkeypatch.setattr("kvrewrite.compile.passes.load_checkpoint.AutoModelForCausalLM.from_pretrained", no_weights)
+    monkeypatch.setattr("kvrewrite.io.source_model.AutoModelForCausalLM.from_pretrained", no_weights)
     ctx = CompileContext(plan=Plan(model=str(tmp_path / "neox"), progress=False))
     with pytest.raises(UnsupportedModelError, match="'gpt_neox'.*supported model types: gemma3_text, gpt2, llama, mistral, opt, phi3, qwen2, qwen3"):
         LoadCheckpoint().run(ctx)
@@ -183,3 +183,13 @@ def test_cli_message_maps_parameters_to_flags():
     assert cli_message("rate 0.5 cannot be reached with `min_rank=12`", PLAN_FLAGS) == "rate 0.5 cannot be reached with --min-rank 12"
     assert cli_message("use `calibration=wiki`; `max_ppl_increase` or `no_such_name`", PLAN_FLAGS) == "use --calibration wiki; --max-ppl-increase or `no_such_name`"
     assert cli_message("pass `overwrite` or choose another `output`", PLAN_FLAGS) == "pass --overwrite or choose another --output"
+
+
+def test_recent_window_option_rejects_bad_values():
+    from kvrewrite.cli.app import _parse_windows
+
+    with pytest.raises(InvalidArgumentError, match="--recent-window 'abc'"):
+        _parse_windows("abc")
+    with pytest.raises(InvalidArgumentError, match=">= 0"):
+        _parse_windows("64,-1")
+    assert _parse_windows("0, 64,128") == [0, 64, 128]

@@ -1,4 +1,5 @@
-"""kvrewrite.compile.layer_groups: attention evidence equals a dense reference, and the set / group / mass-share helpers."""
+"""benchmarks/attention_evidence.py (the layer-groups benchmark's measurements): attention evidence equals a dense
+reference, and the set / group / mass-share helpers."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from transformers import LlamaForCausalLM
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from kvrewrite.errors import InvalidArgumentError
-from kvrewrite.compile.layer_groups import (
+from benchmarks.attention_evidence import (
     greedy_layer_groups,
     group_ratio,
     important_mask,

@@ -1,12 +1,15 @@
-"""The package's layering, read from its source (tools/import_graph.py): no circles between top-level folders,
-the runtime never reaches into the compiler, the maths imports no infrastructure."""
+"""The package's layering, read from its source (tools/import_graph.py): no circles between top-level folders or
+between files, the runtime never reaches into the compiler, the maths imports no infrastructure, nothing imports
+the CLI."""
 
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 
-from import_graph import cycles, folder_edges  # noqa: E402
+from import_graph import (  # noqa: E402
+    CLI_ENTRY_POINTS, cli_imports, cycles, folder_edges, module_cycles, module_edges,
+)
 
 # What each folder may import (besides itself). Anything else is a wrong-way arrow.
 ALLOWED = {
@@ -40,8 +43,49 @@ def test_every_arrow_points_down():
 def test_the_graph_sees_a_known_arrow():
     """Guards the reader itself: an arrow that exists must be found (an empty graph would pass the tests above)."""
     edges = folder_edges()
-    assert "kvrewrite.runtime.load -> kvrewrite.io.lazy_checkpoint" in edges[("runtime", "io")]
+    assert "kvrewrite.runtime.checkpoint_files -> kvrewrite.io.lazy_checkpoint" in edges[("runtime", "io")]
     assert ("compile", "method") in edges
+
+
+def test_no_import_circles_between_files():
+    """No two modules import each other, directly or around a loop (lazy imports count: a lazy import that closes a
+    circle only hides it; imports under `if TYPE_CHECKING:` never run and do not count)."""
+    assert module_cycles(module_edges()) == []
+
+
+def test_the_file_graph_sees_known_arrows_and_finds_a_circle():
+    """Guards the file-level reader: real arrows (a lazy one included) are found, a type-checking-only import is not,
+    and a circle in a graph is reported."""
+    edges = module_edges()
+    assert "kvrewrite.runtime.checkpoint_files" in edges["kvrewrite.runtime.load"]
+    assert "kvrewrite.runtime.checkpoint_files" in edges["kvrewrite.runtime.modeling.families"]  # inside a method
+    assert "kvrewrite.runtime.codecs.registry" in edges["kvrewrite.runtime.codecs.config"]
+    assert "kvrewrite.runtime.codecs.base" not in edges["kvrewrite.runtime.codecs.registry"]  # TYPE_CHECKING only
+    assert module_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_nothing_outside_the_command_line_imports_from_it():
+    """Library code never lives in kvrewrite/cli/. The rule, for every .py file outside kvrewrite/cli/:
+    - in the package (kvrewrite/): no import of kvrewrite.cli at all;
+    - in tests/, benchmarks/, tools/ and docs/: only the entry points `app` and `main` of kvrewrite.cli.app, which run
+      the command line as a user does (typer's CliRunner, or main() with sys.argv);
+    - the command line's own tests (tests/test_cli*.py) may import its internals (its option table, its parsers).
+    Running the CLI in a subprocess (`python -m kvrewrite.cli.app ...`) is not an import and is always allowed."""
+    wrong = []
+    for path, module, names in cli_imports():
+        own_test = Path(path).parent.name == "tests" and Path(path).name.startswith("test_cli")
+        entry_point = (module == "kvrewrite.cli.app" and names and set(names) <= CLI_ENTRY_POINTS
+                       and not path.startswith("kvrewrite/"))
+        if not (own_test or entry_point):
+            wrong.append(f"{path}: from {module} import {', '.join(names) or '*'}")
+    assert wrong == []
+
+
+def test_the_cli_import_reader_sees_known_imports():
+    """Guards the reader: the CLI tests' imports of its internals and another test's import of `app` are found."""
+    found = cli_imports()
+    assert ("tests/test_cli_and_errors.py", "kvrewrite.cli.compress_options", ("PLAN_FLAGS", "cli_message")) in found
+    assert ("tests/test_hub.py", "kvrewrite.cli.app", ("app",)) in found
 
 
 def test_published_checkpoint_stub_paths_still_import():

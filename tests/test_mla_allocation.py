@@ -1,4 +1,4 @@
-"""MLA latent widths per layer from measured sensitivity (compile/mla_allocation.py), exported zero-padded and run at
+"""MLA latent widths per layer from measured sensitivity (compile/mla/allocation.py), exported zero-padded and run at
 their true widths by our runtime (runtime/mla). References: the maths' own forward at the same widths, stock
 DeepseekV3 on the same files, and the form computed directly at a narrower width."""
 
@@ -9,9 +9,9 @@ import json
 import pytest
 import torch
 
-from kvrewrite.compile.mla_allocation import RANK_MULTIPLE, allocate_latent_ranks
-from kvrewrite.compile.mla_export import export_at_share, mla_layers_allocated
-from kvrewrite.compile.mla_form import MLAWidths, compute_mla_layers, mla_reference_model, widths_for_share
+from kvrewrite.compile.mla.allocation import RANK_MULTIPLE, allocate_latent_ranks
+from kvrewrite.compile.mla.export import export_at_share, mla_layers_allocated
+from kvrewrite.compile.mla.form import MLAWidths, compute_mla_layers, mla_reference_model, widths_for_share
 from kvrewrite.errors import CorruptCheckpointError, InvalidArgumentError
 from kvrewrite.method.mla import full_latent_rank, truncate_latent
 from tests.test_mla_export import _logits, _prepared, _stock_logits_in_fresh_process
@@ -167,7 +167,7 @@ def test_one_allocated_export_serves_narrower_rates_as_exports_made_for_them(dee
     """Export at 75% of K+V with its rate table; loaded at rate 0.5 it runs the widths an export made for 50% has,
     with the same logits (up to the latent-norm neutralisation's bound), and caches those widths."""
     import kvrewrite
-    from kvrewrite.compile.mla_export import allocated_at_share, probe_full_form
+    from kvrewrite.compile.mla.export import allocated_at_share, probe_full_form
 
     probed = probe_full_form(deep)
     wide, narrow = allocated_at_share(deep, probed, 0.75), allocated_at_share(deep, probed, 0.5)
@@ -208,8 +208,8 @@ def test_kvrewrite_eval_scores_an_mla_export_at_the_rates_of_its_table(deep, all
     """The eval rows of an allocated export equal a direct evaluation of kvrewrite.load(dir, rate=p) against the
     source the export records; codecs and unknown rates are refused."""
     import kvrewrite
-    from kvrewrite.cli.evaluate import evaluate_checkpoint
-    from kvrewrite.compile.passes.load_checkpoint import load_fp32_model
+    from kvrewrite.publish.checkpoint_eval import evaluate_checkpoint
+    from kvrewrite.io.source_model import load_fp32_model
     from kvrewrite.io import calibration_data
     from kvrewrite.publish.evaluation import evaluate_many
 

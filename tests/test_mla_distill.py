@@ -1,4 +1,4 @@
-"""export-mla --distill (compile/mla_distill.py) on tiny random Llamas: it lowers the KL to the original on text it was
+"""export-mla --distill (compile/mla/distill.py) on tiny random Llamas: it lowers the KL to the original on text it was
 not trained on, the DeepSeek-V3 export and our absorbed runtime carry the trained weights, only the MLA weights
 change, the latent-norm neutralisation still holds, and an exact (full-width) form is left as it is."""
 
@@ -11,11 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvrewrite.compile.mla_distill import distill_mla_layers, measured_latent_norm_errors
-from kvrewrite.compile.mla_export import export_at_share
-from kvrewrite.compile.mla_form import compute_mla_layers, mla_reference_model, widths_for_share
+from kvrewrite.compile.mla.distill import distill_mla_layers, measured_latent_norm_errors
+from kvrewrite.compile.mla.export import export_at_share
+from kvrewrite.compile.mla.form import compute_mla_layers, mla_reference_model, widths_for_share
 from kvrewrite.compile.plan import Plan
-from kvrewrite.compile.deepseek_v3_export import TRANSFORMERS_LATENT_NORM_EPS
+from kvrewrite.compile.mla.deepseek_v3_export import TRANSFORMERS_LATENT_NORM_EPS
 from kvrewrite.method.mla import balance_latent_gauge
 from tests.test_mla_export import _stock_logits_in_fresh_process, prepared_from
 from tests.tiny_models import random_windows, save_tiny_llama
@@ -32,7 +32,7 @@ def _prepared(tmp_path, seed: int = 0, **config):
 def prepared_from_windows(plan):
     from kvrewrite.compile.passes.collect_statistics import CollectStatistics
     from kvrewrite.compile.passes.load_checkpoint import LoadCheckpoint
-    from kvrewrite.compile.mla_export import prepare_source
+    from kvrewrite.compile.mla.export import prepare_source
     from tests.tiny_models import FixedCalibration
 
     return prepare_source(plan, [LoadCheckpoint(), FixedCalibration(random_windows(WINDOWS, LENGTH)), CollectStatistics()])
@@ -196,8 +196,8 @@ def test_nested_distillation_lowers_kl_at_every_rate_of_one_allocated_export(tmp
     loaded at each trained rate (kvrewrite.load(dir, rate=p)) has lower KL on unseen text than the same export before
     training at that rate, and the marker keeps exactly the trained rates."""
     import kvrewrite
-    from kvrewrite.compile.mla_distill import distill_provenance
-    from kvrewrite.compile.mla_export import allocated_at_share, probe_full_form
+    from kvrewrite.compile.mla.distill import distill_provenance
+    from kvrewrite.compile.mla.export import allocated_at_share, probe_full_form
 
     src = save_tiny_llama(tmp_path / "src")
     plan = Plan(model=str(src), progress=False, distill_rates=(0.5, 0.6), target_rate=0.5, **DISTILL)

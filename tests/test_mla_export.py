@@ -1,4 +1,4 @@
-"""The MLA form (method/mla.py) and its DeepSeek-V3 export (compile/deepseek_v3_export.py) on tiny random Llamas."""
+"""The MLA form (method/mla.py) and its DeepSeek-V3 export (compile/mla/deepseek_v3_export.py) on tiny random Llamas."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from kvrewrite.compile.mla_export import export_at_share, prepare_source
-from kvrewrite.compile.mla_form import MLAWidths, compute_mla_layers, latent_max_mean_square, mla_reference_model, widths_for_share
+from kvrewrite.compile.mla.export import export_at_share, prepare_source
+from kvrewrite.compile.mla.form import MLAWidths, compute_mla_layers, latent_max_mean_square, mla_reference_model, widths_for_share
 from kvrewrite.compile.passes.collect_statistics import CollectStatistics
 from kvrewrite.compile.passes.load_checkpoint import LoadCheckpoint
 from kvrewrite.compile.plan import Plan
@@ -212,8 +212,8 @@ def test_the_cli_names_what_does_not_fit(tmp_path):
 def test_exact_widths_with_a_narrower_rope_key_export_with_the_logits_of_our_maths(gqa, tmp_path):
     """--kv-lora-rank/--qk-rope-head-dim: d_r = head_dim / 2 keeps frequencies 0, 2, 4, ... (pair p = frequency 2p),
     which DeepSeek's schedule base^(-2p/d_r) rotates exactly as the source did; stock transformers equals our maths."""
-    from kvrewrite.compile.mla_export import export_matches_maths
-    from kvrewrite.compile.mla_form import widths_for_ranks
+    from kvrewrite.compile.mla.export import export_matches_maths
+    from kvrewrite.compile.mla.form import widths_for_ranks
 
     geo = gqa.ctx.geometry  # head_dim 16, 2 KV heads: 64 K+V values per token
     widths = widths_for_ranks(geo, 20, geo.head_dim // 2)
@@ -231,7 +231,7 @@ def test_exact_widths_with_a_narrower_rope_key_export_with_the_logits_of_our_mat
 
 def test_the_default_rope_key_is_unchanged_by_the_stride_option(gqa):
     """widths_for_ranks at qk_rope_head_dim = head_dim gives the same layers, float for float, as the share path."""
-    from kvrewrite.compile.mla_form import widths_for_ranks
+    from kvrewrite.compile.mla.form import widths_for_ranks
 
     geo = gqa.ctx.geometry
     by_share = widths_for_share(geo, 0.5)
@@ -243,7 +243,7 @@ def test_the_default_rope_key_is_unchanged_by_the_stride_option(gqa):
 
 
 def test_exact_widths_that_do_not_fit_are_refused(gqa):
-    from kvrewrite.compile.mla_form import widths_for_ranks
+    from kvrewrite.compile.mla.form import widths_for_ranks
 
     geo = gqa.ctx.geometry
     with pytest.raises(InvalidArgumentError, match="--qk-rope-head-dim"):

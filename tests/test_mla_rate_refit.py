@@ -1,4 +1,4 @@
-"""export-mla --refit-rates (compile/mla_rate_refit.py, runtime/mla/rate_projections.py) on tiny random Llamas: every
+"""export-mla --refit-rates (compile/mla/rate_refit.py, runtime/mla/rate_projections.py) on tiny random Llamas: every
 served rate of one file is the single-rate refitted form at that share, loads as such through kvrewrite.load, lowers
 the KL to the original on text it was not fitted on against the same file's unrefitted rate, stock transformers
 loads the file without the side file, and what does not combine is refused before any work."""
@@ -10,10 +10,10 @@ import json
 import pytest
 import torch
 
-from kvrewrite.compile.mla_export import export_at_share, prepare_source
-from kvrewrite.compile.mla_form import compute_mla_layers, mla_reference_model, widths_for_share
-from kvrewrite.compile.mla_rate_refit import parse_refit_rates, refit_mla_at_rates, uniform_rate_widths
-from kvrewrite.compile.mla_refit import refit_mla_output
+from kvrewrite.compile.mla.export import export_at_share, prepare_source
+from kvrewrite.compile.mla.form import compute_mla_layers, mla_reference_model, widths_for_share
+from kvrewrite.compile.mla.rate_refit import parse_refit_rates, refit_mla_at_rates, uniform_rate_widths
+from kvrewrite.compile.mla.refit import refit_mla_output
 from kvrewrite.compile.passes.collect_statistics import CollectStatistics
 from kvrewrite.compile.passes.load_checkpoint import LoadCheckpoint
 from kvrewrite.compile.plan import Plan
@@ -179,7 +179,7 @@ def test_after_a_nested_distillation_each_rate_is_refitted_on_the_trained_weight
     (("--kv-share", "0.7", "--allocation", "sensitivity", "--refit-rates", "0.3,0.7"), "leaves a mean latent of 3"),
 ])
 def test_what_does_not_combine_is_refused_before_any_work(tmp_path, monkeypatch, extra, message):
-    from kvrewrite.compile import mla_export
+    from kvrewrite.compile.mla import export as mla_export
 
     def no_work(*_args, **_kwargs):
         raise AssertionError("the statistics started before the refusal")

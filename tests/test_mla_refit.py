@@ -1,4 +1,4 @@
-"""export-mla --refit (compile/mla_refit.py) on tiny random Llamas: the refitted o_proj is the least-squares solution
+"""export-mla --refit (compile/mla/refit.py) on tiny random Llamas: the refitted o_proj is the least-squares solution
 of the layer's own rows, an exact (full-width) form keeps its o_proj, the refit lowers the KL to the original on text
 it was not fitted on, the export carries it into stock transformers, and what does not combine is refused first."""
 
@@ -9,9 +9,9 @@ import json
 import pytest
 import torch
 
-from kvrewrite.compile.mla_export import export_at_share, export_matches_maths, prepare_source
-from kvrewrite.compile.mla_form import MLAWidths, compute_mla_layers, mla_reference_model, widths_for_share
-from kvrewrite.compile.mla_refit import refit_mla_output
+from kvrewrite.compile.mla.export import export_at_share, export_matches_maths, prepare_source
+from kvrewrite.compile.mla.form import MLAWidths, compute_mla_layers, mla_reference_model, widths_for_share
+from kvrewrite.compile.mla.refit import refit_mla_output
 from kvrewrite.compile.plan import Plan
 from kvrewrite.compile.passes.collect_statistics import CollectStatistics
 from kvrewrite.compile.passes.load_checkpoint import LoadCheckpoint
@@ -134,7 +134,7 @@ def test_the_cli_refits_an_allocated_export_and_drops_the_rates_it_was_not_fitte
 def test_a_refit_before_distill_leaves_the_latent_norm_pass_to_the_distillation(tmp_path, monkeypatch):
     """--refit with --distill: the distillation starts from the refitted form, and only its own pass over the
     calibration windows sets the latent-norm bound (the refit's would be overwritten); the marker records both."""
-    from kvrewrite.compile import mla_form
+    from kvrewrite.compile.mla import form as mla_form
 
     passes = []
     measure = mla_form._measure_attention_inputs
@@ -160,11 +160,9 @@ def test_what_does_not_combine_is_refused_before_any_work(tmp_path, extra, messa
 
 
 def test_the_default_refits_a_uniform_export_and_leaves_an_allocated_one_its_rate_table(tmp_path):
-    from kvrewrite.cli.export import DEFAULT_REFIT
-
     uniform, out = _cli(tmp_path / "uniform", "--kv-share", "0.5")
     assert uniform.exit_code == 0, uniform.output
-    assert json.loads((out / "config.json").read_text())["kvrewrite_mla"]["refit"]["method"] == DEFAULT_REFIT == "output-local"
+    assert json.loads((out / "config.json").read_text())["kvrewrite_mla"]["refit"]["method"] == "output-local"
     allocated, out = _cli(tmp_path / "allocated", "--kv-share", "0.7", "--allocation", "sensitivity")
     assert allocated.exit_code == 0, allocated.output
     marker = json.loads((out / "config.json").read_text())["kvrewrite_mla"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvrewrite.compile.mla_form import MLAWidths, compute_mla_layers, source_scaling
+from kvrewrite.compile.mla.form import MLAWidths, compute_mla_layers, source_scaling
 from kvrewrite.compile.rope_response import attention_by_distance, expected_rotation, measure_rope_response, rotary_frequencies
 from kvrewrite.method.mla import full_latent_rank
 from tests.test_mla_export import _prepared
@@ -122,7 +122,7 @@ def test_the_cli_scores_position_free_queries_by_expected_rotation_by_default_re
     from typer.testing import CliRunner
 
     from kvrewrite.cli.app import app
-    from kvrewrite.compile.mla_export import DEFAULT_POSITION_FREE_QUERIES
+    from kvrewrite.compile.mla.export import DEFAULT_POSITION_FREE_QUERIES
     from kvrewrite.runtime.mla.checkpoint import MLA_MARKER
     from tests.tiny_models import save_tiny_llama
 

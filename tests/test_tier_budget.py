@@ -59,7 +59,7 @@ def test_solved_keep_is_the_largest_within_the_budget(checkpoint):
 
 
 def test_budget_command_records_the_best_split_and_load_uses_it(checkpoint):
-    from kvrewrite.cli.budget import split_budget
+    from kvrewrite.compile.budget_search import split_budget
 
     result = split_budget(checkpoint, 0.3, context=48, windows=1, length=32, recent_windows=(2, 4), rates=(0.0, 0.5),
                           bits_options=(None, 4), progress=False)
@@ -106,7 +106,7 @@ def test_bad_budgets_are_refused(checkpoint):
     from typer.testing import CliRunner
 
     from kvrewrite.cli.app import app
-    from kvrewrite.cli.budget import split_budget
+    from kvrewrite.compile.budget_search import split_budget
 
     with pytest.raises(InvalidArgumentError, match="no split fits"):
         split_budget(checkpoint, 0.001, context=48, windows=1, length=32, progress=False, write=False)

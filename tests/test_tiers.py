@@ -193,7 +193,7 @@ def test_bad_tier_settings_are_refused(compiled):
 
 
 def test_eval_reports_tiered_rows_with_bytes_measured_at_the_window_length(compiled):
-    from kvrewrite.cli.evaluate import evaluate_checkpoint
+    from kvrewrite.publish.checkpoint_eval import evaluate_checkpoint
 
     rows = evaluate_checkpoint(compiled["latent"], tokens=96, seq_len=48, progress=False, recent_windows=[8])
     tiered = rows[1]
@@ -206,22 +206,12 @@ def test_eval_reports_tiered_rows_with_bytes_measured_at_the_window_length(compi
     assert tiered["kv_bytes_per_token"] == pytest.approx(2 * (8 * full + 40 * aged) / 48)  # float16, 48-token windows
     # On token windows the tiny model can read, the full-rank window brings the model closer to the original.
     from kvrewrite.publish.evaluation import evaluate_many
-    from kvrewrite.compile.passes.load_checkpoint import load_fp32_model
+    from kvrewrite.io.source_model import load_fp32_model
 
     original = load_fp32_model(spec.source_model)
     results = evaluate_many({"plain": kvrewrite.load(compiled["latent"]), "tiered": tiered_model(compiled["latent"], 8)},
                             random_windows(n=4, length=48, seed=6), baseline=original, progress=False)
     assert 0 < results["tiered"].kl_mean < results["plain"].kl_mean
-
-
-def test_recent_window_option_rejects_bad_values():
-    from kvrewrite.cli.app import _parse_windows
-
-    with pytest.raises(InvalidArgumentError, match="--recent-window 'abc'"):
-        _parse_windows("abc")
-    with pytest.raises(InvalidArgumentError, match=">= 0"):
-        _parse_windows("64,-1")
-    assert _parse_windows("0, 64,128") == [0, 64, 128]
 
 
 IMPORTANT_RATE, SHARE, POOL = 0.25, 0.25, 8

@@ -1,8 +1,8 @@
 """The import graph of kvrewrite's top-level folders, read from the source (every import, lazy ones included).
 
-`python tools/import_graph.py` prints each folder's arrows and draws docs/images/import_graph.png;
-tests/test_layout.py uses `folder_edges` to hold the layering rules (no circles, nothing from the runtime into
-the compiler).
+`python tools/import_graph.py` prints each folder's arrows and any circle (between folders or between files) and
+draws docs/images/import_graph.png; tests/test_layout.py uses `folder_edges`, `module_edges` and `cli_imports` to
+hold the layering rules (no circles, nothing from the runtime into the compiler, nothing imported from the CLI).
 """
 
 from __future__ import annotations
@@ -57,6 +57,92 @@ def folder_edges() -> dict[tuple[str, str], list[str]]:
             if a != b and b != "kvrewrite":
                 edges[(a, b)].append(f"{importer} -> {imported}")
     return dict(edges)
+
+
+def _executed_nodes(tree: ast.AST):
+    """Every node of a module except the bodies of `if TYPE_CHECKING:` (imports for annotations only, never run)."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            for other in node.orelse:
+                yield other
+                yield from _executed_nodes(other)
+            continue
+        yield node
+        yield from _executed_nodes(node)
+
+
+def module_edges() -> dict[str, set[str]]:
+    """File-level arrows: module -> the kvrewrite modules it imports when it runs, lazy imports included and imports
+    under `if TYPE_CHECKING:` left out (`from pkg import name` counts as pkg.name when that is a module of ours, else
+    as pkg, i.e. its __init__)."""
+    modules = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+    edges: dict[str, set[str]] = {name: set() for name in modules}
+    for importer, path in modules.items():
+        for node in _executed_nodes(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                targets = [f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module
+                           for alias in node.names]
+            else:
+                continue
+            edges[importer] |= {t for t in targets if t in modules and t != importer}
+    return edges
+
+
+def module_cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Files that import each other, directly or around a loop, lazy imports included (each strongly connected
+    group of two or more modules, sorted)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:  # Tarjan's strongly connected components
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            group = []
+            while not group or group[-1] != node:
+                group.append(stack.pop())
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    return sorted(found)
+
+
+# Outside kvrewrite/cli/ the command line is only run, never imported from: these are its entry points.
+CLI_ENTRY_POINTS = {"app", "main"}
+
+
+def cli_imports() -> list[tuple[str, str, tuple[str, ...]]]:
+    """Every import of kvrewrite.cli from outside kvrewrite/cli/ (the package, tests, benchmarks, tools, docs
+    examples), as (file relative to the repository, module, names imported; () for a plain `import`)."""
+    root = PACKAGE.parent
+    files = [p for folder in ("kvrewrite", "tests", "benchmarks", "tools", "docs") for p in (root / folder).rglob("*.py")
+             if (PACKAGE / "cli") not in p.parents]
+    found = []
+    for path in sorted(files):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                found += [(str(path.relative_to(root)), alias.name, ()) for alias in node.names
+                          if alias.name == "kvrewrite.cli" or alias.name.startswith("kvrewrite.cli.")]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = tuple(alias.name for alias in node.names)
+                if node.module == "kvrewrite.cli" or node.module.startswith("kvrewrite.cli."):
+                    found.append((str(path.relative_to(root)), node.module, names))
+                elif node.module == "kvrewrite" and "cli" in names:
+                    found.append((str(path.relative_to(root)), "kvrewrite.cli", ()))
+    return found
 
 
 def cycles(edges: dict[tuple[str, str], list[str]]) -> list[list[str]]:
@@ -120,8 +206,12 @@ def main() -> int:
     loops = cycles(edges)
     for loop in loops:
         print("circle:", " -> ".join(loop))
+    file_loops = module_cycles(module_edges())
+    for group in file_loops:
+        print("files importing each other:", ", ".join(group))
+    print(f"{len(loops)} circles between folders, {len(file_loops)} between files")
     draw(edges, PACKAGE.parent / "docs" / "images" / "import_graph.png")
-    return 1 if loops else 0
+    return 1 if loops or file_loops else 0
 
 
 if __name__ == "__main__":

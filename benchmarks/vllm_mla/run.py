@@ -102,8 +102,8 @@ def export_large(source: Path, output: Path, calibration: Path, calib_tokens: in
     model in memory); same widths, same code path as `kvrewrite export-mla ... --kv-lora-rank 512 --qk-rope-head-dim 64`."""
     import torch
 
-    from kvrewrite.compile.mla_export import export_at_share, mla_layers_at_widths, prepare_source
-    from kvrewrite.compile.mla_form import widths_for_ranks
+    from kvrewrite.compile.mla.export import export_at_share, mla_layers_at_widths, prepare_source
+    from kvrewrite.compile.mla.form import widths_for_ranks
     from kvrewrite.compile.plan import Plan
 
     if (output / "config.json").is_file():

@@ -156,7 +156,7 @@ def evaluate_command(
     save: bool = typer.Option(True, "--save/--no-save", help="Save the results as DIR/eval_results.json (the model card's evaluation table), or DIR/eval_results_continuation.json with --positions."),
 ) -> None:
     """Held-out perplexity, KL and top-1 agreement against the original, and KV bytes per token measured on the cache."""
-    from kvrewrite.cli.evaluate import evaluate_checkpoint
+    from kvrewrite.publish.checkpoint_eval import evaluate_checkpoint
     from kvrewrite.cli.tables import eval_table
     from kvrewrite.io.calibration_data.corpus import EVALUATION_TEXTS
     from kvrewrite.publish.continuation_eval import parse_positions
@@ -402,7 +402,7 @@ def _budget_share(text: str) -> float:
 
 
 def _split_and_report(directory: Path, share: float, json_out: Path | None = None, command: str = "", **options) -> None:
-    from kvrewrite.cli.budget import budget_rows, split_budget
+    from kvrewrite.compile.budget_search import budget_rows, split_budget
     from kvrewrite.cli.tables import budget_table
 
     try:

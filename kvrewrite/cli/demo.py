@@ -26,7 +26,7 @@ MLA_VARIANT = "mla-allocated"
 
 def run_demo(output: Path, rates: list[float], calib_tokens: int, eval_tokens: int, console: Console) -> list[dict]:
     from kvrewrite.io.calibration_data import evaluation_token_sequences
-    from kvrewrite.cli.evaluate import result_rows
+    from kvrewrite.publish.checkpoint_eval import result_rows
     from kvrewrite.cli.tables import eval_table
     from kvrewrite.publish.evaluation import evaluate_many
     from kvrewrite.compile.passes.pipeline import compile_variants
@@ -82,7 +82,7 @@ def _export_mla(plan, rates: list[float], output: Path, console: Console) -> Non
 
     import torch
 
-    from kvrewrite.compile.mla_export import allocated_at_share, export_at_share, prepare_source, probe_full_form
+    from kvrewrite.compile.mla.export import allocated_at_share, export_at_share, prepare_source, probe_full_form
 
     console.print(f"[cyan]{MLA_VARIANT}[/] statistics, full-width MLA form, sensitivity probes, per-layer widths")
     prepared = prepare_source(replace(plan, output=None))

@@ -14,11 +14,11 @@ from rich.table import Table
 from kvrewrite.errors import KVRewriteError
 
 if TYPE_CHECKING:
-    from kvrewrite.compile.mla_rate_refit import RateRefitResult, RateRefitSettings
+    from kvrewrite.compile.mla.rate_refit import RateRefitResult, RateRefitSettings
 
 DTYPES = {"auto": None, "bfloat16": "bfloat16", "float32": "float32", "float16": "float16"}
 # --distill defaults (compress --distill's learning rate; the MLA form's factors are balanced to the source
-# projections' scale before training, compile/mla_distill.py). Single-rate: 8 passes over the tokens, measured better
+# projections' scale before training, compile/mla/distill.py). Single-rate: 8 passes over the tokens, measured better
 # than 2 on held-out wiki and news at 512 tokens and positions 2K-4K (docs/serving.md); nested (--distill-rates):
 # 2, the setting its tables were measured at.
 DISTILL_EPOCHS = 8.0
@@ -88,7 +88,7 @@ def _refit_rates(rates: str | None, distill: bool, allocation: str, kv_share: fl
                  kv_lora_rank: int | None, nested: tuple[float, ...] = ()) -> tuple[float, ...]:
     """The rates of --refit-rates, checked before any work: the widest is the export's own (1 - --kv-share); with a
     nested --distill (nested: its --distill-rates A,B) every one lies within A..B, refitted after the training."""
-    from kvrewrite.compile.mla_rate_refit import parse_refit_rates
+    from kvrewrite.compile.mla.rate_refit import parse_refit_rates
     from kvrewrite.compile.plan import DEFAULT_RATE_GRID
     from kvrewrite.errors import InvalidArgumentError
     from kvrewrite.spec import rate_key
@@ -146,7 +146,7 @@ def export_mla(
         rate_refit = None
         if refitted_rates:  # per-rate refits, after a nested distillation where there is one (the plan's refit is
             # the single-rate one, which a nested distillation refuses)
-            from kvrewrite.compile.mla_rate_refit import RateRefitSettings
+            from kvrewrite.compile.mla.rate_refit import RateRefitSettings
 
             rate_refit = RateRefitSettings(refitted_rates, refitting.pop("refit"))
         distilling.update(refitting)
@@ -164,11 +164,11 @@ def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, 
     import torch
 
     from kvrewrite.adapters import adapter_for
-    from kvrewrite.compile.mla_export import (
+    from kvrewrite.compile.mla.export import (
         check_position_free_queries, check_source_exportable, export_at_share, export_matches_maths, full_width_max_logit_diff,
         mla_layers_at_widths, prepare_source,
     )
-    from kvrewrite.compile.mla_form import widths_for_ranks, widths_for_share
+    from kvrewrite.compile.mla.form import widths_for_ranks, widths_for_share
     from kvrewrite.compile.passes.load_checkpoint import load_config
     from kvrewrite.io.sources import resolve_model_source
     from kvrewrite.compile.plan import Plan
@@ -201,14 +201,14 @@ def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, 
     widths = (widths_for_share(geometry, kv_share) if kv_lora_rank is None
               else widths_for_ranks(geometry, kv_lora_rank, qk_rope_head_dim))
     # Every trained or refitted rate's widths (uniform) or mean width (allocated), from the config alone.
-    from kvrewrite.compile.mla_allocation import check_rate_latents
+    from kvrewrite.compile.mla.allocation import check_rate_latents
 
     values = 2 * geometry.num_key_value_heads * geometry.head_dim
     if plan.distill_rates:
         check_rate_latents(plan.distill_rates, values, widths.qk_rope_head_dim, "--distill-rates")
     uniform_rates = None
     if rate_refit is not None and allocation == "uniform":
-        from kvrewrite.compile.mla_rate_refit import uniform_rate_widths
+        from kvrewrite.compile.mla.rate_refit import uniform_rate_widths
 
         uniform_rates = uniform_rate_widths(rate_refit.rates, values, widths.qk_rope_head_dim, widths.kv_lora_rank,
                                             geometry.num_layers)
@@ -221,8 +221,8 @@ def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, 
     weighting = {} if key_weight is None else {"key_weight": key_weight}
     allocation_record, served_rates = None, None
     if allocation == "sensitivity":
-        from kvrewrite.compile.mla_allocation import allocation_report
-        from kvrewrite.compile.mla_export import allocated_at_share, probe_full_form
+        from kvrewrite.compile.mla.allocation import allocation_report
+        from kvrewrite.compile.mla.export import allocated_at_share, probe_full_form
 
         with progress_bar("MLA form at full width, then sensitivity probes", 2 * ctx.geometry.num_layers, plan.progress) as bar:
             probed = probe_full_form(prepared, progress=bar.advance, **weighting)
@@ -238,7 +238,7 @@ def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, 
 
     def refit_each_rate(layers, served_rates, norms):
         """--refit-rates: o_proj refitted at every named rate (uniform widths, or the served table's rows)."""
-        from kvrewrite.compile.mla_rate_refit import refit_mla_at_rates, served_refit_table
+        from kvrewrite.compile.mla.rate_refit import refit_mla_at_rates, served_refit_table
 
         table = uniform_rates if allocation == "uniform" else served_refit_table(rate_refit.rates, served_rates)
         rated = refit_mla_at_rates(prepared, layers, table, rate_refit.method, plan.refit_tokens,
@@ -252,7 +252,7 @@ def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, 
         layers, rate_o_proj, served_rates = rated.layers, rated.rate_o_proj, rated.rate_table
         provenance = {"refit": rated.provenance()}
     elif plan.refit != "none":
-        from kvrewrite.compile.mla_refit import refit_mla_output
+        from kvrewrite.compile.mla.refit import refit_mla_output
 
         refitted = refit_mla_output(prepared, layers, plan.refit, plan.refit_tokens, plan.refit_ridge, plan.progress,
                                     measure_inputs=not plan.distill)  # a --distill after it measures its own form
@@ -263,7 +263,7 @@ def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, 
                       f"attention output, mean over layers {sum(b for b, _ in errors) / len(errors):.3f} -> "
                       f"{sum(a for _, a in errors) / len(errors):.3f}")
     if plan.distill:
-        from kvrewrite.compile.mla_distill import distill_mla_layers, distill_provenance
+        from kvrewrite.compile.mla.distill import distill_mla_layers, distill_provenance
 
         nested = {}
         if plan.distill_rates:  # the rates the table holds between A and B, each a prefix of the exported widths
@@ -293,7 +293,7 @@ def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, 
     export_diff = export_matches_maths(prepared, layers, output, tokens)
     rate_diffs = {}
     if rate_o_proj:
-        from kvrewrite.compile.mla_rate_refit import rates_match_maths
+        from kvrewrite.compile.mla.rate_refit import rates_match_maths
 
         rate_diffs = rates_match_maths(prepared, rated, output, tokens)
     source_values = 2 * ctx.geometry.num_key_value_heads * ctx.geometry.head_dim
@@ -345,8 +345,8 @@ def _source_dtype(config):
 
 
 def _print_distillation(console, distilled, summary) -> None:
-    from kvrewrite.compile.deepseek_v3_export import TRANSFORMERS_LATENT_NORM_EPS
-    from kvrewrite.compile.mla_distill import measured_latent_norm_errors
+    from kvrewrite.compile.mla.deepseek_v3_export import TRANSFORMERS_LATENT_NORM_EPS
+    from kvrewrite.compile.mla.distill import measured_latent_norm_errors
 
     report = distilled.report
     if report is None:

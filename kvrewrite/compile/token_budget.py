@@ -1,12 +1,13 @@
 """A KV byte budget split across window, ranks, bits and eviction, by measured quality on calibration text.
 
-`choose_token_policy` enumerates re-scored eviction policies (kvrewrite.runtime.tiers.eviction) over one checkpoint: a
-full-rank window W, the kept tokens' rate (a point of the checkpoint's rate table) and bits. For each it solves the
-share of tokens kept beyond the window that fills the budget at the stated context length (from the bytes formula
-`held_bytes`, the one the cache's tensors are tested against), then measures continuation NLL on calibration
-windows fed in chunks, as decoding reads the cache. The candidate with the lowest NLL wins. `write_token_policy`
-records it in the checkpoint (token_policy.json, added to the checksums), and kvrewrite.load uses it when no rate,
-window or token policy is asked for.
+`candidates` enumerates re-scored eviction policies (kvrewrite.runtime.tiers.eviction) over one checkpoint: a
+full-rank window W, the kept tokens' rate (a point of the checkpoint's rate table) and bits. For each, `solve_keep`
+solves the share of tokens kept beyond the window that fills the budget at the stated context length (from the bytes
+formula `held_bytes`, the one the cache's tensors are tested against); `measure` measures continuation NLL on
+calibration windows fed in chunks, as decoding reads the cache, and `best` takes the candidate with the lowest NLL.
+`write_token_policy` records it in the checkpoint (token_policy.json, added to the checksums), and kvrewrite.load
+uses it when no rate, window or token policy is asked for. The search over a checkpoint that strings these together
+is `split_budget` (kvrewrite.compile.budget_search, behind `kvrewrite budget`).
 """
 
 from __future__ import annotations

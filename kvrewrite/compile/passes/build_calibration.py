@@ -10,7 +10,7 @@ def generation_model(ctx: CompileContext):
 
     A copy of its own, read straight onto the device (on a GPU no copy stays in host memory), freed when the pass
     ends: the passes after this one stream layers, and host memory should not hold the whole model meanwhile."""
-    from kvrewrite.compile.passes.load_checkpoint import load_whole_model
+    from kvrewrite.io.source_model import load_whole_model
 
     plan = ctx.plan
     return load_whole_model(ctx.source.directory, plan.compute_dtype(), plan.device)

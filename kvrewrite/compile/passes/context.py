@@ -85,7 +85,7 @@ class CompileContext:
 
     def original_model(self):
         if self.memo.model is None:
-            from kvrewrite.compile.passes.load_checkpoint import load_fp32_model
+            from kvrewrite.io.source_model import load_fp32_model
 
             self.memo.model = load_fp32_model(self.source.directory)
         return self.memo.model

@@ -138,7 +138,7 @@ def compressed_family(adapter: ArchitectureAdapter) -> tuple[type, type]:
             token_policy: when the checkpoint holds a budget split (token_policy.json, written by `kvrewrite budget`)
                 and none of rate, recent_window, important, evict or kv_codec is given, load with it. False: ignore it.
             """
-            from kvrewrite.runtime.load import checkpoint_directory, ensure_complete_load, verify_checkpoint_files
+            from kvrewrite.runtime.checkpoint_files import checkpoint_directory, ensure_complete_load, verify_checkpoint_files
 
             if (important is not None or evict is not None) and recent_window is None:  # refused before any weight is read
                 from kvrewrite.errors import InvalidArgumentError

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvrewrite.compile.mla_form import MLAReferenceAttention, latent_norm_inputs, mla_layers_of, mla_reference_model
+from kvrewrite.compile.mla.form import MLAReferenceAttention, latent_norm_inputs, mla_layers_of, mla_reference_model
 from kvrewrite.compile.passes.distill_attention import split_distill_windows
 from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.method.attention_distillation import DistillReport, DistillSettings, RateMix, distill_attention

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from kvrewrite.compile.deepseek_v3_export import ExportSummary, export_deepseek_v3
-from kvrewrite.compile.mla_form import (
+from kvrewrite.compile.mla.deepseek_v3_export import ExportSummary, export_deepseek_v3
+from kvrewrite.compile.mla.form import (
     AttentionInputStatistics,
     MLAWidths,
     check_exportable,
@@ -18,7 +18,7 @@ from kvrewrite.compile.mla_form import (
     run_statistics_with_attention_inputs,
     widths_for_share,
 )
-from kvrewrite.compile.mla_allocation import (
+from kvrewrite.compile.mla.allocation import (
     LatentAllocation, LatentSensitivity, allocate_latent_ranks, latent_rate_table, measure_latent_sensitivity,
     sensitivity_tokens,
 )
@@ -101,7 +101,7 @@ class AllocatedForm:
 def probe_full_form(prepared: PreparedSource, key_weight: float = DEFAULT_KEY_WEIGHT, progress=None,
                     probe_windows: int | None = None, rope_frequency_stride: int = 1) -> ProbedForm:
     """Every layer computed once at full latent width (d_r = head_dim / rope_frequency_stride), then probed
-    (compile/mla_allocation.py). progress: called once per layer computed and once per layer probed."""
+    (compile/mla/allocation.py). progress: called once per layer computed and once per layer probed."""
     ctx = prepared.ctx
     geometry = ctx.geometry
     full = MLAWidths(1, geometry.head_dim // rope_frequency_stride, full_latent_rank(geometry, 1, rope_frequency_stride),
@@ -137,9 +137,9 @@ def export_at_share(prepared: PreparedSource, layers: list[MLALayer], output: Pa
                     provenance: dict | None = None, rate_table: dict[str, list[int]] | None = None,
                     rate_o_proj: dict[str, list[torch.Tensor]] | None = None) -> ExportSummary:
     """max_square_norms: the attention inputs' largest ||x||^2 per layer for the latent-norm bound (default: the
-    original's on the calibration windows; a distilled form passes its own, mla_distill.py); rate_table: narrower
+    original's on the calibration windows; a distilled form passes its own, distill.py); rate_table: narrower
     per-layer widths that kvrewrite.load(dir, rate=p) serves from the same file (AllocatedForm.rate_table);
-    rate_o_proj: each narrower rate's own refitted o_proj (mla_rate_refit.py)."""
+    rate_o_proj: each narrower rate's own refitted o_proj (rate_refit.py)."""
     norms = prepared.inputs.max_square_norms if max_square_norms is None else max_square_norms
     # The source, as the user named it: `kvrewrite eval` compares the export with it.
     marker = {"source_model": prepared.ctx.plan.model, **(provenance or {})}

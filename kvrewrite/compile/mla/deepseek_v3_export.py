@@ -134,7 +134,7 @@ def export_deepseek_v3(source, layers: list[MLALayer], max_square_norms: list[fl
     provenance: extra keys for the config's kvrewrite_mla marker (how the form was made, e.g. its distillation);
     rate_o_proj: rate key -> per-layer o_proj for that rate of rate_table (--refit-rates), written to the side file
     runtime/mla/rate_projections.py reads."""
-    from kvrewrite.compile.mla_form import latent_max_mean_square
+    from kvrewrite.compile.mla.form import latent_max_mean_square
 
     eps = TRANSFORMERS_LATENT_NORM_EPS
     neutralisers = [neutralise_latent_norm(latent_max_mean_square(layer, m), eps, norm_tolerance)

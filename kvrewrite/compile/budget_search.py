@@ -1,5 +1,6 @@
-"""`kvrewrite budget`: split a KV byte budget across window, ranks, bits and eviction by measured calibration quality,
-and record the winner in the checkpoint so `kvrewrite.load(DIR)` uses it (kvrewrite.compile.token_budget)."""
+"""The budget search behind `kvrewrite budget`: split a KV byte budget across window, ranks, bits and eviction by
+measured calibration quality, and record the winner in the checkpoint so `kvrewrite.load(DIR)` uses it
+(kvrewrite.compile.token_budget)."""
 
 from __future__ import annotations
 

@@ -193,9 +193,9 @@ MLA_WEIGHT_NAMES = (*MLA_TENSOR_WEIGHT_NAMES, "o_proj")
 class MLAReferenceAttention(nn.Module):
     """Expanded MLA attention from MLALayer weights; RoPE angles read from the source model's own cos/sin tables.
 
-    trainable: the four weights are parameters (what --distill trains, compile/mla_distill.py), else frozen.
+    trainable: the four weights are parameters (what --distill trains, compile/mla/distill.py), else frozen.
     o_proj is a bias-free nn.Linear, as in the stock attention, so the adapters' output_projection(attn) finds it
-    (the o_proj refit hooks it, compile/mla_refit.py); the other three are plain tensors."""
+    (the o_proj refit hooks it, compile/mla/refit.py); the other three are plain tensors."""
 
     def __init__(self, layer: MLALayer, num_heads: int, dtype: torch.dtype, trainable: bool = False):
         super().__init__()
@@ -212,7 +212,7 @@ class MLAReferenceAttention(nn.Module):
             self.o_proj.weight.copy_(layer.o_proj)
         self.o_proj.weight.requires_grad_(trainable)
         self.scaling = (layer.qk_nope_head_dim + layer.qk_rope_head_dim) ** -0.5
-        # [r] of 0/1 while a narrower width of the rate table is trained (mla_distill.nested_mla_rate_mix): the dims
+        # [r] of 0/1 while a narrower width of the rate table is trained (distill.nested_mla_rate_mix): the dims
         # beyond it are zero, exactly as the form truncated to that width, and get no gradient.
         self.latent_keep: torch.Tensor | None = None
 

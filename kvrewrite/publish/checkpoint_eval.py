@@ -1,4 +1,5 @@
-"""`kvrewrite eval`: compare a compressed checkpoint (at one or more rates) with its original, on held-out text."""
+"""Checkpoint evaluation behind `kvrewrite eval`: compare a compressed checkpoint (at one or more rates) with its
+original, on held-out text."""
 
 from __future__ import annotations
 
@@ -68,9 +69,10 @@ def evaluate_checkpoint(directory: Path, *, baseline: str | None = None, rates: 
 def _per_head_models(directory: Path, config: dict, baseline: str | None, rates: list[float] | None,
                      kv_codecs: list[str] | None, recent_windows: list[int] | None):
     """A per-head checkpoint at each rate (and codec, and token tier), with its source model."""
-    from kvrewrite.compile.passes.load_checkpoint import load_fp32_model
+    from kvrewrite.io.source_model import load_fp32_model
     from kvrewrite.io.sources import resolve_model_source
-    from kvrewrite.runtime.load import load, verify_checkpoint_files
+    from kvrewrite.runtime.checkpoint_files import verify_checkpoint_files
+    from kvrewrite.runtime.load import load
 
     spec = config.get("kvrewrite")
     if spec is None:
@@ -102,7 +104,7 @@ def _mla_models(directory: Path, config: dict, baseline: str | None, rates: list
                 kv_codecs: list[str] | None, recent_windows: list[int] | None):
     """An MLA export (export-mla) at its own widths, or at each rate of its rate table, run by kvrewrite's absorbed
     runtime, with its source model (recorded by the export, or --baseline)."""
-    from kvrewrite.compile.passes.load_checkpoint import load_fp32_model
+    from kvrewrite.io.source_model import load_fp32_model
     from kvrewrite.io.sources import resolve_model_source
     from kvrewrite.runtime.mla.checkpoint import MLA_MARKER, RATE_TABLE_KEY
 

@@ -1,6 +1,6 @@
 """`export-mla --refit-rates A,B,...`: one file serving several rates, each with its own refitted o_proj.
 
-The closed-form o_proj refit (mla_refit.py) is fitted to the latent widths it saw: refitted for one rate it serves
+The closed-form o_proj refit (refit.py) is fitted to the latent widths it saw: refitted for one rate it serves
 that rate alone, and one refit shared by several rates helps none of them as much (docs/refit.md measured that on the
 per-head form). Here every served rate is refitted on its own: the layers are cut to that rate's widths (a prefix of
 the exported ones, method/mla.truncate_latent, exactly the form computed at that width) and refitted there, layer by
@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvrewrite.compile.mla_export import PreparedSource
-from kvrewrite.compile.mla_allocation import latent_width_at_rate
-from kvrewrite.compile.mla_refit import REFIT_TARGETS, MLARefitResult, refit_mla_output
+from kvrewrite.compile.mla.export import PreparedSource
+from kvrewrite.compile.mla.allocation import latent_width_at_rate
+from kvrewrite.compile.mla.refit import REFIT_TARGETS, MLARefitResult, refit_mla_output
 from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.method.mla import MLALayer, truncate_latent
 from kvrewrite.spec import rate_key
@@ -114,7 +114,7 @@ def refit_mla_at_rates(prepared: PreparedSource, layers: list[MLALayer], rate_ta
 def rates_match_maths(prepared: PreparedSource, rated: RateRefitResult, output, tokens: torch.Tensor) -> dict[str, float]:
     """Per narrower rate: max |Δlogit| between the export loaded by kvrewrite.load(output, rate=p) (float32) and our
     maths at that rate's widths with its refitted o_proj (the check export_matches_maths makes of the widest)."""
-    from kvrewrite.compile.mla_form import mla_reference_model
+    from kvrewrite.compile.mla.form import mla_reference_model
     from kvrewrite.runtime.load import load
 
     original = prepared.ctx.original_model()

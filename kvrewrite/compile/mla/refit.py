@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from kvrewrite.compile.mla_form import latent_norm_inputs, mla_reference_model
+from kvrewrite.compile.mla.form import latent_norm_inputs, mla_reference_model
 from kvrewrite.method.mla import MLALayer
 from kvrewrite.method.output_refit import RefitLayerReport, refit_output_projections, refit_windows
 from kvrewrite.progress import progress_bar

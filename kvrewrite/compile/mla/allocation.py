@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from kvrewrite.adapters import adapter_for
-from kvrewrite.compile.mla_form import MLAReferenceAttention, mla_reference_model
+from kvrewrite.compile.mla.form import MLAReferenceAttention, mla_reference_model
 from kvrewrite.compile.passes.measure_sensitivity import PROBE_TOKENS
 from kvrewrite.compile.probes import log_probs
 from kvrewrite.errors import InvalidArgumentError
