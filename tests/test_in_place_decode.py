@@ -90,7 +90,8 @@ def test_beam_search_and_a_cache_that_outgrows_its_buffer_equal_the_slow_path(co
     monkeypatch.setattr(latent_decode, "TILE", 4)
     monkeypatch.delenv("KVREWRITE_ATTENTION", raising=False)
     model = kvrewrite.load(compiled[mode], rate=0.5).eval()
-    monkeypatch.setattr(inplace_cache, "GROW_MIN", 3)  # grow every few steps instead of every 256
+    monkeypatch.setattr(inplace_cache, "GROW_FROM", 0)  # grow in steps even this small ...
+    monkeypatch.setattr(inplace_cache, "GROW_MIN", 3)  # ... of a few rows, not 256
     grown = in_place_cache(model.config)  # no capacity: the prefill holds exactly its rows, then grows
     kwargs = dict(input_ids=IDS, attention_mask=MASK, max_new_tokens=9, do_sample=False, pad_token_id=0,
                   num_beams=3, output_scores=True, return_dict_in_generate=True)

@@ -12,7 +12,6 @@ from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCa
 import kvrewrite
 from kvrewrite.errors import CorruptCheckpointError
 from kvrewrite.runtime.cache_bytes import cache_tensor_bytes
-from kvrewrite.runtime.inplace_cache import grown_capacity
 from kvrewrite.runtime.mla.attention import AbsorbedMLAAttention, expansion_is_cheaper
 from kvrewrite.runtime.mla.checkpoint import MLA_MARKER, absorb_attention
 from kvrewrite.runtime.mla.latent_cache import latent_cache_bytes
@@ -83,7 +82,6 @@ def test_cached_decoding_equals_one_shot_and_cache_holds_only_latent_rows():
         one_shot = ours(x).logits
         cache = DynamicCache(config=config)
         steps = [ours(x[:, :10], past_key_values=cache, use_cache=True).logits]
-        after_prefill = cache_tensor_bytes(cache)
         for t in range(10, 24):
             steps.append(ours(x[:, t : t + 1], past_key_values=cache, use_cache=True).logits)
     torch.testing.assert_close(torch.cat(steps, dim=1), one_shot, atol=2e-5, rtol=1e-5)
@@ -91,10 +89,8 @@ def test_cached_decoding_equals_one_shot_and_cache_holds_only_latent_rows():
     for layer in cache.layers:
         assert layer.keys.shape == (3, 1, 24, r + dr)
         assert layer.values.numel() == 0
-    # A prefill holds exactly its rows; the first append grew each layer's buffer once, in one large step.
-    assert after_prefill == (r + dr) * 10 * 3 * config.num_hidden_layers * 4
-    assert after_prefill == latent_cache_bytes(3, 10, config.num_hidden_layers, r, dr, torch.float32)
-    assert cache_tensor_bytes(cache) == (r + dr) * grown_capacity(11) * 3 * config.num_hidden_layers * 4
+    assert cache_tensor_bytes(cache) == (r + dr) * 24 * 3 * config.num_hidden_layers * 4
+    assert cache_tensor_bytes(cache) == latent_cache_bytes(3, 24, config.num_hidden_layers, r, dr, torch.float32)
 
 
 def test_cached_latents_equal_stock_caches():

@@ -9,7 +9,8 @@ that room:
   ever reallocated: the held bytes are those of a StaticCache of that length;
 - without one (a cache a user builds by hand), a prefill allocates exactly its rows, and an append that does not fit
   reallocates in large steps (`grown_capacity`: an eighth of the length, 256 to 4096 rows), so the copy happens once
-  per hundreds of steps instead of every step.
+  per hundreds of steps instead of every step; below 256 rows it holds exactly its rows (a copy that small costs
+  nothing worth the room).
 
 Beam search (`reorder_cache`), `crop` and batch selection keep working: they write into or re-view the same buffers,
 or replace them, after which the next append starts a new buffer from what the layer holds.
@@ -21,13 +22,16 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
-GROW_MIN = 256  # rows added at least when a layer without a capacity outgrows its buffer
+GROW_FROM = 256  # below this many rows a layer without a capacity holds exactly its rows (copies are cheap there)
+GROW_MIN = 256  # then it adds at least this many rows when it outgrows its buffer ...
 GROW_SHARE = 8  # ... or an eighth of its length ...
 GROW_MAX = 4096  # ... and never more than this many rows at once
 
 
 def grown_capacity(needed: int) -> int:
     """Rows a buffer without a set capacity gets when `needed` rows no longer fit."""
+    if needed < GROW_FROM:
+        return needed
     return needed + min(max(needed // GROW_SHARE, GROW_MIN), GROW_MAX)
 
 

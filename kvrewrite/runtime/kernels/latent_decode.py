@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from kvrewrite.runtime.kernels.cache_layout import is_column_major
 from kvrewrite.runtime.kernels.reference import softmax_dtype
 
 TILE = 1024  # positions per tile: [d, TILE] float32 keys are 256 KiB at d = 64, inside a core's L2
@@ -63,6 +64,7 @@ def latent_decode_attention(
     group = heads // n_kv
     outputs, key_start, value_start = [], 0, 0
     mask = ~allowed  # [B|1, 1, T, S]
+    columns = is_column_major(values)
     for g, (rk, rv) in enumerate(zip(key_ranks, value_ranks)):
         rows = queries[:, g * group : (g + 1) * group].reshape(batch, group * q_len, d)
         scores = queries.new_empty(batch, group * q_len, kv_len, dtype=softmax_dtype(queries.dtype))
@@ -81,8 +83,14 @@ def latent_decode_attention(
         scores.mul_(scaling)
         scores = scores.view(batch, group, q_len, kv_len).masked_fill_(mask, torch.finfo(scores.dtype).min)
         probs = torch.softmax(scores, dim=-1).to(values.dtype).view(batch, group * q_len, kv_len)
-        value_block = values[:, 0, :, value_start : value_start + rv]  # [B, S, rv]
-        out = torch.matmul(probs, value_block).view(batch, group, q_len, rv)
-        outputs.append(out.transpose(1, 2).reshape(batch, q_len, group * rv))
+        # out^T = V_g^T @ probs^T: the value block streams as contiguous [rv, S] rows when the cache is
+        # column-major (probs @ V_g would read it as a transposed operand, several times slower on CPU).
+        if columns:
+            value_t = latent_block_columns(values, value_start, rv)  # [B, rv, S]
+            out = torch.bmm(value_t, probs.transpose(1, 2)).view(batch, rv, group, q_len).permute(0, 3, 2, 1)
+        else:  # token-major rows (a StaticCache): the block is row-major [S, rv]
+            out = torch.bmm(probs, values[:, 0, :, value_start : value_start + rv]).view(batch, group, q_len, rv)
+            out = out.transpose(1, 2)
+        outputs.append(out.reshape(batch, q_len, group * rv))
         key_start, value_start = key_start + rk, value_start + rv
     return torch.cat(outputs, dim=-1)
