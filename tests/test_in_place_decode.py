@@ -225,7 +225,7 @@ def tiny_mla_model():
     return absorb_attention(DeepseekV3ForCausalLM(config)).eval()
 
 
-@pytest.mark.parametrize("form", ["latent", "mla"])
+@pytest.mark.parametrize("form", ["latent", "post-rope", "mla"])
 def test_decode_step_compiles_as_one_graph_on_a_static_cache_and_equals_eager(compiled, monkeypatch, form):
     """fullgraph=True: no graph break, no data-dependent shape or host sync in the step (what CUDA graphs need)."""
     monkeypatch.delenv("KVREWRITE_ATTENTION", raising=False)
