@@ -16,9 +16,7 @@ pytest.importorskip("triton", reason="triton not installed")
 from kvrewrite.runtime.kernels.flash_decode_latent import latent_flash_decode  # noqa: E402
 from kvrewrite.runtime.kernels.flash_decode_mla import mla_flash_decode  # noqa: E402
 from kvrewrite.runtime.kernels.flash_decode_packed import packed_flash_decode, packed_plan  # noqa: E402
-from kvrewrite.runtime.kernels.flash_decode_splits import (  # noqa: E402
-    PROGRAMS_PER_SM, interpreting, multiprocessor_count, plan_splits,
-)
+from kvrewrite.runtime.kernels.flash_decode_splits import choose_splits, interpreting, plan_splits  # noqa: E402
 from kvrewrite.runtime.kernels.reference import PackedLayout, packed_attention  # noqa: E402
 
 BATCH, S_CAP, KV_LEN, PAD = 2, 37, 29, 3  # 37 slots = 3 key blocks of 16 under the interpreter
@@ -247,9 +245,20 @@ def test_heavy_heads_get_more_splits_and_no_chosen_split_is_empty():
     chosen = plan_splits(work, 2, 8192, 64, "cpu")
     for chunk, n in zip(chosen.chunks, chosen.splits):
         assert (n - 1) * chunk < 8192 <= n * chunk  # every split of a chosen plan starts inside the cache
-    # The launch aims at PROGRAMS_PER_SM programs per multiprocessor of the device (CPU: a pretend one).
-    assert 2 * sum(chosen.splits) >= PROGRAMS_PER_SM * multiprocessor_count("cpu")
     assert chosen.splits[0] > chosen.splits[-1]
+
+
+def test_split_count_fills_the_device_in_whole_waves():
+    """Without partial costs the best count fills one wave of the device's resident slots exactly; programs that
+    already fill it are not split; no split is shorter than the minimum; partial costs stop splitting early."""
+    assert choose_splits(64, 8192, 32, slots=132, partial_share=0.0) == 2  # 128 of 132 slots, one wave
+    assert choose_splits(128, 8192, 64, slots=528, partial_share=0.0) == 4
+    assert choose_splits(512, 8192, 64, slots=528, partial_share=0.0) == 1
+    assert choose_splits(1, 1024, 16, slots=132, partial_share=0.0) == 4  # 256-slot minimum
+    assert choose_splits(1, 1024, 16, slots=132, partial_share=0.0, min_split_tokens=16) == 64
+    assert choose_splits(1, 1 << 20, 64, slots=132, partial_share=0.0) == 128  # the cap
+    # A split that costs as much as a tenth of the task: fewer splits than the slots would take.
+    assert choose_splits(4, 8192, 64, slots=132, partial_share=0.1) < 33
 
 
 # ---- CUDA graphs (GPU only: the capture needs a device) -----------------------------------------------------------

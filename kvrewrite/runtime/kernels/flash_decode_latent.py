@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvrewrite.runtime.kernels.flash_decode_packed import head_costs
+from kvrewrite.runtime.kernels.flash_decode_packed import head_costs, partial_share
 from kvrewrite.runtime.kernels.flash_decode_splits import (
     LOG2E, NEG_INF, SplitPlan, column_alignment, decode_tile, int_table, interpreting, kv_len_argument,
     mask_argument, merge_splits, plan_splits, pow2, workspace,
@@ -28,6 +28,9 @@ from kvrewrite.runtime.kernels.flash_decode_splits import (
 from kvrewrite.runtime.kernels.reference import PackedLayout
 
 NUM_STAGES = 3
+# Compiled at Llama-3-8B shapes (rank 64, head_dim 128, 8 warps): 118 registers x 256 threads and 60 KB of shared
+# memory (benchmarks/results/flash_decode_resources_sm90.json): two programs fit on an sm_90 SM.
+PROGRAMS_PER_SM = 2
 
 
 @triton.jit(do_not_specialize=["s_cap"])
@@ -139,7 +142,8 @@ def latent_plan(layout: PackedLayout, head_dim: int, batch: int, s_cap: int, ele
                 device: torch.device | str, splits: int | None = None) -> SplitPlan:
     # The block height follows the widest register tile, the rebuilt keys [BLOCK_N, head_dim].
     block_n = decode_tile(max(head_dim, max(layout.value_ranks)), element_bytes)
-    return plan_splits(head_costs(layout), batch, s_cap, block_n, device, splits)
+    return plan_splits(head_costs(layout), batch, s_cap, block_n, device, splits, PROGRAMS_PER_SM,
+                       partial_share(layout, s_cap, element_bytes))
 
 
 @functools.lru_cache(maxsize=64)

@@ -31,6 +31,9 @@ from kvrewrite.runtime.kernels.scheduling import head_work
 
 NUM_WARPS = 4
 NUM_STAGES = 3  # key/value tiles in flight per program (software pipelining of the block loop)
+# Programs resident per multiprocessor: at Llama-3-8B shapes the compiled kernel takes 104 registers x 128 threads
+# and 44 KB of shared memory (benchmarks/results/flash_decode_resources_sm90.json), so four fit on an sm_90 SM.
+PROGRAMS_PER_SM = 4
 
 
 @triton.jit(do_not_specialize=["s_cap"])  # s_cap == 1 would turn into a constexpr
@@ -114,10 +117,20 @@ def head_costs(layout: PackedLayout) -> tuple[int, ...]:
     return tuple(head_work(rk, rv) for rk, rv in zip(layout.key_ranks, layout.value_ranks))
 
 
+def partial_share(layout: PackedLayout, s_cap: int, element_bytes: int) -> float:
+    """A split's partial (G rows of rv + 2 fp32, written and read back) over what an unsplit program of the heaviest
+    head reads (S_cap slots of rk + rv elements)."""
+    costs = head_costs(layout)
+    h = costs.index(max(costs))
+    rk, rv = layout.key_ranks[h], layout.value_ranks[h]
+    return 2 * layout.group_size * (rv + 2) * 4 / max(1, s_cap * (rk + rv) * element_bytes)
+
+
 def packed_plan(layout: PackedLayout, batch: int, s_cap: int, element_bytes: int, device: torch.device | str,
                 splits: int | None = None) -> SplitPlan:
     block_n = decode_tile(max(max(layout.key_ranks), max(layout.value_ranks)), element_bytes)
-    return plan_splits(head_costs(layout), batch, s_cap, block_n, device, splits)
+    return plan_splits(head_costs(layout), batch, s_cap, block_n, device, splits, PROGRAMS_PER_SM,
+                       partial_share(layout, s_cap, element_bytes))
 
 
 @functools.lru_cache(maxsize=64)
