@@ -8,8 +8,9 @@ before any GPU run. Triton's bundled ptxas and cuobjdump do the work; nothing is
 
 Writes benchmarks/results/flash_decode_resources_sm90.json. Shapes: Llama-3-8B attention at p = 0.5 (8 KV heads,
 group 4, head_dim 128, key and value rank 64, bf16 rows of 512 columns), a real SmolLM2 freq p = 0.5 rank mix
-(unaligned offsets: narrow loads), and absorbed MLA 512 + 64 with 32 heads. Pointer arguments are taken as 16-byte
-aligned and an integer argument as divisible by 16 exactly when its value is, as Triton's launcher specialises them.
+(unaligned offsets: narrow loads), absorbed MLA 512 + 64 with 32 heads, and the int4 KIVI store. Pointer arguments
+are taken as 16-byte aligned and an integer argument as divisible by 16 exactly when its value is, as Triton's
+launcher specialises them.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kvrewrite.runtime.kernels import flash_decode_latent, flash_decode_mla, flash_decode_packed, flash_decode_splits
+from kvrewrite.runtime.kernels import (flash_decode_coded, flash_decode_latent, flash_decode_mla, flash_decode_packed,
+                                      flash_decode_splits)
 from kvrewrite.runtime.kernels.flash_decode_splits import column_alignment, decode_tile, pow2
 from kvrewrite.runtime.kernels.reference import PackedLayout
 
@@ -39,7 +41,8 @@ TARGET = GPUTarget("cuda", 90, 32)
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 SASS_OPS = {"HMMA": r"\bHMMA\b", "HGMMA": r"\bHGMMA\b", "LDGSTS": r"\bLDGSTS\b", "LDG.128": r"\bLDG\.E\.128\b",
             "LDG.64": r"\bLDG\.E\.64\b", "STL": r"\bSTL\b", "LDL": r"\bLDL\b"}
-DTYPES = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int8: "*i8", torch.int32: "*i32", torch.int64: "*i64"}
+DTYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int8: "*i8",
+          torch.uint8: "*u8", torch.int32: "*i32", torch.int64: "*i64"}
 
 
 def compile_sm90(kernel, args: dict, constexprs: dict, num_warps: int, num_stages: int) -> dict:
@@ -135,6 +138,25 @@ def main() -> None:
                               stages)
         records.append({"kernel": "mla 512+64", "shape": {"heads": heads, "rank": rank, "rope_dim": rope,
                                                           "BLOCK_H": block_h}, "BLOCK_N": block_n, **result})
+    # int4 KIVI store at the same shapes: blocks of 32 tokens, value groups of 32 channels, float16 window.
+    args, consts, shape = packed_case(llama, splits=2)
+    for name in ("K_ALIGN", "V_ALIGN"):
+        consts.pop(name)
+    n_cap, block_tokens = 256, 32
+    args.update(kc_ptr=torch.uint8, ks_ptr=torch.float16, kl_ptr=torch.float16, vc_ptr=torch.uint8,
+                vs_ptr=torch.float16, vl_ptr=torch.float16, kw_ptr=torch.float16, vw_ptr=torch.float16,
+                n_coded_ptr=torch.int64, window_len_ptr=torch.int64, n_split_ptr=torch.int32,
+                n_cap=n_cap, w_cap=64, key_channels=512, value_channels=512,
+                s_kcb=n_cap * 32 * 512 // 2, s_kcn=32 * 512 // 2, s_ksb=n_cap * 512, s_ksn=512,
+                s_vcb=n_cap * 32 * 512 // 2, s_vcn=32 * 512 // 2, s_vsb=n_cap * 32 * 16, s_vsn=32 * 16, s_vst=16,
+                s_kwb=64 * 512, s_kwt=512, s_vwb=64 * 512, s_vwt=512)
+    consts.update(BLOCK_T=block_tokens, BLOCK_W=flash_decode_coded.WINDOW_TILE, BLOCK_DK=64, BITS=4, VALUE_GROUP=32,
+                  HAS_COUNTS=True)
+    consts.pop("HAS_KV_LEN")
+    result = compile_sm90(flash_decode_coded._coded_split_kernel, args, consts, flash_decode_coded.NUM_WARPS,
+                          flash_decode_coded.NUM_STAGES)
+    records.append({"kernel": "coded int4 llama3-8b p=0.5", "shape": dict(shape, block_tokens=block_tokens),
+                    "BLOCK_N": block_tokens, **result})
     merge_args = dict(acc_ptr=torch.float32, m_ptr=torch.float32, l_ptr=torch.float32, o_ptr=torch.bfloat16,
                       o_off_ptr=torch.int32, o_width_ptr=torch.int32, n_split_ptr=torch.int32,
                       s_ab=32 * 8 * 64, s_ah=8 * 64, s_as=64, s_mb=32 * 8, s_mh=8, s_ob=32 * 64)

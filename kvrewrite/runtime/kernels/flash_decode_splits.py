@@ -9,8 +9,8 @@ the common max and normalises (the same step the online softmax takes between ke
 The plan depends only on the ranks, the batch, the cache's capacity S_cap and the device, never on the live
 length, so one CUDA graph captures one grid that stays valid as the cache fills. A head's chunk is a whole number
 of key blocks; heads of different ranks (ZACK §5.3) get split counts proportional to their per-token work, so
-every program of a launch carries about the same bytes, and programs are launched heaviest first. How many splits: a wave model
-of the launch on the device's multiprocessors (choose_splits).
+every program of a launch carries about the same bytes, and programs are launched heaviest first. How many splits:
+a wave model of the launch on the device's multiprocessors (choose_splits).
 
 Running maxima are kept in log2 units (the kernels score with exp2 and fold log2(e) into the scaling).
 """
