@@ -140,8 +140,7 @@ def main() -> None:
                                                           "BLOCK_H": block_h}, "BLOCK_N": block_n, **result})
     # int4 KIVI store at the same shapes: blocks of 32 tokens, value groups of 32 channels, float16 window.
     args, consts, shape = packed_case(llama, splits=2)
-    for name in ("K_ALIGN", "V_ALIGN"):
-        consts.pop(name)
+    consts.update(K_ALIGN=column_alignment(llama.key_offsets, 0.5), V_ALIGN=column_alignment(llama.value_offsets, 0.5))
     n_cap, block_tokens = 256, 32
     args.update(kc_ptr=torch.uint8, ks_ptr=torch.float16, kl_ptr=torch.float16, vc_ptr=torch.uint8,
                 vs_ptr=torch.float16, vl_ptr=torch.float16, kw_ptr=torch.float16, vw_ptr=torch.float16,
@@ -151,7 +150,7 @@ def main() -> None:
                 s_vcb=n_cap * 32 * 512 // 2, s_vcn=32 * 512 // 2, s_vsb=n_cap * 32 * 16, s_vsn=32 * 16, s_vst=16,
                 s_kwb=64 * 512, s_kwt=512, s_vwb=64 * 512, s_vwt=512)
     consts.update(BLOCK_T=block_tokens, BLOCK_W=flash_decode_coded.WINDOW_TILE, BLOCK_DK=64, BITS=4, VALUE_GROUP=32,
-                  HAS_COUNTS=True)
+                  HAS_COUNTS=True, K_PAIRS=True, V_PAIRS=True)
     consts.pop("HAS_KV_LEN")
     result = compile_sm90(flash_decode_coded._coded_split_kernel, args, consts, flash_decode_coded.NUM_WARPS,
                           flash_decode_coded.NUM_STAGES)

@@ -25,7 +25,8 @@ import triton.language as tl
 from kvrewrite.runtime.codecs.readout import QuantizedBlocks
 from kvrewrite.runtime.kernels.flash_decode_packed import head_costs
 from kvrewrite.runtime.kernels.flash_decode_splits import (
-    LOG2E, NEG_INF, SplitPlan, int_table, interpreting, mask_argument, merge_splits, plan_splits, pow2, workspace,
+    LOG2E, NEG_INF, SplitPlan, column_alignment, int_table, interpreting, mask_argument, merge_splits, plan_splits,
+    pow2, workspace,
 )
 from kvrewrite.runtime.kernels.reference import PackedLayout
 
@@ -41,6 +42,19 @@ def _unpack(ptr, idx, ok, BITS: tl.constexpr):
     PER: tl.constexpr = 8 // BITS
     byte = tl.load(ptr + idx // PER, mask=ok, other=0).to(tl.int32)
     return ((byte >> ((idx % PER) * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+
+
+@triton.jit
+def _code_tile(ptr, first, rank, dims, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BITS: tl.constexpr,
+               PAIRS: tl.constexpr):
+    """Codes [BLOCK_T, BLOCK_D] of one head in a coded block: row t holds codes first[t] + 0 .. first[t] + rank - 1.
+    PAIRS (4 bits, every row starting on a byte): one byte load per column pair, split into its two nibbles;
+    otherwise one (narrow) load per code. Columns >= rank are garbage: the caller masks them."""
+    if PAIRS:
+        pair = tl.arange(0, BLOCK_D // 2)
+        byte = tl.load(ptr + first // 2 + pair[None, :], mask=(2 * pair < rank)[None, :], other=0).to(tl.int32)
+        return tl.reshape(tl.join(byte & 15, byte >> 4), [BLOCK_T, BLOCK_D]).to(tl.float32)
+    return _unpack(ptr, first + dims[None, :], (dims < rank)[None, :], BITS)
 
 
 @triton.jit
@@ -65,14 +79,17 @@ def _coded_split_kernel(
     s_ob, s_ab, s_ah, s_as, s_lb, s_lh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BITS: tl.constexpr, VALUE_GROUP: tl.constexpr,
-    HAS_COUNTS: tl.constexpr, PARTIAL: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_COUNTS: tl.constexpr, PARTIAL: tl.constexpr, UPCAST: tl.constexpr, K_PAIRS: tl.constexpr,
+    V_PAIRS: tl.constexpr, K_ALIGN: tl.constexpr, V_ALIGN: tl.constexpr,
 ):
     task = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     h = tl.load(tasks_ptr + 2 * task)
     split = tl.load(tasks_ptr + 2 * task + 1)
-    rk = tl.load(k_rank_ptr + h)
-    rv = tl.load(v_rank_ptr + h)
+    # Ranks and column offsets are multiples of K_ALIGN / V_ALIGN codes (the host checked): written so the compiler
+    # knows it and issues wide loads of the packed codes.
+    rk = tl.load(k_rank_ptr + h) // K_ALIGN * K_ALIGN
+    rv = tl.load(v_rank_ptr + h) // V_ALIGN * V_ALIGN
     chunk = tl.load(chunk_ptr + h)  # coded blocks per split
     n_coded = n_cap
     window = w_cap
@@ -89,8 +106,10 @@ def _coded_split_kernel(
     v_in = dv < rv
     q_cols = tl.load(q_off_ptr + h) + member[:, None] * rk + dk[None, :]
     q = tl.load(q_ptr + b * s_qb + q_cols, mask=row_ok[:, None] & k_in[None, :], other=0.0).to(DOT)
-    k_cols = tl.load(k_off_ptr + h) + dk
-    v_cols = tl.load(v_off_ptr + h) + dv
+    k_off = tl.load(k_off_ptr + h) // K_ALIGN * K_ALIGN
+    v_off = tl.load(v_off_ptr + h) // V_ALIGN * V_ALIGN
+    k_cols = k_off + dk
+    v_cols = v_off + dv
     m_i = tl.full([BLOCK_G], NEG_INF, tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
@@ -100,15 +119,15 @@ def _coded_split_kernel(
         pos = blk * BLOCK_T + tok
         slot_ok = tl.load(mask_ptr + b * s_mb + pos) != 0
         # Keys: one (scale, min) per channel per block; codes token-major over the block's [G, C] grid.
-        codes = _unpack(kc_ptr + b * s_kcb + blk * s_kcn, tok[:, None] * key_channels + k_cols[None, :],
-                        k_in[None, :], BITS)
+        codes = _code_tile(kc_ptr + b * s_kcb + blk * s_kcn, tok[:, None] * key_channels + k_off, rk, dk, BLOCK_T,
+                           BLOCK_DK, BITS, K_PAIRS)
         kmeta = b * s_ksb + blk * s_ksn + k_cols
         scale = tl.load(ks_ptr + kmeta, mask=k_in, other=0.0).to(tl.float32)
         low = tl.load(kl_ptr + kmeta, mask=k_in, other=0.0).to(tl.float32)
         k = tl.where(k_in[None, :], codes * scale[None, :] + low[None, :], 0.0)
         # Values: one (scale, min) per token per group of VALUE_GROUP packed channels.
-        vcodes = _unpack(vc_ptr + b * s_vcb + blk * s_vcn, tok[:, None] * value_channels + v_cols[None, :],
-                         v_in[None, :], BITS)
+        vcodes = _code_tile(vc_ptr + b * s_vcb + blk * s_vcn, tok[:, None] * value_channels + v_off, rv, dv,
+                            BLOCK_T, BLOCK_DV, BITS, V_PAIRS)
         vmeta = b * s_vsb + blk * s_vsn + tok[:, None] * s_vst + (v_cols // VALUE_GROUP)[None, :]
         vscale = tl.load(vs_ptr + vmeta, mask=v_in[None, :], other=0.0).to(tl.float32)
         vlow = tl.load(vl_ptr + vmeta, mask=v_in[None, :], other=0.0).to(tl.float32)
@@ -136,6 +155,11 @@ def _coded_split_kernel(
         out = tl.where(l_i[:, None] > 0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
         o_cols = tl.load(o_off_ptr + h) + member[:, None] * rv + dv[None, :]
         tl.store(o_ptr + b * s_ob + o_cols, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & v_in[None, :])
+
+
+def _byte_pairs(bits: int, offsets: list[int]) -> bool:
+    """4-bit codes whose every head offset and row width are even: each head's row of codes starts on a byte."""
+    return bits == 4 and all(o % 2 == 0 for o in offsets)
 
 
 def coded_plan(layout: PackedLayout, blocks: QuantizedBlocks, batch: int, n_cap: int, device: torch.device | str,
@@ -213,6 +237,9 @@ def coded_flash_decode(query: torch.Tensor, blocks: QuantizedBlocks, keys: dict[
         GROUP=group, BLOCK_G=pow2(group), BLOCK_T=g, BLOCK_W=WINDOW_TILE, BLOCK_DK=pow2(max(layout.key_ranks)),
         BLOCK_DV=block_dv, BITS=blocks.bits, VALUE_GROUP=blocks.value_group, HAS_COUNTS=has_counts,
         PARTIAL=plan.partial, UPCAST=query.dtype != torch.float32 and interpreting(),
+        K_PAIRS=_byte_pairs(blocks.bits, layout.key_offsets), V_PAIRS=_byte_pairs(blocks.bits, layout.value_offsets),
+        K_ALIGN=column_alignment(layout.key_offsets, blocks.bits / 8),
+        V_ALIGN=column_alignment(layout.value_offsets, blocks.bits / 8),
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     if ws:

@@ -138,10 +138,11 @@ def decode_tile(width: int, element_bytes: int) -> int:
     return max(16, min(128, 8192 // max(1, pow2(width) * element_bytes)))
 
 
-def column_alignment(offsets: list[int], element_bytes: int) -> int:
+def column_alignment(offsets: list[int], element_bytes: float) -> int:
     """The largest power of two (at most 16 bytes' worth of elements) dividing every packed column offset (and so
-    every rank): the kernels round offsets and ranks to it, which lets the compiler prove 16-byte loads aligned."""
-    align = max(1, 16 // element_bytes)
+    every rank): the kernels round offsets and ranks to it, which lets the compiler prove 16-byte loads aligned.
+    element_bytes may be a fraction (half a byte per 4-bit code)."""
+    align = max(1, int(16 / element_bytes))
     while align > 1 and any(o % align for o in offsets):
         align //= 2
     return align
