@@ -102,3 +102,48 @@ def test_coded_without_counts_reads_every_block_and_window_slot():
         out = coded_flash_decode(query, blocks, keys, values, key_window, value_window, allowed, None, None, SCALING,
                                  layout, splits)
         assert ((out.double() - ref).norm() / ref.norm()) < 1e-5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")
+def test_captured_coded_step_replays_as_the_window_and_store_grow():
+    """One call captured in a CUDA graph; between replays a window token is written and window_len bumped, and once
+    a block is coded (n_coded + 1, window_len one block shorter): each replay equals an eager call bit for bit."""
+    device = torch.device("cuda")
+    layout = PackedLayout((64, 32), (32, 64), 4)
+    gen = torch.Generator().manual_seed(19)
+    block = 32
+    blocks = QuantizedBlocks(4, block, 32)
+    n_cap, w_cap = 64, 96
+    ck = cv = 96
+    x = torch.randn(BATCH, n_cap, block, ck, generator=gen)
+    keys = {n: t.to(device) for n, t in kivi_encode(x, "key", 4, 32).items()}
+    values = {n: t.to(device) for n, t in kivi_encode(x.flip(-1), "value", 4, 32).items()}
+    key_window = torch.randn(BATCH, w_cap, ck, generator=gen).half().to(device)
+    value_window = torch.randn(BATCH, w_cap, cv, generator=gen).half().to(device)
+    query = torch.randn(BATCH, layout.query_offsets[-1], generator=gen).to(device, torch.bfloat16)
+    allowed = torch.ones(BATCH, n_cap * block + w_cap, dtype=torch.bool, device=device)
+    n_coded = torch.tensor([40], device=device)
+    window_len = torch.tensor([50], device=device)
+
+    def step():
+        return coded_flash_decode(query, blocks, keys, values, key_window, value_window, allowed, n_coded, window_len,
+                                  SCALING, layout)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    first = step().clone()
+    for grow in ("window", "window", "block"):
+        if grow == "window":
+            window_len += 1
+        else:
+            n_coded += 1
+            window_len -= block
+        graph.replay()
+        torch.testing.assert_close(captured, step(), rtol=0, atol=0)
+    assert not torch.equal(captured, first)
