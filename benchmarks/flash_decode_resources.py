@@ -33,6 +33,7 @@ from triton.compiler import ASTSource
 
 from kvrewrite.runtime.kernels import (flash_decode_coded, flash_decode_latent, flash_decode_mla, flash_decode_packed,
                                       flash_decode_splits)
+from kvrewrite.runtime.kernels.flash_decode_packed import tile_columns
 from kvrewrite.runtime.kernels.flash_decode_splits import column_alignment, decode_tile, pow2
 from kvrewrite.runtime.kernels.reference import PackedLayout
 
@@ -80,26 +81,33 @@ def compile_sm90(kernel, args: dict, constexprs: dict, num_warps: int, num_stage
             "sass": {op: len(re.findall(pattern, sass)) for op, pattern in SASS_OPS.items()}}
 
 
-def packed_case(layout: PackedLayout, splits: int, element_bytes: int = 2) -> tuple[dict, dict, dict]:
+def packed_case(layout: PackedLayout, splits: int, row_multiple: int = 1) -> tuple[dict, dict, dict]:
+    """Arguments and constexprs of a packed-kernel launch over bf16 rows padded to a multiple of row_multiple
+    columns, with the tile choices the wrapper makes for them (flash_decode_packed.tile_columns)."""
     ks, vs = sum(layout.key_ranks), sum(layout.value_ranks)
+    k_row, v_row = -(-ks // row_multiple) * row_multiple, -(-vs // row_multiple) * row_multiple
+    keys = torch.empty(1, 8192, k_row, dtype=torch.bfloat16)[..., :ks]
+    values = torch.empty(1, 8192, v_row, dtype=torch.bfloat16)[..., :vs]
+    k_align, k_window, block_dk = tile_columns(layout.key_offsets, keys)
+    v_align, v_window, block_dv = tile_columns(layout.value_offsets, values)
     bf = torch.bfloat16
     args = dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, mask_ptr=torch.int8, kv_len_ptr=torch.int64, tasks_ptr=torch.int32,
                 q_off_ptr=torch.int32, k_off_ptr=torch.int32, v_off_ptr=torch.int32, o_off_ptr=torch.int32,
                 k_rank_ptr=torch.int32, v_rank_ptr=torch.int32, chunk_ptr=torch.int32, o_ptr=bf,
                 acc_ptr=torch.float32, m_ptr=torch.float32, l_ptr=torch.float32, up_ptr=bf, cos_ptr=bf, sin_ptr=bf,
                 s_cap=8192, qk_scale=0.1, half_d=64,
-                s_qb=layout.query_offsets[-1], s_kb=8192 * ks, s_ks=ks, s_vb=8192 * vs, s_vs=vs, s_mb=8192,
-                s_ob=layout.output_offsets[-1], s_ab=1, s_ah=1, s_as=1, s_lb=1, s_lh=1, s_ug=128 * 128, s_ur=128,
-                s_cs=128, s_ss=128)
+                s_qb=layout.query_offsets[-1], s_kb=8192 * k_row, s_ks=k_row, s_vb=8192 * v_row, s_vs=v_row,
+                s_mb=8192, s_ob=layout.output_offsets[-1], s_ug=128 * 128, s_ur=128, s_cs=128, s_ss=128)
     g = layout.group_size
     # The workspace strides follow the real allocation: [B, Hq, splits, BLOCK_DV] and [B, Hq, splits].
-    n_q, block_dv = len(layout.key_ranks) * g, pow2(max(layout.value_ranks))
+    n_q = len(layout.key_ranks) * g
     args.update(s_ab=n_q * splits * block_dv, s_ah=splits * block_dv, s_as=block_dv, s_lb=n_q * splits, s_lh=splits)
-    consts = dict(GROUP=g, BLOCK_G=pow2(g), BLOCK_DV=block_dv, HAS_KV_LEN=True, PARTIAL=splits > 1, UPCAST=False,
-                  K_ALIGN=column_alignment(layout.key_offsets, element_bytes),
-                  V_ALIGN=column_alignment(layout.value_offsets, element_bytes))
+    consts = dict(GROUP=g, BLOCK_G=pow2(g), BLOCK_DK=block_dk, BLOCK_DV=block_dv, HAS_KV_LEN=True,
+                  PARTIAL=splits > 1, UPCAST=False, K_ALIGN=k_align, V_ALIGN=v_align, K_WINDOW=k_window,
+                  V_WINDOW=v_window)
     return args, consts, {"key_ranks": layout.key_ranks, "value_ranks": layout.value_ranks, "group": g,
-                          "splits": splits, "K_ALIGN": consts["K_ALIGN"], "V_ALIGN": consts["V_ALIGN"]}
+                          "splits": splits, "row_multiple": row_multiple, "K_ALIGN": k_align, "V_ALIGN": v_align,
+                          "K_WINDOW": k_window, "V_WINDOW": v_window}
 
 
 def main() -> None:
@@ -107,15 +115,18 @@ def main() -> None:
     records = []
     llama = PackedLayout((64,) * 8, (64,) * 8, 4)
     smollm = PackedLayout((60, 38, 56), (6, 10, 3), 3)  # freq p = 0.5 layer 0 (benchmarks/decode_kernels.py)
-    for name, layout in (("packed llama3-8b p=0.5", llama), ("packed smollm2 freq p=0.5 layer 0", smollm)):
-        args, consts, shape = packed_case(layout, splits=2)
+    cases = (("packed llama3-8b p=0.5", llama, 1), ("packed smollm2 freq p=0.5 layer 0", smollm, 1),
+             ("packed smollm2 freq p=0.5 layer 0, rows padded to 16", smollm, 16))
+    for name, layout, row_multiple in cases:
+        args, consts, shape = packed_case(layout, 2, row_multiple)
         width = max(max(layout.key_ranks), max(layout.value_ranks))
-        consts.update(BLOCK_N=decode_tile(width, 2), BLOCK_DK=pow2(max(layout.key_ranks)))
+        consts.update(BLOCK_N=decode_tile(width, 2))
         result = compile_sm90(flash_decode_packed._packed_split_kernel, args, consts, flash_decode_packed.NUM_WARPS,
                               flash_decode_packed.NUM_STAGES)
         records.append({"kernel": name, "shape": shape, "BLOCK_N": consts["BLOCK_N"], **result})
     args, consts, shape = packed_case(llama, splits=2)
-    consts.pop("BLOCK_DK", None)
+    for name in ("BLOCK_DK", "K_WINDOW", "V_WINDOW"):
+        consts.pop(name)
     for warps in (4, 8):  # the wrapper picks 8 for [64, 64] up-projection halves
         consts.update(BLOCK_N=decode_tile(128, 2), BLOCK_R=64, HALF=64, SAME_HALVES=True)
         result = compile_sm90(flash_decode_latent._latent_split_kernel, args, consts, warps,
@@ -140,6 +151,8 @@ def main() -> None:
                                                           "BLOCK_H": block_h}, "BLOCK_N": block_n, **result})
     # int4 KIVI store at the same shapes: blocks of 32 tokens, value groups of 32 channels, float16 window.
     args, consts, shape = packed_case(llama, splits=2)
+    for name in ("K_WINDOW", "V_WINDOW"):
+        consts.pop(name)
     consts.update(K_ALIGN=column_alignment(llama.key_offsets, 0.5), V_ALIGN=column_alignment(llama.value_offsets, 0.5))
     n_cap, block_tokens = 256, 32
     args.update(kc_ptr=torch.uint8, ks_ptr=torch.float16, kl_ptr=torch.float16, vc_ptr=torch.uint8,

@@ -15,7 +15,7 @@ pytest.importorskip("triton", reason="triton not installed")
 
 from kvrewrite.runtime.kernels.flash_decode_latent import latent_flash_decode  # noqa: E402
 from kvrewrite.runtime.kernels.flash_decode_mla import mla_flash_decode  # noqa: E402
-from kvrewrite.runtime.kernels.flash_decode_packed import packed_flash_decode, packed_plan  # noqa: E402
+from kvrewrite.runtime.kernels.flash_decode_packed import packed_flash_decode, packed_plan, tile_columns  # noqa: E402
 from kvrewrite.runtime.kernels.flash_decode_splits import choose_splits, interpreting, plan_splits  # noqa: E402
 from kvrewrite.runtime.kernels.reference import PackedLayout, packed_attention  # noqa: E402
 
@@ -79,6 +79,30 @@ def test_packed_matches_reference(ranks, dtype, splits):
     _poison(buffer)
     out = packed_flash_decode(query, keys, values, allowed, torch.tensor([KV_LEN]), SCALING, layout, splits)
     _check(out, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_packed_window_mode_on_padded_rows(dtype, splits):
+    """Unaligned head offsets over rows padded to 16 bytes: each tile loads whole aligned groups around its head.
+    The neighbours' columns and the row padding (NaN here) must not leak into any head."""
+    layout = PackedLayout((5, 11, 6), (3, 9, 7), 3)
+    gen = torch.Generator().manual_seed(23)
+    ks, vs, padded = sum(layout.key_ranks), sum(layout.value_ranks), 24
+    key_rows = torch.randn(BATCH, S_CAP, padded, generator=gen).to(dtype)
+    value_rows = torch.randn(BATCH, S_CAP, padded, generator=gen).to(dtype)
+    keys, values = key_rows[..., :ks], value_rows[..., :vs]
+    query = torch.randn(BATCH, layout.query_offsets[-1], generator=gen).to(dtype)
+    allowed = _allowed()
+    ref = packed_attention(query[:, None].double(), keys[:, None, :KV_LEN].double(),
+                           values[:, None, :KV_LEN].double(), allowed[:, None, None, :KV_LEN], SCALING, layout)[:, 0]
+    key_rows[..., ks:] = float("nan")
+    value_rows[..., vs:] = float("nan")
+    assert tile_columns(layout.key_offsets, keys)[1] and tile_columns(layout.value_offsets, values)[1]
+    out = packed_flash_decode(query, keys, values, allowed, torch.tensor([KV_LEN]), SCALING, layout, splits)
+    _check(out, ref, dtype)
+    # Rows that are not padded (the last row would read past the storage): the kernel keeps to the head's columns.
+    assert not tile_columns(layout.key_offsets, keys.contiguous())[1]
 
 
 def test_packed_without_live_length_reads_every_slot():
