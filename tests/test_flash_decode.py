@@ -234,6 +234,29 @@ def test_latent_reads_both_rope_halves_when_told(dtype):
     _check(out, ref, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_latent_window_mode_on_padded_rows(dtype):
+    """Unaligned latent / value offsets over rows padded to 16 bytes (window mode), NaN in the row padding."""
+    layout = PackedLayout((5, 11, 6), (3, 9, 7), 3)
+    n_kv = 3
+    gen = torch.Generator().manual_seed(29)
+    ks, vs, padded = sum(layout.key_ranks), sum(layout.value_ranks), 24
+    latent_rows = torch.randn(BATCH, S_CAP, padded, generator=gen).to(dtype)
+    value_rows = torch.randn(BATCH, S_CAP, padded, generator=gen).to(dtype)
+    latents, values = latent_rows[..., :ks], value_rows[..., :vs]
+    k_up = (torch.randn(n_kv, HEAD_DIM, HEAD_DIM, generator=gen) / HEAD_DIM**0.5).to(dtype)
+    query = torch.randn(BATCH, n_kv * 3 * HEAD_DIM, generator=gen).to(dtype)
+    cos, sin = (t.to(dtype) for t in _rope_tables(S_CAP, HEAD_DIM))
+    allowed = _allowed()
+    ref = _latent_reference(query, latents, values, allowed, layout, k_up, cos.double(), sin.double(), KV_LEN)
+    latent_rows[..., ks:] = float("nan")
+    value_rows[..., vs:] = float("nan")
+    assert tile_columns(layout.key_offsets, latents)[1] and tile_columns(layout.value_offsets, values)[1]
+    out = latent_flash_decode(query, latents, values, allowed, torch.tensor([KV_LEN]), SCALING, layout, k_up, cos,
+                              sin, 2)
+    _check(out, ref, dtype)
+
+
 # ---- absorbed MLA ------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("heads,rank,rope_dim", [(5, 24, 8), (1, 16, 16)], ids=["h5-r24", "h1-r16"])

@@ -36,6 +36,27 @@ NUM_STAGES = 3  # key/value tiles in flight per program (software pipelining of 
 PROGRAMS_PER_SM = 4
 
 
+@triton.jit
+def tile_window(offset, rank, ALIGN: tl.constexpr, WINDOW: tl.constexpr):
+    """Which columns of a row a head's tile loads: (first column, the head's shift into the tile, tile span, rank),
+    written so the compiler can prove them ALIGN-aligned (16-byte loads).
+
+    Aligned layouts: every rank and offset is a multiple of ALIGN (the host checked): the tile is the head's
+    columns. Window mode (unaligned offsets, rows padded to a multiple of ALIGN): the tile starts at the aligned
+    column at or before the head's first and spans whole aligned groups; the head sits `shift` columns into it and
+    the caller neutralises the neighbours' columns it also loads."""
+    if WINDOW:
+        first = offset // ALIGN * ALIGN
+        shift = offset - first
+        span = (shift + rank + ALIGN - 1) // ALIGN * ALIGN
+    else:
+        rank = rank // ALIGN * ALIGN
+        first = offset // ALIGN * ALIGN
+        shift = offset * 0
+        span = rank
+    return first, shift, span, rank
+
+
 @triton.jit(do_not_specialize=["s_cap"])  # s_cap == 1 would turn into a constexpr
 def _packed_split_kernel(
     q_ptr, k_ptr, v_ptr, mask_ptr, kv_len_ptr, tasks_ptr,
@@ -57,33 +78,8 @@ def _packed_split_kernel(
         kv_len = tl.minimum(tl.load(kv_len_ptr).to(tl.int32), s_cap)
     start = split * chunk
     stop = tl.minimum(start + chunk, kv_len)
-    # Which columns a tile loads: written so the compiler can prove them K_ALIGN / V_ALIGN-aligned (16-byte loads).
-    # Aligned layouts: every rank and offset is a multiple (the host checked), the tile is the head's columns.
-    # Window mode (unaligned offsets, rows padded to a multiple): the tile starts at the aligned column at or
-    # before the head's first, spans whole aligned groups, and the head's columns sit `shift` into it; the
-    # neighbours' columns it also loads are zeroed (keys) or never stored (values).
-    rk = tl.load(k_rank_ptr + h)
-    rv = tl.load(v_rank_ptr + h)
-    k_off = tl.load(k_off_ptr + h)
-    v_off = tl.load(v_off_ptr + h)
-    if K_WINDOW:
-        k_first = k_off // K_ALIGN * K_ALIGN
-        k_shift = k_off - k_first
-        k_span = (k_shift + rk + K_ALIGN - 1) // K_ALIGN * K_ALIGN
-    else:
-        rk = rk // K_ALIGN * K_ALIGN
-        k_first = k_off // K_ALIGN * K_ALIGN
-        k_shift = 0
-        k_span = rk
-    if V_WINDOW:
-        v_first = v_off // V_ALIGN * V_ALIGN
-        v_shift = v_off - v_first
-        v_span = (v_shift + rv + V_ALIGN - 1) // V_ALIGN * V_ALIGN
-    else:
-        rv = rv // V_ALIGN * V_ALIGN
-        v_first = v_off // V_ALIGN * V_ALIGN
-        v_shift = 0
-        v_span = rv
+    k_first, k_shift, k_span, rk = tile_window(tl.load(k_off_ptr + h), tl.load(k_rank_ptr + h), K_ALIGN, K_WINDOW)
+    v_first, v_shift, v_span, rv = tile_window(tl.load(v_off_ptr + h), tl.load(v_rank_ptr + h), V_ALIGN, V_WINDOW)
 
     member = tl.arange(0, BLOCK_G)
     row_ok = member < GROUP
@@ -113,7 +109,7 @@ def _packed_split_kernel(
         # loads on it); a disallowed slot may hold anything (NaN): its score is replaced and its value zeroed.
         k = tl.load(k_base + n[:, None] * s_ks + dk[None, :], mask=live[:, None] & k_load[None, :], other=0.0)
         v = tl.load(v_base + n[:, None] * s_vs + dv[None, :], mask=live[:, None] & v_load[None, :], other=0.0)
-        if K_WINDOW:  # a neighbour's or the row padding's column may hold anything: 0 * NaN would leak
+        if K_WINDOW:  # a neighbour's or the row padding's column may hold anything: q's 0 * NaN would leak
             k = tl.where(k_head[None, :], k, 0.0)
         v = tl.where(slot_ok[:, None], v, 0.0)
         if UPCAST:
