@@ -16,11 +16,13 @@ pytest.importorskip("triton", reason="triton not installed")
 from kvrewrite.runtime.codecs.kivi import kivi_decode, kivi_encode  # noqa: E402
 from kvrewrite.runtime.codecs.readout import QuantizedBlocks  # noqa: E402
 from kvrewrite.runtime.kernels.flash_decode_coded import coded_flash_decode  # noqa: E402
+from kvrewrite.runtime.kernels.flash_decode_splits import interpreting  # noqa: E402
 from kvrewrite.runtime.kernels.reference import PackedLayout, packed_attention  # noqa: E402
 
 BATCH, G, N_CAP, N_CODED, W_CAP, WINDOW_LEN, PAD = 2, 16, 5, 3, 40, 21, 3
 S_CAP = N_CAP * G + W_CAP
 SCALING = 0.3
+FP32_TOLERANCE = 1e-5 if interpreting() else 2e-3  # compiled fp32 dots run in tf32
 # Even offsets (4-bit codes read a byte per column pair) and odd ones (a load per code), GQA 3 and MHA.
 LAYOUTS = [((6, 12, 0), (10, 0, 4), 3), ((5, 16), (7, 4), 1)]
 
@@ -76,7 +78,7 @@ def test_coded_matches_reference(ranks, bits, dtype, splits):
                              torch.tensor([N_CODED]), torch.tensor([WINDOW_LEN]), SCALING, layout, splits)
     assert out.dtype == dtype and out.shape == ref.shape and torch.isfinite(out).all()
     error = (out.double() - ref).norm() / ref.norm()
-    assert error < (1.5e-2 if dtype == torch.bfloat16 else 1e-5), error
+    assert error < (1.5e-2 if dtype == torch.bfloat16 else FP32_TOLERANCE), error
 
 
 def test_coded_without_counts_reads_every_block_and_window_slot():
@@ -101,7 +103,7 @@ def test_coded_without_counts_reads_every_block_and_window_slot():
     for splits in (1, 3):
         out = coded_flash_decode(query, blocks, keys, values, key_window, value_window, allowed, None, None, SCALING,
                                  layout, splits)
-        assert ((out.double() - ref).norm() / ref.norm()) < 1e-5
+        assert ((out.double() - ref).norm() / ref.norm()) < FP32_TOLERANCE
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")
