@@ -381,6 +381,7 @@ def main() -> None:
     parser.add_argument("--small", action="store_true",
                         help="CI-sized shapes on CPU: SmolLM2 shapes, 2 layers, 2 x 256 and 4 x 512")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--plot", action="store_true", help="also write tokens/s against context as OUT.png")
     args = parser.parse_args()
     if args.small:
         args.device, args.shape, args.layers = "cpu", "smollm2", 2
@@ -419,6 +420,40 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {out}")
+    if args.plot:
+        plot(record, out.with_suffix(".png"))
+        print(f"wrote {out.with_suffix('.png')}")
+
+
+def plot(record: dict, target: Path) -> None:
+    """tokens/s against context, one line per form, one panel per batch size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = sorted({r["batch"] for rows in record["results"].values() for r in rows if "tokens_per_s" in r})
+    fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4), squeeze=False)
+    for ax, batch in zip(axes[0], batches):
+        for form, rows in record["results"].items():
+            points = sorted((r["context"], r["tokens_per_s"]) for r in rows if r.get("batch") == batch
+                            and "tokens_per_s" in r)
+            if points:
+                style = "--" if form.startswith("stock") else "-"
+                ax.plot(*zip(*points), style, marker="o", label=form)
+        contexts = sorted({r["context"] for rows in record["results"].values() for r in rows
+                           if r.get("batch") == batch and "tokens_per_s" in r})
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(contexts, [f"{c // 1024}K" if c >= 1024 else str(c) for c in contexts])
+        ax.minorticks_off()
+        ax.set(xlabel="context (tokens)", ylabel="tokens/s", title=f"batch {batch}")
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=8)
+    fig.suptitle(f"decode, {record['shape']} x {record['layers']} layers, {record['dtype']}, {record['gpu']}",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(target, dpi=110)
+    plt.close(fig)
 
 
 def print_table(record: dict) -> None:

@@ -15,10 +15,8 @@ pytest.importorskip("triton", reason="triton not installed")
 
 from kvrewrite.runtime.kernels.flash_decode_latent import latent_flash_decode  # noqa: E402
 from kvrewrite.runtime.kernels.flash_decode_mla import mla_flash_decode  # noqa: E402
-from kvrewrite.runtime.kernels.flash_decode_packed import packed_flash_decode, packed_plan  # noqa: E402
-from kvrewrite.runtime.kernels.flash_decode_splits import (  # noqa: E402
-    PROGRAMS_PER_SM, interpreting, multiprocessor_count, plan_splits,
-)
+from kvrewrite.runtime.kernels.flash_decode_packed import packed_flash_decode, packed_plan, tile_columns  # noqa: E402
+from kvrewrite.runtime.kernels.flash_decode_splits import choose_splits, interpreting, plan_splits  # noqa: E402
 from kvrewrite.runtime.kernels.reference import PackedLayout, packed_attention  # noqa: E402
 
 BATCH, S_CAP, KV_LEN, PAD = 2, 37, 29, 3  # 37 slots = 3 key blocks of 16 under the interpreter
@@ -81,6 +79,30 @@ def test_packed_matches_reference(ranks, dtype, splits):
     _poison(buffer)
     out = packed_flash_decode(query, keys, values, allowed, torch.tensor([KV_LEN]), SCALING, layout, splits)
     _check(out, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_packed_window_mode_on_padded_rows(dtype, splits):
+    """Unaligned head offsets over rows padded to 16 bytes: each tile loads whole aligned groups around its head.
+    The neighbours' columns and the row padding (NaN here) must not leak into any head."""
+    layout = PackedLayout((5, 11, 6), (3, 9, 7), 3)
+    gen = torch.Generator().manual_seed(23)
+    ks, vs, padded = sum(layout.key_ranks), sum(layout.value_ranks), 24
+    key_rows = torch.randn(BATCH, S_CAP, padded, generator=gen).to(dtype)
+    value_rows = torch.randn(BATCH, S_CAP, padded, generator=gen).to(dtype)
+    keys, values = key_rows[..., :ks], value_rows[..., :vs]
+    query = torch.randn(BATCH, layout.query_offsets[-1], generator=gen).to(dtype)
+    allowed = _allowed()
+    ref = packed_attention(query[:, None].double(), keys[:, None, :KV_LEN].double(),
+                           values[:, None, :KV_LEN].double(), allowed[:, None, None, :KV_LEN], SCALING, layout)[:, 0]
+    key_rows[..., ks:] = float("nan")
+    value_rows[..., vs:] = float("nan")
+    assert tile_columns(layout.key_offsets, keys)[1] and tile_columns(layout.value_offsets, values)[1]
+    out = packed_flash_decode(query, keys, values, allowed, torch.tensor([KV_LEN]), SCALING, layout, splits)
+    _check(out, ref, dtype)
+    # Rows that are not padded (the last row would read past the storage): the kernel keeps to the head's columns.
+    assert not tile_columns(layout.key_offsets, keys.contiguous())[1]
 
 
 def test_packed_without_live_length_reads_every_slot():
@@ -212,6 +234,29 @@ def test_latent_reads_both_rope_halves_when_told(dtype):
     _check(out, ref, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_latent_window_mode_on_padded_rows(dtype):
+    """Unaligned latent / value offsets over rows padded to 16 bytes (window mode), NaN in the row padding."""
+    layout = PackedLayout((5, 11, 6), (3, 9, 7), 3)
+    n_kv = 3
+    gen = torch.Generator().manual_seed(29)
+    ks, vs, padded = sum(layout.key_ranks), sum(layout.value_ranks), 24
+    latent_rows = torch.randn(BATCH, S_CAP, padded, generator=gen).to(dtype)
+    value_rows = torch.randn(BATCH, S_CAP, padded, generator=gen).to(dtype)
+    latents, values = latent_rows[..., :ks], value_rows[..., :vs]
+    k_up = (torch.randn(n_kv, HEAD_DIM, HEAD_DIM, generator=gen) / HEAD_DIM**0.5).to(dtype)
+    query = torch.randn(BATCH, n_kv * 3 * HEAD_DIM, generator=gen).to(dtype)
+    cos, sin = (t.to(dtype) for t in _rope_tables(S_CAP, HEAD_DIM))
+    allowed = _allowed()
+    ref = _latent_reference(query, latents, values, allowed, layout, k_up, cos.double(), sin.double(), KV_LEN)
+    latent_rows[..., ks:] = float("nan")
+    value_rows[..., vs:] = float("nan")
+    assert tile_columns(layout.key_offsets, latents)[1] and tile_columns(layout.value_offsets, values)[1]
+    out = latent_flash_decode(query, latents, values, allowed, torch.tensor([KV_LEN]), SCALING, layout, k_up, cos,
+                              sin, 2)
+    _check(out, ref, dtype)
+
+
 # ---- absorbed MLA ------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("heads,rank,rope_dim", [(5, 24, 8), (1, 16, 16)], ids=["h5-r24", "h1-r16"])
@@ -247,9 +292,20 @@ def test_heavy_heads_get_more_splits_and_no_chosen_split_is_empty():
     chosen = plan_splits(work, 2, 8192, 64, "cpu")
     for chunk, n in zip(chosen.chunks, chosen.splits):
         assert (n - 1) * chunk < 8192 <= n * chunk  # every split of a chosen plan starts inside the cache
-    # The launch aims at PROGRAMS_PER_SM programs per multiprocessor of the device (CPU: a pretend one).
-    assert 2 * sum(chosen.splits) >= PROGRAMS_PER_SM * multiprocessor_count("cpu")
     assert chosen.splits[0] > chosen.splits[-1]
+
+
+def test_split_count_fills_the_device_in_whole_waves():
+    """Without partial costs the best count fills one wave of the device's resident slots exactly; programs that
+    already fill it are not split; no split is shorter than the minimum; partial costs stop splitting early."""
+    assert choose_splits(64, 8192, 32, slots=132, partial_share=0.0) == 2  # 128 of 132 slots, one wave
+    assert choose_splits(128, 8192, 64, slots=528, partial_share=0.0) == 4
+    assert choose_splits(512, 8192, 64, slots=528, partial_share=0.0) == 1
+    assert choose_splits(1, 1024, 16, slots=132, partial_share=0.0) == 4  # 256-slot minimum
+    assert choose_splits(1, 1024, 16, slots=132, partial_share=0.0, min_split_tokens=16) == 64
+    assert choose_splits(1, 1 << 20, 64, slots=132, partial_share=0.0) == 128  # the cap
+    # A split that costs as much as a tenth of the task: fewer splits than the slots would take.
+    assert choose_splits(4, 8192, 64, slots=132, partial_share=0.1) < 33
 
 
 # ---- CUDA graphs (GPU only: the capture needs a device) -----------------------------------------------------------

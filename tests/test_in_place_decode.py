@@ -225,7 +225,7 @@ def tiny_mla_model():
     return absorb_attention(DeepseekV3ForCausalLM(config)).eval()
 
 
-@pytest.mark.parametrize("form", ["latent", "mla"])
+@pytest.mark.parametrize("form", ["latent", "post-rope", "mla"])
 def test_decode_step_compiles_as_one_graph_on_a_static_cache_and_equals_eager(compiled, monkeypatch, form):
     """fullgraph=True: no graph break, no data-dependent shape or host sync in the step (what CUDA graphs need)."""
     monkeypatch.delenv("KVREWRITE_ATTENTION", raising=False)
@@ -273,3 +273,37 @@ def test_generate_on_a_static_cache_equals_the_default_in_place_cache(compiled, 
     static_ids, static_logits = generate(compiled[mode], 0.5, max_new_tokens=6, cache_implementation="static")
     assert torch.equal(default_ids, static_ids)
     assert (default_logits - static_logits).abs().max().item() < 1e-4
+
+
+def test_a_codec_store_grows_in_place_and_reads_what_the_concatenated_store_reads(monkeypatch):
+    """The coded blocks of an int4 cache appended into a buffer with room, against torch.cat appends (the
+    reference layer below codes exactly as before: encode_append without buffers)."""
+    from kvrewrite.runtime.codecs import build_layer_codecs
+    from kvrewrite.runtime.codecs.cache import CodecLayer, encode_append
+    from kvrewrite.runtime.codecs.config import parse_codec
+
+    class ConcatenatingLayer(CodecLayer):
+        def _code_overflow(self) -> None:
+            g = self.codec.block_tokens
+            n = max(0, self.keys.shape[-2] - self.residual_length) // g
+            if n:
+                self.coded_keys = encode_append(self.codec, self.coded_keys, self.keys, n, "key")
+                self.coded_values = encode_append(self.codec, self.coded_values, self.values, n, "value")
+                self.keys, self.values = self.keys[..., n * g :, :].contiguous(), self.values[..., n * g :, :].contiguous()
+
+    monkeypatch.setattr(inplace_cache, "GROW_FROM", 0)  # grow in steps at this small size too
+    codec = build_layer_codecs(parse_codec("int4"), [[4, 4]], [[4, 4]])[0]
+    ours, reference = CodecLayer(codec, residual=16), ConcatenatingLayer(codec, residual=16)
+    torch.manual_seed(3)
+    prefill = torch.randn(2, 1, 300, 8), torch.randn(2, 1, 300, 8)
+    for layer in (ours, reference):
+        layer.update(*prefill)
+    buffers = set()
+    for _ in range(300):
+        k, v = torch.randn(2, 1, 1, 8), torch.randn(2, 1, 1, 8)
+        got, want = ours.update(k, v), reference.update(k, v)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        buffers.add(next(iter(ours.coded_key_buffers.values())).data_ptr())
+    blocks = 300 // codec.block_tokens
+    assert len(buffers) < blocks  # the store was not copied on every coded block
+    assert all(torch.equal(ours.coded_keys[name], reference.coded_keys[name]) for name in reference.coded_keys)

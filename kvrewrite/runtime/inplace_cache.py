@@ -28,11 +28,45 @@ GROW_SHARE = 8  # ... or an eighth of its length ...
 GROW_MAX = 4096  # ... and never more than this many rows at once
 
 
-def grown_capacity(needed: int) -> int:
-    """Rows a buffer without a set capacity gets when `needed` rows no longer fit."""
-    if needed < GROW_FROM:
+def grown_capacity(needed: int, tokens_per_row: int = 1) -> int:
+    """Rows a buffer without a set capacity gets when `needed` rows no longer fit (the thresholds are in tokens: a
+    codec's coded store has one row per block of `tokens_per_row` tokens)."""
+    tokens = needed * tokens_per_row
+    if tokens < GROW_FROM:
         return needed
-    return needed + min(max(needed // GROW_SHARE, GROW_MIN), GROW_MAX)
+    return needed + -(-min(max(tokens // GROW_SHARE, GROW_MIN), GROW_MAX) // tokens_per_row)
+
+
+def is_prefix_view(held: torch.Tensor, buffer: torch.Tensor, dim: int) -> bool:
+    """Whether `held` is buffer.narrow(dim, 0, n) for some n: same start, same strides, same other sizes."""
+    return (held.data_ptr() == buffer.data_ptr() and held.stride() == buffer.stride() and held.dtype == buffer.dtype
+            and held.shape[:dim] + held.shape[dim + 1 :] == buffer.shape[:dim] + buffer.shape[dim + 1 :])
+
+
+def append_in_place(buffer: torch.Tensor | None, held: torch.Tensor | None, new: torch.Tensor, dim: int,
+                    capacity: int | None = None, tokens_per_row: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(buffer, view): `held` followed by `new` along `dim`, as a prefix view of a buffer with room.
+
+    Written in place when `held` is a prefix view of `buffer` (what this function returned, or a crop of it) and the
+    rows fit; otherwise a new buffer of `capacity` rows (when they fit) or of grown_capacity rows is allocated and
+    `held` copied in once (after beam or batch selection replaced it, say).
+    """
+    dim = dim % new.dim()
+    length = held.shape[dim] if held is not None else 0
+    needed = length + new.shape[dim]
+    fits = (buffer is not None and buffer.shape[dim] >= needed and buffer.device == new.device
+            and buffer.shape[:dim] + buffer.shape[dim + 1 :] == new.shape[:dim] + new.shape[dim + 1 :]
+            and (held is None or is_prefix_view(held, buffer, dim)))
+    if not fits:
+        if capacity is not None and needed <= capacity:
+            rows = capacity
+        else:
+            rows = grown_capacity(needed, tokens_per_row) if length else needed  # a first write: exactly its rows
+        buffer = new.new_empty(*new.shape[:dim], rows, *new.shape[dim + 1 :])
+        if length:
+            buffer.narrow(dim, 0, length).copy_(held)
+    buffer.narrow(dim, length, new.shape[dim]).copy_(new)
+    return buffer, buffer.narrow(dim, 0, needed)
 
 
 class InPlaceLayer(DynamicLayer):
@@ -44,7 +78,6 @@ class InPlaceLayer(DynamicLayer):
             raise ValueError(f"capacity must be a positive number of tokens, got {capacity}")
         self.capacity = capacity
         self._buffers: dict[str, torch.Tensor] = {}
-        self._views: dict[str, torch.Tensor] = {}
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -54,34 +87,10 @@ class InPlaceLayer(DynamicLayer):
         return self.keys, self.values
 
     def _append(self, name: str, held: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-        length = held.shape[-2] if held.dim() == new.dim() else 0
-        needed = length + new.shape[-2]
-        buffer = self._buffers.get(name)
-        ours = held is self._views.get(name)
-        if not ours or buffer is None or buffer.shape[-2] < needed or buffer.shape[:-2] != new.shape[:-2] \
-                or buffer.shape[-1] != new.shape[-1] or buffer.dtype != new.dtype or buffer.device != new.device:
-            if self.capacity is not None and needed <= self.capacity:
-                rows = self.capacity
-            else:
-                rows = grown_capacity(needed) if length else needed  # a first write holds exactly its rows
-            buffer = new.new_empty(*new.shape[:-2], rows, new.shape[-1])
-            if length:
-                buffer[..., :length, :] = held
-            self._buffers[name] = buffer
-        buffer[..., length:needed, :] = new
-        view = buffer[..., :needed, :]
-        self._views[name] = view
+        held = held if held.dim() == new.dim() else None  # DynamicLayer starts from an empty 1-D tensor
+        # A crop leaves a prefix view of the buffer: the next append writes over the cropped rows in place.
+        self._buffers[name], view = append_in_place(self._buffers.get(name), held, new, -2, self.capacity)
         return view
-
-    def crop(self, tokens_to_remove: int) -> None:
-        super().crop(tokens_to_remove)  # stock checks and views; re-view them as ours so the room is kept
-        if self.is_initialized and self.keys is not None:
-            for name in ("keys", "values"):
-                held, buffer = getattr(self, name), self._buffers.get(name)
-                if buffer is not None and held.dim() == buffer.dim() and held.data_ptr() == buffer.data_ptr():
-                    view = buffer[..., : held.shape[-2], :]
-                    setattr(self, name, view)
-                    self._views[name] = view
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: the selected rows are gathered, then written back into the same buffers."""
@@ -90,13 +99,14 @@ class InPlaceLayer(DynamicLayer):
         for name in ("keys", "values"):
             held = getattr(self, name)
             chosen = held.index_select(0, beam_idx.to(held.device))
-            if held is self._views.get(name) and chosen.shape == held.shape:
+            buffer = self._buffers.get(name)
+            if buffer is not None and is_prefix_view(held, buffer, -2 % held.dim()) and chosen.shape == held.shape:
                 held.copy_(chosen)
             else:
                 setattr(self, name, chosen)
 
     def reset(self) -> None:
-        self._buffers, self._views = {}, {}
+        self._buffers = {}
         super().reset()
 
 

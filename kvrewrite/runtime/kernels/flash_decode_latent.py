@@ -20,14 +20,17 @@ import torch
 import triton
 import triton.language as tl
 
-from kvrewrite.runtime.kernels.flash_decode_packed import head_costs
+from kvrewrite.runtime.kernels.flash_decode_packed import head_costs, partial_share, tile_columns, tile_window
 from kvrewrite.runtime.kernels.flash_decode_splits import (
-    LOG2E, NEG_INF, SplitPlan, column_alignment, decode_tile, int_table, interpreting, kv_len_argument,
+    LOG2E, NEG_INF, SplitPlan, decode_tile, int_table, interpreting, kv_len_argument,
     mask_argument, merge_splits, plan_splits, pow2, workspace,
 )
 from kvrewrite.runtime.kernels.reference import PackedLayout
 
 NUM_STAGES = 3
+# Compiled at Llama-3-8B shapes (rank 64, head_dim 128, 8 warps): 118 registers x 256 threads and 60 KB of shared
+# memory (benchmarks/results/flash_decode_resources_sm90.json): two programs fit on an sm_90 SM.
+PROGRAMS_PER_SM = 2
 
 
 @triton.jit(do_not_specialize=["s_cap"])
@@ -39,16 +42,16 @@ def _latent_split_kernel(
     s_qb, s_kb, s_ks, s_vb, s_vs, s_mb, s_ug, s_ur, s_cs, s_ss, s_ob, s_ab, s_ah, s_as, s_lb, s_lh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_DV: tl.constexpr, HALF: tl.constexpr, HAS_KV_LEN: tl.constexpr, PARTIAL: tl.constexpr,
-    UPCAST: tl.constexpr, K_ALIGN: tl.constexpr, V_ALIGN: tl.constexpr, SAME_HALVES: tl.constexpr,
+    UPCAST: tl.constexpr, K_ALIGN: tl.constexpr, V_ALIGN: tl.constexpr, K_WINDOW: tl.constexpr,
+    V_WINDOW: tl.constexpr, SAME_HALVES: tl.constexpr,
 ):
     task = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     h = tl.load(tasks_ptr + 2 * task)
     split = tl.load(tasks_ptr + 2 * task + 1)
-    # Ranks and column offsets are multiples of K_ALIGN / V_ALIGN (the host checked): written so the compiler
-    # knows it and issues 16-byte loads.
-    rk = tl.load(k_rank_ptr + h) // K_ALIGN * K_ALIGN
-    rv = tl.load(v_rank_ptr + h) // V_ALIGN * V_ALIGN
+    # Which latent / value columns a tile loads (aligned, or a window around the head: flash_decode_packed).
+    k_first, k_shift, k_span, rk = tile_window(tl.load(k_off_ptr + h), tl.load(k_rank_ptr + h), K_ALIGN, K_WINDOW)
+    v_first, v_shift, v_span, rv = tile_window(tl.load(v_off_ptr + h), tl.load(v_rank_ptr + h), V_ALIGN, V_WINDOW)
     chunk = tl.load(chunk_ptr + h)
     kv_len = s_cap
     if HAS_KV_LEN:
@@ -63,16 +66,19 @@ def _latent_split_kernel(
     dr = tl.arange(0, BLOCK_R)
     dv = tl.arange(0, BLOCK_DV)
     cols = tl.arange(0, BLOCK_N)
-    r_in = dr < rk
-    v_in = dv < rv
+    k_head = (dr >= k_shift) & (dr < k_shift + rk)  # the tile columns that are this head's latent columns
+    v_head = (dv >= v_shift) & (dv < v_shift + rv)
+    k_load = dr < k_span
+    v_load = dv < v_span
     # The group's rotated queries, full head width, as two halves (rotate_half pairs dim j with j + d / 2).
     q_rows = q_ptr + b * s_qb + (h * GROUP + member)[:, None] * (2 * half_d) + half[None, :]
     q_ok = row_ok[:, None] & half_ok[None, :]
     q1 = tl.load(q_rows, mask=q_ok, other=0.0)
     q2 = tl.load(q_rows + half_d, mask=q_ok, other=0.0)
     # k_up[h, :rk] split the same way: the rebuild of both halves needs only these two tiles, held for the walk.
-    up_rows = up_ptr + h * s_ug + dr[:, None] * s_ur + half[None, :]
-    up_ok = r_in[:, None] & half_ok[None, :]
+    # Row j of the tiles multiplies latent tile column j: the head's latent dim j - shift, zero elsewhere.
+    up_rows = up_ptr + h * s_ug + (dr - k_shift)[:, None] * s_ur + half[None, :]
+    up_ok = k_head[:, None] & half_ok[None, :]
     up1 = tl.load(up_rows, mask=up_ok, other=0.0)
     up2 = tl.load(up_rows + half_d, mask=up_ok, other=0.0)
     if UPCAST:  # the CPU interpreter computes bf16 dots wrongly: widen tiles there, compiled kernels keep bf16
@@ -83,8 +89,8 @@ def _latent_split_kernel(
     else:
         up1 = up1.to(k_ptr.dtype.element_ty)
         up2 = up2.to(k_ptr.dtype.element_ty)
-    k_base = k_ptr + b * s_kb + tl.load(k_off_ptr + h) // K_ALIGN * K_ALIGN
-    v_base = v_ptr + b * s_vb + tl.load(v_off_ptr + h) // V_ALIGN * V_ALIGN
+    k_base = k_ptr + b * s_kb + k_first
+    v_base = v_ptr + b * s_vb + v_first
     m_i = tl.full([BLOCK_G], NEG_INF, tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
@@ -94,8 +100,10 @@ def _latent_split_kernel(
         slot_ok = live & (tl.load(mask_ptr + b * s_mb + n, mask=live, other=0) != 0)
         # Loads masked by the live length only (as in the packed kernel); disallowed slots: scores replaced,
         # values zeroed.
-        lat = tl.load(k_base + n[:, None] * s_ks + dr[None, :], mask=live[:, None] & r_in[None, :], other=0.0)
-        v = tl.load(v_base + n[:, None] * s_vs + dv[None, :], mask=live[:, None] & v_in[None, :], other=0.0)
+        lat = tl.load(k_base + n[:, None] * s_ks + dr[None, :], mask=live[:, None] & k_load[None, :], other=0.0)
+        v = tl.load(v_base + n[:, None] * s_vs + dv[None, :], mask=live[:, None] & v_load[None, :], other=0.0)
+        if K_WINDOW:  # a neighbour's or the row padding's column may hold anything: the zero up rows' 0 * NaN
+            lat = tl.where(k_head[None, :], lat, 0.0)
         v = tl.where(slot_ok[:, None], v, 0.0)
         if UPCAST:
             lat = lat.to(tl.float32)
@@ -125,21 +133,22 @@ def _latent_split_kernel(
         m_i = m_new
     hq = h * GROUP + member
     if PARTIAL:
-        tl.store(acc_ptr + b * s_ab + hq[:, None] * s_ah + split * s_as + dv[None, :], acc,
-                 mask=row_ok[:, None] & v_in[None, :])
+        tl.store(acc_ptr + b * s_ab + hq[:, None] * s_ah + split * s_as + (dv - v_shift)[None, :], acc,
+                 mask=row_ok[:, None] & v_head[None, :])
         tl.store(m_ptr + b * s_lb + hq * s_lh + split, m_i, mask=row_ok)
         tl.store(l_ptr + b * s_lb + hq * s_lh + split, l_i, mask=row_ok)
     else:
         out = tl.where(l_i[:, None] > 0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
-        o_cols = tl.load(o_off_ptr + h) // V_ALIGN * V_ALIGN + member[:, None] * rv + dv[None, :]
-        tl.store(o_ptr + b * s_ob + o_cols, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & v_in[None, :])
+        o_cols = tl.load(o_off_ptr + h) + member[:, None] * rv + (dv - v_shift)[None, :]
+        tl.store(o_ptr + b * s_ob + o_cols, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & v_head[None, :])
 
 
 def latent_plan(layout: PackedLayout, head_dim: int, batch: int, s_cap: int, element_bytes: int,
                 device: torch.device | str, splits: int | None = None) -> SplitPlan:
     # The block height follows the widest register tile, the rebuilt keys [BLOCK_N, head_dim].
     block_n = decode_tile(max(head_dim, max(layout.value_ranks)), element_bytes)
-    return plan_splits(head_costs(layout), batch, s_cap, block_n, device, splits)
+    return plan_splits(head_costs(layout), batch, s_cap, block_n, device, splits, PROGRAMS_PER_SM,
+                       partial_share(layout, s_cap, element_bytes))
 
 
 @functools.lru_cache(maxsize=64)
@@ -183,9 +192,9 @@ def latent_flash_decode(query_rotated: torch.Tensor, key_latents: torch.Tensor, 
     plan = latent_plan(layout, head_dim, batch, s_cap, key_latents.element_size(), device, splits)
     tables = _tables(layout, plan, str(device))
     output = torch.empty(batch, layout.output_offsets[-1], device=device, dtype=query.dtype)
-    block_r = pow2(max(layout.key_ranks))
+    k_align, k_window, block_r = tile_columns(layout.key_offsets, key_latents)
+    v_align, v_window, block_dv = tile_columns(layout.value_offsets, values)
     half = pow2(head_dim // 2)
-    block_dv = pow2(max(layout.value_ranks))
     ws = workspace(batch, n_query_heads, plan.max_splits, block_dv, device) if plan.partial else None
     acc, m, l = (ws.acc, ws.running_max, ws.normaliser) if ws else (output, output, output)
     mask = mask_argument(allowed)
@@ -202,8 +211,7 @@ def latent_flash_decode(query_rotated: torch.Tensor, key_latents: torch.Tensor, 
         GROUP=g, BLOCK_G=pow2(g), BLOCK_N=plan.block_n, BLOCK_R=block_r, BLOCK_DV=block_dv, HALF=half,
         HAS_KV_LEN=has_kv_len, PARTIAL=plan.partial,
         UPCAST=query.dtype != torch.float32 and interpreting(),
-        K_ALIGN=column_alignment(layout.key_offsets, key_latents.element_size()),
-        V_ALIGN=column_alignment(layout.value_offsets, values.element_size()), SAME_HALVES=rope_halves_equal,
+        K_ALIGN=k_align, V_ALIGN=v_align, K_WINDOW=k_window, V_WINDOW=v_window, SAME_HALVES=rope_halves_equal,
         # Two [rk, d / 2] up-projection tiles stay in registers for the walk: wide heads get more warps.
         num_warps=8 if block_r * half >= 64 * 64 else 4, num_stages=NUM_STAGES,
     )

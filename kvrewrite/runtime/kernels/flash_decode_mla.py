@@ -32,6 +32,7 @@ from kvrewrite.runtime.kernels.flash_decode_splits import (
 MAX_BLOCK_H = 32
 NUM_WARPS = 8
 NUM_STAGES = 1
+PROGRAMS_PER_SM = 1  # 178 registers x 256 threads: one program per sm_90 SM
 
 
 @triton.jit(do_not_specialize=["s_cap"])
@@ -112,10 +113,14 @@ def mla_tile(rank: int) -> int:
     return max(16, min(64, 16384 // pow2(rank)))
 
 
-def mla_plan(batch: int, heads: int, rank: int, s_cap: int, device: torch.device | str,
-             splits: int | None = None) -> SplitPlan:
-    head_blocks = -(-heads // min(MAX_BLOCK_H, pow2(heads)))
-    return plan_splits((1,), batch * head_blocks, s_cap, mla_tile(rank), device, splits)
+def mla_plan(batch: int, heads: int, rank: int, rope_dim: int, s_cap: int, element_bytes: int,
+             device: torch.device | str, splits: int | None = None) -> SplitPlan:
+    block_h = min(MAX_BLOCK_H, pow2(heads))
+    head_blocks = -(-heads // block_h)
+    # A split's partial: block_h rows of r + 2 fp32, written and read back, against S_cap rows of r + d_r bf16
+    # (MLA's partials are large: [32, 512] fp32 per split is what 28 rows of the cache weigh).
+    share = 2 * min(heads, block_h) * (rank + 2) * 4 / max(1, s_cap * (rank + rope_dim) * element_bytes)
+    return plan_splits((1,), batch * head_blocks, s_cap, mla_tile(rank), device, splits, PROGRAMS_PER_SM, share)
 
 
 @functools.lru_cache(maxsize=64)
@@ -139,7 +144,7 @@ def mla_flash_decode(q_rows: torch.Tensor, rows: torch.Tensor, allowed: torch.Te
     q_rows = q_rows if q_rows.stride(-1) == 1 else q_rows.contiguous()
     block_h = min(MAX_BLOCK_H, pow2(heads))
     head_blocks = -(-heads // block_h)
-    plan = mla_plan(batch, heads, rank, s_cap, device, splits)
+    plan = mla_plan(batch, heads, rank, rope_dim, s_cap, rows.element_size(), device, splits)
     output = torch.empty(batch, heads, rank, device=device, dtype=q_rows.dtype)
     block_r = pow2(rank)
     ws = workspace(batch, heads, plan.max_splits, block_r, device) if plan.partial else None

@@ -9,7 +9,8 @@ the common max and normalises (the same step the online softmax takes between ke
 The plan depends only on the ranks, the batch, the cache's capacity S_cap and the device, never on the live
 length, so one CUDA graph captures one grid that stays valid as the cache fills. A head's chunk is a whole number
 of key blocks; heads of different ranks (ZACK §5.3) get split counts proportional to their per-token work, so
-every program of a launch carries about the same bytes, and programs are launched heaviest first.
+every program of a launch carries about the same bytes, and programs are launched heaviest first. How many splits:
+a wave model of the launch on the device's multiprocessors (choose_splits).
 
 Running maxima are kept in log2 units (the kernels score with exp2 and fold log2(e) into the scaling).
 """
@@ -27,11 +28,10 @@ import triton.language as tl
 
 NEG_INF = tl.constexpr(-1.0e30)  # finite: a fully masked split must not make max - max = nan
 LOG2E = 1.4426950408889634
-PROGRAMS_PER_SM = 4  # resident programs per multiprocessor the split count aims for (4 warps each: 16 of 64 warps)
-MIN_SPLIT_TOKENS = 256  # a split reads at least this many slots, so its partial (one row per query head) stays cheap
-MAX_SPLITS = 64
+MIN_SPLIT_TOKENS = 256  # no split reads fewer slots (a split costs a partial and its share of the merge)
+MAX_SPLITS = 128
 INTERPRETER_SMS = 4  # under TRITON_INTERPRET=1 on CPU: a small pretend device, so automatic plans still split
-MERGE_BLOCK_D = 128  # output columns one merge program handles (MLA's 512-wide latent takes four)
+MERGE_TILE = 8192  # fp32 elements of one merge program's [splits, columns] tile (32 KB of registers)
 
 
 def interpreting() -> bool:
@@ -51,14 +51,35 @@ def multiprocessor_count(device: str) -> int:
     return INTERPRETER_SMS
 
 
-def choose_splits(programs: int, s_cap: int, device: torch.device | str, block_n: int) -> int:
-    """Splits for `programs` equal (request, head) tasks over a cache of capacity s_cap: enough programs for
-    PROGRAMS_PER_SM per multiprocessor, but no split shorter than MIN_SPLIT_TOKENS (or one key block)."""
-    target = PROGRAMS_PER_SM * multiprocessor_count(str(device))
-    wanted = -(-target // max(programs, 1))
-    blocks = -(-s_cap // block_n)
-    longest = max(1, min(blocks, s_cap // MIN_SPLIT_TOKENS)) if not interpreting() else blocks
-    return max(1, min(wanted, longest, MAX_SPLITS))
+def choose_splits(programs: int, s_cap: int, block_n: int, slots: int, partial_share: float,
+                  min_split_tokens: int = MIN_SPLIT_TOKENS) -> int:
+    """The split count that minimises a wave model of the launch's time.
+
+    `programs` unsplit tasks of equal work run on `slots` resident programs (multiprocessors x programs that fit on
+    one). With s splits each program does 1/s of a task plus writing a partial worth `partial_share` of a task's
+    bytes (and the merge reads it back), in ceil(programs * s / slots) waves:
+        time(s) = waves(s) * (1 / s + partial_share) + programs * s * partial_share / slots.
+    So splits fill the device's idle slots up to a whole wave, and stop where another wave or the partials cost
+    more than they save. No split is shorter than min_split_tokens slots (nor one key block); ties go to fewer.
+    """
+    blocks = max(1, -(-s_cap // block_n))
+    limit = max(1, min(blocks, s_cap // max(1, min_split_tokens), MAX_SPLITS))
+    programs = max(1, programs)
+
+    def time(s: int) -> float:
+        waves = -(-programs * s // slots)
+        return waves * (1.0 / s + partial_share) + programs * s * partial_share / slots
+
+    return min(range(1, limit + 1), key=lambda s: (time(s), s))
+
+
+def device_splits(programs: int, s_cap: int, block_n: int, device: torch.device | str, programs_per_sm: int,
+                  partial_share: float) -> int:
+    """choose_splits for this device: its multiprocessor count (under the interpreter a small pretend one, and
+    splits as short as one key block, so tiny test caches still split)."""
+    slots = programs_per_sm * multiprocessor_count(str(device))
+    min_tokens = block_n if interpreting() else MIN_SPLIT_TOKENS
+    return choose_splits(programs, s_cap, block_n, slots, partial_share, min_tokens)
 
 
 @dataclass(frozen=True)
@@ -85,19 +106,19 @@ class SplitPlan:
 
 
 def plan_splits(work: tuple[int, ...], batch: int, s_cap: int, block_n: int, device: torch.device | str,
-                splits: int | None = None) -> SplitPlan:
-    """Split counts per head: the heaviest head gets `splits` (default: choose_splits for the whole launch), a head
+                splits: int | None = None, programs_per_sm: int = 4, partial_share: float = 0.0) -> SplitPlan:
+    """Split counts per head: the heaviest head gets `splits` (default: device_splits for the whole launch), a head
     of work w gets about splits * w / max(work), at least one. A given `splits` is kept even when it exceeds the key
-    blocks (the extra programs find no slots and write an empty partial); a chosen one never leaves a split empty."""
+    blocks (the extra programs find no slots and write an empty partial); a chosen one never leaves a split empty.
+    programs_per_sm: how many programs of the kernel fit on one multiprocessor; partial_share: a split's partial
+    (written and read back) over the bytes an unsplit program of the heaviest head reads."""
     top = max(work)
     blocks = max(1, -(-s_cap // block_n))
-    if splits is None:
-        # Programs per request if the heaviest head had one split: sum(w) / top; aim the whole launch at the target.
-        per_request = sum(work) / top
-        splits = choose_splits(max(1, math.floor(batch * per_request)), s_cap, device, block_n)
-        chosen = True
-    else:
-        chosen = False
+    chosen = splits is None
+    if chosen:
+        # The launch in units of heaviest-head programs: a request's heads weigh sum(work) / top of them.
+        programs = max(1, math.floor(batch * sum(work) / top))
+        splits = device_splits(programs, s_cap, block_n, device, programs_per_sm, partial_share)
     counts, chunks = [], []
     for w in work:
         n = max(1, round(splits * w / top))
@@ -117,10 +138,11 @@ def decode_tile(width: int, element_bytes: int) -> int:
     return max(16, min(128, 8192 // max(1, pow2(width) * element_bytes)))
 
 
-def column_alignment(offsets: list[int], element_bytes: int) -> int:
+def column_alignment(offsets: list[int], element_bytes: float) -> int:
     """The largest power of two (at most 16 bytes' worth of elements) dividing every packed column offset (and so
-    every rank): the kernels round offsets and ranks to it, which lets the compiler prove 16-byte loads aligned."""
-    align = max(1, 16 // element_bytes)
+    every rank): the kernels round offsets and ranks to it, which lets the compiler prove 16-byte loads aligned.
+    element_bytes may be a fraction (half a byte per 4-bit code)."""
+    align = max(1, int(16 / element_bytes))
     while align > 1 and any(o % align for o in offsets):
         align //= 2
     return align
@@ -181,13 +203,14 @@ def merge_splits(ws: Workspace, output: torch.Tensor, out_offsets: torch.Tensor,
     """Write output[b, out_offsets[h] : + out_widths[h]] = the merged splits of query head h (output: [B, C], unit
     last stride). split_counts[h]: how many of the workspace's splits head h's programs wrote."""
     batch, heads, splits, _ = ws.acc.shape
-    block_d = min(MERGE_BLOCK_D, pow2(max_width))
+    split_tile = pow2(splits, floor=2)
+    block_d = min(pow2(max_width), max(16, MERGE_TILE // split_tile))
     grid = (heads, batch, max(1, -(-max_width // block_d)))
     _merge_kernel[grid](
         ws.acc, ws.running_max, ws.normaliser, output, out_offsets, out_widths, split_counts,
         ws.acc.stride(0), ws.acc.stride(1), ws.acc.stride(2), ws.running_max.stride(0), ws.running_max.stride(1),
         output.stride(0),
-        SPLITS=pow2(splits, floor=2), BLOCK_D=block_d, num_warps=4,
+        SPLITS=split_tile, BLOCK_D=block_d, num_warps=4,
     )
 
 
