@@ -231,9 +231,19 @@ class CompressedAttention(nn.Module):
                       past_len: int) -> torch.Tensor:
         """attend_coded on CUDA: the Triton kernel dequantises each block in registers (latent keys rebuilt and
         rotated there too, with the cache indices' cos/sin)."""
+        batch, q_len, _ = query.shape
+        if not self.mode.rebuilds_keys and q_len == 1 and readout.keys is not None and coded_flash_decode_fits(
+                readout.layout.block_tokens):
+            # One decode token over coded blocks: flash-decoding (the coded blocks split across programs).
+            from kvrewrite.runtime.kernels.flash_decode_coded import coded_flash_decode
+
+            keep = boolean_mask(attention_mask, 1, readout.length, query.device)
+            keep = keep.expand(batch, 1, 1, readout.length)[:, 0, 0]
+            return coded_flash_decode(query[:, 0], readout.layout, readout.keys, readout.values,
+                                      readout.key_window[:, 0], readout.value_window[:, 0], keep, None, None,
+                                      self.scaling, self.layout)[:, None]
         if not self.mode.rebuilds_keys:
             return triton_coded.triton_coded_attention(query, readout, attention_mask, self.scaling, self.layout)
-        batch, q_len, _ = query.shape
         positions = torch.arange(readout.length, device=query.device)[None]
         cos, sin = self._rotary[0](query, positions)  # [1, S, d]
         heads = self._apply_rope(self._heads(query, self.num_heads), cos[:, past_len : past_len + q_len],
@@ -313,6 +323,13 @@ class CompressedAttention(nn.Module):
         out = latent_flash_decode(q[:, :, 0].reshape(batch, -1), key_latent[:, 0], value[:, 0], keep, None,
                                   self.scaling, self.layout, self.k_up, cos, sin)
         return out[:, None]
+
+
+def coded_flash_decode_fits(block_tokens: int) -> bool:
+    """The codec flash-decoding kernel reads whole key tiles: blocks of a power of two tokens, at least 16 on a GPU."""
+    from kvrewrite.runtime.kernels.flash_decode_splits import interpreting
+
+    return block_tokens & (block_tokens - 1) == 0 and (block_tokens >= 16 or interpreting())
 
 
 def packed_attention_forward(module: CompressedAttention, query, key, value, attention_mask, scaling, **kwargs):
