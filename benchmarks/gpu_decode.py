@@ -18,7 +18,8 @@ Forms (`--forms`):
 - stock-dynamic: the same on a DynamicCache (what generate() uses by default);
 - freq / post-rope / latent: kvrewrite per-head forms at p = 0.5 (key and value rank half the head dim on every KV
   head), on the cache kvrewrite's generate() builds (runtime.inplace_cache, sized for the run);
-- mla: DeepseekV3 with kvrewrite's absorbed attention (runtime.mla), latent + RoPE widths per shape.
+- mla: DeepseekV3 with kvrewrite's absorbed attention (runtime.mla), latent + RoPE widths per shape;
+- int4: the per-head `freq` form at full rank (p = 0) with the int4 codec (KIVI blocks read in place).
 Attention time is the wall time of each form's attention call (stock: the sdpa function; per-head: the packed or
 latent attention; mla: the absorbed attention), CUDA events on a GPU; its bandwidth is the bytes of the filled
 cache that call must read over that time.
@@ -49,7 +50,7 @@ SHAPES = {
     "smollm2": dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
                     head_dim=64, vocab_size=49152, rope_theta=100000.0, mla=(128, 64)),
 }
-FORMS = ("stock-static", "stock-compiled", "stock-dynamic", "freq", "post-rope", "latent", "mla")
+FORMS = ("stock-static", "stock-compiled", "stock-dynamic", "freq", "post-rope", "latent", "mla", "int4")
 PER_HEAD_RATE = 0.5
 GPU_CONFIGS = "1x32768,16x8192,64x8192,8x32768"
 # Nominal memory bandwidth (bytes/s) of the parts the lent machines have, for the "share of peak" column.
@@ -119,12 +120,15 @@ def build_model(form: str, shape: dict, layers: int, device: torch.device, dtype
                     rope_parameters={"rope_type": "default", "rope_theta": shape["rope_theta"]})
                 mla._attn_implementation = "sdpa"
                 return absorb_attention(DeepseekV3ForCausalLM(mla)).eval()
-            spec = per_head_spec(config, form)
+            spec = per_head_spec(config, "freq" if form == "int4" else form)
             config_class, model_class = COMPRESSED_FAMILIES["kvrewrite_llama"]
             fields = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "transformers_version")}
             model = model_class(config_class(**fields, kvrewrite=spec.to_dict())).eval()
     finally:
         torch.set_default_dtype(previous)
+    if form == "int4":  # full-rank latents, coded
+        model.set_kv_codec("int4")
+        return model
     d, n_kv = config.head_dim, config.num_key_value_heads
     rank = int(round(d * (1 - PER_HEAD_RATE)))
     model.set_ranks([[rank] * n_kv] * layers, [[rank] * n_kv] * layers)
@@ -162,6 +166,12 @@ def filled_cache(model, form: str, batch: int, context: int, capacity: int, devi
             cache.layers[i].capacity = capacity  # as generate() sizes it
             cache_latent_rows(cache, i, rand(batch, 1, context, cfg.kv_lora_rank + cfg.qk_rope_head_dim))
         return cache
+    if form == "int4":  # the codec cache generate() builds; the prefill's blocks coded as it codes them
+        cache = model.make_kv_cache()
+        for i, attn in enumerate(model.compressed_attentions()):
+            cache.update_coded(rand(batch, 1, context, sum(attn.key_ranks)),
+                               rand(batch, 1, context, sum(attn.value_ranks)), i)
+        return cache
     cache = in_place_cache(cfg, capacity=capacity)  # what kvrewrite's generate() builds
     for i, attn in enumerate(model.compressed_attentions()):
         order = attn.cache_order(cache, device)
@@ -178,6 +188,8 @@ def filled_bytes(model, form: str, batch: int, context: int, dtype) -> int:
         per_token = 2 * cfg.num_key_value_heads * cfg.head_dim * cfg.num_hidden_layers
     elif form == "mla":
         per_token = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * cfg.num_hidden_layers
+    elif form == "int4":  # 4-bit codes plus the per-block scales: measured on a filled cache by the caller
+        return -1
     else:
         per_token = model.kv_elements_per_token()
     return per_token * batch * context * element
@@ -245,6 +257,8 @@ def attention_timers(form: str, watch: Stopwatch):
         return [patched(AbsorbedMLAAttention, "_absorbed", method)]
     if form == "latent":
         return [patched(CompressedAttention, "_latent_attention", method)]
+    if form == "int4":
+        return [patched(CompressedAttention, "attend_coded", method)]
     return [patched(ALL_ATTENTION_FUNCTIONS._global_mapping, PACKED_ATTENTION, method)]
 
 
@@ -296,9 +310,10 @@ def measure_config(runs: dict, batch: int, context: int, args, device, dtype) ->
         except torch.OutOfMemoryError:
             rows[form] = {"batch": batch, "context": context, "error": "out of memory filling the cache"}
             continue
-        rows[form] = {"batch": batch, "context": context,
-                      "cache_bytes_read": filled_bytes(run.model, form, batch, context, dtype),
-                      "cache_bytes_held": cache_tensor_bytes(caches[form])}
+        held = cache_tensor_bytes(caches[form])
+        must_read = filled_bytes(run.model, form, batch, context, dtype)
+        rows[form] = {"batch": batch, "context": context, "cache_bytes_read": held if must_read < 0 else must_read,
+                      "cache_bytes_held": held}
         times[form] = ([], [])
     g = torch.Generator(device=device).manual_seed(1)
     vocab = next(iter(runs.values())).model.config.vocab_size
