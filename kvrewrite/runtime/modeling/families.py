@@ -87,26 +87,33 @@ def compressed_family(adapter: ArchitectureAdapter) -> tuple[type, type]:
 
         def make_kv_cache(self):
             """The cache this model generates with: a TieredCache with a tier policy, a CodecCache when a codec is
-            set, else a DynamicCache."""
+            set, else a cache that appends in place (runtime.inplace_cache)."""
             from kvrewrite.runtime.codecs import make_codec_cache
-            from kvrewrite.runtime.modeling.dynamic_cache import plain_cache
+            from kvrewrite.runtime.inplace_cache import in_place_cache
 
             if self.tier_policy is not None:
                 from kvrewrite.runtime.tiers.build import make_tiered_cache
 
                 return make_tiered_cache(self, self.tier_policy)
             if self.kv_codec is None:
-                return plain_cache(self.config)  # counts tokens even where a layer keeps no key dims
+                return in_place_cache(self.config)
             return make_codec_cache(self.kv_codec, *self._layer_ranks(), self.kv_codec_tables)
 
-        def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
-            # generate() without a user cache: this model's own cache (codec, tiers, or a plain one that counts tokens
-            # where a layer keeps no key dims), so no extra code is needed.
-            if (model_kwargs.get("past_key_values") is None
-                    and generation_config.use_cache is not False and generation_config.cache_implementation is None):
-                model_kwargs["past_key_values"] = self.make_kv_cache()
+        def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode=None,
+                                          batch_size=None, max_cache_length=None, *args, **kwargs):
+            # generate() without a user cache or a cache_implementation: the configured codec or tiered cache, else
+            # an in-place cache sized for this call's max_length (runtime.inplace_cache), so no extra code is needed.
+            if (model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False
+                    and generation_config.cache_implementation is None):
+                if self.kv_codec is not None or self.tier_policy is not None:
+                    model_kwargs["past_key_values"] = self.make_kv_cache()
+                    return
+                from kvrewrite.runtime.inplace_cache import in_place_cache
+
+                model_kwargs["past_key_values"] = in_place_cache(self.config, capacity=max_cache_length)
                 return
-            return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+            return super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, batch_size,
+                                                         max_cache_length, *args, **kwargs)
 
         @classmethod
         def from_pretrained(
