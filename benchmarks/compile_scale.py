@@ -105,6 +105,7 @@ def main() -> None:
         if value is not None:
             compress += [flag, str(value)]
     print("running:", shlex.join(compress))
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     run = subprocess.run(["/usr/bin/time", "-v", *compress], env=env, capture_output=True, text=True)
     if run.returncode != 0:
@@ -115,7 +116,6 @@ def main() -> None:
     source_bytes = LazyCheckpoint(model_dir).total_bytes()
     timings = dict(report["timings_s"])
     total = timings.pop("total")
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     record = {
         "command": shlex.join(["/usr/bin/time", "-v", *compress]),
         "benchmark_command": shlex.join(["python", "benchmarks/compile_scale.py", *sys.argv[1:]]),

@@ -87,6 +87,8 @@ def main() -> None:
 
     from kvrewrite.io.sources import bundled_smollm2_path
 
+    # The commit whose code runs: read before the minutes of generation, in which the tree may move on.
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     tokenizer = AutoTokenizer.from_pretrained(bundled_smollm2_path())
     config = shape_config(args.shape, args.layers)
     torch.manual_seed(0)
@@ -107,7 +109,6 @@ def main() -> None:
         lambda: synthetic._generate(model, tokenizer, args.tokens, 0, new_settings, args.batch_size), tokenizer)
     print("static-cache decoder, bfloat16:", runs["static_cache_bfloat16"])
     base = runs["generate_float32"]["tokens_per_s"]
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "")
     record = {
         "command": " ".join([f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '')}", "python", *sys.argv]),

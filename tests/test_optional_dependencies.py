@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from tiny_models import save_tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,7 +37,8 @@ def tiny_dir(tmp_path_factory) -> Path:
 def test_compress_with_synthetic_calibration_needs_no_optional_package(tiny_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     run = _kvrewrite(["compress", str(tiny_dir), "-o", str(out), "--target-rate", "0.5", "--calibration", "synthetic",
-                      "--calib-tokens", "256", "--seq-len", "64", "--verify-tokens", "32"], OPTIONAL, tmp_path / "cache")
+                      "--calib-tokens", "256", "--seq-len", "64", "--verify-tokens", "32"],
+                     OPTIONAL, tmp_path / "cache")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads((out / "compress_report.json").read_text())
     assert report["calibration"]["source"] == "synthetic" and report["calibration"]["tokens"] == 256

@@ -54,8 +54,9 @@ def _generate_alone(model: Any, prompt: list[int], text_id: int, seed: int, max_
     config = GenerationConfig(do_sample=False, max_new_tokens=max_new, repetition_penalty=SAMPLING.repetition_penalty,
                               pad_token_id=eos, eos_token_id=[eos])
     with torch.inference_mode():
-        out = model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             generation_config=config, logits_processor=[Draw()])
+        ids = torch.tensor([prompt])
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config,
+                             logits_processor=[Draw()])
     row = out[0, len(prompt):].tolist()
     return row[: row.index(eos)] if eos in row else row
 
@@ -71,7 +72,7 @@ def test_batched_static_cache_decoding_matches_generate_one_text_at_a_time(smoll
     free_run = _generate_alone(model, prompts[2], 9, seed, max_new, eos=-1 % 49152)
     eos = free_run[max_new // 2]
     first = free_run.index(eos)
-    reference = [_generate_alone(model, p, t, seed, max_new, eos) for p, t in zip(prompts, text_ids)]
+    reference = [_generate_alone(model, p, t, seed, max_new, eos) for p, t in zip(prompts, text_ids, strict=True)]
     assert len(reference[2]) == first < max_new
 
     with torch.inference_mode():

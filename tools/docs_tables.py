@@ -2,7 +2,7 @@
 
 A doc holds a rendered table as a block naming its result file(s) and the renderer that draws it:
 
-    <!-- table: benchmarks/results/demo_smollm2.json template=demo -->
+    <!-- table: benchmarks/results/demo_smollm2_full.json template=demo -->
     | ... rendered, not edited by hand ... |
     <!-- /table -->
 

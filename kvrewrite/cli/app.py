@@ -326,7 +326,7 @@ def demo(
     output: Path = typer.Option(Path("kvrewrite-demo"), "--output", "-o", help="Where the demo writes its checkpoints and results."),
     rates: str = typer.Option("0.5", help="Rates of the default checkpoint to evaluate (one checkpoint serves them all)."),
     calib_tokens: int = typer.Option(16384, "--calib-tokens", help="Calibration tokens (wiki calibration articles)."),
-    eval_tokens: int = typer.Option(8192, "--eval-tokens", help="Held-out wiki tokens for perplexity."),
+    eval_tokens: int = typer.Option(4096, "--eval-tokens", help="Held-out wiki tokens for perplexity."),
     mla: bool = typer.Option(False, "--mla", help="Also export and evaluate the allocated MLA form (several minutes more)."),
 ) -> None:
     """Compress the bundled SmolLM2-135M with the defaults, evaluate it and the best recipe at a quarter of the fp16 cache against the original, print the table."""

@@ -63,11 +63,12 @@ def run_demo(output: Path, rates: list[float], calib_tokens: int, eval_tokens: i
             models[label], model_rates[label] = load(output / name, rate=rate), rate
     baseline = shared.original_model()
     console.print(f"evaluating {len(models) + 1} variants and the original on {windows.numel()} held-out wiki tokens")
-    results = evaluate_many(models, windows, baseline=baseline)
+    # One window per forward: the [window, 512, 49K] float32 logits of a bigger batch would double the peak memory.
+    results = evaluate_many(models, windows, baseline=baseline, batch_size=1)
     del models
     # Eviction acts between forwards: scored by chunked prefill through the cache (the original by the same chunks).
     quarter = evaluate_many({QUARTER_VARIANT: load(output / DEFAULT_VARIANT, **QUARTER_OPTIONS)}, windows,
-                            baseline=baseline, chunk=CODEC_EVAL_CHUNK)
+                            baseline=baseline, batch_size=1, chunk=CODEC_EVAL_CHUNK)
     model_rates[QUARTER_VARIANT] = QUARTER_OPTIONS["rate"]
     rows = result_rows("SmolLM2-135M-Instruct", {**results, **quarter}, model_rates)
     console.print(eval_table(rows, title=f"SmolLM2-135M on held-out wiki ({windows.numel()} tokens)"))
