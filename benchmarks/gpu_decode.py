@@ -426,14 +426,14 @@ def main() -> None:
         except Exception as exc:  # one form failing must not lose the others
             record["results"][form] = [{"error": f"{type(exc).__name__}: {exc}"[:500]}]
             print(f"{form}: failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+    out = args.out or (RESULTS / f"gpu_decode_{'small' if args.small else device.type}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
     for batch, context in configs:
         for form, row in measure_config(runs, batch, context, args, device, dtype).items():
             record["results"][form].append(row)
-    add_ratios(record["results"])
+        add_ratios(record["results"])
+        out.write_text(json.dumps(record, indent=1) + "\n")  # after every configuration: a later crash keeps these
     print_table(record)
-    out = args.out or (RESULTS / f"gpu_decode_{'small' if args.small else device.type}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {out}")
     if args.plot:
         plot(record, out.with_suffix(".png"))
