@@ -397,7 +397,18 @@ def main() -> None:
                         help="CI-sized shapes on CPU: SmolLM2 shapes, 2 layers, 2 x 256 and 4 x 512")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--plot", action="store_true", help="also write tokens/s against context as OUT.png")
+    parser.add_argument("--note", default=None, help="recorded as machine_note (e.g. what else ran on the machine)")
+    parser.add_argument("--replot", type=Path, nargs="+", default=None,
+                        help="only redraw the plot from these result files (their forms' points joined) into --out")
     args = parser.parse_args()
+    if args.replot:
+        records = [json.loads(path.read_text()) for path in args.replot]
+        joined = {**records[0], "results": {}}
+        for record in records:
+            for form, rows in record["results"].items():
+                joined["results"].setdefault(form, []).extend(rows)
+        plot(joined, args.out or args.replot[0].with_suffix(".png"))
+        return
     if args.small:
         args.device, args.shape, args.layers = "cpu", "smollm2", 2
         args.configs = args.configs or "2x256,4x512"
@@ -413,7 +424,8 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown forms {unknown}; choose from {', '.join(FORMS)}")
     shape = SHAPES[args.shape]
-    record = {**provenance(args, device), "results": {form: [] for form in forms}}
+    record = {**provenance(args, device), **({"machine_note": args.note} if args.note else {}),
+              "results": {form: [] for form in forms}}
     runs, stock_model = {}, None
     for form in forms:
         try:

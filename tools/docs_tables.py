@@ -324,7 +324,8 @@ def gpu_decode_table(record: dict) -> Table:
                          format(r["attention_bandwidth_GBps"], ".1f") if "attention_bandwidth_GBps" in r else ""])
     header = ["form", "batch x context", "tokens/s", "vs stock static", "vs stock compiled", "cache bytes",
               "attention GB/s"]
-    return Table(markdown(header, rows), tuple(derived))
+    kept = [i for i in range(len(header)) if i < 3 or any(row[i] for row in rows)]  # no column left empty
+    return Table(markdown([header[i] for i in kept], [[row[i] for i in kept] for row in rows]), tuple(derived))
 
 
 @renderer("prefill-cpu")
