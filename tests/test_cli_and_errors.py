@@ -77,7 +77,7 @@ def test_interrupted_compile_leaves_no_output(tmp_path, monkeypatch):
     def interrupt(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("kvrewrite.compile.passes.emit.write_checksums", interrupt)  # Ctrl-C during the final write
+    monkeypatch.setattr("kvrewrite.compile.passes.emit.write_manifest", interrupt)  # Ctrl-C during the final write
     with pytest.raises(KeyboardInterrupt):
         run_pipeline(Plan(model=str(src), output=tmp_path / "out", progress=False), tiny_pipeline())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
@@ -193,3 +193,33 @@ def test_recent_window_option_rejects_bad_values():
     with pytest.raises(InvalidArgumentError, match=">= 0"):
         _parse_windows("64,-1")
     assert _parse_windows("0, 64,128") == [0, 64, 128]
+
+
+def test_compress_help_groups_its_options_in_panels():
+    """`compress --help` shows its ~50 options in titled panels, every option in exactly one, none left in the
+    catch-all Options panel (which keeps only --help)."""
+    import re
+
+    from kvrewrite.cli.compress_options import PLAN_OPTIONS
+
+    result = runner.invoke(app, ["compress", "--help"], env={"COLUMNS": "200", "TERMINAL_WIDTH": "200"})
+    assert result.exit_code == 0, result.output
+    panels: dict[str, list[str]] = {}
+    for line in result.output.splitlines():
+        if title := re.match(r"╭─ (.+?) ─", line):
+            current = panels.setdefault(title.group(1), [])
+        elif flag := re.match(r"│\s+\*?\s*(--[a-z0-9-]+)", line):
+            current.append(flag.group(1))
+    assert panels.pop("Options") == ["--help"]
+    panels.pop("Arguments")
+    where = {flag: title for title, flags in panels.items() for flag in flags}
+    assert sum(len(flags) for flags in panels.values()) == len(where)  # no option in two panels
+    own = {"--dry-run", "--push-to-hub", "--hub-private", "--kv-budget"}
+    assert set(where) == {option.flag for option in PLAN_OPTIONS} | own
+    assert list(panels)[:6] == ["Rate and key modes", "Calibration", "Allocation", "Refit and distillation",
+                                "Codecs and cache budget", "Output"]
+    expected = {"--target-rate": "Rate and key modes", "--calib-tokens": "Calibration", "--calibration": "Calibration",
+                "--allocation": "Allocation", "--probe-rates": "Allocation", "--refit": "Refit and distillation",
+                "--distill-epochs": "Refit and distillation", "--kv-codec": "Codecs and cache budget",
+                "--kv-budget": "Codecs and cache budget", "--output": "Output", "--overwrite": "Output"}
+    assert {flag: where[flag] for flag in expected} == expected

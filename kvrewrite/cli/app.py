@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import signal
 import sys
 import threading
 import warnings
@@ -17,9 +16,12 @@ from rich.markup import escape
 from rich.table import Table
 
 from kvrewrite.cli.export import export_mla
-from kvrewrite.cli.compress_options import PLAN_FLAGS, cli_message, number, numbers, plan_arguments, plan_parameters, with_signature
+from kvrewrite.cli.compress_options import (
+    PANEL_OF, PLAN_FLAGS, cli_message, number, numbers, plan_arguments, plan_parameters, with_signature,
+)
 from kvrewrite.errors import InvalidArgumentError, KVRewriteError, KVRewriteWarning
 from kvrewrite.extras import PLOTS, WIKI_TEXT, require_compile_extra, require_package
+from kvrewrite.interrupts import EXIT_INTERRUPTED, INTERRUPTED_MESSAGE, Interrupted, unwind_while_running
 from kvrewrite.compile.sweep import NAMED_CONFIGS
 from kvrewrite.spec import per_head_key_ranks
 
@@ -35,11 +37,6 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
         _default_showwarning(message, category, filename, lineno, file, line)
 
 
-def _terminate(signum, frame) -> None:
-    # SIGTERM unwinds like Ctrl-C, so the atomic writers delete their temporary files on the way out.
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 _default_showwarning = warnings.showwarning
 
 
@@ -47,7 +44,8 @@ _default_showwarning = warnings.showwarning
 def _setup() -> None:
     warnings.showwarning = _show_warning
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _terminate)
+        # SIGINT and SIGTERM unwind (the atomic writers delete their temporary files), then main() says so in one line.
+        unwind_while_running()
 
 
 def _flags() -> dict[str, str]:
@@ -120,13 +118,17 @@ app.command()(with_signature(compress, [
         ..., help="Hub id (e.g. meta-llama/Llama-3.1-8B), local directory, or 'smollm2-135m' (bundled).")),
     *plan_parameters(),
     inspect.Parameter("dry_run", inspect.Parameter.KEYWORD_ONLY, annotation=bool, default=typer.Option(
-        False, "--dry-run", help="Print the plan and the pipeline, do nothing.")),
+        False, "--dry-run", help="Print the plan and the pipeline, do nothing.",
+        rich_help_panel=PANEL_OF["dry_run"])),
     inspect.Parameter("push_to_hub", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[str], default=typer.Option(
-        None, "--push-to-hub", help="Then upload the checkpoint (with a generated model card) to this Hub repo id.")),
+        None, "--push-to-hub", help="Then upload the checkpoint (with a generated model card) to this Hub repo id.",
+        rich_help_panel=PANEL_OF["push_to_hub"])),
     inspect.Parameter("hub_private", inspect.Parameter.KEYWORD_ONLY, annotation=bool, default=typer.Option(
-        False, "--hub-private", help="With --push-to-hub: create the repo private.")),
+        False, "--hub-private", help="With --push-to-hub: create the repo private.",
+        rich_help_panel=PANEL_OF["hub_private"])),
     inspect.Parameter("kv_budget", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[str], default=typer.Option(
-        None, "--kv-budget", help="Then split this share of the fp16 cache (at 4,096 tokens) across full-rank window, kept ranks, bits and re-scored eviction by calibration quality, and record it so kvrewrite.load(DIR) uses it (as `kvrewrite budget`; docs/tiers.md).")),
+        None, "--kv-budget", help="Then split this share of the fp16 cache (at 4,096 tokens) across full-rank window, kept ranks, bits and re-scored eviction by calibration quality, and record it so kvrewrite.load(DIR) uses it (as `kvrewrite budget`; docs/tiers.md).",
+        rich_help_panel=PANEL_OF["kv_budget"])),
 ]))
 
 
@@ -163,6 +165,9 @@ def evaluate_command(
     from kvrewrite.io.output_safety import check_writable_file
 
     try:
+        for flag, value, least in (("--tokens", tokens, 1), ("--seq-len", seq_len, 2), ("--chunk", chunk, 1)):
+            if value is not None and value < least:  # named as flags, before any model is loaded
+                raise InvalidArgumentError(f"{flag} {value}: give at least {least}")
         rate_list = list(numbers(rates, "--rates")) if rates else None
         codec_list = kv_codec.split(";") if kv_codec else None
         window_list = _parse_windows(recent_window) if recent_window else None
@@ -381,11 +386,14 @@ def budget(
     from kvrewrite.io.output_safety import check_writable_file
 
     try:
-        share = _budget_share(kv_budget)
+        share = _budget_share(kv_budget, context)
+        _check_budget_checkpoint(directory)
         if calibration == "wiki":
             require_package("gensim", f"kvrewrite budget --calibration wiki ({WIKI_TEXT})")
         if json_out:  # found now, not after minutes of measurement
             check_writable_file(json_out, "--json")
+        if write:  # likewise the checkpoint the split is recorded in
+            check_writable_file(directory / "token_policy.json", "recording the split (--write) in")
     except (KVRewriteError, ValueError) as exc:
         _fail(exc)
     command = " ".join(["kvrewrite budget", str(directory), f"--kv-budget {kv_budget}", f"--context {context}",
@@ -395,11 +403,34 @@ def budget(
                       write=write, json_out=json_out, command=command)
 
 
-def _budget_share(text: str) -> float:
+def _budget_share(text: str, context: int = 4096) -> float:
+    """--kv-budget as a share, refused before any work where no split can hold it at `context` tokens (--context)."""
+    from kvrewrite.compile.token_budget import DEFAULT_WINDOWS
+
     share = number(text, "--kv-budget")
     if not 0 < share <= 1:
         raise InvalidArgumentError(f"--kv-budget must be a share of the fp16 cache in (0, 1], got {text}")
+    longest, shortest = max(DEFAULT_WINDOWS), min(DEFAULT_WINDOWS)
+    if context <= longest:
+        raise InvalidArgumentError(f"--context {context}: every split keeps a full-rank window of up to {longest} tokens; "
+                                   f"the budget is held at a longer context (> {longest} tokens)")
+    if share < shortest / context:  # the shortest full-rank window alone, in float16, holds this share
+        raise InvalidArgumentError(f"--kv-budget {text}: no split can fit: the shortest full-rank window ({shortest} "
+                                   f"tokens) alone holds {shortest / context:.4f} of the fp16 cache at {context} tokens")
     return share
+
+
+def _check_budget_checkpoint(directory: Path) -> None:
+    """budget splits a per-head checkpoint's cache: anything else is named now, not in a traceback after loading."""
+    config_path = directory / "config.json"
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise KVRewriteError(f"{config_path}: unreadable ({exc}); is {directory} a kvrewrite checkpoint?") from None
+    if not isinstance(config, dict) or "kvrewrite" not in config:
+        from kvrewrite.runtime.mla.checkpoint import missing_spec_message
+
+        raise KVRewriteError(missing_spec_message(config_path, config if isinstance(config, dict) else {}, "budget"))
 
 
 def _split_and_report(directory: Path, share: float, json_out: Path | None = None, command: str = "", **options) -> None:
@@ -442,16 +473,15 @@ def prefill_parallel(
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the per-process results as JSON here."),
 ) -> None:
     """Sequence-parallel prefill across N local processes (gloo), shipping the packed latents; then decode on rank 0."""
-    from kvrewrite.cli.prefill_parallel import run
+    from kvrewrite.cli.prefill_parallel import read_prompt, run
 
     try:
-        if not prompt_file.is_file():
-            raise InvalidArgumentError(f"--prompt-file {prompt_file} does not exist")
+        prompt = read_prompt(prompt_file)
         if json_out is not None:
             from kvrewrite.io.output_safety import check_writable_file
 
             check_writable_file(json_out, "--json")
-        outcome = run(directory, prompt_file.read_text(), nproc, rate, new_tokens, threads, console)
+        outcome = run(directory, prompt, nproc, rate, new_tokens, threads, console)
     except (KVRewriteError, ValueError) as exc:
         _fail(exc)
     if json_out is not None:
@@ -469,7 +499,12 @@ def prefill_parallel(
 
 
 def main() -> None:
-    app()
+    unwind_while_running()
+    try:
+        app()
+    except Interrupted:
+        print(INTERRUPTED_MESSAGE, file=sys.stderr)
+        sys.exit(EXIT_INTERRUPTED)
 
 
 if __name__ == "__main__":

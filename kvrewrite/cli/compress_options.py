@@ -81,7 +81,7 @@ class PlanOption:
         return "--" + self.field.replace("_", "-")
 
 
-# In the order `kvrewrite compress --help` lists them.
+# In the order `kvrewrite compress --help` lists them within each of its panels (PANELS).
 PLAN_OPTIONS: tuple[PlanOption, ...] = (
     PlanOption("target_rate", "Share of KV-cache elements removed, in [0, 1) (0.5, not 50%).", short=("-p",), parse=number),
     PlanOption("output", "Output directory (default: <model>-kvrewrite-pNN; with a quality budget, whose rate is only known at the end, <model>-kvrewrite-ppl5 / -kl0.05).", short=("-o",)),
@@ -130,6 +130,23 @@ PLAN_OPTIONS: tuple[PlanOption, ...] = (
     PlanOption("balance_values", "Exponent ALPHA in [0, 2] (0: off): scale each value latent dim by its o_proj column norm^ALPHA, folded exactly into v_proj/o_proj, so a value codec (int2) costs less; every rate keeps it (docs/codecs.md)."),
 )
 
+# The panels `kvrewrite compress --help` groups its options in, in this order; within a panel, PLAN_OPTIONS' order.
+PANELS: dict[str, tuple[str, ...]] = {
+    "Rate and key modes": ("target_rate", "objective", "rope_mode", "prefer", "key_mode_cost"),
+    "Calibration": ("calibration", "calib_tokens", "seq_len", "batch_size", "reduce", "kmeans_clusters",
+                    "kmeans_keep_share", "seed"),
+    "Allocation": ("allocation", "min_rank", "rank_multiple", "rate_grid", "max_ppl_increase", "max_kl",
+                   "budget_tokens", "value_metric", "fisher_tokens", "fisher_shrink", "probe_rates", "probe_windows"),
+    "Refit and distillation": ("sequential_statistics", "refit", "refit_tokens", "refit_ridge", "distill",
+                               "distill_tokens", "distill_epochs", "distill_lr", "distill_rates"),
+    "Codecs and cache budget": ("kv_codec", "kv_bits_budget", "balance_values", "kv_budget"),
+    "Output": ("output", "overwrite", "max_shard_size", "verify_tokens", "verify_tolerance", "dry_run", "push_to_hub",
+               "hub_private"),
+    "Source and hardware": ("revision", "device", "dtype"),
+}
+# Option (Plan field, or the command's own parameter) -> its panel.
+PANEL_OF = {name: panel for panel, names in PANELS.items() for name in names}
+
 # Plan fields `kvrewrite compress` does not offer as options, and why.
 LIBRARY_ONLY: dict[str, str] = {
     "model": "the command's MODEL argument, not an option",
@@ -153,7 +170,9 @@ def plan_parameters() -> list[inspect.Parameter]:
     hints = typing.get_type_hints(Plan)
     defaults = {f.name: f.default for f in dataclasses.fields(Plan)}
     parameters = []
-    for option in PLAN_OPTIONS:
+    panels = list(PANELS)
+    # typer draws the panels in the order their first option comes: grouped by panel, PLAN_OPTIONS' order within.
+    for option in sorted(PLAN_OPTIONS, key=lambda option: panels.index(PANEL_OF[option.field])):
         default = defaults[option.field]
         if option.parse is not None:
             annotation, shown = Optional[str] if default is None else str, None if default is None else option.show(default)
@@ -162,7 +181,8 @@ def plan_parameters() -> list[inspect.Parameter]:
             annotation, shown = Optional[base] if default is None else base, default
         flags = (option.flag, *option.short)
         parameters.append(inspect.Parameter(option.field, inspect.Parameter.KEYWORD_ONLY, annotation=annotation,
-                                            default=typer.Option(shown, *flags, help=option.help)))
+                                            default=typer.Option(shown, *flags, help=option.help,
+                                                                 rich_help_panel=PANEL_OF[option.field])))
     return parameters
 
 

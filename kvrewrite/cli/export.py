@@ -154,7 +154,12 @@ def export_mla(
              kv_lora_rank, qk_rope_head_dim, distilling, allocation, position_free_queries=position_free_queries,
              rate_refit=rate_refit)
     except (KVRewriteError, ValueError) as exc:
-        console.print(f"[bold red]error:[/] {escape(str(exc))}")
+        from kvrewrite.cli.compress_options import PLAN_FLAGS, cli_message
+
+        # The library names parameters (`distill_tokens`); the command line says them as its flags.
+        flags = {**PLAN_FLAGS, "output": "--output", "overwrite": "--overwrite", "kv_share": "--kv-share",
+                 "position_free_queries": "--position-free-queries", "verify_tokens": "--verify-tokens"}
+        console.print(f"[bold red]error:[/] {escape(cli_message(str(exc), flags))}")
         raise typer.Exit(code=2) from None
 
 
@@ -173,12 +178,18 @@ def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, 
     from kvrewrite.io.sources import resolve_model_source
     from kvrewrite.compile.plan import Plan
     from kvrewrite.errors import InvalidArgumentError
-    from kvrewrite.io.output_safety import check_output_location
+    from kvrewrite.compile.passes.pipeline import prepare_output
     from kvrewrite.progress import progress_bar
     from kvrewrite.spec import rate_key
 
     if dtype not in DTYPES:
         raise InvalidArgumentError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if key_weight is not None and not 0 < key_weight < float("inf"):
+        raise InvalidArgumentError(f"--key-weight {key_weight}: the key side's weight against the value side must be a "
+                                   "positive number")
+    if verify_tokens < 1:
+        raise InvalidArgumentError(f"--verify-tokens {verify_tokens}: the checks at the end compare logits on at "
+                                   "least 1 calibration token")
     if not 0 < kv_share <= 1:
         raise InvalidArgumentError(f"--kv-share must be in (0, 1], got {kv_share}")
     plan = Plan(model=model, calibration=calibration, calib_tokens=calib_tokens, output=output, overwrite=overwrite,
@@ -214,7 +225,7 @@ def _run(model, output, kv_share, calib_tokens, calibration, dtype, key_weight, 
                                             geometry.num_layers)
     elif rate_refit is not None:
         check_rate_latents(rate_refit.rates, values, widths.qk_rope_head_dim, "--refit-rates")
-    check_output_location(output, source=None, overwrite=overwrite)
+    prepare_output(Path(output), plan)  # leftovers of interrupted exports, then a safe, writable location
     prepared = prepare_source(plan, position_free_queries=position_free_queries)
     ctx = prepared.ctx
     chosen = getattr(torch, DTYPES[dtype]) if DTYPES[dtype] else _source_dtype(ctx.config)
