@@ -117,6 +117,7 @@ def test_nonzero_weights_beyond_a_recorded_width_are_refused(deep, allocated, tm
     from safetensors.torch import load_file, save_file
 
     import kvrewrite
+    from kvrewrite.io.manifest import write_manifest
 
     out = tmp_path / "mla"
     export_at_share(deep, allocated.layers, out, dtype=torch.float32)
@@ -126,6 +127,9 @@ def test_nonzero_weights_beyond_a_recorded_width_are_refused(deep, allocated, tm
     state = load_file(shard)
     state[f"model.layers.{narrow}.self_attn.kv_b_proj.weight"][:, -1] = 1.0
     save_file(state, shard, metadata={"format": "pt"})
+    with pytest.raises(CorruptCheckpointError, match="corrupt or modified"):  # the manifest sees the edit first
+        kvrewrite.load(out)
+    write_manifest(out)  # re-signed, as whoever edited it would: the width check still refuses the weights
     with pytest.raises(CorruptCheckpointError, match="not zero"):
         kvrewrite.load(out)
 
