@@ -136,12 +136,16 @@ def test_nonzero_weights_beyond_a_recorded_width_are_refused(deep, allocated, tm
 
 def test_a_malformed_width_list_is_refused(deep, allocated, tmp_path):
     import kvrewrite
+    from kvrewrite.io.manifest import write_manifest
 
     out = tmp_path / "mla"
     export_at_share(deep, allocated.layers, out, dtype=torch.float32)
     config = json.loads((out / "config.json").read_text())
     config["kvrewrite_mla"]["kv_lora_ranks"] = [config["kv_lora_rank"] + 1] * config["num_hidden_layers"]
     (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CorruptCheckpointError, match="corrupt or modified"):  # the manifest sees the edit first
+        kvrewrite.load(out)
+    write_manifest(out)  # re-signed, as whoever edited it would: the marker's own check still refuses it
     with pytest.raises(CorruptCheckpointError, match="kv_lora_ranks"):
         kvrewrite.load(out)
 
