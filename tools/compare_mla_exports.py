@@ -33,8 +33,8 @@ def compare_files(before: Path, after: Path) -> dict:
         if name.endswith(".safetensors"):
             a, b = load_file(str(before / name)), load_file(str(after / name))
             tensors += len(a)
-            different += [f"{name}:{key}" for key in sorted(set(a) | set(b))
-                          if key not in a or key not in b or a[key].dtype != b[key].dtype or not torch.equal(a[key], b[key])]
+            different += [f"{name}:{key}" for key in sorted(set(a) | set(b)) if key not in a or key not in b
+                          or a[key].dtype != b[key].dtype or not torch.equal(a[key], b[key])]
         elif name == "config.json":
             if json.loads((before / name).read_text()) != json.loads((after / name).read_text()):
                 different.append(name)
@@ -84,9 +84,9 @@ def main() -> None:
         print(name, json.dumps(pairs[name]["max_abs_logit_difference"]), "different:",
               pairs[name]["tensors_or_configs_different"])
     record = {
-        "what": "the same export-mla settings run before and after the MLA compiler became kvrewrite.export_mla(source, "
-                "MLAPlan): every tensor compared bit for bit, and the logits of both checkpoints loaded by "
-                "kvrewrite.load on held-out wiki windows",
+        "what": "the same export-mla settings run before and after the MLA compiler became "
+                "kvrewrite.export_mla(source, MLAPlan): every tensor compared bit for bit, and the logits of both "
+                "checkpoints loaded by kvrewrite.load on held-out wiki windows",
         "command": " ".join(sys.argv),
         "before": {"commit": args.before_commit, "command": args.command_before},
         "after": {"commit": args.after_commit, "command": args.command_after},

@@ -89,7 +89,8 @@ class MLAPlan:
         if refit == "none" and self.refit_tokens is not None:
             raise InvalidArgumentError("`refit_tokens` only applies with `refit=output` or output-local")
         if refit == "none" and self.refit_rates:
-            raise InvalidArgumentError("`refit_rates` refits o_proj at each rate; it needs `refit=output` or output-local")
+            raise InvalidArgumentError("`refit_rates` refits o_proj at each rate; it needs `refit=output` or "
+                                       "output-local")
         if self.dtype not in DTYPES:
             raise InvalidArgumentError(f"`dtype` must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not 0 < self.kv_share <= 1:
@@ -118,15 +119,16 @@ class MLAPlan:
         first = self.distill_rates[0]
         if round(1 - self.kv_share, 4) != round(first, 4):
             raise InvalidArgumentError(f"`distill_rates` starts at {first:g}: export at `kv_share={1 - first:g}`, the "
-                                       "widest rate it trains, so every trained rate is a prefix of the exported widths")
+                                       "widest rate it trains, so every trained rate is a prefix of the exported "
+                                       "widths")
 
     def _check_refit_rates(self) -> None:
         """The widest refitted rate is the export's own (1 - kv_share); with a nested distillation every one lies
         within its rates, refitted after the training."""
         rates, nested = self.refit_rates, self.distill_rates
         if (self.distill and not nested) or self.kv_lora_rank is not None:
-            raise InvalidArgumentError("`refit_rates` refits an export at a `kv_share`, training-free or after a nested "
-                                       "`distill_rates`; it does not combine with a single-rate `distill` or "
+            raise InvalidArgumentError("`refit_rates` refits an export at a `kv_share`, training-free or after a "
+                                       "nested `distill_rates`; it does not combine with a single-rate `distill` or "
                                        "`kv_lora_rank`")
         if nested and not nested[0] <= rates[-1] <= nested[-1]:
             raise InvalidArgumentError(f"`refit_rates` must lie within `distill_rates` {nested[0]:g}..{nested[-1]:g}, "
