@@ -23,10 +23,18 @@ from safetensors.torch import load_file
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
+def config_differences(a, b, path: str = "") -> list[str]:
+    """The key paths where two JSON documents differ (a training's wall time, say)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for key in sorted(set(a) | set(b))
+                for d in config_differences(a.get(key), b.get(key), f"{path}.{key}")]
+    return [] if a == b else [path]
+
+
 def compare_files(before: Path, after: Path) -> dict:
-    names = sorted(p.name for p in before.iterdir() if p.is_file())
-    other = sorted(p.name for p in after.iterdir() if p.is_file())
-    tensors, different = 0, []
+    names = sorted(str(p.relative_to(before)) for p in before.rglob("*") if p.is_file())  # side files included
+    other = sorted(str(p.relative_to(after)) for p in after.rglob("*") if p.is_file())
+    tensors, different, config = 0, [], []
     for name in names:
         if name not in other:
             continue
@@ -35,11 +43,11 @@ def compare_files(before: Path, after: Path) -> dict:
             tensors += len(a)
             different += [f"{name}:{key}" for key in sorted(set(a) | set(b)) if key not in a or key not in b
                           or a[key].dtype != b[key].dtype or not torch.equal(a[key], b[key])]
-        elif name == "config.json":
-            if json.loads((before / name).read_text()) != json.loads((after / name).read_text()):
-                different.append(name)
+        elif name.endswith(".json"):
+            config += [f"{name}{d}" for d in config_differences(json.loads((before / name).read_text()),
+                                                                json.loads((after / name).read_text()))]
     return {"files_before": names, "files_after": other, "same_file_names": names == other, "tensors": tensors,
-            "tensors_or_configs_different": different}
+            "tensors_different": different, "json_values_different": config}
 
 
 def logits_difference(before: Path, after: Path, windows: torch.Tensor) -> dict:
@@ -81,8 +89,8 @@ def main() -> None:
         windows = evaluation_token_sequences(tokenizer, args.windows * args.length, args.length, "wiki")
         pairs[name] = {"flags": dict(args.setting).get(name), **compare_files(before, after),
                        "max_abs_logit_difference": logits_difference(before, after, windows)}
-        print(name, json.dumps(pairs[name]["max_abs_logit_difference"]), "different:",
-              pairs[name]["tensors_or_configs_different"])
+        print(name, json.dumps(pairs[name]["max_abs_logit_difference"]), "tensors different:",
+              pairs[name]["tensors_different"], "json values different:", pairs[name]["json_values_different"])
     record = {
         "what": "the same export-mla settings run before and after the MLA compiler became "
                 "kvrewrite.export_mla(source, MLAPlan): every tensor compared bit for bit, and the logits of both "
