@@ -136,7 +136,7 @@ def main() -> None:
         "key_weight": args.key_weight,
         "position_free_queries": args.position_free_queries,
         "export_dtype": "float32",
-        "compare_with": "benchmarks/results/demo_smollm2.json: latent (kvrewrite-optimal) p=0.50 -> 33.29 (+35.7%)",
+        "compare_with": "benchmarks/results/demo_smollm2_full.json: latent (kvrewrite-optimal) p=0.50 -> 33.29 (+35.7%)",
         "rows": rows,
         "total_time_s": round(time.perf_counter() - started, 1),
     }

@@ -12,7 +12,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvrewrite.runtime.load import register as _register
+from kvrewrite import interrupts as _interrupts
+
+if _interrupts.started_as_console_script():  # a Ctrl-C during the imports below is one line, not a traceback
+    _interrupts.exit_while_importing()
+
+from kvrewrite.runtime.load import register as _register  # noqa: E402
 
 _register()
 

@@ -122,7 +122,27 @@ class CompressionSpec:
             raise InvalidArgumentError(
                 f"rate {rate} is not in this checkpoint's rate table; available: {available}"
             )
+        self._check_rate_entry(rate_key(rate), entry)
         return entry["key"], entry["value"]
+
+    def _check_rate_entry(self, key: str, entry) -> None:
+        """A recorded rate-table entry holds, per layer and KV head, whole-number ranks the layer can serve: checked on
+        every path that reads one (the token tiers too), so an edited entry fails here, not in the first forward."""
+        where = f"the rate table's entry for rate {key}"
+        if not isinstance(entry, dict) or not all(isinstance(entry.get(side), list) for side in ("key", "value")):
+            raise CorruptCheckpointError(f"{where} must hold 'key' and 'value' rank lists, got {entry!r}")
+        for side in ("key", "value"):
+            per_layer = entry[side]
+            if len(per_layer) != self.num_layers:
+                raise CorruptCheckpointError(f"{where} lists {side} ranks for {len(per_layer)} layers; the model has "
+                                             f"{self.num_layers}")
+            for i, ranks in enumerate(per_layer):
+                if not isinstance(ranks, list) or not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
+                    raise CorruptCheckpointError(f"{where}: layer {i} {side} ranks {ranks!r} are not whole numbers")
+        try:
+            self.with_ranks(entry["key"], entry["value"], float(key))
+        except CorruptCheckpointError as exc:
+            raise CorruptCheckpointError(f"{where} is invalid: {str(exc).removeprefix('invalid kvrewrite compression spec: ')}") from None
 
     # ---- checks and serialisation -------------------------------------------------------
     def validate(self) -> None:

@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 
 import kvrewrite
 from kvrewrite.io.checkpoint_io import read_safetensors_metadata, write_checksums, write_safetensors_shards
+from kvrewrite.io.manifest import write_manifest
 from kvrewrite.cli.app import app
 from kvrewrite.errors import CorruptCheckpointError, ModelSourceError
 from kvrewrite.compile.passes.pipeline import run_pipeline
@@ -225,6 +226,7 @@ def test_compiled_spec_that_does_not_match_its_tensors(compiled, tmp_path, edit)
             layer["key_ranks"] = layer["key_ranks"] * 2
             layer["value_ranks"] = layer["value_ranks"] * 2
     config_path.write_text(json.dumps(config))
+    write_manifest(ckpt)  # re-signed, as whoever edited it would: the spec comparison must still catch the edit
     text = fails_with(["eval", str(ckpt), "--no-save", "--rates", "0.5"] if edit != "num_key_value_heads" else
                       ["eval", str(ckpt), "--no-save"], str(config_path), str(ckpt / "model.safetensors"))
     assert edit in text
@@ -275,7 +277,7 @@ def test_ctrl_c_mid_emit_keeps_the_previous_output(source, tmp_path, monkeypatch
         def interrupt(*args, **kwargs):
             raise KeyboardInterrupt
 
-        monkeypatch.setattr(emit, "write_checksums", interrupt)
+        monkeypatch.setattr(emit, "write_manifest", interrupt)
     with pytest.raises(KeyboardInterrupt):
         run_pipeline(Plan(model=str(source), output=out, target_rate=0.6, overwrite=True, progress=False), tiny_pipeline())
     assert tree_digest(out) == before  # the previous compile, byte for byte

@@ -264,9 +264,9 @@ def test_synthetic_texts_count_determinism_and_cache(
 
     # Cached: a second call must not generate at all.
     def no_generate(*args: Any, **kwargs: Any) -> Any:
-        raise AssertionError("generate() called although the texts are cached")
+        raise AssertionError("the decoder ran although the texts are cached")
 
-    monkeypatch.setattr(tiny_llama, "generate", no_generate)
+    monkeypatch.setattr("kvrewrite.io.calibration_data.synthetic.decode_batch", no_generate)
     assert synthetic_texts(tiny_llama, tok, 300, seed=3) == texts
     # A different seed is a different cache entry, so it would have to generate.
     with pytest.raises(AssertionError, match="cached"):

@@ -77,7 +77,7 @@ def test_interrupted_compile_leaves_no_output(tmp_path, monkeypatch):
     def interrupt(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("kvrewrite.compile.passes.emit.write_checksums", interrupt)  # Ctrl-C during the final write
+    monkeypatch.setattr("kvrewrite.compile.passes.emit.write_manifest", interrupt)  # Ctrl-C during the final write
     with pytest.raises(KeyboardInterrupt):
         run_pipeline(Plan(model=str(src), output=tmp_path / "out", progress=False), tiny_pipeline())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]

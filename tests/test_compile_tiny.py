@@ -68,9 +68,9 @@ def test_cached_decoding_matches_one_shot_and_cache_shrinks(sources, tmp_path, g
     assert (cached - one_shot).abs().max().item() < 1e-4
 
     # The cache really holds the reduced latents: one packed pseudo-head per layer, stored column-major
-    # ([B, C, S, 1]) for the CPU rank-bucket runner, token-major rows for latent and crosshead keys (own torch attention).
+    # ([B, C, S, 1]) for the CPU rank-bucket runner and the tiled latent decode, token-major rows for crosshead keys.
     kept = ctx.spec.kept_elements_per_token
-    order = ROWS if mode in ("latent", "crosshead") else COLUMNS
+    order = ROWS if mode == "crosshead" else COLUMNS
     for layer, layer_spec in zip(cache.layers, ctx.spec.layers):
         rk, rv = sum(layer_spec.key_ranks), sum(layer_spec.value_ranks)
         assert packed_view(layer.keys).shape == (2, 1, 36, rk)

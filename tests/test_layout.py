@@ -26,8 +26,10 @@ ALLOWED = {
     "modeling": {"runtime"},
     "publish": {"errors", "spec", "extras", "io", "runtime", "progress", "key_modes"},
     "compile": {"errors", "spec", "extras", "io", "runtime", "method", "adapters", "progress", "publish", "key_modes"},
-    "cli": {"errors", "spec", "extras", "io", "runtime", "method", "adapters", "progress", "publish", "compile", "key_modes"},
-    "kvrewrite": {"runtime", "spec"},
+    "cli": {"errors", "spec", "extras", "io", "runtime", "method", "adapters", "progress", "publish", "compile", "key_modes",
+            "interrupts"},
+    "interrupts": set(),
+    "kvrewrite": {"runtime", "spec", "interrupts"},
 }
 
 

@@ -107,17 +107,22 @@ def test_a_missing_or_damaged_side_file_is_named(exported, tmp_path):
     from safetensors.torch import load_file, save_file
 
     import kvrewrite
+    from kvrewrite.io.manifest import write_manifest
 
     _, _, out = exported
     broken = tmp_path / "broken"
     shutil.copytree(out, broken)
     (broken / RATE_O_PROJ_FILE).unlink()
+    with pytest.raises(CorruptCheckpointError, match="o_proj.safetensors is listed in kvrewrite_checksums.json but missing"):
+        kvrewrite.load(broken, rate=0.3)  # the manifest lists it: a missing side file is a damaged export
+    write_manifest(broken)  # re-signed without it: the runtime's own checks remain
     with pytest.raises(CorruptCheckpointError, match="o_proj.safetensors is missing"):
         kvrewrite.load(broken, rate=0.5)
     kvrewrite.load(broken, rate=0.3)  # the widest rate needs no side file
     tensors = load_file(str(out / RATE_O_PROJ_FILE))
     del tensors[rate_o_proj_name("0.70", 1)]
     save_file(tensors, str(broken / RATE_O_PROJ_FILE))
+    write_manifest(broken)
     with pytest.raises(CorruptCheckpointError, match=rate_o_proj_name("0.70", 1).replace(".", r"\.")):
         kvrewrite.load(broken, rate=0.7)
 

@@ -212,11 +212,12 @@ def test_plain_deepseek_checkpoint_is_not_taken_for_an_export(tmp_path):
         kvrewrite.load(tmp_path)
 
 
-def test_the_growing_rows_layer_appends_in_place_and_holds_what_torch_cat_would():
+def test_the_latent_rows_append_in_place_and_hold_what_torch_cat_would():
     """Reference: stock DynamicLayer (torch.cat on every append), fed the same rows, cropped and batch-selected alike."""
     from transformers.cache_utils import DynamicCache as StockCache
 
-    from kvrewrite.runtime.mla.latent_cache import GrowingRowsLayer, cache_latent_rows, spare_rows
+    from kvrewrite.runtime.inplace_cache import InPlaceLayer, grown_capacity
+    from kvrewrite.runtime.mla.latent_cache import cache_latent_rows
 
     torch.manual_seed(0)
     ours, stock = StockCache(), StockCache()
@@ -224,19 +225,19 @@ def test_the_growing_rows_layer_appends_in_place_and_holds_what_torch_cat_would(
     cache_latent_rows(ours, 0, prefill)
     stock.update(prefill, prefill[..., :0], 0)
     layer = ours.layers[0]
-    assert isinstance(layer, GrowingRowsLayer) and type(stock.layers[0]) is not GrowingRowsLayer
-    assert layer._buffer.shape[-2] == 300  # a prefill holds exactly its rows
+    assert isinstance(layer, InPlaceLayer) and type(stock.layers[0]) is not InPlaceLayer
+    assert layer._buffers["keys"].shape[-2] == 300  # a prefill holds exactly its rows
     for step in range(20):
         row = torch.randn(2, 1, 1, 12)
         cache_latent_rows(ours, 0, row)
         stock.update(row, row[..., :0], 0)
-        if step == 0:  # the first append reallocates with spare rows ...
-            assert layer._buffer.shape[-2] == 301 + spare_rows(301) == 319
-            buffer = layer._buffer.data_ptr()
-        assert (layer._buffer.data_ptr() == buffer) == (step < 19)  # ... and the next 18 write in place
+        if step == 0:  # the first append reallocates in one large step ...
+            assert layer._buffers["keys"].shape[-2] == grown_capacity(301) == 557
+            buffer = layer._buffers["keys"].data_ptr()
+        assert layer._buffers["keys"].data_ptr() == buffer  # ... and the next ones write in place
         assert torch.equal(layer.keys, stock.layers[0].keys) and layer.values.shape[-2] == layer.keys.shape[-2]
-    # The spare rows are held memory and counted as such.
-    assert cache_tensor_bytes(ours) == layer._buffer.numel() * 4 > layer.keys.numel() * 4
+    # The room is held memory and counted as such.
+    assert cache_tensor_bytes(ours) == layer._buffers["keys"].numel() * 4 > layer.keys.numel() * 4
     for cache in (ours, stock):
         cache.crop(-10)
         cache.batch_select_indices(torch.tensor([1]))

@@ -2,7 +2,7 @@
 
 A doc holds a rendered table as a block naming its result file(s) and the renderer that draws it:
 
-    <!-- table: benchmarks/results/demo_smollm2.json template=demo -->
+    <!-- table: benchmarks/results/demo_smollm2_full.json template=demo -->
     | ... rendered, not edited by hand ... |
     <!-- /table -->
 
@@ -308,6 +308,26 @@ def decode_cpu_table(decode: dict) -> Table:
     return Table(_raw_table(header, rows), tuple(derived))
 
 
+@renderer("gpu-decode")
+def gpu_decode_table(record: dict) -> Table:
+    """benchmarks/gpu_decode.py: every cache form's decode tokens/s against stock StaticCache (eager and compiled)."""
+    rows, derived = [], []
+    for form, results in record["results"].items():
+        for r in results:
+            if "tokens_per_s" not in r:
+                rows.append([form, f"{r.get('batch', '')} x {r.get('context', '')}", r.get("error", "failed"),
+                             "", "", "", ""])
+                continue
+            ratio = lambda key: format(r[key], ".2f") + "x" if key in r else ""  # noqa: E731
+            rows.append([form, f"{r['batch']} x {r['context']}", f"{r['tokens_per_s']:.1f}", ratio("vs_stock_static"),
+                         ratio("vs_stock_compiled"), format(r["cache_share"], ".2f") if "cache_share" in r else "",
+                         format(r["attention_bandwidth_GBps"], ".1f") if "attention_bandwidth_GBps" in r else ""])
+    header = ["form", "batch x context", "tokens/s", "vs stock static", "vs stock compiled", "cache bytes",
+              "attention GB/s"]
+    kept = [i for i in range(len(header)) if i < 3 or any(row[i] for row in rows)]  # no column left empty
+    return Table(markdown([header[i] for i in kept], [[row[i] for i in kept] for row in rows]), tuple(derived))
+
+
 @renderer("prefill-cpu")
 def prefill_cpu_table(decode: dict) -> Table:
     """benchmarks/decode.py --prefill: each model's prefill time and its ratio to stock."""
@@ -361,6 +381,24 @@ def frontier_table(frontier: dict) -> Table:
     from benchmarks.frontier.report import markdown_table
 
     return Table(markdown_table(frontier["results"]))
+
+
+# ---- docs/reliability.md -------------------------------------------------------------------------------------
+
+
+def _code(text: str) -> str:
+    """Inline code that may itself hold backquotes, with table pipes escaped."""
+    fence = "``" if "`" in text else "`"
+    pad = " " if fence == "``" else ""
+    return f"{fence}{pad}{text}{pad}{fence}".replace("|", "\\|")
+
+
+@renderer("fault-table")
+def fault_table(result: dict) -> Table:
+    """benchmarks/fault_table.py: every case of the fault suite through the CLI, what the user saw, the exit code."""
+    rows = [[r["case"].replace("|", "\\|"), _code(r["command"]), _code(r["message"]), str(r["exit"])]
+            for r in result["cases"]]
+    return Table(markdown(["case", "command", "what the user sees", "exit"], rows))
 
 
 # ---- rendering -----------------------------------------------------------------------------------------------

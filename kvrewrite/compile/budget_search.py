@@ -23,9 +23,8 @@ def split_budget(directory: Path, budget: float, *, context: int = 4096, windows
     Returns {"reference": mean NLL of the full-rank cache, "candidates": [Candidate] (as measured), "winner": the best
     of them, "chosen": the winner at `context`, "path"}.
     """
-    from transformers import AutoTokenizer
-
     from kvrewrite.io.calibration_data import calibration_token_sequences
+    from kvrewrite.io.tokenizer_loading import load_tokenizer
     from kvrewrite.runtime.codecs.checkpoint import read_codec_tables
     from kvrewrite.publish.evaluation import continuation_nll
     from kvrewrite.progress import progress_bar
@@ -43,7 +42,7 @@ def split_budget(directory: Path, budget: float, *, context: int = 4096, windows
     # Every split is measured at the budget on the windows it is measured on (bytes at `length` tokens), so the
     # ranking compares equal bytes; the winner's keep share is then solved again for `context` tokens.
     found = candidates(spec, budget, length, recent_windows, rates, bits_options)
-    tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=False)
+    tokenizer = load_tokenizer(directory)
     token_windows = calibration_token_sequences(calibration, tokenizer, windows * length, length, seed=seed)
     scored_from = length // 2
 

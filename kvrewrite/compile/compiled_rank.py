@@ -78,8 +78,10 @@ def remeasure_compiled_rank(ctx: CompileContext, original) -> tuple[dict, dict, 
     checkpoint), verify's compiled-rank figures from before, and the new KL and top-1."""
     verified = dict(ctx.verification.get("compiled_rank", {}))
     tokens = verification_tokens(ctx.calibration_tokens, ctx.plan.verify_tokens)
+    device = next(original.parameters()).device  # where the caller put the original: the compile device
     ref_logits, ref_outputs = record_attention_outputs(original, ctx.adapter, tokens, with_logits=True)
-    logits, outputs = record_attention_outputs(whole_compressed_model(ctx.folded, ctx.spec), ctx.adapter, tokens, with_logits=True)
+    logits, outputs = record_attention_outputs(whole_compressed_model(ctx.folded, ctx.spec).to(device), ctx.adapter,
+                                               tokens, with_logits=True)
     kl, top1 = next_token_kl(ref_logits, logits)
     verification = ctx.verification
     if verified:

@@ -208,6 +208,18 @@ class Plan:
             return ()
         return tuple(r for r in self.rate_grid if self.distill_rates[0] <= r <= self.distill_rates[-1])
 
+    def optional_packages(self) -> tuple[tuple[str, str], ...]:
+        """(import name, feature) of each optional package this plan needs (kvrewrite.extras): gensim for the wiki
+        text, scikit-learn for k-means; synthetic text and user files need none."""
+        from kvrewrite.extras import KMEANS, WIKI_TEXT
+
+        needs = []
+        if self.calibration == "wiki":
+            needs.append(("gensim", WIKI_TEXT))
+        if self.reduce == "kmeans":
+            needs.append(("sklearn", KMEANS))
+        return tuple(needs)
+
     def compute_dtype(self) -> torch.dtype:
         return {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.dtype]
 

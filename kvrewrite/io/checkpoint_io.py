@@ -235,13 +235,20 @@ def write_safetensors_shards(
     return filenames
 
 
-def _save_shard(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+    """safetensors' save_file with the permissions every other written file has: safetensors creates its file
+    0600, which would leave a shard unreadable to the other users of a shared checkpoint."""
     try:
         save_file(tensors, str(path), metadata=metadata)
     except OSError:
         raise
     except Exception as exc:  # safetensors reports a full disk as its own SafetensorError
-        raise OSError(f"{exc} while writing {path.name}") from exc
+        raise OSError(f"{exc} while writing {Path(path).name}") from exc
+    os.chmod(path, 0o666 & ~current_umask())
+
+
+def _save_shard(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    save_safetensors(tensors, path, metadata)
 
 
 class ShardWriter:

@@ -24,14 +24,20 @@ SPACE_SLACK_BYTES = 64 * 1024 * 1024
 
 
 def is_kvrewrite_checkpoint(directory: Path) -> bool:
-    """A directory kvrewrite wrote: config.json with a kvrewrite spec, and kvrewrite's checksum file."""
+    """A directory kvrewrite wrote: config.json with a kvrewrite spec beside kvrewrite's manifest, or an MLA export
+    (config.json with the `kvrewrite_mla` marker; exports written before exports had a manifest have none)."""
     directory = Path(directory)
-    if not directory.is_dir() or not all((directory / m).is_file() for m in CHECKPOINT_MARKERS):
+    if not directory.is_dir() or not (directory / "config.json").is_file():
         return False
     try:
-        return "kvrewrite" in json.loads((directory / "config.json").read_text(encoding="utf-8"))
+        config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError, TypeError):
         return False
+    if not isinstance(config, dict):
+        return False
+    if isinstance(config.get("kvrewrite_mla"), dict):
+        return True
+    return "kvrewrite" in config and all((directory / m).is_file() for m in CHECKPOINT_MARKERS)
 
 
 def _absolute(path: Path) -> Path:
@@ -81,7 +87,7 @@ def check_output_location(out: Path, *, source: Path | None = None, overwrite: b
         if not is_kvrewrite_checkpoint(out_abs):
             raise InvalidArgumentError(
                 f"output {out_abs} exists and is not a kvrewrite checkpoint (no config.json with a kvrewrite spec "
-                "beside kvrewrite_checksums.json); `overwrite` only replaces a directory kvrewrite wrote, so nothing "
+                "beside kvrewrite_checksums.json, nor an MLA export); `overwrite` only replaces a directory kvrewrite wrote, so nothing "
                 "was deleted. Move it away or choose another `output`"
             )
     anchor = _nearest_existing(out_abs.parent)

@@ -40,7 +40,7 @@ def least_squares_output(z: torch.Tensor, target: torch.Tensor, ridge: float) ->
     """argmin_W ||z W^T - target||^2 + lam ||W||^2, lam = ridge * mean diag(z^T z); float64, -> [out, in]."""
     gram = z.T @ z
     lam = ridge * gram.diagonal().mean().clamp_min(1e-30)
-    return torch.linalg.solve(gram + lam * torch.eye(gram.shape[0], dtype=gram.dtype), z.T @ target).T
+    return torch.linalg.solve(gram + lam * torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device), z.T @ target).T
 
 
 def record_attention_outputs(model, adapter, tokens: torch.Tensor, with_logits: bool = False) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
@@ -49,6 +49,7 @@ def record_attention_outputs(model, adapter, tokens: torch.Tensor, with_logits: 
     outputs: list[torch.Tensor] = []
     handles = [adapter.output_projection(adapter.attention(layer)).register_forward_hook(lambda _m, _i, out: outputs.append(out))
                for layer in adapter.decoder_layers(model)]
+    tokens = tokens.to(next(model.parameters()).device)
     try:
         with torch.no_grad():
             if with_logits:
@@ -118,7 +119,7 @@ def refit_output_projections(compressed, original, adapter, windows: torch.Tenso
     try:
         with torch.no_grad():
             # The decoder stack only: the LM head's logits over the whole batch are not needed.
-            compressed.get_decoder()(input_ids=windows.repeat(copies, 1), use_cache=False)
+            compressed.get_decoder()(input_ids=windows.to(next(compressed.parameters()).device).repeat(copies, 1), use_cache=False)
     finally:
         for handle in handles:
             handle.remove()

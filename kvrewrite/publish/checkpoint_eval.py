@@ -32,9 +32,8 @@ def evaluate_checkpoint(directory: Path, *, baseline: str | None = None, rates: 
     chunk: chunked-prefill length; default evaluation.CODEC_EVAL_CHUNK when any codec is in use (a one-shot forward would
     never read the cache, so a lossy cache would go unmeasured), else one forward per window.
     """
-    from transformers import AutoTokenizer
-
     from kvrewrite.io.calibration_data import evaluation_token_sequences
+    from kvrewrite.io.tokenizer_loading import load_tokenizer
     from kvrewrite.publish.evaluation import evaluate_many
     from kvrewrite.runtime.mla.checkpoint import is_mla_checkpoint
 
@@ -47,7 +46,7 @@ def evaluate_checkpoint(directory: Path, *, baseline: str | None = None, rates: 
     else:
         source, original, models, model_rates = _per_head_models(Path(directory), config, baseline, rates, kv_codecs,
                                                                  recent_windows)
-    tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=False)
+    tokenizer = load_tokenizer(directory)
     window_len = positions[-1].end if positions else seq_len
     windows = evaluation_token_sequences(tokenizer, tokens, window_len, text)
     if positions:
@@ -77,11 +76,11 @@ def _per_head_models(directory: Path, config: dict, baseline: str | None, rates:
     spec = config.get("kvrewrite")
     if spec is None:
         raise CorruptCheckpointError(f"{directory / 'config.json'} has no kvrewrite compression spec")
+    verify_checkpoint_files(directory)  # a damaged or edited checkpoint fails now, naming the file
     rate_list = rates if rates else [spec["target_rate"]]
     parsed = CompressionSpec.from_dict(spec)
     for rate in rate_list:
-        parsed.ranks_for_rate(rate)  # an unknown rate fails now, naming the table, not after loading two models
-    verify_checkpoint_files(directory)  # likewise a damaged or edited checkpoint
+        parsed.ranks_for_rate(rate)  # likewise an unknown rate, naming the table, not after loading two models
     source = baseline or spec["source_model"]
     baseline_dir = resolve_model_source(source).path
     refuse_compressed_baseline(directory, baseline_dir, given=baseline is not None)
@@ -106,11 +105,13 @@ def _mla_models(directory: Path, config: dict, baseline: str | None, rates: list
     runtime, with its source model (recorded by the export, or --baseline)."""
     from kvrewrite.io.source_model import load_fp32_model
     from kvrewrite.io.sources import resolve_model_source
+    from kvrewrite.runtime.checkpoint_files import verify_mla_files
     from kvrewrite.runtime.mla.checkpoint import MLA_MARKER, RATE_TABLE_KEY
 
     if kv_codecs or recent_windows:
         raise InvalidArgumentError(f"{directory} is an MLA export: --kv-codec and --recent-window apply to the per-head "
                                    "forms only")
+    verify_mla_files(directory)  # an edited or damaged export fails now, naming the file, not after the baseline loads
     marker = config[MLA_MARKER]
     table = marker.get(RATE_TABLE_KEY) or {}
     unknown = [rate_key(r) for r in rates or [] if rate_key(r) not in table]

@@ -21,7 +21,7 @@ from huggingface_hub.errors import (  # HTTPError: huggingface_hub's HTTP client
 )
 from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects, validate_repo_id
 
-from kvrewrite.io.checkpoint_io import verify_checksums
+from kvrewrite.io.manifest import MODELING_FILE, verify_manifest
 from kvrewrite.errors import HubError, InvalidArgumentError
 from kvrewrite.publish.model_card import CARD_FILE, HEATMAP_FILE, is_generated_card, read_checkpoint_facts, render_model_card, write_model_card
 
@@ -48,13 +48,24 @@ def upload_file_list(directory: Path) -> list[str]:
     return list(filter_repo_objects(files, ignore_patterns=[*UPLOAD_IGNORE_PATTERNS, *DEFAULT_IGNORE_PATTERNS]))
 
 
+def refuse_foreign_code(directory: Path) -> None:
+    """Never publish code: the only Python file a checkpoint may carry is kvrewrite's own modeling stub."""
+    foreign = [name for name in upload_file_list(directory) if name.endswith(".py") and name != MODELING_FILE]
+    if foreign:
+        raise InvalidArgumentError(
+            f"{Path(directory) / foreign[0]} is Python code that kvrewrite did not write"
+            + (f" (and {len(foreign) - 1} more .py file(s))" if len(foreign) > 1 else "")
+            + "; a kvrewrite checkpoint carries no code but its modeling_kvrewrite.py stub, so nothing was uploaded. "
+            "Delete it, or push the folder with huggingface_hub yourself")
+
+
 def ensure_heatmap(directory: Path) -> Path:
     """DIR/rank_heatmap.png, drawn from the spec if `kvrewrite inspect` has not made one yet."""
     path = Path(directory) / HEATMAP_FILE
     if not path.is_file():
-        from kvrewrite.extras import require_compile_extra
+        from kvrewrite.extras import PLOTS, require_package
 
-        require_compile_extra("drawing the model card's rank heat map", ["matplotlib"])
+        require_package("matplotlib", f"drawing the model card's rank heat map ({PLOTS})")
         from kvrewrite.publish.rank_plot import plot_rank_heatmap
 
         spec = read_checkpoint_facts(directory).spec
@@ -66,7 +77,7 @@ def ensure_heatmap(directory: Path) -> Path:
 def prepare_for_upload(directory: Path, repo_id: str | None, *, base_model: str | None = None,
                        license: str | None = None) -> bool:
     """Verify the weights, draw the heat map, write the card unless a hand-written one exists. True if written."""
-    verify_checksums(directory)  # never publish a damaged checkpoint
+    verify_manifest(directory)  # never publish a damaged or edited checkpoint
     ensure_heatmap(directory)
     card_path = Path(directory) / CARD_FILE
     if card_path.is_file() and not is_generated_card(card_path):
@@ -100,6 +111,7 @@ def push_checkpoint(
     if not directory.is_dir():
         raise InvalidArgumentError(f"{directory} is not a directory; pass a kvrewrite output directory")
     read_checkpoint_facts(directory)  # a kvrewrite checkpoint with a readable spec, or a clear error
+    refuse_foreign_code(directory)
     card_written = prepare_for_upload(directory, repo_id, base_model=base_model, license=license)
     result = PushResult(repo_id=repo_id, files=upload_file_list(directory), card_written=card_written, dry_run=dry_run)
     if not card_written:

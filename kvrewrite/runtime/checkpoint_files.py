@@ -1,5 +1,6 @@
 """A compressed checkpoint's files checked before and after transformers loads them: where the directory is, its
-checksums and the spec its weights were written with, and a load that dropped or re-initialised no weight.
+manifest (io/manifest.py) and the spec its weights were written with, and a load that dropped or re-initialised no
+weight; and the refusal of a request to run code shipped with a checkpoint.
 
 Below both `load` (runtime/load.py) and the model classes' from_pretrained (runtime/modeling/families.py), which
 each use them, so neither imports the other.
@@ -24,22 +25,42 @@ def checkpoint_directory(name_or_path, revision: str | None = None) -> Path:
 
 
 def verify_checkpoint_files(directory: Path) -> None:
-    from kvrewrite.io.checkpoint_io import verify_checksums
+    """The manifest (every file as written, nothing load-relevant added) and config.json against the shards' spec."""
+    from kvrewrite.io.manifest import verify_manifest
 
-    verify_checksums(directory)
+    verify_manifest(directory)
     check_spec_matches_weights(directory)
 
 
-# What the tensors were folded for. Ranks and the target rate are not here: they are a run-time choice among the
-# rate table, and the weights serve them all.
-_STRUCTURAL_FIELDS = ("format_version", "base_model_type", "num_layers", "num_attention_heads", "num_key_value_heads",
-                      "head_dim", "objective")
+def _spec_differences(config_spec: dict, written: dict) -> list[str]:
+    """Each field of config.json's spec that differs from the spec the weights were written with, by name."""
+    def short(value) -> str:
+        text = repr(value)
+        return text if len(text) <= 40 else text[:37] + "..."
+
+    problems = []
+    # Scalar fields first (a changed head count or codec explains the per-layer differences that follow).
+    for name in sorted(set(config_spec) | set(written), key=lambda n: (n in ("layers", "rate_table"), n)):
+        have, want = config_spec.get(name), written.get(name)
+        if have == want:
+            continue
+        if name == "layers" and isinstance(have, list) and isinstance(want, list) and len(have) == len(want):
+            for i, (a, b) in enumerate(zip(have, want)):
+                a, b = (a if isinstance(a, dict) else {}), (b if isinstance(b, dict) else {})
+                problems += [f"layer {i} {field} is {short(a.get(field))} in config.json but {short(b.get(field))} "
+                             "in the weights" for field in sorted(set(a) | set(b)) if a.get(field) != b.get(field)]
+        elif name == "rate_table" and isinstance(have, dict) and isinstance(want, dict):
+            problems += [f"rate_table entry {key} is {short(have.get(key))} in config.json but {short(want.get(key))} "
+                         "in the weights" for key in sorted(set(have) | set(want)) if have.get(key) != want.get(key)]
+        else:
+            problems.append(f"{name} is {short(have)} in config.json but {short(want)} in the weights")
+    return problems
 
 
 def check_spec_matches_weights(directory: Path) -> None:
-    """Refuse a config.json spec that differs from the spec the weights were written with (kept in the shards).
-
-    A changed key mode or rotary-pair order would otherwise load without any shape error and compute garbage.
+    """Refuse a config.json spec that differs in any field from the spec the weights were written with (kept in the
+    shards): the ranks, the rate table, the codec, the target rate and the key modes all change what is computed,
+    and most of them would load without any shape error.
     """
     from kvrewrite.io.checkpoint_io import _shard_filenames, read_safetensors_metadata
 
@@ -47,24 +68,49 @@ def check_spec_matches_weights(directory: Path) -> None:
     config_path = Path(directory) / "config.json"
     try:
         config_spec = json.loads(config_path.read_text())["kvrewrite"]
-    except (OSError, ValueError, KeyError) as exc:
+    except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CorruptCheckpointError(f"{config_path}: unreadable or has no kvrewrite spec ({exc})") from exc
     if written_json is None or config_spec is None:
         return  # weights re-saved by plain transformers carry no spec to compare with
-    written = json.loads(written_json)
+    try:
+        written = json.loads(written_json)
+    except ValueError as exc:
+        raise CorruptCheckpointError(f"the kvrewrite_spec metadata of the weights in {directory} is not JSON ({exc}); "
+                                     "re-run the compile") from None
+    if not isinstance(config_spec, dict) or not isinstance(written, dict):
+        raise CorruptCheckpointError(f"{config_path}: the kvrewrite spec is not a JSON object; restore config.json")
     shard = Path(directory) / _shard_filenames(Path(directory))[0]
-    problems = [f"{name} is {config_spec.get(name)!r} in config.json but {written.get(name)!r} in the weights"
-                for name in _STRUCTURAL_FIELDS if config_spec.get(name) != written.get(name)]
-    for i, (have, want) in enumerate(zip(config_spec.get("layers", []), written.get("layers", []))):
-        for name in ("key_mode", "freq_order"):
-            if have.get(name) != want.get(name):
-                problems.append(f"layer {i} {name} is {have.get(name)!r} in config.json but {want.get(name)!r} in the weights")
+    problems = _spec_differences(config_spec, written)
     if problems:
         shown = "; ".join(problems[:4]) + (f" (and {len(problems) - 4} more)" if len(problems) > 4 else "")
         raise CorruptCheckpointError(
             f"{config_path} does not match the weights in {shard}: {shown}. The checkpoint was edited after "
             "compiling; restore config.json or re-run the compile"
         )
+
+
+def verify_mla_files(directory: Path) -> None:
+    """An MLA export's manifest (weights, config and its marker, side files, tokenizer); an export written before
+    exports had one loads with a warning that nothing of it is verified."""
+    import warnings
+
+    from kvrewrite.errors import KVRewriteWarning
+    from kvrewrite.io.manifest import MANIFEST_FILE, verify_manifest
+
+    if (directory / MANIFEST_FILE).is_file():
+        verify_manifest(directory)
+        return
+    warnings.warn(f"{directory} has no {MANIFEST_FILE}: it was exported by a kvrewrite that wrote no manifest, so "
+                  "none of its files can be verified. Re-export it to get one", KVRewriteWarning, stacklevel=3)
+
+
+def refuse_remote_code(kwargs: dict) -> None:
+    """Drop a trust_remote_code keyword (every load passes False itself); refuse a request to run shipped code."""
+    if kwargs.pop("trust_remote_code", None):
+        from kvrewrite.errors import InvalidArgumentError
+
+        raise InvalidArgumentError("kvrewrite never runs code shipped with a checkpoint: its models are built-in "
+                                   "classes, so load without trust_remote_code")
 
 
 def ensure_complete_load(info: dict, directory: Path) -> None:

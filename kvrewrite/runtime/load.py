@@ -10,7 +10,9 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
 from kvrewrite.errors import CorruptCheckpointError
-from kvrewrite.runtime.checkpoint_files import checkpoint_directory, ensure_complete_load
+from kvrewrite.runtime.checkpoint_files import (
+    checkpoint_directory, ensure_complete_load, refuse_remote_code, verify_mla_files,
+)
 from kvrewrite.runtime.modeling.attention import PACKED_ATTENTION, packed_attention_forward
 from kvrewrite.runtime.mla.checkpoint import (
     MLA_MARKER, RATE_TABLE_KEY, absorb_attention, check_mla_marker, is_mla_checkpoint, widths_at_rate,
@@ -44,6 +46,10 @@ def load(name_or_path, rate: float | None = None, **kwargs):
     An MLA export (a stock DeepSeek-V3 checkpoint with the `kvrewrite_mla` marker) loads as the stock model with
     its attention swapped for the absorbed one (runtime.mla).
     """
+    from kvrewrite.runtime.tiers.load_options import check_cache_keywords
+
+    check_cache_keywords(kwargs.get("kv_codec"), kwargs.get("recent_window"), kwargs.get("important"),
+                         kwargs.get("evict"))  # a wrong type named before any file is read
     directory = checkpoint_directory(name_or_path, kwargs.get("revision"))
     config_file = directory / "config.json"
     try:
@@ -59,7 +65,8 @@ def load(name_or_path, rate: float | None = None, **kwargs):
             f"{directory} is not a kvrewrite checkpoint (model_type {model_type!r}); "
             f"known types: {', '.join(COMPRESSED_MODEL_CLASSES)}"
         )
-    return model_class.from_pretrained(directory, rate=rate, **kwargs)
+    refuse_remote_code(kwargs)
+    return model_class.from_pretrained(directory, rate=rate, trust_remote_code=False, **kwargs)
 
 
 def load_mla(directory: Path, config: dict, rate: float | None = None, **kwargs):
@@ -68,6 +75,7 @@ def load_mla(directory: Path, config: dict, rate: float | None = None, **kwargs)
     where the export refitted o_proj for that rate (--refit-rates), that rate's o_proj read from its side file."""
     from transformers import DeepseekV3ForCausalLM
 
+    verify_mla_files(directory)
     check_mla_marker(config, str(directory / "config.json"))
     if rate is not None and not config[MLA_MARKER].get(RATE_TABLE_KEY):
         raise CorruptCheckpointError(
@@ -75,7 +83,9 @@ def load_mla(directory: Path, config: dict, rate: float | None = None, **kwargs)
             f"(got rate={rate}); load it without rate, or export with --allocation sensitivity or --refit-rates"
         )
     kwargs.pop("output_loading_info", None)
-    model, info = DeepseekV3ForCausalLM.from_pretrained(directory, output_loading_info=True, **kwargs)
+    refuse_remote_code(kwargs)
+    model, info = DeepseekV3ForCausalLM.from_pretrained(directory, output_loading_info=True, trust_remote_code=False,
+                                                        **kwargs)
     ensure_complete_load(info, directory)
     widths = None if rate is None else widths_at_rate(model.config, rate, str(directory))
     if rate is not None and rate_key(rate) in rates_with_o_proj(config[MLA_MARKER]):  # export-mla --refit-rates

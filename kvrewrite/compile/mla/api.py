@@ -58,7 +58,7 @@ def export_mla(source: str, plan: MLAPlan) -> MLAExport:
     )
     from kvrewrite.compile.mla.form import widths_for_ranks, widths_for_share
     from kvrewrite.compile.passes.load_checkpoint import load_config
-    from kvrewrite.io.output_safety import check_output_location
+    from kvrewrite.compile.passes.pipeline import prepare_output
     from kvrewrite.io.sources import resolve_model_source
     from kvrewrite.progress import progress_bar
 
@@ -81,7 +81,7 @@ def export_mla(source: str, plan: MLAPlan) -> MLAExport:
                                             geometry.num_layers)
     elif plan.refit_rates:
         check_rate_latents(plan.refit_rates, values, widths.qk_rope_head_dim, "--refit-rates")
-    check_output_location(plan.output, source=None, overwrite=plan.overwrite)
+    prepare_output(plan.output, statistics)  # leftovers of interrupted exports, then a safe, writable location
 
     prepared = prepare_source(statistics, position_free_queries=plan.position_free_queries)
     ctx = prepared.ctx
@@ -112,7 +112,8 @@ def export_mla(source: str, plan: MLAPlan) -> MLAExport:
         table = uniform_rates if plan.allocation == "uniform" else served_refit_table(plan.refit_rates, served_rates)
         rated = refit_mla_at_rates(prepared, layers, table, plan.refit_method, statistics.refit_tokens,
                                    statistics.refit_ridge, statistics.progress)
-        bound = rated.max_square_norms if norms is None else [max(a, b) for a, b in zip(norms, rated.max_square_norms)]
+        bound = (rated.max_square_norms if norms is None
+                 else [max(a, b) for a, b in zip(norms, rated.max_square_norms, strict=True)])
         return rated, bound
 
     if plan.refit_rates and not statistics.distill:

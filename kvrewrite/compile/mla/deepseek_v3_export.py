@@ -29,7 +29,8 @@ import torch
 from kvrewrite.runtime.mla.checkpoint import LATENT_RANKS_KEY, MLA_FORMAT_VERSION, MLA_MARKER, RATE_TABLE_KEY
 from kvrewrite.runtime.mla.rate_projections import RATE_O_PROJ_FILE, RATE_O_PROJ_KEY, rate_o_proj_name
 from kvrewrite.errors import InvalidArgumentError
-from kvrewrite.io.checkpoint_io import atomic_output_dir, write_safetensors_shards
+from kvrewrite.io.checkpoint_io import atomic_output_dir, save_safetensors, write_safetensors_shards
+from kvrewrite.io.manifest import write_manifest
 from kvrewrite.method.latent_norm import LatentNormNeutraliser, dtype_holds_latent, neutralise_latent_norm
 from kvrewrite.method.mla import MLALayer
 
@@ -159,15 +160,14 @@ def export_deepseek_v3(source, layers: list[MLALayer], max_square_norms: list[fl
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         write_safetensors_shards(tmp, state, {"kvrewrite_form": "mla-deepseek-v3"}, max_shard_size="2GB")
         if rate_o_proj:  # beside the stock weights, where no engine reads it
-            from safetensors.torch import save_file
-
             (tmp / RATE_O_PROJ_FILE).parent.mkdir(parents=True)
-            save_file({rate_o_proj_name(key, idx): weight.to(dtype).contiguous()
+            save_safetensors({rate_o_proj_name(key, idx): weight.to(dtype).contiguous()
                        for key, weights in rate_o_proj.items() for idx, weight in enumerate(weights)},
-                      str(tmp / RATE_O_PROJ_FILE), metadata={"kvrewrite_form": "mla-rate-o-proj"})
+                      tmp / RATE_O_PROJ_FILE, metadata={"kvrewrite_form": "mla-rate-o-proj"})
         for name in TOKENIZER_FILES:
             if (source.directory / name).is_file():
-                shutil.copy2(source.directory / name, tmp / name)
+                shutil.copyfile(source.directory / name, tmp / name)  # the user's umask, not the source's mode
+        write_manifest(tmp)  # every file above: an edited side file, weight or marker is caught on load
     return ExportSummary(Path(output), neutralisers, dtype)
 
 

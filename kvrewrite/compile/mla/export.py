@@ -129,8 +129,9 @@ def export_at_share(prepared: PreparedSource, layers: list[MLALayer], output: Pa
     per-layer widths that kvrewrite.load(dir, rate=p) serves from the same file (AllocatedForm.rate_table);
     rate_o_proj: each narrower rate's own refitted o_proj (rate_refit.py)."""
     norms = prepared.inputs.max_square_norms if max_square_norms is None else max_square_norms
-    # The source, as the user named it: `kvrewrite eval` compares the export with it.
-    marker = {"source_model": prepared.ctx.plan.model, **(provenance or {})}
+    # The source as compress records it (an absolute path for a local directory, else the Hub id or bundled name):
+    # `kvrewrite eval` compares the export with it, from whatever directory it is run.
+    marker = {"source_model": prepared.ctx.source_id, **(provenance or {})}
     return export_deepseek_v3(prepared.ctx.source, layers, norms, output, dtype=dtype, overwrite=overwrite,
                               provenance=marker, rate_table=rate_table, rate_o_proj=rate_o_proj)
 
@@ -150,7 +151,7 @@ def export_matches_maths(prepared: PreparedSource, layers: list[MLALayer], outpu
     """max |Δlogit| between the exported checkpoint in stock transformers (float32) and our maths at the same widths."""
     from transformers import AutoModelForCausalLM
 
-    exported = AutoModelForCausalLM.from_pretrained(output, dtype=torch.float32).eval()
+    exported = AutoModelForCausalLM.from_pretrained(output, dtype=torch.float32, trust_remote_code=False).eval()
     with torch.no_grad():
         ours = mla_reference_model(prepared.ctx.original_model(), layers)(tokens).logits
         return float((exported(tokens).logits - ours).abs().max())

@@ -93,6 +93,12 @@ class MLAPlan:
                                        "output-local")
         if self.dtype not in DTYPES:
             raise InvalidArgumentError(f"`dtype` must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.key_weight is not None and not 0 < self.key_weight < float("inf"):
+            raise InvalidArgumentError(f"`key_weight={self.key_weight}`: the key side's weight against the value side "
+                                       "must be a positive number")
+        if self.verify_tokens < 1:
+            raise InvalidArgumentError(f"`verify_tokens={self.verify_tokens}`: the checks at the end compare logits on "
+                                       "at least 1 calibration token")
         if not 0 < self.kv_share <= 1:
             raise InvalidArgumentError(f"`kv_share` must be in (0, 1], got {self.kv_share}")
         statistics = self.statistics_plan("")  # the fields it shares with compress, checked where compress checks them
@@ -108,8 +114,6 @@ class MLAPlan:
         if self.allocation == "sensitivity" and self.kv_lora_rank is not None:
             raise InvalidArgumentError("`kv_lora_rank` gives every layer one exact width; `allocation=sensitivity` "
                                        "places widths per layer at a `kv_share`")
-        if int(self.verify_tokens) < 1:
-            raise InvalidArgumentError(f"`verify_tokens` must be a positive integer, got {self.verify_tokens!r}")
 
     def _check_distill_rates(self) -> None:
         """A nested distillation trains the rate table of a sensitivity-allocated export from its own rate on."""

@@ -29,7 +29,8 @@ def output_fisher(model, out_projections, windows: torch.Tensor, show_progress: 
 
     out_projections: each layer's output projection (o_proj, OPT's out_proj, ...); its output is hooked."""
     hidden = model.config.hidden_size
-    sums = [torch.zeros(hidden, hidden, dtype=torch.float64) for _ in out_projections]
+    device = next(model.parameters()).device  # the sums stay where the gradients are
+    sums = [torch.zeros(hidden, hidden, dtype=torch.float64, device=device) for _ in out_projections]
 
     def hook_for(idx):
         def forward_hook(_module, _inputs, output):
@@ -49,6 +50,7 @@ def output_fisher(model, out_projections, windows: torch.Tensor, show_progress: 
         batches = windows.split(FISHER_BATCH)
         with progress_bar("collecting output Fisher", len(batches), show_progress) as bar:
             for tokens in batches:
+                tokens = tokens.to(device)
                 embeds = model.get_input_embeddings()(tokens).detach().requires_grad_(True)
                 logits = model(inputs_embeds=embeds, use_cache=False).logits.float()
                 loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1), reduction="sum")
@@ -59,7 +61,7 @@ def output_fisher(model, out_projections, windows: torch.Tensor, show_progress: 
             handle.remove()
         for p, flag in zip(model.parameters(), flags):
             p.requires_grad_(flag)
-    return sums
+    return [s.cpu() for s in sums]
 
 
 def shrunk_sqrt(fisher: torch.Tensor, shrink: float) -> torch.Tensor:
@@ -81,11 +83,15 @@ class CollectFisher:
             return {"output_metric": None}
         n_windows = max(1, -(-plan.fisher_tokens // ctx.calibration_tokens.shape[1]))
         windows = ctx.calibration_tokens[:n_windows]
-        # Gradients need the whole model: loaded here (fp32) only for --value-metric fisher, not layer-streamed.
-        model = ctx.original_model()
+        # Gradients need the whole model: loaded here (fp32) only for --value-metric fisher, not layer-streamed; run on
+        # the compile device, then back to the host copy the other whole-model passes share.
+        model = ctx.original_model().to(plan.device)
         adapter = ctx.adapter
         out_projections = [adapter.output_projection(adapter.attention(layer)) for layer in adapter.decoder_layers(model)]
-        with torch.enable_grad():
-            sums = output_fisher(model, out_projections, windows, plan.progress)
+        try:
+            with torch.enable_grad():
+                sums = output_fisher(model, out_projections, windows, plan.progress)
+        finally:
+            model.to("cpu")
         return {"output_metric": [shrunk_sqrt(s, plan.fisher_shrink) for s in sums],
                 "report.fisher": {"tokens": int(windows.numel()), "shrink": plan.fisher_shrink}}

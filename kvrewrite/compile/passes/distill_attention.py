@@ -85,7 +85,6 @@ class DistillAttention:
         with whole_run:
             report = distill_attention(student, original, ctx.adapter, train.to(device), validation.to(device), settings,
                                        progress=plan.progress, mix=mix)
-        original.to("cpu")
 
         spec = keep_only_rates(ctx.spec, trained_rates)
         results = {"spec": spec, "rate_table": spec.rate_table, "report.rate_table": spec.rate_table}
@@ -95,7 +94,7 @@ class DistillAttention:
                        for name, parameter in distilled_attention_parameters(student, ctx.adapter).items()}
             del student
             results["folded"] = ctx.folded.with_overrides(trained)
-            results["verification"], verified, kl, top1 = remeasure_compiled_rank(
+            results["verification"], verified, kl, top1 = remeasure_compiled_rank(  # on the compile device too
                 dataclasses.replace(ctx, folded=results["folded"], spec=spec), original)
         else:  # nothing changed: verify's (or the refit's) figures still describe the checkpoint
             verified = dict(ctx.verification.get("compiled_rank", {}))
@@ -111,6 +110,7 @@ class DistillAttention:
             "verify_kl_before": verified.get("kl_mean"), "verify_top1_before": verified.get("top1_agreement"),
             "verify_kl_after": kl, "verify_top1_after": top1,
         }
+        original.to("cpu")  # back to the host copy the other whole-model passes share
         if mix is not None:
             results["report.distill"].update({
                 "nested_rates": list(mix.names), "validation_rates": [mix.names[i] for i in mix.validate],

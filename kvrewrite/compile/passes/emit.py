@@ -1,5 +1,5 @@
 """Pass 8: write the checkpoint atomically: shards (written layer by layer as they fill), config, tokenizer,
-kernel metadata, report, checksums."""
+kernel metadata, report, and the manifest of every file (io/manifest.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from kvrewrite.io.checkpoint_io import ShardWriter, atomic_output_dir, write_checksums
+from kvrewrite.io.checkpoint_io import ShardWriter, atomic_output_dir
+from kvrewrite.io.manifest import MODELING_FILE, write_manifest
 from kvrewrite.runtime.codecs.checkpoint import write_codec_tables
 from kvrewrite.runtime.compressed_model import compressed_classes, compressed_config
 from kvrewrite.io.fault_injection import fault_point
@@ -32,7 +33,6 @@ except ImportError as exc:  # pragma: no cover - only hit without kvrewrite inst
     ) from exc
 '''
 
-MODELING_FILE = "modeling_kvrewrite.py"
 BUCKET_MULTIPLE = 8
 
 
@@ -135,7 +135,8 @@ class Emit:
             report.pop("rate_table", None)  # lives in config.json and kernel_metadata.json
             (tmp / "compress_report.json").write_text(json.dumps(report, indent=2, default=str))
             fault_point("emit:report")
-            write_checksums(tmp, shards + write_codec_tables(tmp, ctx.codec_tables))
+            write_codec_tables(tmp, ctx.codec_tables)
+            write_manifest(tmp)  # every file above, so a later edit of any of them is caught on load
             fault_point("emit:checksums")
         return {"output_dir": Path(out)}
 

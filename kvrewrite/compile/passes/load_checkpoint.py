@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from kvrewrite.adapters import adapter_for
 from kvrewrite.io.checkpoint_io import check_safetensors_files
@@ -22,6 +22,7 @@ from kvrewrite.io.source_validation import (
     refuse_custom_code,
 )
 from kvrewrite.io.sources import resolve_model_source
+from kvrewrite.io.tokenizer_loading import load_tokenizer
 from kvrewrite.key_modes import resolve_key_mode
 
 
@@ -51,7 +52,7 @@ class LoadCheckpoint:
         try:
             # Only the shape of the model is built here; weights are read layer by layer as passes need them.
             source = SourceModel.open(resolved.path, config, adapter)
-            tokenizer = AutoTokenizer.from_pretrained(resolved.path, trust_remote_code=False)
+            tokenizer = load_tokenizer(resolved.path)
         except (OSError, ValueError) as exc:
             raise ModelSourceError(f"could not load the model from {resolved.path}: {exc}") from exc
         check_every_weight_present(source)

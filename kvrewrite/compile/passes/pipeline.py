@@ -106,7 +106,20 @@ def compile_variants(plan: Plan, variants: dict[str, dict], output_root: Path, o
     return shared, compiled
 
 
+def _peak_device_memory(device: str) -> dict:
+    """The most GPU memory torch held at once so far, on a CUDA compile device (nothing on the CPU)."""
+    if not device.startswith("cuda"):
+        return {}
+    import torch
+
+    return {"peak_device_memory_mib": round(torch.cuda.max_memory_allocated(torch.device(device)) / 2**20, 1)}
+
+
 def run_pipeline(plan: Plan, passes: list | None = None, on_pass=None) -> CompileContext:
+    from kvrewrite.extras import require_package
+
+    for module, feature in plan.optional_packages():  # refused before any work, not at the first import mid-run
+        require_package(module, feature)
     # A bad output is refused before minutes of work, not after (Emit checks again: it may appear meanwhile).
     prepare_output(output_dir_for(plan), plan)
     ctx = CompileContext(plan=plan)
@@ -122,5 +135,6 @@ def run_pipeline(plan: Plan, passes: list | None = None, on_pass=None) -> Compil
         ctx = dataclasses.replace(ctx, report={
             **ctx.report, "timings_s": {**timings, "total": round(time.perf_counter() - start, 3)},
             "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            **_peak_device_memory(plan.device),
         })
     return ctx

@@ -29,10 +29,15 @@ class RefitOutput:
             return {}
         geo = ctx.geometry
         windows = refit_windows(ctx.calibration_tokens, plan.refit_tokens)
-        original = ctx.original_model()
-        model = whole_compressed_model(ctx.folded, ctx.spec)
+        # Both models whole on the compile device (docs/big-models.md); the original goes back to the shared host copy.
+        original = ctx.original_model().to(plan.device)
+        model = whole_compressed_model(ctx.folded, ctx.spec).to(plan.device)
         target = "layer" if plan.refit == "output-local" else "model"
-        layers = refit_output_projections(model, original, ctx.adapter, windows, ridge=plan.refit_ridge, target=target)
+        try:
+            layers = refit_output_projections(model, original, ctx.adapter, windows, ridge=plan.refit_ridge, target=target)
+        except BaseException:
+            original.to("cpu")
+            raise
 
         # The refitted columns replace the prefix of each query head's block in the full-rank o_proj the checkpoint
         # stores; FoldedWeights serves the overrides to emit and the codec fit.
@@ -42,12 +47,15 @@ class RefitOutput:
             o_proj = ctx.adapter.output_projection(ctx.adapter.attention(layer))
             name = names[id(o_proj)] + ".weight"
             folded_weight = ctx.folded.read([name])[name]
-            refitted[name] = scatter_refit_columns(folded_weight, o_proj.weight.detach().to(folded_weight.dtype),
+            refitted[name] = scatter_refit_columns(folded_weight, o_proj.weight.detach().to("cpu", folded_weight.dtype),
                                                    layer_spec.value_ranks, geo.group_size, geo.head_dim).contiguous()
         del model
         spec = keep_only_compiled_rate(ctx.spec, ctx.target_rate)
         folded = ctx.folded.with_overrides(refitted)
-        verification, verified, kl, top1 = remeasure_compiled_rank(dataclasses.replace(ctx, folded=folded, spec=spec), original)
+        try:
+            verification, verified, kl, top1 = remeasure_compiled_rank(dataclasses.replace(ctx, folded=folded, spec=spec), original)
+        finally:
+            original.to("cpu")
         return {
             "folded": folded, "spec": spec, "rate_table": spec.rate_table, "report.rate_table": spec.rate_table,
             "verification": verification,

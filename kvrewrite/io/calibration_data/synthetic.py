@@ -1,8 +1,10 @@
 """Synthetic calibration text: prose the model writes itself from a fixed set of diverse seed prompts.
 
 Calibrating on the model's own output needs no dataset and matches the distribution the model will actually see
-at inference. Generation is seeded and batched; the texts are cached as JSON under ``cache_dir()/calibration/``
-keyed by a fingerprint of the model, tokenizer, seed, size, prompts and sampling settings.
+at inference. Generation runs on the model's device, in its dtype, many texts per forward with a static KV cache
+(static_decoding.py); each text is seeded on its own, so the batch size changes the speed, never the text. The
+texts are cached as JSON under ``cache_dir()/calibration/`` keyed by a fingerprint of the model, the dtype it
+generated in, the tokenizer, seed, size, prompts and sampling settings.
 """
 
 from __future__ import annotations
@@ -20,19 +22,26 @@ from typing import Any
 
 import torch
 
+from rich.progress import ProgressColumn
+from rich.text import Text
+
 from kvrewrite.errors import CalibrationError, InvalidArgumentError
 from kvrewrite.io.atomic_files import atomic_write_text
+from kvrewrite.io.calibration_data.static_decoding import SamplingSettings, decode_batch
 from kvrewrite.io.sources import cache_dir
 
 __all__ = ["GenerationSettings", "DEFAULT_SETTINGS", "seed_prompts", "synthetic_texts", "synthetic_cache_path"]
 
-_CACHE_FORMAT = 1
+# 2: texts sampled per text (random numbers keyed by seed, text and step; the batch size left the key) by the
+# static-cache decoder on the compile device, and the generation dtype in the key. Format-1 files (transformers'
+# generate, one RNG stream per batch) are not reused: their texts differ.
+_CACHE_FORMAT = 2
 _PROMPT_FILE = "seed_prompts.txt"
 
 
 @dataclass(frozen=True)
 class GenerationSettings:
-    """Sampling and batching settings; all of them are part of the cache fingerprint."""
+    """Sampling settings; all of them are part of the cache fingerprint (the batch size is not: it changes no text)."""
 
     temperature: float = 0.8
     top_p: float = 0.95
@@ -41,10 +50,7 @@ class GenerationSettings:
     top_k: int = 50
     # A mild penalty keeps a 135M model from looping on one sentence.
     repetition_penalty: float = 1.1
-    # Measured for SmolLM2-135M on 2 CPU cores (docs/calibration.md): 64 rows x 256 new tokens gives ~150 tokens/s;
-    # 32 rows ~130, longer answers are slower per token as the KV cache grows.
     max_new_tokens: int = 256
-    batch_size: int = 64
 
 
 DEFAULT_SETTINGS = GenerationSettings()
@@ -105,6 +111,7 @@ def _fingerprint(model: Any, tokenizer: Any, n_tokens: int, seed: int, settings:
     parts = {
         "format": _CACHE_FORMAT,
         "model": _model_fingerprint(model),
+        "dtype": str(next(model.parameters()).dtype),  # bf16 logits sample other tokens than fp32 ones
         "tokenizer": _tokenizer_fingerprint(tokenizer),
         "n_tokens": n_tokens,
         "seed": seed,
@@ -150,17 +157,6 @@ def _prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
     return tokenizer(prompt + "\n\n", add_special_tokens=True)["input_ids"]
 
 
-def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left padding keeps every prompt's last token at the same position, which batched decoding needs."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
-        mask[i, width - len(row) :] = 1
-    return ids, mask
-
-
 def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
     ids: set[int] = set()
     gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
@@ -184,60 +180,24 @@ def _trim_unfinished(text: str) -> str:
     return text
 
 
-def _make_sampler(settings: GenerationSettings) -> Any:
-    from transformers import LogitsProcessor
+class _TokensPerSecond(ProgressColumn):
+    """Generated tokens per second (every row still generating counts, whether or not its text is kept)."""
 
-    class _TopKTopPSampler(LogitsProcessor):
-        """Samples the next token itself and returns logits whose argmax is that token.
-
-        generate() then runs in greedy mode. Its own sampling path sorts the full vocabulary for top-p and draws
-        from a 49K-way multinomial at every step, which on CPU costs as much as the forward pass of a 135M model;
-        here the draw is over the top-k candidates only. Using our own generator also leaves the caller's global
-        RNG untouched.
-        """
-
-        def __init__(self) -> None:
-            self.seed = 0
-            self.generator: torch.Generator | None = None
-
-        def reseed(self, seed: int) -> None:
-            self.seed = seed
-            self.generator = None  # created on the device the logits live on (it may differ from model.device)
-
-        def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-            if self.generator is None or self.generator.device != scores.device:
-                self.generator = torch.Generator(device=scores.device).manual_seed(self.seed)
-            logits = scores.float() / settings.temperature
-            k = min(settings.top_k, logits.shape[-1]) if settings.top_k > 0 else logits.shape[-1]
-            values, indices = torch.topk(logits, k, dim=-1)  # sorted, largest first
-            probs = torch.softmax(values, dim=-1)
-            # Nucleus: keep the smallest prefix whose mass reaches top_p (always at least the best token).
-            probs = probs.masked_fill((probs.cumsum(dim=-1) - probs) > settings.top_p, 0.0)
-            choice = torch.multinomial(probs, 1, generator=self.generator)
-            token = indices.gather(-1, choice)
-            return torch.full_like(scores, float("-inf")).scatter_(-1, token, 0.0)
-
-    return _TopKTopPSampler()
+    def render(self, task: Any) -> Text:
+        speed = task.fields.get("tokens_per_s")
+        return Text(f"{speed:,.0f} tokens/s" if speed else "... tokens/s")
 
 
-def _make_step_counter(progress: Any, task: Any) -> Any:
-    from transformers import StoppingCriteria
-
-    class _StepProgress(StoppingCriteria):
-        """Never stops generation; advances the progress bar by the rows still generating at each step."""
-
-        def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any) -> torch.BoolTensor:
-            progress.advance(task, int(input_ids.shape[0]))
-            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-
-    return _StepProgress()
+def _default_batch_size(device: torch.device) -> int:
+    # Many rows per forward is what makes generation fast; a GPU has the memory for four times a CPU's rows (an
+    # 8B model's static cache for 256 rows x ~320 positions is ~11 GB in bf16).
+    return 256 if device.type == "cuda" else 64
 
 
 def _generate(
-    model: Any, tokenizer: Any, n_tokens: int, seed: int, settings: GenerationSettings
+    model: Any, tokenizer: Any, n_tokens: int, seed: int, settings: GenerationSettings, batch_size: int | None = None
 ) -> list[str]:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    from transformers import GenerationConfig
 
     prompts = seed_prompts()
     if not prompts:
@@ -249,22 +209,16 @@ def _generate(
     pad_id = tokenizer.pad_token_id
     if pad_id is None:
         pad_id = eos_ids[0] if eos_ids else 0
-    device = getattr(model, "device", torch.device("cpu"))
-    sampler = _make_sampler(settings)
-    generation_config = GenerationConfig(
-        do_sample=False,  # the sampler above does the sampling
-        max_new_tokens=settings.max_new_tokens,
-        repetition_penalty=settings.repetition_penalty,
-        pad_token_id=pad_id,
-        eos_token_id=eos_ids or None,
-    )
+    device = next(model.parameters()).device
+    rows_per_batch = batch_size or _default_batch_size(device)
+    sampling = SamplingSettings(settings.temperature, settings.top_p, settings.top_k, settings.repetition_penalty)
 
     texts: list[str] = []
     total = 0
-    next_prompt = 0
+    next_text = 0  # text i is written from prompt order[i % len(prompts)] with random numbers keyed by (seed, i)
     tokens_per_text = settings.max_new_tokens * 0.9  # refined with the real average after the first batch
-    round_index = 0
     empty_batches = 0
+    generated = 0
     was_training = getattr(model, "training", False)
     model.eval()
     progress = Progress(
@@ -272,37 +226,35 @@ def _generate(
         BarColumn(),
         MofNCompleteColumn(),
         TextColumn("tokens"),
+        _TokensPerSecond(),
         TimeElapsedColumn(),
         transient=True,
     )
+    start = time.perf_counter()
     try:
         with progress, torch.inference_mode():
-            task = progress.add_task("generate", total=n_tokens)
-            counter = _make_step_counter(progress, task)
+            task = progress.add_task("generate", total=n_tokens, tokens_per_s=0.0)
+
+            def on_step(live_rows: int) -> None:
+                nonlocal generated
+                generated += live_rows
+                progress.update(task, tokens_per_s=generated / max(time.perf_counter() - start, 1e-9))
+
             while total < n_tokens:
-                # Size the last batches to what is still missing instead of always running a full batch.
+                # Size the last batches to what is still missing: texts past the target are dropped. Only the
+                # speed depends on this; every text is the same in any batch.
                 wanted = math.ceil((n_tokens - total) / max(tokens_per_text, 1.0) * 1.15)
-                rows = max(1, min(settings.batch_size, wanted))
-                batch_prompts = [prompts[order[(next_prompt + i) % len(order)]] for i in range(rows)]
-                next_prompt += rows
-                input_ids, attention_mask = _left_pad([_prompt_ids(tokenizer, p) for p in batch_prompts], pad_id)
-                sampler.reseed(seed * 1_000_003 + round_index)
-                round_index += 1
-                output = model.generate(
-                    input_ids=input_ids.to(device),
-                    attention_mask=attention_mask.to(device),
-                    generation_config=generation_config,
-                    logits_processor=[sampler],
-                    stopping_criteria=[counter],
-                )
-                generated = output[:, input_ids.shape[1] :].cpu()
+                rows = max(1, min(rows_per_batch, wanted))
+                text_ids = list(range(next_text, next_text + rows))
+                next_text += rows
+                batch = [_prompt_ids(tokenizer, prompts[order[i % len(order)]]) for i in text_ids]
+                decoded = decode_batch(model, batch, text_ids, seed=seed, settings=sampling,
+                                       max_new_tokens=settings.max_new_tokens, eos_ids=eos_ids, pad_id=pad_id,
+                                       on_step=on_step)
                 batch_tokens = 0
-                for row in generated.tolist():
-                    # Cut at the first end-of-sequence token; what follows is padding.
-                    cut = next((i for i, t in enumerate(row) if t in eos_ids), len(row))
-                    ended = cut < len(row)
-                    text = tokenizer.decode(row[:cut], skip_special_tokens=True).strip()
-                    if not ended:
+                for row in decoded:
+                    text = tokenizer.decode(row.tokens, skip_special_tokens=True).strip()
+                    if not row.ended:
                         text = _trim_unfinished(text)
                     if not text:
                         continue
@@ -332,12 +284,15 @@ def synthetic_texts(
     *,
     seed: int = 0,
     settings: GenerationSettings = DEFAULT_SETTINGS,
+    batch_size: int | None = None,
 ) -> list[str]:
     """Texts generated by ``model`` from the shipped seed prompts, holding at least ``n_tokens`` tokens in total.
 
     Tokens are counted by re-tokenizing each text with ``tokenizer`` (no special tokens); generation stops as soon
     as the total reaches ``n_tokens``, so it overshoots by less than one text. The result is cached on disk and
-    reused on later calls with the same model, tokenizer, ``n_tokens``, ``seed``, prompts and settings.
+    reused on later calls with the same model (and dtype), tokenizer, ``n_tokens``, ``seed``, prompts and settings.
+    Generation runs where the model is, in its dtype; ``batch_size`` texts per forward (default 64 on a CPU, 256
+    on a GPU) changes the speed and memory only.
     """
     if model is None:
         raise InvalidArgumentError(
@@ -354,7 +309,7 @@ def synthetic_texts(
         return cached
 
     start = time.perf_counter()
-    texts = _generate(model, tokenizer, n_tokens, seed, settings)
+    texts = _generate(model, tokenizer, n_tokens, seed, settings, batch_size)
     payload = {
         "format": _CACHE_FORMAT,
         "fingerprint": fingerprint,

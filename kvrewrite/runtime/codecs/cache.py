@@ -26,6 +26,7 @@ from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.runtime.batch_first_layer import BatchFirstLayer
 from kvrewrite.runtime.codecs.base import LayerCodec
 from kvrewrite.runtime.codecs.readout import CodedReadout, QuantizedBlocks
+from kvrewrite.runtime.inplace_cache import append_in_place
 
 RESIDUAL_DTYPE = torch.float16
 READ_MODES = ("fused", "decode")
@@ -40,15 +41,24 @@ def default_read_mode() -> str:
     return mode
 
 
-def encode_append(codec: LayerCodec, store: dict | None, staged: torch.Tensor, n_blocks: int, side: str) -> dict:
-    """Code the first n_blocks whole blocks of G tokens of `staged` [B, 1, S, C] and append them to `store`."""
+def encode_append(codec: LayerCodec, store: dict | None, staged: torch.Tensor, n_blocks: int, side: str,
+                  buffers: dict | None = None) -> dict:
+    """Code the first n_blocks whole blocks of G tokens of `staged` [B, 1, S, C] and append them to `store`.
+
+    With `buffers` (a dict the caller keeps, so the room is counted as held memory) every coded tensor is a prefix
+    view of a buffer with room along the block dim: appending writes in place, and the store is copied only when it
+    outgrows its buffer (runtime.inplace_cache.append_in_place), not on every block."""
     batch, _, _, c = staged.shape
     g = codec.block_tokens
     blocks = staged[:, 0, : n_blocks * g].float().reshape(batch, n_blocks, g, c)
     coded = codec.encode_next(blocks, side, store)
-    if store is None:
-        return coded
-    return {name: torch.cat([store[name], coded[name]], dim=1) for name in store}
+    if buffers is None:
+        return coded if store is None else {name: torch.cat([store[name], coded[name]], dim=1) for name in store}
+    appended = {}
+    for name, new in coded.items():
+        buffers[name], appended[name] = append_in_place(buffers.get(name), None if store is None else store[name],
+                                                        new, 1, tokens_per_row=g)
+    return appended
 
 
 class CodecLayer(BatchFirstLayer):
@@ -61,6 +71,9 @@ class CodecLayer(BatchFirstLayer):
         self.cumulative_length = 0
         self.coded_keys: dict[str, torch.Tensor] | None = None
         self.coded_values: dict[str, torch.Tensor] | None = None
+        # The buffers the coded stores are views of (encode_append): held memory, counted by cache_tensor_bytes.
+        self.coded_key_buffers: dict[str, torch.Tensor] = {}
+        self.coded_value_buffers: dict[str, torch.Tensor] = {}
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -111,8 +124,10 @@ class CodecLayer(BatchFirstLayer):
         g = self.codec.block_tokens
         n_blocks = max(0, self.keys.shape[-2] - self.residual_length) // g
         if n_blocks:
-            self.coded_keys = encode_append(self.codec, self.coded_keys, self.keys, n_blocks, "key")
-            self.coded_values = encode_append(self.codec, self.coded_values, self.values, n_blocks, "value")
+            self.coded_keys = encode_append(self.codec, self.coded_keys, self.keys, n_blocks, "key",
+                                            self.coded_key_buffers)
+            self.coded_values = encode_append(self.codec, self.coded_values, self.values, n_blocks, "value",
+                                              self.coded_value_buffers)
             self.keys = self.keys[..., n_blocks * g :, :].contiguous()
             self.values = self.values[..., n_blocks * g :, :].contiguous()
 
@@ -131,6 +146,7 @@ class CodecLayer(BatchFirstLayer):
     def reset(self) -> None:
         super().reset()
         self.coded_keys = self.coded_values = None
+        self.coded_key_buffers, self.coded_value_buffers = {}, {}
 
 
 class CodecCache(Cache):

@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from kvrewrite.errors import CorruptCheckpointError
+from kvrewrite.io.checkpoint_io import save_safetensors
 
 CODEC_TABLES_FILE = "kv_codec.safetensors"
 
@@ -16,8 +17,8 @@ def write_codec_tables(directory: Path, tables: dict[str, torch.Tensor]) -> list
     """Write the tables (if any); returns the file names written, for the checksum list."""
     if not tables:
         return []
-    save_file({k: v.detach().cpu().contiguous() for k, v in tables.items()}, str(Path(directory) / CODEC_TABLES_FILE),
-              metadata={"format": "pt"})
+    save_safetensors({k: v.detach().cpu().contiguous() for k, v in tables.items()}, Path(directory) / CODEC_TABLES_FILE,
+                     metadata={"format": "pt"})
     return [CODEC_TABLES_FILE]
 
 

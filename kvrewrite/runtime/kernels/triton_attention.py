@@ -24,6 +24,7 @@ import triton.language as tl
 import torch
 
 from kvrewrite.runtime.kernels.cache_layout import ROWS
+from kvrewrite.runtime.kernels.flash_decode_packed import packed_flash_decode
 from kvrewrite.runtime.kernels.reference import PackedLayout, boolean_mask
 from kvrewrite.runtime.kernels.scheduling import head_work, lpt_decode_schedule, prefill_tasks
 
@@ -164,8 +165,11 @@ class TritonPackedAttention:
 
     cache_layout = ROWS  # the kernels read token-major packed rows (unit column stride)
 
-    def __init__(self, layout: PackedLayout, causal: bool = True, workers: int | None = None, base_rows: int = 32):
+    def __init__(self, layout: PackedLayout, causal: bool = True, workers: int | None = None, base_rows: int = 32,
+                 flash_decode: bool = True):
         self.layout = layout
+        # Decode through the flash-decoding kernel (default) or the one-program-per-head _decode_kernel.
+        self.flash_decode = flash_decode
         self.causal = causal
         self.workers = workers
         self.base_rows = base_rows
@@ -212,6 +216,10 @@ class TritonPackedAttention:
         key = key if key.stride(-1) == 1 else key.contiguous()
         value = value if value.stride(-1) == 1 else value.contiguous()
         allowed = boolean_mask(attention_mask, q_len, kv_len, query.device)
+        if q_len == 1 and self.flash_decode:
+            # Flash-decoding (kernels.flash_decode_packed): the sequence split across programs, partials merged.
+            keep = allowed.expand(batch, 1, 1, kv_len)[:, 0, 0]  # [B, S]
+            return packed_flash_decode(query[:, 0], key[:, 0], value[:, 0], keep, None, scaling, lay)[:, None]
         mask = allowed.expand(batch, 1, q_len, kv_len)[:, 0].to(torch.int8).contiguous()  # [B, T, S]
         output = torch.empty(batch, q_len, lay.output_offsets[-1], device=query.device, dtype=query.dtype)
         tables = self._rank_tables(query.device)

@@ -22,6 +22,7 @@ from torch import nn
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_pos_emb, apply_rotary_pos_emb_interleave
 
 from kvrewrite.errors import CorruptCheckpointError
+from kvrewrite.runtime.kernels.dispatch import resolve_backend
 from kvrewrite.runtime.kernels.reference import boolean_mask, softmax_dtype
 from kvrewrite.runtime.mla.latent_cache import cache_latent_rows
 
@@ -147,12 +148,20 @@ class AbsorbedMLAAttention(nn.Module):
         q_latent = torch.einsum("bthn,hnr->bthr", q_nope, w_uk)
         # All heads of all new tokens become rows of one query matrix per sequence: one GEMM over the latent.
         queries = torch.cat([q_latent, q_pe.transpose(1, 2)], dim=-1).reshape(batch, q_len * heads, -1)
-        queries = queries * self.scaling  # on the T*H query rows, not on the T*H*S scores
         keys = rows.view(batch, kv_len, -1)
+        if q_len == 1 and resolve_backend(rows.device) == "triton":
+            # CUDA: one flash-decoding kernel (kernels.flash_decode_mla), the value sum kept in latent space.
+            from kvrewrite.runtime.kernels.flash_decode_mla import mla_flash_decode
+
+            keep = allowed.expand(batch, 1, 1, kv_len)[:, 0, 0]
+            latent_out = mla_flash_decode(queries, keys, keep, None, self.scaling, self.kv_lora_rank)
+            return torch.einsum("bhr,hvr->bhv", latent_out, w_uv)[:, None]
+        queries = queries * self.scaling  # on the T*H query rows, not on the T*H*S scores
         scores = torch.bmm(queries, keys.transpose(1, 2)).view(batch, q_len, heads, kv_len)
         scores = scores.to(softmax_dtype(scores.dtype))
-        if not bool(allowed.all()):
-            scores = scores.masked_fill(~allowed[:, 0, :, None, :], torch.finfo(scores.dtype).min)
+        # Always masked (no test of whether any slot is masked: that would be a host sync, and data-dependent control
+        # flow that torch.compile / CUDA graphs cannot capture); a StaticCache's unfilled slots are masked here too.
+        scores = scores.masked_fill_(~allowed[:, 0, :, None, :], torch.finfo(scores.dtype).min)
         probs = torch.softmax(scores, dim=-1).to(rows.dtype).view(batch, q_len * heads, kv_len)
         latent_out = torch.bmm(probs, keys[..., : self.kv_lora_rank]).view(batch, q_len, heads, -1)
         return torch.einsum("bthr,hvr->bthv", latent_out, w_uv)

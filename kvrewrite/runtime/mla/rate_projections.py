@@ -43,7 +43,12 @@ def load_rate_o_proj(model: nn.Module, directory: Path, rate: str) -> None:
         raise CorruptCheckpointError(f"{directory}'s config lists an o_proj for rate {rate}, but {path} is missing; "
                                      "re-download the checkpoint or re-export it")
     layers = model.model.layers
-    with safe_open(str(path), framework="pt") as tensors:
+    try:
+        opened = safe_open(str(path), framework="pt")
+    except Exception as exc:  # safetensors raises its own error types for a damaged header
+        raise CorruptCheckpointError(f"{path} is not a readable safetensors file ({exc}); re-download the checkpoint "
+                                     "or re-export it") from None
+    with opened as tensors:
         stored = set(tensors.keys())
         for idx, layer in enumerate(layers):
             name = rate_o_proj_name(rate, idx)

@@ -16,15 +16,20 @@ from kvrewrite.errors import CorruptCheckpointError
 from kvrewrite.key_modes import allowed_key_modes, key_mode
 from kvrewrite.key_modes.rows import block_prefix_rows, slice_linear_rows
 from kvrewrite.runtime.codecs.readout import CodedReadout
-from kvrewrite.runtime.kernels.cache_layout import ROWS, packed_view, to_storage
+from kvrewrite.runtime.kernels.cache_layout import COLUMNS, ROWS, packed_view, to_storage
 from kvrewrite.runtime.kernels.coded_attention import blockwise_coded_attention
+from kvrewrite.runtime.inplace_cache import InPlaceLayer, in_place_layer
 from kvrewrite.runtime.kernels.dispatch import PackedAttentionFn, build_attention, resolve_backend
+from kvrewrite.runtime.kernels.latent_decode import latent_decode_attention
 from kvrewrite.runtime.kernels.reference import PackedLayout, boolean_mask, grouped_attention, shared_key_attention
+from kvrewrite.runtime.kernels.rope_table import rope_table
 from kvrewrite.spec import LayerSpec
 
 PACKED_ATTENTION = "kvrewrite_packed"
 # Cache layers that may hold column-major packed latents (see CompressedAttention.cache_order).
-_COLUMN_CACHE_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
+_COLUMN_CACHE_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, InPlaceLayer)
+# Up to this many new tokens, latent layers rebuild keys tile by tile (kernels.latent_decode) instead of all at once.
+LATENT_DECODE_ROWS = 16
 
 
 class CompressedAttention(nn.Module):
@@ -125,11 +130,14 @@ class CompressedAttention(nn.Module):
         past_len = 0
         if past_key_values is not None:
             past_len = past_key_values.get_seq_length(self.layer_idx)
+            if isinstance(past_len, torch.Tensor):  # a StaticLayer's length tensor, which update() grows in place
+                past_len = past_len.clone()
             reads_coded = getattr(past_key_values, "reads_coded", None)
             if reads_coded is not None and reads_coded(self.layer_idx):
                 # A codec cache whose blocks attention reads in place (int4/int2): no decoded copy of the store.
                 readout = past_key_values.update_coded(to_storage(key, ROWS), to_storage(value, ROWS), self.layer_idx)
                 return self.o_proj(self.attend_coded(query, readout, attention_mask, past_len)), None
+            in_place_layer(past_key_values, self.layer_idx)  # a stock DynamicLayer would torch.cat every step
             order = self.cache_order(past_key_values, query.device)
             key, value = past_key_values.update(to_storage(key, order), to_storage(value, order), self.layer_idx)
             key, value = packed_view(key), packed_view(value)  # logical [B, 1, S, C] views, no copy
@@ -223,9 +231,19 @@ class CompressedAttention(nn.Module):
                       past_len: int) -> torch.Tensor:
         """attend_coded on CUDA: the Triton kernel dequantises each block in registers (latent keys rebuilt and
         rotated there too, with the cache indices' cos/sin)."""
+        batch, q_len, _ = query.shape
+        if not self.mode.rebuilds_keys and q_len == 1 and readout.keys is not None and coded_flash_decode_fits(
+                readout.layout.block_tokens):
+            # One decode token over coded blocks: flash-decoding (the coded blocks split across programs).
+            from kvrewrite.runtime.kernels.flash_decode_coded import coded_flash_decode
+
+            keep = boolean_mask(attention_mask, 1, readout.length, query.device)
+            keep = keep.expand(batch, 1, 1, readout.length)[:, 0, 0]
+            return coded_flash_decode(query[:, 0], readout.layout, readout.keys, readout.values,
+                                      readout.key_window[:, 0], readout.value_window[:, 0], keep, None, None,
+                                      self.scaling, self.layout)[:, None]
         if not self.mode.rebuilds_keys:
             return triton_coded.triton_coded_attention(query, readout, attention_mask, self.scaling, self.layout)
-        batch, q_len, _ = query.shape
         positions = torch.arange(readout.length, device=query.device)[None]
         cos, sin = self._rotary[0](query, positions)  # [1, S, d]
         heads = self._apply_rope(self._heads(query, self.num_heads), cos[:, past_len : past_len + q_len],
@@ -245,6 +263,8 @@ class CompressedAttention(nn.Module):
         """
         layers = getattr(cache, "layers", None)
         layer = layers[self.layer_idx] if layers is not None and self.layer_idx < len(layers) else None
+        if type(layer) in _COLUMN_CACHE_LAYERS and self.mode.rebuilds_keys and resolve_backend(device) == "torch":
+            return COLUMNS  # kernels.latent_decode reads each head's latent block C_g^T as contiguous rows
         if (
             type(layer) not in _COLUMN_CACHE_LAYERS
             or not self.mode.uses_packed_kernel
@@ -263,6 +283,18 @@ class CompressedAttention(nn.Module):
         batch, q_len, _ = query.shape
         kv_len = key_latent.shape[-2]
         rotary = self._rotary[0]
+        if q_len == 1 and resolve_backend(query.device) == "triton":
+            return self._latent_flash_decode(query, key_latent, value, attention_mask, past_len)
+        if q_len <= LATENT_DECODE_ROWS:
+            cos_t, sin_t = rope_table(rotary, query, kv_len)  # [d, >= S]
+            # Gathered, not sliced: past_len is a tensor on a StaticCache, and a slice by it would give the queries
+            # a data-dependent length under torch.compile.
+            rows = torch.arange(q_len, device=query.device) + past_len
+            cos_q, sin_q = cos_t.index_select(1, rows).T[None], sin_t.index_select(1, rows).T[None]
+            q = self._apply_rope(self._heads(query, self.num_heads), cos_q, sin_q)
+            allowed = boolean_mask(attention_mask, q_len, kv_len, query.device)
+            return latent_decode_attention(q, key_latent, value, allowed, self.scaling, self.key_ranks,
+                                           self.value_ranks, self.k_up, cos_t, sin_t)
         positions = torch.arange(kv_len, device=query.device)[None].expand(batch, kv_len)
         cos_k, sin_k = rotary(query, positions)
         cos_q, sin_q = cos_k[:, past_len : past_len + q_len], sin_k[:, past_len : past_len + q_len]
@@ -276,6 +308,28 @@ class CompressedAttention(nn.Module):
             out = grouped_attention(q_g, k, value[..., vo[g] : vo[g + 1]], allowed, self.scaling)
             outputs.append(out.transpose(1, 2).reshape(batch, q_len, self.group_size * rv))
         return torch.cat(outputs, dim=-1)
+
+
+    def _latent_flash_decode(self, query, key_latent, value, attention_mask, past_len) -> torch.Tensor:
+        """One decode step on CUDA: kernels.flash_decode_latent rebuilds and rotates the keys in registers."""
+        from kvrewrite.runtime.kernels.flash_decode_latent import latent_flash_decode
+
+        batch, kv_len = query.shape[0], key_latent.shape[-2]
+        cos, sin = rope_table(self._rotary[0], query, kv_len, transposed=False)  # [>= S, d]
+        at = torch.arange(1, device=query.device) + past_len  # gathered: past_len may be a tensor (StaticCache)
+        q = self._apply_rope(self._heads(query, self.num_heads), cos.index_select(0, at)[None],
+                             sin.index_select(0, at)[None])  # [B, H, 1, d]
+        keep = boolean_mask(attention_mask, 1, kv_len, query.device).expand(batch, 1, 1, kv_len)[:, 0, 0]
+        out = latent_flash_decode(q[:, :, 0].reshape(batch, -1), key_latent[:, 0], value[:, 0], keep, None,
+                                  self.scaling, self.layout, self.k_up, cos, sin)
+        return out[:, None]
+
+
+def coded_flash_decode_fits(block_tokens: int) -> bool:
+    """The codec flash-decoding kernel reads whole key tiles: blocks of a power of two tokens, at least 16 on a GPU."""
+    from kvrewrite.runtime.kernels.flash_decode_splits import interpreting
+
+    return block_tokens & (block_tokens - 1) == 0 and (block_tokens >= 16 or interpreting())
 
 
 def packed_attention_forward(module: CompressedAttention, query, key, value, attention_mask, scaling, **kwargs):

@@ -87,26 +87,33 @@ def compressed_family(adapter: ArchitectureAdapter) -> tuple[type, type]:
 
         def make_kv_cache(self):
             """The cache this model generates with: a TieredCache with a tier policy, a CodecCache when a codec is
-            set, else a DynamicCache."""
-            from transformers import DynamicCache
-
+            set, else a cache that appends in place (runtime.inplace_cache)."""
             from kvrewrite.runtime.codecs import make_codec_cache
+            from kvrewrite.runtime.inplace_cache import in_place_cache
 
             if self.tier_policy is not None:
                 from kvrewrite.runtime.tiers.build import make_tiered_cache
 
                 return make_tiered_cache(self, self.tier_policy)
             if self.kv_codec is None:
-                return DynamicCache(config=self.config)
+                return in_place_cache(self.config)
             return make_codec_cache(self.kv_codec, *self._layer_ranks(), self.kv_codec_tables)
 
-        def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
-            # generate() without a user cache: use the configured codec cache, so no extra code is needed.
-            if ((self.kv_codec is not None or self.tier_policy is not None) and model_kwargs.get("past_key_values") is None
-                    and generation_config.use_cache is not False and generation_config.cache_implementation is None):
-                model_kwargs["past_key_values"] = self.make_kv_cache()
+        def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode=None,
+                                          batch_size=None, max_cache_length=None, *args, **kwargs):
+            # generate() without a user cache or a cache_implementation: the configured codec or tiered cache, else
+            # an in-place cache sized for this call's max_length (runtime.inplace_cache), so no extra code is needed.
+            if (model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False
+                    and generation_config.cache_implementation is None):
+                if self.kv_codec is not None or self.tier_policy is not None:
+                    model_kwargs["past_key_values"] = self.make_kv_cache()
+                    return
+                from kvrewrite.runtime.inplace_cache import in_place_cache
+
+                model_kwargs["past_key_values"] = in_place_cache(self.config, capacity=max_cache_length)
                 return
-            return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+            return super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, batch_size,
+                                                         max_cache_length, *args, **kwargs)
 
         @classmethod
         def from_pretrained(
@@ -138,13 +145,17 @@ def compressed_family(adapter: ArchitectureAdapter) -> tuple[type, type]:
             token_policy: when the checkpoint holds a budget split (token_policy.json, written by `kvrewrite budget`)
                 and none of rate, recent_window, important, evict or kv_codec is given, load with it. False: ignore it.
             """
-            from kvrewrite.runtime.checkpoint_files import checkpoint_directory, ensure_complete_load, verify_checkpoint_files
+            from kvrewrite.runtime.checkpoint_files import (checkpoint_directory, ensure_complete_load,
+                                                            refuse_remote_code, verify_checkpoint_files)
 
             if (important is not None or evict is not None) and recent_window is None:  # refused before any weight is read
                 from kvrewrite.errors import InvalidArgumentError
 
                 what = "important= (token-adaptive dims)" if important is not None else "evict= (re-scored eviction)"
                 raise InvalidArgumentError(f"{what} needs recent_window= (kvrewrite.runtime.tiers)")
+            from kvrewrite.runtime.tiers.load_options import check_cache_keywords
+
+            check_cache_keywords(kv_codec, recent_window, important, evict)  # types, before any file is read
             directory = checkpoint_directory(pretrained_model_name_or_path, kwargs.get("revision"))
             if verify_checksums:
                 verify_checkpoint_files(directory)
@@ -160,8 +171,9 @@ def compressed_family(adapter: ArchitectureAdapter) -> tuple[type, type]:
             # A mis-shaped tensor is reported by ensure_complete_load (naming file and tensor), not raised by
             # transformers as a bare RuntimeError; the half-loaded model is discarded either way.
             kwargs.setdefault("ignore_mismatched_sizes", True)
-            kwargs["trust_remote_code"] = False
-            model, info = super().from_pretrained(directory, *args, output_loading_info=True, **kwargs)
+            refuse_remote_code(kwargs)
+            model, info = super().from_pretrained(directory, *args, output_loading_info=True, trust_remote_code=False,
+                                                  **kwargs)
             ensure_complete_load(info, directory)
             from kvrewrite.runtime.codecs.checkpoint import read_codec_tables
 

@@ -25,4 +25,13 @@ def read_token_policy(directory: Path) -> dict | None:
         raise CorruptCheckpointError(f"{path}: unreadable token policy ({exc}); delete it or re-run kvrewrite budget") from exc
     if missing:
         raise CorruptCheckpointError(f"{path}: token policy lacks {sorted(missing)}; delete it or re-run kvrewrite budget")
+    from kvrewrite.errors import InvalidArgumentError
+    from kvrewrite.runtime.tiers.load_options import check_cache_keywords
+    from kvrewrite.spec import validate_rate
+
+    try:  # a hand-edited value (bits 8.0, keep "0.5") is named here, not met as a TypeError in the first forward
+        validate_rate(options["rate"], "rate")
+        check_cache_keywords(options["kv_codec"], options["recent_window"], None, options["evict"])
+    except InvalidArgumentError as exc:
+        raise CorruptCheckpointError(f"{path}: recorded load option {exc}; delete it or re-run kvrewrite budget") from None
     return options

@@ -1,0 +1,241 @@
+"""Flash-decoding kernel for the packed variable-rank cache (freq, post-rope, folded keys): one query token.
+
+Reads what the cache holds, in place: keys [B, S_cap, Ksum] and values [B, S_cap, Vsum] (any batch and slot
+strides, unit column stride: views of the [B, 1, S_cap, C] preallocated buffers), KV head g's columns at its packed
+offset (kernels.reference.PackedLayout). A program owns one (request, KV head, split): it loads the G query heads of
+the group once, walks its split's key blocks with an online softmax (exp2, fp32 statistics) and writes either the
+normalised output (a plan with one split everywhere) or its partial to the workspace that
+kernels.flash_decode_splits.merge_splits reduces.
+
+Slots at or past the live length kv_len (loaded from device memory, so a CUDA graph replays correctly as the cache
+fills) are never read; slots `allowed` excludes (left padding, unfilled slots) are read but may hold anything, NaN
+included: their scores are replaced and their values zeroed before use.
+Heads of different ranks get split counts proportional to rk + rv + 1 (ZACK §5.3 balance) and the (head, split)
+programs launch heaviest first. Nothing here syncs with the host or allocates by kv_len: CUDA-graph safe.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from kvrewrite.runtime.kernels.flash_decode_splits import (
+    LOG2E, NEG_INF, SplitPlan, column_alignment, decode_tile, int_table, interpreting, kv_len_argument,
+    mask_argument, merge_splits, plan_splits, pow2, workspace,
+)
+from kvrewrite.runtime.kernels.reference import PackedLayout
+from kvrewrite.runtime.kernels.scheduling import head_work
+
+NUM_WARPS = 4
+NUM_STAGES = 3  # key/value tiles in flight per program (software pipelining of the block loop)
+# Programs resident per multiprocessor: at Llama-3-8B shapes the compiled kernel takes 107 registers x 128 threads
+# and 44 KB of shared memory (benchmarks/results/flash_decode_resources_sm90.json), so four fit on an sm_90 SM.
+PROGRAMS_PER_SM = 4
+
+
+@triton.jit
+def tile_window(offset, rank, ALIGN: tl.constexpr, WINDOW: tl.constexpr):
+    """Which columns of a row a head's tile loads: (first column, the head's shift into the tile, tile span, rank),
+    written so the compiler can prove them ALIGN-aligned (16-byte loads).
+
+    Aligned layouts: every rank and offset is a multiple of ALIGN (the host checked): the tile is the head's
+    columns. Window mode (unaligned offsets, rows padded to a multiple of ALIGN): the tile starts at the aligned
+    column at or before the head's first and spans whole aligned groups; the head sits `shift` columns into it and
+    the caller neutralises the neighbours' columns it also loads."""
+    if WINDOW:
+        first = offset // ALIGN * ALIGN
+        shift = offset - first
+        span = (shift + rank + ALIGN - 1) // ALIGN * ALIGN
+    else:
+        rank = rank // ALIGN * ALIGN
+        first = offset // ALIGN * ALIGN
+        shift = offset * 0
+        span = rank
+    return first, shift, span, rank
+
+
+@triton.jit(do_not_specialize=["s_cap"])  # s_cap == 1 would turn into a constexpr
+def _packed_split_kernel(
+    q_ptr, k_ptr, v_ptr, mask_ptr, kv_len_ptr, tasks_ptr,
+    q_off_ptr, k_off_ptr, v_off_ptr, o_off_ptr, k_rank_ptr, v_rank_ptr, chunk_ptr,
+    o_ptr, acc_ptr, m_ptr, l_ptr,
+    s_cap, qk_scale,
+    s_qb, s_kb, s_ks, s_vb, s_vs, s_mb, s_ob, s_ab, s_ah, s_as, s_lb, s_lh,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr, HAS_KV_LEN: tl.constexpr, PARTIAL: tl.constexpr, UPCAST: tl.constexpr,
+    K_ALIGN: tl.constexpr, V_ALIGN: tl.constexpr, K_WINDOW: tl.constexpr, V_WINDOW: tl.constexpr,
+):
+    task = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    h = tl.load(tasks_ptr + 2 * task)
+    split = tl.load(tasks_ptr + 2 * task + 1)
+    chunk = tl.load(chunk_ptr + h)
+    kv_len = s_cap
+    if HAS_KV_LEN:
+        kv_len = tl.minimum(tl.load(kv_len_ptr).to(tl.int32), s_cap)
+    start = split * chunk
+    stop = tl.minimum(start + chunk, kv_len)
+    k_first, k_shift, k_span, rk = tile_window(tl.load(k_off_ptr + h), tl.load(k_rank_ptr + h), K_ALIGN, K_WINDOW)
+    v_first, v_shift, v_span, rv = tile_window(tl.load(v_off_ptr + h), tl.load(v_rank_ptr + h), V_ALIGN, V_WINDOW)
+
+    member = tl.arange(0, BLOCK_G)
+    row_ok = member < GROUP
+    dk = tl.arange(0, BLOCK_DK)
+    dv = tl.arange(0, BLOCK_DV)
+    cols = tl.arange(0, BLOCK_N)
+    k_head = (dk >= k_shift) & (dk < k_shift + rk)  # the tile columns that are this head's key columns
+    v_head = (dv >= v_shift) & (dv < v_shift + rv)
+    k_load = dk < k_span
+    v_load = dv < v_span
+    q_cols = tl.load(q_off_ptr + h) + member[:, None] * rk + (dk - k_shift)[None, :]
+    q = tl.load(q_ptr + b * s_qb + q_cols, mask=row_ok[:, None] & k_head[None, :], other=0.0)
+    if UPCAST:  # the CPU interpreter computes bf16 dots wrongly: widen tiles there, compiled kernels keep bf16
+        q = q.to(tl.float32)
+    else:
+        q = q.to(k_ptr.dtype.element_ty)
+    k_base = k_ptr + b * s_kb + k_first
+    v_base = v_ptr + b * s_vb + v_first
+    m_i = tl.full([BLOCK_G], NEG_INF, tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
+    for n0 in range(start, stop, BLOCK_N):
+        n = n0 + cols
+        live = n < stop
+        slot_ok = live & (tl.load(mask_ptr + b * s_mb + n, mask=live, other=0) != 0)
+        # K/V loads depend on the live length only, not on the mask just loaded (nothing stalls the pipelined
+        # loads on it); a disallowed slot may hold anything (NaN): its score is replaced and its value zeroed.
+        k = tl.load(k_base + n[:, None] * s_ks + dk[None, :], mask=live[:, None] & k_load[None, :], other=0.0)
+        v = tl.load(v_base + n[:, None] * s_vs + dv[None, :], mask=live[:, None] & v_load[None, :], other=0.0)
+        if K_WINDOW:  # a neighbour's or the row padding's column may hold anything: q's 0 * NaN would leak
+            k = tl.where(k_head[None, :], k, 0.0)
+        v = tl.where(slot_ok[:, None], v, 0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k)) * qk_scale  # [G, N], log2 units
+        s = tl.where(slot_ok[None, :], s, NEG_INF)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.where(slot_ok[None, :], tl.exp2(s - m_new[:, None]), 0.0)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    hq = h * GROUP + member
+    if PARTIAL:
+        tl.store(acc_ptr + b * s_ab + hq[:, None] * s_ah + split * s_as + (dv - v_shift)[None, :], acc,
+                 mask=row_ok[:, None] & v_head[None, :])
+        tl.store(m_ptr + b * s_lb + hq * s_lh + split, m_i, mask=row_ok)
+        tl.store(l_ptr + b * s_lb + hq * s_lh + split, l_i, mask=row_ok)
+    else:
+        out = tl.where(l_i[:, None] > 0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
+        o_cols = tl.load(o_off_ptr + h) + member[:, None] * rv + (dv - v_shift)[None, :]
+        tl.store(o_ptr + b * s_ob + o_cols, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & v_head[None, :])
+
+
+def head_costs(layout: PackedLayout) -> tuple[int, ...]:
+    """Per-token work of each KV head: the bytes it reads and the multiply-adds it does both scale with rk + rv + 1."""
+    return tuple(head_work(rk, rv) for rk, rv in zip(layout.key_ranks, layout.value_ranks))
+
+
+def partial_share(layout: PackedLayout, s_cap: int, element_bytes: int) -> float:
+    """A split's partial (G rows of rv + 2 fp32, written and read back) over what an unsplit program of the heaviest
+    head reads (S_cap slots of rk + rv elements)."""
+    costs = head_costs(layout)
+    h = costs.index(max(costs))
+    rk, rv = layout.key_ranks[h], layout.value_ranks[h]
+    return 2 * layout.group_size * (rv + 2) * 4 / max(1, s_cap * (rk + rv) * element_bytes)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def tile_columns(offsets: list[int], rows: torch.Tensor) -> tuple[int, bool, int]:
+    """How the kernel loads one head's columns of `rows` [B, S_cap, C]: (alignment, window mode, tile width).
+
+    Layouts whose offsets are all multiples of 16 bytes' worth of columns load each head's own columns. Others
+    (most allocated rank mixes) use window mode when the rows are padded to such a multiple (a row stride that
+    is one, and the last row's padding inside the tensor's storage): each tile then spans whole aligned groups
+    around the head, so its loads are 16 bytes wide. Otherwise the loads narrow to the offsets' alignment."""
+    element = rows.element_size()
+    vec = max(1, 16 // element)
+    ranks = [b - a for a, b in zip(offsets, offsets[1:])]
+    align = column_alignment(offsets, element)
+    if align < vec and rows.stride(1) % vec == 0 and rows.stride(1) >= _round_up(offsets[-1], vec):
+        batch, s_cap = rows.shape[0], rows.shape[1]
+        last = rows.storage_offset() + (batch - 1) * rows.stride(0) + (s_cap - 1) * rows.stride(1)
+        if (last + _round_up(offsets[-1], vec)) * element <= rows.untyped_storage().nbytes():
+            spans = [_round_up(o % vec + r, vec) for o, r in zip(offsets, ranks)]
+            return vec, True, pow2(max(spans))
+    return align, False, pow2(max(ranks))
+
+
+def packed_plan(layout: PackedLayout, batch: int, s_cap: int, element_bytes: int, device: torch.device | str,
+                splits: int | None = None) -> SplitPlan:
+    block_n = decode_tile(max(max(layout.key_ranks), max(layout.value_ranks)), element_bytes)
+    return plan_splits(head_costs(layout), batch, s_cap, block_n, device, splits, PROGRAMS_PER_SM,
+                       partial_share(layout, s_cap, element_bytes))
+
+
+@functools.lru_cache(maxsize=64)
+def _tables(layout: PackedLayout, plan: SplitPlan, device: str) -> dict[str, torch.Tensor]:
+    """Everything per head the launch reads, as device tables built once per (layout, plan, device)."""
+    g = layout.group_size
+    per_query = range(len(layout.key_ranks) * g)
+    tasks = plan.tasks(head_costs(layout))
+    return {
+        "tasks": int_table(tuple(x for t in tasks for x in t), device),
+        "heads": torch.stack([int_table(tuple(v), device) for v in (
+            layout.query_offsets[:-1], layout.key_offsets[:-1], layout.value_offsets[:-1], layout.output_offsets[:-1],
+            layout.key_ranks, layout.value_ranks, plan.chunks)]),
+        "out_offsets": int_table(tuple(layout.output_offsets[h // g] + (h % g) * layout.value_ranks[h // g]
+                                       for h in per_query), device),
+        "out_widths": int_table(tuple(layout.value_ranks[h // g] for h in per_query), device),
+        "split_counts": int_table(tuple(plan.splits[h // g] for h in per_query), device),
+    }
+
+
+def packed_flash_decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor,
+                        kv_len: torch.Tensor | None, scaling: float, layout: PackedLayout,
+                        splits: int | None = None) -> torch.Tensor:
+    """One decode step over the packed cache: query [B, Qsum] -> output [B, Osum] in the query's dtype.
+
+    keys [B, S_cap, Ksum], values [B, S_cap, Vsum] (unit last stride), allowed [B, S_cap] bool/int8 (unit last
+    stride), kv_len: 1-element int device tensor (slots >= it are never read) or None (= S_cap). `splits`: how many
+    splits the heaviest head gets (default: from the device's multiprocessor count, the batch and S_cap).
+    """
+    batch, s_cap = keys.shape[0], keys.shape[1]
+    device = query.device
+    g = layout.group_size
+    n_query_heads = len(layout.key_ranks) * g
+    query = query if query.stride(-1) == 1 else query.contiguous()
+    plan = packed_plan(layout, batch, s_cap, keys.element_size(), device, splits)
+    tables = _tables(layout, plan, str(device))
+    output = torch.empty(batch, layout.output_offsets[-1], device=device, dtype=query.dtype)
+    k_align, k_window, block_dk = tile_columns(layout.key_offsets, keys)
+    v_align, v_window, block_dv = tile_columns(layout.value_offsets, values)
+    ws = workspace(batch, n_query_heads, plan.max_splits, block_dv, device) if plan.partial else None
+    acc, m, l = (ws.acc, ws.running_max, ws.normaliser) if ws else (output, output, output)
+    mask = mask_argument(allowed)
+    kv_len_t, has_kv_len = kv_len_argument(kv_len, mask)
+    n_tasks = tables["tasks"].numel() // 2
+    _packed_split_kernel[(n_tasks, batch)](
+        query, keys, values, mask, kv_len_t, tables["tasks"], *tables["heads"].unbind(0),
+        output, acc, m, l,
+        s_cap, scaling * LOG2E,
+        query.stride(0), keys.stride(0), keys.stride(1), values.stride(0), values.stride(1), mask.stride(0),
+        output.stride(0), acc.stride(0) if ws else 0, acc.stride(1) if ws else 0, acc.stride(2) if ws else 0,
+        m.stride(0) if ws else 0, m.stride(1) if ws else 0,
+        GROUP=g, BLOCK_G=pow2(g), BLOCK_N=plan.block_n, BLOCK_DK=block_dk, BLOCK_DV=block_dv,
+        HAS_KV_LEN=has_kv_len, PARTIAL=plan.partial,
+        UPCAST=query.dtype != torch.float32 and interpreting(),
+        K_ALIGN=k_align, V_ALIGN=v_align, K_WINDOW=k_window, V_WINDOW=v_window,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+    )
+    if ws:
+        merge_splits(ws, output, tables["out_offsets"], tables["out_widths"], tables["split_counts"],
+                     max(layout.value_ranks))
+    return output

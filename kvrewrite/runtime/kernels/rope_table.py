@@ -1,0 +1,40 @@
+"""cos/sin of cache positions 0..S-1 for layers that rotate keys at attention time, computed once per model.
+
+A `latent` layer rotates every cached key by its cache index on every step. Asking the rotary module for S
+positions in each layer and step costs S x d transcendentals per layer; the values only depend on the position,
+so one table serves every layer and step: [S, d] for the Triton decode kernel, transposed to [d, S] for the tile
+loops of kernels.latent_decode. It grows in steps of GROW positions. Rotary types whose frequencies depend on the sequence length (dynamic NTK,
+longrope) are computed per call instead.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+GROW = 4096
+_LENGTH_DEPENDENT = ("dynamic", "longrope")
+
+
+def _computed(rotary: nn.Module, like: torch.Tensor, length: int, transposed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    positions = torch.arange(length, device=like.device)[None]
+    cos, sin = rotary(like, positions)  # [1, S, d]
+    if transposed:
+        return cos[0].transpose(0, 1).contiguous(), sin[0].transpose(0, 1).contiguous()
+    return cos[0].contiguous(), sin[0].contiguous()
+
+
+def rope_table(rotary: nn.Module, like: torch.Tensor, length: int, transposed: bool = True
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) in `like`'s dtype and device for cache positions 0.. (at least `length` of them): [d, >= length]
+    when transposed, else [>= length, d]."""
+    rope_type = str(getattr(rotary, "rope_type", "default"))
+    if any(kind in rope_type for kind in _LENGTH_DEPENDENT):
+        return _computed(rotary, like, length, transposed)
+    tables = rotary.__dict__.setdefault("_kvrewrite_rope_tables", {})
+    key = (like.device, like.dtype, transposed)
+    held = tables.get(key)
+    if held is None or held[0].shape[1 if transposed else 0] < length:
+        held = _computed(rotary, like, -(-length // GROW) * GROW, transposed)
+        tables[key] = held
+    return held
