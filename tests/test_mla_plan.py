@@ -26,6 +26,8 @@ from tests.tiny_models import random_windows, save_tiny_llama
     ({"refit": "none", "refit_tokens": 256}, "`refit_tokens` only applies"),
     ({"refit": "outputs"}, "`refit` must be one of"),
     ({"dtype": "int8"}, "`dtype` must be one of"),
+    ({"key_weight": -1.0}, "`key_weight=-1.0`: the key side's weight"),
+    ({"verify_tokens": 0}, "`verify_tokens=0`: the checks at the end"),
     ({"kv_share": 0.0}, "`kv_share` must be in (0, 1]"),
     ({"distill": True, "distill_tokens": 4096, "calib_tokens": 1024}, "more than `calib_tokens=1024`"),
     ({"distill": True, "distill_epochs": 0}, "`distill_epochs` must be in (0, 100]"),
