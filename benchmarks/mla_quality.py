@@ -29,10 +29,10 @@ from pathlib import Path
 import torch
 
 from kvrewrite.compile.mla.export import (
-    POSITION_FREE_QUERIES, allocated_at_share, export_at_share, export_matches_maths, mla_layers_at_share, prepare_source,
-    probe_full_form,
+    allocated_at_share, export_at_share, export_matches_maths, mla_layers_at_share, prepare_source, probe_full_form,
 )
 from kvrewrite.compile.mla.form import MLAWidths, compute_mla_layers, mla_reference_model
+from kvrewrite.compile.mla.plan import POSITION_FREE_QUERIES
 from kvrewrite.compile.plan import Plan
 from kvrewrite.io.calibration_data import evaluation_token_sequences
 from kvrewrite.method.mla import DEFAULT_KEY_WEIGHT, full_latent_rank

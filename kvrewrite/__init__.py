@@ -2,8 +2,9 @@
 
 `import kvrewrite` registers the compressed model types with transformers, so
 `AutoModelForCausalLM.from_pretrained(compressed_dir)` just works. It loads only the runtime (torch and
-transformers); the compiler (`compress`, `Plan`, `CompileResult`) is imported on first use, so a user who only
-loads compressed checkpoints needs none of the `compile` extra (gensim, scikit-learn, matplotlib).
+transformers); the compiler (`compress`, `Plan`, `CompileResult`; the MLA export `export_mla`, `MLAPlan`,
+`MLAExport`) is imported on first use, so a user who only loads compressed checkpoints needs none of the `compile`
+extra (gensim, scikit-learn, matplotlib).
 See docs/architecture.md, "Runtime vs compiler imports".
 """
 
@@ -24,10 +25,13 @@ from kvrewrite.runtime.load import load  # noqa: E402
 from kvrewrite.spec import CompressionSpec  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["CompileResult", "CompressionSpec", "Plan", "compress", "load", "__version__"]
+__all__ = ["CompileResult", "CompressionSpec", "MLAExport", "MLAPlan", "Plan", "compress", "export_mla", "load",
+           "__version__"]
 
 # Compiler names, resolved on first access (PEP 562) so that `import kvrewrite` never imports the compiler.
-_LAZY = {"compress": "kvrewrite.compile.api", "CompileResult": "kvrewrite.compile.api", "Plan": "kvrewrite.compile.plan"}
+_LAZY = {"compress": "kvrewrite.compile.api", "CompileResult": "kvrewrite.compile.api", "Plan": "kvrewrite.compile.plan",
+         "export_mla": "kvrewrite.compile.mla.api", "MLAExport": "kvrewrite.compile.mla.api",
+         "MLAPlan": "kvrewrite.compile.mla.plan"}
 
 
 def __getattr__(name: str) -> Any:

@@ -184,8 +184,8 @@ def test_the_cli_distills_and_names_bad_options(tmp_path):
     assert marker["format_version"] == 1 and marker["distill"]["epochs"] == 1.0 and marker["distill"]["tokens"] == 1024
     for extra, message in ((["--distill-tokens", "512"], "only apply with --distill"),
                            (["--distill", "--distill-tokens", "4096"], "more than --calib-tokens"),
-                           (["--distill", "--distill-epochs", "0"], "distill_epochs"),
-                           (["--distill", "--distill-lr", "2"], "distill_lr")):
+                           (["--distill", "--distill-epochs", "0"], "--distill-epochs must be in (0, 100]"),
+                           (["--distill", "--distill-lr", "2"], "--distill-lr must be in (0, 1)")):
         bad = CliRunner().invoke(app, [*base, "-o", str(tmp_path / "bad"), *extra])
         assert bad.exit_code == 2 and message in bad.output, (extra, bad.output)
         assert not (tmp_path / "bad").exists()

@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from kvrewrite.cli.export import export_mla
+from kvrewrite.cli.export import export_mla_command
 from kvrewrite.cli.compress_options import (
     PANEL_OF, PLAN_FLAGS, cli_message, number, numbers, plan_arguments, plan_parameters, with_signature,
 )
@@ -459,7 +459,7 @@ def _split_and_report(directory: Path, share: float, json_out: Path | None = Non
                   + (f"; recorded in {result['path']}" if result["path"] else " (dry run)"))
 
 
-app.command("export-mla")(export_mla)
+app.command("export-mla")(export_mla_command)
 
 
 @app.command("prefill-parallel")

@@ -22,6 +22,7 @@ from kvrewrite.compile.mla.allocation import (
     LatentAllocation, LatentSensitivity, allocate_latent_ranks, latent_rate_table, measure_latent_sensitivity,
     sensitivity_tokens,
 )
+from kvrewrite.compile.mla.plan import DEFAULT_POSITION_FREE_QUERIES, check_position_free_queries
 from kvrewrite.compile.passes.context import CompileContext
 from kvrewrite.compile.passes.load_checkpoint import load_config
 from kvrewrite.compile.passes.pipeline import statistics_passes
@@ -30,14 +31,6 @@ from kvrewrite.compile.plan import DEFAULT_RATE_GRID, Plan
 from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.io.sources import resolve_model_source
 from kvrewrite.method.mla import DEFAULT_KEY_WEIGHT, MLALayer, full_latent_rank, truncate_latent
-
-
-# How the position-free part scores the components whose rotation is dropped (method/mla.py): by the expected
-# rotation over the distances each head attends to, attention sink left out (compile/rope_response.py; the default:
-# better than unrotated in the uniform form on both held-out texts at 512 tokens and at 2K-4K, docs/serving.md), or
-# unrotated (source).
-POSITION_FREE_QUERIES = ("expected-rotation", "source")
-DEFAULT_POSITION_FREE_QUERIES = "expected-rotation"
 
 
 @dataclass
@@ -51,11 +44,6 @@ def check_source_exportable(plan: Plan) -> None:
     """Before any work: the source's config alone says whether the family fits."""
     resolved = resolve_model_source(plan.model, revision=plan.revision)
     check_exportable(load_config(resolved.path))
-
-
-def check_position_free_queries(choice: str, option: str = "position_free_queries") -> None:
-    if choice not in POSITION_FREE_QUERIES:
-        raise InvalidArgumentError(f"{option} must be one of {', '.join(POSITION_FREE_QUERIES)}, got {choice!r}")
 
 
 def prepare_source(plan: Plan, passes: list | None = None,

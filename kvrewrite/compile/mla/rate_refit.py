@@ -18,16 +18,11 @@ import torch
 
 from kvrewrite.compile.mla.export import PreparedSource
 from kvrewrite.compile.mla.allocation import latent_width_at_rate
+from kvrewrite.compile.mla.plan import check_refit_rates
 from kvrewrite.compile.mla.refit import REFIT_TARGETS, MLARefitResult, refit_mla_output
 from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.method.mla import MLALayer, truncate_latent
 from kvrewrite.spec import rate_key
-
-
-@dataclass(frozen=True)
-class RateRefitSettings:
-    rates: tuple[float, ...]  # sorted; the first is the export's own (widest) rate
-    method: str  # the --refit choice: output or output-local (checked by the CLI with the single-rate refit's)
 
 
 @dataclass(frozen=True)
@@ -64,12 +59,7 @@ def parse_refit_rates(text: str, option: str = "--refit-rates") -> tuple[float, 
         given = [float(r) for r in text.split(",")]
     except ValueError:
         raise InvalidArgumentError(f"{option} takes rates A,B,... (e.g. 0.3,0.5,0.7), got {text!r}") from None
-    if any(abs(r - round(r, 2)) > 1e-9 for r in given):
-        raise InvalidArgumentError(f"{option} takes rates in hundredths (the rate table's keys), got {text!r}")
-    rates = tuple(sorted({round(r, 2) for r in given}))
-    if len(rates) < 2 or not all(0 <= r < 1 for r in rates):
-        raise InvalidArgumentError(f"{option} takes at least two distinct rates in [0, 1), got {text!r}")
-    return rates
+    return check_refit_rates(given, option, shown=text)
 
 
 def uniform_rate_widths(rates: tuple[float, ...], values_per_token: int, rope_dim: int, exported_rank: int,
