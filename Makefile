@@ -22,10 +22,10 @@ $(STAMP): pyproject.toml
 demo: install
 	$(BIN)/kvrewrite demo
 
-test: install
+# The tests, after formatting and lint ([tool.ruff] in pyproject.toml): a badly formatted tree fails `make test`.
+test: lint
 	$(BIN)/python -m pytest -q
 
-# Formatting and lint ([tool.ruff] in pyproject.toml); not yet part of `test`: the tree is not formatted yet.
 lint: install
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .

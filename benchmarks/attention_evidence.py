@@ -54,16 +54,27 @@ class AttentionEvidence:
         """Aged attention as a mean over the queries that read the token beyond the window (t - j > W); 0 where
         no query does."""
         readers = (torch.arange(self.length, 0, -1, device=self.received.device) - 1 - self.window).clamp(min=0)
-        return torch.where(readers > 0, self.aged_received / readers.clamp(min=1).to(self.received.dtype),
-                           torch.zeros_like(self.aged_received))
+        return torch.where(
+            readers > 0,
+            self.aged_received / readers.clamp(min=1).to(self.received.dtype),
+            torch.zeros_like(self.aged_received),
+        )
 
 
 _records: dict[int, dict[str, torch.Tensor]] | None = None
 _window = 0
 
 
-def _measure_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                       attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0, **kwargs):
+def _measure_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs,
+):
     """transformers' eager attention, with the evidence of one full-sequence forward (no cache) recorded."""
     groups = query.shape[1] // key.shape[1]
     key = key.repeat_interleave(groups, dim=1)

@@ -39,9 +39,19 @@ from kvrewrite.io.lazy_checkpoint import LazyCheckpoint  # noqa: E402
 
 def machine() -> dict:
     mem_kib = next(int(line.split()[1]) for line in open("/proc/meminfo") if line.startswith("MemTotal"))
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), platform.processor())
-    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem_kib / 2**20, 1), "gpu": None,
-            "python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform()}
+    cpu = next(
+        (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+        platform.processor(),
+    )
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": round(mem_kib / 2**20, 1),
+        "gpu": None,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+    }
 
 
 def time_v_field(stderr: str, label: str) -> str:
@@ -72,9 +82,15 @@ def load_check(source: Path, compressed: Path, tokens: int, vocab: int) -> dict:
         del model
         return logits, round(loaded, 1)
 
-    original, out["source_load_s"] = logits_of(lambda: AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16).eval())
-    full, out["compressed_full_rank_load_s"] = logits_of(lambda: kvrewrite.load(compressed, rate=0.0, dtype=torch.bfloat16).eval())
-    compiled, out["compressed_load_s"] = logits_of(lambda: AutoModelForCausalLM.from_pretrained(compressed, dtype=torch.bfloat16).eval())
+    original, out["source_load_s"] = logits_of(
+        lambda: AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16).eval()
+    )
+    full, out["compressed_full_rank_load_s"] = logits_of(
+        lambda: kvrewrite.load(compressed, rate=0.0, dtype=torch.bfloat16).eval()
+    )
+    compiled, out["compressed_load_s"] = logits_of(
+        lambda: AutoModelForCausalLM.from_pretrained(compressed, dtype=torch.bfloat16).eval()
+    )
     ref = F.log_softmax(original, -1)
     for name, logits in (("full_rank", full), ("compiled_rate", compiled)):
         logp = F.log_softmax(logits, -1)
@@ -88,8 +104,17 @@ def load_check(source: Path, compressed: Path, tokens: int, vocab: int) -> dict:
 
 def run_load_check(args, model_dir: Path, out_dir: Path, env: dict) -> dict:
     """load_check in its own process, under /usr/bin/time -v for its peak RSS (whole-model loads, one at a time)."""
-    command = [sys.executable, str(Path(__file__).resolve()), "--load-check", str(model_dir), str(out_dir),
-               "--load-check-tokens", str(args.load_check_tokens), "--vocab", str(args.vocab)]
+    command = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--load-check",
+        str(model_dir),
+        str(out_dir),
+        "--load-check-tokens",
+        str(args.load_check_tokens),
+        "--vocab",
+        str(args.vocab),
+    ]
     print("running:", shlex.join(command))
     run = subprocess.run(["/usr/bin/time", "-v", *command], env=env, capture_output=True, text=True)
     if run.returncode != 0:
@@ -115,8 +140,12 @@ def main() -> None:
     parser.add_argument("--calib-tokens", type=int, default=1024)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--verify-tokens", type=int, default=256)
-    parser.add_argument("--verify-tolerance", type=float, default=1e-4,
-                        help="compress --verify-tolerance (28 random layers with sharpened q/k amplify float64 rounding)")
+    parser.add_argument(
+        "--verify-tolerance",
+        type=float,
+        default=1e-4,
+        help="compress --verify-tolerance (28 random layers with sharpened q/k amplify float64 rounding)",
+    )
     parser.add_argument("--allocation", default="greedy")
     parser.add_argument("--target-rate", type=float, default=0.5)
     parser.add_argument("--keep", action="store_true", help="keep the random model and the output")
@@ -130,9 +159,17 @@ def main() -> None:
         return
 
     config = LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
-        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, max_position_embeddings=4096,
-        tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
     )
     n_params = sum(p.numel() for p in empty_model(config).parameters())
     model_dir = args.workdir / f"llama-random-{n_params / 1e9:.1f}b-{args.source_dtype}"
@@ -148,11 +185,30 @@ def main() -> None:
     calib.write_text(random_words(args.calib_tokens * 2, args.vocab))
 
     command = [
-        sys.executable, "-m", "kvrewrite.cli.app", "compress", str(model_dir), "-o", str(out_dir), "--overwrite",
-        "--target-rate", str(args.target_rate), "--allocation", args.allocation, "--calibration", str(calib),
-        "--calib-tokens", str(args.calib_tokens), "--seq-len", str(args.seq_len), "--verify-tokens", str(args.verify_tokens),
-        "--verify-tolerance", str(args.verify_tolerance),
-        "--dtype", args.dtype,
+        sys.executable,
+        "-m",
+        "kvrewrite.cli.app",
+        "compress",
+        str(model_dir),
+        "-o",
+        str(out_dir),
+        "--overwrite",
+        "--target-rate",
+        str(args.target_rate),
+        "--allocation",
+        args.allocation,
+        "--calibration",
+        str(calib),
+        "--calib-tokens",
+        str(args.calib_tokens),
+        "--seq-len",
+        str(args.seq_len),
+        "--verify-tokens",
+        str(args.verify_tokens),
+        "--verify-tolerance",
+        str(args.verify_tolerance),
+        "--dtype",
+        args.dtype,
     ]
     print("running:", shlex.join(command))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -173,8 +229,17 @@ def main() -> None:
         "machine": machine(),
         "model": {
             "parameters": n_params,
-            "config": {k: getattr(config, k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
-                                                       "num_attention_heads", "num_key_value_heads", "vocab_size")},
+            "config": {
+                k: getattr(config, k)
+                for k in (
+                    "hidden_size",
+                    "intermediate_size",
+                    "num_hidden_layers",
+                    "num_attention_heads",
+                    "num_key_value_heads",
+                    "vocab_size",
+                )
+            },
             "dtype_on_disk": args.source_dtype,
             "size_on_disk_bytes": source_bytes,
             "size_on_disk_gib": round(source_bytes / 2**30, 2),

@@ -60,11 +60,12 @@ def article_lead(text: str, chars: int) -> str:
 
 def write_mix(directory: Path, synthetic_tokens: int, wiki_chars: int) -> dict:
     """Synthetic texts + wiki calibration-article leads, one .txt each; returns their token counts."""
-    from kvrewrite.io.source_model import load_fp32_model
+    from transformers import AutoTokenizer
+
     from kvrewrite.io.calibration_data import synthetic_texts, wiki_split
     from kvrewrite.io.calibration_data.corpus import token_stream
+    from kvrewrite.io.source_model import load_fp32_model
     from kvrewrite.io.sources import resolve_model_source
-    from transformers import AutoTokenizer
 
     path = resolve_model_source("smollm2-135m").path
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -75,8 +76,13 @@ def write_mix(directory: Path, synthetic_tokens: int, wiki_chars: int) -> dict:
         (directory / f"synthetic-{i:04d}.txt").write_text(text + "\n", encoding="utf-8")
     for i, text in enumerate(leads):
         (directory / f"wiki-{i:04d}.txt").write_text(text + "\n", encoding="utf-8")
-    facts = {"synthetic_texts": len(synthetic), "synthetic_tokens": len(token_stream(tokenizer, synthetic)),
-             "wiki_articles": len(leads), "wiki_tokens": len(token_stream(tokenizer, leads)), "wiki_chars": wiki_chars}
+    facts = {
+        "synthetic_texts": len(synthetic),
+        "synthetic_tokens": len(token_stream(tokenizer, synthetic)),
+        "wiki_articles": len(leads),
+        "wiki_tokens": len(token_stream(tokenizer, leads)),
+        "wiki_chars": wiki_chars,
+    }
     # Beside the texts (only *.txt files are calibration documents), so the results can say what the mix held.
     (directory / "mix.json").write_text(json.dumps(facts) + "\n", encoding="utf-8")
     return facts
@@ -121,8 +127,11 @@ def main() -> None:
         variant["runs"].append({"text": text, "seconds": round(time.time() - started, 1), "rows": rows})
         for row in rows[1:]:
             increase = 100 * (row["perplexity"] / row["baseline_perplexity"] - 1)
-            print(f"{args.label:24s} {text:5s} p={row['rate']:.1f}: ppl {row['perplexity']:.2f} "
-                  f"(orig {row['baseline_perplexity']:.2f}, {increase:+.1f}%) KL {row['kl_mean']:.4f}", file=sys.stderr)
+            print(
+                f"{args.label:24s} {text:5s} p={row['rate']:.1f}: ppl {row['perplexity']:.2f} "
+                f"(orig {row['baseline_perplexity']:.2f}, {increase:+.1f}%) KL {row['kl_mean']:.4f}",
+                file=sys.stderr,
+            )
         # Written after every text, so a run stopped part-way keeps what it measured.
         args.out.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     print(f"wrote {args.out}")

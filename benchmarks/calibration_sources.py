@@ -25,13 +25,13 @@ from pathlib import Path
 
 import torch
 
-from kvrewrite.io.calibration_data import evaluation_token_sequences
-from kvrewrite.io.calibration_data.corpus import token_stream
-from kvrewrite.publish.evaluation import evaluate_many
 from kvrewrite.compile.passes.pipeline import compile_variants
 from kvrewrite.compile.plan import Plan
-from kvrewrite.runtime.load import load
+from kvrewrite.io.calibration_data import evaluation_token_sequences
+from kvrewrite.io.calibration_data.corpus import token_stream
 from kvrewrite.io.calibration_data.news import news_split  # noqa: F401  (distill_domains imports it from here)
+from kvrewrite.publish.evaluation import evaluate_many
+from kvrewrite.runtime.load import load
 
 RATES = (0.3, 0.5)
 RESULTS = Path(__file__).parent / "results" / "calibration_sources.json"
@@ -63,8 +63,15 @@ def main() -> None:
     args = parser.parse_args()
 
     calibration = str(write_news_calibration_dir(args.out)) if args.source == "news-file" else args.source
-    plan = Plan(model="smollm2-135m", target_rate=0.5, calibration=calibration, calib_tokens=args.calib_tokens,
-                rope_mode="latent", overwrite=True, progress=False)
+    plan = Plan(
+        model="smollm2-135m",
+        target_rate=0.5,
+        calibration=calibration,
+        calib_tokens=args.calib_tokens,
+        rope_mode="latent",
+        overwrite=True,
+        progress=False,
+    )
     t0 = time.perf_counter()
     shared, compiled = compile_variants(plan, {args.source: {}}, args.out)
     compile_s = round(time.perf_counter() - t0, 1)
@@ -79,22 +86,28 @@ def main() -> None:
         for name, result in evaluate_many(models, windows, baseline=shared.model, progress=False).items():
             row = result.as_dict()
             rows[f"{domain} {name}"] = row
-            print(f"{args.source:10s} {domain:5s} {name}: ppl {row['perplexity']:.2f} (orig {row['baseline_perplexity']:.2f}) "
-                  f"KL {row['kl_mean']:.4f} top-1 {row['top1_agreement']:.3f}")
+            print(
+                f"{args.source:10s} {domain:5s} {name}: ppl {row['perplexity']:.2f} (orig {row['baseline_perplexity']:.2f}) "
+                f"KL {row['kl_mean']:.4f} top-1 {row['top1_agreement']:.3f}"
+            )
         del models
 
     record = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"sources": {}}
     record["setup"] = {
         "configuration": "optimal objective, sensitivity allocation, latent keys; p=0.5 checkpoint sliced to 0.3",
-        "calibration_tokens": args.calib_tokens, "eval_tokens_per_domain": args.eval_tokens,
-        "held_out": {"wiki": "held-out Wikipedia articles (evaluation_token_sequences)",
-                     "news": "second half of gensim lee_background.cor (news); the news-file source is its first half"},
+        "calibration_tokens": args.calib_tokens,
+        "eval_tokens_per_domain": args.eval_tokens,
+        "held_out": {
+            "wiki": "held-out Wikipedia articles (evaluation_token_sequences)",
+            "news": "second half of gensim lee_background.cor (news); the news-file source is its first half",
+        },
     }
     record["sources"][args.source] = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "machine": f"{platform.node()} {platform.machine()}, {platform.processor() or 'cpu'}; torch CPU, 2 shared cores",
         "calibration_tokens": shared.report["calibration"]["tokens"],
-        "compile_s": compile_s, "results": rows,
+        "compile_s": compile_s,
+        "results": rows,
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(record, indent=1))

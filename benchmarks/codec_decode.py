@@ -105,12 +105,18 @@ def run_rounds(variants, batch: int, steps: int, rounds: int) -> dict:
     bytes_before = {label: cache_tensor_bytes(cache) for label, _, cache in variants}
     with torch.inference_mode():
         for r in range(rounds):
-            for label, model, cache in (variants if r % 2 == 0 else variants[::-1]):
+            for label, model, cache in variants if r % 2 == 0 else variants[::-1]:
                 step_s, _, _ = timed_decode_steps(model, cache, batch, cache.get_seq_length(0), steps, [], [])
                 times[label] += step_s
-    return {label: {"steps": len(t), "step_s": round(statistics.median(t), 5),
-                    "tokens_per_s": round(batch / statistics.median(t), 3), "cache_bytes": bytes_before[label]}
-            for label, t in times.items()}
+    return {
+        label: {
+            "steps": len(t),
+            "step_s": round(statistics.median(t), 5),
+            "tokens_per_s": round(batch / statistics.median(t), 3),
+            "cache_bytes": bytes_before[label],
+        }
+        for label, t in times.items()
+    }
 
 
 def summarize(record: dict) -> None:
@@ -126,17 +132,28 @@ def summarize(record: dict) -> None:
         for codec in codecs:
             decode = variants[f"{codec} decode"]["tokens_per_s"]
             fused = variants.get(f"{codec} fused", {}).get("tokens_per_s")
-            summary.append({
-                "name": f"{checkpoint} {context}x{batch} {codec}", "checkpoint": checkpoint, "context": context,
-                "batch": batch, "codec": codec, "stock_tokens_per_s": stock, "none_tokens_per_s": none,
-                "decode_tokens_per_s": decode, "fused_tokens_per_s": fused,
-                "decode_vs_stock": round(decode / stock, 2), "decode_vs_none": round(decode / none, 2),
-                "fused_vs_stock": round(fused / stock, 2) if fused else None,
-                "fused_vs_none": round(fused / none, 2) if fused else None,
-                "fused_vs_decode": round(fused / decode, 2) if fused else None,
-                "none_vs_stock": round(none / stock, 2),
-                "coded_bytes_vs_none": round(variants[f"{codec} decode"]["cache_bytes"] / variants["none"]["cache_bytes"], 3),
-            })
+            summary.append(
+                {
+                    "name": f"{checkpoint} {context}x{batch} {codec}",
+                    "checkpoint": checkpoint,
+                    "context": context,
+                    "batch": batch,
+                    "codec": codec,
+                    "stock_tokens_per_s": stock,
+                    "none_tokens_per_s": none,
+                    "decode_tokens_per_s": decode,
+                    "fused_tokens_per_s": fused,
+                    "decode_vs_stock": round(decode / stock, 2),
+                    "decode_vs_none": round(decode / none, 2),
+                    "fused_vs_stock": round(fused / stock, 2) if fused else None,
+                    "fused_vs_none": round(fused / none, 2) if fused else None,
+                    "fused_vs_decode": round(fused / decode, 2) if fused else None,
+                    "none_vs_stock": round(none / stock, 2),
+                    "coded_bytes_vs_none": round(
+                        variants[f"{codec} decode"]["cache_bytes"] / variants["none"]["cache_bytes"], 3
+                    ),
+                }
+            )
     record["summary"] = summary
 
 
@@ -169,15 +186,17 @@ def main() -> None:
     record = {
         **run_provenance(threads, "variants of one size take turns, so ratios within a size are same-run"),
         "dtype": "float32",
-        "checkpoints": {name: {"directory": d, "codecs": c} for name, (d, c) in CHECKPOINTS.items()
-                        if name in args.checkpoints},
+        "checkpoints": {
+            name: {"directory": d, "codecs": c} for name, (d, c) in CHECKPOINTS.items() if name in args.checkpoints
+        },
         "cache_fill": "torch.randn latents of each model's own cache shapes; codec caches code them with the codec",
         "method": f"decode.timed_decode_steps, {args.steps} steps after a warm-up per turn, {args.rounds} turns per "
-                  "variant (order reversed every other turn); tokens/s = batch / median step time",
+        "variant (order reversed every other turn); tokens/s = batch / median step time",
         "results": results,
     }
-    stock = AutoModelForCausalLM.from_pretrained(resolve_model_source("smollm2-135m").path, dtype=torch.float32,
-                                                 attn_implementation="sdpa").eval()
+    stock = AutoModelForCausalLM.from_pretrained(
+        resolve_model_source("smollm2-135m").path, dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()
     started = time.perf_counter()
     for config in args.configs:
         context, batch = (int(x) for x in config.split("x"))

@@ -39,17 +39,24 @@ def _record() -> dict:
     return json.loads(RESULTS.read_text()) if RESULTS.is_file() else {"runs": []}
 
 
-def run(checkpoint: Path, rates: list[float], codecs: list[str], seq_len: int, eval_tokens: int, tag: str,
-        refit_tokens: int = 0) -> None:
+def run(
+    checkpoint: Path,
+    rates: list[float],
+    codecs: list[str],
+    seq_len: int,
+    eval_tokens: int,
+    tag: str,
+    refit_tokens: int = 0,
+) -> None:
     from transformers import AutoTokenizer
 
     import kvrewrite
     from kvrewrite.adapters import adapter_for
     from kvrewrite.io.calibration_data import calibration_token_sequences, evaluation_token_sequences
-    from kvrewrite.method.output_refit import refit_output_projections
-    from kvrewrite.publish.evaluation import kv_cache_bytes_per_token, perplexity_and_agreement_many
     from kvrewrite.io.source_model import load_fp32_model
     from kvrewrite.io.sources import resolve_model_source
+    from kvrewrite.method.output_refit import refit_output_projections
+    from kvrewrite.publish.evaluation import kv_cache_bytes_per_token, perplexity_and_agreement_many
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     windows = evaluation_token_sequences(tokenizer, eval_tokens, seq_len)
@@ -69,20 +76,37 @@ def run(checkpoint: Path, rates: list[float], codecs: list[str], seq_len: int, e
         stats = perplexity_and_agreement_many(models, windows, original, chunk=CHUNK, progress=False)
         eval_s = round(time.perf_counter() - t0, 1)
         for name, st in stats.items():
-            row = {"checkpoint": str(checkpoint), "tag": tag, "refit_tokens": refit_tokens, "rate": rate, "codec": name, "seq_len": seq_len,
-                   "eval_tokens": int(windows.numel()), "perplexity": st.perplexity,
-                   "baseline_perplexity": st.baseline_perplexity, "kl_mean": st.kl_mean,
-                   "top1_agreement": st.top1_agreement, "eval_s": eval_s}
+            row = {
+                "checkpoint": str(checkpoint),
+                "tag": tag,
+                "refit_tokens": refit_tokens,
+                "rate": rate,
+                "codec": name,
+                "seq_len": seq_len,
+                "eval_tokens": int(windows.numel()),
+                "perplexity": st.perplexity,
+                "baseline_perplexity": st.baseline_perplexity,
+                "kl_mean": st.kl_mean,
+                "top1_agreement": st.top1_agreement,
+                "eval_s": eval_s,
+            }
             for length in BYTE_LENGTHS:
                 measured = kv_cache_bytes_per_token(models[name], length)
                 # The uncoded reduced cache is the model's float32; a deployment stores it in float16.
                 row[f"bytes_{length}"] = measured / 2 if name == "none" else measured
             print(json.dumps(row), flush=True)
-            record["runs"] = [r for r in record["runs"] if not all(r.get(k) == row[k] for k in ("tag", "rate", "codec", "seq_len", "eval_tokens"))]
+            record["runs"] = [
+                r
+                for r in record["runs"]
+                if not all(r.get(k) == row[k] for k in ("tag", "rate", "codec", "seq_len", "eval_tokens"))
+            ]
             record["runs"].append(row)
-    record.update(command=" ".join([Path(sys.executable).name, *sys.argv]),
-                  machine=f"{platform.node()} {platform.machine()}; torch {torch.__version__} CPU, {torch.get_num_threads()} threads",
-                  chunk=CHUNK, fp16_kv_bytes_per_token=FP16_BYTES)
+    record.update(
+        command=" ".join([Path(sys.executable).name, *sys.argv]),
+        machine=f"{platform.node()} {platform.machine()}; torch {torch.__version__} CPU, {torch.get_num_threads()} threads",
+        chunk=CHUNK,
+        fp16_kv_bytes_per_token=FP16_BYTES,
+    )
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(record, indent=1))
 
@@ -92,9 +116,11 @@ def report() -> None:
     print("| tag | window | rate p | codec | ppl | Δppl | KL | bytes/token @512 | @2048 | @4096 | @4096 vs fp16 |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in sorted(record["runs"], key=lambda r: (r["tag"], r["seq_len"], r["rate"], r["codec"])):
-        print(f"| {r['tag']} | {r['seq_len']} | {r['rate']:.2f} | {r['codec']} | {r['perplexity']:.2f} | "
-              f"{r['perplexity'] / r['baseline_perplexity'] - 1:+.1%} | {r['kl_mean']:.4f} | {r['bytes_512']:.0f} | "
-              f"{r['bytes_2048']:.0f} | {r['bytes_4096']:.0f} | {r['bytes_4096'] / FP16_BYTES:.3f} |")
+        print(
+            f"| {r['tag']} | {r['seq_len']} | {r['rate']:.2f} | {r['codec']} | {r['perplexity']:.2f} | "
+            f"{r['perplexity'] / r['baseline_perplexity'] - 1:+.1%} | {r['kl_mean']:.4f} | {r['bytes_512']:.0f} | "
+            f"{r['bytes_2048']:.0f} | {r['bytes_4096']:.0f} | {r['bytes_4096'] / FP16_BYTES:.3f} |"
+        )
 
 
 def main() -> None:
@@ -105,14 +131,23 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--eval-tokens", type=int, default=4096)
     parser.add_argument("--tag", default="default", help="names the checkpoint's configuration in the table")
-    parser.add_argument("--refit-tokens", type=int, default=0, help="apply the output refit (--refit output) at each rate")
+    parser.add_argument(
+        "--refit-tokens", type=int, default=0, help="apply the output refit (--refit output) at each rate"
+    )
     parser.add_argument("--report", action="store_true")
     args = parser.parse_args()
     if args.report:
         report()
         return
-    run(args.checkpoint, [float(r) for r in args.rates.split(",")], args.codecs.split(";"), args.seq_len,
-        args.eval_tokens, args.tag, args.refit_tokens)
+    run(
+        args.checkpoint,
+        [float(r) for r in args.rates.split(",")],
+        args.codecs.split(";"),
+        args.seq_len,
+        args.eval_tokens,
+        args.tag,
+        args.refit_tokens,
+    )
 
 
 if __name__ == "__main__":

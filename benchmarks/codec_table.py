@@ -55,10 +55,10 @@ def fit(checkpoint: Path, work: Path) -> None:
     from transformers import AutoTokenizer
 
     import kvrewrite
-    from kvrewrite.io.calibration_data import calibration_token_sequences
-    from kvrewrite.runtime.codecs import parse_codec
     from kvrewrite.compile.codec_fitting import fit_codec_tables
     from kvrewrite.errors import InvalidArgumentError
+    from kvrewrite.io.calibration_data import calibration_token_sequences
+    from kvrewrite.runtime.codecs import parse_codec
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     tokens = calibration_token_sequences("wiki", tokenizer, 16384, 512, seed=0)[:FIT_WINDOWS]
@@ -69,7 +69,9 @@ def fit(checkpoint: Path, work: Path) -> None:
         for name, budget in (("tada", TADA_BUDGET), ("csr", None)):
             t0 = time.perf_counter()
             try:
-                t, rep = fit_codec_tables(parse_codec(name), model, tokens, budget_bits=budget, sensitivity=_sensitivity(checkpoint))
+                t, rep = fit_codec_tables(
+                    parse_codec(name), model, tokens, budget_bits=budget, sensitivity=_sensitivity(checkpoint)
+                )
             except InvalidArgumentError as exc:  # budget below tada's 2-bit floor at these ranks: record it, use 2 bits
                 print(rate, name, exc)
                 _, rep = fit_codec_tables(parse_codec("tada:bits=2"), model, tokens)
@@ -89,9 +91,9 @@ def evaluate(checkpoint: Path, work: Path, rate: float, eval_tokens: int) -> Non
 
     import kvrewrite
     from kvrewrite.io.calibration_data import evaluation_token_sequences
-    from kvrewrite.publish.evaluation import kv_cache_bytes_per_token, perplexity_and_agreement_many
     from kvrewrite.io.source_model import load_fp32_model
     from kvrewrite.io.sources import resolve_model_source
+    from kvrewrite.publish.evaluation import kv_cache_bytes_per_token, perplexity_and_agreement_many
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     windows = evaluation_token_sequences(tokenizer, eval_tokens, 512)
@@ -108,9 +110,11 @@ def evaluate(checkpoint: Path, work: Path, rate: float, eval_tokens: int) -> Non
     eval_s = time.perf_counter() - t0
     rows = {}
     for name, st in stats.items():
-        rows[name] = {**st.__dict__,
-                      "kv_bytes_per_token_512": kv_cache_bytes_per_token(models[name], 512),
-                      "kv_bytes_per_token_2048": kv_cache_bytes_per_token(models[name], 2048)}
+        rows[name] = {
+            **st.__dict__,
+            "kv_bytes_per_token_512": kv_cache_bytes_per_token(models[name], 512),
+            "kv_bytes_per_token_2048": kv_cache_bytes_per_token(models[name], 2048),
+        }
         print(rate, name, rows[name])
     record = _record()
     entry = record["rates"].setdefault(f"{rate:.2f}", {})
@@ -118,8 +122,11 @@ def evaluate(checkpoint: Path, work: Path, rate: float, eval_tokens: int) -> Non
     record.update(
         command_prefix=f"{Path(sys.executable).name} benchmarks/codec_table.py --checkpoint {checkpoint}",
         machine=f"{platform.node()} {platform.machine()}; torch {torch.__version__} CPU, {torch.get_num_threads()} threads",
-        eval_tokens=int(windows.numel()), chunk=CHUNK, tada_budget_bits=TADA_BUDGET,
-        fp16_kv_bytes_per_token=2 * 30 * 3 * 64 * 2)
+        eval_tokens=int(windows.numel()),
+        chunk=CHUNK,
+        tada_budget_bits=TADA_BUDGET,
+        fp16_kv_bytes_per_token=2 * 30 * 3 * 64 * 2,
+    )
     _save(record)
 
 

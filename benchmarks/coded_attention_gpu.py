@@ -41,16 +41,20 @@ def coded_readout(codec: str, context: int, device: torch.device):
     layer_codec = build_layer_codecs(parse_codec(codec), [ranks], [ranks])[0]
     layer = CodecLayer(layer_codec, layer_codec.config.residual)
     width = RANK * KV_HEADS
-    layer.update(torch.randn(BATCH, 1, context - 1, width, device=device),
-                 torch.randn(BATCH, 1, context - 1, width, device=device))
-    return layer.update_coded(torch.randn(BATCH, 1, 1, width, device=device), torch.randn(BATCH, 1, 1, width, device=device))
+    layer.update(
+        torch.randn(BATCH, 1, context - 1, width, device=device),
+        torch.randn(BATCH, 1, context - 1, width, device=device),
+    )
+    return layer.update_coded(
+        torch.randn(BATCH, 1, 1, width, device=device), torch.randn(BATCH, 1, 1, width, device=device)
+    )
 
 
 def decode_then_attend(query, readout, layout):
     """The decode path: the whole store dequantised to float32, then attention over it."""
     keys, values = zip(*[(k, v) for _, k, v in readout_chunks(readout, torch.float32, chunk_tokens=1 << 30)])
     keys, values = torch.cat(keys, dim=2), torch.cat(values, dim=2)
-    return packed_attention(query, keys, values, None, HEAD_DIM ** -0.5, layout)
+    return packed_attention(query, keys, values, None, HEAD_DIM**-0.5, layout)
 
 
 def main() -> None:
@@ -71,26 +75,57 @@ def main() -> None:
             query = torch.randn(BATCH, 1, layout.query_offsets[-1], device=device)
             splits = split_count(BATCH * KV_HEADS, readout.coded_blocks, device)
             reference = decode_then_attend(query, readout, layout)
-            error = (triton_coded_attention(query, readout, None, HEAD_DIM ** -0.5, layout, splits=1)
-                     - reference).abs().max().item()
-            split_error = (triton_coded_attention(query, readout, None, HEAD_DIM ** -0.5, layout, splits=splits)
-                           - reference).abs().max().item()
+            error = (
+                (triton_coded_attention(query, readout, None, HEAD_DIM**-0.5, layout, splits=1) - reference)
+                .abs()
+                .max()
+                .item()
+            )
+            split_error = (
+                (triton_coded_attention(query, readout, None, HEAD_DIM**-0.5, layout, splits=splits) - reference)
+                .abs()
+                .max()
+                .item()
+            )
             decode_ms = do_bench(lambda: decode_then_attend(query, readout, layout))
-            fused_ms = do_bench(lambda: triton_coded_attention(query, readout, None, HEAD_DIM ** -0.5, layout, splits=1))
-            split_ms = do_bench(lambda: triton_coded_attention(query, readout, None, HEAD_DIM ** -0.5, layout, splits=splits))
-            rows.append({"name": f"{context} {codec}", "context": context, "codec": codec, "stock_fp16_sdpa_ms": stock_ms,
-                         "decode_path_ms": decode_ms, "fused_triton_ms": fused_ms,
-                         "fused_vs_decode": decode_ms / fused_ms, "fused_vs_stock": stock_ms / fused_ms,
-                         "max_abs_diff_fused_vs_decode": error,
-                         "splits": splits, "fused_split_ms": split_ms, "split_vs_decode": decode_ms / split_ms,
-                         "split_vs_stock": stock_ms / split_ms, "max_abs_diff_split_vs_decode": split_error})
+            fused_ms = do_bench(lambda: triton_coded_attention(query, readout, None, HEAD_DIM**-0.5, layout, splits=1))
+            split_ms = do_bench(
+                lambda: triton_coded_attention(query, readout, None, HEAD_DIM**-0.5, layout, splits=splits)
+            )
+            rows.append(
+                {
+                    "name": f"{context} {codec}",
+                    "context": context,
+                    "codec": codec,
+                    "stock_fp16_sdpa_ms": stock_ms,
+                    "decode_path_ms": decode_ms,
+                    "fused_triton_ms": fused_ms,
+                    "fused_vs_decode": decode_ms / fused_ms,
+                    "fused_vs_stock": stock_ms / fused_ms,
+                    "max_abs_diff_fused_vs_decode": error,
+                    "splits": splits,
+                    "fused_split_ms": split_ms,
+                    "split_vs_decode": decode_ms / split_ms,
+                    "split_vs_stock": stock_ms / split_ms,
+                    "max_abs_diff_split_vs_decode": split_error,
+                }
+            )
             print(rows[-1], flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    record = {"command": "python3 benchmarks/coded_attention_gpu.py --out " + str(args.out), "commit": commit or "see note",
-              "machine": f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {platform.machine()}",
-              "date": datetime.date.today().isoformat(),
-              "shapes": {"batch": BATCH, "query_heads": Q_HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
-                         "key_and_value_rank_per_kv_head": RANK}, "rows": rows}
+    record = {
+        "command": "python3 benchmarks/coded_attention_gpu.py --out " + str(args.out),
+        "commit": commit or "see note",
+        "machine": f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {platform.machine()}",
+        "date": datetime.date.today().isoformat(),
+        "shapes": {
+            "batch": BATCH,
+            "query_heads": Q_HEADS,
+            "kv_heads": KV_HEADS,
+            "head_dim": HEAD_DIM,
+            "key_and_value_rank_per_kv_head": RANK,
+        },
+        "rows": rows,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=2) + "\n")
     print("wrote", args.out)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 def time_v_report(text: str) -> dict:
     """The command, wall seconds and peak RSS (MiB) of one `/usr/bin/time -v` report."""
+
     def field(label: str) -> str:
         found = re.search(rf"{re.escape(label)}: (.+)", text)
         if found is None:
@@ -18,9 +19,11 @@ def time_v_report(text: str) -> dict:
         return found.group(1).strip()
 
     wall = field("Elapsed (wall clock) time (h:mm:ss or m:ss)")
-    return {"command": field("Command being timed").strip('"'),
-            "wall_s": round(sum(float(part) * 60**i for i, part in enumerate(reversed(wall.split(":")))), 1),
-            "peak_rss_mib": round(int(field("Maximum resident set size (kbytes)")) / 1024, 1)}
+    return {
+        "command": field("Command being timed").strip('"'),
+        "wall_s": round(sum(float(part) * 60**i for i, part in enumerate(reversed(wall.split(":")))), 1),
+        "peak_rss_mib": round(int(field("Maximum resident set size (kbytes)")) / 1024, 1),
+    }
 
 
 def compress_report_cost(checkpoint: Path) -> dict | None:
@@ -30,6 +33,9 @@ def compress_report_cost(checkpoint: Path) -> dict | None:
     if not path.is_file():
         return None
     report = json.loads(path.read_text(encoding="utf-8"))
-    return {"calibration": report["calibration"], "pipeline_total_s": report["timings_s"]["total"],
-            "pipeline_peak_rss_mib": report.get("peak_rss_mib"),
-            "sequential_statistics": report.get("sequential_statistics")}
+    return {
+        "calibration": report["calibration"],
+        "pipeline_total_s": report["timings_s"]["total"],
+        "pipeline_peak_rss_mib": report.get("peak_rss_mib"),
+        "sequential_statistics": report.get("sequential_statistics"),
+    }

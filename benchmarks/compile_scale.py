@@ -49,8 +49,10 @@ def machine(device: str) -> str:
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "")
     mem_kib = next(int(line.split()[1]) for line in open("/proc/meminfo") if line.startswith("MemTotal"))
     gpu = torch.cuda.get_device_name(0) if device.startswith("cuda") and torch.cuda.is_available() else "no GPU used"
-    return (f"{platform.node()}: {cpu}, {os.cpu_count()} CPUs, {mem_kib / 2**20:.0f} GiB, {gpu}, "
-            f"torch {torch.__version__}, python {platform.python_version()}")
+    return (
+        f"{platform.node()}: {cpu}, {os.cpu_count()} CPUs, {mem_kib / 2**20:.0f} GiB, {gpu}, "
+        f"torch {torch.__version__}, python {platform.python_version()}"
+    )
 
 
 def write_model(directory: Path, config) -> None:
@@ -75,11 +77,17 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=None)
     parser.add_argument("--verify-tokens", type=int, default=None)
     parser.add_argument("--target-rate", default="0.6")
-    parser.add_argument("--small", action="store_true", help="Llama-3-8B's layer shape, 1 layer, 2048 calibration tokens")
+    parser.add_argument(
+        "--small", action="store_true", help="Llama-3-8B's layer shape, 1 layer, 2048 calibration tokens"
+    )
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/kvrewrite-compile-scale"))
-    parser.add_argument("--keep", action="store_true", help="keep the random model (reused by a later run) and the output")
+    parser.add_argument(
+        "--keep", action="store_true", help="keep the random model (reused by a later run) and the output"
+    )
     parser.add_argument("--note", default="", help="what else ran on the machine")
-    parser.add_argument("--out", type=Path, default=None, help="result file (default benchmarks/results/compile_scale_<name>.json)")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="result file (default benchmarks/results/compile_scale_<name>.json)"
+    )
     args = parser.parse_args()
     if args.small:
         args.shape, args.layers = SMALL["shape"], SMALL["layers"]
@@ -97,11 +105,29 @@ def main() -> None:
         write_model(model_dir, config)
         print(f"wrote {model_dir} ({parameters / 1e9:.2f}B parameters) in {time.perf_counter() - t0:.0f} s")
 
-    compress = [sys.executable, "-m", "kvrewrite.cli.app", "compress", str(model_dir), "--target-rate", args.target_rate,
-                "--calibration", args.calibration, "--device", args.device, "--dtype", "bf16", "-o", str(out_dir),
-                "--overwrite"]
-    for flag, value in (("--calib-tokens", args.calib_tokens), ("--seq-len", args.seq_len),
-                        ("--verify-tokens", args.verify_tokens)):
+    compress = [
+        sys.executable,
+        "-m",
+        "kvrewrite.cli.app",
+        "compress",
+        str(model_dir),
+        "--target-rate",
+        args.target_rate,
+        "--calibration",
+        args.calibration,
+        "--device",
+        args.device,
+        "--dtype",
+        "bf16",
+        "-o",
+        str(out_dir),
+        "--overwrite",
+    ]
+    for flag, value in (
+        ("--calib-tokens", args.calib_tokens),
+        ("--seq-len", args.seq_len),
+        ("--verify-tokens", args.verify_tokens),
+    ):
         if value is not None:
             compress += [flag, str(value)]
     print("running:", shlex.join(compress))
@@ -122,9 +148,16 @@ def main() -> None:
         "commit": commit,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine(args.device) + (f"; shared with other jobs ({args.note})" if args.note else ""),
-        "model": {"shape": args.shape, "layers": layers, "of_layers": SHAPES[args.shape]["num_hidden_layers"],
-                  "parameters": parameters, "vocab_size": config.vocab_size, "dtype_on_disk": "bfloat16",
-                  "size_on_disk_gib": round(source_bytes / 2**30, 2), "weights": "random (nothing downloaded)"},
+        "model": {
+            "shape": args.shape,
+            "layers": layers,
+            "of_layers": SHAPES[args.shape]["num_hidden_layers"],
+            "parameters": parameters,
+            "vocab_size": config.vocab_size,
+            "dtype_on_disk": "bfloat16",
+            "size_on_disk_gib": round(source_bytes / 2**30, 2),
+            "weights": "random (nothing downloaded)",
+        },
         "wall_s": cost["wall_s"],
         "peak_host_rss_mib": cost["peak_rss_mib"],
         "peak_device_memory_mib": report.get("peak_device_memory_mib"),
@@ -132,12 +165,19 @@ def main() -> None:
         "pass_seconds": dict(sorted(timings.items(), key=lambda item: -item[1])),
         "calibration": report.get("calibration"),
         "allocation": report.get("allocation"),
-        "verification": {k: report.get("verification", {}).get(k) for k in ("full_rank_max_abs_logit_diff", "tolerance")},
+        "verification": {
+            k: report.get("verification", {}).get(k) for k in ("full_rank_max_abs_logit_diff", "tolerance")
+        },
     }
     out = args.out or ROOT / "benchmarks" / "results" / (
-        f"compile_scale_{'small_' if args.small else ''}{args.shape}_{layers}l_{args.device.split(':')[0]}.json")
+        f"compile_scale_{'small_' if args.small else ''}{args.shape}_{layers}l_{args.device.split(':')[0]}.json"
+    )
     out.write_text(json.dumps(record, indent=2) + "\n")
-    print(json.dumps({k: record[k] for k in ("wall_s", "peak_host_rss_mib", "peak_device_memory_mib", "pass_seconds")}, indent=2))
+    print(
+        json.dumps(
+            {k: record[k] for k in ("wall_s", "peak_host_rss_mib", "peak_device_memory_mib", "pass_seconds")}, indent=2
+        )
+    )
     print(f"wrote {out}")
     if not args.keep:
         shutil.rmtree(out_dir, ignore_errors=True)

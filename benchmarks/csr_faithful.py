@@ -106,9 +106,12 @@ def _held_out_error(codecs, held, layers=None) -> dict:
             per_layer.append(round(sq.sum().item() / max(energy.sum().item(), 1e-30), 5))
             num, den = num + sq.sum().item(), den + energy.sum().item()
             first_num, first_den = first_num + sq[::WINDOW].sum().item(), first_den + energy[::WINDOW].sum().item()
-        out[side] = {"pooled": round(num / max(den, 1e-30), 5), "per_layer": per_layer,
-                     "mean_of_layers": round(sum(per_layer) / max(len(per_layer), 1), 5),
-                     "first_token_of_window_pooled": round(first_num / max(first_den, 1e-30), 5)}
+        out[side] = {
+            "pooled": round(num / max(den, 1e-30), 5),
+            "per_layer": per_layer,
+            "mean_of_layers": round(sum(per_layer) / max(len(per_layer), 1), 5),
+            "first_token_of_window_pooled": round(first_num / max(first_den, 1e-30), 5),
+        }
     return out
 
 
@@ -116,10 +119,9 @@ def diagnose(checkpoint: Path, work: Path, rate: float, eval_tokens: int, spec: 
     """Why sparse coding is hard on these latents: how isotropic they are (participation ratio of each head's
     covariance spectrum, (sum l)^2 / sum l^2, which is the width for white latents and 1 for a single direction), what
     a random unit dictionary of the same size achieves, and the first-token errors of the fitted codec."""
-    from kvrewrite.runtime.codecs import build_layer_codecs, parse_codec
-
     import kvrewrite
     from kvrewrite.compile.codec_fitting import collect_latents
+    from kvrewrite.runtime.codecs import build_layer_codecs, parse_codec
 
     model = kvrewrite.load(checkpoint, rate=rate, kv_codec="none")
     held = collect_latents(model, _windows(checkpoint, eval_tokens)[1])
@@ -143,13 +145,18 @@ def diagnose(checkpoint: Path, work: Path, rate: float, eval_tokens: int, spec: 
                     spectrum = torch.linalg.eigvalsh(x.T @ x / x.shape[0]).clamp_min(0)
                     values.append((float(spectrum.sum() ** 2 / spectrum.pow(2).sum()), r))
                 start += r
-        ratio[side] = {"mean_participation_ratio": round(sum(v for v, _ in values) / len(values), 2),
-                       "mean_width": round(sum(r for _, r in values) / len(values), 2)}
-    return {"participation_ratio": ratio,
-            "random_dictionary_no_online": _held_out_error(build_layer_codecs(no_online, key_ranks, value_ranks,
-                                                                              random_tables), held),
-            "csr": _held_out_error(build_layer_codecs(config, key_ranks, value_ranks, tables), held),
-            "csr, no online part": _held_out_error(build_layer_codecs(no_online, key_ranks, value_ranks, tables), held)}
+        ratio[side] = {
+            "mean_participation_ratio": round(sum(v for v, _ in values) / len(values), 2),
+            "mean_width": round(sum(r for _, r in values) / len(values), 2),
+        }
+    return {
+        "participation_ratio": ratio,
+        "random_dictionary_no_online": _held_out_error(
+            build_layer_codecs(no_online, key_ranks, value_ranks, random_tables), held
+        ),
+        "csr": _held_out_error(build_layer_codecs(config, key_ranks, value_ranks, tables), held),
+        "csr, no online part": _held_out_error(build_layer_codecs(no_online, key_ranks, value_ranks, tables), held),
+    }
 
 
 def fit(checkpoint: Path, work: Path, rate: float, eval_tokens: int, spec: str) -> dict:
@@ -163,14 +170,21 @@ def fit(checkpoint: Path, work: Path, rate: float, eval_tokens: int, spec: str) 
     tables, report = fit_codec_tables_on_latents(config, fit_lat, key_ranks, value_ranks)
     fit_s = time.perf_counter() - t0
     save_file(tables, str(work / f"csr_tables_p{rate:.2f}.safetensors"))
-    entry = {"spec": config.describe(), "fit_s": round(fit_s, 1), "fit_tokens": report["fit_tokens"],
-             "coded_bytes_per_token": report["coded_bytes_per_token"],
-             "calibration_relative_sq_error": report["calibration_relative_sq_error"],
-             "neuraldict_relative_mse_first_last": report["neuraldict_relative_mse_first_last"]}
-    for name, variant in (("csr", config), ("csr, no online part", parse_codec(spec + (",", ":")[":" not in spec]
-                                                                                + "online_per_block=0"))):
+    entry = {
+        "spec": config.describe(),
+        "fit_s": round(fit_s, 1),
+        "fit_tokens": report["fit_tokens"],
+        "coded_bytes_per_token": report["coded_bytes_per_token"],
+        "calibration_relative_sq_error": report["calibration_relative_sq_error"],
+        "neuraldict_relative_mse_first_last": report["neuraldict_relative_mse_first_last"],
+    }
+    for name, variant in (
+        ("csr", config),
+        ("csr, no online part", parse_codec(spec + (",", ":")[":" not in spec] + "online_per_block=0")),
+    ):
         entry.setdefault("held_out_relative_sq_error", {})[name] = _held_out_error(
-            build_layer_codecs(variant, key_ranks, value_ranks, tables), held)
+            build_layer_codecs(variant, key_ranks, value_ranks, tables), held
+        )
     return entry
 
 
@@ -204,11 +218,20 @@ def _scored(models: dict, windows, original) -> dict:
 
     t0 = time.perf_counter()
     stats = perplexity_and_agreement_many(models, windows, original, chunk=CHUNK, progress=False)
-    rows = {name: {**st.__dict__, "kv_bytes_per_token_512": kv_cache_bytes_per_token(models[name], 512),
-                   "kv_bytes_per_token_2048": kv_cache_bytes_per_token(models[name], 2048)}
-            for name, st in stats.items()}
-    return {"results": rows, "eval_s": round(time.perf_counter() - t0, 1), "eval_tokens": int(windows.numel()),
-            "chunk": CHUNK}
+    rows = {
+        name: {
+            **st.__dict__,
+            "kv_bytes_per_token_512": kv_cache_bytes_per_token(models[name], 512),
+            "kv_bytes_per_token_2048": kv_cache_bytes_per_token(models[name], 2048),
+        }
+        for name, st in stats.items()
+    }
+    return {
+        "results": rows,
+        "eval_s": round(time.perf_counter() - t0, 1),
+        "eval_tokens": int(windows.numel()),
+        "chunk": CHUNK,
+    }
 
 
 VARIANTS = ("int4", "csr:online_per_block=2", "csr:online_per_block=4")  # the variants step's default
@@ -251,10 +274,13 @@ def ablation(checkpoint: Path, rate: float, eval_tokens: int) -> dict:
         tables, report = fit_codec_tables_on_latents(config, fit_lat, ks, vs)
         codecs = build_layer_codecs(config, ks, vs, tables)
         err = _held_out_error(codecs, held, keep)
-        rows[name] = {"spec": config.describe(), "fit_s": round(time.perf_counter() - t0, 1),
-                      "coded_bytes_per_token_these_layers": report["coded_bytes_per_token"],
-                      "held_out": {side: err[side]["pooled"] for side in err},
-                      "held_out_per_layer": {side: err[side]["per_layer"] for side in err}}
+        rows[name] = {
+            "spec": config.describe(),
+            "fit_s": round(time.perf_counter() - t0, 1),
+            "coded_bytes_per_token_these_layers": report["coded_bytes_per_token"],
+            "held_out": {side: err[side]["pooled"] for side in err},
+            "held_out_per_layer": {side: err[side]["per_layer"] for side in err},
+        }
         print(name, rows[name]["held_out"], rows[name]["fit_s"], flush=True)
     return {"layers": list(ABLATION_LAYERS), "variants": rows}
 
@@ -266,8 +292,13 @@ def _old_codec_class():
     """The csr class at OLD_COMMIT (module text from git), renamed OLD_NAME and registered."""
     from kvrewrite.runtime.codecs import register_codec
 
-    source = subprocess.run(["git", "show", f"{OLD_COMMIT}:kvrewrite/runtime/codecs/csr.py"], capture_output=True,
-                            text=True, check=True, cwd=Path(__file__).parent).stdout
+    source = subprocess.run(
+        ["git", "show", f"{OLD_COMMIT}:kvrewrite/runtime/codecs/csr.py"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).parent,
+    ).stdout
     namespace: dict = {}
     exec(compile(source.replace("@register_codec\n", ""), f"csr@{OLD_COMMIT}", "exec"), namespace)
     old = namespace["CsrCodec"]
@@ -290,9 +321,13 @@ def old_codec_error(checkpoint: Path, work: Path, rate: float, eval_tokens: int)
     save_file(tables, str(work / f"csr_before_tables_p{rate:.2f}.safetensors"))
     codecs = [old.for_layer(config, i, k, v, tables) for i, (k, v) in enumerate(zip(key_ranks, value_ranks))]
     train = _held_out_error(codecs, fit_lat)
-    return {"commit": OLD_COMMIT, "params": config.params, "fit_s": round(time.perf_counter() - t0, 1),
-            "held_out_relative_sq_error": _held_out_error(codecs, held),
-            "calibration_relative_sq_error_pooled": {side: train[side]["pooled"] for side in train}}
+    return {
+        "commit": OLD_COMMIT,
+        "params": config.params,
+        "fit_s": round(time.perf_counter() - t0, 1),
+        "held_out_relative_sq_error": _held_out_error(codecs, held),
+        "calibration_relative_sq_error_pooled": {side: train[side]["pooled"] for side in train},
+    }
 
 
 def main() -> None:

@@ -61,10 +61,15 @@ def compile_checkpoints(root: Path, calib_tokens: int) -> None:
     missing = [m for m in modes if not (root / m / "config.json").exists()]
     if not missing:
         return
-    plan = Plan(model="smollm2-135m", target_rate=0.5, calib_tokens=calib_tokens, allocation="greedy",
-                overwrite=True, progress=False)
+    plan = Plan(
+        model="smollm2-135m",
+        target_rate=0.5,
+        calib_tokens=calib_tokens,
+        allocation="greedy",
+        overwrite=True,
+        progress=False,
+    )
     compile_variants(plan, {m: {"rope_mode": m} for m in missing}, root)
-
 
 
 def run_provenance(threads: int, note: str) -> dict:
@@ -76,19 +81,23 @@ def run_provenance(threads: int, note: str) -> dict:
 
     import torch
 
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+    ).stdout.strip()
     return {
-        "command": " ".join([f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '')}",
-                             Path(sys.executable).name, *sys.argv]),
+        "command": " ".join(
+            [f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '')}", Path(sys.executable).name, *sys.argv]
+        ),
         "commit": commit,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.node()}: {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-                   f"{threads} torch thread(s); machine shared with other jobs ({note})",
+        f"{threads} torch thread(s); machine shared with other jobs ({note})",
     }
 
-def timed_decode_steps(model, cache, batch: int, context: int, steps: int, attention_times: list,
-                       layer_times: list) -> tuple[list[float], list[float], list[float]]:
+
+def timed_decode_steps(
+    model, cache, batch: int, context: int, steps: int, attention_times: list, layer_times: list
+) -> tuple[list[float], list[float], list[float]]:
     """`steps` single-token decode steps on a filled cache after one warm-up: wall, attention and attention-layer
     seconds per step (the hooks that fill attention_times / layer_times are the caller's)."""
     import torch
@@ -156,14 +165,16 @@ def _fill_cache(model, batch: int, context: int, stock: bool):
     return cache, nbytes
 
 
-def measure_model(name: str, root: Path, steps: int, configs: list[tuple[int, int]], prefill: list[tuple[int, int]]) -> dict:
+def measure_model(
+    name: str, root: Path, steps: int, configs: list[tuple[int, int]], prefill: list[tuple[int, int]]
+) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     import kvrewrite
-    from kvrewrite.runtime.modeling.attention import PACKED_ATTENTION, CompressedAttention
     from kvrewrite.io.sources import resolve_model_source
+    from kvrewrite.runtime.modeling.attention import PACKED_ATTENTION, CompressedAttention
 
     spec = MODELS[name]
     if spec is None:
@@ -190,11 +201,14 @@ def measure_model(name: str, root: Path, steps: int, configs: list[tuple[int, in
         try:
             for context, batch in configs:
                 cache, cache_bytes = _fill_cache(model, batch, context, stock)
-                step_s, attn_s, layer_s = timed_decode_steps(model, cache, batch, context, steps, attention_times,
-                                                             layer_times)
+                step_s, attn_s, layer_s = timed_decode_steps(
+                    model, cache, batch, context, steps, attention_times, layer_times
+                )
                 del cache
                 entry = {
-                    "context": context, "batch": batch, "steps": steps,
+                    "context": context,
+                    "batch": batch,
+                    "steps": steps,
                     "step_s": round(statistics.median(step_s), 5),
                     "tokens_per_s": round(batch / statistics.median(step_s), 2),
                     "attention_s": round(statistics.median(attn_s), 5),
@@ -273,11 +287,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--models", nargs="*", default=list(MODELS))
     parser.add_argument("--prefill", nargs="*", default=["512x1", "1024x1"], help="LENGTHxBATCH prompt sizes")
-    parser.add_argument("--configs", nargs="*", default=[f"{c}x{b}" for c, b in CONFIGS],
-                        help="CONTEXTxBATCH decode sizes, in increasing cache size")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads per model process (1: on a shared machine a descheduled OpenMP thread "
-                             "stalls every parallel op for a time slice, which swamps millisecond kernels)")
+    parser.add_argument(
+        "--configs",
+        nargs="*",
+        default=[f"{c}x{b}" for c, b in CONFIGS],
+        help="CONTEXTxBATCH decode sizes, in increasing cache size",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads per model process (1: on a shared machine a descheduled OpenMP thread "
+        "stalls every parallel op for a time slice, which swamps millisecond kernels)",
+    )
     parser.add_argument("--compile-only", action="store_true")
     parser.add_argument("--plot-only", action="store_true")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -309,20 +331,39 @@ def main() -> None:
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "device": device,
         "machine": f"{platform.node()}: {platform.machine()} {platform.processor() or ''}, {os.cpu_count()} CPUs, "
-                   f"torch {torch.__version__}, {args.threads} torch thread(s) per model; machine shared with other jobs "
-                   "(other compiles/tests ran during the measurement; ratios are same-run)",
+        f"torch {torch.__version__}, {args.threads} torch thread(s) per model; machine shared with other jobs "
+        "(other compiles/tests ran during the measurement; ratios are same-run)",
         "gpu": "none available in this session (no device lent); Triton kernels verified under TRITON_INTERPRET=1 only"
-               if device == "cpu" else torch.cuda.get_device_name(0),
+        if device == "cpu"
+        else torch.cuda.get_device_name(0),
         "dtype": "float32",
         "cache_fill": "decode caches filled with torch.randn tensors of each model's own cache shapes (no prefill)",
-        "compile": {"calib_tokens": args.calib_tokens, "allocation": "greedy", "objective": "optimal",
-                    "seconds": compile_s},
+        "compile": {
+            "calib_tokens": args.calib_tokens,
+            "allocation": "greedy",
+            "objective": "optimal",
+            "seconds": compile_s,
+        },
         "results": results,
     }
     RESULTS.mkdir(exist_ok=True)
     for name in ["stock", *[m for m in args.models if m != "stock"]]:
-        cmd = [sys.executable, __file__, "--worker", name, "--root", str(args.root), "--steps", str(args.steps),
-               "--threads", str(args.threads), "--configs", *args.configs, "--prefill", *args.prefill]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--worker",
+            name,
+            "--root",
+            str(args.root),
+            "--steps",
+            str(args.steps),
+            "--threads",
+            str(args.threads),
+            "--configs",
+            *args.configs,
+            "--prefill",
+            *args.prefill,
+        ]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=os.environ.copy()).stdout
         results[name] = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
         add_ratios(results)

@@ -72,31 +72,49 @@ def measure(repeats: int) -> list[dict]:
     stock_v = torch.randn(BATCH, KV_HEADS, CONTEXT, HEAD_DIM, generator=g)
     q = torch.randn(BATCH, KV_HEADS * GROUP, 1, HEAD_DIM, generator=g)
     full = 2 * KV_HEADS * HEAD_DIM
-    add("stock SDPA, enable_gqa (what transformers runs at decode)",
-        _median_ms(lambda: F.scaled_dot_product_attention(q, stock_k, stock_v, scale=scale, enable_gqa=True), repeats), full)
+    add(
+        "stock SDPA, enable_gqa (what transformers runs at decode)",
+        _median_ms(lambda: F.scaled_dot_product_attention(q, stock_k, stock_v, scale=scale, enable_gqa=True), repeats),
+        full,
+    )
     q_grouped = q.view(BATCH, KV_HEADS, GROUP, HEAD_DIM)
-    add("stock SDPA, GQA as query rows [B, 3, 3, 64]",
-        _median_ms(lambda: F.scaled_dot_product_attention(q_grouped, stock_k, stock_v, scale=scale), repeats), full)
+    add(
+        "stock SDPA, GQA as query rows [B, 3, 3, 64]",
+        _median_ms(lambda: F.scaled_dot_product_attention(q_grouped, stock_k, stock_v, scale=scale), repeats),
+        full,
+    )
     packed_rows = torch.randn(BATCH, CONTEXT, KV_HEADS * HEAD_DIM, generator=g)
     strided = packed_rows.view(BATCH, CONTEXT, KV_HEADS, HEAD_DIM).transpose(1, 2)  # [B, 3, S, 64] view of rows
-    add("token-major packed rows, p=0: SDPA on the strided [B, 3, S, 64] view",
-        _median_ms(lambda: F.scaled_dot_product_attention(q_grouped, strided, strided, scale=scale), repeats), full)
+    add(
+        "token-major packed rows, p=0: SDPA on the strided [B, 3, S, 64] view",
+        _median_ms(lambda: F.scaled_dot_product_attention(q_grouped, strided, strided, scale=scale), repeats),
+        full,
+    )
     for name, (key_ranks, value_ranks) in RANK_MIXES.items():
         layout = PackedLayout(key_ranks, value_ranks, GROUP)
         runner = BucketedAttention(layout)
         elements = sum(key_ranks) + sum(value_ranks)
-        for order, route in ((ROWS, "token-major rows, block-diagonal GEMM"), (COLUMNS, "column-major, per-head GEMMs")):
+        for order, route in (
+            (ROWS, "token-major rows, block-diagonal GEMM"),
+            (COLUMNS, "column-major, per-head GEMMs"),
+        ):
             query, key, value = _packed(layout, order, g)
             add(f"{name}: {route}", _median_ms(lambda: runner(query, key, value, None, scale), repeats), elements)
     # The DynamicCache's per-step torch.cat of one layer's keys, for scale.
     new_rows = torch.randn(BATCH, 1, 1, KV_HEADS * HEAD_DIM)
     stored_rows = packed_rows.unsqueeze(1)
-    add("DynamicCache torch.cat of one layer's keys, token-major rows [B, 1, S, 192]",
-        _median_ms(lambda: torch.cat([stored_rows, new_rows], dim=-2), repeats), full)
+    add(
+        "DynamicCache torch.cat of one layer's keys, token-major rows [B, 1, S, 192]",
+        _median_ms(lambda: torch.cat([stored_rows, new_rows], dim=-2), repeats),
+        full,
+    )
     stored_columns = to_storage(packed_rows, COLUMNS).contiguous()
     new_columns = torch.randn(BATCH, KV_HEADS * HEAD_DIM, 1, 1)
-    add("DynamicCache torch.cat of one layer's keys, column-major [B, 192, S, 1]",
-        _median_ms(lambda: torch.cat([stored_columns, new_columns], dim=-2), repeats), full)
+    add(
+        "DynamicCache torch.cat of one layer's keys, column-major [B, 192, S, 1]",
+        _median_ms(lambda: torch.cat([stored_columns, new_columns], dim=-2), repeats),
+        full,
+    )
     return rows
 
 
@@ -109,9 +127,16 @@ def main() -> None:
     record = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "machine": f"{platform.node()}: {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-                   "1 torch thread; machine shared with other jobs",
-        "shapes": {"batch": BATCH, "context": CONTEXT, "kv_heads": KV_HEADS, "group": GROUP, "head_dim": HEAD_DIM,
-                   "dtype": "float32", "repeats": args.repeats},
+        "1 torch thread; machine shared with other jobs",
+        "shapes": {
+            "batch": BATCH,
+            "context": CONTEXT,
+            "kv_heads": KV_HEADS,
+            "group": GROUP,
+            "head_dim": HEAD_DIM,
+            "dtype": "float32",
+            "repeats": args.repeats,
+        },
         "results": rows,
     }
     RESULTS.mkdir(exist_ok=True)

@@ -25,10 +25,10 @@ from calibration_sources import evenly_spaced_windows, news_split  # noqa: E402
 
 from kvrewrite.io.calibration_data import evaluation_token_sequences  # noqa: E402
 from kvrewrite.io.calibration_data.corpus import token_stream  # noqa: E402
-from kvrewrite.publish.evaluation import evaluate_many  # noqa: E402
 from kvrewrite.io.source_model import load_fp32_model  # noqa: E402
-from kvrewrite.runtime.load import load  # noqa: E402
 from kvrewrite.io.sources import resolve_model_source  # noqa: E402
+from kvrewrite.publish.evaluation import evaluate_many  # noqa: E402
+from kvrewrite.runtime.load import load  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "distill_domains.json"
 
@@ -58,18 +58,26 @@ def main() -> None:
         for name, result in evaluate_many(models, windows, baseline=baseline, progress=False).items():
             row = result.as_dict()
             rows[f"{domain} | {name}"] = {**row, "checkpoint": checkpoints[name]}
-            print(f"{domain:5s} {name:28s} ppl {row['perplexity']:.2f} (orig {row['baseline_perplexity']:.2f}, "
-                  f"{row['perplexity'] / row['baseline_perplexity'] - 1:+.1%}) KL {row['kl_mean']:.4f} top-1 {row['top1_agreement']:.3f}")
+            print(
+                f"{domain:5s} {name:28s} ppl {row['perplexity']:.2f} (orig {row['baseline_perplexity']:.2f}, "
+                f"{row['perplexity'] / row['baseline_perplexity'] - 1:+.1%}) KL {row['kl_mean']:.4f} top-1 {row['top1_agreement']:.3f}"
+            )
 
     record = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"runs": []}
-    record["runs"].append({
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "machine": f"{platform.node()} {platform.machine()}; torch CPU, 2 shared cores",
-        "eval_tokens_per_domain": args.eval_tokens, "seq_len": args.seq_len,
-        "held_out": {"wiki": "held-out Wikipedia articles (evaluation_token_sequences)",
-                     "news": "second half of gensim lee_background.cor (news stories)"},
-        "seconds": round(time.perf_counter() - t0, 1), "results": rows,
-    })
+    record["runs"].append(
+        {
+            "command": " ".join([Path(sys.executable).name, *sys.argv]),
+            "machine": f"{platform.node()} {platform.machine()}; torch CPU, 2 shared cores",
+            "eval_tokens_per_domain": args.eval_tokens,
+            "seq_len": args.seq_len,
+            "held_out": {
+                "wiki": "held-out Wikipedia articles (evaluation_token_sequences)",
+                "news": "second half of gensim lee_background.cor (news stories)",
+            },
+            "seconds": round(time.perf_counter() - t0, 1),
+            "results": rows,
+        }
+    )
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(record, indent=1))
     print("wrote", RESULTS)

@@ -59,25 +59,50 @@ def main() -> None:
             args = case.setup(root, source, ckpt)
             code, output = run_cli(args, case.stdin)
             os.chdir(home)
-            rows.append({"case": case.name, "command": command_line(args, case.stdin, root, base),
-                         "message": shown(error_line(output), root, base), "exit": code,
-                         "code_ran": (root / SENTINEL_NAME).exists()})
+            rows.append(
+                {
+                    "case": case.name,
+                    "command": command_line(args, case.stdin, root, base),
+                    "message": shown(error_line(output), root, base),
+                    "exit": code,
+                    "code_ran": (root / SENTINEL_NAME).exists(),
+                }
+            )
         for j, case in enumerate(INTERRUPT_CASES):
             root = base / f"interrupt{j}"
             root.mkdir()
             args = case.args(source, root)
             code, err, left = interrupted_run(case, source, root)
-            rows.append({"case": case.name, "command": command_line(args, None, root, base) + f" ({case.signal_name})",
-                         "message": shown(err.strip().splitlines()[-1], root, base), "exit": code, "left_behind": left})
+            rows.append(
+                {
+                    "case": case.name,
+                    "command": command_line(args, None, root, base) + f" ({case.signal_name})",
+                    "message": shown(err.strip().splitlines()[-1], root, base),
+                    "exit": code,
+                    "left_behind": left,
+                }
+            )
         rows += list(mounted_cases(base, source, ckpt))
     git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     commit = git.stdout.strip()
-    RESULT.write_text(json.dumps({
-        "command": "PYTHONPATH=. python benchmarks/fault_table.py", "commit": commit, "machine": platform.platform(),
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "cases": rows}, indent=1) + "\n", encoding="utf-8")
-    print(f"wrote {RESULT.relative_to(ROOT)}: {len(rows)} cases, "
-          f"{sum(r['exit'] in (2, 130) for r in rows)} ended in one error line")
+    RESULT.write_text(
+        json.dumps(
+            {
+                "command": "PYTHONPATH=. python benchmarks/fault_table.py",
+                "commit": commit,
+                "machine": platform.platform(),
+                "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                "cases": rows,
+            },
+            indent=1,
+        )
+        + "\n",
+        encoding="utf-8",
+    )
+    print(
+        f"wrote {RESULT.relative_to(ROOT)}: {len(rows)} cases, "
+        f"{sum(r['exit'] in (2, 130) for r in rows)} ended in one error line"
+    )
 
 
 def mounted_cases(base: Path, source: Path, ckpt: Path):
@@ -98,8 +123,12 @@ def mounted_cases(base: Path, source: Path, ckpt: Path):
             ("output on a full filesystem (1 MiB tmpfs)", ["compress", str(source), "-o", str(full / "out")]),
         ):
             code, output = run_cli(args)
-            yield {"case": name, "command": command_line(args, None, base), "message": shown(error_line(output), base),
-                   "exit": code}
+            yield {
+                "case": name,
+                "command": command_line(args, None, base),
+                "message": shown(error_line(output), base),
+                "exit": code,
+            }
     finally:
         for where in (ro, full):
             subprocess.run(["umount", str(where)])

@@ -92,7 +92,7 @@ def run_form(form: str, batch: int, context: int, small: bool, device, repeats: 
     ks = vs = rank * n_kv
     allowed = torch.ones(batch, context, dtype=torch.bool, device=device)
     kv_len = torch.tensor([context], device=device)
-    scaling = head_dim ** -0.5
+    scaling = head_dim**-0.5
 
     def randn(*shape):
         return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
@@ -103,19 +103,26 @@ def run_form(form: str, batch: int, context: int, small: bool, device, repeats: 
         caches = [randn(batch, context, ks + vs) for _ in range(copies)]
         if form == "packed":
             query = randn(batch, layout.query_offsets[-1])
-            calls = [lambda c=c: packed_flash_decode(query, c[..., :ks], c[..., ks:], allowed, kv_len, scaling, layout)
-                     for c in caches]
+            calls = [
+                lambda c=c: packed_flash_decode(query, c[..., :ks], c[..., ks:], allowed, kv_len, scaling, layout)
+                for c in caches
+            ]
             c = caches[0][:1]
-            ref = packed_attention(query[:1, None].float(), c[:, None, :, :ks].float(), c[:, None, :, ks:].float(),
-                                   None, scaling, layout)[:, 0]
+            ref = packed_attention(
+                query[:1, None].float(), c[:, None, :, :ks].float(), c[:, None, :, ks:].float(), None, scaling, layout
+            )[:, 0]
             read = one + query.numel() * 2
             out_bytes = batch * layout.output_offsets[-1] * 2
         else:
             query = randn(batch, heads * head_dim)
-            k_up = randn(n_kv, head_dim, head_dim) * head_dim ** -0.5
+            k_up = randn(n_kv, head_dim, head_dim) * head_dim**-0.5
             cos, sin = _rope(context, head_dim, device, dtype)
-            calls = [lambda c=c: latent_flash_decode(query, c[..., :ks], c[..., ks:], allowed, kv_len, scaling, layout,
-                                                     k_up, cos, sin) for c in caches]
+            calls = [
+                lambda c=c: latent_flash_decode(
+                    query, c[..., :ks], c[..., ks:], allowed, kv_len, scaling, layout, k_up, cos, sin
+                )
+                for c in caches
+            ]
             c = caches[0][:1].float()
             keys = []
             for g in range(n_kv):
@@ -124,8 +131,14 @@ def run_form(form: str, batch: int, context: int, small: bool, device, repeats: 
                 rotated = torch.cat([-k[..., half:], k[..., :half]], dim=-1)
                 keys.append(k * cos.float() + rotated * sin.float())
             dense_keys = torch.cat(keys, dim=-1)  # [1, S, n_kv * d]: an equal-rank packed layout of width d
-            ref = packed_attention(query[:1, None].float(), dense_keys[:, None], c[:, None, :, ks:], None, scaling,
-                                   PackedLayout((head_dim,) * n_kv, (rank,) * n_kv, group))[:, 0]
+            ref = packed_attention(
+                query[:1, None].float(),
+                dense_keys[:, None],
+                c[:, None, :, ks:],
+                None,
+                scaling,
+                PackedLayout((head_dim,) * n_kv, (rank,) * n_kv, group),
+            )[:, 0]
             read = one + query.numel() * 2 + k_up.numel() * 2 + 2 * context * (head_dim // 2) * 2
             out_bytes = batch * layout.output_offsets[-1] * 2
     elif form == "mla":
@@ -151,20 +164,29 @@ def run_form(form: str, batch: int, context: int, small: bool, device, repeats: 
         query = randn(batch, layout.query_offsets[-1])
         counts = torch.tensor([n_blocks], device=device), torch.tensor([window], device=device)
         one = sum(t.numel() * t.element_size() for t in (*keys.values(), *values.values()))
-        calls = [lambda: coded_flash_decode(query, blocks, keys, values, key_window, value_window, allowed, *counts,
-                                            scaling, layout)]
+        calls = [
+            lambda: coded_flash_decode(
+                query, blocks, keys, values, key_window, value_window, allowed, *counts, scaling, layout
+            )
+        ]
         dense_k = kivi_decode({n: t[:1] for n, t in keys.items()}, "key", 4, block, block, ks).reshape(1, -1, ks)
         dense_v = kivi_decode({n: t[:1] for n, t in values.items()}, "value", 4, block, block, vs).reshape(1, -1, vs)
-        ref = packed_attention(query[:1, None].float(), dense_k[:, None], dense_v[:, None], None, scaling,
-                               layout)[:, 0]
+        ref = packed_attention(query[:1, None].float(), dense_k[:, None], dense_v[:, None], None, scaling, layout)[:, 0]
         read = one + query.numel() * 2
         out_bytes = batch * layout.output_offsets[-1] * 2
     error = _rel_error(calls[0]()[:1], ref)
     turn = iter(range(1 << 30))
     seconds = _time(lambda: calls[next(turn) % len(calls)](), repeats)
     moved = read + out_bytes
-    return {"form": form, "batch": batch, "context": context, "relative_error_vs_fp32_torch": round(error, 6),
-            "seconds": seconds, "bytes": moved, "bandwidth_bytes_per_s": moved / seconds}
+    return {
+        "form": form,
+        "batch": batch,
+        "context": context,
+        "relative_error_vs_fp32_torch": round(error, 6),
+        "seconds": seconds,
+        "bytes": moved,
+        "bandwidth_bytes_per_s": moved / seconds,
+    }
 
 
 def main() -> None:
@@ -183,19 +205,34 @@ def main() -> None:
             row = run_form(form, batch, context, args.small, device, 1 if args.small else args.repeats)
             row["share_of_copy_bandwidth"] = row["bandwidth_bytes_per_s"] / peak
             rows.append(row)
-            print(f"{form:>7} {batch:>3} x {context:>6}: {row['seconds'] * 1e6:9.1f} us "
-                  f"{row['bandwidth_bytes_per_s'] / 1e12:6.2f} TB/s ({row['share_of_copy_bandwidth']:.0%} of copy)"
-                  f"  rel. error {row['relative_error_vs_fp32_torch']:.1e}", flush=True)
+            print(
+                f"{form:>7} {batch:>3} x {context:>6}: {row['seconds'] * 1e6:9.1f} us "
+                f"{row['bandwidth_bytes_per_s'] / 1e12:6.2f} TB/s ({row['share_of_copy_bandwidth']:.0%} of copy)"
+                f"  rel. error {row['relative_error_vs_fp32_torch']:.1e}",
+                flush=True,
+            )
             assert row["relative_error_vs_fp32_torch"] < 2e-2, row
     if args.small:
         return
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    RESULT.write_text(json.dumps({
-        "command": " ".join(["python", *sys.argv]), "commit": commit,
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
-        "machine": {"gpu": torch.cuda.get_device_name(device), "platform": platform.platform(),
-                    "torch": torch.__version__},
-        "copy_bandwidth_bytes_per_s": peak, "results": rows}, indent=1) + "\n")
+    RESULT.write_text(
+        json.dumps(
+            {
+                "command": " ".join(["python", *sys.argv]),
+                "commit": commit,
+                "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+                "machine": {
+                    "gpu": torch.cuda.get_device_name(device),
+                    "platform": platform.platform(),
+                    "torch": torch.__version__,
+                },
+                "copy_bandwidth_bytes_per_s": peak,
+                "results": rows,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

@@ -31,8 +31,13 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kvrewrite.runtime.kernels import (flash_decode_coded, flash_decode_latent, flash_decode_mla, flash_decode_packed,
-                                      flash_decode_splits)
+from kvrewrite.runtime.kernels import (
+    flash_decode_coded,
+    flash_decode_latent,
+    flash_decode_mla,
+    flash_decode_packed,
+    flash_decode_splits,
+)
 from kvrewrite.runtime.kernels.flash_decode_packed import tile_columns
 from kvrewrite.runtime.kernels.flash_decode_splits import column_alignment, decode_tile, pow2
 from kvrewrite.runtime.kernels.reference import PackedLayout
@@ -40,10 +45,24 @@ from kvrewrite.runtime.kernels.reference import PackedLayout
 RESULTS = Path(__file__).parent / "results" / "flash_decode_resources_sm90.json"
 TARGET = GPUTarget("cuda", 90, 32)
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-SASS_OPS = {"HMMA": r"\bHMMA\b", "HGMMA": r"\bHGMMA\b", "LDGSTS": r"\bLDGSTS\b", "LDG.128": r"\bLDG\.E\.128\b",
-            "LDG.64": r"\bLDG\.E\.64\b", "STL": r"\bSTL\b", "LDL": r"\bLDL\b"}
-DTYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int8: "*i8",
-          torch.uint8: "*u8", torch.int32: "*i32", torch.int64: "*i64"}
+SASS_OPS = {
+    "HMMA": r"\bHMMA\b",
+    "HGMMA": r"\bHGMMA\b",
+    "LDGSTS": r"\bLDGSTS\b",
+    "LDG.128": r"\bLDG\.E\.128\b",
+    "LDG.64": r"\bLDG\.E\.64\b",
+    "STL": r"\bSTL\b",
+    "LDL": r"\bLDL\b",
+}
+DTYPES = {
+    torch.bfloat16: "*bf16",
+    torch.float16: "*fp16",
+    torch.float32: "*fp32",
+    torch.int8: "*i8",
+    torch.uint8: "*u8",
+    torch.int32: "*i32",
+    torch.int64: "*i64",
+}
 
 
 def compile_sm90(kernel, args: dict, constexprs: dict, num_warps: int, num_stages: int) -> dict:
@@ -64,21 +83,29 @@ def compile_sm90(kernel, args: dict, constexprs: dict, num_warps: int, num_stage
             signature[name] = "i32"
             if value % 16 == 0 and name not in getattr(kernel, "do_not_specialize", ()):
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    source = ASTSource(kernel, signature, constexprs={(params.index(k),): v for k, v in constexprs.items()},
-                       attrs=attrs)
+    source = ASTSource(
+        kernel, signature, constexprs={(params.index(k),): v for k, v in constexprs.items()}, attrs=attrs
+    )
     compiled = triton.compile(source, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages})
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "kernel.cubin"
         cubin.write_bytes(compiled.asm["cubin"])
-        usage = subprocess.run([TOOLS / "cuobjdump", "--dump-resource-usage", cubin], capture_output=True,
-                               text=True, check=True).stdout
-        sass = subprocess.run([TOOLS / "cuobjdump", "--dump-sass", cubin], capture_output=True, text=True,
-                              check=True).stdout
+        usage = subprocess.run(
+            [TOOLS / "cuobjdump", "--dump-resource-usage", cubin], capture_output=True, text=True, check=True
+        ).stdout
+        sass = subprocess.run(
+            [TOOLS / "cuobjdump", "--dump-sass", cubin], capture_output=True, text=True, check=True
+        ).stdout
     registers = int(re.search(r"REG:(\d+)", usage).group(1))
     stack = int(re.search(r"STACK:(\d+)", usage).group(1))
-    return {"num_warps": num_warps, "num_stages": num_stages, "registers": registers, "stack_bytes": stack,
-            "shared_bytes": compiled.metadata.shared,
-            "sass": {op: len(re.findall(pattern, sass)) for op, pattern in SASS_OPS.items()}}
+    return {
+        "num_warps": num_warps,
+        "num_stages": num_stages,
+        "registers": registers,
+        "stack_bytes": stack,
+        "shared_bytes": compiled.metadata.shared,
+        "sass": {op: len(re.findall(pattern, sass)) for op, pattern in SASS_OPS.items()},
+    }
 
 
 def packed_case(layout: PackedLayout, splits: int, row_multiple: int = 1) -> tuple[dict, dict, dict]:
@@ -91,23 +118,74 @@ def packed_case(layout: PackedLayout, splits: int, row_multiple: int = 1) -> tup
     k_align, k_window, block_dk = tile_columns(layout.key_offsets, keys)
     v_align, v_window, block_dv = tile_columns(layout.value_offsets, values)
     bf = torch.bfloat16
-    args = dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, mask_ptr=torch.int8, kv_len_ptr=torch.int64, tasks_ptr=torch.int32,
-                q_off_ptr=torch.int32, k_off_ptr=torch.int32, v_off_ptr=torch.int32, o_off_ptr=torch.int32,
-                k_rank_ptr=torch.int32, v_rank_ptr=torch.int32, chunk_ptr=torch.int32, o_ptr=bf,
-                acc_ptr=torch.float32, m_ptr=torch.float32, l_ptr=torch.float32, up_ptr=bf, cos_ptr=bf, sin_ptr=bf,
-                s_cap=8192, qk_scale=0.1, half_d=64,
-                s_qb=layout.query_offsets[-1], s_kb=8192 * k_row, s_ks=k_row, s_vb=8192 * v_row, s_vs=v_row,
-                s_mb=8192, s_ob=layout.output_offsets[-1], s_ug=128 * 128, s_ur=128, s_cs=128, s_ss=128)
+    args = dict(
+        q_ptr=bf,
+        k_ptr=bf,
+        v_ptr=bf,
+        mask_ptr=torch.int8,
+        kv_len_ptr=torch.int64,
+        tasks_ptr=torch.int32,
+        q_off_ptr=torch.int32,
+        k_off_ptr=torch.int32,
+        v_off_ptr=torch.int32,
+        o_off_ptr=torch.int32,
+        k_rank_ptr=torch.int32,
+        v_rank_ptr=torch.int32,
+        chunk_ptr=torch.int32,
+        o_ptr=bf,
+        acc_ptr=torch.float32,
+        m_ptr=torch.float32,
+        l_ptr=torch.float32,
+        up_ptr=bf,
+        cos_ptr=bf,
+        sin_ptr=bf,
+        s_cap=8192,
+        qk_scale=0.1,
+        half_d=64,
+        s_qb=layout.query_offsets[-1],
+        s_kb=8192 * k_row,
+        s_ks=k_row,
+        s_vb=8192 * v_row,
+        s_vs=v_row,
+        s_mb=8192,
+        s_ob=layout.output_offsets[-1],
+        s_ug=128 * 128,
+        s_ur=128,
+        s_cs=128,
+        s_ss=128,
+    )
     g = layout.group_size
     # The workspace strides follow the real allocation: [B, Hq, splits, BLOCK_DV] and [B, Hq, splits].
     n_q = len(layout.key_ranks) * g
     args.update(s_ab=n_q * splits * block_dv, s_ah=splits * block_dv, s_as=block_dv, s_lb=n_q * splits, s_lh=splits)
-    consts = dict(GROUP=g, BLOCK_G=pow2(g), BLOCK_DK=block_dk, BLOCK_DV=block_dv, HAS_KV_LEN=True,
-                  PARTIAL=splits > 1, UPCAST=False, K_ALIGN=k_align, V_ALIGN=v_align, K_WINDOW=k_window,
-                  V_WINDOW=v_window)
-    return args, consts, {"key_ranks": layout.key_ranks, "value_ranks": layout.value_ranks, "group": g,
-                          "splits": splits, "row_multiple": row_multiple, "K_ALIGN": k_align, "V_ALIGN": v_align,
-                          "K_WINDOW": k_window, "V_WINDOW": v_window}
+    consts = dict(
+        GROUP=g,
+        BLOCK_G=pow2(g),
+        BLOCK_DK=block_dk,
+        BLOCK_DV=block_dv,
+        HAS_KV_LEN=True,
+        PARTIAL=splits > 1,
+        UPCAST=False,
+        K_ALIGN=k_align,
+        V_ALIGN=v_align,
+        K_WINDOW=k_window,
+        V_WINDOW=v_window,
+    )
+    return (
+        args,
+        consts,
+        {
+            "key_ranks": layout.key_ranks,
+            "value_ranks": layout.value_ranks,
+            "group": g,
+            "splits": splits,
+            "row_multiple": row_multiple,
+            "K_ALIGN": k_align,
+            "V_ALIGN": v_align,
+            "K_WINDOW": k_window,
+            "V_WINDOW": v_window,
+        },
+    )
 
 
 def main() -> None:
@@ -115,75 +193,181 @@ def main() -> None:
     records = []
     llama = PackedLayout((64,) * 8, (64,) * 8, 4)
     smollm = PackedLayout((60, 38, 56), (6, 10, 3), 3)  # freq p = 0.5 layer 0 (benchmarks/decode_kernels.py)
-    cases = (("packed llama3-8b p=0.5", llama, 1), ("packed smollm2 freq p=0.5 layer 0", smollm, 1),
-             ("packed smollm2 freq p=0.5 layer 0, rows padded to 16", smollm, 16))
+    cases = (
+        ("packed llama3-8b p=0.5", llama, 1),
+        ("packed smollm2 freq p=0.5 layer 0", smollm, 1),
+        ("packed smollm2 freq p=0.5 layer 0, rows padded to 16", smollm, 16),
+    )
     for name, layout, row_multiple in cases:
         args, consts, shape = packed_case(layout, 2, row_multiple)
         width = max(max(layout.key_ranks), max(layout.value_ranks))
         consts.update(BLOCK_N=decode_tile(width, 2))
-        result = compile_sm90(flash_decode_packed._packed_split_kernel, args, consts, flash_decode_packed.NUM_WARPS,
-                              flash_decode_packed.NUM_STAGES)
+        result = compile_sm90(
+            flash_decode_packed._packed_split_kernel,
+            args,
+            consts,
+            flash_decode_packed.NUM_WARPS,
+            flash_decode_packed.NUM_STAGES,
+        )
         records.append({"kernel": name, "shape": shape, "BLOCK_N": consts["BLOCK_N"], **result})
     args, consts, shape = packed_case(llama, splits=2)
     consts.pop("BLOCK_DK")
     for warps in (4, 8):  # the wrapper picks 8 for [64, 64] up-projection halves
         consts.update(BLOCK_N=decode_tile(128, 2), BLOCK_R=64, HALF=64, SAME_HALVES=True)
-        result = compile_sm90(flash_decode_latent._latent_split_kernel, args, consts, warps,
-                              flash_decode_latent.NUM_STAGES)
-        records.append({"kernel": "latent llama3-8b p=0.5 head_dim 128", "shape": shape,
-                        "BLOCK_N": consts["BLOCK_N"], **result})
+        result = compile_sm90(
+            flash_decode_latent._latent_split_kernel, args, consts, warps, flash_decode_latent.NUM_STAGES
+        )
+        records.append(
+            {"kernel": "latent llama3-8b p=0.5 head_dim 128", "shape": shape, "BLOCK_N": consts["BLOCK_N"], **result}
+        )
     heads, rank, rope = 32, 512, 64
     for block_h, stages in ((32, flash_decode_mla.NUM_STAGES), (32, 2), (64, 1)):
         splits = 4
-        mla_args = dict(q_ptr=torch.bfloat16, rows_ptr=torch.bfloat16, mask_ptr=torch.int8, kv_len_ptr=torch.int64,
-                        o_ptr=torch.bfloat16, acc_ptr=torch.float32, m_ptr=torch.float32, l_ptr=torch.float32,
-                        s_cap=8192, heads=heads, rank=rank, rope_dim=rope, chunk=2048, qk_scale=0.1,
-                        s_qb=heads * (rank + rope), s_qh=rank + rope, s_rb=8192 * (rank + rope), s_rs=rank + rope,
-                        s_mb=8192, s_ob=heads * rank, s_oh=rank, s_ab=heads * splits * rank, s_ah=splits * rank,
-                        s_as=rank, s_lb=heads * splits, s_lh=splits)
+        mla_args = dict(
+            q_ptr=torch.bfloat16,
+            rows_ptr=torch.bfloat16,
+            mask_ptr=torch.int8,
+            kv_len_ptr=torch.int64,
+            o_ptr=torch.bfloat16,
+            acc_ptr=torch.float32,
+            m_ptr=torch.float32,
+            l_ptr=torch.float32,
+            s_cap=8192,
+            heads=heads,
+            rank=rank,
+            rope_dim=rope,
+            chunk=2048,
+            qk_scale=0.1,
+            s_qb=heads * (rank + rope),
+            s_qh=rank + rope,
+            s_rb=8192 * (rank + rope),
+            s_rs=rank + rope,
+            s_mb=8192,
+            s_ob=heads * rank,
+            s_oh=rank,
+            s_ab=heads * splits * rank,
+            s_ah=splits * rank,
+            s_as=rank,
+            s_lb=heads * splits,
+            s_lh=splits,
+        )
         block_n = flash_decode_mla.mla_tile(rank)
-        mla_consts = dict(BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_R=pow2(rank), BLOCK_PE=pow2(rope), HAS_KV_LEN=True,
-                          PARTIAL=True, UPCAST=False)
-        result = compile_sm90(flash_decode_mla._mla_split_kernel, mla_args, mla_consts, flash_decode_mla.NUM_WARPS,
-                              stages)
-        records.append({"kernel": "mla 512+64", "shape": {"heads": heads, "rank": rank, "rope_dim": rope,
-                                                          "BLOCK_H": block_h}, "BLOCK_N": block_n, **result})
+        mla_consts = dict(
+            BLOCK_H=block_h,
+            BLOCK_N=block_n,
+            BLOCK_R=pow2(rank),
+            BLOCK_PE=pow2(rope),
+            HAS_KV_LEN=True,
+            PARTIAL=True,
+            UPCAST=False,
+        )
+        result = compile_sm90(
+            flash_decode_mla._mla_split_kernel, mla_args, mla_consts, flash_decode_mla.NUM_WARPS, stages
+        )
+        records.append(
+            {
+                "kernel": "mla 512+64",
+                "shape": {"heads": heads, "rank": rank, "rope_dim": rope, "BLOCK_H": block_h},
+                "BLOCK_N": block_n,
+                **result,
+            }
+        )
     # int4 KIVI store at the same shapes: blocks of 32 tokens, value groups of 32 channels, float16 window.
     args, consts, shape = packed_case(llama, splits=2)
     for name in ("K_WINDOW", "V_WINDOW"):
         consts.pop(name)
     consts.update(K_ALIGN=column_alignment(llama.key_offsets, 0.5), V_ALIGN=column_alignment(llama.value_offsets, 0.5))
     n_cap, block_tokens = 256, 32
-    args.update(kc_ptr=torch.uint8, ks_ptr=torch.float16, kl_ptr=torch.float16, vc_ptr=torch.uint8,
-                vs_ptr=torch.float16, vl_ptr=torch.float16, kw_ptr=torch.float16, vw_ptr=torch.float16,
-                n_coded_ptr=torch.int64, window_len_ptr=torch.int64, n_split_ptr=torch.int32,
-                n_cap=n_cap, w_cap=64, key_channels=512, value_channels=512,
-                s_kcb=n_cap * 32 * 512 // 2, s_kcn=32 * 512 // 2, s_ksb=n_cap * 512, s_ksn=512,
-                s_vcb=n_cap * 32 * 512 // 2, s_vcn=32 * 512 // 2, s_vsb=n_cap * 32 * 16, s_vsn=32 * 16, s_vst=16,
-                s_kwb=64 * 512, s_kwt=512, s_vwb=64 * 512, s_vwt=512)
-    consts.update(BLOCK_T=block_tokens, BLOCK_W=flash_decode_coded.WINDOW_TILE, BLOCK_DK=64, BITS=4, VALUE_GROUP=32,
-                  HAS_COUNTS=True, K_PAIRS=True, V_PAIRS=True)
+    args.update(
+        kc_ptr=torch.uint8,
+        ks_ptr=torch.float16,
+        kl_ptr=torch.float16,
+        vc_ptr=torch.uint8,
+        vs_ptr=torch.float16,
+        vl_ptr=torch.float16,
+        kw_ptr=torch.float16,
+        vw_ptr=torch.float16,
+        n_coded_ptr=torch.int64,
+        window_len_ptr=torch.int64,
+        n_split_ptr=torch.int32,
+        n_cap=n_cap,
+        w_cap=64,
+        key_channels=512,
+        value_channels=512,
+        s_kcb=n_cap * 32 * 512 // 2,
+        s_kcn=32 * 512 // 2,
+        s_ksb=n_cap * 512,
+        s_ksn=512,
+        s_vcb=n_cap * 32 * 512 // 2,
+        s_vcn=32 * 512 // 2,
+        s_vsb=n_cap * 32 * 16,
+        s_vsn=32 * 16,
+        s_vst=16,
+        s_kwb=64 * 512,
+        s_kwt=512,
+        s_vwb=64 * 512,
+        s_vwt=512,
+    )
+    consts.update(
+        BLOCK_T=block_tokens,
+        BLOCK_W=flash_decode_coded.WINDOW_TILE,
+        BLOCK_DK=64,
+        BITS=4,
+        VALUE_GROUP=32,
+        HAS_COUNTS=True,
+        K_PAIRS=True,
+        V_PAIRS=True,
+    )
     consts.pop("HAS_KV_LEN")
-    result = compile_sm90(flash_decode_coded._coded_split_kernel, args, consts, flash_decode_coded.NUM_WARPS,
-                          flash_decode_coded.NUM_STAGES)
-    records.append({"kernel": "coded int4 llama3-8b p=0.5", "shape": dict(shape, block_tokens=block_tokens),
-                    "BLOCK_N": block_tokens, **result})
-    merge_args = dict(acc_ptr=torch.float32, m_ptr=torch.float32, l_ptr=torch.float32, o_ptr=torch.bfloat16,
-                      o_off_ptr=torch.int32, o_width_ptr=torch.int32, n_split_ptr=torch.int32,
-                      s_ab=32 * 8 * 64, s_ah=8 * 64, s_as=64, s_mb=32 * 8, s_mh=8, s_ob=32 * 64)
+    result = compile_sm90(
+        flash_decode_coded._coded_split_kernel,
+        args,
+        consts,
+        flash_decode_coded.NUM_WARPS,
+        flash_decode_coded.NUM_STAGES,
+    )
+    records.append(
+        {
+            "kernel": "coded int4 llama3-8b p=0.5",
+            "shape": dict(shape, block_tokens=block_tokens),
+            "BLOCK_N": block_tokens,
+            **result,
+        }
+    )
+    merge_args = dict(
+        acc_ptr=torch.float32,
+        m_ptr=torch.float32,
+        l_ptr=torch.float32,
+        o_ptr=torch.bfloat16,
+        o_off_ptr=torch.int32,
+        o_width_ptr=torch.int32,
+        n_split_ptr=torch.int32,
+        s_ab=32 * 8 * 64,
+        s_ah=8 * 64,
+        s_as=64,
+        s_mb=32 * 8,
+        s_mh=8,
+        s_ob=32 * 64,
+    )
     result = compile_sm90(flash_decode_splits._merge_kernel, merge_args, dict(SPLITS=8, BLOCK_D=64), 4, 1)
     records.append({"kernel": "merge", "shape": {"splits": 8, "width": 64}, **result})
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    out = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "commit": commit,
-           "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
-           "machine": {"platform": platform.platform(), "gpu": "none: compiled offline for the target"},
-           "target": "sm_90",
-           "triton": triton.__version__, "results": records}
+    out = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "commit": commit,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+        "machine": {"platform": platform.platform(), "gpu": "none: compiled offline for the target"},
+        "target": "sm_90",
+        "triton": triton.__version__,
+        "results": records,
+    }
     RESULTS.write_text(json.dumps(out, indent=1) + "\n")
     print(f"{'kernel':<36} {'warps':>5} {'stages':>6} {'regs':>4} {'stack':>5} {'shared':>7}  sass")
     for r in records:
-        print(f"{r['kernel']:<36} {r['num_warps']:>5} {r['num_stages']:>6} {r['registers']:>4} {r['stack_bytes']:>5} "
-              f"{r['shared_bytes']:>7}  {r['sass']}")
+        print(
+            f"{r['kernel']:<36} {r['num_warps']:>5} {r['num_stages']:>6} {r['registers']:>4} {r['stack_bytes']:>5} "
+            f"{r['shared_bytes']:>7}  {r['sass']}"
+        )
 
 
 if __name__ == "__main__":

@@ -47,9 +47,16 @@ BYTE_LENGTHS = (512, 2048)
 def _commit() -> str:
     root = Path(__file__).resolve().parent.parent
     try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True,
-                               text=True, check=True).stdout.strip()
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("+uncommitted" if dirty else "")
@@ -82,11 +89,14 @@ def residual_spectrum(spec: str, latents, key_ranks, value_ranks) -> dict[str, f
         for side in ("key", "value"):
             x = as_blocks(layer[side], codec.block_tokens)
             _, _, g, c = x.shape
-            residual = x - kivi_decode(kivi_encode(x, side, codec.bits, codec.group_size), side, codec.bits,
-                                       codec.group_size, g, c)
+            residual = x - kivi_decode(
+                kivi_encode(x, side, codec.bits, codec.group_size), side, codec.bits, codec.group_size, g, c
+            )
             for start, end, rank in codec.head_ranks(side):
-                for name, matrix in ((side, residual[..., start:end]), (f"{side}_noise", torch.randn(
-                        residual[..., start:end].shape, generator=gen))):
+                for name, matrix in (
+                    (side, residual[..., start:end]),
+                    (f"{side}_noise", torch.randn(residual[..., start:end].shape, generator=gen)),
+                ):
                     energy = torch.linalg.svdvals(matrix.double()).pow(2)
                     shares.setdefault(name, []).extend((energy[..., :rank].sum(-1) / energy.sum(-1)).flatten().tolist())
     return {f"top_r_share_{name}": sum(v) / len(v) for name, v in shares.items()}
@@ -103,14 +113,23 @@ def raw_kv_rows(original, windows: torch.Tensor, specs: list[str], tag: str) -> 
     cache = DynamicCache(config=original.config)
     with torch.inference_mode():
         original(input_ids=windows[:1], past_key_values=cache, use_cache=True)
-    latents = [{side: t[0].permute(1, 0, 2).reshape(t.shape[2], -1).float() for side, t in
-                (("key", layer.keys), ("value", layer.values))} for layer in cache.layers]
+    latents = [
+        {
+            side: t[0].permute(1, 0, 2).reshape(t.shape[2], -1).float()
+            for side, t in (("key", layer.keys), ("value", layer.values))
+        }
+        for layer in cache.layers
+    ]
     heads = [[layer.keys.shape[-1]] * layer.keys.shape[1] for layer in cache.layers]
     rows = []
     for spec in specs:
         errors = codec_calibration_errors(build_layer_codecs(parse_codec(spec), heads, heads), latents)
-        row = {"tag": tag, "latents": "original model's raw K/V", "codec": spec,
-               **{f"rel_sq_error_{side}": sum(v) / len(v) for side, v in errors.items()}}
+        row = {
+            "tag": tag,
+            "latents": "original model's raw K/V",
+            "codec": spec,
+            **{f"rel_sq_error_{side}": sum(v) / len(v) for side, v in errors.items()},
+        }
         if spec.startswith("gear"):
             row.update(residual_spectrum(spec, latents, heads, heads))
         print(json.dumps(row), flush=True)
@@ -149,22 +168,39 @@ def value_output_errors(base, latents, specs: list[str], tag: str) -> list[dict]
             x = as_blocks(latents[layer_idx]["value"], codec.block_tokens)
             e = (codec.decode(codec.encode(x, "value"), "value") - x).reshape(-1, x.shape[-1])
             x = x.reshape(-1, x.shape[-1])
-            rows.append({"tag": tag, "layer": layer_idx, "codec": spec,
-                         "rel_token_error": to_output(e).pow(2).sum(-1).mean().item() / to_output(x).pow(2).sum(-1).mean().item(),
-                         "rel_mean_error": to_output(e.mean(0, keepdim=True)).pow(2).sum().item()
-                         / to_output(x.mean(0, keepdim=True)).pow(2).sum().item(),
-                         "importance_max_over_median": (importance.max() / importance.median()).item()})
+            rows.append(
+                {
+                    "tag": tag,
+                    "layer": layer_idx,
+                    "codec": spec,
+                    "rel_token_error": to_output(e).pow(2).sum(-1).mean().item()
+                    / to_output(x).pow(2).sum(-1).mean().item(),
+                    "rel_mean_error": to_output(e.mean(0, keepdim=True)).pow(2).sum().item()
+                    / to_output(x.mean(0, keepdim=True)).pow(2).sum().item(),
+                    "importance_max_over_median": (importance.max() / importance.median()).item(),
+                }
+            )
     return rows
 
 
-def run(checkpoint: Path, rates: list[float], specs: list[str], ppl_specs: list[str], eval_tokens: int, tag: str,
-        commit: str, spectrum: bool = False, raw: bool = False, value_output: bool = False) -> None:
+def run(
+    checkpoint: Path,
+    rates: list[float],
+    specs: list[str],
+    ppl_specs: list[str],
+    eval_tokens: int,
+    tag: str,
+    commit: str,
+    spectrum: bool = False,
+    raw: bool = False,
+    value_output: bool = False,
+) -> None:
     from transformers import AutoTokenizer
 
     import kvrewrite
     from kvrewrite.compile.codec_fitting import codec_calibration_errors, collect_latents
-    from kvrewrite.io.source_model import load_fp32_model
     from kvrewrite.io.calibration_data import evaluation_token_sequences
+    from kvrewrite.io.source_model import load_fp32_model
     from kvrewrite.io.sources import resolve_model_source
     from kvrewrite.publish.evaluation import perplexity_and_agreement_many
     from kvrewrite.runtime.codecs import build_layer_codecs, parse_codec
@@ -185,12 +221,19 @@ def run(checkpoint: Path, rates: list[float], specs: list[str], ppl_specs: list[
         if value_output and rate == 0.0:
             diag = value_output_errors(base, latents, [s for s in specs if s != "none"], tag)
             keys = {(r["tag"], r["codec"]) for r in diag}
-            record["value_output_space"] = [r for r in record.get("value_output_space", [])
-                                            if (r["tag"], r["codec"]) not in keys] + diag
+            record["value_output_space"] = [
+                r for r in record.get("value_output_space", []) if (r["tag"], r["codec"]) not in keys
+            ] + diag
             for spec in [s for s in specs if s != "none"]:
                 mine = [r for r in diag if r["codec"] == spec]
-                print(spec, "layer 0:", {k: round(v, 3) for k, v in mine[0].items() if k.startswith("rel")},
-                      "layers 1+ mean rel_token_error:", round(sum(r["rel_token_error"] for r in mine[1:]) / max(len(mine) - 1, 1), 4), flush=True)
+                print(
+                    spec,
+                    "layer 0:",
+                    {k: round(v, 3) for k, v in mine[0].items() if k.startswith("rel")},
+                    "layers 1+ mean rel_token_error:",
+                    round(sum(r["rel_token_error"] for r in mine[1:]) / max(len(mine) - 1, 1), 4),
+                    flush=True,
+                )
         rows = {}
         for spec in specs:
             row = {"tag": tag, "rate": rate, "codec": spec}
@@ -214,20 +257,30 @@ def run(checkpoint: Path, rates: list[float], specs: list[str], ppl_specs: list[
             stats = perplexity_and_agreement_many(models, windows, original, chunk=CHUNK, progress=False)
             eval_s = round(time.perf_counter() - t0, 1)
             for spec, st in stats.items():
-                rows[spec][0].update(perplexity=st.perplexity, baseline_perplexity=st.baseline_perplexity,
-                                     ppl_change=st.perplexity / st.baseline_perplexity - 1, kl_mean=st.kl_mean,
-                                     top1_agreement=st.top1_agreement, eval_tokens=int(windows.numel()), eval_s=eval_s)
+                rows[spec][0].update(
+                    perplexity=st.perplexity,
+                    baseline_perplexity=st.baseline_perplexity,
+                    ppl_change=st.perplexity / st.baseline_perplexity - 1,
+                    kl_mean=st.kl_mean,
+                    top1_agreement=st.top1_agreement,
+                    eval_tokens=int(windows.numel()),
+                    eval_s=eval_s,
+                )
                 print(json.dumps(rows[spec][0]), flush=True)
         for row, _ in rows.values():
             key = (row["tag"], row["rate"], row["codec"])
             record["runs"] = [r for r in record["runs"] if (r["tag"], r["rate"], r["codec"]) != key]
             record["runs"].append(row)
-        record.setdefault("invocations", []).append({
-            "tag": tag, "rate": rate,
-            "command": " ".join(["OMP_NUM_THREADS=1", Path(sys.executable).name, *sys.argv]),
-            "commit": commit,
-            "machine": f"{platform.node()} {platform.machine()}; torch {torch.__version__} CPU, {torch.get_num_threads()} threads",
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")})
+        record.setdefault("invocations", []).append(
+            {
+                "tag": tag,
+                "rate": rate,
+                "command": " ".join(["OMP_NUM_THREADS=1", Path(sys.executable).name, *sys.argv]),
+                "commit": commit,
+                "machine": f"{platform.node()} {platform.machine()}; torch {torch.__version__} CPU, {torch.get_num_threads()} threads",
+                "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            }
+        )
         record.update(checkpoint=str(checkpoint), chunk=CHUNK, seq_len=SEQ_LEN, fp16_kv_bytes_per_token=FP16_BYTES)
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
         RESULTS.write_text(json.dumps(record, indent=1))
@@ -239,28 +292,41 @@ def report() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for r in record["runs"]:
         err = f"{r['rel_sq_error_key']:.4f} / {r['rel_sq_error_value']:.4f}" if "rel_sq_error_key" in r else "–"
-        ppl = (f"{r['perplexity']:.2f} | {r['ppl_change']:+.1%} | {r['kl_mean']:.4f}" if "perplexity" in r
-               else "– | – | –")
-        print(f"| {r['tag']} | {r['rate']:.2f} | `{r['codec']}` | {err} | {ppl} | {r['bytes_512']:.0f} | "
-              f"{r['bytes_2048_vs_fp16']:.3f} |")
+        ppl = (
+            f"{r['perplexity']:.2f} | {r['ppl_change']:+.1%} | {r['kl_mean']:.4f}" if "perplexity" in r else "– | – | –"
+        )
+        print(
+            f"| {r['tag']} | {r['rate']:.2f} | `{r['codec']}` | {err} | {ppl} | {r['bytes_512']:.0f} | "
+            f"{r['bytes_2048_vs_fp16']:.3f} |"
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--checkpoint", type=Path)
     parser.add_argument("--rates", default="0,0.5")
-    parser.add_argument("--codecs", default="none;int2;int2:group_size=64,residual=0;gear;gear-l",
-                        help="`;`-separated codec specs: reconstruction error and bytes for each")
-    parser.add_argument("--ppl", default=None, help="`;`-separated subset of --codecs that also gets perplexity "
-                                                     "(default: all of them)")
+    parser.add_argument(
+        "--codecs",
+        default="none;int2;int2:group_size=64,residual=0;gear;gear-l",
+        help="`;`-separated codec specs: reconstruction error and bytes for each",
+    )
+    parser.add_argument(
+        "--ppl", default=None, help="`;`-separated subset of --codecs that also gets perplexity (default: all of them)"
+    )
     parser.add_argument("--eval-tokens", type=int, default=2048)
     parser.add_argument("--tag", default="paper recipe")
     parser.add_argument("--commit", default=None, help="the commit measured, when not run from a git checkout")
-    parser.add_argument("--spectrum", action="store_true", help="also the top-r energy share of each gear spec's "
-                                                                     "backbone residual, against Gaussian noise")
+    parser.add_argument(
+        "--spectrum",
+        action="store_true",
+        help="also the top-r energy share of each gear spec's backbone residual, against Gaussian noise",
+    )
     parser.add_argument("--raw", action="store_true", help="also error and spectrum on the original model's raw K/V")
-    parser.add_argument("--value-output", action="store_true",
-                        help="at rate 0: value errors seen through each layer's output projection")
+    parser.add_argument(
+        "--value-output",
+        action="store_true",
+        help="at rate 0: value errors seen through each layer's output projection",
+    )
     parser.add_argument("--report", action="store_true")
     args = parser.parse_args()
     if args.report:
@@ -271,8 +337,18 @@ def main() -> None:
     missing = set(ppl_specs) - set(specs)
     if missing:
         parser.error(f"--ppl names specs not in --codecs: {sorted(missing)}")
-    run(args.checkpoint, [float(r) for r in args.rates.split(",")], specs, ppl_specs, args.eval_tokens, args.tag,
-        args.commit or _commit(), args.spectrum, args.raw, args.value_output)
+    run(
+        args.checkpoint,
+        [float(r) for r in args.rates.split(",")],
+        specs,
+        ppl_specs,
+        args.eval_tokens,
+        args.tag,
+        args.commit or _commit(),
+        args.spectrum,
+        args.raw,
+        args.value_output,
+    )
 
 
 if __name__ == "__main__":

@@ -45,10 +45,26 @@ import torch
 RESULTS = Path(__file__).parent / "results"
 SHAPES = {
     # Llama-3-8B's decoder (the layer count is --layers: attention cost per layer is what is compared).
-    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-                      head_dim=128, vocab_size=128256, rope_theta=500000.0, mla=(512, 64)),
-    "smollm2": dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
-                    head_dim=64, vocab_size=49152, rope_theta=100000.0, mla=(128, 64)),
+    "llama3-8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        rope_theta=500000.0,
+        mla=(512, 64),
+    ),
+    "smollm2": dict(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        vocab_size=49152,
+        rope_theta=100000.0,
+        mla=(128, 64),
+    ),
 }
 FORMS = ("stock-static", "stock-compiled", "stock-dynamic", "freq", "post-rope", "latent", "mla", "int4")
 PER_HEAD_RATE = 0.5
@@ -71,8 +87,7 @@ def llama_config(shape: dict, layers: int):
     from transformers import LlamaConfig
 
     fields = {k: v for k, v in shape.items() if k != "mla"}
-    config = LlamaConfig(num_hidden_layers=layers, max_position_embeddings=131072, tie_word_embeddings=False,
-                         **fields)
+    config = LlamaConfig(num_hidden_layers=layers, max_position_embeddings=131072, tie_word_embeddings=False, **fields)
     config._attn_implementation = "sdpa"
     return config
 
@@ -84,12 +99,23 @@ def per_head_spec(config, mode: str):
 
     n_kv, d = config.num_key_value_heads, config.head_dim
     order = [list(range(d // 2)) for _ in range(n_kv)] if mode == "freq" else None
-    layers = [LayerSpec(mode, key_mode(mode).full_key_ranks(n_kv, d), [d] * n_kv, order)
-              for _ in range(config.num_hidden_layers)]
-    return CompressionSpec(source_model="random", source_revision=None, base_model_type="llama",
-                           num_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
-                           num_key_value_heads=n_kv, head_dim=d, objective="optimal", allocation="uniform",
-                           target_rate=0.0, layers=layers)
+    layers = [
+        LayerSpec(mode, key_mode(mode).full_key_ranks(n_kv, d), [d] * n_kv, order)
+        for _ in range(config.num_hidden_layers)
+    ]
+    return CompressionSpec(
+        source_model="random",
+        source_revision=None,
+        base_model_type="llama",
+        num_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=n_kv,
+        head_dim=d,
+        objective="optimal",
+        allocation="uniform",
+        target_rate=0.0,
+        layers=layers,
+    )
 
 
 def build_model(form: str, shape: dict, layers: int, device: torch.device, dtype: torch.dtype):
@@ -111,13 +137,27 @@ def build_model(form: str, shape: dict, layers: int, device: torch.device, dtype
                 rank, rope = shape["mla"]
                 d = shape["head_dim"]
                 mla = DeepseekV3Config(
-                    hidden_size=shape["hidden_size"], intermediate_size=shape["intermediate_size"],
-                    num_attention_heads=shape["num_attention_heads"], num_key_value_heads=shape["num_attention_heads"],
-                    num_hidden_layers=layers, vocab_size=shape["vocab_size"], q_lora_rank=None, kv_lora_rank=rank,
-                    qk_rope_head_dim=rope, qk_nope_head_dim=d, v_head_dim=d, first_k_dense_replace=layers,
-                    n_routed_experts=1, n_group=1, topk_group=1, num_experts_per_tok=1, rope_interleave=True,
-                    max_position_embeddings=131072, tie_word_embeddings=False,
-                    rope_parameters={"rope_type": "default", "rope_theta": shape["rope_theta"]})
+                    hidden_size=shape["hidden_size"],
+                    intermediate_size=shape["intermediate_size"],
+                    num_attention_heads=shape["num_attention_heads"],
+                    num_key_value_heads=shape["num_attention_heads"],
+                    num_hidden_layers=layers,
+                    vocab_size=shape["vocab_size"],
+                    q_lora_rank=None,
+                    kv_lora_rank=rank,
+                    qk_rope_head_dim=rope,
+                    qk_nope_head_dim=d,
+                    v_head_dim=d,
+                    first_k_dense_replace=layers,
+                    n_routed_experts=1,
+                    n_group=1,
+                    topk_group=1,
+                    num_experts_per_tok=1,
+                    rope_interleave=True,
+                    max_position_embeddings=131072,
+                    tie_word_embeddings=False,
+                    rope_parameters={"rope_type": "default", "rope_theta": shape["rope_theta"]},
+                )
                 mla._attn_implementation = "sdpa"
                 return absorb_attention(DeepseekV3ForCausalLM(mla)).eval()
             spec = per_head_spec(config, "freq" if form == "int4" else form)
@@ -169,14 +209,18 @@ def filled_cache(model, form: str, batch: int, context: int, capacity: int, devi
     if form == "int4":  # the codec cache generate() builds; the prefill's blocks coded as it codes them
         cache = model.make_kv_cache()
         for i, attn in enumerate(model.compressed_attentions()):
-            cache.update_coded(rand(batch, 1, context, sum(attn.key_ranks)),
-                               rand(batch, 1, context, sum(attn.value_ranks)), i)
+            cache.update_coded(
+                rand(batch, 1, context, sum(attn.key_ranks)), rand(batch, 1, context, sum(attn.value_ranks)), i
+            )
         return cache
     cache = in_place_cache(cfg, capacity=capacity)  # what kvrewrite's generate() builds
     for i, attn in enumerate(model.compressed_attentions()):
         order = attn.cache_order(cache, device)
-        cache.update(to_storage(rand(batch, context, sum(attn.key_ranks)), order),
-                     to_storage(rand(batch, context, sum(attn.value_ranks)), order), i)
+        cache.update(
+            to_storage(rand(batch, context, sum(attn.key_ranks)), order),
+            to_storage(rand(batch, context, sum(attn.value_ranks)), order),
+            i,
+        )
     return cache
 
 
@@ -216,6 +260,7 @@ class Stopwatch:
                 out = fn(*args, **kwargs)
                 self.marks.append(time.perf_counter() - t0)
             return out
+
         return timed
 
     def total(self) -> float:
@@ -294,8 +339,9 @@ class FormRun:
             if self.watch is not None:
                 for timer in attention_timers(self.form, self.watch):
                     stack.enter_context(timer)
-            return one_step(lambda x: self.forward(input_ids=x, past_key_values=cache, use_cache=True), ids,
-                            self.device, self.watch)
+            return one_step(
+                lambda x: self.forward(input_ids=x, past_key_values=cache, use_cache=True), ids, self.device, self.watch
+            )
 
 
 def measure_config(runs: dict, batch: int, context: int, args, device, dtype) -> dict:
@@ -312,8 +358,12 @@ def measure_config(runs: dict, batch: int, context: int, args, device, dtype) ->
             continue
         held = cache_tensor_bytes(caches[form])
         must_read = filled_bytes(run.model, form, batch, context, dtype)
-        rows[form] = {"batch": batch, "context": context, "cache_bytes_read": held if must_read < 0 else must_read,
-                      "cache_bytes_held": held}
+        rows[form] = {
+            "batch": batch,
+            "context": context,
+            "cache_bytes_read": held if must_read < 0 else must_read,
+            "cache_bytes_held": held,
+        }
         times[form] = ([], [])
     g = torch.Generator(device=device).manual_seed(1)
     vocab = next(iter(runs.values())).model.config.vocab_size
@@ -339,9 +389,12 @@ def measure_config(runs: dict, batch: int, context: int, args, device, dtype) ->
         if attention_s:
             row["attention_s"] = round(statistics.median(attention_s), 6)
             row["attention_bandwidth_GBps"] = round(row["cache_bytes_read"] / row["attention_s"] / 1e9, 1)
-        print(f"{form:15s} {batch:3d} x {context:6d}: {row['tokens_per_s']:9.1f} tok/s  "
-              f"attention {row.get('attention_s', float('nan')) * 1e3:8.2f} ms "
-              f"({row.get('attention_bandwidth_GBps', float('nan'))} GB/s)", flush=True)
+        print(
+            f"{form:15s} {batch:3d} x {context:6d}: {row['tokens_per_s']:9.1f} tok/s  "
+            f"attention {row.get('attention_s', float('nan')) * 1e3:8.2f} ms "
+            f"({row.get('attention_bandwidth_GBps', float('nan'))} GB/s)",
+            flush=True,
+        )
     caches.clear()
     gc.collect()
     if device.type == "cuda":
@@ -365,8 +418,9 @@ def add_ratios(results: dict) -> None:
 
 
 def provenance(args, device: torch.device) -> dict:
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+    ).stdout.strip()
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     peak = next((bw for part, bw in PEAK_BANDWIDTH.items() if gpu and part in gpu), None)
     return {
@@ -374,11 +428,15 @@ def provenance(args, device: torch.device) -> dict:
         "commit": commit or os.environ.get("KVREWRITE_COMMIT", "unknown"),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.node()}: {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-                   f"{torch.get_num_threads()} torch thread(s)",
+        f"{torch.get_num_threads()} torch thread(s)",
         "gpu": gpu or "none (CPU run)",
         "peak_bandwidth_GBps": peak / 1e9 if peak else None,
-        "shape": args.shape, "layers": args.layers, "dtype": args.dtype, "per_head_rate": PER_HEAD_RATE,
-        "steps": args.steps, "cache_fill": "random tensors of each form's cache shapes, through the cache's update",
+        "shape": args.shape,
+        "layers": args.layers,
+        "dtype": args.dtype,
+        "per_head_rate": PER_HEAD_RATE,
+        "steps": args.steps,
+        "cache_fill": "random tensors of each form's cache shapes, through the cache's update",
     }
 
 
@@ -387,19 +445,26 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
-                        help="default: bf16 on CUDA, fp32 on CPU")
+    parser.add_argument(
+        "--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="default: bf16 on CUDA, fp32 on CPU"
+    )
     parser.add_argument("--configs", default=None, help=f"batch x context list (default on a GPU: {GPU_CONFIGS})")
     parser.add_argument("--forms", default=",".join(FORMS))
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--small", action="store_true",
-                        help="CI-sized shapes on CPU: SmolLM2 shapes, 2 layers, 2 x 256 and 4 x 512")
+    parser.add_argument(
+        "--small", action="store_true", help="CI-sized shapes on CPU: SmolLM2 shapes, 2 layers, 2 x 256 and 4 x 512"
+    )
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--plot", action="store_true", help="also write tokens/s against context as OUT.png")
     parser.add_argument("--note", default=None, help="recorded as machine_note (e.g. what else ran on the machine)")
-    parser.add_argument("--replot", type=Path, nargs="+", default=None,
-                        help="only redraw the plot from these result files (their forms' points joined) into --out")
+    parser.add_argument(
+        "--replot",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="only redraw the plot from these result files (their forms' points joined) into --out",
+    )
     args = parser.parse_args()
     if args.replot:
         records = [json.loads(path.read_text()) for path in args.replot]
@@ -424,8 +489,11 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown forms {unknown}; choose from {', '.join(FORMS)}")
     shape = SHAPES[args.shape]
-    record = {**provenance(args, device), **({"machine_note": args.note} if args.note else {}),
-              "results": {form: [] for form in forms}}
+    record = {
+        **provenance(args, device),
+        **({"machine_note": args.note} if args.note else {}),
+        "results": {form: [] for form in forms},
+    }
     runs, stock_model = {}, None
     for form in forms:
         try:
@@ -463,37 +531,49 @@ def plot(record: dict, target: Path) -> None:
     fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4), squeeze=False)
     for ax, batch in zip(axes[0], batches):
         for form, rows in record["results"].items():
-            points = sorted((r["context"], r["tokens_per_s"]) for r in rows if r.get("batch") == batch
-                            and "tokens_per_s" in r)
+            points = sorted(
+                (r["context"], r["tokens_per_s"]) for r in rows if r.get("batch") == batch and "tokens_per_s" in r
+            )
             if points:
                 style = "--" if form.startswith("stock") else "-"
                 ax.plot(*zip(*points), style, marker="o", label=form)
-        contexts = sorted({r["context"] for rows in record["results"].values() for r in rows
-                           if r.get("batch") == batch and "tokens_per_s" in r})
+        contexts = sorted(
+            {
+                r["context"]
+                for rows in record["results"].values()
+                for r in rows
+                if r.get("batch") == batch and "tokens_per_s" in r
+            }
+        )
         ax.set_xscale("log", base=2)
         ax.set_xticks(contexts, [f"{c // 1024}K" if c >= 1024 else str(c) for c in contexts])
         ax.minorticks_off()
         ax.set(xlabel="context (tokens)", ylabel="tokens/s", title=f"batch {batch}")
         ax.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=8)
-    fig.suptitle(f"decode, {record['shape']} x {record['layers']} layers, {record['dtype']}, {record['gpu']}",
-                 fontsize=9)
+    fig.suptitle(
+        f"decode, {record['shape']} x {record['layers']} layers, {record['dtype']}, {record['gpu']}", fontsize=9
+    )
     fig.tight_layout()
     fig.savefig(target, dpi=110)
     plt.close(fig)
 
 
 def print_table(record: dict) -> None:
-    print(f"\n{'form':15s} {'B x ctx':>12s} {'tok/s':>10s} {'vs static':>10s} {'vs compiled':>12s} {'bytes':>6s} "
-          f"{'attn GB/s':>10s}")
+    print(
+        f"\n{'form':15s} {'B x ctx':>12s} {'tok/s':>10s} {'vs static':>10s} {'vs compiled':>12s} {'bytes':>6s} "
+        f"{'attn GB/s':>10s}"
+    )
     for form, rows in record["results"].items():
         for row in rows:
             if "tokens_per_s" not in row:
                 print(f"{form:15s} {row.get('error', '')}")
                 continue
-            print(f"{form:15s} {row['batch']:>4d} x {row['context']:<6d} {row['tokens_per_s']:>10.1f} "
-                  f"{row.get('vs_stock_static', float('nan')):>10.3f} {row.get('vs_stock_compiled', float('nan')):>12.3f} "
-                  f"{row.get('cache_share', float('nan')):>6.2f} {row.get('attention_bandwidth_GBps', float('nan')):>10}")
+            print(
+                f"{form:15s} {row['batch']:>4d} x {row['context']:<6d} {row['tokens_per_s']:>10.1f} "
+                f"{row.get('vs_stock_static', float('nan')):>10.3f} {row.get('vs_stock_compiled', float('nan')):>12.3f} "
+                f"{row.get('cache_share', float('nan')):>6.2f} {row.get('attention_bandwidth_GBps', float('nan')):>10}"
+            )
 
 
 if __name__ == "__main__":

@@ -59,12 +59,19 @@ def main() -> None:
     parser.add_argument("--eval-tokens", type=int, default=8192)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    record = {**run_provenance(torch.get_num_threads(), "quality only, no timings"), "checkpoint": args.checkpoint.name,
-              "refit_tokens": args.refit_tokens, "eval_tokens": args.eval_tokens, "rows": []}
+    record = {
+        **run_provenance(torch.get_num_threads(), "quality only, no timings"),
+        "checkpoint": args.checkpoint.name,
+        "refit_tokens": args.refit_tokens,
+        "eval_tokens": args.eval_tokens,
+        "rows": [],
+    }
     tokenizer = AutoTokenizer.from_pretrained(args.checkpoint)
     source = json.loads((args.checkpoint / "config.json").read_text())["kvrewrite"]
     spec = CompressionSpec.from_dict(source)
-    original = AutoModelForCausalLM.from_pretrained(resolve_model_source(spec.source_model).path, dtype=torch.float32).eval()
+    original = AutoModelForCausalLM.from_pretrained(
+        resolve_model_source(spec.source_model).path, dtype=torch.float32
+    ).eval()
     adapter = adapter_for(original.config)
     ranks = {r: spec.ranks_for_rate(r) for r in {*EVALUATED_RATES, *(r for rates in CONFIGS.values() for r in rates)}}
     texts = {text: evaluation_token_sequences(tokenizer, args.eval_tokens, 512, text=text) for text in ("wiki", "news")}
@@ -79,10 +86,18 @@ def main() -> None:
             for rate in EVALUATED_RATES:
                 with truncated_model(model, adapter, *ranks[rate]):
                     res = perplexity_and_agreement_many({"m": model}, held_out, baseline=original, progress=False)["m"]
-                row = {"config": config, "fitted_rates": list(rates), "text": text, "rate": rate,
-                       "perplexity": res.perplexity, "baseline_perplexity": res.baseline_perplexity,
-                       "ppl_increase_pct": 100 * (res.perplexity / res.baseline_perplexity - 1),
-                       "kl_mean": res.kl_mean, "top1_agreement": res.top1_agreement, "refit_s": fit_s}
+                row = {
+                    "config": config,
+                    "fitted_rates": list(rates),
+                    "text": text,
+                    "rate": rate,
+                    "perplexity": res.perplexity,
+                    "baseline_perplexity": res.baseline_perplexity,
+                    "ppl_increase_pct": 100 * (res.perplexity / res.baseline_perplexity - 1),
+                    "kl_mean": res.kl_mean,
+                    "top1_agreement": res.top1_agreement,
+                    "refit_s": fit_s,
+                }
                 record["rows"].append(row)
                 print(json.dumps(row), flush=True)
                 args.out.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")

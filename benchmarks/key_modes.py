@@ -19,13 +19,13 @@ import platform
 import sys
 from pathlib import Path
 
-from kvrewrite.io.calibration_data import evaluation_token_sequences
-from kvrewrite.publish.evaluation import evaluate_many
+from kvrewrite.adapters.base import AttentionFeatures
 from kvrewrite.compile.passes.pipeline import compile_variants
 from kvrewrite.compile.plan import Plan
-from kvrewrite.runtime.load import load
-from kvrewrite.adapters.base import AttentionFeatures
+from kvrewrite.io.calibration_data import evaluation_token_sequences
 from kvrewrite.key_modes import key_mode, key_mode_names
+from kvrewrite.publish.evaluation import evaluate_many
+from kvrewrite.runtime.load import load
 
 RESULTS = Path(__file__).parent / "results" / "key_modes.json"
 FULL_VARIANTS = {
@@ -60,7 +60,9 @@ def key_only_model(directory: Path, key_share_kept: float = 0.5):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--part", choices=("key-only", "full"), required=True)
-    parser.add_argument("--variants", default=None, help="comma-separated (full part); default: crosshead,auto,auto-zero-overhead")
+    parser.add_argument(
+        "--variants", default=None, help="comma-separated (full part); default: crosshead,auto,auto-zero-overhead"
+    )
     parser.add_argument("--out", type=Path, default=Path("/tmp/kvrewrite-key-modes"))
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--results", type=Path, default=RESULTS)
@@ -68,8 +70,14 @@ def main() -> None:
     parser.add_argument("--eval-tokens", type=int, default=8192)
     args = parser.parse_args()
 
-    plan = Plan(model=args.model, target_rate=0.5, calibration="wiki", calib_tokens=args.calib_tokens,
-                overwrite=True, progress=False)
+    plan = Plan(
+        model=args.model,
+        target_rate=0.5,
+        calibration="wiki",
+        calib_tokens=args.calib_tokens,
+        overwrite=True,
+        progress=False,
+    )
     if args.part == "key-only":
         # Greedy allocation: no sensitivity probe needed, the ranks are set by hand below anyway.
         rope_modes = [m for m in key_mode_names() if key_mode(m).allowed_for(AttentionFeatures())]  # a plain RoPE model
@@ -84,10 +92,14 @@ def main() -> None:
         models = {f"{name} keys p=0.5 (values full)": key_only_model(args.out / args.part / name) for name in variants}
     else:
         models = {f"{name} p={r}": load(args.out / args.part / name, rate=r) for name in variants for r in RATES}
-    results = {name: r.as_dict() for name, r in evaluate_many(models, windows, baseline=shared.model, progress=False).items()}
+    results = {
+        name: r.as_dict() for name, r in evaluate_many(models, windows, baseline=shared.model, progress=False).items()
+    }
     for name, r in results.items():
-        print(f"{name:36s} ppl {r['perplexity']:.2f} (orig {r['baseline_perplexity']:.2f}) KL {r['kl_mean']:.4f} "
-              f"top-1 {r['top1_agreement']:.3f} KV bytes/token {r['kv_bytes_per_token']:.0f}")
+        print(
+            f"{name:36s} ppl {r['perplexity']:.2f} (orig {r['baseline_perplexity']:.2f}) KL {r['kl_mean']:.4f} "
+            f"top-1 {r['top1_agreement']:.3f} KV bytes/token {r['kv_bytes_per_token']:.0f}"
+        )
 
     record = json.loads(args.results.read_text()) if args.results.exists() else {}
     part = record.setdefault(args.part, {"runs": {}, "results": {}})
@@ -95,10 +107,13 @@ def main() -> None:
     part["runs"][",".join(variants)] = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "machine": f"{platform.node()} {platform.machine()}, {platform.processor() or 'cpu'}; torch CPU, 2 shared cores",
-        "calibration_tokens": args.calib_tokens, "eval_tokens": int(windows.numel()),
+        "calibration_tokens": args.calib_tokens,
+        "eval_tokens": int(windows.numel()),
         "compile_s": {n: ctx.report["variant_compile_s"] for n, ctx in compiled.items()},
         "key_modes": {n: [layer.key_mode for layer in ctx.spec.layers] for n, ctx in compiled.items()},
-        "key_mode_choice": {n: ctx.report.get("key_mode_choice") for n, ctx in compiled.items() if "key_mode_choice" in ctx.report},
+        "key_mode_choice": {
+            n: ctx.report.get("key_mode_choice") for n, ctx in compiled.items() if "key_mode_choice" in ctx.report
+        },
         "calibration_kl_at_0.5": {n: ctx.verification["compiled_rank"]["kl_mean"] for n, ctx in compiled.items()},
     }
     args.results.parent.mkdir(parents=True, exist_ok=True)

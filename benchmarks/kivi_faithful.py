@@ -85,8 +85,10 @@ def ours_cache(spec: str, num_layers: int = 30, heads: int = 3, dim: int = 64) -
     config = parse_codec(spec)
     cache = CodecCache([], config.residual)
     layer_cls = _heads_layer_class()
-    cache.layers = [layer_cls(codec, config.residual)
-                    for codec in build_layer_codecs(config, [[dim] * heads] * num_layers, [[dim] * heads] * num_layers)]
+    cache.layers = [
+        layer_cls(codec, config.residual)
+        for codec in build_layer_codecs(config, [[dim] * heads] * num_layers, [[dim] * heads] * num_layers)
+    ]
     return cache
 
 
@@ -94,8 +96,12 @@ def quanto_cache(spec: str) -> Cache:
     from transformers.cache_utils import QuantoQuantizedLayer
 
     nbits, ak, av, gs, res = (int(x) for x in spec.split(","))
-    return Cache(layers=[QuantoQuantizedLayer(nbits=nbits, axis_key=ak, axis_value=av, q_group_size=gs, residual_length=res)
-                         for _ in range(30)])
+    return Cache(
+        layers=[
+            QuantoQuantizedLayer(nbits=nbits, axis_key=ak, axis_value=av, q_group_size=gs, residual_length=res)
+            for _ in range(30)
+        ]
+    )
 
 
 # ---- bytes ---------------------------------------------------------------------------------------------------
@@ -112,7 +118,9 @@ def held_tensors(cache: Cache) -> list[torch.Tensor]:
     out = []
     for layer in cache.layers:
         for value in vars(layer).values():
-            items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
+            items = (
+                value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
+            )
             out += [leaf for v in items if isinstance(v, torch.Tensor) for leaf in _leaves(v)]
     return out
 
@@ -154,7 +162,7 @@ def evaluate(model, make_cache, windows: torch.Tensor, protocol: str, base_logit
         for i, ids in enumerate(windows):
             ids = ids.unsqueeze(0)
             logits, cache = run_sequence(model, make_cache, ids, protocol)
-            target = ids[:, 1:] if protocol == "window" else ids[:, -logits.shape[1]:]
+            target = ids[:, 1:] if protocol == "window" else ids[:, -logits.shape[1] :]
             logp = F.log_softmax(logits.float(), -1)
             nll += float(-logp.gather(-1, target.unsqueeze(-1)).sum())
             n += target.numel()
@@ -166,8 +174,12 @@ def evaluate(model, make_cache, windows: torch.Tensor, protocol: str, base_logit
             h, f = cache_bytes(cache)
             held += h / ids.shape[1]
             fp16 += f / ids.shape[1]
-    stats = {"ppl": float(torch.tensor(nll / n).exp()), "kl": kl / n, "bytes_held": held / len(windows),
-             "bytes_fp16": fp16 / len(windows)}
+    stats = {
+        "ppl": float(torch.tensor(nll / n).exp()),
+        "kl": kl / n,
+        "bytes_held": held / len(windows),
+        "bytes_fp16": fp16 / len(windows),
+    }
     return stats, logits_out
 
 
@@ -236,10 +248,11 @@ class Models:
 
     def tables(self, rate: float, codec: str) -> dict:
         """Tables of a trained codec for this rate, fitted as the compile pass fits them (empty for untrained ones)."""
+        from transformers import AutoTokenizer
+
         from kvrewrite.compile.codec_fitting import fit_codec_tables
         from kvrewrite.io.calibration_data import calibration_token_sequences
         from kvrewrite.runtime.codecs import parse_codec
-        from transformers import AutoTokenizer
 
         config = parse_codec(codec)
         if config is None or not getattr(config.codec_class, "fit_description", None):
@@ -277,8 +290,9 @@ def git_commit() -> str:
     import kvrewrite
 
     try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=Path(kvrewrite.__file__).parent,
-                                       text=True).strip()
+        return subprocess.check_output(
+            ["git", "rev-parse", "HEAD"], cwd=Path(kvrewrite.__file__).parent, text=True
+        ).strip()
     except Exception:  # noqa: BLE001
         return "unknown"
 
@@ -287,7 +301,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", default="ablation", help="'ablation' or ';'-separated label=spec pairs or specs")
     parser.add_argument("--protocols", default="continuation,window")
-    parser.add_argument("--eval-tokens", type=int, default=4096, help="tokens per protocol (whole sequences of its length)")
+    parser.add_argument(
+        "--eval-tokens", type=int, default=4096, help="tokens per protocol (whole sequences of its length)"
+    )
     parser.add_argument("--checkpoint", type=Path)
     parser.add_argument("--tag", default="")
     parser.add_argument("--report", action="store_true")
@@ -306,8 +322,11 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(path)
     original = load_fp32_model(path).eval()
     models = Models(original, args.checkpoint)
-    rows = ABLATION if args.rows == "ablation" else [
-        tuple(r.split("=", 1)) if "=" in r.split(":")[0] else (r, r) for r in args.rows.split(";")]
+    rows = (
+        ABLATION
+        if args.rows == "ablation"
+        else [tuple(r.split("=", 1)) if "=" in r.split(":")[0] else (r, r) for r in args.rows.split(";")]
+    )
     for protocol in args.protocols.split(","):
         seq = SEQ_LEN[protocol]
         windows = evaluation_token_sequences(tokenizer, args.eval_tokens, seq)
@@ -317,15 +336,28 @@ def main() -> None:
             model, factory = models.factory(spec)
             t0 = time.perf_counter()
             st, _ = evaluate(model, factory, windows, protocol, base_logits)
-            row = {"label": label, "spec": spec, "protocol": protocol, "tag": args.tag, "eval_tokens": int(windows.numel()),
-                   "seq_len": seq,
-                   "baseline_ppl": base["ppl"], **st, "dppl": st["ppl"] / base["ppl"] - 1,
-                   "fp16_share": st["bytes_fp16"] / FP16_BYTES, "seconds": round(time.perf_counter() - t0, 1),
-                   # each row keeps the invocation that measured it (the file accumulates rows of several runs)
-                   "command": " ".join(["python", *sys.argv]), "commit": git_commit(),
-                   "date": datetime.datetime.now().isoformat(timespec="seconds")}
-            print(f"[{protocol}] {label:55s} ppl {st['ppl']:8.3f} ({row['dppl']:+8.1%}) KL {st['kl']:.4f} "
-                  f"bytes/tok held {st['bytes_held']:7.0f} fp16-equiv {st['bytes_fp16']:7.0f} ({row['fp16_share']:.3f})", flush=True)
+            row = {
+                "label": label,
+                "spec": spec,
+                "protocol": protocol,
+                "tag": args.tag,
+                "eval_tokens": int(windows.numel()),
+                "seq_len": seq,
+                "baseline_ppl": base["ppl"],
+                **st,
+                "dppl": st["ppl"] / base["ppl"] - 1,
+                "fp16_share": st["bytes_fp16"] / FP16_BYTES,
+                "seconds": round(time.perf_counter() - t0, 1),
+                # each row keeps the invocation that measured it (the file accumulates rows of several runs)
+                "command": " ".join(["python", *sys.argv]),
+                "commit": git_commit(),
+                "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            }
+            print(
+                f"[{protocol}] {label:55s} ppl {st['ppl']:8.3f} ({row['dppl']:+8.1%}) KL {st['kl']:.4f} "
+                f"bytes/tok held {st['bytes_held']:7.0f} fp16-equiv {st['bytes_fp16']:7.0f} ({row['fp16_share']:.3f})",
+                flush=True,
+            )
             save_row(row, args.tag)
 
 
@@ -338,12 +370,19 @@ def save_row(row: dict, tag: str) -> None:
     with open(Path(tempfile.gettempdir()) / "kivi_faithful.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         record = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {"runs": []}
-        record["runs"] = [r for r in record["runs"] if not (r["spec"] == row["spec"] and r["protocol"] == row["protocol"]
-                                                              and r.get("tag", "") == tag)]
+        record["runs"] = [
+            r
+            for r in record["runs"]
+            if not (r["spec"] == row["spec"] and r["protocol"] == row["protocol"] and r.get("tag", "") == tag)
+        ]
         record["runs"].append(row)
-        record.update(command=row["command"], commit=row["commit"],
-                      machine=f"{platform.node()} {platform.machine()}, {torch.get_num_threads()} threads; torch {torch.__version__} CPU",
-                      date=row["date"], fp16_bytes_per_token=FP16_BYTES)
+        record.update(
+            command=row["command"],
+            commit=row["commit"],
+            machine=f"{platform.node()} {platform.machine()}, {torch.get_num_threads()} threads; torch {torch.__version__} CPU",
+            date=row["date"],
+            fp16_bytes_per_token=FP16_BYTES,
+        )
         tmp = RESULTS.with_suffix(".tmp")
         tmp.write_text(json.dumps(record, indent=1))
         tmp.replace(RESULTS)
@@ -353,8 +392,10 @@ def report(record: dict) -> None:
     print("| protocol | row | cache | ppl | Δppl | KL | bytes/token (fp16-equiv) | share of fp16 |")
     print("|---|---|---|---|---|---|---|---|")
     for r in record["runs"]:
-        print(f"| {r['protocol']} | {r['label']} | `{r['spec']}` | {r['ppl']:.2f} | {r['dppl']:+.1%} | {r['kl']:.4f} | "
-              f"{r['bytes_fp16']:.0f} | {r['fp16_share']:.3f} |")
+        print(
+            f"| {r['protocol']} | {r['label']} | `{r['spec']}` | {r['ppl']:.2f} | {r['dppl']:+.1%} | {r['kl']:.4f} | "
+            f"{r['bytes_fp16']:.0f} | {r['fp16_share']:.3f} |"
+        )
 
 
 if __name__ == "__main__":

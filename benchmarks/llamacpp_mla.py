@@ -49,7 +49,8 @@ VENV = ROOT / ".venv-llamacpp"
 SEQ_LEN = 512
 CONTEXTS = (512, 4096, 8192)
 KV_LINE = re.compile(
-    r"llama_kv_cache: size = +([\d.]+) MiB \( *(\d+) cells, +(\d+) layers.*?K \((\w+)\): +([\d.]+) MiB, V \((\w+)\): +([\d.]+) MiB")
+    r"llama_kv_cache: size = +([\d.]+) MiB \( *(\d+) cells, +(\d+) layers.*?K \((\w+)\): +([\d.]+) MiB, V \((\w+)\): +([\d.]+) MiB"
+)
 
 
 def vendored_llama_cpp() -> tuple[Path, str, str]:
@@ -58,7 +59,9 @@ def vendored_llama_cpp() -> tuple[Path, str, str]:
 
     sources = sorted((VENV / "src").glob(f"llama_cpp_python-{llama_cpp.__version__}"))
     if not sources:
-        sys.exit(f"no unpacked llama-cpp-python {llama_cpp.__version__} sdist under {VENV / 'src'}: run make bench-llamacpp-env")
+        sys.exit(
+            f"no unpacked llama-cpp-python {llama_cpp.__version__} sdist under {VENV / 'src'}: run make bench-llamacpp-env"
+        )
     changelog = (sources[0] / "CHANGELOG.md").read_text()
     section = changelog.split(f"## [{llama_cpp.__version__}]", 1)[1].split("\n## [", 1)[0]
     commit = re.search(r"ggml-org/llama\.cpp@([0-9a-f]+)", section)
@@ -83,8 +86,13 @@ def convert(converter: Path, source: Path, out: Path, outtype: str) -> float:
     if out.exists():
         return 0.0
     started = time.perf_counter()
-    subprocess.run([sys.executable, str(converter), str(source), "--outtype", outtype, "--outfile", str(out)],
-                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    subprocess.run(
+        [sys.executable, str(converter), str(source), "--outtype", outtype, "--outfile", str(out)],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     return round(time.perf_counter() - started, 1)
 
 
@@ -100,9 +108,18 @@ def llama(path: Path, n_ctx: int, threads: int, threads_batch: int, logits_all: 
 
     log = io.StringIO()
     with contextlib.redirect_stderr(log):
-        model = Llama(str(path), n_ctx=n_ctx, n_batch=SEQ_LEN, n_ubatch=SEQ_LEN, n_threads=threads,
-                      n_threads_batch=threads_batch, logits_all=logits_all, flash_attn=flash_attn, verbose=True,
-                      seed=0)
+        model = Llama(
+            str(path),
+            n_ctx=n_ctx,
+            n_batch=SEQ_LEN,
+            n_ubatch=SEQ_LEN,
+            n_threads=threads,
+            n_threads_batch=threads_batch,
+            logits_all=logits_all,
+            flash_attn=flash_attn,
+            verbose=True,
+            seed=0,
+        )
     return model, log.getvalue()
 
 
@@ -111,9 +128,17 @@ def kv_cache_statement(log: str) -> dict:
     if not match:
         raise RuntimeError("llama.cpp printed no 'llama_kv_cache: size = ...' line")
     total, cells, layers, k_type, k_mib, v_type, v_mib = match.groups()
-    return {"line": match.group(0), "total_mib": float(total), "cells": int(cells), "layers": int(layers),
-            "k_type": k_type, "k_mib": float(k_mib), "v_type": v_type, "v_mib": float(v_mib),
-            "bytes_per_token": float(total) * 2**20 / int(cells)}
+    return {
+        "line": match.group(0),
+        "total_mib": float(total),
+        "cells": int(cells),
+        "layers": int(layers),
+        "k_type": k_type,
+        "k_mib": float(k_mib),
+        "v_type": v_type,
+        "v_mib": float(v_mib),
+        "bytes_per_token": float(total) * 2**20 / int(cells),
+    }
 
 
 def llama_window_nll(model, windows: torch.Tensor) -> tuple[float, int, list[np.ndarray]]:
@@ -150,9 +175,11 @@ def decode_speed(models: dict, stream: list[int], steps: dict[int, int]) -> dict
         start = context - n
         for name, model in models.items():
             t0 = time.perf_counter()
-            model.eval(stream[filled[name]:start])
-            results[name][str(context)] = {"prefill_tokens": start - filled[name],
-                                           "prefill_s": round(time.perf_counter() - t0, 2)}
+            model.eval(stream[filled[name] : start])
+            results[name][str(context)] = {
+                "prefill_tokens": start - filled[name],
+                "prefill_s": round(time.perf_counter() - t0, 2),
+            }
             filled[name] = start
         times = {name: [] for name in models}
         for i in range(n):
@@ -163,10 +190,15 @@ def decode_speed(models: dict, stream: list[int], steps: dict[int, int]) -> dict
         for name in models:
             filled[name] = context
             median = statistics.median(times[name])
-            results[name][str(context)].update({"decode_steps": n, "cache_tokens_at_end": context,
-                                                "median_step_ms": round(1000 * median, 3),
-                                                "tokens_per_s": round(1 / median, 3),
-                                                "step_ms": [round(1000 * t, 3) for t in times[name]]})
+            results[name][str(context)].update(
+                {
+                    "decode_steps": n,
+                    "cache_tokens_at_end": context,
+                    "median_step_ms": round(1000 * median, 3),
+                    "tokens_per_s": round(1 / median, 3),
+                    "step_ms": [round(1000 * t, 3) for t in times[name]],
+                }
+            )
     return results
 
 
@@ -187,10 +219,10 @@ def main() -> None:
     flash_attn = not args.no_flash_attn
     steps = {int(c): int(n) for c, n in (item.split(":") for item in args.steps.split(","))}
 
-    import kvrewrite
     import llama_cpp
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    import kvrewrite
     from kvrewrite.io.calibration_data import evaluation_token_sequences
     from kvrewrite.io.sources import resolve_model_source
 
@@ -200,8 +232,12 @@ def main() -> None:
     export = args.export.resolve()
     args.work.mkdir(parents=True, exist_ok=True)
     staged = staged_for_conversion(export, args.work / "export-staged")
-    ggufs = {"original-f32": (source, "f32"), "mla-f32": (staged, "f32"), "mla-bf16": (staged, "bf16"),
-             "mla-f16": (staged, "f16")}
+    ggufs = {
+        "original-f32": (source, "f32"),
+        "mla-f32": (staged, "f32"),
+        "mla-bf16": (staged, "bf16"),
+        "mla-f16": (staged, "f16"),
+    }
     paths, convert_s = {}, {}
     for name, (directory, outtype) in ggufs.items():
         paths[name] = args.work / f"{name}.gguf"
@@ -219,12 +255,20 @@ def main() -> None:
     del original_hf
     ours = kvrewrite.load(export, dtype=torch.float32).eval()
     nll["MLA export, kvrewrite runtime"] = torch_window_nll(ours, windows)
-    nll["MLA export, kvrewrite runtime (dtype-check windows)"] = torch_window_nll(ours, windows[: args.dtype_check_windows])
+    nll["MLA export, kvrewrite runtime (dtype-check windows)"] = torch_window_nll(
+        ours, windows[: args.dtype_check_windows]
+    )
     del ours
     logs = {}
-    for name, rows in (("original-f32", windows), ("mla-f32", windows), ("mla-bf16", windows[: args.dtype_check_windows]),
-                       ("mla-f16", windows[: args.dtype_check_windows])):
-        model, logs[f"ppl {name}"] = llama(paths[name], SEQ_LEN, args.threads_batch, args.threads_batch, True, flash_attn)
+    for name, rows in (
+        ("original-f32", windows),
+        ("mla-f32", windows),
+        ("mla-bf16", windows[: args.dtype_check_windows]),
+        ("mla-f16", windows[: args.dtype_check_windows]),
+    ):
+        model, logs[f"ppl {name}"] = llama(
+            paths[name], SEQ_LEN, args.threads_batch, args.threads_batch, True, flash_attn
+        )
         nll[f"llama.cpp {name}"] = llama_window_nll(model, rows)
         del model
         print(f"perplexity {name} done", flush=True)
@@ -235,29 +279,47 @@ def main() -> None:
 
     def first_window_diff(a: str, b: str) -> dict:
         la, lb = nll[a][2][0], nll[b][2][0]
-        return {"max_abs_logit_diff": float((la - lb).abs().max()),
-                "top1_agreement": float((la.argmax(-1) == lb.argmax(-1)).double().mean())}
+        return {
+            "max_abs_logit_diff": float((la - lb).abs().max()),
+            "top1_agreement": float((la.argmax(-1) == lb.argmax(-1)).double().mean()),
+        }
 
     rows = []
     for name, reference, key in (
         ("original SmolLM2, llama.cpp f32 GGUF", "original, transformers", "llama.cpp original-f32"),
         ("MLA export 50%, llama.cpp f32 GGUF", "MLA export, kvrewrite runtime", "llama.cpp mla-f32"),
-        ("MLA export 50%, llama.cpp bf16 GGUF", "MLA export, kvrewrite runtime (dtype-check windows)", "llama.cpp mla-bf16"),
-        ("MLA export 50%, llama.cpp f16 GGUF", "MLA export, kvrewrite runtime (dtype-check windows)", "llama.cpp mla-f16"),
+        (
+            "MLA export 50%, llama.cpp bf16 GGUF",
+            "MLA export, kvrewrite runtime (dtype-check windows)",
+            "llama.cpp mla-bf16",
+        ),
+        (
+            "MLA export 50%, llama.cpp f16 GGUF",
+            "MLA export, kvrewrite runtime (dtype-check windows)",
+            "llama.cpp mla-f16",
+        ),
     ):
         value, ref = ppl(key), ppl(reference)
-        rows.append({"name": name, "windows": nll[key][1] // (SEQ_LEN - 1),
-                     "perplexity": value, "reference": reference, "reference_perplexity": ref,
-                     "delta_vs_reference_pct": 100 * (value / ref - 1),
-                     "first_window_vs_reference": first_window_diff(key, reference)})
+        rows.append(
+            {
+                "name": name,
+                "windows": nll[key][1] // (SEQ_LEN - 1),
+                "perplexity": value,
+                "reference": reference,
+                "reference_perplexity": ref,
+                "delta_vs_reference_pct": 100 * (value / ref - 1),
+                "first_window_vs_reference": first_window_diff(key, reference),
+            }
+        )
         print(json.dumps(rows[-1]), flush=True)
 
     # ---- KV cache size and decode speed -------------------------------------------------------------------------
     stream = evaluation_token_sequences(tokenizer, max(CONTEXTS), max(CONTEXTS))[0].tolist()
     decoders, kv = {}, {}
     for name in ("original-f32", "mla-f32"):
-        decoders[name], logs[f"decode {name}"] = llama(paths[name], max(CONTEXTS), args.threads, args.threads_batch,
-                                                       False, flash_attn)
+        decoders[name], logs[f"decode {name}"] = llama(
+            paths[name], max(CONTEXTS), args.threads, args.threads_batch, False, flash_attn
+        )
         kv[name] = kv_cache_statement(logs[f"decode {name}"])
         print(f"{name}: {kv[name]['line']}", flush=True)
     speed = decode_speed(decoders, stream, steps)
@@ -266,11 +328,15 @@ def main() -> None:
         print(f"{context}: original {o['tokens_per_s']} tok/s, MLA {m['tokens_per_s']} tok/s", flush=True)
 
     (args.work / "llama_cpp_logs.txt").write_text("\n".join(f"===== {k}\n{v}" for k, v in logs.items()))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
+    ).stdout.strip()
     document = {
-        "command": ("OMP_NUM_THREADS=1 .venv/bin/kvrewrite export-mla smollm2-135m --kv-share 0.5 --dtype float32 --refit none -o "
-                    f"{args.export} && OMP_NUM_THREADS=1 .venv-llamacpp/bin/python benchmarks/llamacpp_mla.py "
-                    + " ".join(sys.argv[1:])),
+        "command": (
+            "OMP_NUM_THREADS=1 .venv/bin/kvrewrite export-mla smollm2-135m --kv-share 0.5 --dtype float32 --refit none -o "
+            f"{args.export} && OMP_NUM_THREADS=1 .venv-llamacpp/bin/python benchmarks/llamacpp_mla.py "
+            + " ".join(sys.argv[1:])
+        ),
         "commit": commit,
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (shared with other processes), {platform.system()} (no GPU)",
         "date": datetime.date.today().isoformat(),
@@ -280,9 +346,13 @@ def main() -> None:
         "threads": {"decode": args.threads, "prefill_and_perplexity": args.threads_batch},
         "flash_attn": flash_attn,
         "kv_cache_type": "f16 (llama.cpp's default)",
-        "export": {"kv_lora_rank": export_config["kv_lora_rank"], "qk_rope_head_dim": export_config["qk_rope_head_dim"],
-                   "rms_norm_eps": export_config["rms_norm_eps"], "q_lora_rank_in_export": export_config["q_lora_rank"],
-                   "q_lora_rank_given_to_converter": 0 if staged != export else export_config["q_lora_rank"]},
+        "export": {
+            "kv_lora_rank": export_config["kv_lora_rank"],
+            "qk_rope_head_dim": export_config["qk_rope_head_dim"],
+            "rms_norm_eps": export_config["rms_norm_eps"],
+            "q_lora_rank_in_export": export_config["q_lora_rank"],
+            "q_lora_rank_given_to_converter": 0 if staged != export else export_config["q_lora_rank"],
+        },
         "eval_tokens": int(windows.numel()),
         "seq_len": SEQ_LEN,
         "convert_s": convert_s,
@@ -291,16 +361,27 @@ def main() -> None:
         "kv_cache": kv,
         "kv_cache_ratio_mla_over_original": kv["mla-f32"]["bytes_per_token"] / kv["original-f32"]["bytes_per_token"],
         "decode": speed,
-        "decode_speedup_mla_over_original": {str(c): speed["mla-f32"][str(c)]["tokens_per_s"] / speed["original-f32"][str(c)]["tokens_per_s"]
-                                             for c in CONTEXTS},
+        "decode_speedup_mla_over_original": {
+            str(c): speed["mla-f32"][str(c)]["tokens_per_s"] / speed["original-f32"][str(c)]["tokens_per_s"]
+            for c in CONTEXTS
+        },
         # One record per model for the docs table (docs/serving.md): everything above, side by side.
         "summary": [
-            {"name": name, "reference": row["reference"], "reference_perplexity": row["reference_perplexity"],
-             "llama_cpp_perplexity": row["perplexity"], "delta_vs_reference_pct": row["delta_vs_reference_pct"],
-             "kv_cache_mib": kv[gguf]["total_mib"], "kv_cache_cells": kv[gguf]["cells"],
-             "kv_bytes_per_token": kv[gguf]["bytes_per_token"],
-             **{f"tokens_per_s_{c}": speed[gguf][str(c)]["tokens_per_s"] for c in CONTEXTS}}
-            for name, gguf, row in (("original SmolLM2-135M", "original-f32", rows[0]), ("MLA export, 50% of K+V", "mla-f32", rows[1]))
+            {
+                "name": name,
+                "reference": row["reference"],
+                "reference_perplexity": row["reference_perplexity"],
+                "llama_cpp_perplexity": row["perplexity"],
+                "delta_vs_reference_pct": row["delta_vs_reference_pct"],
+                "kv_cache_mib": kv[gguf]["total_mib"],
+                "kv_cache_cells": kv[gguf]["cells"],
+                "kv_bytes_per_token": kv[gguf]["bytes_per_token"],
+                **{f"tokens_per_s_{c}": speed[gguf][str(c)]["tokens_per_s"] for c in CONTEXTS},
+            }
+            for name, gguf, row in (
+                ("original SmolLM2-135M", "original-f32", rows[0]),
+                ("MLA export, 50% of K+V", "mla-f32", rows[1]),
+            )
         ],
         "total_time_s": round(time.perf_counter() - started, 1),
     }

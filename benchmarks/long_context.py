@@ -48,11 +48,13 @@ def main() -> None:
     for text in args.texts.split(","):
         for positions in (None, parse_positions(args.positions)):
             started = time.time()
-            rows = evaluate_checkpoint(args.checkpoint, rates=rates, tokens=args.tokens, seq_len=512,
-                                       positions=positions, text=text)
+            rows = evaluate_checkpoint(
+                args.checkpoint, rates=rates, tokens=args.tokens, seq_len=512, positions=positions, text=text
+            )
             protocol = "512-token windows" if positions is None else f"continuation, {positions[-1].end}-token windows"
-            record["runs"].append({"text": text, "protocol": protocol, "seconds": round(time.time() - started, 1),
-                                   "rows": rows})
+            record["runs"].append(
+                {"text": text, "protocol": protocol, "seconds": round(time.time() - started, 1), "rows": rows}
+            )
             print(f"{text}, {protocol}: {record['runs'][-1]['seconds']} s", file=sys.stderr)
             # Written after every run, so a long benchmark stopped part-way keeps what it measured.
             args.out.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")

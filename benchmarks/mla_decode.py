@@ -34,8 +34,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import _timed, run_provenance, timed_decode_steps  # noqa: E402  (the same timer and steps as the per-head decode benchmark)
 
 RESULTS = Path(__file__).parent / "results"
-SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-               num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=16384, tie_word_embeddings=True)
+SMOLLM2 = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    max_position_embeddings=16384,
+    tie_word_embeddings=True,
+)
 MLA_WIDTHS = dict(kv_lora_rank=128, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64)
 
 
@@ -51,9 +59,18 @@ def build(name: str):
         config = LlamaConfig(head_dim=64, rope_theta=100000.0, **SMOLLM2)
         config._attn_implementation = "sdpa"
         return LlamaForCausalLM(config).eval()
-    config = DeepseekV3Config(q_lora_rank=None, first_k_dense_replace=SMOLLM2["num_hidden_layers"], n_routed_experts=1,
-                              n_group=1, topk_group=1, num_experts_per_tok=1, rope_interleave=True,
-                              rope_parameters={"rope_type": "default", "rope_theta": 100000.0}, **MLA_WIDTHS, **SMOLLM2)
+    config = DeepseekV3Config(
+        q_lora_rank=None,
+        first_k_dense_replace=SMOLLM2["num_hidden_layers"],
+        n_routed_experts=1,
+        n_group=1,
+        topk_group=1,
+        num_experts_per_tok=1,
+        rope_interleave=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+        **MLA_WIDTHS,
+        **SMOLLM2,
+    )
     config._attn_implementation = "sdpa"
     return absorb_attention(DeepseekV3ForCausalLM(config)).eval()
 
@@ -67,14 +84,20 @@ def fill_cache(model, name: str, batch: int, context: int, steps: int):
 
     cfg = model.config
     # stock-static: room for the warm-up and timed steps, preallocated (transformers' in-place StaticCache).
-    cache = StaticCache(config=cfg, max_cache_len=context + steps + 1) if name == "stock-static" else DynamicCache(config=cfg)
+    cache = (
+        StaticCache(config=cfg, max_cache_len=context + steps + 1)
+        if name == "stock-static"
+        else DynamicCache(config=cfg)
+    )
     g = torch.Generator().manual_seed(0)
     for i in range(cfg.num_hidden_layers):
         if name.startswith("stock"):
             shape = (batch, cfg.num_key_value_heads, context, cfg.head_dim)
             cache.update(torch.randn(shape, generator=g), torch.randn(shape, generator=g), i)
         else:  # the latent rows [c | k_pe], appended as runtime.mla appends them (a growing buffer, in place)
-            cache_latent_rows(cache, i, torch.randn(batch, 1, context, cfg.kv_lora_rank + cfg.qk_rope_head_dim, generator=g))
+            cache_latent_rows(
+                cache, i, torch.randn(batch, 1, context, cfg.kv_lora_rank + cfg.qk_rope_head_dim, generator=g)
+            )
     return cache
 
 
@@ -88,8 +111,11 @@ def measure(name: str, steps: int, configs: list[tuple[int, int]]) -> dict:
     model = build(name)
     attention_times: list[float] = []
     layer_times: list[float] = []
-    timer = (_timed(ALL_ATTENTION_FUNCTIONS._global_mapping, "sdpa", attention_times) if name.startswith("stock")
-             else _timed(AbsorbedMLAAttention, "_absorbed", attention_times))
+    timer = (
+        _timed(ALL_ATTENTION_FUNCTIONS._global_mapping, "sdpa", attention_times)
+        if name.startswith("stock")
+        else _timed(AbsorbedMLAAttention, "_absorbed", attention_times)
+    )
     starts: dict[int, float] = {}
     for layer in model.model.layers:
         layer.self_attn.register_forward_pre_hook(lambda m, a: starts.__setitem__(id(m), time.perf_counter()))
@@ -99,15 +125,21 @@ def measure(name: str, steps: int, configs: list[tuple[int, int]]) -> dict:
         for context, batch in configs:
             cache = fill_cache(model, name, batch, context, steps)
             cache_bytes = cache_tensor_bytes(cache)
-            step_s, attn_s, layer_s = timed_decode_steps(model, cache, batch, context, steps, attention_times, layer_times)
+            step_s, attn_s, layer_s = timed_decode_steps(
+                model, cache, batch, context, steps, attention_times, layer_times
+            )
             del cache
             gc.collect()
-            entry = {"context": context, "batch": batch, "steps": steps,
-                     "step_s": round(statistics.median(step_s), 5),
-                     "tokens_per_s": round(batch / statistics.median(step_s), 2),
-                     "attention_s": round(statistics.median(attn_s), 5),
-                     "attention_layer_s": round(statistics.median(layer_s), 5),
-                     "cache_bytes": cache_bytes}
+            entry = {
+                "context": context,
+                "batch": batch,
+                "steps": steps,
+                "step_s": round(statistics.median(step_s), 5),
+                "tokens_per_s": round(batch / statistics.median(step_s), 2),
+                "attention_s": round(statistics.median(attn_s), 5),
+                "attention_layer_s": round(statistics.median(layer_s), 5),
+                "cache_bytes": cache_bytes,
+            }
             record["decode"].append(entry)
             print(name, entry, flush=True)
     return record
@@ -120,7 +152,9 @@ def add_ratios(results: dict) -> None:
         base = {(e["context"], e["batch"]): e for e in results[reference]["decode"]}
         for e in results["mla"]["decode"]:
             b = base[(e["context"], e["batch"])]
-            e[key] = {k: round(e[k] / b[k], 3) for k in ("tokens_per_s", "attention_s", "attention_layer_s", "cache_bytes")}
+            e[key] = {
+                k: round(e[k] / b[k], 3) for k in ("tokens_per_s", "attention_s", "attention_layer_s", "cache_bytes")
+            }
 
 
 def main() -> None:
@@ -147,22 +181,32 @@ def main() -> None:
         "dtype": "float32",
         "models": {
             "stock": "LlamaForCausalLM, SmolLM2-135M shapes, random weights, sdpa; cache K+V = 2 x 3 x 64 = 384 "
-                     "values per token per layer; DynamicCache (transformers' default: torch.cat per step)",
+            "values per token per layer; DynamicCache (transformers' default: torch.cat per step)",
             "stock-static": "the same stock model decoding on transformers' StaticCache, preallocated for the "
-                            "context plus the steps (in-place writes; attention over the preallocated length)",
+            "context plus the steps (in-place writes; attention over the preallocated length)",
             "mla": f"DeepseekV3ForCausalLM, same hidden/heads/layers/MLP/vocab, {MLA_WIDTHS}, random weights, "
-                   "attention swapped for kvrewrite.runtime.mla (absorbed); cache 128 + 64 = 192 values per token "
-                   "per layer (50%), appended in place into a buffer with spare rows (runtime/mla/latent_cache.py)",
+            "attention swapped for kvrewrite.runtime.mla (absorbed); cache 128 + 64 = 192 values per token "
+            "per layer (50%), appended in place into a buffer with spare rows (runtime/mla/latent_cache.py)",
         },
         "cache_fill": "caches filled with torch.randn tensors of each model's own cache shapes (no prefill), through "
-                      "the append path each model's forward uses",
+        "the append path each model's forward uses",
         "attention_s": "stock: transformers' sdpa attention function; mla: AbsorbedMLAAttention._absorbed",
         "results": results,
     }
     args.out.parent.mkdir(exist_ok=True)
     for name in args.models.split(","):
-        cmd = [sys.executable, __file__, "--worker", name, "--steps", str(args.steps), "--threads", str(args.threads),
-               "--configs", *args.configs]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--worker",
+            name,
+            "--steps",
+            str(args.steps),
+            "--threads",
+            str(args.threads),
+            "--configs",
+            *args.configs,
+        ]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=os.environ.copy()).stdout
         results[name] = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
         print("measured", name, flush=True)

@@ -48,11 +48,15 @@ def main() -> None:
     parser.add_argument("--weights", default="0.125,0.25,0.5,1,2,4")
     args = parser.parse_args()
     plan = Plan(model="smollm2-135m", calibration="wiki", calib_tokens=CALIB_TOKENS, progress=False)
-    prepared = prepare_source(plan, position_free_queries="source")  # the screen that chose the key weight ran unrotated
+    prepared = prepare_source(
+        plan, position_free_queries="source"
+    )  # the screen that chose the key weight ran unrotated
     ctx = prepared.ctx
     original = ctx.original_model()
-    sets = {"calibration_held_back": held_back_windows(ctx.tokenizer, plan.seq_len, args.windows),
-            "held_out": evaluation_token_sequences(ctx.tokenizer, args.windows * plan.seq_len, plan.seq_len)}
+    sets = {
+        "calibration_held_back": held_back_windows(ctx.tokenizer, plan.seq_len, args.windows),
+        "held_out": evaluation_token_sequences(ctx.tokenizer, args.windows * plan.seq_len, plan.seq_len),
+    }
     for weight in (float(w) for w in args.weights.split(",")):
         _, layers = mla_layers_at_share(prepared, args.share, key_weight=weight)
         model = mla_reference_model(original, layers)

@@ -29,7 +29,12 @@ from pathlib import Path
 import torch
 
 from kvrewrite.compile.mla.export import (
-    allocated_at_share, export_at_share, export_matches_maths, mla_layers_at_share, prepare_source, probe_full_form,
+    allocated_at_share,
+    export_at_share,
+    export_matches_maths,
+    mla_layers_at_share,
+    prepare_source,
+    probe_full_form,
 )
 from kvrewrite.compile.mla.form import MLAWidths, compute_mla_layers, mla_reference_model
 from kvrewrite.compile.mla.plan import POSITION_FREE_QUERIES
@@ -48,13 +53,27 @@ def main() -> None:
     parser.add_argument("--eval-tokens", type=int, default=8192)
     parser.add_argument("--key-weight", type=float, default=DEFAULT_KEY_WEIGHT)
     parser.add_argument("--allocations", default="uniform", help="uniform and/or sensitivity, comma-separated")
-    parser.add_argument("--probe-windows", type=int, default=None, help="sensitivity probes' windows (default: the plan's)")
-    parser.add_argument("--extra-rows", action=argparse.BooleanOptionalAction, default=True,
-                        help="the rms_norm_eps and RoPE-drop-only rows")
-    parser.add_argument("--rope-frequency-stride", type=int, default=1,
-                        help="allocated forms: d_r = head_dim / stride (every stride-th frequency keeps its rotation)")
-    parser.add_argument("--position-free-queries", default="source", choices=POSITION_FREE_QUERIES,
-                        help="source reproduces the committed mla_quality*.json; export-mla's default is expected-rotation")
+    parser.add_argument(
+        "--probe-windows", type=int, default=None, help="sensitivity probes' windows (default: the plan's)"
+    )
+    parser.add_argument(
+        "--extra-rows",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the rms_norm_eps and RoPE-drop-only rows",
+    )
+    parser.add_argument(
+        "--rope-frequency-stride",
+        type=int,
+        default=1,
+        help="allocated forms: d_r = head_dim / stride (every stride-th frequency keeps its rotation)",
+    )
+    parser.add_argument(
+        "--position-free-queries",
+        default="source",
+        choices=POSITION_FREE_QUERIES,
+        help="source reproduces the committed mla_quality*.json; export-mla's default is expected-rotation",
+    )
     parser.add_argument("--shares", default=",".join(str(s) for s in SHARES))
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -77,9 +96,14 @@ def main() -> None:
                 module.variance_epsilon = 1e-6
         models["original, rms_norm_eps 1e-6"] = eps_model
         widths_full = MLAWidths(1, geo.head_dim, full_latent_rank(geo, 1), None)
-        models[f"ours: d_r={geo.head_dim}, full latent r={widths_full.kv_lora_rank} (RoPE-drop cost only)"] = mla_reference_model(
-            original, compute_mla_layers(ctx, prepared.inputs, widths_full, key_weight=args.key_weight,
-                                         rope_response=prepared.rope_response))
+        models[f"ours: d_r={geo.head_dim}, full latent r={widths_full.kv_lora_rank} (RoPE-drop cost only)"] = (
+            mla_reference_model(
+                original,
+                compute_mla_layers(
+                    ctx, prepared.inputs, widths_full, key_weight=args.key_weight, rope_response=prepared.rope_response
+                ),
+            )
+        )
 
     tmp = Path(tempfile.mkdtemp(prefix="mla_quality_"))
     from transformers import AutoModelForCausalLM
@@ -87,22 +111,38 @@ def main() -> None:
     import kvrewrite
 
     shares = {}
-    probed = (probe_full_form(prepared, key_weight=args.key_weight, probe_windows=args.probe_windows,
-                              rope_frequency_stride=args.rope_frequency_stride)
-              if "sensitivity" in allocations else None)
+    probed = (
+        probe_full_form(
+            prepared,
+            key_weight=args.key_weight,
+            probe_windows=args.probe_windows,
+            rope_frequency_stride=args.rope_frequency_stride,
+        )
+        if "sensitivity" in allocations
+        else None
+    )
     for share in (float(s) for s in args.shares.split(",")):
         if probed is not None:
             form = allocated_at_share(prepared, probed, share)
             out = tmp / f"allocated{share}"
             export_at_share(prepared, form.layers, out, dtype=torch.float32)
             ranks = list(form.allocation.ranks)
-            name = (f"MLA allocated {share:.0%} of K+V (r={min(ranks)}..{max(ranks)}, mean {sum(ranks) / len(ranks):.1f}, "
-                    f"d_r={form.widths.qk_rope_head_dim}), kvrewrite runtime")
+            name = (
+                f"MLA allocated {share:.0%} of K+V (r={min(ranks)}..{max(ranks)}, mean {sum(ranks) / len(ranks):.1f}, "
+                f"d_r={form.widths.qk_rope_head_dim}), kvrewrite runtime"
+            )
             models[name] = kvrewrite.load(out).eval()
-            shares[name] = {"share": (sum(ranks) / len(ranks) + form.widths.qk_rope_head_dim) / (2 * geo.num_key_value_heads * geo.head_dim),
-                            "kv_lora_ranks": ranks, "qk_rope_head_dim": form.widths.qk_rope_head_dim,
-                            "export_vs_maths_max_abs_logit_diff": export_matches_maths(prepared, form.layers, out, windows[:1, :128]),
-                            "probe_tokens": form.sensitivity.probe_tokens, "full_width_probe_kl": form.sensitivity.full_width_kl}
+            shares[name] = {
+                "share": (sum(ranks) / len(ranks) + form.widths.qk_rope_head_dim)
+                / (2 * geo.num_key_value_heads * geo.head_dim),
+                "kv_lora_ranks": ranks,
+                "qk_rope_head_dim": form.widths.qk_rope_head_dim,
+                "export_vs_maths_max_abs_logit_diff": export_matches_maths(
+                    prepared, form.layers, out, windows[:1, :128]
+                ),
+                "probe_tokens": form.sensitivity.probe_tokens,
+                "full_width_probe_kl": form.sensitivity.full_width_kl,
+            }
         if "uniform" not in allocations:
             continue
         widths, layers = mla_layers_at_share(prepared, share, key_weight=args.key_weight)
@@ -111,21 +151,42 @@ def main() -> None:
         check = export_matches_maths(prepared, layers, out, windows[:1, :128])
         name = f"MLA export {share:.0%} of K+V (r={widths.kv_lora_rank}, d_r={widths.qk_rope_head_dim})"
         models[name] = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-        shares[name] = {"share": widths.share, "kv_lora_rank": widths.kv_lora_rank, "qk_rope_head_dim": widths.qk_rope_head_dim,
-                        "export_vs_maths_max_abs_logit_diff": check, "model_class": type(models[name]).__name__,
-                        "rope_energy_kept_mean": sum(l.rope_energy_kept for l in layers) / len(layers)}
+        shares[name] = {
+            "share": widths.share,
+            "kv_lora_rank": widths.kv_lora_rank,
+            "qk_rope_head_dim": widths.qk_rope_head_dim,
+            "export_vs_maths_max_abs_logit_diff": check,
+            "model_class": type(models[name]).__name__,
+            "rope_energy_kept_mean": sum(l.rope_energy_kept for l in layers) / len(layers),
+        }
     for name in shares:  # what the model really caches per token (all layers, float32)
         key = "runtime_cache_bytes_per_token" if "kvrewrite runtime" in name else "stock_cache_bytes_per_token"
         shares[name][key] = kv_cache_bytes_per_token(models[name], 64)
     results = perplexity_and_agreement_many(models, windows, baseline=original, progress=False)
     base = next(iter(results.values())).baseline_perplexity
-    rows.append({"name": "SmolLM2-135M-Instruct (original)", "perplexity": base, "stock_cache_bytes_per_token": kv_cache_bytes_per_token(original, 64)})
+    rows.append(
+        {
+            "name": "SmolLM2-135M-Instruct (original)",
+            "perplexity": base,
+            "stock_cache_bytes_per_token": kv_cache_bytes_per_token(original, 64),
+        }
+    )
     for name, res in results.items():
-        rows.append({"name": name, "perplexity": res.perplexity, "ppl_increase_pct": 100 * (res.perplexity / base - 1),
-                     "kl_mean": res.kl_mean, "top1_agreement": res.top1_agreement, **shares.get(name, {})})
+        rows.append(
+            {
+                "name": name,
+                "perplexity": res.perplexity,
+                "ppl_increase_pct": 100 * (res.perplexity / base - 1),
+                "kl_mean": res.kl_mean,
+                "top1_agreement": res.top1_agreement,
+                **shares.get(name, {}),
+            }
+        )
     for row in rows:
         print(json.dumps(row))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+    ).stdout.strip()
     document = {
         "command": "OMP_NUM_THREADS=1 python benchmarks/mla_quality.py " + " ".join(sys.argv[1:]),
         "commit": commit,

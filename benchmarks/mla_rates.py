@@ -32,8 +32,9 @@ SOURCE = "smollm2-135m"
 
 def export_file_bytes(directory: Path) -> dict[str, int]:
     """Bytes of every weight file of an export (the stock shards, and --refit-rates' side file), by relative path."""
-    return {path.relative_to(directory).as_posix(): path.stat().st_size
-            for path in sorted(directory.rglob("*.safetensors"))}
+    return {
+        path.relative_to(directory).as_posix(): path.stat().st_size for path in sorted(directory.rglob("*.safetensors"))
+    }
 
 
 def main() -> None:
@@ -41,20 +42,26 @@ def main() -> None:
     parser.add_argument("--export", action="append", required=True, help="NAME=DIR, repeatable")
     parser.add_argument("--rates", default="0.3,0.5,0.7")
     parser.add_argument("--texts", default="wiki,news")
-    parser.add_argument("--positions", default=None, help="continuation ranges as `kvrewrite eval --positions` takes them")
+    parser.add_argument(
+        "--positions", default=None, help="continuation ranges as `kvrewrite eval --positions` takes them"
+    )
     parser.add_argument("--tokens", type=int, default=8192, help="held-out tokens per text and protocol")
-    parser.add_argument("--compile-log", action="append", default=[],
-                        help="NAME=FILE: the `/usr/bin/time -v` report of the export-mla run that wrote export NAME")
+    parser.add_argument(
+        "--compile-log",
+        action="append",
+        default=[],
+        help="NAME=FILE: the `/usr/bin/time -v` report of the export-mla run that wrote export NAME",
+    )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
     import torch
     from transformers import AutoTokenizer
 
-    from kvrewrite.publish.checkpoint_eval import continuation_rows, mla_models_at_rates, result_rows
-    from kvrewrite.io.source_model import load_fp32_model
     from kvrewrite.io.calibration_data import evaluation_token_sequences
+    from kvrewrite.io.source_model import load_fp32_model
     from kvrewrite.io.sources import resolve_model_source
+    from kvrewrite.publish.checkpoint_eval import continuation_rows, mla_models_at_rates, result_rows
     from kvrewrite.publish.continuation_eval import continuation_quality, parse_positions
     from kvrewrite.publish.evaluation import evaluate_many
 
@@ -63,11 +70,16 @@ def main() -> None:
     compile_logs = dict(item.split("=", 1) for item in args.compile_log)
     if unknown := set(compile_logs) - set(exports):
         raise SystemExit(f"--compile-log names no --export: {', '.join(sorted(unknown))}")
-    record = {**run_provenance(int(os.environ.get("OMP_NUM_THREADS", "1")), "one process"),
-              "exports": {name: json.loads((Path(d) / "config.json").read_text())["kvrewrite_mla"] for name, d in exports.items()},
-              "compiles": {name: time_v_report(Path(log).read_text()) for name, log in compile_logs.items()},
-              "export_files": {name: export_file_bytes(Path(d)) for name, d in exports.items()},
-              "tokens": args.tokens, "runs": []}
+    record = {
+        **run_provenance(int(os.environ.get("OMP_NUM_THREADS", "1")), "one process"),
+        "exports": {
+            name: json.loads((Path(d) / "config.json").read_text())["kvrewrite_mla"] for name, d in exports.items()
+        },
+        "compiles": {name: time_v_report(Path(log).read_text()) for name, log in compile_logs.items()},
+        "export_files": {name: export_file_bytes(Path(d)) for name, d in exports.items()},
+        "tokens": args.tokens,
+        "runs": [],
+    }
     original = load_fp32_model(resolve_model_source(SOURCE).path)
     tokenizer = AutoTokenizer.from_pretrained(next(iter(exports.values())))
     models, model_rates = {}, {}
@@ -85,15 +97,28 @@ def main() -> None:
             windows = evaluation_token_sequences(tokenizer, args.tokens, length, text)
             with torch.inference_mode():
                 if positions is None:
-                    rows = result_rows(SOURCE, evaluate_many(models, windows, baseline=original, progress=False), model_rates)
+                    rows = result_rows(
+                        SOURCE, evaluate_many(models, windows, baseline=original, progress=False), model_rates
+                    )
                 else:
-                    measured = continuation_quality(models, windows, positions, baseline=original, chunk=512, progress=False)
+                    measured = continuation_quality(
+                        models, windows, positions, baseline=original, chunk=512, progress=False
+                    )
                     rows = continuation_rows(SOURCE, measured, model_rates)
             protocol = "512-token windows" if positions is None else f"continuation, {length}-token windows"
-            record["runs"].append({"text": text, "protocol": protocol, "seconds": round(time.time() - started, 1), "rows": rows})
+            record["runs"].append(
+                {"text": text, "protocol": protocol, "seconds": round(time.time() - started, 1), "rows": rows}
+            )
             print(f"{text}, {protocol}: {record['runs'][-1]['seconds']} s", file=sys.stderr)
             for row in rows:
-                print(json.dumps({k: row.get(k) for k in ("name", "perplexity", "baseline_perplexity", "kl_mean", "kv_bytes_per_token")}))
+                print(
+                    json.dumps(
+                        {
+                            k: row.get(k)
+                            for k in ("name", "perplexity", "baseline_perplexity", "kl_mean", "kv_bytes_per_token")
+                        }
+                    )
+                )
             args.out.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")  # kept if stopped part-way
     print(f"wrote {args.out}")
 

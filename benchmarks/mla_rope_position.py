@@ -47,9 +47,12 @@ def main() -> None:
     parser.add_argument("--shares", default="0.5")
     parser.add_argument("--tokens", type=int, default=8192, help="held-out tokens per text and protocol")
     parser.add_argument("--calib-tokens", type=int, default=16384)
-    parser.add_argument("--response-lengths", default="512",
-                        help="calibration window lengths the expected rotation is measured at (one row set each); "
-                             "LENGTH-nosink leaves each window's first token (the attention sink) out of the mass")
+    parser.add_argument(
+        "--response-lengths",
+        default="512",
+        help="calibration window lengths the expected rotation is measured at (one row set each); "
+        "LENGTH-nosink leaves each window's first token (the attention sink) out of the mass",
+    )
     parser.add_argument("--no-source", action="store_true", help="skip the unrotated (source) rows")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -59,38 +62,75 @@ def main() -> None:
     ctx, geometry = prepared.ctx, prepared.ctx.geometry
     original = ctx.original_model().eval()
     # label -> (rotation or None for the unrotated source queries, its columns in every row)
-    responses = {} if args.no_source else {"source": (None, {"position_free_queries": "source", "response_length": None,
-                                                               "attention_sink_in_mass": None})}
+    responses = (
+        {}
+        if args.no_source
+        else {
+            "source": (
+                None,
+                {"position_free_queries": "source", "response_length": None, "attention_sink_in_mass": None},
+            )
+        }
+    )
     for choice in args.response_lengths.split(","):  # RESPONSE_TOKENS of wiki calibration text each
         length, sink_in = int(choice.removesuffix("-nosink")), not choice.endswith("-nosink")
         windows = calibration_token_sequences(plan.calibration, ctx.tokenizer, RESPONSE_TOKENS, length)
         responses[f"expected-rotation@{choice}"] = (
             measure_rope_response(original, windows, skip_first_key=not sink_in),
-            {"position_free_queries": "expected-rotation", "response_length": length, "attention_sink_in_mass": sink_in})
+            {
+                "position_free_queries": "expected-rotation",
+                "response_length": length,
+                "attention_sink_in_mass": sink_in,
+            },
+        )
     forms = {"full latent (RoPE drop only)": MLAWidths(1, geometry.head_dim, full_latent_rank(geometry, 1), 1.0)}
-    forms.update({f"{float(s):.0%} of K+V, uniform": widths_for_share(geometry, float(s)) for s in args.shares.split(",")})
+    forms.update(
+        {f"{float(s):.0%} of K+V, uniform": widths_for_share(geometry, float(s)) for s in args.shares.split(",")}
+    )
     rows = []
     for form, widths in forms.items():  # one form's models at a time: each is a whole float32 model
         models, forms_of = {}, {}
         for queries, (response, columns) in responses.items():
             name = f"{form}, {queries}"
-            models[name] = mla_reference_model(original, compute_mla_layers(ctx, prepared.inputs, widths,
-                                                                             rope_response=response))
-            forms_of[name] = {"form": form, **columns, "kv_lora_rank": widths.kv_lora_rank,
-                              "qk_rope_head_dim": widths.qk_rope_head_dim}
+            models[name] = mla_reference_model(
+                original, compute_mla_layers(ctx, prepared.inputs, widths, rope_response=response)
+            )
+            forms_of[name] = {
+                "form": form,
+                **columns,
+                "kv_lora_rank": widths.kv_lora_rank,
+                "qk_rope_head_dim": widths.qk_rope_head_dim,
+            }
         for text in args.texts.split(","):
-            short = perplexity_and_agreement_many(models, evaluation_token_sequences(ctx.tokenizer, args.tokens, 512, text),
-                                                  baseline=original)
-            long = continuation_quality(models, evaluation_token_sequences(ctx.tokenizer, args.tokens, LONG.end, text),
-                                        (LONG,), baseline=original, chunk=LONG.end)
-            for protocol, stats in (("512-token windows", short),
-                                    (f"positions {LONG.label}", {n: r.by_range[LONG.label] for n, r in long.items()})):
+            short = perplexity_and_agreement_many(
+                models, evaluation_token_sequences(ctx.tokenizer, args.tokens, 512, text), baseline=original
+            )
+            long = continuation_quality(
+                models,
+                evaluation_token_sequences(ctx.tokenizer, args.tokens, LONG.end, text),
+                (LONG,),
+                baseline=original,
+                chunk=LONG.end,
+            )
+            for protocol, stats in (
+                ("512-token windows", short),
+                (f"positions {LONG.label}", {n: r.by_range[LONG.label] for n, r in long.items()}),
+            ):
                 for name in models:
                     q = stats[name]
-                    rows.append({"text": text, "protocol": protocol, **forms_of[name], "perplexity": q.perplexity,
-                                 "baseline_perplexity": q.baseline_perplexity,
-                                 "ppl_increase_pct": 100 * (q.perplexity / q.baseline_perplexity - 1),
-                                 "kl_mean": q.kl_mean, "top1_agreement": q.top1_agreement, "tokens": q.n_tokens})
+                    rows.append(
+                        {
+                            "text": text,
+                            "protocol": protocol,
+                            **forms_of[name],
+                            "perplexity": q.perplexity,
+                            "baseline_perplexity": q.baseline_perplexity,
+                            "ppl_increase_pct": 100 * (q.perplexity / q.baseline_perplexity - 1),
+                            "kl_mean": q.kl_mean,
+                            "top1_agreement": q.top1_agreement,
+                            "tokens": q.n_tokens,
+                        }
+                    )
                     print(json.dumps(rows[-1]), flush=True)
         del models
     document.update({"calibration_tokens": int(ctx.calibration_tokens.numel()), "tokens": args.tokens, "rows": rows})

@@ -29,9 +29,9 @@ from transformers import AutoTokenizer
 
 import kvrewrite
 from kvrewrite.io.calibration_data import evaluation_token_sequences
-from kvrewrite.publish.evaluation import continuation_nll, kv_cache_bytes_per_token_formula
 from kvrewrite.io.source_model import load_fp32_model
 from kvrewrite.io.sources import resolve_model_source
+from kvrewrite.publish.evaluation import continuation_nll, kv_cache_bytes_per_token_formula
 
 RESULTS = Path(__file__).parent / "results" / "recent_window.json"
 
@@ -43,12 +43,25 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=8)
     parser.add_argument("--length", type=int, default=1024)
     parser.add_argument("--context", type=int, default=512)
-    parser.add_argument("--out", type=Path, default=RESULTS, help="results JSON (default: benchmarks/results/recent_window.json)")
-    parser.add_argument("--point", action="append", default=None,
-                        help="';'-separated settings: rate=0.5;window=64[;codec=int4][;imp=0.3;share=0.25|ramp;score=attention|denominator]; repeatable")
+    parser.add_argument(
+        "--out", type=Path, default=RESULTS, help="results JSON (default: benchmarks/results/recent_window.json)"
+    )
+    parser.add_argument(
+        "--point",
+        action="append",
+        default=None,
+        help="';'-separated settings: rate=0.5;window=64[;codec=int4][;imp=0.3;share=0.25|ramp;score=attention|denominator]; repeatable",
+    )
     args = parser.parse_args()
-    points = args.point or ["rate=0.5", "rate=0.5;window=16", "rate=0.5;window=64", "rate=0.5;window=128",
-                            "rate=0.5;window=256", "rate=0.6;window=128", "rate=0.65;window=64"]
+    points = args.point or [
+        "rate=0.5",
+        "rate=0.5;window=16",
+        "rate=0.5;window=64",
+        "rate=0.5;window=128",
+        "rate=0.5;window=256",
+        "rate=0.6;window=128",
+        "rate=0.65;window=64",
+    ]
 
     source = resolve_model_source(args.baseline)
     tokenizer = AutoTokenizer.from_pretrained(source.path)
@@ -76,8 +89,13 @@ def main() -> None:
             else:
                 share = float(share)
             important = {"rate": float(settings["imp"]), "share": share, "score": settings.get("score", "attention")}
-        model = kvrewrite.load(args.checkpoint, rate=rate, kv_codec=codec,
-                               recent_window=int(window) if window is not None else None, important=important).eval()
+        model = kvrewrite.load(
+            args.checkpoint,
+            rate=rate,
+            kv_codec=codec,
+            recent_window=int(window) if window is not None else None,
+            important=important,
+        ).eval()
         # A coded or token-adaptive tier changes between forwards: feed 64-token chunks, as decoding would.
         chunk = 64 if model.tier_policy is not None and model.tier_policy.changes_between_forwards or codec else None
         nll, n, held = continuation_nll(model, windows, args.context, model.make_kv_cache, chunk)
@@ -85,18 +103,36 @@ def main() -> None:
         # Plain caches store the model's float32; the tiered and codec caches store float16 or codes.
         plain_fp32 = window is None and not codec
         share = held / fp16_bytes / (2 if plain_fp32 else 1)
-        rows[point] = {"settings": settings, "chunk": chunk, "ppl": ppl,
-                       "delta_ppl": ppl / base_ppl - 1, "bytes_per_token": held, "fp16_share": share}
+        rows[point] = {
+            "settings": settings,
+            "chunk": chunk,
+            "ppl": ppl,
+            "delta_ppl": ppl / base_ppl - 1,
+            "bytes_per_token": held,
+            "fp16_share": share,
+        }
         print(f"{point:>16}: ppl {ppl:.3f}  Δ {100 * (ppl / base_ppl - 1):+.1f}%  fp16 share {share:.3f}", flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "command": "python " + " ".join(sys.argv), "commit": commit,
-        "machine": f"{platform.machine()} {platform.processor() or ''} cpus={torch.get_num_threads()}",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "seconds": round(time.perf_counter() - t0, 1),
-        "protocol": {"windows": args.windows, "length": args.length, "context": args.context, "text": "held-out wiki"},
-        "rows": rows,
-    }, indent=1))
+    args.out.write_text(
+        json.dumps(
+            {
+                "command": "python " + " ".join(sys.argv),
+                "commit": commit,
+                "machine": f"{platform.machine()} {platform.processor() or ''} cpus={torch.get_num_threads()}",
+                "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                "seconds": round(time.perf_counter() - t0, 1),
+                "protocol": {
+                    "windows": args.windows,
+                    "length": args.length,
+                    "context": args.context,
+                    "text": "held-out wiki",
+                },
+                "rows": rows,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -30,10 +30,10 @@ def main() -> None:
     import kvrewrite
     from kvrewrite.adapters import adapter_for
     from kvrewrite.io.calibration_data import calibration_token_sequences, evaluation_token_sequences
-    from kvrewrite.publish.evaluation import evaluate_many
-    from kvrewrite.method.output_refit import refit_output_projections
     from kvrewrite.io.source_model import load_fp32_model
     from kvrewrite.io.sources import resolve_model_source
+    from kvrewrite.method.output_refit import refit_output_projections
+    from kvrewrite.publish.evaluation import evaluate_many
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--checkpoint", type=Path, required=True)
@@ -60,16 +60,27 @@ def main() -> None:
         refit_output_projections(model, original, adapter, windows, ridge=args.ridge, target=args.target)
         refit_s[f"{rate:.2f}"] = round(time.perf_counter() - t0, 1)
         models[f"refit-{args.target}@{rate:.2f}"] = model
-    results = evaluate_many(models, evaluation_token_sequences(tokenizer, args.eval_tokens, 512), baseline=original, progress=False)
+    results = evaluate_many(
+        models, evaluation_token_sequences(tokenizer, args.eval_tokens, 512), baseline=original, progress=False
+    )
     record = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {"runs": []}
     for name, res in results.items():
-        row = {"tag": args.tag, "model": name, "rate": float(name.split("@")[1]), "refit_tokens": args.refit_tokens,
-               "ridge": args.ridge, "perplexity": res.perplexity, "baseline_perplexity": res.baseline_perplexity,
-               "ppl_increase": res.perplexity / res.baseline_perplexity - 1, "kl_mean": res.kl_mean,
-               "top1_agreement": res.top1_agreement, "kv_bytes_per_token": res.kv_bytes_per_token,
-               "command": " ".join([Path(sys.executable).name, *sys.argv]),
-               "machine": f"{platform.node()} {platform.machine()}; torch {torch.__version__} CPU",
-               "refit_s": refit_s.get(name.split("@")[1])}
+        row = {
+            "tag": args.tag,
+            "model": name,
+            "rate": float(name.split("@")[1]),
+            "refit_tokens": args.refit_tokens,
+            "ridge": args.ridge,
+            "perplexity": res.perplexity,
+            "baseline_perplexity": res.baseline_perplexity,
+            "ppl_increase": res.perplexity / res.baseline_perplexity - 1,
+            "kl_mean": res.kl_mean,
+            "top1_agreement": res.top1_agreement,
+            "kv_bytes_per_token": res.kv_bytes_per_token,
+            "command": " ".join([Path(sys.executable).name, *sys.argv]),
+            "machine": f"{platform.node()} {platform.machine()}; torch {torch.__version__} CPU",
+            "refit_s": refit_s.get(name.split("@")[1]),
+        }
         print(json.dumps(row), flush=True)
         record["runs"].append(row)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)

@@ -50,16 +50,23 @@ def equality_worker(rank: int, world: int, directory: str, tokens: torch.Tensor,
     with torch.no_grad():
         cache = DynamicCache(config=model.config)
         reference = model(tokens, past_key_values=cache, use_cache=True).logits
-        generated = model.generate(tokens, max_new_tokens=new_tokens, do_sample=False)[:, tokens.shape[1]:]
+        generated = model.generate(tokens, max_new_tokens=new_tokens, do_sample=False)[:, tokens.shape[1] :]
     result = prefill(model, tokens, cache_on="all", all_logits=True)
     start, stop = result.tokens
-    cache_diff = max(max((packed_view(a.keys) - packed_view(b.keys)).abs().max().item(),
-                         (packed_view(a.values) - packed_view(b.values)).abs().max().item())
-                     for a, b in zip(result.cache.layers, cache.layers))
+    cache_diff = max(
+        max(
+            (packed_view(a.keys) - packed_view(b.keys)).abs().max().item(),
+            (packed_view(a.values) - packed_view(b.values)).abs().max().item(),
+        )
+        for a, b in zip(result.cache.layers, cache.layers)
+    )
     continuation = greedy_continue(model, result, new_tokens)
-    return {"max_abs_logit_diff": (result.logits - reference[:, start:stop]).abs().max().item(),
-            "max_abs_cache_diff": cache_diff, "same_greedy_tokens": bool(torch.equal(continuation, generated)),
-            "tokens": continuation[0].tolist()}
+    return {
+        "max_abs_logit_diff": (result.logits - reference[:, start:stop]).abs().max().item(),
+        "max_abs_cache_diff": cache_diff,
+        "same_greedy_tokens": bool(torch.equal(continuation, generated)),
+        "tokens": continuation[0].tolist(),
+    }
 
 
 def bytes_worker(rank: int, world: int, directory: str, tokens: torch.Tensor, rates: list) -> dict:
@@ -88,10 +95,17 @@ def equality(args, record: dict) -> None:
     rows = []
     for world in (2, 4):
         ranks = run_processes(equality_worker, world, args.checkpoint, tokens, args.new_tokens)
-        rows.append({"name": f"N={world}", "processes": world, "prompt_tokens": tokens.shape[1],
-                     "max_abs_logit_diff": max(r["max_abs_logit_diff"] for r in ranks),
-                     "max_abs_cache_diff": max(r["max_abs_cache_diff"] for r in ranks),
-                     "same_greedy_tokens": all(r["same_greedy_tokens"] for r in ranks), "greedy_tokens": ranks[0]["tokens"]})
+        rows.append(
+            {
+                "name": f"N={world}",
+                "processes": world,
+                "prompt_tokens": tokens.shape[1],
+                "max_abs_logit_diff": max(r["max_abs_logit_diff"] for r in ranks),
+                "max_abs_cache_diff": max(r["max_abs_cache_diff"] for r in ranks),
+                "same_greedy_tokens": all(r["same_greedy_tokens"] for r in ranks),
+                "greedy_tokens": ranks[0]["tokens"],
+            }
+        )
         print(rows[-1], flush=True)
     record["equality"] = {"rate": "compiled (0.5)", "dtype": "float32", "new_tokens": args.new_tokens, "rows": rows}
 
@@ -107,15 +121,21 @@ def byte_rows(world: int, length: int, calls_by_rate: dict) -> list[dict]:
     for rate, sent in totals.items():
         name = "original" if rate == ORIGINAL else f"p={rate}"
         base = totals[ORIGINAL]
-        rows.append({
-            "name": f"{name} N={world}", "rate": rate, "processes": world, "prompt_tokens": length,
-            **{f"{k}_bytes": v for k, v in sent.items()},
-            "qkv_MiB": round(sent["qkv"] / 2**20, 2), "output_MiB": round(sent["output"] / 2**20, 2),
-            "cache_MiB": round(sent["cache"] / 2**20, 2),
-            "qkv_vs_original": round(sent["qkv"] / base["qkv"], 3),
-            "output_vs_original": round(sent["output"] / base["output"], 3),
-            "attention_vs_original": round((sent["qkv"] + sent["output"]) / (base["qkv"] + base["output"]), 3),
-        })
+        rows.append(
+            {
+                "name": f"{name} N={world}",
+                "rate": rate,
+                "processes": world,
+                "prompt_tokens": length,
+                **{f"{k}_bytes": v for k, v in sent.items()},
+                "qkv_MiB": round(sent["qkv"] / 2**20, 2),
+                "output_MiB": round(sent["output"] / 2**20, 2),
+                "cache_MiB": round(sent["cache"] / 2**20, 2),
+                "qkv_vs_original": round(sent["qkv"] / base["qkv"], 3),
+                "output_vs_original": round(sent["output"] / base["output"], 3),
+                "attention_vs_original": round((sent["qkv"] + sent["output"]) / (base["qkv"] + base["output"]), 3),
+            }
+        )
     return rows
 
 
@@ -128,15 +148,23 @@ def measure_bytes(args, record: dict) -> None:
     for world in (2, 4):
         ranks = run_processes(bytes_worker, world, checkpoint, tokens, rates)
         rows += byte_rows(world, tokens.shape[1], {rate: [r[rate] for r in ranks] for rate in rates})
-        for row in rows[-len(rates):]:
+        for row in rows[-len(rates) :]:
             if args.bytes_label:
                 row["name"] = f"{args.bytes_label} {row['name']}"
             print(row, flush=True)
     key = f"bytes_{args.bytes_label.replace('-', '_')}" if args.bytes_label else "bytes"
-    modes = sorted({layer["key_mode"] for layer in json.loads((Path(checkpoint) / "config.json").read_text())["kvrewrite"]["layers"]})
-    record[key] = {"rows": rows, "key_modes": modes,
-                   "what": "bytes each collective sent between ranks, summed over ranks and layers, "
-                           "counted by kvrewrite.runtime.sequence_parallel.CountingCollectives"}
+    modes = sorted(
+        {
+            layer["key_mode"]
+            for layer in json.loads((Path(checkpoint) / "config.json").read_text())["kvrewrite"]["layers"]
+        }
+    )
+    record[key] = {
+        "rows": rows,
+        "key_modes": modes,
+        "what": "bytes each collective sent between ranks, summed over ranks and layers, "
+        "counted by kvrewrite.runtime.sequence_parallel.CountingCollectives",
+    }
 
 
 def _ordinal(n: int) -> str:
@@ -164,9 +192,16 @@ def timing(args, record: dict) -> None:
                 skipped = record["timing"].get("skipped_over_budget", [])
                 if label in skipped:  # skipped by an earlier invocation, measured now
                     skipped.remove(label)
-                rows.append({"name": f"{length // 1024}K N={world} {'original' if rate == ORIGINAL else 'p=0.5'}{suffix}",
-                             "prompt_tokens": length, "processes": world, "rate": rate, "invocation": invocation,
-                             "prefill_s": round(max(r["seconds"] for r in ranks), 1)})
+                rows.append(
+                    {
+                        "name": f"{length // 1024}K N={world} {'original' if rate == ORIGINAL else 'p=0.5'}{suffix}",
+                        "prompt_tokens": length,
+                        "processes": world,
+                        "rate": rate,
+                        "invocation": invocation,
+                        "prefill_s": round(max(r["seconds"] for r in ranks), 1),
+                    }
+                )
                 print(rows[-1], flush=True)
                 write(record)
     by = {(r.get("invocation", 0), r["prompt_tokens"], r["processes"], r["rate"]): r["prefill_s"] for r in rows}
@@ -189,11 +224,17 @@ def main() -> None:
     parser.add_argument("--equality-length", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=8)
     parser.add_argument("--bytes-length", type=int, default=1024)
-    parser.add_argument("--bytes-checkpoint", default=None, help="count bytes on this checkpoint instead (e.g. other key modes)")
-    parser.add_argument("--bytes-label", default="", help="with --bytes-checkpoint: stored as bytes_<label> (- becomes _)")
+    parser.add_argument(
+        "--bytes-checkpoint", default=None, help="count bytes on this checkpoint instead (e.g. other key modes)"
+    )
+    parser.add_argument(
+        "--bytes-label", default="", help="with --bytes-checkpoint: stored as bytes_<label> (- becomes _)"
+    )
     parser.add_argument("--lengths", default="8192,16384,32768")
     parser.add_argument("--procs", default="1,2,4")
-    parser.add_argument("--budget-s", type=float, default=1200.0, help="skip the timings left once this much time is spent")
+    parser.add_argument(
+        "--budget-s", type=float, default=1200.0, help="skip the timings left once this much time is spent"
+    )
     args = parser.parse_args()
     args.lengths = [int(x) for x in args.lengths.split(",")]
     args.procs = [int(x) for x in args.procs.split(",")]
@@ -204,22 +245,29 @@ def main() -> None:
     provenance = ("command", "commit", "date")
     for part in [k for k, v in record.items() if isinstance(v, dict) and ("rows" in v) and "run" not in v]:
         record[part]["run"] = {k: record[k] for k in provenance if k in record}  # written by an earlier invocation
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    record.update({
-        "command": " ".join(["OMP_NUM_THREADS=1", Path(sys.executable).name, *sys.argv]),
-        "commit": commit, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPU cores shared with other jobs; torch "
-                   f"{torch.__version__}, gloo; 1 thread per process",
-        "model": "SmolLM2-135M (9 query heads, 3 KV heads, head_dim 64, 30 layers, latent keys)",
-        "gpu": "not run: no GPU in this session",
-    })
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    record.update(
+        {
+            "command": " ".join(["OMP_NUM_THREADS=1", Path(sys.executable).name, *sys.argv]),
+            "commit": commit,
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPU cores shared with other jobs; torch "
+            f"{torch.__version__}, gloo; 1 thread per process",
+            "model": "SmolLM2-135M (9 query heads, 3 KV heads, head_dim 64, 30 layers, latent keys)",
+            "gpu": "not run: no GPU in this session",
+        }
+    )
     for part in args.parts.split(","):
         print(f"== {part}", flush=True)
         {"equality": equality, "bytes": measure_bytes, "timing": timing}[part](args, record)
         key = f"bytes_{args.bytes_label.replace('-', '_')}" if part == "bytes" and args.bytes_label else part
         current = {k: record[k] for k in provenance}  # each part keeps the invocation(s) that measured it
         earlier = record[key].get("run") if part == "timing" else None  # timing rows accumulate over invocations
-        record[key]["run"] = current if earlier is None else [*(earlier if isinstance(earlier, list) else [earlier]), current]
+        record[key]["run"] = (
+            current if earlier is None else [*(earlier if isinstance(earlier, list) else [earlier]), current]
+        )
         write(record)
     print("wrote", RESULT)
 

@@ -33,12 +33,30 @@ from kvrewrite.io.calibration_data import synthetic  # noqa: E402
 
 # Decoder-layer shapes of public models (the config fields that size them); vocab stays SmolLM2's.
 SHAPES = {
-    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-                      num_hidden_layers=32, rope_theta=500000.0),
-    "llama3-70b": dict(hidden_size=8192, intermediate_size=28672, num_attention_heads=64, num_key_value_heads=8,
-                       num_hidden_layers=80, rope_theta=500000.0),
-    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
-                         num_hidden_layers=30, rope_theta=100000.0),
+    "llama3-8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        num_hidden_layers=32,
+        rope_theta=500000.0,
+    ),
+    "llama3-70b": dict(
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        num_hidden_layers=80,
+        rope_theta=500000.0,
+    ),
+    "smollm2-135m": dict(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        num_hidden_layers=30,
+        rope_theta=100000.0,
+    ),
 }
 
 
@@ -48,14 +66,26 @@ def shape_config(shape: str, layers: int | None):
     fields = dict(SHAPES[shape])
     if layers is not None:
         fields["num_hidden_layers"] = layers
-    return LlamaConfig(vocab_size=49152, max_position_embeddings=8192, tie_word_embeddings=False,
-                       bos_token_id=1, eos_token_id=2, pad_token_id=2, **fields)
+    return LlamaConfig(
+        vocab_size=49152,
+        max_position_embeddings=8192,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        **fields,
+    )
 
 
 def baseline_generator(commit: str) -> types.ModuleType:
     """synthetic.py as it was at `commit`, loaded as a module of its own (it imports only unchanged helpers)."""
-    source = subprocess.run(["git", "show", f"{commit}:kvrewrite/io/calibration_data/synthetic.py"], cwd=ROOT,
-                            capture_output=True, text=True, check=True).stdout
+    source = subprocess.run(
+        ["git", "show", f"{commit}:kvrewrite/io/calibration_data/synthetic.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     module = types.ModuleType("baseline_synthetic")
     sys.modules[module.__name__] = module
     exec(compile(source, f"{commit[:10]}:synthetic.py", "exec"), module.__dict__)
@@ -67,8 +97,12 @@ def timed(generate, tokenizer) -> dict:
     texts = generate()
     seconds = time.perf_counter() - start
     kept = sum(synthetic._count_tokens(tokenizer, t) for t in texts)
-    return {"seconds": round(seconds, 1), "texts": len(texts), "kept_tokens": kept,
-            "tokens_per_s": round(kept / seconds, 2)}
+    return {
+        "seconds": round(seconds, 1),
+        "texts": len(texts),
+        "kept_tokens": kept,
+        "tokens_per_s": round(kept / seconds, 2),
+    }
 
 
 def main() -> None:
@@ -77,7 +111,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8, help="decoder layers (default 8 of Llama-3-8B's 32)")
     parser.add_argument("--tokens", type=int, default=4096, help="calibration tokens each way generates")
     parser.add_argument("--max-new-tokens", type=int, default=synthetic.DEFAULT_SETTINGS.max_new_tokens)
-    parser.add_argument("--batch-size", type=int, default=None, help="static-cache rows per forward (default: the device's)")
+    parser.add_argument(
+        "--batch-size", type=int, default=None, help="static-cache rows per forward (default: the device's)"
+    )
     parser.add_argument("--baseline", default="6fe868b", help="commit whose generator is the baseline")
     parser.add_argument("--note", default="", help="what else ran on the machine")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "synthetic_calibration_cpu.json")
@@ -99,14 +135,18 @@ def main() -> None:
     new_settings = replace(synthetic.DEFAULT_SETTINGS, max_new_tokens=args.max_new_tokens)
     runs = {}
     print(f"{args.shape} x {args.layers} layers, {parameters / 1e9:.2f}B parameters, {args.tokens} tokens each way")
-    runs["generate_float32"] = timed(lambda: baseline._generate(model, tokenizer, args.tokens, 0, old_settings), tokenizer)
+    runs["generate_float32"] = timed(
+        lambda: baseline._generate(model, tokenizer, args.tokens, 0, old_settings), tokenizer
+    )
     print("previous generator (transformers generate, float32):", runs["generate_float32"])
     runs["static_cache_float32"] = timed(
-        lambda: synthetic._generate(model, tokenizer, args.tokens, 0, new_settings, args.batch_size), tokenizer)
+        lambda: synthetic._generate(model, tokenizer, args.tokens, 0, new_settings, args.batch_size), tokenizer
+    )
     print("static-cache decoder, float32:", runs["static_cache_float32"])
     model = model.to(torch.bfloat16)
     runs["static_cache_bfloat16"] = timed(
-        lambda: synthetic._generate(model, tokenizer, args.tokens, 0, new_settings, args.batch_size), tokenizer)
+        lambda: synthetic._generate(model, tokenizer, args.tokens, 0, new_settings, args.batch_size), tokenizer
+    )
     print("static-cache decoder, bfloat16:", runs["static_cache_bfloat16"])
     base = runs["generate_float32"]["tokens_per_s"]
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "")
@@ -116,9 +156,14 @@ def main() -> None:
         "baseline_commit": args.baseline,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{cpu}, {os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} torch thread(s), "
-                   f"no GPU; shared with other engineers' jobs ({args.note or 'load not controlled'}): ratios are same-run",
-        "model": {"shape": args.shape, "layers": config.num_hidden_layers, "parameters": parameters,
-                  "vocab_size": config.vocab_size, "weights": "random (LlamaForCausalLM init, seed 0)"},
+        f"no GPU; shared with other engineers' jobs ({args.note or 'load not controlled'}): ratios are same-run",
+        "model": {
+            "shape": args.shape,
+            "layers": config.num_hidden_layers,
+            "parameters": parameters,
+            "vocab_size": config.vocab_size,
+            "weights": "random (LlamaForCausalLM init, seed 0)",
+        },
         "tokens_asked": args.tokens,
         "max_new_tokens": args.max_new_tokens,
         "batch_size": args.batch_size or synthetic._default_batch_size(torch.device("cpu")),

@@ -49,18 +49,34 @@ def main() -> None:
             width = min(ranks)
             if width == 0 or len(ranks) < 2:
                 continue
-            heads = torch.stack([x[:, sum(ranks[:g]) : sum(ranks[:g]) + width] for g in range(len(ranks))])  # [n_kv, T, w]
+            heads = torch.stack(
+                [x[:, sum(ranks[:g]) : sum(ranks[:g]) + width] for g in range(len(ranks))]
+            )  # [n_kv, T, w]
             deviation = heads - heads.mean(0, keepdim=True)
-            rows[side].append({
-                "layer": idx,
-                "energy_ratio": float(deviation.pow(2).sum() / heads.pow(2).sum()),
-                # KIVI keys are scaled per channel by their range: compare mean per-channel ranges.
-                "range_ratio": float((deviation.amax(1) - deviation.amin(1)).mean() / (heads.amax(1) - heads.amin(1)).mean()),
-            })
-    summary = {side: {"mean_energy_ratio": sum(r["energy_ratio"] for r in v) / len(v),
-                      "mean_range_ratio": sum(r["range_ratio"] for r in v) / len(v)} for side, v in rows.items()}
-    out = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "rate": args.rate,
-           "tokens": int(tokens.numel()), "summary": summary, "layers": rows}
+            rows[side].append(
+                {
+                    "layer": idx,
+                    "energy_ratio": float(deviation.pow(2).sum() / heads.pow(2).sum()),
+                    # KIVI keys are scaled per channel by their range: compare mean per-channel ranges.
+                    "range_ratio": float(
+                        (deviation.amax(1) - deviation.amin(1)).mean() / (heads.amax(1) - heads.amin(1)).mean()
+                    ),
+                }
+            )
+    summary = {
+        side: {
+            "mean_energy_ratio": sum(r["energy_ratio"] for r in v) / len(v),
+            "mean_range_ratio": sum(r["range_ratio"] for r in v) / len(v),
+        }
+        for side, v in rows.items()
+    }
+    out = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "rate": args.rate,
+        "tokens": int(tokens.numel()),
+        "summary": summary,
+        "layers": rows,
+    }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(out, indent=1))
     print(json.dumps(summary, indent=1))

@@ -68,8 +68,10 @@ def raw_reference(codec: str, windows: torch.Tensor) -> None:
     record = _record()
     record.setdefault("original_raw_kv", {}).update(rows)
     record["original_raw_kv_increase"] = {
-        name: round(ppl / record["original_raw_kv"]["none"] - 1, 4) for name, ppl in record["original_raw_kv"].items()
-        if name != "none"}
+        name: round(ppl / record["original_raw_kv"]["none"] - 1, 4)
+        for name, ppl in record["original_raw_kv"].items()
+        if name != "none"
+    }
     _save(record)
 
 
@@ -87,10 +89,13 @@ def summary(record: dict) -> dict:
             increase = {name: round(ppl / uncoded - 1, 4) for name, ppl in rows.items()}
             best = min(increase, key=increase.get)
             out.setdefault(rate, {})[codec] = {
-                "increase": increase, "best": best,
+                "increase": increase,
+                "best": best,
                 "share_of_increase_removed": round(1 - increase[best] / increase["alpha=0"], 3),
-                "share_removed_by": {name: round(1 - inc / increase["alpha=0"], 3) for name, inc in increase.items()
-                                     if name != "alpha=0"}}
+                "share_removed_by": {
+                    name: round(1 - inc / increase["alpha=0"], 3) for name, inc in increase.items() if name != "alpha=0"
+                },
+            }
     return out
 
 
@@ -100,8 +105,11 @@ def main() -> None:
     parser.add_argument("--rate", type=float)
     parser.add_argument("--codec")
     parser.add_argument("--summary", action="store_true", help="only add the summary of the recorded rows")
-    parser.add_argument("--raw-reference", action="store_true",
-                        help="the codec on the original model's raw K/V (benchmarks/kivi_faithful.py's cache), same windows")
+    parser.add_argument(
+        "--raw-reference",
+        action="store_true",
+        help="the codec on the original model's raw K/V (benchmarks/kivi_faithful.py's cache), same windows",
+    )
     parser.add_argument("--alphas", default="0.5,1.0")
     parser.add_argument("--eval-tokens", type=int, default=2048)
     args = parser.parse_args()
@@ -141,7 +149,10 @@ def main() -> None:
         with torch.no_grad():
             ref = base(windows[:1]).logits
             entry["max_abs_logit_diff_no_codec"] = {
-                name: float((m(windows[:1]).logits - ref).abs().max()) for name, m in models.items() if name != "alpha=0"}
+                name: float((m(windows[:1]).logits - ref).abs().max())
+                for name, m in models.items()
+                if name != "alpha=0"
+            }
         entry["max_abs_logit"] = float(ref.abs().max())
         entry["value_weight_max_over_median_per_layer"] = _weight_spread(base)
         models = {"alpha=0": base}  # uncoded ppl once: the balanced models are the same function
@@ -154,12 +165,18 @@ def main() -> None:
     print(args.rate, args.codec, rows, flush=True)
     entry.setdefault("ppl", {}).setdefault(args.codec, {}).update(rows)  # a later alpha grid adds to the row
     seconds = entry.setdefault("eval_s", {}).get(args.codec, [])
-    entry["eval_s"][args.codec] = [*(seconds if isinstance(seconds, list) else [seconds]), round(time.perf_counter() - t0, 1)]
+    entry["eval_s"][args.codec] = [
+        *(seconds if isinstance(seconds, list) else [seconds]),
+        round(time.perf_counter() - t0, 1),
+    ]
     record.update(
         command_prefix=f"OMP_NUM_THREADS=1 {Path(sys.executable).name} benchmarks/value_balance.py --checkpoint {args.checkpoint}",
         **{k: v for k, v in run_provenance(torch.get_num_threads(), "one process").items() if k != "command"},
-        window=512, chunk=CHUNK, checkpoint=str(args.checkpoint),
-        scales="s_j = (2-norm of value dim j's o_proj input columns, all group members)^alpha / layer geometric mean")
+        window=512,
+        chunk=CHUNK,
+        checkpoint=str(args.checkpoint),
+        scales="s_j = (2-norm of value dim j's o_proj input columns, all group members)^alpha / layer geometric mean",
+    )
     _save(record)
 
 

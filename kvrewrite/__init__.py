@@ -25,13 +25,27 @@ from kvrewrite.runtime.load import load  # noqa: E402
 from kvrewrite.spec import CompressionSpec  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["CompileResult", "CompressionSpec", "MLAExport", "MLAPlan", "Plan", "compress", "export_mla", "load",
-           "__version__"]
+__all__ = [
+    "CompileResult",
+    "CompressionSpec",
+    "MLAExport",
+    "MLAPlan",
+    "Plan",
+    "compress",
+    "export_mla",
+    "load",
+    "__version__",
+]
 
 # Compiler names, resolved on first access (PEP 562) so that `import kvrewrite` never imports the compiler.
-_LAZY = {"compress": "kvrewrite.compile.api", "CompileResult": "kvrewrite.compile.api", "Plan": "kvrewrite.compile.plan",
-         "export_mla": "kvrewrite.compile.mla.api", "MLAExport": "kvrewrite.compile.mla.api",
-         "MLAPlan": "kvrewrite.compile.mla.plan"}
+_LAZY = {
+    "compress": "kvrewrite.compile.api",
+    "CompileResult": "kvrewrite.compile.api",
+    "Plan": "kvrewrite.compile.plan",
+    "export_mla": "kvrewrite.compile.mla.api",
+    "MLAExport": "kvrewrite.compile.mla.api",
+    "MLAPlan": "kvrewrite.compile.mla.plan",
+}
 
 
 def __getattr__(name: str) -> Any:

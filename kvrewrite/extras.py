@@ -41,7 +41,8 @@ def require_package(module: str, feature: str) -> None:
         package = COMPILE_EXTRA[module]
         raise MissingDependencyError(
             f"{feature} needs {package}, which is not installed: `pip install {package}` (or `{INSTALL_COMPILE}` "
-            "for every optional feature)")
+            "for every optional feature)"
+        )
 
 
 def require_compile_extra(what: str, modules: Iterable[str] | None = None) -> None:

@@ -47,9 +47,7 @@ def validate_rate(rate: float, name: str = "target rate") -> float:
     except (TypeError, ValueError) as exc:
         raise InvalidArgumentError(f"{name} must be a number in [0, 1), got {rate!r}") from exc
     if not (0.0 <= value < 1.0) or value != value:
-        raise InvalidArgumentError(
-            f"{name} must be in [0, 1) (the share of KV-cache elements removed), got {rate!r}"
-        )
+        raise InvalidArgumentError(f"{name} must be in [0, 1) (the share of KV-cache elements removed), got {rate!r}")
     return value
 
 
@@ -119,9 +117,7 @@ class CompressionSpec:
         entry = self.rate_table.get(rate_key(rate))
         if entry is None:
             available = ", ".join(sorted(self.rate_table, key=float))
-            raise InvalidArgumentError(
-                f"rate {rate} is not in this checkpoint's rate table; available: {available}"
-            )
+            raise InvalidArgumentError(f"rate {rate} is not in this checkpoint's rate table; available: {available}")
         self._check_rate_entry(rate_key(rate), entry)
         return entry["key"], entry["value"]
 
@@ -134,15 +130,20 @@ class CompressionSpec:
         for side in ("key", "value"):
             per_layer = entry[side]
             if len(per_layer) != self.num_layers:
-                raise CorruptCheckpointError(f"{where} lists {side} ranks for {len(per_layer)} layers; the model has "
-                                             f"{self.num_layers}")
+                raise CorruptCheckpointError(
+                    f"{where} lists {side} ranks for {len(per_layer)} layers; the model has {self.num_layers}"
+                )
             for i, ranks in enumerate(per_layer):
-                if not isinstance(ranks, list) or not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
+                if not isinstance(ranks, list) or not all(
+                    isinstance(r, int) and not isinstance(r, bool) for r in ranks
+                ):
                     raise CorruptCheckpointError(f"{where}: layer {i} {side} ranks {ranks!r} are not whole numbers")
         try:
             self.with_ranks(entry["key"], entry["value"], float(key))
         except CorruptCheckpointError as exc:
-            raise CorruptCheckpointError(f"{where} is invalid: {str(exc).removeprefix('invalid kvrewrite compression spec: ')}") from None
+            raise CorruptCheckpointError(
+                f"{where} is invalid: {str(exc).removeprefix('invalid kvrewrite compression spec: ')}"
+            ) from None
 
     # ---- checks and serialisation -------------------------------------------------------
     def validate(self) -> None:

@@ -23,9 +23,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
+from kvrewrite.cli.app import app
 from kvrewrite.io.checkpoint_io import write_checksums
 from kvrewrite.io.manifest import write_manifest
-from kvrewrite.cli.app import app
 
 SENTINEL_NAME = "CODE-RAN"
 
@@ -48,7 +48,7 @@ def run_cli(args: list[str], stdin: str | None = None) -> tuple[int, str]:
 
 
 def error_line(output: str) -> str:
-    return output[output.index("error:"):] if "error:" in output else output
+    return output[output.index("error:") :] if "error:" in output else output
 
 
 def _copy(src: Path, dst: Path) -> Path:
@@ -64,8 +64,12 @@ def _edit_config(directory: Path, **changes) -> None:
     (directory / "config.json").write_text(json.dumps(config))
 
 
-def _edit_tensors(directory: Path, edit: Callable[[dict], None], checksums: bool = False,
-                  metadata: Callable[[dict], dict] | None = None) -> None:
+def _edit_tensors(
+    directory: Path,
+    edit: Callable[[dict], None],
+    checksums: bool = False,
+    metadata: Callable[[dict], dict] | None = None,
+) -> None:
     path = directory / "model.safetensors"
     with safe_open(str(path), framework="pt") as f:
         stored = f.metadata()
@@ -212,17 +216,30 @@ def _prefill_remote_tokenizer(root, source, ckpt):
 
 def _prefill_config_auto_map(root, source, ckpt):
     d = _copy(ckpt, root / "automap")
-    (d / "modeling_evil.py").write_text(f"import pathlib\npathlib.Path({str(root / SENTINEL_NAME)!r}).write_text('ran')\n")
+    (d / "modeling_evil.py").write_text(
+        f"import pathlib\npathlib.Path({str(root / SENTINEL_NAME)!r}).write_text('ran')\n"
+    )
     config = json.loads((d / "config.json").read_text())
-    config["auto_map"] = {"AutoConfig": "modeling_evil.C", "AutoModelForCausalLM": "modeling_evil.M",
-                          "AutoTokenizer": ["modeling_evil.T", None]}
+    config["auto_map"] = {
+        "AutoConfig": "modeling_evil.C",
+        "AutoModelForCausalLM": "modeling_evil.M",
+        "AutoTokenizer": ["modeling_evil.T", None],
+    }
     (d / "config.json").write_text(json.dumps(config))
     return ["prefill-parallel", str(d), "--prompt-file", str(_prompt(root))]
 
 
 def _eval_remote_tokenizer(root, source, ckpt):
-    return ["eval", str(_custom_tokenizer_checkpoint(root, ckpt)), "--baseline", str(source), "--tokens", "128",
-            "--seq-len", "32"]
+    return [
+        "eval",
+        str(_custom_tokenizer_checkpoint(root, ckpt)),
+        "--baseline",
+        str(source),
+        "--tokens",
+        "128",
+        "--seq-len",
+        "32",
+    ]
 
 
 def _push_foreign_code(root, source, ckpt):
@@ -238,7 +255,9 @@ def _edit_spec(directory: Path, edit: Callable[[dict], None], *, shards: bool = 
     edit(config["kvrewrite"])
     (directory / "config.json").write_text(json.dumps(config))
     if shards:
-        _edit_tensors(directory, lambda t: None, metadata=lambda m: {**m, "kvrewrite_spec": json.dumps(config["kvrewrite"])})
+        _edit_tensors(
+            directory, lambda t: None, metadata=lambda m: {**m, "kvrewrite_spec": json.dumps(config["kvrewrite"])}
+        )
     if resign:
         write_manifest(directory)
 
@@ -279,8 +298,9 @@ def _target_rate_edited_resigned(root, source, ckpt):
 
 def _token_policy_dropped_in(root, source, ckpt):
     d = _copy(ckpt, root / "policy")
-    (d / "token_policy.json").write_text(json.dumps({"load": {"rate": 0.0, "recent_window": 4, "kv_codec": "none",
-                                                              "evict": None}}))
+    (d / "token_policy.json").write_text(
+        json.dumps({"load": {"rate": 0.0, "recent_window": 4, "kv_codec": "none", "evict": None}})
+    )
     return _eval_at(d, source)
 
 
@@ -297,9 +317,26 @@ def shared_mla_export(ckpt: Path) -> Path:
     from the source next to it."""
     out = ckpt.parent / "mla-export"
     if not out.is_dir():
-        code, output = run_cli(["export-mla", str(ckpt.parent / "src"), "--kv-share", "0.5", "-o", str(out),
-                                "--calibration", "synthetic", "--calib-tokens", "512", "--verify-tokens", "32",
-                                "--refit-rates", "0.5,0.7", "--refit-tokens", "256"])
+        code, output = run_cli(
+            [
+                "export-mla",
+                str(ckpt.parent / "src"),
+                "--kv-share",
+                "0.5",
+                "-o",
+                str(out),
+                "--calibration",
+                "synthetic",
+                "--calib-tokens",
+                "512",
+                "--verify-tokens",
+                "32",
+                "--refit-rates",
+                "0.5,0.7",
+                "--refit-tokens",
+                "256",
+            ]
+        )
         assert code == 0, output
     return out
 
@@ -332,6 +369,7 @@ def _mla_refit_entry_deleted(root, source, ckpt):
 def _prefill(option: str, value: str):
     def setup(root, source, ckpt):
         return ["prefill-parallel", str(ckpt), "--prompt-file", str(_prompt(root)), option, value]
+
     return setup
 
 
@@ -344,12 +382,14 @@ def _prefill_prompt(kind: str):
             path = root / "prompts"
             path.mkdir()
         return ["prefill-parallel", str(ckpt), "--prompt-file", str(path)]
+
     return setup
 
 
 def _budget_context(value: str):
     def setup(root, source, ckpt):
         return ["budget", str(ckpt), "--kv-budget", "0.5", "--context", value, "--calibration", str(_prompt(root))]
+
     return setup
 
 
@@ -358,19 +398,40 @@ def _budget_on_mla_export(root, source, ckpt):
 
 
 def _export_mla_verify_tokens(root, source, ckpt):
-    return ["export-mla", str(source), "-o", str(root / "out"), "--calibration", "synthetic", "--calib-tokens", "512",
-            "--verify-tokens", "0"]
+    return [
+        "export-mla",
+        str(source),
+        "-o",
+        str(root / "out"),
+        "--calibration",
+        "synthetic",
+        "--calib-tokens",
+        "512",
+        "--verify-tokens",
+        "0",
+    ]
 
 
 def _eval_option(option: str, value: str):
     def setup(root, source, ckpt):
         return ["eval", str(ckpt), "--baseline", str(source), "--no-save", option, value]
+
     return setup
 
 
 def _export_mla_key_weight(root, source, ckpt):
-    return ["export-mla", str(source), "-o", str(root / "out"), "--calibration", "synthetic", "--calib-tokens", "512",
-            "--key-weight", "-1"]
+    return [
+        "export-mla",
+        str(source),
+        "-o",
+        str(root / "out"),
+        "--calibration",
+        "synthetic",
+        "--calib-tokens",
+        "512",
+        "--key-weight",
+        "-1",
+    ]
 
 
 def _tiny_kv_budget(root, source, ckpt):
@@ -378,44 +439,142 @@ def _tiny_kv_budget(root, source, ckpt):
 
 
 CASES = [
-    FaultCase("`compress selfsrc -o selfsrc --overwrite` (output is the source)", _self_output, ("is the source model directory",)),
-    FaultCase("`compress proj/model -o proj --overwrite` (output holds the source)", _parent_output, ("contains the source model",)),
+    FaultCase(
+        "`compress selfsrc -o selfsrc --overwrite` (output is the source)",
+        _self_output,
+        ("is the source model directory",),
+    ),
+    FaultCase(
+        "`compress proj/model -o proj --overwrite` (output holds the source)",
+        _parent_output,
+        ("contains the source model",),
+    ),
     FaultCase("`-o` inside the source directory", _inside_output, ("lies inside the source model directory",)),
     FaultCase("`-o ..` run from inside the model directory", _dotdot_output, ("contains the source model",)),
-    FaultCase("`--overwrite` on a directory kvrewrite did not write", _foreign_overwrite, ("is not a kvrewrite checkpoint", "nothing was deleted")),
+    FaultCase(
+        "`--overwrite` on a directory kvrewrite did not write",
+        _foreign_overwrite,
+        ("is not a kvrewrite checkpoint", "nothing was deleted"),
+    ),
     FaultCase("`eval CKPT --baseline CKPT` (compared with itself)", _eval_self, ("itself",)),
-    FaultCase("`eval` with a compressed checkpoint as baseline", _eval_compressed_baseline, ("is itself a kvrewrite checkpoint",)),
+    FaultCase(
+        "`eval` with a compressed checkpoint as baseline",
+        _eval_compressed_baseline,
+        ("is itself a kvrewrite checkpoint",),
+    ),
     FaultCase("`eval --json /nonexistent_dir/x.json`", _eval_json_missing_dir, ("--json", "does not exist")),
     FaultCase("config.json that is not JSON", _bad_json, ("config.json is not valid JSON",)),
-    FaultCase("num_key_value_heads that does not divide num_attention_heads", _kv_heads, ("num_key_value_heads (3)", "num_attention_heads (4)")),
-    FaultCase("a weight of the wrong shape", _wrong_shape, ("model.safetensors", "model.layers.1.self_attn.k_proj.weight", "[30, 64]", "[32, 64]")),
+    FaultCase(
+        "num_key_value_heads that does not divide num_attention_heads",
+        _kv_heads,
+        ("num_key_value_heads (3)", "num_attention_heads (4)"),
+    ),
+    FaultCase(
+        "a weight of the wrong shape",
+        _wrong_shape,
+        ("model.safetensors", "model.layers.1.self_attn.k_proj.weight", "[30, 64]", "[32, 64]"),
+    ),
     FaultCase("NaN in a weight", _nan_weight, ("model.safetensors", "model.layers.0.mlp.up_proj.weight", "non-finite")),
     FaultCase("unknown model_type", _unknown_type, ("'mamba-x'", "supported model types: ", "llama")),
-    FaultCase("a compressed checkpoint given to compress", _already_compressed, ("already a kvrewrite checkpoint", "rate=")),
+    FaultCase(
+        "a compressed checkpoint given to compress", _already_compressed, ("already a kvrewrite checkpoint", "rate=")
+    ),
     FaultCase("`-p 50%`", _percent_rate, ("'50%'", "pass 0.5")),
     FaultCase("`--probe-rates abc`", _probe_rates, ("--probe-rates", "'abc'")),
     FaultCase("a local path that does not exist", _missing_local, ("models/llama-3/8b-typo", "does not exist")),
-    FaultCase("custom tokenizer code (auto_map), `y` on stdin", _remote_code, ("custom tokenizer code", "never runs code"), stdin="y\ny\ny\n"),
-    FaultCase("a mis-shaped tensor in a compressed checkpoint (`eval`)", _misshaped_compressed, ("model.safetensors", "model.layers.0.self_attn.k_proj.weight", "[33, 64]")),
+    FaultCase(
+        "custom tokenizer code (auto_map), `y` on stdin",
+        _remote_code,
+        ("custom tokenizer code", "never runs code"),
+        stdin="y\ny\ny\n",
+    ),
+    FaultCase(
+        "a mis-shaped tensor in a compressed checkpoint (`eval`)",
+        _misshaped_compressed,
+        ("model.safetensors", "model.layers.0.self_attn.k_proj.weight", "[33, 64]"),
+    ),
     # issue 38
-    FaultCase("`prefill-parallel` on a checkpoint whose tokenizer is custom code (auto_map, manifest re-signed), `y` on stdin", _prefill_remote_tokenizer, ("custom tokenizer code", "never runs code"), stdin="y\ny\ny\n"),
-    FaultCase("`prefill-parallel` on a checkpoint whose config.json gained an auto_map and a modeling_evil.py, `y` on stdin", _prefill_config_auto_map, ("config.json", "corrupt or modified"), stdin="y\ny\ny\n"),
-    FaultCase("`eval` of a checkpoint whose tokenizer is custom code (manifest re-signed), `y` on stdin", _eval_remote_tokenizer, ("custom tokenizer code", "never runs code"), stdin="y\ny\ny\n"),
-    FaultCase("`push --dry-run` of a checkpoint holding a foreign helper.py (manifest re-signed)", _push_foreign_code, ("helper.py", "nothing was uploaded")),
-    FaultCase("config.json's rate-table entry 0.30 replaced by 0.00's (`eval --rates 0.3`)", _rate_table_edited, ("config.json", "corrupt or modified")),
-    FaultCase("the same edit with the manifest re-signed", _rate_table_edited_resigned, ("rate_table entry 0.30", "in the weights")),
-    FaultCase("layer 0's key_ranks edited, manifest re-signed", _key_ranks_edited_resigned, ("layer 0 key_ranks", "in the weights")),
-    FaultCase("kv_codec edited to int4, manifest re-signed", _codec_edited_resigned, ("kv_codec is 'int4' in config.json", "None in the weights")),
-    FaultCase("target_rate edited, manifest re-signed", _target_rate_edited_resigned, ("target_rate is 0.3 in config.json", "0.5 in the weights")),
-    FaultCase("a token_policy.json dropped into a checkpoint that never had one", _token_policy_dropped_in, ("token_policy.json is not listed",)),
-    FaultCase("tokenizer.json edited (two tokens swapped)", _tokenizer_edited, ("tokenizer.json", "corrupt or modified")),
-    FaultCase("MLA export: side file kvrewrite_rates/o_proj.safetensors scaled by 3 (`eval --rates 0.7`)", _mla_side_file_scaled, ("kvrewrite_rates/o_proj.safetensors", "corrupt or modified")),
+    FaultCase(
+        "`prefill-parallel` on a checkpoint whose tokenizer is custom code (auto_map, manifest re-signed), `y` on stdin",
+        _prefill_remote_tokenizer,
+        ("custom tokenizer code", "never runs code"),
+        stdin="y\ny\ny\n",
+    ),
+    FaultCase(
+        "`prefill-parallel` on a checkpoint whose config.json gained an auto_map and a modeling_evil.py, `y` on stdin",
+        _prefill_config_auto_map,
+        ("config.json", "corrupt or modified"),
+        stdin="y\ny\ny\n",
+    ),
+    FaultCase(
+        "`eval` of a checkpoint whose tokenizer is custom code (manifest re-signed), `y` on stdin",
+        _eval_remote_tokenizer,
+        ("custom tokenizer code", "never runs code"),
+        stdin="y\ny\ny\n",
+    ),
+    FaultCase(
+        "`push --dry-run` of a checkpoint holding a foreign helper.py (manifest re-signed)",
+        _push_foreign_code,
+        ("helper.py", "nothing was uploaded"),
+    ),
+    FaultCase(
+        "config.json's rate-table entry 0.30 replaced by 0.00's (`eval --rates 0.3`)",
+        _rate_table_edited,
+        ("config.json", "corrupt or modified"),
+    ),
+    FaultCase(
+        "the same edit with the manifest re-signed",
+        _rate_table_edited_resigned,
+        ("rate_table entry 0.30", "in the weights"),
+    ),
+    FaultCase(
+        "layer 0's key_ranks edited, manifest re-signed",
+        _key_ranks_edited_resigned,
+        ("layer 0 key_ranks", "in the weights"),
+    ),
+    FaultCase(
+        "kv_codec edited to int4, manifest re-signed",
+        _codec_edited_resigned,
+        ("kv_codec is 'int4' in config.json", "None in the weights"),
+    ),
+    FaultCase(
+        "target_rate edited, manifest re-signed",
+        _target_rate_edited_resigned,
+        ("target_rate is 0.3 in config.json", "0.5 in the weights"),
+    ),
+    FaultCase(
+        "a token_policy.json dropped into a checkpoint that never had one",
+        _token_policy_dropped_in,
+        ("token_policy.json is not listed",),
+    ),
+    FaultCase(
+        "tokenizer.json edited (two tokens swapped)", _tokenizer_edited, ("tokenizer.json", "corrupt or modified")
+    ),
+    FaultCase(
+        "MLA export: side file kvrewrite_rates/o_proj.safetensors scaled by 3 (`eval --rates 0.7`)",
+        _mla_side_file_scaled,
+        ("kvrewrite_rates/o_proj.safetensors", "corrupt or modified"),
+    ),
     FaultCase("MLA export: layer 0's kv_b_proj zeroed", _mla_kv_b_zeroed, ("model.safetensors", "corrupt or modified")),
-    FaultCase("MLA export: a rate's refit entry deleted from the kvrewrite_mla marker", _mla_refit_entry_deleted, ("config.json", "corrupt or modified")),
-    FaultCase("`prefill-parallel --rate 0.33` (not in the rate table)", _prefill("--rate", "0.33"), ("rate 0.33", "rate table")),
+    FaultCase(
+        "MLA export: a rate's refit entry deleted from the kvrewrite_mla marker",
+        _mla_refit_entry_deleted,
+        ("config.json", "corrupt or modified"),
+    ),
+    FaultCase(
+        "`prefill-parallel --rate 0.33` (not in the rate table)",
+        _prefill("--rate", "0.33"),
+        ("rate 0.33", "rate table"),
+    ),
     FaultCase("`prefill-parallel --threads 0`", _prefill("--threads", "0"), ("--threads 0",)),
-    FaultCase("`prefill-parallel --prompt-file` on a binary file", _prefill_prompt("binary"), ("--prompt-file", "not UTF-8")),
-    FaultCase("`prefill-parallel --prompt-file` on a directory", _prefill_prompt("directory"), ("--prompt-file", "is a directory")),
+    FaultCase(
+        "`prefill-parallel --prompt-file` on a binary file", _prefill_prompt("binary"), ("--prompt-file", "not UTF-8")
+    ),
+    FaultCase(
+        "`prefill-parallel --prompt-file` on a directory",
+        _prefill_prompt("directory"),
+        ("--prompt-file", "is a directory"),
+    ),
     FaultCase("`budget --context 0`", _budget_context("0"), ("--context 0",)),
     FaultCase("`budget --context -5`", _budget_context("-5"), ("--context -5",)),
     FaultCase("`budget --context 2` (below the full-rank window)", _budget_context("2"), ("--context 2",)),
@@ -444,8 +603,14 @@ class InterruptCase:
 def interrupted_run(case: InterruptCase, source: Path, cwd: Path) -> tuple[int, str, list[str]]:
     """Run the case in a fresh process in `cwd`, signal it; (exit code, stderr, what is left in cwd)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    process = subprocess.Popen([sys.executable, "-c", CONSOLE, *case.args(source, cwd)], cwd=cwd, env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-c", CONSOLE, *case.args(source, cwd)],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     sig = getattr(signal, case.signal_name)
     if case.after_line is None:
         time.sleep(0.5)  # torch and transformers take seconds to import: the signal lands inside an import
@@ -456,8 +621,11 @@ def interrupted_run(case: InterruptCase, source: Path, cwd: Path) -> tuple[int, 
                 process.send_signal(sig)
                 break
     out, err = process.communicate(timeout=180)
-    return process.returncode, err + ("Traceback in stdout" if "Traceback" in out else ""), sorted(
-        p.name for p in cwd.iterdir())
+    return (
+        process.returncode,
+        err + ("Traceback in stdout" if "Traceback" in out else ""),
+        sorted(p.name for p in cwd.iterdir()),
+    )
 
 
 def _compress_synthetic(source: Path, cwd: Path) -> list[str]:

@@ -13,8 +13,8 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, PreTrainedTokenizerFast
 
-from kvrewrite.io.checkpoint_io import ShardWriter
 from kvrewrite.compile.layer_streaming import empty_model
+from kvrewrite.io.checkpoint_io import ShardWriter
 
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")
 

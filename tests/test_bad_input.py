@@ -15,16 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from tiny_models import save_tiny_llama, tiny_pipeline, word_tokenizer
 from typer.testing import CliRunner
 
 import kvrewrite
-from kvrewrite.io.checkpoint_io import read_safetensors_metadata, write_checksums, write_safetensors_shards
-from kvrewrite.io.manifest import write_manifest
 from kvrewrite.cli.app import app
-from kvrewrite.errors import CorruptCheckpointError, ModelSourceError
 from kvrewrite.compile.passes.pipeline import run_pipeline
 from kvrewrite.compile.plan import Plan
-from tiny_models import save_tiny_llama, tiny_pipeline, word_tokenizer
+from kvrewrite.errors import CorruptCheckpointError
+from kvrewrite.io.checkpoint_io import read_safetensors_metadata, write_checksums, write_safetensors_shards
+from kvrewrite.io.manifest import write_manifest
 
 runner = CliRunner()
 PACKAGE = Path(kvrewrite.__file__).parent
@@ -40,7 +40,7 @@ def fails_with(args: list[str], *needles: str) -> str:
     text = flat(result.output)
     assert result.exit_code == 2, result.output
     assert "error:" in text and "Traceback" not in result.output, text
-    message = text[text.index("error:"):]
+    message = text[text.index("error:") :]
     for needle in needles:
         assert needle in message, f"{needle!r} not in: {message}"
     return message
@@ -80,13 +80,27 @@ def copy_of(src: Path, dst: Path) -> Path:
 
 
 def compress_args(source: Path, out: Path, calib: Path, *extra: str) -> list[str]:
-    return ["compress", str(source), "-o", str(out), "--calibration", str(calib), "--calib-tokens", "512",
-            "--seq-len", "64", *extra]
+    return [
+        "compress",
+        str(source),
+        "-o",
+        str(out),
+        "--calibration",
+        str(calib),
+        "--calib-tokens",
+        "512",
+        "--seq-len",
+        "64",
+        *extra,
+    ]
 
 
 def tree_digest(directory: Path) -> dict[str, str]:
-    return {p.relative_to(directory).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(directory.rglob("*")) if p.is_file()}
+    return {
+        p.relative_to(directory).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -101,18 +115,26 @@ def test_target_rate_outside_unit_interval(rate):
 
 def test_rate_the_rank_floor_cannot_reach(source, calib_text, tmp_path):
     # head_dim is 16: a floor of 12 per head keeps at least 75% of the cache, so removing 50% is impossible.
-    fails_with(compress_args(source, tmp_path / "out", calib_text, "--target-rate", "0.5", "--min-rank", "12"),
-               "rate 0.5 cannot be reached with --min-rank 12")
+    fails_with(
+        compress_args(source, tmp_path / "out", calib_text, "--target-rate", "0.5", "--min-rank", "12"),
+        "rate 0.5 cannot be reached with --min-rank 12",
+    )
     assert not (tmp_path / "out").exists()
 
 
 def test_rate_missing_from_the_checkpoints_rate_table(compiled):
-    available = sorted(json.loads((compiled["latent"] / "config.json").read_text())["kvrewrite"]["rate_table"], key=float)
+    available = sorted(
+        json.loads((compiled["latent"] / "config.json").read_text())["kvrewrite"]["rate_table"], key=float
+    )
     assert "0.33" not in available
-    text = fails_with(["eval", str(compiled["latent"]), "--rates", "0.3,0.33", "--no-save"],
-                      "rate 0.33 is not in this checkpoint's rate table")
+    text = fails_with(
+        ["eval", str(compiled["latent"]), "--rates", "0.3,0.33", "--no-save"],
+        "rate 0.33 is not in this checkpoint's rate table",
+    )
     assert ", ".join(available) in text
-    fails_with(["inspect", str(compiled["latent"]), "--rate", "0.33"], "rate 0.33 is not in this checkpoint's rate table")
+    fails_with(
+        ["inspect", str(compiled["latent"]), "--rate", "0.33"], "rate 0.33 is not in this checkpoint's rate table"
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -125,8 +147,9 @@ def test_source_model_without_a_k_proj_weight(source, calib_text, tmp_path):
     tensors = load_file(broken / "model.safetensors")
     del tensors["model.layers.1.self_attn.k_proj.weight"]
     save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
-    fails_with(compress_args(broken, tmp_path / "out", calib_text), "model.layers.1.self_attn.k_proj.weight",
-               str(broken))
+    fails_with(
+        compress_args(broken, tmp_path / "out", calib_text), "model.layers.1.self_attn.k_proj.weight", str(broken)
+    )
     assert not (tmp_path / "out").exists()
 
 
@@ -148,8 +171,9 @@ def test_source_shard_missing_from_its_index(calib_text, tmp_path):
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 2
     (sharded / shards[1]).unlink()
-    fails_with(compress_args(sharded, tmp_path / "out", calib_text), str(sharded / shards[1]),
-               "model.safetensors.index.json")
+    fails_with(
+        compress_args(sharded, tmp_path / "out", calib_text), str(sharded / shards[1]), "model.safetensors.index.json"
+    )
 
 
 def test_pickled_source_is_refused_without_unpickling(source, calib_text, tmp_path, monkeypatch):
@@ -170,7 +194,9 @@ def test_no_pickle_loading_or_remote_code_in_the_package():
     for path in PACKAGE.rglob("*.py"):
         for number, line in enumerate(path.read_text().splitlines(), 1):
             code = line.split("#")[0]
-            if re.search(r"torch\.load\(|\bpickle\b|weights_only\s*=\s*False|trust_remote_code\s*=\s*True|np\.load\(", code):
+            if re.search(
+                r"torch\.load\(|\bpickle\b|weights_only\s*=\s*False|trust_remote_code\s*=\s*True|np\.load\(", code
+            ):
                 offending.append(f"{path.relative_to(PACKAGE)}:{number}: {line.strip()}")
     assert offending == []
 
@@ -227,8 +253,13 @@ def test_compiled_spec_that_does_not_match_its_tensors(compiled, tmp_path, edit)
             layer["value_ranks"] = layer["value_ranks"] * 2
     config_path.write_text(json.dumps(config))
     write_manifest(ckpt)  # re-signed, as whoever edited it would: the spec comparison must still catch the edit
-    text = fails_with(["eval", str(ckpt), "--no-save", "--rates", "0.5"] if edit != "num_key_value_heads" else
-                      ["eval", str(ckpt), "--no-save"], str(config_path), str(ckpt / "model.safetensors"))
+    text = fails_with(
+        ["eval", str(ckpt), "--no-save", "--rates", "0.5"]
+        if edit != "num_key_value_heads"
+        else ["eval", str(ckpt), "--no-save"],
+        str(config_path),
+        str(ckpt / "model.safetensors"),
+    )
     assert edit in text
     with pytest.raises(CorruptCheckpointError, match=edit):
         kvrewrite.load(ckpt)
@@ -246,7 +277,9 @@ def test_existing_output_directory_needs_overwrite(source, calib_text, tmp_path)
     fails_with(compress_args(source, out, calib_text), f"output directory {out} already exists", "--overwrite")
     assert [p.name for p in out.iterdir()] == ["results.txt"]
     # --overwrite replaces only what kvrewrite wrote (issue 14): a directory of user files is refused, intact.
-    fails_with(compress_args(source, out, calib_text, "--overwrite"), "is not a kvrewrite checkpoint", "nothing was deleted")
+    fails_with(
+        compress_args(source, out, calib_text, "--overwrite"), "is not a kvrewrite checkpoint", "nothing was deleted"
+    )
     assert [p.name for p in out.iterdir()] == ["results.txt"]
     (out / "results.txt").unlink()
     out.rmdir()
@@ -262,8 +295,8 @@ def test_ctrl_c_mid_emit_keeps_the_previous_output(source, tmp_path, monkeypatch
     run_pipeline(Plan(model=str(source), output=out, target_rate=0.3, progress=False), tiny_pipeline())
     before = tree_digest(out)
 
-    import kvrewrite.io.checkpoint_io as checkpoint_io
     import kvrewrite.compile.passes.emit as emit
+    import kvrewrite.io.checkpoint_io as checkpoint_io
 
     if where == "first shard written":
         real_save = checkpoint_io.save_file
@@ -274,12 +307,15 @@ def test_ctrl_c_mid_emit_keeps_the_previous_output(source, tmp_path, monkeypatch
 
         monkeypatch.setattr(checkpoint_io, "save_file", save_then_interrupt)
     else:
+
         def interrupt(*args, **kwargs):
             raise KeyboardInterrupt
 
         monkeypatch.setattr(emit, "write_manifest", interrupt)
     with pytest.raises(KeyboardInterrupt):
-        run_pipeline(Plan(model=str(source), output=out, target_rate=0.6, overwrite=True, progress=False), tiny_pipeline())
+        run_pipeline(
+            Plan(model=str(source), output=out, target_rate=0.6, overwrite=True, progress=False), tiny_pipeline()
+        )
     assert tree_digest(out) == before  # the previous compile, byte for byte
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary directory left behind
     assert kvrewrite.load(out).compression_spec.target_rate == pytest.approx(0.3)
@@ -294,10 +330,24 @@ def test_calibration_text_shorter_than_needed(source, tmp_path):
     text = tmp_path / "short.txt"
     text.write_text(" ".join(f"w{i % 90 + 3}" for i in range(300)))
     available = len(word_tokenizer()(text.read_text())["input_ids"])  # counted independently of kvrewrite
-    fails_with(["compress", str(source), "-o", str(tmp_path / "out"), "--calibration", str(text),
-                "--calib-tokens", "4096", "--seq-len", "64"], str(text), f"has {available} tokens", "4096 tokens")
+    fails_with(
+        [
+            "compress",
+            str(source),
+            "-o",
+            str(tmp_path / "out"),
+            "--calibration",
+            str(text),
+            "--calib-tokens",
+            "4096",
+            "--seq-len",
+            "64",
+        ],
+        str(text),
+        f"has {available} tokens",
+        "4096 tokens",
+    )
     assert not (tmp_path / "out").exists()
-
 
 
 @pytest.mark.parametrize("command", [["card"], ["push", "--dry-run"], ["inspect"]])

@@ -9,6 +9,8 @@ import json
 
 import pytest
 import torch
+from test_value_balance import _weighted_int2_error
+from tiny_models import random_windows, save_tiny_llama, tiny_pipeline
 from typer.testing import CliRunner
 
 import kvrewrite
@@ -17,8 +19,6 @@ from kvrewrite.compile.passes.pipeline import run_pipeline
 from kvrewrite.compile.plan import Plan
 from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.runtime.codecs.value_balance import balance_value_latents
-from test_value_balance import _weighted_int2_error
-from tiny_models import random_windows, save_tiny_llama, tiny_pipeline
 
 ALPHA = 0.5
 
@@ -30,7 +30,9 @@ def compiled(tmp_path_factory):
     src = save_tiny_llama(root / "src", seed=0, num_kv_heads=2, num_heads=4)
     out = {}
     for name, alpha in (("plain", 0.0), ("balanced", ALPHA)):
-        plan = Plan(model=str(src), output=root / name, progress=False, target_rate=0.5, kv_codec="none", balance_values=alpha)
+        plan = Plan(
+            model=str(src), output=root / name, progress=False, target_rate=0.5, kv_codec="none", balance_values=alpha
+        )
         run_pipeline(plan, tiny_pipeline(random_windows(8, 64)))
         out[name] = root / name
     return out
@@ -62,15 +64,19 @@ def test_balanced_compile_scales_value_rows_and_o_proj_columns_per_dim(compiled)
         ratio = (b.v_proj.weight.double() / p.v_proj.weight.double()).detach()
         s = ratio.median(dim=1).values
         assert bool((s > 0).all()) and float(s.max() / s.min()) > 1.01
-        torch.testing.assert_close(b.v_proj.weight.double(), p.v_proj.weight.double() * s[:, None], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(
+            b.v_proj.weight.double(), p.v_proj.weight.double() * s[:, None], rtol=1e-5, atol=1e-7
+        )
         # q/k untouched.
         assert torch.equal(b.q_proj.weight, p.q_proj.weight) and torch.equal(b.k_proj.weight, p.k_proj.weight)
 
 
 def test_balanced_compile_lowers_the_o_proj_weighted_int2_value_error(compiled):
     tokens = random_windows(4, 64, seed=5)
-    errors = {name: _weighted_int2_error(kvrewrite.load(path, rate=0.0, kv_codec="none"), tokens, group_size=16)
-              for name, path in compiled.items()}
+    errors = {
+        name: _weighted_int2_error(kvrewrite.load(path, rate=0.0, kv_codec="none"), tokens, group_size=16)
+        for name, path in compiled.items()
+    }
     assert errors["balanced"] < errors["plain"]
 
 
@@ -108,8 +114,16 @@ def test_balancing_composes_with_the_output_refit(tmp_path):
     src = save_tiny_llama(tmp_path / "src", seed=1, num_kv_heads=2, num_heads=4)
     outputs = {}
     for name, alpha in (("plain", 0.0), ("balanced", ALPHA)):
-        plan = Plan(model=str(src), output=tmp_path / name, progress=False, target_rate=0.5, kv_codec="int2",
-                    refit="output", refit_tokens=256, balance_values=alpha)
+        plan = Plan(
+            model=str(src),
+            output=tmp_path / name,
+            progress=False,
+            target_rate=0.5,
+            kv_codec="int2",
+            refit="output",
+            refit_tokens=256,
+            balance_values=alpha,
+        )
         run_pipeline(plan, tiny_pipeline(random_windows(8, 64)))
         outputs[name] = kvrewrite.load(tmp_path / name, kv_codec="none")
     tokens = random_windows(2, 40, seed=4)

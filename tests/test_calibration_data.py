@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+from kvrewrite.errors import CalibrationError, InvalidArgumentError
 from kvrewrite.io.calibration_data import (
     calibration_token_sequences,
     evaluation_token_sequences,
@@ -18,7 +19,6 @@ from kvrewrite.io.calibration_data import (
 )
 from kvrewrite.io.calibration_data.synthetic import seed_prompts
 from kvrewrite.io.calibration_data.wiki import EVAL_TARGET_CHARS
-from kvrewrite.errors import CalibrationError, InvalidArgumentError
 
 
 class ByteTokenizer:

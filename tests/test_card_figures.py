@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from tiny_models import save_tiny_llama, tiny_pipeline
 from typer.testing import CliRunner
 
 from kvrewrite.cli.app import app
@@ -14,7 +15,6 @@ from kvrewrite.compile.plan import Plan
 from kvrewrite.publish.card_figures import measured_text, unsourced_card_figures
 from kvrewrite.publish.eval_results import EVAL_RESULTS_FILE
 from kvrewrite.publish.model_card import REPORT_FILE, render_model_card
-from tiny_models import save_tiny_llama, tiny_pipeline
 
 
 @pytest.fixture(scope="module")
@@ -22,20 +22,36 @@ def evaluated(tmp_path_factory):
     """A tiny compiled checkpoint on which `kvrewrite eval` has run (eval_results.json and the report are real)."""
     root = tmp_path_factory.mktemp("card")
     out = root / "tiny-p50"
-    run_pipeline(Plan(model=str(save_tiny_llama(root / "src")), output=out, target_rate=0.5, progress=False),
-                 tiny_pipeline())
+    run_pipeline(
+        Plan(model=str(save_tiny_llama(root / "src")), output=out, target_rate=0.5, progress=False), tiny_pipeline()
+    )
     result = CliRunner().invoke(app, ["eval", str(out), "--rates", "0.3,0.5", "--tokens", "256", "--seq-len", "64"])
     assert result.exit_code == 0, result.output
     # The tiny random model's figures are degenerate (ppl = vocab size, KL 0), which any leaf would match; the
     # rows are replaced by distinct, realistic ones in the same format, so an edit has somewhere to fail.
     evaluation = json.loads((out / EVAL_RESULTS_FILE).read_text())
-    base = {"name": "tiny (original)", "baseline": True, "rate": 0.0, "perplexity": 24.524238, "kl_mean": None,
-            "top1_agreement": None, "kv_bytes_per_token": 46080.0}
+    base = {
+        "name": "tiny (original)",
+        "baseline": True,
+        "rate": 0.0,
+        "perplexity": 24.524238,
+        "kl_mean": None,
+        "top1_agreement": None,
+        "kv_bytes_per_token": 46080.0,
+    }
     evaluation["rows"] = [base] + [
-        {"name": f"tiny-p50 p={rate:.2f}", "rate": rate, "perplexity": ppl, "kl_mean": kl, "top1_agreement": top1,
-         "kv_bytes_per_token": 46080.0 * (1 - rate), "baseline_perplexity": base["perplexity"],
-         "baseline_kv_bytes_per_token": 46080.0}
-        for rate, ppl, kl, top1 in ((0.3, 26.887471, 0.103301, 0.821429), (0.5, 34.196196, 0.36172, 0.67478))]
+        {
+            "name": f"tiny-p50 p={rate:.2f}",
+            "rate": rate,
+            "perplexity": ppl,
+            "kl_mean": kl,
+            "top1_agreement": top1,
+            "kv_bytes_per_token": 46080.0 * (1 - rate),
+            "baseline_perplexity": base["perplexity"],
+            "baseline_kv_bytes_per_token": 46080.0,
+        }
+        for rate, ppl, kl, top1 in ((0.3, 26.887471, 0.103301, 0.821429), (0.5, 34.196196, 0.36172, 0.67478))
+    ]
     (out / EVAL_RESULTS_FILE).write_text(json.dumps(evaluation))
     return out
 

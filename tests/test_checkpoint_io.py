@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from kvrewrite.errors import CorruptCheckpointError, InvalidArgumentError, OutputError
 from kvrewrite.io import checkpoint_io
 from kvrewrite.io.checkpoint_io import (
     CHECKSUM_FILE,
@@ -20,7 +21,6 @@ from kvrewrite.io.checkpoint_io import (
     write_checksums,
     write_safetensors_shards,
 )
-from kvrewrite.errors import CorruptCheckpointError, InvalidArgumentError, OutputError
 from kvrewrite.io.fault_injection import NO_EXCHANGE_ENV
 
 
@@ -272,7 +272,9 @@ def test_missing_checksum_file_is_detected(tmp_path: Path) -> None:
         verify_checksums(tmp_path)
 
 
-@pytest.mark.parametrize("content", ["{not json", "[]", "{}", '{"model.safetensors": 5}', '{"../x": "' + "0" * 64 + '"}'])
+@pytest.mark.parametrize(
+    "content", ["{not json", "[]", "{}", '{"model.safetensors": 5}', '{"../x": "' + "0" * 64 + '"}']
+)
 def test_bad_checksum_file_is_detected(tmp_path: Path, content: str) -> None:
     _written_checkpoint(tmp_path)
     (tmp_path / CHECKSUM_FILE).write_text(content)

@@ -6,16 +6,16 @@ import math
 
 import pytest
 import torch
+from tiny_models import save_tiny_llama, tiny_pipeline, word_tokenizer
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 from typer.testing import CliRunner
 
 from kvrewrite.cli.app import app
-from kvrewrite.errors import InvalidArgumentError, UnsupportedModelError
 from kvrewrite.compile.passes.context import CompileContext
 from kvrewrite.compile.passes.load_checkpoint import LoadCheckpoint
 from kvrewrite.compile.passes.pipeline import run_pipeline
 from kvrewrite.compile.plan import Plan
-from tiny_models import save_tiny_llama, tiny_pipeline, word_tokenizer
+from kvrewrite.errors import InvalidArgumentError, UnsupportedModelError
 
 runner = CliRunner()
 
@@ -31,7 +31,9 @@ def test_rate_outside_unit_interval_is_refused(rate):
         Plan(model="x", target_rate=rate)
 
 
-@pytest.mark.parametrize("option,value", [("objective", "svd"), ("allocation", "random"), ("rope_mode", "none"), ("reduce", "pca")])
+@pytest.mark.parametrize(
+    "option,value", [("objective", "svd"), ("allocation", "random"), ("rope_mode", "none"), ("reduce", "pca")]
+)
 def test_unknown_choices_are_refused(option, value):
     with pytest.raises(InvalidArgumentError, match=f"`{option}` must be one of"):
         Plan(model="x", **{option: value})
@@ -44,7 +46,9 @@ def test_cli_rate_error_exits_nonzero_with_message():
 
 
 def test_unsupported_architecture_fails_before_loading_weights(tmp_path, monkeypatch):
-    config = GPTNeoXConfig(num_hidden_layers=1, num_attention_heads=2, hidden_size=32, intermediate_size=64, vocab_size=96)
+    config = GPTNeoXConfig(
+        num_hidden_layers=1, num_attention_heads=2, hidden_size=32, intermediate_size=64, vocab_size=96
+    )
     GPTNeoXForCausalLM(config).save_pretrained(tmp_path / "neox")
     word_tokenizer().save_pretrained(tmp_path / "neox")
 
@@ -53,7 +57,10 @@ def test_unsupported_architecture_fails_before_loading_weights(tmp_path, monkeyp
 
     monkeypatch.setattr("kvrewrite.io.source_model.AutoModelForCausalLM.from_pretrained", no_weights)
     ctx = CompileContext(plan=Plan(model=str(tmp_path / "neox"), progress=False))
-    with pytest.raises(UnsupportedModelError, match="'gpt_neox'.*supported model types: gemma3_text, gpt2, llama, mistral, opt, phi3, qwen2, qwen3"):
+    with pytest.raises(
+        UnsupportedModelError,
+        match="'gpt_neox'.*supported model types: gemma3_text, gpt2, llama, mistral, opt, phi3, qwen2, qwen3",
+    ):
         LoadCheckpoint().run(ctx)
 
 
@@ -109,12 +116,28 @@ def test_compress_command_end_to_end_on_local_text(tmp_path):
     text = tmp_path / "calib.txt"
     g = torch.Generator().manual_seed(0)
     text.write_text(" ".join(f"w{int(i)}" for i in torch.randint(3, 96, (3000,), generator=g)))
-    result = runner.invoke(app, ["compress", str(src), "--target-rate", "0.5", "-o", str(tmp_path / "out"),
-                                 "--calibration", str(text), "--calib-tokens", "512", "--seq-len", "64"])
+    result = runner.invoke(
+        app,
+        [
+            "compress",
+            str(src),
+            "--target-rate",
+            "0.5",
+            "-o",
+            str(tmp_path / "out"),
+            "--calibration",
+            str(text),
+            "--calib-tokens",
+            "512",
+            "--seq-len",
+            "64",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "achieved rate" in flat(result.output) and (tmp_path / "out" / "config.json").is_file()
-    short = runner.invoke(app, ["compress", str(src), "-o", str(tmp_path / "o2"), "--calibration", str(text),
-                                "--calib-tokens", "100000"])
+    short = runner.invoke(
+        app, ["compress", str(src), "-o", str(tmp_path / "o2"), "--calibration", str(text), "--calib-tokens", "100000"]
+    )
     assert short.exit_code == 2 and "100000" in flat(short.output).replace(",", "")
 
 
@@ -144,7 +167,12 @@ def test_every_plan_field_is_a_compress_option_with_the_plans_default():
         assert parsed == field.default, (field.name, shown, field.default)
     # Library-only fields are really not options (and options the command adds itself are not Plan fields).
     assert not (set(LIBRARY_ONLY) - {"model"}) & set(params)
-    assert set(params) - {f.name for f in dataclasses.fields(Plan)} == {"dry_run", "push_to_hub", "hub_private", "kv_budget"}
+    assert set(params) - {f.name for f in dataclasses.fields(Plan)} == {
+        "dry_run",
+        "push_to_hub",
+        "hub_private",
+        "kv_budget",
+    }
 
 
 def test_new_compress_options_reach_the_plan(monkeypatch):
@@ -157,9 +185,29 @@ def test_new_compress_options_reach_the_plan(monkeypatch):
 
     monkeypatch.setattr("kvrewrite.compile.passes.pipeline.run_pipeline", capture)
     monkeypatch.setattr("kvrewrite.cli.app.require_compile_extra", lambda *a, **k: None)
-    result = runner.invoke(app, ["compress", "smollm2-135m", "--kmeans-clusters", "64", "--kmeans-keep-share", "0.25",
-                                 "--rate-grid", "0.2,0.4", "--fisher-tokens", "1024", "--fisher-shrink", "0.1",
-                                 "--probe-windows", "3", "--refit-ridge", "0.01", "--probe-rates", "0.3,0.6"])
+    result = runner.invoke(
+        app,
+        [
+            "compress",
+            "smollm2-135m",
+            "--kmeans-clusters",
+            "64",
+            "--kmeans-keep-share",
+            "0.25",
+            "--rate-grid",
+            "0.2,0.4",
+            "--fisher-tokens",
+            "1024",
+            "--fisher-shrink",
+            "0.1",
+            "--probe-windows",
+            "3",
+            "--refit-ridge",
+            "0.01",
+            "--probe-rates",
+            "0.3,0.6",
+        ],
+    )
     assert result.exit_code == 2 and "stop" in result.output
     plan = seen["plan"]
     assert (plan.kmeans_clusters, plan.kmeans_keep_share, plan.rate_grid) == (64, 0.25, (0.2, 0.4))
@@ -167,10 +215,16 @@ def test_new_compress_options_reach_the_plan(monkeypatch):
     assert plan.probe_rates == (0.3, 0.6)
 
 
-@pytest.mark.parametrize("args,flag", [(["--objective", "svd"], "--objective must be one of"), (["--rope-mode", "none"], "--rope-mode must be one of"),
-                                       (["--kmeans-keep-share", "2"], "--kmeans-keep-share must be in (0, 1]"),
-                                       (["--kv-codec", "int4", "--kv-bits-budget", "4"], "--kv-bits-budget applies to --kv-codec tada"),
-                                       (["--max-shard-size", "lots"], "--max-shard-size must be a size")])
+@pytest.mark.parametrize(
+    "args,flag",
+    [
+        (["--objective", "svd"], "--objective must be one of"),
+        (["--rope-mode", "none"], "--rope-mode must be one of"),
+        (["--kmeans-keep-share", "2"], "--kmeans-keep-share must be in (0, 1]"),
+        (["--kv-codec", "int4", "--kv-bits-budget", "4"], "--kv-bits-budget applies to --kv-codec tada"),
+        (["--max-shard-size", "lots"], "--max-shard-size must be a size"),
+    ],
+)
 def test_cli_errors_name_flags_where_the_library_names_parameters(args, flag):
     result = runner.invoke(app, ["compress", "smollm2-135m", *args, "--dry-run"])
     assert result.exit_code == 2
@@ -180,9 +234,18 @@ def test_cli_errors_name_flags_where_the_library_names_parameters(args, flag):
 def test_cli_message_maps_parameters_to_flags():
     from kvrewrite.cli.compress_options import PLAN_FLAGS, cli_message
 
-    assert cli_message("rate 0.5 cannot be reached with `min_rank=12`", PLAN_FLAGS) == "rate 0.5 cannot be reached with --min-rank 12"
-    assert cli_message("use `calibration=wiki`; `max_ppl_increase` or `no_such_name`", PLAN_FLAGS) == "use --calibration wiki; --max-ppl-increase or `no_such_name`"
-    assert cli_message("pass `overwrite` or choose another `output`", PLAN_FLAGS) == "pass --overwrite or choose another --output"
+    assert (
+        cli_message("rate 0.5 cannot be reached with `min_rank=12`", PLAN_FLAGS)
+        == "rate 0.5 cannot be reached with --min-rank 12"
+    )
+    assert (
+        cli_message("use `calibration=wiki`; `max_ppl_increase` or `no_such_name`", PLAN_FLAGS)
+        == "use --calibration wiki; --max-ppl-increase or `no_such_name`"
+    )
+    assert (
+        cli_message("pass `overwrite` or choose another `output`", PLAN_FLAGS)
+        == "pass --overwrite or choose another --output"
+    )
 
 
 def test_recent_window_option_rejects_bad_values():
@@ -216,10 +279,25 @@ def test_compress_help_groups_its_options_in_panels():
     assert sum(len(flags) for flags in panels.values()) == len(where)  # no option in two panels
     own = {"--dry-run", "--push-to-hub", "--hub-private", "--kv-budget"}
     assert set(where) == {option.flag for option in PLAN_OPTIONS} | own
-    assert list(panels)[:6] == ["Rate and key modes", "Calibration", "Allocation", "Refit and distillation",
-                                "Codecs and cache budget", "Output"]
-    expected = {"--target-rate": "Rate and key modes", "--calib-tokens": "Calibration", "--calibration": "Calibration",
-                "--allocation": "Allocation", "--probe-rates": "Allocation", "--refit": "Refit and distillation",
-                "--distill-epochs": "Refit and distillation", "--kv-codec": "Codecs and cache budget",
-                "--kv-budget": "Codecs and cache budget", "--output": "Output", "--overwrite": "Output"}
+    assert list(panels)[:6] == [
+        "Rate and key modes",
+        "Calibration",
+        "Allocation",
+        "Refit and distillation",
+        "Codecs and cache budget",
+        "Output",
+    ]
+    expected = {
+        "--target-rate": "Rate and key modes",
+        "--calib-tokens": "Calibration",
+        "--calibration": "Calibration",
+        "--allocation": "Allocation",
+        "--probe-rates": "Allocation",
+        "--refit": "Refit and distillation",
+        "--distill-epochs": "Refit and distillation",
+        "--kv-codec": "Codecs and cache budget",
+        "--kv-budget": "Codecs and cache budget",
+        "--output": "Output",
+        "--overwrite": "Output",
+    }
     assert {flag: where[flag] for flag in expected} == expected

@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from tiny_models import random_windows, save_tiny_llama, tiny_pipeline
 from transformers import DynamicCache
 
 import kvrewrite
@@ -18,7 +19,6 @@ from kvrewrite.publish.evaluation import _logits
 from kvrewrite.runtime.codecs import LayerCodec, codec_names, parse_codec, register_codec, unregister_codec
 from kvrewrite.runtime.codecs.packing import dequantize_minmax, quantize_minmax
 from kvrewrite.runtime.kernels.cache_layout import packed_view
-from tiny_models import random_windows, save_tiny_llama, tiny_pipeline
 
 LEVELS = 255  # 8-bit codes
 
@@ -108,6 +108,7 @@ def test_registry_refuses_clashes_and_forgets_unregistered_codecs():
 
     with pytest.raises(ValueError, match="residual"):
         register_codec(NoWindow)
+
     class Int8Wide(Int8PerToken):  # its own name, so the module's compiled checkpoint keeps its codec
         name = "int8-wide"
         defaults = {"group_size": 64, "residual": 32}

@@ -7,17 +7,17 @@ import json
 
 import pytest
 import torch
+from tiny_models import random_windows, save_tiny_llama, tiny_pipeline
 
 import kvrewrite
-from kvrewrite.runtime.codecs import build_layer_codecs, make_codec_cache, parse_codec
-from kvrewrite.runtime.codecs.csr import matching_pursuit, neural_dict, reconstruct
-from kvrewrite.runtime.codecs.tada import search_tada_bits
-from kvrewrite.runtime.codecs.packing import pack_bits, packed_length, unpack_bits
-from kvrewrite.errors import CorruptCheckpointError, InvalidArgumentError
-from kvrewrite.publish.evaluation import _logits, cache_tensor_bytes
 from kvrewrite.compile.passes.pipeline import run_pipeline
 from kvrewrite.compile.plan import Plan
-from tiny_models import random_windows, save_tiny_llama, tiny_pipeline
+from kvrewrite.errors import CorruptCheckpointError, InvalidArgumentError
+from kvrewrite.publish.evaluation import _logits, cache_tensor_bytes
+from kvrewrite.runtime.codecs import build_layer_codecs, make_codec_cache, parse_codec
+from kvrewrite.runtime.codecs.csr import matching_pursuit, neural_dict, reconstruct
+from kvrewrite.runtime.codecs.packing import pack_bits, packed_length, unpack_bits
+from kvrewrite.runtime.codecs.tada import search_tada_bits
 
 KEY_RANKS, VALUE_RANKS = [16, 7, 12], [16, 16, 5]  # ragged ranks, as a rank-reduced layer has
 ALL_CODECS = ["int4", "int2", "tada", "gear", "gear-l", "csr"]
@@ -62,8 +62,9 @@ def dense_kivi(x: torch.Tensor, side: str, bits: int, group: int) -> torch.Tenso
     return torch.cat([dense_minmax(part, (-1,), bits) for part in x.split(group, -1)], -1)
 
 
-def dense_gear(x: torch.Tensor, side: str, bits: int, group: int, rank: int, share: float,
-               head_ranks: list[int]) -> torch.Tensor:
+def dense_gear(
+    x: torch.Tensor, side: str, bits: int, group: int, rank: int, share: float, head_ranks: list[int]
+) -> torch.Tensor:
     """GEAR with its optimum in place of power iteration: in every vector (keys: a channel's G tokens, values: a
     token's C channels) the top and bottom round(share / 2 * length) entries kept exactly (float16); the KIVI
     backbone on the rest (each outlier replaced by its quantization group's mean, so it never widens the range);
@@ -164,7 +165,11 @@ class DenseReferenceCodec:
         # reference codes against every online atom of the sequence so far.
         coded = self.codec.encode_next(x, side, store)
         online = coded["online"] if store is None else torch.cat([store["online"], coded["online"]], 1)
-        return {"decoded": dense_reference(self.codec, x, side, online), "coef": coded["coef"], "online": coded["online"]}
+        return {
+            "decoded": dense_reference(self.codec, x, side, online),
+            "coef": coded["coef"],
+            "online": coded["online"],
+        }
 
     def decode(self, coded, side):
         return coded["decoded"]
@@ -304,7 +309,10 @@ def test_fitted_dictionary_beats_a_random_one():
 def test_tada_bit_search_respects_the_budget_and_spends_more_when_given_more():
     config = parse_codec("tada")
     gen = torch.Generator().manual_seed(6)
-    lat = [{"key": torch.randn(256, 35, generator=gen) * (i + 1), "value": torch.randn(256, 37, generator=gen)} for i in range(3)]
+    lat = [
+        {"key": torch.randn(256, 35, generator=gen) * (i + 1), "value": torch.randn(256, 37, generator=gen)}
+        for i in range(3)
+    ]
     ks, vs = [KEY_RANKS] * 3, [VALUE_RANKS] * 3
     small, info_small = search_tada_bits(config, lat, ks, vs, 7.0)
     large, info_large = search_tada_bits(config, lat, ks, vs, 12.0)
@@ -354,8 +362,14 @@ def compiled(tmp_path_factory):
     src = save_tiny_llama(root / "src", seed=0, num_kv_heads=2, num_heads=4)
     out = {}
     for codec in ("none", "csr", "tada"):
-        plan = Plan(model=str(src), output=root / codec, progress=False, target_rate=0.5, kv_codec=codec,
-                    kv_bits_budget=12.0 if codec == "tada" else None)
+        plan = Plan(
+            model=str(src),
+            output=root / codec,
+            progress=False,
+            target_rate=0.5,
+            kv_codec=codec,
+            kv_bits_budget=12.0 if codec == "tada" else None,
+        )
         run_pipeline(plan, tiny_pipeline(random_windows(8, 64)))
         out[codec] = root / codec
     return out
@@ -369,8 +383,13 @@ TOLERANCE = {"int4": 0.025, "int2": 0.09, "tada": 0.05, "gear": 0.07, "gear-l": 
 
 def chunked_logits(model, tokens: torch.Tensor, cache, chunk: int = 16) -> torch.Tensor:
     with torch.no_grad():
-        return torch.cat([model(tokens[:, s : s + chunk], past_key_values=cache, use_cache=True).logits
-                          for s in range(0, tokens.shape[1], chunk)], dim=1)
+        return torch.cat(
+            [
+                model(tokens[:, s : s + chunk], past_key_values=cache, use_cache=True).logits
+                for s in range(0, tokens.shape[1], chunk)
+            ],
+            dim=1,
+        )
 
 
 @pytest.mark.parametrize("name", ALL_CODECS)
@@ -490,8 +509,9 @@ def test_a_layer_compiled_to_rank_zero_still_gets_its_codec_fitted(tmp_path):
     """Sensitivity allocation can give a whole layer key rank 0 (here freq keys at p = 0.5 on this seed); fitting the
     codec then records an empty [T, 0] key latent for it instead of failing to reshape it."""
     src = save_tiny_llama(tmp_path / "src", seed=0, num_kv_heads=2, num_heads=4)
-    plan = Plan(model=str(src), output=tmp_path / "out", progress=False, target_rate=0.5, rope_mode="freq",
-                kv_codec="int4")
+    plan = Plan(
+        model=str(src), output=tmp_path / "out", progress=False, target_rate=0.5, rope_mode="freq", kv_codec="int4"
+    )
     run_pipeline(plan, tiny_pipeline())
     model = kvrewrite.load(tmp_path / "out").eval()
     assert [0, 0] in [a.key_ranks for a in model.compressed_attentions()]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import random_windows, save_tiny_llama, tiny_pipeline
 
 import kvrewrite
 import kvrewrite.runtime.kernels.coded_attention as coded_attention
@@ -15,9 +16,8 @@ from kvrewrite.compile.plan import Plan
 from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.runtime.codecs import build_layer_codecs, make_codec_cache, parse_codec
 from kvrewrite.runtime.codecs.cache import CodecLayer
-from kvrewrite.runtime.kernels.coded_attention import dequantize_blocks, unpack_codes
 from kvrewrite.runtime.codecs.packing import pack_bits, unpack_bits
-from tiny_models import random_windows, save_tiny_llama, tiny_pipeline
+from kvrewrite.runtime.kernels.coded_attention import dequantize_blocks, unpack_codes
 
 MODES = ("latent", "freq", "crosshead")  # rebuilt keys, packed per-head keys, one shared key block
 
@@ -99,8 +99,9 @@ def _chunked_logits(model, tokens, mask, read_mode: str, steps: int = 4) -> torc
     with torch.no_grad():
         for s in range(0, tokens.shape[1], 5):
             end = min(s + 5, tokens.shape[1])
-            logits.append(model(tokens[:, s:end], attention_mask=mask[:, :end], past_key_values=cache,
-                                use_cache=True).logits)
+            logits.append(
+                model(tokens[:, s:end], attention_mask=mask[:, :end], past_key_values=cache, use_cache=True).logits
+            )
         ids, full = logits[-1][:, -1:].argmax(-1), mask
         for _ in range(steps):
             full = torch.cat([full, torch.ones_like(full[:, :1])], dim=1)
@@ -112,8 +113,15 @@ def _chunked_logits(model, tokens, mask, read_mode: str, steps: int = 4) -> torc
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("codec", ["int4:group_size=4,residual=0", "int2:group_size=4,residual=5",
-                                   "int4:group_size=8,residual=3", "int2:group_size=2,residual=0"])
+@pytest.mark.parametrize(
+    "codec",
+    [
+        "int4:group_size=4,residual=0",
+        "int2:group_size=4,residual=5",
+        "int4:group_size=8,residual=3",
+        "int2:group_size=2,residual=0",
+    ],
+)
 def test_fused_reads_equal_the_decode_path(compiled, monkeypatch, mode, codec):
     # Chunks of 2 blocks: the walk takes several steps, the last one carrying the window (or none with residual 0).
     monkeypatch.setattr(coded_attention, "CHUNK_TOKENS", 8)
@@ -135,8 +143,15 @@ def test_generation_with_fused_reads_equals_the_decode_path(compiled, monkeypatc
     for read_mode in ("fused", "decode"):
         monkeypatch.setenv("KVREWRITE_CODEC_READ", read_mode)
         with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
-                                 pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=12,
+                do_sample=False,
+                pad_token_id=0,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
         results[read_mode] = out
     assert results["fused"].sequences.tolist() == results["decode"].sequences.tolist()
     fused, decode = torch.stack(results["fused"].logits), torch.stack(results["decode"].logits)
@@ -167,8 +182,12 @@ def _coded_layer(codec: str, key_ranks, value_ranks, prefix: int, q_len: int, se
     layer.update(torch.randn(2, 1, prefix, ck, generator=gen), torch.randn(2, 1, prefix, cv, generator=gen))
     new_k, new_v = torch.randn(2, 1, q_len, ck, generator=gen), torch.randn(2, 1, q_len, cv, generator=gen)
     twin = CodecLayer(layer_codec, layer_codec.config.residual)
-    twin.coded_keys, twin.coded_values, twin.keys, twin.values = (layer.coded_keys, layer.coded_values,
-                                                                  layer.keys, layer.values)
+    twin.coded_keys, twin.coded_values, twin.keys, twin.values = (
+        layer.coded_keys,
+        layer.coded_values,
+        layer.keys,
+        layer.values,
+    )
     twin.is_initialized, twin.cumulative_length = True, layer.cumulative_length
     keys, values = twin.update(new_k, new_v)  # the decode path's view of the same cache
     return layer.update_coded(new_k, new_v), keys.float(), values.float()
@@ -179,7 +198,9 @@ def _coded_layer(codec: str, key_ranks, value_ranks, prefix: int, q_len: int, se
 @pytest.mark.parametrize("latent", [False, True], ids=["packed", "latent"])
 @pytest.mark.parametrize("splits", [1, 2, 9], ids=["one-split", "two-splits", "more-splits-than-blocks"])
 def test_triton_coded_attention_matches_the_torch_reference(codec, q_len, latent, splits):
-    triton_coded = pytest.importorskip("kvrewrite.runtime.kernels.triton_coded_attention", reason="triton not installed")
+    triton_coded = pytest.importorskip(
+        "kvrewrite.runtime.kernels.triton_coded_attention", reason="triton not installed"
+    )
     from kvrewrite.runtime.kernels.reference import PackedLayout, boolean_mask, grouped_attention, packed_attention
 
     key_ranks, value_ranks, group, d = (5, 12), (9, 3), 2, 16
@@ -193,15 +214,18 @@ def test_triton_coded_attention_matches_the_torch_reference(codec, q_len, latent
     if latent:
         k_up = torch.randn(2, d, d, generator=gen) / 4
         cos, sin = _rope_tables(length, d)
-        query = _rotate(torch.randn(2, q_len, 2 * group, d, generator=gen), cos[length - q_len :, None],
-                        sin[length - q_len :, None]).reshape(2, q_len, 2 * group * d)
+        query = _rotate(
+            torch.randn(2, q_len, 2 * group, d, generator=gen), cos[length - q_len :, None], sin[length - q_len :, None]
+        ).reshape(2, q_len, 2 * group * d)
         out = triton_coded.triton_coded_attention(query, readout, mask, 0.3, layout, k_up, (cos, sin), splits=splits)
         allowed = boolean_mask(mask, q_len, length, query.device)
         heads = query.view(2, q_len, 2 * group, d).transpose(1, 2)
         ko, vo, expected = layout.key_offsets, layout.value_offsets, []
         for g in range(2):
             k = _rotate(keys[..., ko[g] : ko[g + 1]] @ k_up[g, : key_ranks[g]], cos, sin)
-            o = grouped_attention(heads[:, g * group : (g + 1) * group], k, values[..., vo[g] : vo[g + 1]], allowed, 0.3)
+            o = grouped_attention(
+                heads[:, g * group : (g + 1) * group], k, values[..., vo[g] : vo[g + 1]], allowed, 0.3
+            )
             expected.append(o.transpose(1, 2).reshape(2, q_len, group * value_ranks[g]))
         expected = torch.cat(expected, dim=-1)
     else:

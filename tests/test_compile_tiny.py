@@ -7,17 +7,17 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from tiny_models import one_shot_and_cached_logits, random_windows, save_tiny_llama, tiny_pipeline
 from transformers import AutoModelForCausalLM
 
 import kvrewrite
-from kvrewrite.io.checkpoint_io import write_checksums
-from kvrewrite.errors import CorruptCheckpointError
-from kvrewrite.publish.evaluation import kv_cache_bytes_per_token
-from kvrewrite.runtime.kernels.cache_layout import COLUMNS, ROWS, packed_view
 from kvrewrite.compile import probes
 from kvrewrite.compile.passes.pipeline import run_pipeline
 from kvrewrite.compile.plan import Plan
-from tiny_models import one_shot_and_cached_logits, random_windows, save_tiny_llama, tiny_pipeline
+from kvrewrite.errors import CorruptCheckpointError
+from kvrewrite.io.checkpoint_io import write_checksums
+from kvrewrite.publish.evaluation import kv_cache_bytes_per_token
+from kvrewrite.runtime.kernels.cache_layout import COLUMNS, ROWS, packed_view
 
 MODES = ["freq", "post-rope", "latent", "crosshead"]
 OBJECTIVES = ["zack", "optimal"]
@@ -107,7 +107,9 @@ def test_left_padded_batch_generation_matches_single(sources, tmp_path, mode):
     kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
     together = model.generate(input_ids=batch, attention_mask=mask, **kwargs)
     for row, prompt in enumerate((short, long)):
-        alone = model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), **kwargs)
+        alone = model.generate(
+            input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), **kwargs
+        )
         assert together[row, -6:].tolist() == alone[0, -6:].tolist()
 
 

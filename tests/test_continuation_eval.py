@@ -8,19 +8,17 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
+from tiny_models import random_windows, save_tiny_llama, tiny_llama_config, tiny_pipeline
 from transformers import AutoTokenizer, LlamaForCausalLM
 from typer.testing import CliRunner
 
 from kvrewrite.cli.app import app
-from kvrewrite.compile.plan import Plan
 from kvrewrite.compile.passes.pipeline import run_pipeline
+from kvrewrite.compile.plan import Plan
 from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.io.calibration_data import evaluation_token_sequences
 from kvrewrite.publish.continuation_eval import PositionRange, continuation_quality, parse_positions
 from kvrewrite.runtime.load import load
-
-from tiny_models import VOCAB, random_windows, save_tiny_llama, tiny_llama_config, tiny_pipeline
 
 RANGES = (PositionRange(5, 12), PositionRange(20, 40))
 
@@ -58,7 +56,9 @@ def test_scores_equal_a_dense_forward_at_the_chosen_positions(chunk: int) -> Non
         assert out["baseline"].by_range[r.label].perplexity == pytest.approx(math.exp(base_nll), rel=1e-5)
     # The stock cache holds K and V of every layer: 2 * layers * kv_heads * head_dim floats per token.
     config = tiny_llama_config()
-    assert out["m"].kv_bytes_per_token == 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4
+    assert (
+        out["m"].kv_bytes_per_token == 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4
+    )
 
 
 def test_a_lossy_cache_is_read_by_the_scored_tokens(tmp_path) -> None:
@@ -80,8 +80,13 @@ def test_a_lossy_cache_is_read_by_the_scored_tokens(tmp_path) -> None:
 def test_parse_positions() -> None:
     assert parse_positions("2K-4K,512-1K") == (PositionRange(512, 1024), PositionRange(2048, 4096))
     assert parse_positions("1-8") == (PositionRange(1, 8),)
-    for bad, needle in (("0-8", "1 <= start < end"), ("8-8", "1 <= start < end"), ("1-4,3-9", "overlap"),
-                        ("a-4", "not a whole number"), ("12", "expected ranges")):
+    for bad, needle in (
+        ("0-8", "1 <= start < end"),
+        ("8-8", "1 <= start < end"),
+        ("1-4,3-9", "overlap"),
+        ("a-4", "not a whole number"),
+        ("12", "expected ranges"),
+    ):
         with pytest.raises(InvalidArgumentError, match=needle):
             parse_positions(bad)
 
@@ -96,12 +101,29 @@ def test_cli_positions_match_a_dense_forward_of_the_original(tmp_path) -> None:
     out = tmp_path / "ckpt"
     run_pipeline(Plan(model=str(source), output=out, progress=False), tiny_pipeline())
     json_path = tmp_path / "rows.json"
-    result = CliRunner().invoke(app, ["eval", str(out), "--baseline", str(source), "--positions", "16-32,48-64",
-                                      "--tokens", "128", "--json", str(json_path)])
+    result = CliRunner().invoke(
+        app,
+        [
+            "eval",
+            str(out),
+            "--baseline",
+            str(source),
+            "--positions",
+            "16-32,48-64",
+            "--tokens",
+            "128",
+            "--json",
+            str(json_path),
+        ],
+    )
     assert result.exit_code == 0, result.output
     rows = json.loads(json_path.read_text())
     assert [(r["positions"], r.get("baseline", False)) for r in rows] == [
-        ("16-32", True), ("16-32", False), ("48-64", True), ("48-64", False)]
+        ("16-32", True),
+        ("16-32", False),
+        ("48-64", True),
+        ("48-64", False),
+    ]
     saved = json.loads((out / "eval_results_continuation.json").read_text())
     assert saved["settings"]["positions"] == ["16-32", "48-64"] and saved["settings"]["seq_len"] == 64
     assert not (out / "eval_results.json").exists()  # the windows' table (the card's) is left alone

@@ -39,8 +39,9 @@ def codec_with(spec: str, gen: torch.Generator, key_ranks=KEY_RANKS, value_ranks
         for side, ranks in (("key", key_ranks), ("value", value_ranks)):
             chunks = int(config.params[f"{side}_chunks"])
             for h, r in enumerate(ranks):
-                tables[f"csr.layer0.{side}.head{h}"] = unit_rows(torch.randn(int(config.params["atoms"]), -(-r // chunks),
-                                                                             generator=gen))
+                tables[f"csr.layer0.{side}.head{h}"] = unit_rows(
+                    torch.randn(int(config.params["atoms"]), -(-r // chunks), generator=gen)
+                )
     return build_layer_codecs(config, [key_ranks], [value_ranks], tables)[0]
 
 
@@ -87,8 +88,12 @@ def test_matching_pursuit_error_model_bounds_decode_of_encode():
 
 
 def _tables(codec) -> dict:
-    return {f"csr.layer0.{side}.head{h}": a for side, heads in codec.dictionaries.items()
-            for h, a in enumerate(heads) if a is not None}
+    return {
+        f"csr.layer0.{side}.head{h}": a
+        for side, heads in codec.dictionaries.items()
+        for h, a in enumerate(heads)
+        if a is not None
+    }
 
 
 def test_online_atoms_capture_what_the_offline_dictionary_cannot():
@@ -99,10 +104,15 @@ def test_online_atoms_capture_what_the_offline_dictionary_cannot():
     ranks = [8]
     config = parse_codec("csr:key_sparsity=2,atoms=16")
     offline = torch.cat([unit_rows(torch.randn(16, 7, generator=gen)), torch.zeros(16, 1)], 1)
-    codec = build_layer_codecs(config, [ranks], [ranks], {"csr.layer0.key.head0": offline,
-                                                         "csr.layer0.value.head0": unit_rows(torch.randn(16, 4, generator=gen))})[0]
-    no_online = build_layer_codecs(parse_codec("csr:key_sparsity=2,atoms=16,online_per_block=0"), [ranks], [ranks],
-                                   _tables(codec))[0]
+    codec = build_layer_codecs(
+        config,
+        [ranks],
+        [ranks],
+        {"csr.layer0.key.head0": offline, "csr.layer0.value.head0": unit_rows(torch.randn(16, 4, generator=gen))},
+    )[0]
+    no_online = build_layer_codecs(
+        parse_codec("csr:key_sparsity=2,atoms=16,online_per_block=0"), [ranks], [ranks], _tables(codec)
+    )[0]
     odd = torch.zeros(8)
     odd[7] = 3.0
     first = torch.randn(1, 1, 32, 8, generator=gen) * 0.1
@@ -131,8 +141,9 @@ def test_online_indices_stay_in_int16_and_count_back_within_their_window():
     through the cache gives the same bytes as coding all blocks at once."""
     gen = torch.Generator().manual_seed(3)
     atoms = INDEX_LIMIT - 3
-    codec = codec_with(f"csr:atoms={atoms},key_sparsity=3,value_sparsity=2,group_size=4", gen, key_ranks=[6],
-                       value_ranks=[5])
+    codec = codec_with(
+        f"csr:atoms={atoms},key_sparsity=3,value_sparsity=2,group_size=4", gen, key_ranks=[6], value_ranks=[5]
+    )
     first = torch.randn(2, 5, 4, 6, generator=gen)
     store = encode_append(codec, None, first.reshape(2, 1, 20, 6), 5, "key")
     online = store["online"].float()  # [2, 5, 6]: one atom per block
@@ -160,8 +171,15 @@ def test_online_indices_stay_in_int16_and_count_back_within_their_window():
         assert all(torch.equal(whole[k], streamed[k]) for k in whole)
 
 
-@pytest.mark.parametrize("spec", ["csr", "csr:online_per_block=0", "csr:value_chunks=3,online_per_block=2",
-                                  "csr:key_sparsity=5,value_sparsity=1,group_size=8"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "csr",
+        "csr:online_per_block=0",
+        "csr:value_chunks=3,online_per_block=2",
+        "csr:key_sparsity=5,value_sparsity=1,group_size=8",
+    ],
+)
 def test_stored_sizes_match_the_formula(spec):
     """Per block: G x heads x chunks x s x (2-byte index + 2-byte coefficient) + online atoms x piece width x 2."""
     gen = torch.Generator().manual_seed(4)

@@ -5,16 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import load_file
+from tiny_models import random_windows, save_tiny_llama, tiny_pipeline
 from transformers import AutoModelForCausalLM
 
 import kvrewrite
-from kvrewrite.errors import InvalidArgumentError
-from kvrewrite.publish.evaluation import perplexity_and_agreement
 from kvrewrite.compile.passes.distill_attention import split_distill_windows
 from kvrewrite.compile.passes.pipeline import run_pipeline
 from kvrewrite.compile.plan import Plan
 from kvrewrite.compile.sweep import parse_config, rate_sliceable
-from tiny_models import random_windows, save_tiny_llama, tiny_pipeline
+from kvrewrite.errors import InvalidArgumentError
+from kvrewrite.publish.evaluation import perplexity_and_agreement
 
 CALIB = random_windows(64, 48, seed=5)
 
@@ -23,7 +23,9 @@ CALIB = random_windows(64, 48, seed=5)
 def compiled(tmp_path_factory):
     root = tmp_path_factory.mktemp("distill")
     src = save_tiny_llama(root / "src", seed=7, num_kv_heads=2, num_heads=4, layers=3)
-    common = dict(model=str(src), progress=False, target_rate=0.75, allocation="uniform", distill_tokens=int(CALIB.numel()))
+    common = dict(
+        model=str(src), progress=False, target_rate=0.75, allocation="uniform", distill_tokens=int(CALIB.numel())
+    )
     plans = {
         "none": Plan(output=root / "none", **common),
         "distill": Plan(output=root / "distill", distill=True, distill_epochs=6, distill_lr=3e-4, **common),
@@ -66,8 +68,12 @@ def test_emitted_checkpoint_serves_exactly_the_trained_weights_and_lowers_kl(com
     assert stock_kl(model, original, validation) == pytest.approx(report["validation_kl_after"], rel=1e-4)
 
     held_out = random_windows(8, 48, seed=11)
-    kl = {name: perplexity_and_agreement(kvrewrite.load(contexts[name].output_dir), held_out, original, progress=False).kl_mean
-          for name in ("none", "distill")}
+    kl = {
+        name: perplexity_and_agreement(
+            kvrewrite.load(contexts[name].output_dir), held_out, original, progress=False
+        ).kl_mean
+        for name in ("none", "distill")
+    }
     assert kl["distill"] < 0.9 * kl["none"], kl
     assert report["verify_kl_after"] < report["verify_kl_before"]
 
@@ -108,8 +114,9 @@ def test_only_weights_read_at_the_compiled_ranks_change(compiled):
     before, after = checkpoint_tensors(contexts["none"].output_dir), checkpoint_tensors(contexts["distill"].output_dir)
     assert before.keys() == after.keys()
     spec = contexts["distill"].spec
-    changed = count_changes_outside_ranks(before, after, spec.head_dim, 2,
-                                          [l.key_ranks for l in spec.layers], [l.value_ranks for l in spec.layers])
+    changed = count_changes_outside_ranks(
+        before, after, spec.head_dim, 2, [l.key_ranks for l in spec.layers], [l.value_ranks for l in spec.layers]
+    )
     assert changed >= 3 * 4  # q, k, v, o (and k_up) of every layer were trained
 
 

@@ -34,24 +34,34 @@ def test_a_number_edited_by_hand_fails(tmp_path):
     # One figure of the frontier table changed to a plausible value that no field of that row holds.
     row = "| `kvrewrite-W16-evict0.26-k8v4` | kvrewrite | 12.3% | +3.2% |"
     edited = _copy_with(tmp_path, "docs/frontier.md", row, row.replace("+3.2%", "+3.9%"))
-    problems = [p for passage in doc_numbers.passages_at(edited, tmp_path) for p in doc_numbers.unsourced(passage, tmp_path)]
+    problems = [
+        p for passage in doc_numbers.passages_at(edited, tmp_path) for p in doc_numbers.unsourced(passage, tmp_path)
+    ]
     assert len(problems) == 1 and "+3.9%" in problems[0] and "docs/frontier.md" in problems[0]
 
 
 def test_a_row_naming_no_record_and_a_missing_file_fail(tmp_path):
     row = "| `kvrewrite-W16-evict0.26-k8v4` |"
     edited = _copy_with(tmp_path, "docs/frontier.md", row, "| `kvrewrite-W16-evict0.27-k8v4` |")
-    problems = [p for passage in doc_numbers.passages_at(edited, tmp_path) for p in doc_numbers.unsourced(passage, tmp_path)]
+    problems = [
+        p for passage in doc_numbers.passages_at(edited, tmp_path) for p in doc_numbers.unsourced(passage, tmp_path)
+    ]
     assert any("names no record" in p for p in problems)
     (tmp_path / "benchmarks" / "results" / "frontier.json").unlink()
-    problems = [p for passage in doc_numbers.passages_at(edited, tmp_path) for p in doc_numbers.unsourced(passage, tmp_path)]
+    problems = [
+        p for passage in doc_numbers.passages_at(edited, tmp_path) for p in doc_numbers.unsourced(passage, tmp_path)
+    ]
     assert problems and all("does not exist" in p for p in problems)
 
 
 def test_numbers_are_read_as_written():
     claims = doc_numbers.claims_in("d", "a `p0.5` cut, 46,080 bytes (+8.9%), 2.8x faster at 2K, −0.5% and [x](a1.2)", 1)
     assert [(c.text, c.value, c.decimals, c.percent) for c in claims] == [
-        ("46,080", 46080.0, 0, False), ("+8.9%", 8.9, 1, True), ("2.8x", 2.8, 1, False), ("−0.5%", -0.5, 1, True)]
+        ("46,080", 46080.0, 0, False),
+        ("+8.9%", 8.9, 1, True),
+        ("2.8x", 2.8, 1, False),
+        ("−0.5%", -0.5, 1, True),
+    ]
 
 
 def test_a_records_perplexity_increase_is_one_of_its_values():
@@ -77,7 +87,8 @@ def test_measured_looking_figures_are_found_outside_marked_passages(tmp_path):
         "It loses +35.7% and decodes at 1.39x stock's speed, ppl 24.52, in 3,607 MiB and 12.5 s; `--tokens 4096 2.5x`.\n"
         "<!-- numbers: benchmarks/results/x.json -->\nmarked +8.9% and 0.24x\n<!-- /numbers -->\n"
         "A target of <!-- not-measured -->+25%<!-- /not-measured --> and a rate of 50% with 2x the work.\n",
-        encoding="utf-8")
+        encoding="utf-8",
+    )
     (tmp_path / "README.md").write_text("", encoding="utf-8")
     found = [line.split("'")[1] for line in doc_numbers.unmarked(tmp_path)]
     assert found == ["+35.7%", "1.39x", "ppl 24.52", "3,607 MiB", "12.5 s"]
@@ -86,13 +97,30 @@ def test_measured_looking_figures_are_found_outside_marked_passages(tmp_path):
 def test_a_result_files_settings_and_sizes_are_its_values():
     """Numbers written in a file's strings and keys are its values; a bytes field is also its MiB, GiB and share of
     the document's float16 size; a record's cache bytes also give its share of the baseline's."""
-    data = {"command": "eval --tokens 4096 --rate 0.5", "fp16_kv_bytes_per_token": 23040,
-            "rows": {"0.30": {"bytes_2048": 5251.27, "kv_bytes_per_token": 32256.0,
-                              "baseline_kv_bytes_per_token": 46080.0, "peak_bytes": 3019898880}}}
+    data = {
+        "command": "eval --tokens 4096 --rate 0.5",
+        "fp16_kv_bytes_per_token": 23040,
+        "rows": {
+            "0.30": {
+                "bytes_2048": 5251.27,
+                "kv_bytes_per_token": 32256.0,
+                "baseline_kv_bytes_per_token": 46080.0,
+                "peak_bytes": 3019898880,
+            }
+        },
+    }
     leaves = doc_numbers.numeric_leaves(data)
     claim = lambda text, value, decimals, percent=False: doc_numbers.Claim("d", 1, text, value, decimals, percent)  # noqa: E731
-    for c in (claim("4096", 4096, 0), claim("0.5", 0.5, 1), claim("0.30", 0.30, 2), claim("2048", 2048, 0),
-              claim("22.8%", 22.8, 1, True), claim("0.700", 0.7, 3), claim("2880", 2880, 0), claim("2.81", 2.81, 2)):
+    for c in (
+        claim("4096", 4096, 0),
+        claim("0.5", 0.5, 1),
+        claim("0.30", 0.30, 2),
+        claim("2048", 2048, 0),
+        claim("22.8%", 22.8, 1, True),
+        claim("0.700", 0.7, 3),
+        claim("2880", 2880, 0),
+        claim("2.81", 2.81, 2),
+    ):
         assert doc_numbers.matches(c, leaves), c.text
     assert not doc_numbers.matches(claim("0.701", 0.701, 3), leaves)
     assert not doc_numbers.matches(claim("4097", 4097, 0), leaves)

@@ -57,7 +57,11 @@ def test_every_relative_link_reaches_its_file_and_heading():
 def test_the_link_check_finds_a_broken_anchor_and_a_missing_file(tmp_path):
     """Guards the check itself: a wrong anchor and a missing file are both reported, a right anchor is not."""
     (tmp_path / "a.md").write_text("# Model sources (`kvrewrite.io.sources`)\n\n## Same\n\n## Same\n")
-    (tmp_path / "b.md").write_text("[ok](a.md#model-sources-kvrewriteiosources) [ok](a.md#same-1) "
-                                   "[bad](a.md#model-sources-kvrewritesources) [gone](c.md)\n")
-    assert broken_links(tmp_path / "b.md", tmp_path) == ["b.md: a.md#model-sources-kvrewritesources (no such heading)",
-                                                         "b.md: c.md (no such file)"]
+    (tmp_path / "b.md").write_text(
+        "[ok](a.md#model-sources-kvrewriteiosources) [ok](a.md#same-1) "
+        "[bad](a.md#model-sources-kvrewritesources) [gone](c.md)\n"
+    )
+    assert broken_links(tmp_path / "b.md", tmp_path) == [
+        "b.md: a.md#model-sources-kvrewritesources (no such heading)",
+        "b.md: c.md (no such file)",
+    ]

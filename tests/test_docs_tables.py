@@ -9,8 +9,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 import doc_numbers  # noqa: E402
 import docs_tables  # noqa: E402
 
-MAIN_TABLES = {"README.md": {"readme-headline"}, "docs/results.md": {"demo", "allocation", "issue3", "key-modes"},
-               "docs/codecs.md": {"codecs"}, "docs/frontier.md": {"frontier"}}
+MAIN_TABLES = {
+    "README.md": {"readme-headline"},
+    "docs/results.md": {"demo", "allocation", "issue3", "key-modes"},
+    "docs/codecs.md": {"codecs"},
+    "docs/frontier.md": {"frontier"},
+}
 
 
 def test_the_main_tables_are_rendered_blocks():

@@ -87,9 +87,7 @@ def test_kl_against_different_model_matches_dense_computation() -> None:
     kl_dist = torch.distributions.kl_divergence(
         torch.distributions.Categorical(logits=p_logits), torch.distributions.Categorical(logits=q_logits)
     ).mean()
-    kl_div = F.kl_div(
-        F.log_softmax(q_logits, -1), F.log_softmax(p_logits, -1), log_target=True, reduction="batchmean"
-    )
+    kl_div = F.kl_div(F.log_softmax(q_logits, -1), F.log_softmax(p_logits, -1), log_target=True, reduction="batchmean")
     top1 = (p_logits.argmax(-1) == q_logits.argmax(-1)).double().mean()
     base_ce = F.cross_entropy(p_logits, tokens[:, 1:].reshape(-1))
 
@@ -119,6 +117,7 @@ def test_kl_of_two_peaked_distributions_matches_a_float64_sum() -> None:
     assert entropy_p < 0.7 * math.log(VOCAB) and forward > 1.0  # really peaked, really different
     assert abs(forward / reverse - 1) > 0.05  # the test can tell the direction
     assert stats.kl_mean == pytest.approx(forward, rel=1e-5)
+
 
 def test_bf16_model_evaluates_in_float32() -> None:
     model = _model(0, torch.bfloat16)

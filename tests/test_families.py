@@ -10,22 +10,30 @@ import json
 
 import pytest
 import torch
+from tiny_families import TINY_CONFIGS, save_tiny_family
+from tiny_models import one_shot_and_cached_logits, random_windows, tiny_pipeline
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 import kvrewrite  # noqa: F401  (registers the kvrewrite_<family> model types)
 from kvrewrite.adapters import adapter_for, supported_model_types
+from kvrewrite.compile.passes.pipeline import run_pipeline
+from kvrewrite.compile.plan import Plan
 from kvrewrite.errors import UnsupportedModelError
 from kvrewrite.key_modes import allowed_key_modes
 from kvrewrite.runtime.kernels.cache_layout import packed_view
-from kvrewrite.compile.passes.pipeline import run_pipeline
-from kvrewrite.compile.plan import Plan
-from tiny_families import TINY_CONFIGS, save_tiny_family
-from tiny_models import one_shot_and_cached_logits, random_windows, tiny_pipeline
 
 FAMILIES = list(TINY_CONFIGS)
-COMPRESSED_TYPE = {"llama": "kvrewrite_llama", "mistral": "kvrewrite_llama", "qwen2": "kvrewrite_qwen2",
-                   "qwen2-sliding": "kvrewrite_qwen2", "qwen3": "kvrewrite_qwen3", "phi3": "kvrewrite_phi3",
-                   "gemma3": "kvrewrite_gemma3", "opt": "kvrewrite_opt", "gpt2": "kvrewrite_gpt2"}
+COMPRESSED_TYPE = {
+    "llama": "kvrewrite_llama",
+    "mistral": "kvrewrite_llama",
+    "qwen2": "kvrewrite_qwen2",
+    "qwen2-sliding": "kvrewrite_qwen2",
+    "qwen3": "kvrewrite_qwen3",
+    "phi3": "kvrewrite_phi3",
+    "gemma3": "kvrewrite_gemma3",
+    "opt": "kvrewrite_opt",
+    "gpt2": "kvrewrite_gpt2",
+}
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +59,11 @@ def allowed_modes(family):
 # Every allowed key mode where the layout changes how the key side folds (biases, fused qkv, sliding layers);
 # the Llama modes are covered in test_compile_tiny.py, so the other families run their auto mode (for
 # Qwen3/Gemma3/OPT/GPT-2 the only mode there is).
-FAMILY_MODES = [(family, mode) for family in FAMILIES for mode in
-                (allowed_modes(family) if family in ("qwen2", "qwen2-sliding", "phi3") else ("auto",))]
+FAMILY_MODES = [
+    (family, mode)
+    for family in FAMILIES
+    for mode in (allowed_modes(family) if family in ("qwen2", "qwen2-sliding", "phi3") else ("auto",))
+]
 
 
 @pytest.mark.parametrize("family,mode", FAMILY_MODES)
@@ -111,7 +122,17 @@ def assert_checkpoint_declares_family(out, family):
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
 
 
-@pytest.mark.parametrize("family,mode", [("qwen3", "latent"), ("gemma3", "freq"), ("opt", "post-rope"), ("gpt2", "latent"), ("llama", "folded"), ("qwen2-sliding", "latent")])
+@pytest.mark.parametrize(
+    "family,mode",
+    [
+        ("qwen3", "latent"),
+        ("gemma3", "freq"),
+        ("opt", "post-rope"),
+        ("gpt2", "latent"),
+        ("llama", "folded"),
+        ("qwen2-sliding", "latent"),
+    ],
+)
 def test_impossible_key_mode_fails_before_statistics(sources, tmp_path, family, mode):
     plan = Plan(model=str(sources[family]), output=tmp_path / "out", progress=False, rope_mode=mode)
     started = []
@@ -142,8 +163,15 @@ def test_output_refit_lowers_kl_on_every_family(sources, tmp_path, family):
     kls = {}
     for refit in ("none", "output"):
         out = tmp_path / refit
-        plan = Plan(model=str(sources[family]), output=out, progress=False, target_rate=0.5, allocation="greedy",
-                    refit=refit, refit_tokens=int(windows.numel()))
+        plan = Plan(
+            model=str(sources[family]),
+            output=out,
+            progress=False,
+            target_rate=0.5,
+            allocation="greedy",
+            refit=refit,
+            refit_tokens=int(windows.numel()),
+        )
         run_pipeline(plan, tiny_pipeline(windows))
         model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
         with torch.no_grad():
@@ -160,14 +188,27 @@ def check_distillation(src, out, **options) -> None:
     ranks, reproduces the validation KL the training measured with its full-rank probe model, and that KL is no
     higher than before (lower wherever there is loss to recover)."""
     windows = random_windows(48, 48, seed=5)
-    plan = Plan(model=str(src), output=out, progress=False, target_rate=0.75, allocation="greedy",
-                distill=True, distill_tokens=int(windows.numel()), distill_epochs=3, distill_lr=3e-5, **options)
+    plan = Plan(
+        model=str(src),
+        output=out,
+        progress=False,
+        target_rate=0.75,
+        allocation="greedy",
+        distill=True,
+        distill_tokens=int(windows.numel()),
+        distill_epochs=3,
+        distill_lr=3e-5,
+        **options,
+    )
     report = run_pipeline(plan, tiny_pipeline(windows)).report["distill"]
     validation = windows[-3:]  # the last 1/16 of the 48 windows are held back
     original = stock(src)
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     with torch.no_grad():
-        ref, new = original(validation).logits.double().log_softmax(-1), model(validation).logits.double().log_softmax(-1)
+        ref, new = (
+            original(validation).logits.double().log_softmax(-1),
+            model(validation).logits.double().log_softmax(-1),
+        )
     kl = (ref.exp() * (ref - new)).sum(-1).mean().item()
     assert kl == pytest.approx(report["validation_kl_after"], rel=1e-3, abs=1e-7)
     assert report["validation_kl_after"] <= report["validation_kl_before"]

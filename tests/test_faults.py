@@ -22,20 +22,27 @@ import warnings
 from pathlib import Path
 
 import pytest
+from fault_cases import (
+    CASES,
+    INTERRUPT_CASES,
+    SENTINEL_NAME,
+    custom_tokenizer_source,
+    error_line,
+    interrupted_run,
+    run_cli,
+)
+from tiny_models import save_tiny_llama, tiny_pipeline
 
-from fault_cases import (CASES, INTERRUPT_CASES, SENTINEL_NAME, custom_tokenizer_source, error_line,
-                         interrupted_run, run_cli)
-from kvrewrite.io.checkpoint_io import verify_checksums
-from kvrewrite.errors import CorruptCheckpointError, KVRewriteWarning, ModelSourceError, OutputError
-from kvrewrite.io.fault_injection import FAULT_ENV, NO_EXCHANGE_ENV
-from kvrewrite.io.output_safety import recover_leftovers
 from kvrewrite.compile.passes.base import run_pass
 from kvrewrite.compile.passes.context import CompileContext
 from kvrewrite.compile.passes.emit import MODELING_FILE, Emit
 from kvrewrite.compile.passes.load_checkpoint import LoadCheckpoint
 from kvrewrite.compile.passes.pipeline import prepare_output, run_pipeline
 from kvrewrite.compile.plan import Plan
-from tiny_models import save_tiny_llama, tiny_pipeline
+from kvrewrite.errors import CorruptCheckpointError, KVRewriteWarning, ModelSourceError, OutputError
+from kvrewrite.io.checkpoint_io import verify_checksums
+from kvrewrite.io.fault_injection import FAULT_ENV, NO_EXCHANGE_ENV
+from kvrewrite.io.output_safety import recover_leftovers
 
 OLD_MARKER = "old-output-marker.txt"
 IS_ROOT = os.geteuid() == 0
@@ -112,8 +119,19 @@ def test_data_loss_cases_keep_every_user_file(tmp_path, source):
 # Kills at every write step
 # ---------------------------------------------------------------------------------------------------------------------
 
-EMIT_POINTS = ["emit:tmp", "emit:shard-1", "emit:shard-2", "emit:shards", "emit:config", "emit:tokenizer",
-               "emit:metadata", "emit:report", "emit:checksums", "swap:start", "swap:exchanged"]
+EMIT_POINTS = [
+    "emit:tmp",
+    "emit:shard-1",
+    "emit:shard-2",
+    "emit:shards",
+    "emit:config",
+    "emit:tokenizer",
+    "emit:metadata",
+    "emit:report",
+    "emit:checksums",
+    "swap:start",
+    "swap:exchanged",
+]
 # The two-rename swap (systems without RENAME_EXCHANGE) has a moment with no output in place; recovery covers it.
 FALLBACK_POINTS = ["swap:old-moved", "swap:replaced"]
 SIGNALS = ["SIGINT", "SIGTERM", "SIGKILL"]
@@ -249,7 +267,10 @@ def _mount_tmpfs(where: Path, options: str) -> bool:
     where.mkdir(parents=True, exist_ok=True)
     if not IS_ROOT:
         return False
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True).returncode == 0
+    return (
+        subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True).returncode
+        == 0
+    )
 
 
 def _umount(where: Path) -> None:
@@ -267,7 +288,9 @@ def read_only_dir(tmp_path, compiled):
         _umount(where)
         return
     if IS_ROOT:
-        pytest.skip("running as root without permission to mount a tmpfs: root ignores chmod, so no read-only directory")
+        pytest.skip(
+            "running as root without permission to mount a tmpfs: root ignores chmod, so no read-only directory"
+        )
     shutil.copytree(compiled[1], where / "ckpt")
     os.chmod(where / "ckpt", 0o555)
     os.chmod(where, 0o555)
@@ -338,7 +361,9 @@ def test_config_auto_map_is_ignored(tmp_path, source):
     import json
 
     d = shutil.copytree(source, tmp_path / "automap")
-    (d / "modeling_evil.py").write_text(f"import pathlib\npathlib.Path({str(tmp_path / SENTINEL_NAME)!r}).write_text('ran')\n")
+    (d / "modeling_evil.py").write_text(
+        f"import pathlib\npathlib.Path({str(tmp_path / SENTINEL_NAME)!r}).write_text('ran')\n"
+    )
     config = json.loads((d / "config.json").read_text())
     config["auto_map"] = {"AutoConfig": "modeling_evil.C", "AutoModelForCausalLM": "modeling_evil.M"}
     (d / "config.json").write_text(json.dumps(config))
@@ -353,7 +378,9 @@ def test_compressed_checkpoint_code_is_not_run(tmp_path, compiled):
     import kvrewrite
 
     ckpt = shutil.copytree(compiled[1], tmp_path / "ckpt")
-    (ckpt / MODELING_FILE).write_text(f"import pathlib\npathlib.Path({str(tmp_path / SENTINEL_NAME)!r}).write_text('ran')\n")
+    (ckpt / MODELING_FILE).write_text(
+        f"import pathlib\npathlib.Path({str(tmp_path / SENTINEL_NAME)!r}).write_text('ran')\n"
+    )
     with pytest.raises(CorruptCheckpointError, match=MODELING_FILE):
         kvrewrite.load(ckpt)
     assert run_cli(["inspect", str(ckpt)])[0] == 0
@@ -379,8 +406,9 @@ def test_extra_tensor_is_named_in_a_warning(tmp_path, source):
 
 
 def test_misshaped_compressed_tensor_is_corrupt_checkpoint(tmp_path, source, compiled):
-    import kvrewrite
     from fault_cases import _misshaped_compressed
+
+    import kvrewrite
 
     _misshaped_compressed(tmp_path, source, compiled[1])
     with pytest.raises(CorruptCheckpointError, match=r"k_proj\.weight' in .*model\.safetensors"):
@@ -402,7 +430,11 @@ def _from_pretrained_calls_without_trust_remote_code_false() -> list[str]:
     found = []
     for path in sorted(package.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "from_pretrained":
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "from_pretrained"
+            ):
                 passed = {k.arg: k.value for k in node.keywords if k.arg}
                 value = passed.get("trust_remote_code")
                 if not (isinstance(value, ast.Constant) and value.value is False):
@@ -424,16 +456,33 @@ def test_load_refuses_a_request_to_run_shipped_code(compiled):
 
 def test_manifest_lists_every_file_of_a_checkpoint_and_an_mla_export(compiled):
     from fault_cases import shared_mla_export
+
     from kvrewrite.io.manifest import read_manifest
 
     ckpt = compiled[1]
     listed = set(read_manifest(ckpt))
-    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-            "modeling_kvrewrite.py", "kernel_metadata.json", "compress_report.json"} <= listed
-    assert listed == {p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*") if p.is_file()} - {"kvrewrite_checksums.json"}
+    assert {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "modeling_kvrewrite.py",
+        "kernel_metadata.json",
+        "compress_report.json",
+    } <= listed
+    assert listed == {p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*") if p.is_file()} - {
+        "kvrewrite_checksums.json"
+    }
     mla = shared_mla_export(ckpt)
-    assert set(read_manifest(mla)) == {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                                       "tokenizer_config.json", "kvrewrite_rates/o_proj.safetensors"}
+    assert set(read_manifest(mla)) == {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "kvrewrite_rates/o_proj.safetensors",
+    }
 
 
 def test_a_token_policy_dropped_in_is_refused_by_load(tmp_path, compiled):
@@ -442,8 +491,9 @@ def test_a_token_policy_dropped_in_is_refused_by_load(tmp_path, compiled):
     import kvrewrite
 
     ckpt = shutil.copytree(compiled[1], tmp_path / "ckpt")
-    (ckpt / "token_policy.json").write_text(json.dumps({"load": {"rate": 0.0, "recent_window": 4, "kv_codec": "none",
-                                                                 "evict": None}}))
+    (ckpt / "token_policy.json").write_text(
+        json.dumps({"load": {"rate": 0.0, "recent_window": 4, "kv_codec": "none", "evict": None}})
+    )
     with pytest.raises(CorruptCheckpointError, match=r"token_policy\.json is not listed"):
         kvrewrite.load(ckpt)
     from transformers import AutoModelForCausalLM  # the `import kvrewrite` path verifies the same way
@@ -455,8 +505,9 @@ def test_a_token_policy_dropped_in_is_refused_by_load(tmp_path, compiled):
 def test_an_edited_config_is_named_whichever_path_loads_it(tmp_path, compiled):
     import json
 
-    import kvrewrite
     from transformers import AutoModelForCausalLM
+
+    import kvrewrite
 
     ckpt = shutil.copytree(compiled[1], tmp_path / "ckpt")
     config = json.loads((ckpt / "config.json").read_text())
@@ -493,8 +544,9 @@ def test_a_checkpoint_written_before_the_manifest_verifies_what_it_can(tmp_path,
 
 
 def test_an_mla_export_without_a_manifest_loads_with_a_warning(tmp_path, compiled):
-    import kvrewrite
     from fault_cases import shared_mla_export
+
+    import kvrewrite
 
     mla = shutil.copytree(shared_mla_export(compiled[1]), tmp_path / "old-mla")
     (mla / "kvrewrite_checksums.json").unlink()
@@ -512,9 +564,26 @@ def test_written_files_get_the_users_umask(tmp_path, compiled, umask):
         out = tmp_path / "ckpt"
         assert emit_in_child(compiled[0], out, {}, overwrite=False) == 0
         mla = tmp_path / "mla"
-        code, output = run_cli(["export-mla", str(compiled[1].parent / "src"), "--kv-share", "0.5", "-o", str(mla),
-                                "--calibration", "synthetic", "--calib-tokens", "512", "--verify-tokens", "32",
-                                "--refit-rates", "0.5,0.7", "--refit-tokens", "256"])
+        code, output = run_cli(
+            [
+                "export-mla",
+                str(compiled[1].parent / "src"),
+                "--kv-share",
+                "0.5",
+                "-o",
+                str(mla),
+                "--calibration",
+                "synthetic",
+                "--calib-tokens",
+                "512",
+                "--verify-tokens",
+                "32",
+                "--refit-rates",
+                "0.5,0.7",
+                "--refit-tokens",
+                "256",
+            ]
+        )
         assert code == 0, output
     finally:
         os.umask(old)
@@ -529,8 +598,20 @@ def test_export_mla_overwrites_its_own_export_and_records_an_absolute_source(tmp
     from fault_cases import run_cli
 
     monkeypatch.chdir(compiled[1].parent)
-    args = ["export-mla", "src", "--kv-share", "0.5", "-o", str(tmp_path / "mla"), "--calibration", "synthetic",
-            "--calib-tokens", "512", "--verify-tokens", "32"]
+    args = [
+        "export-mla",
+        "src",
+        "--kv-share",
+        "0.5",
+        "-o",
+        str(tmp_path / "mla"),
+        "--calibration",
+        "synthetic",
+        "--calib-tokens",
+        "512",
+        "--verify-tokens",
+        "32",
+    ]
     assert run_cli(args)[0] == 0
     first = json.loads((tmp_path / "mla" / "config.json").read_text())
     assert first["kvrewrite_mla"]["source_model"] == str(compiled[1].parent / "src")  # `eval` elsewhere finds it
@@ -546,9 +627,22 @@ def test_export_mla_clears_what_a_killed_export_left(tmp_path, compiled):
     leftover = tmp_path / ".mla.tmp-1a2b3c4d"
     leftover.mkdir()
     (leftover / "model.safetensors").write_bytes(b"partial")
-    code, output = run_cli(["export-mla", str(compiled[1].parent / "src"), "--kv-share", "0.5", "-o",
-                            str(tmp_path / "mla"), "--calibration", "synthetic", "--calib-tokens", "512",
-                            "--verify-tokens", "32"])
+    code, output = run_cli(
+        [
+            "export-mla",
+            str(compiled[1].parent / "src"),
+            "--kv-share",
+            "0.5",
+            "-o",
+            str(tmp_path / "mla"),
+            "--calibration",
+            "synthetic",
+            "--calib-tokens",
+            "512",
+            "--verify-tokens",
+            "32",
+        ]
+    )
     assert code == 0 and "partial checkpoint left by an interrupted run" in output, output
     assert hidden(tmp_path) == []
 
@@ -577,11 +671,17 @@ def test_a_bad_rate_table_entry_is_refused_on_the_tier_path(tmp_path, compiled, 
         kvrewrite.load(ckpt, rate=0.3, recent_window=4, kv_codec="none")
 
 
-@pytest.mark.parametrize("keywords", [{"evict": "x", "recent_window": 4}, {"kv_codec": 5},
-                                      {"important": 3, "recent_window": 4},
-                                      {"evict": {"keep": "0.5"}, "recent_window": 4, "kv_codec": "none"},
-                                      {"evict": {"keep": 0.5, "bits": 8.0}, "recent_window": 4, "kv_codec": "none"}],
-                         ids=["evict str", "kv_codec int", "important int", "keep str", "bits float"])
+@pytest.mark.parametrize(
+    "keywords",
+    [
+        {"evict": "x", "recent_window": 4},
+        {"kv_codec": 5},
+        {"important": 3, "recent_window": 4},
+        {"evict": {"keep": "0.5"}, "recent_window": 4, "kv_codec": "none"},
+        {"evict": {"keep": 0.5, "bits": 8.0}, "recent_window": 4, "kv_codec": "none"},
+    ],
+    ids=["evict str", "kv_codec int", "important int", "keep str", "bits float"],
+)
 def test_load_keyword_types_are_refused_before_any_file_is_read(tmp_path, keywords):
     import kvrewrite
     from kvrewrite.errors import InvalidArgumentError
@@ -591,7 +691,9 @@ def test_load_keyword_types_are_refused_before_any_file_is_read(tmp_path, keywor
         kvrewrite.load(tmp_path / "no-such-checkpoint", **keywords)  # refused before the directory is even looked at
 
 
-@pytest.mark.parametrize("evict", [{"keep": 0.5, "bits": 8.0}, {"keep": "0.5", "bits": 8}], ids=["bits 8.0", "keep '0.5'"])
+@pytest.mark.parametrize(
+    "evict", [{"keep": 0.5, "bits": 8.0}, {"keep": "0.5", "bits": 8}], ids=["bits 8.0", "keep '0.5'"]
+)
 def test_hand_edited_policy_values_name_the_file(tmp_path, compiled, evict):
     import json
 
@@ -599,8 +701,9 @@ def test_hand_edited_policy_values_name_the_file(tmp_path, compiled, evict):
     from kvrewrite.io.manifest import write_manifest
 
     ckpt = shutil.copytree(compiled[1], tmp_path / "ckpt")
-    (ckpt / "token_policy.json").write_text(json.dumps({"load": {"rate": 0.3, "recent_window": 4, "kv_codec": "none",
-                                                                 "evict": evict}}))
+    (ckpt / "token_policy.json").write_text(
+        json.dumps({"load": {"rate": 0.3, "recent_window": 4, "kv_codec": "none", "evict": evict}})
+    )
     write_manifest(ckpt)  # re-signed: only the values' own check is left
     with pytest.raises(CorruptCheckpointError, match=r"token_policy\.json: recorded load option evict="):
         kvrewrite.load(ckpt)
@@ -610,11 +713,13 @@ def test_prefill_parallel_runs_the_plain_cache_of_a_checkpoint_with_a_token_poli
     import json
 
     from fault_cases import run_cli
+
     from kvrewrite.io.manifest import write_manifest
 
     ckpt = shutil.copytree(compiled[1], tmp_path / "ckpt")
-    (ckpt / "token_policy.json").write_text(json.dumps({"load": {"rate": 0.3, "recent_window": 4, "kv_codec": "none",
-                                                                 "evict": {"keep": 0.5, "bits": 8}}}))
+    (ckpt / "token_policy.json").write_text(
+        json.dumps({"load": {"rate": 0.3, "recent_window": 4, "kv_codec": "none", "evict": {"keep": 0.5, "bits": 8}}})
+    )
     write_manifest(ckpt)
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("w3 w4 w5 w6 w7 w8")
@@ -636,9 +741,9 @@ def test_a_rate_whose_first_layer_keeps_no_key_dims_prefills_in_chunks(compiled)
     """At p = 0.75 the tiny checkpoint's layer 0 caches zero key dims; chunked prefill through the model's own cache
     (eval --chunk, --positions, generate) must give the one-shot forward's logits, not a mask of the wrong length."""
     import torch
+    from tiny_models import random_windows
 
     import kvrewrite
-    from tiny_models import random_windows
 
     model = kvrewrite.load(compiled[1], rate=0.75)
     assert sum(model.compression_spec.ranks_for_rate(0.75)[0][0]) == 0
@@ -646,8 +751,9 @@ def test_a_rate_whose_first_layer_keeps_no_key_dims_prefills_in_chunks(compiled)
     with torch.no_grad():
         one_shot = model(tokens).logits
         cache = model.make_kv_cache()
-        chunked = torch.cat([model(tokens[:, i:i + 8], past_key_values=cache, use_cache=True).logits
-                             for i in range(0, 32, 8)], dim=1)
+        chunked = torch.cat(
+            [model(tokens[:, i : i + 8], past_key_values=cache, use_cache=True).logits for i in range(0, 32, 8)], dim=1
+        )
         generated = model.generate(tokens[:, :16], max_new_tokens=4, do_sample=False)
     assert cache.get_seq_length() == 32
     torch.testing.assert_close(chunked, one_shot, atol=1e-4, rtol=1e-4)
@@ -662,7 +768,9 @@ def test_the_documented_fault_table_is_the_suites_own_run():
 
     recorded = json.loads((Path(__file__).resolve().parents[1] / "benchmarks/results/fault_table.json").read_text())
     names = [r["case"] for r in recorded["cases"]]
-    assert names[:len(CASES) + len(INTERRUPT_CASES)] == [c.name for c in CASES] + [c.name for c in INTERRUPT_CASES]
+    assert names[: len(CASES) + len(INTERRUPT_CASES)] == [c.name for c in CASES] + [c.name for c in INTERRUPT_CASES]
     for row in recorded["cases"]:
         assert row["message"].startswith("error: ") and row["exit"] in (2, 130) and not row.get("code_ran"), row
-        assert row["exit"] == 2 or (row["message"] == "error: interrupted; nothing was written" and row["left_behind"] == [])
+        assert row["exit"] == 2 or (
+            row["message"] == "error: interrupted; nothing was written" and row["left_behind"] == []
+        )

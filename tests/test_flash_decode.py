@@ -62,6 +62,7 @@ def _cache_buffer(columns: int, dtype: torch.dtype, gen: torch.Generator) -> tor
 
 # ---- packed (freq / post-rope / folded) -------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("ranks", PACKED_LAYOUTS, ids=["mha-equal", "gqa3-rank0", "gqa3-uneven"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("splits", SPLITS)
@@ -74,8 +75,14 @@ def test_packed_matches_reference(ranks, dtype, splits):
     query = torch.randn(BATCH, layout.query_offsets[-1], generator=gen).to(dtype)
     allowed = _allowed()
     mask = allowed[:, None, None, :KV_LEN]
-    ref = packed_attention(query[:, None].double(), keys[:, None, :KV_LEN].double(),
-                           values[:, None, :KV_LEN].double(), mask, SCALING, layout)[:, 0]
+    ref = packed_attention(
+        query[:, None].double(),
+        keys[:, None, :KV_LEN].double(),
+        values[:, None, :KV_LEN].double(),
+        mask,
+        SCALING,
+        layout,
+    )[:, 0]
     _poison(buffer)
     out = packed_flash_decode(query, keys, values, allowed, torch.tensor([KV_LEN]), SCALING, layout, splits)
     _check(out, ref, dtype)
@@ -94,8 +101,14 @@ def test_packed_window_mode_on_padded_rows(dtype, splits):
     keys, values = key_rows[..., :ks], value_rows[..., :vs]
     query = torch.randn(BATCH, layout.query_offsets[-1], generator=gen).to(dtype)
     allowed = _allowed()
-    ref = packed_attention(query[:, None].double(), keys[:, None, :KV_LEN].double(),
-                           values[:, None, :KV_LEN].double(), allowed[:, None, None, :KV_LEN], SCALING, layout)[:, 0]
+    ref = packed_attention(
+        query[:, None].double(),
+        keys[:, None, :KV_LEN].double(),
+        values[:, None, :KV_LEN].double(),
+        allowed[:, None, None, :KV_LEN],
+        SCALING,
+        layout,
+    )[:, 0]
     key_rows[..., ks:] = float("nan")
     value_rows[..., vs:] = float("nan")
     assert tile_columns(layout.key_offsets, keys)[1] and tile_columns(layout.value_offsets, values)[1]
@@ -114,11 +127,20 @@ def test_packed_without_live_length_reads_every_slot():
     values = torch.randn(BATCH, S_CAP, vs, generator=gen)
     query = torch.randn(BATCH, layout.query_offsets[-1], generator=gen)
     allowed = _allowed(kv_len=S_CAP)
-    ref = packed_attention(query[:, None].double(), keys[:, None].double(), values[:, None].double(),
-                           allowed[:, None, None], SCALING, layout)[:, 0]
+    ref = packed_attention(
+        query[:, None].double(),
+        keys[:, None].double(),
+        values[:, None].double(),
+        allowed[:, None, None],
+        SCALING,
+        layout,
+    )[:, 0]
     for splits in (1, 3):
-        _check(packed_flash_decode(query, keys, values, allowed.to(torch.int8), None, SCALING, layout, splits),
-               ref, torch.float32)
+        _check(
+            packed_flash_decode(query, keys, values, allowed.to(torch.int8), None, SCALING, layout, splits),
+            ref,
+            torch.float32,
+        )
 
 
 @pytest.mark.parametrize("length_dtype", [torch.int64, torch.int32])
@@ -140,8 +162,14 @@ def test_live_length_is_read_from_device_memory(length_dtype):
     kv_len += 1
     second = packed_flash_decode(query, keys, values, allowed, kv_len, SCALING, layout, 2)
     n = KV_LEN + 1
-    ref = packed_attention(query[:, None].double(), keys[:, None, :n].double(), values[:, None, :n].double(),
-                           allowed[:, None, None, :n], SCALING, layout)[:, 0]
+    ref = packed_attention(
+        query[:, None].double(),
+        keys[:, None, :n].double(),
+        values[:, None, :n].double(),
+        allowed[:, None, None, :n],
+        SCALING,
+        layout,
+    )[:, 0]
     _check(second, ref, torch.float32)
     assert not torch.allclose(first, second)
     assert packed_plan(layout, BATCH, S_CAP, 4, "cpu", 2) == packed_plan(layout, BATCH, S_CAP, 4, "cpu", 2)
@@ -162,6 +190,7 @@ def test_fully_masked_request_gives_zeros():
 
 
 # ---- latent keys, rebuilt and rotated inside the kernel ----------------------------------------------------------
+
 
 def _rope_tables(s_cap: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """HF's cos / sin for positions 0..s_cap-1 (the frequencies duplicated over both halves)."""
@@ -210,8 +239,9 @@ def test_latent_matches_reference(ranks, dtype, splits):
     _poison(buffer)
     cos[KV_LEN:] = float("nan")  # positions past the live length are never read either
     sin[KV_LEN:] = float("nan")
-    out = latent_flash_decode(query, latents, values, allowed, torch.tensor([KV_LEN]), SCALING, layout, k_up,
-                              cos, sin, splits)
+    out = latent_flash_decode(
+        query, latents, values, allowed, torch.tensor([KV_LEN]), SCALING, layout, k_up, cos, sin, splits
+    )
     _check(out, ref, dtype)
 
 
@@ -229,8 +259,20 @@ def test_latent_reads_both_rope_halves_when_told(dtype):
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
     allowed = _allowed()
     ref = _latent_reference(query, latents, values, allowed, layout, k_up, cos.double(), sin.double(), KV_LEN)
-    out = latent_flash_decode(query, latents, values, allowed, torch.tensor([KV_LEN]), SCALING, layout, k_up, cos,
-                              sin, 2, rope_halves_equal=False)
+    out = latent_flash_decode(
+        query,
+        latents,
+        values,
+        allowed,
+        torch.tensor([KV_LEN]),
+        SCALING,
+        layout,
+        k_up,
+        cos,
+        sin,
+        2,
+        rope_halves_equal=False,
+    )
     _check(out, ref, dtype)
 
 
@@ -252,12 +294,14 @@ def test_latent_window_mode_on_padded_rows(dtype):
     latent_rows[..., ks:] = float("nan")
     value_rows[..., vs:] = float("nan")
     assert tile_columns(layout.key_offsets, latents)[1] and tile_columns(layout.value_offsets, values)[1]
-    out = latent_flash_decode(query, latents, values, allowed, torch.tensor([KV_LEN]), SCALING, layout, k_up, cos,
-                              sin, 2)
+    out = latent_flash_decode(
+        query, latents, values, allowed, torch.tensor([KV_LEN]), SCALING, layout, k_up, cos, sin, 2
+    )
     _check(out, ref, dtype)
 
 
 # ---- absorbed MLA ------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("heads,rank,rope_dim", [(5, 24, 8), (1, 16, 16)], ids=["h5-r24", "h1-r16"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -278,6 +322,7 @@ def test_mla_matches_reference(heads, rank, rope_dim, dtype, splits):
 
 
 # ---- the split plan -----------------------------------------------------------------------------------------------
+
 
 def test_heavy_heads_get_more_splits_and_no_chosen_split_is_empty():
     work = (129, 65, 33, 1)  # rk + rv + 1 of ranks 64+64, 32+32, 16+16, 0+0
@@ -310,6 +355,7 @@ def test_split_count_fills_the_device_in_whole_waves():
 
 # ---- CUDA graphs (GPU only: the capture needs a device) -----------------------------------------------------------
 
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")
 @pytest.mark.parametrize("form", ["packed", "latent", "mla"])
 def test_captured_step_replays_as_the_cache_grows(form):
@@ -330,14 +376,22 @@ def test_captured_step_replays_as_the_cache_grows(form):
     cos, sin = (t.to(device, dtype) for t in _rope_tables(s_cap, HEAD_DIM))
     if form == "packed":
         query = torch.randn(BATCH, layout.query_offsets[-1], generator=gen).to(device, dtype)
-        step = lambda: packed_flash_decode(query, cache[..., :ks], cache[..., ks:], allowed, kv_len, SCALING, layout)
+
+        def step():
+            return packed_flash_decode(query, cache[..., :ks], cache[..., ks:], allowed, kv_len, SCALING, layout)
     elif form == "latent":
         query = torch.randn(BATCH, 2 * layout.group_size * HEAD_DIM, generator=gen).to(device, dtype)
-        step = lambda: latent_flash_decode(query, cache[..., :ks], cache[..., ks:], allowed, kv_len, SCALING, layout,
-                                           k_up, cos, sin)
+
+        def step():
+            return latent_flash_decode(
+                query, cache[..., :ks], cache[..., ks:], allowed, kv_len, SCALING, layout, k_up, cos, sin
+            )
     else:
         query = torch.randn(BATCH, heads, width, generator=gen).to(device, dtype)
-        step = lambda: mla_flash_decode(query, cache, allowed, kv_len, SCALING, rank)
+
+        def step():
+            return mla_flash_decode(query, cache, allowed, kv_len, SCALING, rank)
+
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -355,11 +409,18 @@ def test_captured_step_replays_as_the_cache_grows(form):
         torch.testing.assert_close(captured, expected, rtol=0, atol=0)
     n = start + 3
     if form == "packed":
-        ref = packed_attention(query[:, None].double(), cache[:, None, :n, :ks].double(),
-                               cache[:, None, :n, ks:].double(), allowed[:, None, None, :n], SCALING, layout)[:, 0]
+        ref = packed_attention(
+            query[:, None].double(),
+            cache[:, None, :n, :ks].double(),
+            cache[:, None, :n, ks:].double(),
+            allowed[:, None, None, :n],
+            SCALING,
+            layout,
+        )[:, 0]
     elif form == "latent":
-        ref = _latent_reference(query, cache[..., :ks], cache[..., ks:], allowed, layout, k_up, cos.double(),
-                                sin.double(), n)
+        ref = _latent_reference(
+            query, cache[..., :ks], cache[..., ks:], allowed, layout, k_up, cos.double(), sin.double(), n
+        )
     else:
         scores = query.double() @ cache[:, :n].double().transpose(1, 2) * SCALING
         ref = scores.softmax(-1) @ cache[:, :n, :rank].double()

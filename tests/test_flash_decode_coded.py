@@ -65,17 +65,45 @@ def test_coded_matches_reference(ranks, bits, dtype, splits):
 
     live_keys = {n: t[:, :N_CODED] for n, t in keys.items()}
     live_values = {n: t[:, :N_CODED] for n, t in values.items()}
-    dense_keys = torch.cat([kivi_decode(live_keys, "key", bits, value_group, G, ck).reshape(BATCH, -1, ck).double(),
-                            key_window[:, :WINDOW_LEN].double()], dim=1)
-    dense_values = torch.cat([kivi_decode(live_values, "value", bits, value_group, G, cv).reshape(BATCH, -1, cv)
-                              .double(), value_window[:, :WINDOW_LEN].double()], dim=1)
-    ref = packed_attention(query[:, None].double(), dense_keys[:, None], dense_values[:, None],
-                           allowed[:, None, None, :length], SCALING, layout)[:, 0]
+    dense_keys = torch.cat(
+        [
+            kivi_decode(live_keys, "key", bits, value_group, G, ck).reshape(BATCH, -1, ck).double(),
+            key_window[:, :WINDOW_LEN].double(),
+        ],
+        dim=1,
+    )
+    dense_values = torch.cat(
+        [
+            kivi_decode(live_values, "value", bits, value_group, G, cv).reshape(BATCH, -1, cv).double(),
+            value_window[:, :WINDOW_LEN].double(),
+        ],
+        dim=1,
+    )
+    ref = packed_attention(
+        query[:, None].double(),
+        dense_keys[:, None],
+        dense_values[:, None],
+        allowed[:, None, None, :length],
+        SCALING,
+        layout,
+    )[:, 0]
     key_window[:, WINDOW_LEN:] = float("nan")
     value_window[:, WINDOW_LEN:] = float("nan")
 
-    out = coded_flash_decode(query, blocks, keys, values, key_window, value_window, allowed,
-                             torch.tensor([N_CODED]), torch.tensor([WINDOW_LEN]), SCALING, layout, splits)
+    out = coded_flash_decode(
+        query,
+        blocks,
+        keys,
+        values,
+        key_window,
+        value_window,
+        allowed,
+        torch.tensor([N_CODED]),
+        torch.tensor([WINDOW_LEN]),
+        SCALING,
+        layout,
+        splits,
+    )
     assert out.dtype == dtype and out.shape == ref.shape and torch.isfinite(out).all()
     error = (out.double() - ref).norm() / ref.norm()
     assert error < (1.5e-2 if dtype == torch.bfloat16 else FP32_TOLERANCE), error
@@ -94,15 +122,19 @@ def test_coded_without_counts_reads_every_block_and_window_slot():
     value_window = torch.randn(BATCH, W_CAP, 16, generator=gen).half()
     query = torch.randn(BATCH, layout.query_offsets[-1], generator=gen)
     allowed = torch.ones(BATCH, S_CAP, dtype=torch.bool)
-    dense_keys = torch.cat([kivi_decode(keys, "key", 4, 8, G, 16).reshape(BATCH, -1, 16).double(),
-                            key_window.double()], dim=1)
-    dense_values = torch.cat([kivi_decode(values, "value", 4, 8, G, 16).reshape(BATCH, -1, 16).double(),
-                              value_window.double()], dim=1)
-    ref = packed_attention(query[:, None].double(), dense_keys[:, None], dense_values[:, None], None, SCALING,
-                           layout)[:, 0]
+    dense_keys = torch.cat(
+        [kivi_decode(keys, "key", 4, 8, G, 16).reshape(BATCH, -1, 16).double(), key_window.double()], dim=1
+    )
+    dense_values = torch.cat(
+        [kivi_decode(values, "value", 4, 8, G, 16).reshape(BATCH, -1, 16).double(), value_window.double()], dim=1
+    )
+    ref = packed_attention(query[:, None].double(), dense_keys[:, None], dense_values[:, None], None, SCALING, layout)[
+        :, 0
+    ]
     for splits in (1, 3):
-        out = coded_flash_decode(query, blocks, keys, values, key_window, value_window, allowed, None, None, SCALING,
-                                 layout, splits)
+        out = coded_flash_decode(
+            query, blocks, keys, values, key_window, value_window, allowed, None, None, SCALING, layout, splits
+        )
         assert ((out.double() - ref).norm() / ref.norm()) < FP32_TOLERANCE
 
 
@@ -128,8 +160,9 @@ def test_captured_coded_step_replays_as_the_window_and_store_grow():
     window_len = torch.tensor([50], device=device)
 
     def step():
-        return coded_flash_decode(query, blocks, keys, values, key_window, value_window, allowed, n_coded, window_len,
-                                  SCALING, layout)
+        return coded_flash_decode(
+            query, blocks, keys, values, key_window, value_window, allowed, n_coded, window_len, SCALING, layout
+        )
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

@@ -1,5 +1,6 @@
 """The frontier benchmark's harness pieces that run in the project env (no kvpress/quanto needed): byte counting on
 real cache tensors, the FP8 cache, the continuation protocol and the passkey prompt builder."""
+
 import math
 import sys
 from pathlib import Path
@@ -9,12 +10,13 @@ from transformers import LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.frontier.cache_bytes import cache_bytes, fp16_bytes_per_token  # noqa: E402
+from tiny_models import random_windows, tiny_llama_config, word_tokenizer  # noqa: E402
+
+from benchmarks.frontier.cache_bytes import fp16_bytes_per_token  # noqa: E402
 from benchmarks.frontier.fp8_cache import FP8Cache  # noqa: E402
 from benchmarks.frontier.inputs import passkey_prompts  # noqa: E402
 from benchmarks.frontier.methods import Method, original  # noqa: E402
 from benchmarks.frontier.protocols import continuation_window, passkey_correct, perplexity  # noqa: E402
-from tiny_models import random_windows, tiny_llama_config, word_tokenizer  # noqa: E402
 
 
 def _model() -> LlamaForCausalLM:

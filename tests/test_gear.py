@@ -98,7 +98,7 @@ def test_low_rank_is_per_head(side):
     assert coded["lowrank_right"].shape[-1] == sum(r * 3 for r in ranks)
     if side == "key":
         y = x.clone()
-        y[..., ranks[0]:] = torch.randn(y[..., ranks[0]:].shape, generator=torch.Generator().manual_seed(9))
+        y[..., ranks[0] :] = torch.randn(y[..., ranks[0] :].shape, generator=torch.Generator().manual_seed(9))
         first = slice(0, ranks[0])
         assert torch.equal(gear.decode(gear.encode(y, side), side)[..., first], gear.decode(coded, side)[..., first])
 
@@ -119,8 +119,16 @@ def test_power_iteration_captures_what_the_top_singular_values_predict():
         assert (captured >= 0.97 * optimum).all()
 
 
-@pytest.mark.parametrize("spec", ["gear", "gear-l", "gear:rank=8,outlier_percent=5", "gear:group_size=300,rank=1,outlier_percent=1",
-                                  "gear:bits=4,group_size=32"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "gear",
+        "gear-l",
+        "gear:rank=8,outlier_percent=5",
+        "gear:group_size=300,rank=1,outlier_percent=1",
+        "gear:bits=4,group_size=32",
+    ],
+)
 def test_stored_bytes_match_the_formula(spec):
     gear = codec(spec)
     p = gear.config.params

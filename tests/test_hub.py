@@ -17,9 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 from huggingface_hub import HfApi, ModelCard
+from tiny_models import save_tiny_llama, tiny_pipeline
 from typer.testing import CliRunner
 
 from kvrewrite.cli.app import app
+from kvrewrite.compile.passes.pipeline import run_pipeline
+from kvrewrite.compile.plan import Plan
 from kvrewrite.errors import CorruptCheckpointError, HubError, InvalidArgumentError
 from kvrewrite.publish.eval_results import EVAL_RESULTS_FILE
 from kvrewrite.publish.hub import push_checkpoint, upload_file_list
@@ -31,9 +34,6 @@ from kvrewrite.publish.model_card import (
     eval_markdown_rows,
     render_model_card,
 )
-from kvrewrite.compile.passes.pipeline import run_pipeline
-from kvrewrite.compile.plan import Plan
-from tiny_models import save_tiny_llama, tiny_pipeline
 
 runner = CliRunner()
 
@@ -66,7 +66,7 @@ def markdown_table_after(text: str, header: list[str]) -> list[list[str]]:
     lines = text.splitlines()
     start = lines.index("| " + " | ".join(header) + " |")
     rows = []
-    for line in lines[start + 2:]:
+    for line in lines[start + 2 :]:
         if not line.startswith("|"):
             break
         rows.append([cell.strip() for cell in re.split(r"(?<!\\)\|", line.strip())[1:-1]])
@@ -185,8 +185,14 @@ class HubRecorder:
 
 def add_junk(ckpt: Path) -> list[str]:
     """Files that must never be uploaded: temp files of interrupted atomic writes, hidden and cache files."""
-    junk = [".model.safetensors.tmp-1234", ".README.md.x.tmp", "sub/.DS_Store", "__pycache__/modeling.cpython-311.pyc",
-            ".git/config", "notes.tmp"]
+    junk = [
+        ".model.safetensors.tmp-1234",
+        ".README.md.x.tmp",
+        "sub/.DS_Store",
+        "__pycache__/modeling.cpython-311.pyc",
+        ".git/config",
+        "notes.tmp",
+    ]
     for name in junk:
         (ckpt / name).parent.mkdir(parents=True, exist_ok=True)
         (ckpt / name).write_text("junk")
@@ -197,17 +203,41 @@ def test_push_uploads_exactly_the_checkpoint_files(evaluated, tmp_path, monkeypa
     ckpt = copy_checkpoint(evaluated, tmp_path / "ckpt")
     junk = add_junk(ckpt)
     hub = HubRecorder(monkeypatch)
-    result = push_checkpoint(ckpt, "someone/tiny-p50", private=True, revision="experiment",
-                             commit_message="first upload", api=HfApi(token="hf_test"))
+    result = push_checkpoint(
+        ckpt,
+        "someone/tiny-p50",
+        private=True,
+        revision="experiment",
+        commit_message="first upload",
+        api=HfApi(token="hf_test"),
+    )
 
-    assert hub.call("create_repo") == {"repo_id": "someone/tiny-p50", "private": True, "repo_type": "model", "exist_ok": True}
+    assert hub.call("create_repo") == {
+        "repo_id": "someone/tiny-p50",
+        "private": True,
+        "repo_type": "model",
+        "exist_ok": True,
+    }
     assert hub.call("create_branch")["branch"] == "experiment"
     commit = hub.call("create_commit")
     assert commit["revision"] == "experiment" and not commit["create_pr"] and commit["commit_message"] == "first upload"
 
-    expected = sorted({"README.md", "rank_heatmap.png", EVAL_RESULTS_FILE, "config.json", "generation_config.json",
-                       "model.safetensors", "kvrewrite_checksums.json", "kernel_metadata.json", "compress_report.json",
-                       "modeling_kvrewrite.py", "tokenizer.json", "tokenizer_config.json"})
+    expected = sorted(
+        {
+            "README.md",
+            "rank_heatmap.png",
+            EVAL_RESULTS_FILE,
+            "config.json",
+            "generation_config.json",
+            "model.safetensors",
+            "kvrewrite_checksums.json",
+            "kernel_metadata.json",
+            "compress_report.json",
+            "modeling_kvrewrite.py",
+            "tokenizer.json",
+            "tokenizer_config.json",
+        }
+    )
     assert sorted(hub.uploaded) == expected
     assert not set(junk) & set(hub.uploaded)
     assert result.files == sorted(hub.uploaded)  # the dry-run listing is what upload_folder really selects
@@ -268,9 +298,24 @@ def test_compress_push_to_hub(tmp_path, monkeypatch):
     g = torch.Generator().manual_seed(0)
     text.write_text(" ".join(f"w{int(i)}" for i in torch.randint(3, 96, (2000,), generator=g)))
     hub = HubRecorder(monkeypatch)
-    result = runner.invoke(app, ["compress", str(src), "-o", str(tmp_path / "out"), "--calibration", str(text),
-                                 "--calib-tokens", "512", "--seq-len", "64", "--push-to-hub", "someone/pushed",
-                                 "--hub-private"])
+    result = runner.invoke(
+        app,
+        [
+            "compress",
+            str(src),
+            "-o",
+            str(tmp_path / "out"),
+            "--calibration",
+            str(text),
+            "--calib-tokens",
+            "512",
+            "--seq-len",
+            "64",
+            "--push-to-hub",
+            "someone/pushed",
+            "--hub-private",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert hub.call("create_repo")["private"] is True
     assert {"model.safetensors", "README.md", "rank_heatmap.png"} <= set(hub.uploaded)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import save_tiny_llama, tiny_pipeline
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
@@ -23,7 +24,6 @@ from kvrewrite.runtime.kernels.cache_layout import COLUMNS, ROWS, packed_view, t
 from kvrewrite.runtime.kernels.latent_decode import latent_decode_attention
 from kvrewrite.runtime.kernels.reference import grouped_attention
 from kvrewrite.runtime.modeling import attention as attention_module
-from tiny_models import save_tiny_llama, tiny_pipeline
 
 IDS = torch.tensor([[0, 0, 5, 6, 7, 8, 9], [9, 10, 11, 12, 13, 14, 15]])
 MASK = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1] * 7])
@@ -51,8 +51,15 @@ def slow_path(monkeypatch) -> None:
 def generate(directory, rate: float, **kwargs):
     model = kvrewrite.load(directory, rate=rate).eval()
     with torch.no_grad():
-        out = model.generate(input_ids=IDS, attention_mask=MASK, do_sample=False, pad_token_id=0, output_logits=True,
-                             return_dict_in_generate=True, **kwargs)
+        out = model.generate(
+            input_ids=IDS,
+            attention_mask=MASK,
+            do_sample=False,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+            **kwargs,
+        )
     return out.sequences, torch.stack(out.logits, dim=1)
 
 
@@ -74,8 +81,14 @@ def test_default_generate_uses_an_in_place_cache_sized_for_the_call(compiled, mo
     monkeypatch.delenv("KVREWRITE_ATTENTION", raising=False)
     model = kvrewrite.load(compiled["latent"], rate=0.5).eval()
     with torch.no_grad():
-        out = model.generate(input_ids=IDS, attention_mask=MASK, max_new_tokens=6, do_sample=False, pad_token_id=0,
-                             return_dict_in_generate=True)
+        out = model.generate(
+            input_ids=IDS,
+            attention_mask=MASK,
+            max_new_tokens=6,
+            do_sample=False,
+            pad_token_id=0,
+            return_dict_in_generate=True,
+        )
     cache = out.past_key_values
     for layer, attn in zip(cache.layers, model.compressed_attentions()):
         assert type(layer) is InPlaceLayer
@@ -93,8 +106,16 @@ def test_beam_search_and_a_cache_that_outgrows_its_buffer_equal_the_slow_path(co
     monkeypatch.setattr(inplace_cache, "GROW_FROM", 0)  # grow in steps even this small ...
     monkeypatch.setattr(inplace_cache, "GROW_MIN", 3)  # ... of a few rows, not 256
     grown = in_place_cache(model.config)  # no capacity: the prefill holds exactly its rows, then grows
-    kwargs = dict(input_ids=IDS, attention_mask=MASK, max_new_tokens=9, do_sample=False, pad_token_id=0,
-                  num_beams=3, output_scores=True, return_dict_in_generate=True)
+    kwargs = dict(
+        input_ids=IDS,
+        attention_mask=MASK,
+        max_new_tokens=9,
+        do_sample=False,
+        pad_token_id=0,
+        num_beams=3,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
     with torch.no_grad():
         fast = model.generate(past_key_values=grown, **kwargs)
         with monkeypatch.context() as patch:
@@ -176,15 +197,18 @@ def test_tiled_latent_decode_equals_dense_rebuild(monkeypatch, order, q_len):
     key_ranks, value_ranks = [8, 3, 0], [5, 8, 2]  # uneven, one head with no key dims at all
     queries = torch.randn(batch, n_kv * group, q_len, d, generator=g, dtype=torch.float64)
     keys = packed_view(to_storage(torch.randn(batch, kv_len, sum(key_ranks), generator=g, dtype=torch.float64), order))
-    values = packed_view(to_storage(torch.randn(batch, kv_len, sum(value_ranks), generator=g, dtype=torch.float64), order))
+    values = packed_view(
+        to_storage(torch.randn(batch, kv_len, sum(value_ranks), generator=g, dtype=torch.float64), order)
+    )
     up = torch.randn(n_kv, d, d, generator=g, dtype=torch.float64)
     angles = torch.arange(kv_len, dtype=torch.float64)[:, None] * torch.rand(d // 2, generator=g, dtype=torch.float64)
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)  # [S, d]
     allowed = torch.ones(batch, 1, q_len, kv_len, dtype=torch.bool)
     allowed[0, ..., :4] = False  # left padding
     allowed[1, :, :, kv_len - q_len + 1 :] = torch.ones(q_len, q_len - 1, dtype=torch.bool).tril()  # causal tail
-    got = latent_decode_attention(queries, keys, values, allowed, 0.3, key_ranks, value_ranks, up,
-                                  cos.T.contiguous(), sin.T.contiguous())
+    got = latent_decode_attention(
+        queries, keys, values, allowed, 0.3, key_ranks, value_ranks, up, cos.T.contiguous(), sin.T.contiguous()
+    )
     want = dense_latent_attention(queries, keys, values, allowed, 0.3, key_ranks, value_ranks, up, cos, sin)
     assert (got - want).abs().max().item() < 1e-10
 
@@ -216,10 +240,28 @@ def tiny_mla_model():
     from kvrewrite.runtime.mla.checkpoint import absorb_attention
 
     config = DeepseekV3Config(
-        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=12,
-        v_head_dim=10, first_k_dense_replace=2, n_routed_experts=4, n_group=1, topk_group=1, num_experts_per_tok=2,
-        max_position_embeddings=256, initializer_range=0.2, pad_token_id=0, bos_token_id=1, eos_token_id=None)
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=None,
+        kv_lora_rank=24,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=12,
+        v_head_dim=10,
+        first_k_dense_replace=2,
+        n_routed_experts=4,
+        n_group=1,
+        topk_group=1,
+        num_experts_per_tok=2,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=None,
+    )
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     return absorb_attention(DeepseekV3ForCausalLM(config)).eval()
@@ -259,8 +301,15 @@ def test_triton_flash_decoding_of_the_absorbed_mla_equals_torch(monkeypatch):
     for backend in ("torch", "triton"):
         monkeypatch.setenv("KVREWRITE_ATTENTION", backend)
         with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0,
-                                 output_logits=True, return_dict_in_generate=True)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=5,
+                do_sample=False,
+                pad_token_id=0,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
         runs[backend] = out.sequences, torch.stack(out.logits, dim=1)
     assert torch.equal(runs["torch"][0], runs["triton"][0])
     assert (runs["torch"][1] - runs["triton"][1]).abs().max().item() < 1e-4
@@ -289,7 +338,10 @@ def test_a_codec_store_grows_in_place_and_reads_what_the_concatenated_store_read
             if n:
                 self.coded_keys = encode_append(self.codec, self.coded_keys, self.keys, n, "key")
                 self.coded_values = encode_append(self.codec, self.coded_values, self.values, n, "value")
-                self.keys, self.values = self.keys[..., n * g :, :].contiguous(), self.values[..., n * g :, :].contiguous()
+                self.keys, self.values = (
+                    self.keys[..., n * g :, :].contiguous(),
+                    self.values[..., n * g :, :].contiguous(),
+                )
 
     monkeypatch.setattr(inplace_cache, "GROW_FROM", 0)  # grow in steps at this small size too
     codec = build_layer_codecs(parse_codec("int4"), [[4, 4]], [[4, 4]])[0]

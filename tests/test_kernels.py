@@ -75,6 +75,7 @@ def test_column_decode_reads_each_head_in_place():
         def call(*args, **kwargs):
             seen.extend(t.untyped_storage().data_ptr() for t in args if isinstance(t, torch.Tensor) and t.dim() == 3)
             return original(*args, **kwargs)
+
         return call
 
     torch.bmm, torch.baddbmm = spy(torch.bmm), spy(torch.baddbmm)
@@ -159,7 +160,7 @@ def _dense_float64(query, key, value, mask, scaling, layout):
     ko, vo = layout.key_offsets, layout.value_offsets
     g = layout.group_size
     outs, q_at = [], 0
-    for h, (rk, rv) in enumerate(zip(layout.key_ranks, layout.value_ranks)):
+    for h, rk in enumerate(layout.key_ranks):
         k, v = key[:, 0, :, ko[h] : ko[h + 1]], value[:, 0, :, vo[h] : vo[h + 1]]
         for _ in range(g):
             q = query[..., q_at : q_at + rk]

@@ -10,14 +10,14 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from tiny_models import one_shot_and_cached_logits, random_windows, save_tiny_llama, tiny_pipeline
 from transformers import AutoModelForCausalLM
 
 import kvrewrite
-from kvrewrite.errors import CorruptCheckpointError
-from kvrewrite.key_modes import KeyMode, KeyTransform, key_mode_names, register_key_mode, unregister_key_mode
 from kvrewrite.compile.passes.pipeline import run_pipeline
 from kvrewrite.compile.plan import Plan
-from tiny_models import one_shot_and_cached_logits, random_windows, save_tiny_llama, tiny_pipeline
+from kvrewrite.errors import CorruptCheckpointError
+from kvrewrite.key_modes import KeyMode, KeyTransform, key_mode_names, register_key_mode, unregister_key_mode
 
 
 @dataclass(frozen=True, eq=False)
@@ -35,8 +35,12 @@ class RotatedPrefixMode(KeyMode):
 
     def transform(self, objective, stats, geometry) -> RotatedPrefixTransform:
         # Energy of each post-RoPE dim in stored (natural) order: what truncating to r removes is spectrum[r:].
-        spectra = [(torch.diagonal(stats.gram("query_post", g)) * torch.diagonal(stats.gram("key_post", g))).clamp_min(0).sqrt()
-                   for g in range(geometry.num_key_value_heads)]
+        spectra = [
+            (torch.diagonal(stats.gram("query_post", g)) * torch.diagonal(stats.gram("key_post", g)))
+            .clamp_min(0)
+            .sqrt()
+            for g in range(geometry.num_key_value_heads)
+        ]
         return RotatedPrefixTransform(self.name, torch.stack(spectra))
 
     def slice_query_key(self, attn, key_ranks) -> None:
@@ -60,8 +64,14 @@ def rotated_prefix():
 
 def test_a_mode_from_one_file_compiles_and_loads_exactly(rotated_prefix, tmp_path):
     source = save_tiny_llama(tmp_path / "src", seed=3, num_kv_heads=2, num_heads=4, layers=2)
-    plan = Plan(model=str(source), output=tmp_path / "out", progress=False, rope_mode=rotated_prefix,
-                target_rate=0.0, allocation="greedy")
+    plan = Plan(
+        model=str(source),
+        output=tmp_path / "out",
+        progress=False,
+        rope_mode=rotated_prefix,
+        target_rate=0.0,
+        allocation="greedy",
+    )
     ctx = run_pipeline(plan, tiny_pipeline())
     assert [layer.key_mode for layer in ctx.spec.layers] == [rotated_prefix] * 2
     assert rotated_prefix in key_mode_names()
@@ -71,8 +81,10 @@ def test_a_mode_from_one_file_compiles_and_loads_exactly(rotated_prefix, tmp_pat
     full = kvrewrite.load(tmp_path / "out", rate=0.0)
     with torch.no_grad():
         diff = (full(tokens).logits - original(tokens).logits).abs().max().item()
-    print(f"\n{rotated_prefix}: full-rank max |logit diff| vs the original = {diff:.2e}; "
-          f"verify pass: {ctx.verification['full_rank_max_abs_logit_diff']:.2e}")
+    print(
+        f"\n{rotated_prefix}: full-rank max |logit diff| vs the original = {diff:.2e}; "
+        f"verify pass: {ctx.verification['full_rank_max_abs_logit_diff']:.2e}"
+    )
     assert diff < 1e-4
     assert ctx.verification["full_rank_max_abs_logit_diff"] < 1e-4
 

@@ -6,18 +6,18 @@ import dataclasses
 
 import pytest
 import torch
+from tiny_models import random_windows, save_tiny_llama, tiny_pipeline
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import kvrewrite
-from kvrewrite.publish.evaluation import kv_cache_bytes_per_token
-from kvrewrite.runtime.kernels.cache_layout import packed_view
-from kvrewrite.key_modes import key_transform
-from kvrewrite.method.key_transforms import frequency_pair_energy
-from kvrewrite.compile.passes.compute_transforms import LayerTransforms
 from kvrewrite.compile.passes.base import run_pass
+from kvrewrite.compile.passes.compute_transforms import LayerTransforms
 from kvrewrite.compile.passes.pipeline import run_pipeline
 from kvrewrite.compile.plan import Plan
-from tiny_models import random_windows, save_tiny_llama, tiny_pipeline
+from kvrewrite.key_modes import key_transform
+from kvrewrite.method.key_transforms import frequency_pair_energy
+from kvrewrite.publish.evaluation import kv_cache_bytes_per_token
+from kvrewrite.runtime.kernels.cache_layout import packed_view
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +40,16 @@ def test_crosshead_error_never_exceeds_frequency_selection(source):
     for stats in ctx.statistics.layers:
         cross = key_transform("crosshead", "optimal", stats, geo).spectrum[0].double() ** 2
         # Independent reference: every (head, pair) energy^2 from the per-head Grams, the best kept first.
-        pair = torch.cat([frequency_pair_energy(stats.gram("query_pre", g), stats.gram("key_pre", g)) ** 2
-                          for g in range(geo.num_key_value_heads)]).sort(descending=True).values
+        pair = (
+            torch.cat(
+                [
+                    frequency_pair_energy(stats.gram("query_pre", g), stats.gram("key_pre", g)) ** 2
+                    for g in range(geo.num_key_value_heads)
+                ]
+            )
+            .sort(descending=True)
+            .values
+        )
         assert torch.isclose(cross.sum(), pair.sum(), rtol=1e-6)  # same metric: equal totals at rank 0
         for kept_pairs in range(pair.numel() + 1):
             removed_freq = pair[kept_pairs:].sum()
@@ -55,10 +63,13 @@ def test_mixed_key_modes_per_layer_are_exact_and_cache_what_the_spec_says(source
     steps = pipeline[[s.name for s in pipeline].index("compute_transforms") :]  # compute transforms .. emit
     ctx = run_pass(ctx, steps[0])  # default transforms; then give each layer another key mode
     modes = ["crosshead", "freq", "latent"]
-    ctx = dataclasses.replace(ctx, transforms=[
-        LayerTransforms(key=key_transform(m, "optimal", stats, ctx.geometry), value=t.value)
-        for m, stats, t in zip(modes, ctx.statistics.layers, ctx.transforms)
-    ])
+    ctx = dataclasses.replace(
+        ctx,
+        transforms=[
+            LayerTransforms(key=key_transform(m, "optimal", stats, ctx.geometry), value=t.value)
+            for m, stats, t in zip(modes, ctx.statistics.layers, ctx.transforms)
+        ],
+    )
     for step in steps[1:]:
         ctx = run_pass(ctx, step)
     assert [layer.key_mode for layer in ctx.spec.layers] == modes
@@ -84,8 +95,10 @@ def test_mixed_key_modes_per_layer_are_exact_and_cache_what_the_spec_says(source
     assert abs(measured / kv_cache_bytes_per_token(original, seq_len=24) - 0.5) <= 0.02
 
 
-@pytest.mark.parametrize("prefer,allowed", [("quality", {"freq", "post-rope", "latent", "crosshead"}),
-                                            ("zero-overhead", {"freq", "post-rope", "crosshead"})])
+@pytest.mark.parametrize(
+    "prefer,allowed",
+    [("quality", {"freq", "post-rope", "latent", "crosshead"}), ("zero-overhead", {"freq", "post-rope", "crosshead"})],
+)
 def test_auto_chooses_per_layer_by_measured_kl(source, tmp_path, prefer, allowed):
     plan = Plan(model=str(source), output=tmp_path / "out", progress=False, rope_mode="auto", prefer=prefer)
     ctx = run_pipeline(plan, tiny_pipeline())
@@ -98,6 +111,15 @@ def test_auto_chooses_per_layer_by_measured_kl(source, tmp_path, prefer, allowed
     if prefer != "quality":
         return
     # A prohibitive cost weight leaves only the modes of zero runtime cost.
-    costly = run_pipeline(Plan(model=str(source), output=tmp_path / "costly", progress=False, rope_mode="auto",
-                               prefer=prefer, key_mode_cost=1e9), tiny_pipeline())
+    costly = run_pipeline(
+        Plan(
+            model=str(source),
+            output=tmp_path / "costly",
+            progress=False,
+            rope_mode="auto",
+            prefer=prefer,
+            key_mode_cost=1e9,
+        ),
+        tiny_pipeline(),
+    )
     assert set(costly.report["key_mode_choice"]["chosen"]) <= {"freq", "crosshead"}

@@ -8,17 +8,17 @@ import torch
 from transformers import LlamaForCausalLM
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from kvrewrite.errors import InvalidArgumentError
 from benchmarks.attention_evidence import (
     greedy_layer_groups,
     group_ratio,
     important_mask,
     linear_ramp,
-    scale_to_mean,
     mass_share,
     record_attention_evidence,
     repetition_matrix,
+    scale_to_mean,
 )
+from kvrewrite.errors import InvalidArgumentError
 from tests.tiny_models import VOCAB, tiny_llama_config
 
 
@@ -78,7 +78,7 @@ def test_evidence_equals_dense_reference():
     aged_readers = (readers - 1 - window).clamp(min=0)
     expected = torch.where(aged_readers > 0, evidence.aged_received / aged_readers.clamp(min=1), 0.0)
     assert torch.allclose(evidence.mean_aged_received(), expected)
-    assert (evidence.mean_aged_received()[..., -window - 1:] == 0).all()
+    assert (evidence.mean_aged_received()[..., -window - 1 :] == 0).all()
 
 
 def test_important_mask_global_and_per_pool():

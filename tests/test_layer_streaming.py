@@ -8,33 +8,45 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
+from sharded_random_llama import write_random_llama
+from tiny_families import TINY_CONFIGS, save_tiny_family
+from tiny_models import random_windows, save_tiny_llama, tiny_pipeline
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
 import kvrewrite
 from kvrewrite.adapters import adapter_for
-from kvrewrite.io.checkpoint_io import SAFETENSORS_INDEX_FILE, ShardWriter
-from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.compile.layer_streaming import SourceModel
 from kvrewrite.compile.passes.collect_statistics import collect_statistics
 from kvrewrite.compile.passes.pipeline import run_pipeline
-from kvrewrite.compile.probes import truncated
 from kvrewrite.compile.plan import Plan
-from sharded_random_llama import write_random_llama
-from tiny_families import TINY_CONFIGS, save_tiny_family
-from tiny_models import random_windows, save_tiny_llama, tiny_pipeline
+from kvrewrite.compile.probes import truncated
+from kvrewrite.errors import InvalidArgumentError
+from kvrewrite.io.checkpoint_io import SAFETENSORS_INDEX_FILE, ShardWriter
 
 
 def sharded_config(layers: int = 3) -> LlamaConfig:
-    return LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=layers,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
-                       tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=112,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
 
 
 @pytest.fixture(scope="module")
 def sharded_source(tmp_path_factory):
     """An untied 3-layer Llama in fp32, split into many small shards by the streaming writer."""
-    return write_random_llama(tmp_path_factory.mktemp("sharded") / "src", sharded_config(), dtype=torch.float32,
-                              max_shard_size=40_000)
+    return write_random_llama(
+        tmp_path_factory.mktemp("sharded") / "src", sharded_config(), dtype=torch.float32, max_shard_size=40_000
+    )
 
 
 def open_source(path) -> SourceModel:
@@ -52,9 +64,14 @@ def dense_reference_grams(path, windows):
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn
         for name in ("q_proj", "k_proj", "v_proj"):
-            handles.append(getattr(attn, name).register_forward_hook(
-                lambda _m, _i, out, i=i, name=name: acts.setdefault((i, name), []).append(out)))
-        handles.append(attn.o_proj.register_forward_pre_hook(lambda _m, inp, i=i: acts.setdefault((i, "o"), []).append(inp[0])))
+            handles.append(
+                getattr(attn, name).register_forward_hook(
+                    lambda _m, _i, out, i=i, name=name: acts.setdefault((i, name), []).append(out)
+                )
+            )
+        handles.append(
+            attn.o_proj.register_forward_pre_hook(lambda _m, inp, i=i: acts.setdefault((i, "o"), []).append(inp[0]))
+        )
     with torch.no_grad():
         model(input_ids=windows)
     for h in handles:
@@ -66,12 +83,21 @@ def dense_reference_grams(path, windows):
         v = torch.cat(acts[(i, "v_proj")]).reshape(-1, n_kv, d)
         o = torch.cat(acts[(i, "o")]).reshape(-1, n_q, d)
         group = n_q // n_kv
-        grams.append({
-            "query_pre": torch.stack([torch.einsum("thd,the->de", q[:, g * group:(g + 1) * group], q[:, g * group:(g + 1) * group]) for g in range(n_kv)]),
-            "key_pre": torch.einsum("thd,the->hde", k, k),
-            "value": torch.einsum("thd,the->hde", v, v),
-            "output": torch.einsum("thd,the->hde", o, o),
-        })
+        grams.append(
+            {
+                "query_pre": torch.stack(
+                    [
+                        torch.einsum(
+                            "thd,the->de", q[:, g * group : (g + 1) * group], q[:, g * group : (g + 1) * group]
+                        )
+                        for g in range(n_kv)
+                    ]
+                ),
+                "key_pre": torch.einsum("thd,the->hde", k, k),
+                "value": torch.einsum("thd,the->hde", v, v),
+                "output": torch.einsum("thd,the->hde", o, o),
+            }
+        )
     return grams
 
 
@@ -133,7 +159,7 @@ def compile_source(src, out, **options):
 
 def test_sharded_output_equals_single_shard_and_is_equivalent_at_full_rank(sharded_source, tmp_path):
     many = compile_source(sharded_source, tmp_path / "many", max_shard_size="30KB", allocation="greedy")
-    one = compile_source(sharded_source, tmp_path / "one", max_shard_size="1GB", allocation="greedy")
+    compile_source(sharded_source, tmp_path / "one", max_shard_size="1GB", allocation="greedy")
     shards = json.loads((tmp_path / "many" / SAFETENSORS_INDEX_FILE).read_text())["weight_map"].values()
     assert len(set(shards)) >= 4 and (tmp_path / "one" / "model.safetensors").is_file()
     assert many.verification["full_rank_max_abs_logit_diff"] < 1e-6  # float64, layer-streamed (fp32 noise is ~1e-4)
@@ -154,14 +180,20 @@ def test_streamed_sensitivity_equals_whole_model_probe(tmp_path):
     probe_tokens = tokens[:2, :256]
     original = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     model = kvrewrite.load(tmp_path / "out", rate=0.0)
-    checks = [(idx, side, probe) for idx, side in ((0, "value"), (1, "key"), (2, "value"))
-              for probe in ctx.report["sensitivity"]["probes"][f"{idx}.{side}"]]
+    checks = [
+        (idx, side, probe)
+        for idx, side in ((0, "value"), (1, "key"), (2, "value"))
+        for probe in ctx.report["sensitivity"]["probes"][f"{idx}.{side}"]
+    ]
     assert len(checks) == 6  # two probe rates per layer side (a KL curve), all from one streamed pass
     for idx, side, probe in checks:
         r, d = probe["rank"], model.config.head_dim
         keep = [r] * model.config.num_key_value_heads
         full = [d] * len(keep)
-        with torch.no_grad(), truncated(model.model.layers[idx].self_attn, *((keep, full) if side == "key" else (full, keep))):
+        with (
+            torch.no_grad(),
+            truncated(model.model.layers[idx].self_attn, *((keep, full) if side == "key" else (full, keep))),
+        ):
             ref = F.log_softmax(original(probe_tokens).logits, -1)
             new = F.log_softmax(model(probe_tokens).logits, -1)
         kl = float((ref.exp() * (ref - new)).sum(-1).mean())
@@ -219,6 +251,8 @@ def test_streamed_forward_of_every_family_equals_the_stock_model(tmp_path, famil
     assert (logits - expected).abs().max().item() < 1e-10
     biggest_layer = max(sum(p.numel() for p in layer.parameters()) for layer in model.layers)
     prelude = sum(p.numel() for m in model.prelude for p in m.parameters())
-    head = source.skeleton.get_output_embeddings().weight.numel() + sum(p.numel() for m in model.final_modules for p in m.parameters())
+    head = source.skeleton.get_output_embeddings().weight.numel() + sum(
+        p.numel() for m in model.final_modules for p in m.parameters()
+    )
     assert model.peak_resident_params == max(biggest_layer, prelude, head) < source.num_parameters()
     assert model.resident_params == 0 and all(p.device.type == "meta" for p in source.skeleton.parameters())

@@ -8,7 +8,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 
 from import_graph import (  # noqa: E402
-    CLI_ENTRY_POINTS, cli_imports, cycles, folder_edges, module_cycles, module_edges,
+    CLI_ENTRY_POINTS,
+    cli_imports,
+    cycles,
+    folder_edges,
+    module_cycles,
+    module_edges,
 )
 
 # What each folder may import (besides itself). Anything else is a wrong-way arrow.
@@ -26,8 +31,20 @@ ALLOWED = {
     "modeling": {"runtime"},
     "publish": {"errors", "spec", "extras", "io", "runtime", "progress", "key_modes"},
     "compile": {"errors", "spec", "extras", "io", "runtime", "method", "adapters", "progress", "publish", "key_modes"},
-    "cli": {"errors", "spec", "extras", "io", "runtime", "method", "adapters", "progress", "publish", "compile", "key_modes",
-            "interrupts"},
+    "cli": {
+        "errors",
+        "spec",
+        "extras",
+        "io",
+        "runtime",
+        "method",
+        "adapters",
+        "progress",
+        "publish",
+        "compile",
+        "key_modes",
+        "interrupts",
+    },
     "interrupts": set(),
     "kvrewrite": {"runtime", "spec", "interrupts"},
 }
@@ -76,8 +93,12 @@ def test_nothing_outside_the_command_line_imports_from_it():
     wrong = []
     for path, module, names in cli_imports():
         own_test = Path(path).parent.name == "tests" and Path(path).name.startswith("test_cli")
-        entry_point = (module == "kvrewrite.cli.app" and names and set(names) <= CLI_ENTRY_POINTS
-                       and not path.startswith("kvrewrite/"))
+        entry_point = (
+            module == "kvrewrite.cli.app"
+            and names
+            and set(names) <= CLI_ENTRY_POINTS
+            and not path.startswith("kvrewrite/")
+        )
         if not (own_test or entry_point):
             wrong.append(f"{path}: from {module} import {', '.join(names) or '*'}")
     assert wrong == []

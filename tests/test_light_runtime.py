@@ -11,12 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from tiny_models import random_windows, save_tiny_llama, tiny_pipeline
 
 import kvrewrite
 from kvrewrite.compile.passes.pipeline import run_pipeline
 from kvrewrite.compile.plan import Plan
-from tiny_models import random_windows, save_tiny_llama, tiny_pipeline
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCKED = ("gensim", "sklearn", "matplotlib")  # the `compile` extra, by import name
@@ -26,7 +25,9 @@ COMPILER = ("kvrewrite.compile", "kvrewrite.publish")  # the whole compiler, and
 # `import x` (ModuleNotFoundError) and importlib.util.find_spec (None), so no optional-import probe is fooled.
 BLOCK = "import sys\nfor _name in {blocked!r}:\n    sys.modules[_name] = None\n"
 
-CHILD = BLOCK + r'''
+CHILD = (
+    BLOCK
+    + r"""
 import json
 import torch
 torch.set_num_threads({threads})
@@ -55,12 +56,16 @@ loaded = {{name: repr(module) for name, module in sys.modules.items()
 compiler = sorted(name for name in sys.modules
                   if any(name == c or name.startswith(c + ".") for c in {compiler!r}))
 print(json.dumps({{"blocked_loaded": loaded, "compiler_loaded": compiler}}))
-'''
+"""
+)
 
 
 def _run_child(code: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-           "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        "OMP_NUM_THREADS": str(torch.get_num_threads()),
+    }
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
 
 
@@ -70,7 +75,10 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     src = save_tiny_llama(root / "src", seed=5, num_kv_heads=2, num_heads=4)
     out = {}
     # The default key mode (latent) and the zero-overhead one (freq), the latter with a KV codec on top.
-    for name, options in {"latent": {}, "freq-int4": {"rope_mode": "freq", "kv_codec": "int4", "allocation": "uniform"}}.items():
+    for name, options in {
+        "latent": {},
+        "freq-int4": {"rope_mode": "freq", "kv_codec": "int4", "allocation": "uniform"},
+    }.items():
         plan = Plan(model=str(src), output=root / name, progress=False, target_rate=0.5, **options)
         run_pipeline(plan, tiny_pipeline())
         out[name] = root / name
@@ -80,8 +88,14 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 def test_runtime_loads_and_runs_without_the_compile_extra(checkpoints, tmp_path):
     tokens = random_windows(n=2, length=32, seed=7)
     torch.save(tokens, tmp_path / "tokens.pt")
-    code = CHILD.format(blocked=BLOCKED, compiler=COMPILER, threads=torch.get_num_threads(), tokens=str(tmp_path / "tokens.pt"),
-                        checkpoints={k: str(v) for k, v in checkpoints.items()}, result=str(tmp_path / "logits.pt"))
+    code = CHILD.format(
+        blocked=BLOCKED,
+        compiler=COMPILER,
+        threads=torch.get_num_threads(),
+        tokens=str(tmp_path / "tokens.pt"),
+        checkpoints={k: str(v) for k, v in checkpoints.items()},
+        result=str(tmp_path / "logits.pt"),
+    )
     done = _run_child(code)
     assert done.returncode == 0, done.stderr[-4000:]
     seen = json.loads(done.stdout.strip().splitlines()[-1])
@@ -122,10 +136,16 @@ def test_compile_commands_name_the_extra_when_it_is_missing(checkpoints, tmp_pat
     cli = BLOCK.format(blocked=BLOCKED) + "from kvrewrite.cli.app import main\nsys.argv = {argv!r}\nmain()\n"
     # compress with the default wiki calibration needs gensim only (tests/test_optional_dependencies.py: synthetic
     # needs none); sweep evaluates on wiki text and plots.
-    for argv, needs in ((["kvrewrite", "compress", str(checkpoints["latent"].parent / "src"), "-o", str(tmp_path / "out")],
-                         "needs gensim, which is not installed"),
-                        (["kvrewrite", "sweep", str(checkpoints["latent"].parent / "src"), "-o", str(tmp_path / "sweep")],
-                         "needs gensim, matplotlib, which are not installed")):
+    for argv, needs in (
+        (
+            ["kvrewrite", "compress", str(checkpoints["latent"].parent / "src"), "-o", str(tmp_path / "out")],
+            "needs gensim, which is not installed",
+        ),
+        (
+            ["kvrewrite", "sweep", str(checkpoints["latent"].parent / "src"), "-o", str(tmp_path / "sweep")],
+            "needs gensim, matplotlib, which are not installed",
+        ),
+    ):
         done = _run_child(cli.format(argv=argv))
         text = " ".join((done.stdout + done.stderr).split())  # rich wraps long lines
         assert done.returncode == 2, text[-2000:]

@@ -5,17 +5,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from tiny_models import random_windows, save_tiny_llama
 from transformers import AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from kvrewrite.adapters import adapter_for
+from kvrewrite.compile.layer_streaming import SourceModel
+from kvrewrite.compile.passes.collect_statistics import collect_statistics
 from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.method.key_transforms import frequency_pair_energy
-from kvrewrite.compile.layer_streaming import SourceModel
 from kvrewrite.method.linalg import kq_svd, principal_basis, psd_sqrt, whitened_projection
-from kvrewrite.compile.passes.collect_statistics import collect_statistics
 from kvrewrite.method.rank_allocation import RankItem, allocate_eps, allocate_greedy
-from tiny_models import random_windows, save_tiny_llama
 
 
 def random_activations(n: int, d: int, seed: int) -> torch.Tensor:
@@ -125,7 +125,10 @@ def test_greedy_minimises_total_relative_error_and_respects_steps():
     eps = allocate_eps(items, 0.5)
 
     def cost(alloc):
-        return sum((it.spectrum[alloc.ranks[(it.layer, it.head, it.side)] :] ** 2).sum() / (it.spectrum**2).sum() for it in items)
+        return sum(
+            (it.spectrum[alloc.ranks[(it.layer, it.head, it.side)] :] ** 2).sum() / (it.spectrum**2).sum()
+            for it in items
+        )
 
     assert greedy.kept <= eps.kept + 1 and greedy.rate >= 0.5 - 1e-9
     assert cost(greedy) <= cost(eps) + 1e-12
@@ -145,14 +148,18 @@ def test_statistics_match_dense_activations(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     adapter = adapter_for(model.config)
     windows = random_windows(3, 24, seed=9)
-    stats = collect_statistics(SourceModel.open(src, model.config, adapter).streamed(), windows, batch_size=2, progress=False)
+    stats = collect_statistics(
+        SourceModel.open(src, model.config, adapter).streamed(), windows, batch_size=2, progress=False
+    )
 
     # Independent recomputation of layer 1 from its own input (captured with a plain hook).
     layer = model.model.layers[1]
     captured = {}
     hook = layer.self_attn.register_forward_hook(lambda m, args, kwargs, out: captured.update(kwargs), with_kwargs=True)
     hidden = []
-    hook2 = layer.register_forward_pre_hook(lambda m, args, kwargs: hidden.append(kwargs.get("hidden_states", args[0] if args else None)), with_kwargs=True)
+    hook2 = layer.register_forward_pre_hook(
+        lambda m, args, kwargs: hidden.append(kwargs.get("hidden_states", args[0] if args else None)), with_kwargs=True
+    )
     with torch.no_grad():
         model(windows, use_cache=False)
     hook.remove()
@@ -180,7 +187,9 @@ def test_kmeans_reducer_approximates_the_exact_grams(tmp_path):
     windows = random_windows(8, 32, seed=2)
     streamed = SourceModel.open(src, model.config, adapter).streamed()
     exact = collect_statistics(streamed, windows, batch_size=2, progress=False)
-    reduced = collect_statistics(streamed, windows, batch_size=2, reduce="kmeans", kmeans_clusters=48, kmeans_keep_share=0.5, progress=False)
+    reduced = collect_statistics(
+        streamed, windows, batch_size=2, reduce="kmeans", kmeans_clusters=48, kmeans_keep_share=0.5, progress=False
+    )
     assert reduced.reduce == "kmeans"
     a, b = exact.layers[0].gram("value", 0), reduced.layers[0].gram("value", 0)
     assert ((a - b).norm() / a.norm()).item() < 0.5  # same scale and roughly the same shape
@@ -211,6 +220,7 @@ def test_kmeans_reducer_returns_the_weighted_centroid_gram_on_known_clusters():
     expected = batches * (centres.T * sizes.double()) @ centres
     got = stats.layers[0].gram("value", 0)
     assert ((got - expected).norm() / expected.norm()).item() < 1e-3
+
 
 def test_uniform_allocation_gives_every_head_the_same_rank():
     from kvrewrite.method.rank_allocation import allocate_uniform

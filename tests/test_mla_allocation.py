@@ -158,16 +158,36 @@ def test_the_cli_allocates_per_layer_widths(tmp_path):
 
     src = save_tiny_llama(tmp_path / "src", layers=4)
     out = tmp_path / "mla"
-    result = CliRunner().invoke(app, ["export-mla", str(src), "--kv-share", "0.5", "--allocation", "sensitivity", "-o", str(out),
-                                      "--calibration", "synthetic", "--calib-tokens", "512", "--verify-tokens", "32"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "export-mla",
+            str(src),
+            "--kv-share",
+            "0.5",
+            "--allocation",
+            "sensitivity",
+            "-o",
+            str(out),
+            "--calibration",
+            "synthetic",
+            "--calib-tokens",
+            "512",
+            "--verify-tokens",
+            "32",
+        ],
+    )
     assert result.exit_code == 0, result.output
     marker = json.loads((out / "config.json").read_text())["kvrewrite_mla"]
     assert sum(marker["kv_lora_ranks"]) <= 4 * 16 and marker["allocation"]["method"] == "sensitivity"
-    assert "mean over layers" in result.output and "rate table: kvrewrite.load(DIR, rate=p) serves p = " in result.output
+    assert (
+        "mean over layers" in result.output and "rate table: kvrewrite.load(DIR, rate=p) serves p = " in result.output
+    )
     assert set(marker["rate_table"]) >= {"0.50", "0.60"}
 
-    refused = CliRunner().invoke(app, ["export-mla", str(src), "--kv-lora-rank", "16", "--allocation", "sensitivity",
-                                       "-o", str(tmp_path / "no")])
+    refused = CliRunner().invoke(
+        app, ["export-mla", str(src), "--kv-lora-rank", "16", "--allocation", "sensitivity", "-o", str(tmp_path / "no")]
+    )
     assert refused.exit_code == 2 and "--allocation sensitivity" in refused.output and not (tmp_path / "no").exists()
 
 
@@ -180,7 +200,10 @@ def test_one_allocated_export_serves_narrower_rates_as_exports_made_for_them(dee
     probed = probe_full_form(deep)
     wide, narrow = allocated_at_share(deep, probed, 0.75), allocated_at_share(deep, probed, 0.5)
     assert wide.rate_table["0.50"] == list(narrow.allocation.ranks)
-    assert all(set(widths) and all(w <= r for w, r in zip(widths, wide.allocation.ranks)) for widths in wide.rate_table.values())
+    assert all(
+        set(widths) and all(w <= r for w, r in zip(widths, wide.allocation.ranks))
+        for widths in wide.rate_table.values()
+    )
     export_at_share(deep, wide.layers, tmp_path / "wide", dtype=torch.float32, rate_table=wide.rate_table)
     export_at_share(deep, narrow.layers, tmp_path / "narrow", dtype=torch.float32)
     tokens = random_windows(1, 24, seed=3)
@@ -195,12 +218,15 @@ def test_one_allocated_export_serves_narrower_rates_as_exports_made_for_them(dee
         kvrewrite.load(tmp_path / "wide", rate=0.05)
 
 
-@pytest.mark.parametrize("extra, says", [
-    (["--distill-rates", "0.5,0.6"], "add --distill and --allocation sensitivity"),
-    (["--distill", "--distill-rates", "0.5,0.6"], "add --distill and --allocation sensitivity"),
-    (["--distill", "--allocation", "sensitivity", "--distill-rates", "0.3,0.6"], "--kv-share 0.7"),
-    (["--distill", "--allocation", "sensitivity", "--distill-rates", "0.5,0.9"], "leaves a mean latent of"),
-])
+@pytest.mark.parametrize(
+    "extra, says",
+    [
+        (["--distill-rates", "0.5,0.6"], "add --distill and --allocation sensitivity"),
+        (["--distill", "--distill-rates", "0.5,0.6"], "add --distill and --allocation sensitivity"),
+        (["--distill", "--allocation", "sensitivity", "--distill-rates", "0.3,0.6"], "--kv-share 0.7"),
+        (["--distill", "--allocation", "sensitivity", "--distill-rates", "0.5,0.9"], "leaves a mean latent of"),
+    ],
+)
 def test_nested_mla_distillation_settings_that_cannot_work_are_refused_before_any_work(tmp_path, extra, says):
     from typer.testing import CliRunner
 
@@ -209,16 +235,18 @@ def test_nested_mla_distillation_settings_that_cannot_work_are_refused_before_an
 
     src = save_tiny_llama(tmp_path / "src")
     result = CliRunner().invoke(app, ["export-mla", str(src), "--kv-share", "0.5", "-o", str(tmp_path / "out"), *extra])
-    assert result.exit_code == 2 and says in " ".join(result.output.split()) and not (tmp_path / "out").exists(), result.output
+    assert result.exit_code == 2 and says in " ".join(result.output.split()) and not (tmp_path / "out").exists(), (
+        result.output
+    )
 
 
 def test_kvrewrite_eval_scores_an_mla_export_at_the_rates_of_its_table(deep, allocated, tmp_path, monkeypatch):
     """The eval rows of an allocated export equal a direct evaluation of kvrewrite.load(dir, rate=p) against the
     source the export records; codecs and unknown rates are refused."""
     import kvrewrite
-    from kvrewrite.publish.checkpoint_eval import evaluate_checkpoint
-    from kvrewrite.io.source_model import load_fp32_model
     from kvrewrite.io import calibration_data
+    from kvrewrite.io.source_model import load_fp32_model
+    from kvrewrite.publish.checkpoint_eval import evaluate_checkpoint
     from kvrewrite.publish.evaluation import evaluate_many
 
     out = tmp_path / "mla"
@@ -232,8 +260,12 @@ def test_kvrewrite_eval_scores_an_mla_export_at_the_rates_of_its_table(deep, all
         evaluate_checkpoint(out, rates=[0.05], progress=False)
     with pytest.raises(InvalidArgumentError, match="per-head forms only"):
         evaluate_checkpoint(out, kv_codecs=["int4"], progress=False)
-    reference = evaluate_many({"r": kvrewrite.load(out, rate=0.5).eval()}, windows,
-                              baseline=load_fp32_model(deep.ctx.plan.model), progress=False)["r"]
+    reference = evaluate_many(
+        {"r": kvrewrite.load(out, rate=0.5).eval()},
+        windows,
+        baseline=load_fp32_model(deep.ctx.plan.model),
+        progress=False,
+    )["r"]
     row = next(r for r in rows if r["name"].endswith("p=0.50"))
     assert row["perplexity"] == pytest.approx(reference.perplexity, rel=1e-6)
     assert row["kv_bytes_per_token"] == reference.kv_bytes_per_token

@@ -11,17 +11,23 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvrewrite.compile.mla.deepseek_v3_export import TRANSFORMERS_LATENT_NORM_EPS
 from kvrewrite.compile.mla.distill import distill_mla_layers, measured_latent_norm_errors
 from kvrewrite.compile.mla.export import export_at_share
 from kvrewrite.compile.mla.form import compute_mla_layers, mla_reference_model, widths_for_share
 from kvrewrite.compile.plan import Plan
-from kvrewrite.compile.mla.deepseek_v3_export import TRANSFORMERS_LATENT_NORM_EPS
 from kvrewrite.method.mla import balance_latent_gauge
-from tests.test_mla_export import _stock_logits_in_fresh_process, prepared_from
+from tests.test_mla_export import _stock_logits_in_fresh_process
 from tests.tiny_models import random_windows, save_tiny_llama
 
 WINDOWS, LENGTH = 16, 48
-DISTILL = {"distill": True, "distill_tokens": WINDOWS * LENGTH, "distill_epochs": 8.0, "distill_lr": 1e-3, "batch_size": 2}
+DISTILL = {
+    "distill": True,
+    "distill_tokens": WINDOWS * LENGTH,
+    "distill_epochs": 8.0,
+    "distill_lr": 1e-3,
+    "batch_size": 2,
+}
 
 
 def _prepared(tmp_path, seed: int = 0, **config):
@@ -30,17 +36,25 @@ def _prepared(tmp_path, seed: int = 0, **config):
 
 
 def prepared_from_windows(plan):
+    from kvrewrite.compile.mla.export import prepare_source
     from kvrewrite.compile.passes.collect_statistics import CollectStatistics
     from kvrewrite.compile.passes.load_checkpoint import LoadCheckpoint
-    from kvrewrite.compile.mla.export import prepare_source
     from tests.tiny_models import FixedCalibration
 
-    return prepare_source(plan, [LoadCheckpoint(), FixedCalibration(random_windows(WINDOWS, LENGTH)), CollectStatistics()])
+    return prepare_source(
+        plan, [LoadCheckpoint(), FixedCalibration(random_windows(WINDOWS, LENGTH)), CollectStatistics()]
+    )
 
 
 def _kl(reference: torch.Tensor, logits: torch.Tensor) -> float:
-    return float(F.kl_div(F.log_softmax(logits, -1).flatten(0, 1), F.log_softmax(reference, -1).flatten(0, 1),
-                          log_target=True, reduction="batchmean"))
+    return float(
+        F.kl_div(
+            F.log_softmax(logits, -1).flatten(0, 1),
+            F.log_softmax(reference, -1).flatten(0, 1),
+            log_target=True,
+            reduction="batchmean",
+        )
+    )
 
 
 def _logits(model, tokens):
@@ -56,8 +70,9 @@ def distilled(tmp_path_factory):
     layers = compute_mla_layers(prepared.ctx, prepared.inputs, widths_for_share(prepared.ctx.geometry, 0.5))
     result = distill_mla_layers(prepared, layers, progress=False)
     free = export_at_share(prepared, layers, tmp / "free", dtype=torch.float32)
-    trained = export_at_share(prepared, result.layers, tmp / "distilled", dtype=torch.float32,
-                              max_square_norms=result.max_square_norms)
+    trained = export_at_share(
+        prepared, result.layers, tmp / "distilled", dtype=torch.float32, max_square_norms=result.max_square_norms
+    )
     return prepared, layers, result, free, trained
 
 
@@ -68,8 +83,12 @@ def test_distillation_lowers_kl_on_text_it_was_not_trained_on(distilled):
     assert result.report.kept_epoch > 0 and result.report.validation_kl_after < result.report.validation_kl_before
     unseen = random_windows(6, LENGTH, seed=123)  # neither training nor validation windows
     reference = _logits(prepared.ctx.original_model(), unseen)
-    kls = {name: _kl(reference, _logits(AutoModelForCausalLM.from_pretrained(summary.output, dtype=torch.float32).eval(), unseen))
-           for name, summary in (("free", free), ("distilled", trained))}
+    kls = {
+        name: _kl(
+            reference, _logits(AutoModelForCausalLM.from_pretrained(summary.output, dtype=torch.float32).eval(), unseen)
+        )
+        for name, summary in (("free", free), ("distilled", trained))
+    }
     assert kls["distilled"] < 0.95 * kls["free"], kls
 
 
@@ -107,7 +126,10 @@ def test_only_the_mla_weights_change(distilled):
         for part in ("q_proj", "kv_b_proj", "o_proj"):
             assert not torch.equal(getattr(old, part), getattr(new, part)), part
         assert (old.kv_lora_rank, old.qk_rope_head_dim, old.pair_frequency.tolist()) == (
-            new.kv_lora_rank, new.qk_rope_head_dim, new.pair_frequency.tolist())
+            new.kv_lora_rank,
+            new.qk_rope_head_dim,
+            new.pair_frequency.tolist(),
+        )
 
 
 def test_the_latent_norm_neutralisation_still_holds_after_training(distilled):
@@ -123,7 +145,8 @@ def test_the_latent_norm_neutralisation_still_holds_after_training(distilled):
     layer, norm = result.layers[0], trained.neutralisers[0]
     captured = []
     handle = model.model.layers[0].self_attn.register_forward_pre_hook(
-        lambda _m, args, kwargs: captured.append(kwargs["hidden_states"].double()), with_kwargs=True)
+        lambda _m, args, kwargs: captured.append(kwargs["hidden_states"].double()), with_kwargs=True
+    )
     with torch.no_grad():
         model(prepared.ctx.calibration_tokens[:4])
     handle.remove()
@@ -138,8 +161,12 @@ def test_balancing_the_latent_gauge_changes_no_output(distilled):
     layer = layers[0]
     balanced = balance_latent_gauge(layer)
     r = layer.kv_lora_rank
-    assert torch.allclose(balanced.kv_b_proj @ balanced.kv_a_proj_with_mqa[:r], layer.kv_b_proj @ layer.kv_a_proj_with_mqa[:r],
-                          rtol=1e-10, atol=1e-12)
+    assert torch.allclose(
+        balanced.kv_b_proj @ balanced.kv_a_proj_with_mqa[:r],
+        layer.kv_b_proj @ layer.kv_a_proj_with_mqa[:r],
+        rtol=1e-10,
+        atol=1e-12,
+    )
     assert torch.equal(balanced.kv_a_proj_with_mqa[r:], layer.kv_a_proj_with_mqa[r:])
     assert torch.allclose(balanced.kv_a_proj_with_mqa[:r].norm(dim=1), balanced.kv_b_proj.norm(dim=0), rtol=1e-10)
 
@@ -151,7 +178,9 @@ def test_an_exact_full_width_form_is_not_trained_and_stays_the_original(tmp_path
     layers = compute_mla_layers(prepared.ctx, prepared.inputs, widths_for_share(prepared.ctx.geometry, 1.0))
     result = distill_mla_layers(prepared, layers, progress=False)
     assert result.report is None and all(a is b for a, b in zip(result.layers, layers))
-    export_at_share(prepared, result.layers, tmp_path / "mla", dtype=torch.float32, max_square_norms=result.max_square_norms)
+    export_at_share(
+        prepared, result.layers, tmp_path / "mla", dtype=torch.float32, max_square_norms=result.max_square_norms
+    )
     tokens = random_windows(2, 40, seed=5)
     stock, _ = _stock_logits_in_fresh_process(tmp_path / "mla", tokens, tmp_path)
     assert (stock - _logits(prepared.ctx.original_model(), tokens)).abs().max() < 1e-4
@@ -174,18 +203,32 @@ def test_the_cli_distills_and_names_bad_options(tmp_path):
     from kvrewrite.cli.app import app
 
     src = save_tiny_llama(tmp_path / "src")
-    base = ["export-mla", str(src), "--kv-share", "0.5", "--calibration", "synthetic", "--calib-tokens", "1024",
-            "--verify-tokens", "32"]
+    base = [
+        "export-mla",
+        str(src),
+        "--kv-share",
+        "0.5",
+        "--calibration",
+        "synthetic",
+        "--calib-tokens",
+        "1024",
+        "--verify-tokens",
+        "32",
+    ]
     out = tmp_path / "mla"
-    result = CliRunner().invoke(app, [*base, "-o", str(out), "--distill", "--distill-epochs", "1", "--distill-lr", "1e-3"])
+    result = CliRunner().invoke(
+        app, [*base, "-o", str(out), "--distill", "--distill-epochs", "1", "--distill-lr", "1e-3"]
+    )
     assert result.exit_code == 0, result.output
     assert "distill: validation KL" in result.output and "neutralisation re-derived" in result.output
     marker = json.loads((out / "config.json").read_text())["kvrewrite_mla"]
     assert marker["format_version"] == 1 and marker["distill"]["epochs"] == 1.0 and marker["distill"]["tokens"] == 1024
-    for extra, message in ((["--distill-tokens", "512"], "only apply with --distill"),
-                           (["--distill", "--distill-tokens", "4096"], "more than --calib-tokens"),
-                           (["--distill", "--distill-epochs", "0"], "--distill-epochs must be in (0, 100]"),
-                           (["--distill", "--distill-lr", "2"], "--distill-lr must be in (0, 1)")):
+    for extra, message in (
+        (["--distill-tokens", "512"], "only apply with --distill"),
+        (["--distill", "--distill-tokens", "4096"], "more than --calib-tokens"),
+        (["--distill", "--distill-epochs", "0"], "--distill-epochs must be in (0, 100]"),
+        (["--distill", "--distill-lr", "2"], "--distill-lr must be in (0, 1)"),
+    ):
         bad = CliRunner().invoke(app, [*base, "-o", str(tmp_path / "bad"), *extra])
         assert bad.exit_code == 2 and message in bad.output, (extra, bad.output)
         assert not (tmp_path / "bad").exists()
@@ -209,11 +252,19 @@ def test_nested_distillation_lowers_kl_at_every_rate_of_one_allocated_export(tmp
     assert result.rates == trained_keys and result.report.kept_epoch > 0
     assert set(result.report.windows_per_rate) == set(trained_keys)
     export_at_share(prepared, form.layers, tmp_path / "free", dtype=torch.float32, rate_table=table)
-    export_at_share(prepared, result.layers, tmp_path / "nested", dtype=torch.float32,
-                    max_square_norms=result.max_square_norms, rate_table=table,
-                    provenance=distill_provenance(result, prepared.ctx.plan))
+    export_at_share(
+        prepared,
+        result.layers,
+        tmp_path / "nested",
+        dtype=torch.float32,
+        max_square_norms=result.max_square_norms,
+        rate_table=table,
+        provenance=distill_provenance(result, prepared.ctx.plan),
+    )
     marker = json.loads((tmp_path / "nested" / "config.json").read_text())["kvrewrite_mla"]
-    assert sorted(marker["rate_table"]) == list(trained_keys) and marker["distill"]["nested_rates"] == list(trained_keys)
+    assert sorted(marker["rate_table"]) == list(trained_keys) and marker["distill"]["nested_rates"] == list(
+        trained_keys
+    )
     unseen = random_windows(6, LENGTH, seed=321)
     reference = _logits(prepared.ctx.original_model(), unseen)
     ratios = []

@@ -13,7 +13,13 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from kvrewrite.compile.mla.export import export_at_share, prepare_source
-from kvrewrite.compile.mla.form import MLAWidths, compute_mla_layers, latent_max_mean_square, mla_reference_model, widths_for_share
+from kvrewrite.compile.mla.form import (
+    MLAWidths,
+    compute_mla_layers,
+    latent_max_mean_square,
+    mla_reference_model,
+    widths_for_share,
+)
 from kvrewrite.compile.passes.collect_statistics import CollectStatistics
 from kvrewrite.compile.passes.load_checkpoint import LoadCheckpoint
 from kvrewrite.compile.plan import Plan
@@ -80,7 +86,9 @@ def _stock_logits_in_fresh_process(out, tokens, tmp_path) -> tuple[torch.Tensor,
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["OMP_NUM_THREADS"] = "1"
     # Run from a directory without kvrewrite in it, so it cannot be imported by accident.
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path, check=True
+    )
     return torch.load(tmp_path / "stock.pt"), json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -92,7 +100,9 @@ def test_export_loads_in_stock_transformers_with_the_logits_of_our_maths(gqa, tm
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "deepseek_v3" and config["q_lora_rank"] is None
     assert config["kv_lora_rank"] == widths.kv_lora_rank and config["qk_rope_head_dim"] == widths.qk_rope_head_dim
-    assert config["first_k_dense_replace"] == config["num_hidden_layers"] and isinstance(config["n_routed_experts"], int)
+    assert config["first_k_dense_replace"] == config["num_hidden_layers"] and isinstance(
+        config["n_routed_experts"], int
+    )
     assert config["tie_word_embeddings"] is False and (out / "tokenizer.json").is_file()
     tokens = random_windows(2, 40, seed=5)
     stock, info = _stock_logits_in_fresh_process(out, tokens, tmp_path)
@@ -146,7 +156,9 @@ def test_latent_norm_neutralisation_stays_within_its_bound(gqa):
     norm = neutralise_latent_norm(bound_input, eps, tolerance)
     # Through the real norm: latents of random hidden states up to the calibration's largest norm.
     x = torch.randn(256, gqa.ctx.geometry.hidden_size, dtype=torch.float64)
-    x *= (gqa.inputs.max_square_norms[0] ** 0.5) * torch.rand(256, 1, dtype=torch.float64) / x.norm(dim=-1, keepdim=True)
+    x *= (
+        (gqa.inputs.max_square_norms[0] ** 0.5) * torch.rand(256, 1, dtype=torch.float64) / x.norm(dim=-1, keepdim=True)
+    )
     c = x @ layer.kv_a_proj_with_mqa[: layer.kv_lora_rank].T
     scaled = norm.scale * c
     normed = norm.norm_weight * scaled / (scaled.square().mean(-1, keepdim=True) + eps).sqrt()
@@ -171,8 +183,15 @@ def test_a_share_below_the_rope_key_is_refused(gqa):
 
 
 def test_an_unsupported_family_fails_before_any_work(tmp_path, monkeypatch):
-    config = Qwen2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                         num_key_value_heads=1, max_position_embeddings=64)
+    config = Qwen2Config(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+    )
     Qwen2ForCausalLM(config).save_pretrained(tmp_path / "qwen")
     word_tokenizer().save_pretrained(tmp_path / "qwen")
 
@@ -191,8 +210,23 @@ def test_the_cli_exports_and_verifies(tmp_path):
 
     src = save_tiny_llama(tmp_path / "src")
     out = tmp_path / "mla"
-    result = CliRunner().invoke(app, ["export-mla", str(src), "--kv-share", "0.5", "-o", str(out), "--calibration", "synthetic",
-                                      "--calib-tokens", "512", "--verify-tokens", "32"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "export-mla",
+            str(src),
+            "--kv-share",
+            "0.5",
+            "-o",
+            str(out),
+            "--calibration",
+            "synthetic",
+            "--calib-tokens",
+            "512",
+            "--verify-tokens",
+            "32",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "full-width MLA" in result.output and json.loads((out / "config.json").read_text())["kv_lora_rank"] == 16
 
@@ -202,8 +236,15 @@ def test_the_cli_names_what_does_not_fit(tmp_path):
 
     from kvrewrite.cli.app import app
 
-    config = Qwen2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                         num_key_value_heads=1, max_position_embeddings=64)
+    config = Qwen2Config(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+    )
     Qwen2ForCausalLM(config).save_pretrained(tmp_path / "qwen")
     result = CliRunner().invoke(app, ["export-mla", str(tmp_path / "qwen"), "-o", str(tmp_path / "out")])
     assert result.exit_code == 2 and "biases" in result.output and not (tmp_path / "out").exists()
@@ -261,11 +302,29 @@ def test_the_cli_exports_exact_widths(tmp_path):
 
     src = save_tiny_llama(tmp_path / "src")
     out = tmp_path / "mla"
-    result = CliRunner().invoke(app, ["export-mla", str(src), "--kv-lora-rank", "20", "--qk-rope-head-dim", "8", "-o", str(out),
-                                      "--calibration", "synthetic", "--calib-tokens", "512", "--verify-tokens", "32"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "export-mla",
+            str(src),
+            "--kv-lora-rank",
+            "20",
+            "--qk-rope-head-dim",
+            "8",
+            "-o",
+            str(out),
+            "--calibration",
+            "synthetic",
+            "--calib-tokens",
+            "512",
+            "--verify-tokens",
+            "32",
+        ],
+    )
     assert result.exit_code == 0, result.output
     config = json.loads((out / "config.json").read_text())
     assert (config["kv_lora_rank"], config["qk_rope_head_dim"]) == (20, 8)
-    refused = CliRunner().invoke(app, ["export-mla", str(src), "--kv-lora-rank", "20", "--qk-rope-head-dim", "6",
-                                       "-o", str(tmp_path / "bad")])
+    refused = CliRunner().invoke(
+        app, ["export-mla", str(src), "--kv-lora-rank", "20", "--qk-rope-head-dim", "6", "-o", str(tmp_path / "bad")]
+    )
     assert refused.exit_code == 2 and "--qk-rope-head-dim" in refused.output and not (tmp_path / "bad").exists()

@@ -15,31 +15,44 @@ from kvrewrite.errors import InvalidArgumentError
 from tests.tiny_models import random_windows, save_tiny_llama
 
 
-@pytest.mark.parametrize("options, message", [
-    ({"distill_tokens": 512}, "`distill_tokens` only apply with `distill`"),
-    ({"distill_rates": (0.5, 0.6)}, "add `distill` and `allocation=sensitivity`"),
-    ({"distill": True, "allocation": "sensitivity", "distill_rates": (0.3, 0.6)}, "export at `kv_share=0.7`"),
-    ({"refit_rates": (0.3, 0.5)}, "export at `kv_share=0.7`"),
-    ({"kv_share": 0.7, "refit_rates": (0.3, 0.5), "distill": True}, "does not combine"),
-    ({"kv_share": 0.7, "refit_rates": (0.3, 0.351)}, "in hundredths"),
-    ({"kv_share": 0.7, "refit_rates": (0.3, 0.5), "refit": "none"}, "needs `refit=output`"),
-    ({"refit": "none", "refit_tokens": 256}, "`refit_tokens` only applies"),
-    ({"refit": "outputs"}, "`refit` must be one of"),
-    ({"dtype": "int8"}, "`dtype` must be one of"),
-    ({"key_weight": -1.0}, "`key_weight=-1.0`: the key side's weight"),
-    ({"verify_tokens": 0}, "`verify_tokens=0`: the checks at the end"),
-    ({"kv_share": 0.0}, "`kv_share` must be in (0, 1]"),
-    ({"distill": True, "distill_tokens": 4096, "calib_tokens": 1024}, "more than `calib_tokens=1024`"),
-    ({"distill": True, "distill_epochs": 0}, "`distill_epochs` must be in (0, 100]"),
-    ({"qk_rope_head_dim": 8}, "`qk_rope_head_dim` needs `kv_lora_rank`"),
-    ({"position_free_queries": "rotated"}, "`position_free_queries` must be one of"),
-    ({"allocation": "greedy"}, "`allocation` must be uniform or sensitivity"),
-    ({"allocation": "sensitivity", "kv_lora_rank": 16}, "`kv_lora_rank` gives every layer one exact width"),
-    ({"kv_share": 0.7, "allocation": "distill", "distill": True, "distill_rates": (0.3, 0.5),
-      "refit": "output"}, "add `distill` and `allocation=sensitivity`"),
-    ({"kv_share": 0.7, "allocation": "sensitivity", "distill": True, "distill_rates": (0.3, 0.5),
-      "refit": "output"}, "compiled ranks only"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"distill_tokens": 512}, "`distill_tokens` only apply with `distill`"),
+        ({"distill_rates": (0.5, 0.6)}, "add `distill` and `allocation=sensitivity`"),
+        ({"distill": True, "allocation": "sensitivity", "distill_rates": (0.3, 0.6)}, "export at `kv_share=0.7`"),
+        ({"refit_rates": (0.3, 0.5)}, "export at `kv_share=0.7`"),
+        ({"kv_share": 0.7, "refit_rates": (0.3, 0.5), "distill": True}, "does not combine"),
+        ({"kv_share": 0.7, "refit_rates": (0.3, 0.351)}, "in hundredths"),
+        ({"kv_share": 0.7, "refit_rates": (0.3, 0.5), "refit": "none"}, "needs `refit=output`"),
+        ({"refit": "none", "refit_tokens": 256}, "`refit_tokens` only applies"),
+        ({"refit": "outputs"}, "`refit` must be one of"),
+        ({"dtype": "int8"}, "`dtype` must be one of"),
+        ({"key_weight": -1.0}, "`key_weight=-1.0`: the key side's weight"),
+        ({"verify_tokens": 0}, "`verify_tokens=0`: the checks at the end"),
+        ({"kv_share": 0.0}, "`kv_share` must be in (0, 1]"),
+        ({"distill": True, "distill_tokens": 4096, "calib_tokens": 1024}, "more than `calib_tokens=1024`"),
+        ({"distill": True, "distill_epochs": 0}, "`distill_epochs` must be in (0, 100]"),
+        ({"qk_rope_head_dim": 8}, "`qk_rope_head_dim` needs `kv_lora_rank`"),
+        ({"position_free_queries": "rotated"}, "`position_free_queries` must be one of"),
+        ({"allocation": "greedy"}, "`allocation` must be uniform or sensitivity"),
+        ({"allocation": "sensitivity", "kv_lora_rank": 16}, "`kv_lora_rank` gives every layer one exact width"),
+        (
+            {"kv_share": 0.7, "allocation": "distill", "distill": True, "distill_rates": (0.3, 0.5), "refit": "output"},
+            "add `distill` and `allocation=sensitivity`",
+        ),
+        (
+            {
+                "kv_share": 0.7,
+                "allocation": "sensitivity",
+                "distill": True,
+                "distill_rates": (0.3, 0.5),
+                "refit": "output",
+            },
+            "compiled ranks only",
+        ),
+    ],
+)
 def test_the_plan_refuses_what_does_not_combine(tmp_path, options, message):
     with pytest.raises(InvalidArgumentError) as refused:
         MLAPlan(output=tmp_path / "out", **options)
@@ -55,8 +68,9 @@ def test_defaults_are_resolved_for_the_form_and_replace_validates_again(tmp_path
     assert dataclasses.replace(uniform, distill=True).refit_method == "none"
     single = dataclasses.replace(uniform, distill=True).statistics_plan("m")
     assert (single.distill_epochs, single.distill_tokens) == (DISTILL_EPOCHS, uniform.calib_tokens)
-    nested = MLAPlan(output=tmp_path / "out", kv_share=0.7, allocation="sensitivity", distill=True,
-                     distill_rates=(0.5, 0.3)).statistics_plan("m")
+    nested = MLAPlan(
+        output=tmp_path / "out", kv_share=0.7, allocation="sensitivity", distill=True, distill_rates=(0.5, 0.3)
+    ).statistics_plan("m")
     assert (nested.distill_epochs, nested.distill_rates, nested.target_rate) == (NESTED_DISTILL_EPOCHS, (0.3, 0.5), 0.3)
     rated = MLAPlan(output=tmp_path / "out", kv_share=0.7, refit_rates=(0.5, 0.3), allocation="sensitivity")
     assert rated.refit_rates == (0.3, 0.5) and rated.refit_method == "output-local"
@@ -72,8 +86,15 @@ def test_export_mla_writes_a_checkpoint_exact_where_the_form_is(tmp_path):
     latent are kept, so the form is the original attention and the checkpoint kvrewrite.load reads gives the original
     model's logits."""
     src = save_tiny_llama(tmp_path / "src", num_kv_heads=1)
-    plan = MLAPlan(output=tmp_path / "mla", kv_share=1.0, refit="none", calibration="synthetic", calib_tokens=512,
-                   verify_tokens=32, progress=False)
+    plan = MLAPlan(
+        output=tmp_path / "mla",
+        kv_share=1.0,
+        refit="none",
+        calibration="synthetic",
+        calib_tokens=512,
+        verify_tokens=32,
+        progress=False,
+    )
     result = kvrewrite.export_mla(str(src), plan)
     assert result.output == tmp_path / "mla" and (tmp_path / "mla" / "config.json").is_file()
     assert result.refit is None and result.rate_refit is None and result.distilled is None

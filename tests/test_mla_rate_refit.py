@@ -31,8 +31,10 @@ RATES = (0.3, 0.5, 0.7)
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
     src = save_tiny_llama(tmp_path_factory.mktemp("mla_rate_refit") / "src")  # 2 KV heads, head_dim 16: 64 K+V values
-    return prepare_source(Plan(model=str(src), progress=False),
-                          [LoadCheckpoint(), FixedCalibration(random_windows(WINDOWS, LENGTH)), CollectStatistics()])
+    return prepare_source(
+        Plan(model=str(src), progress=False),
+        [LoadCheckpoint(), FixedCalibration(random_windows(WINDOWS, LENGTH)), CollectStatistics()],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -41,12 +43,21 @@ def exported(prepared, tmp_path_factory):
     geo = prepared.ctx.geometry
     widths = widths_for_share(geo, 1 - RATES[0])
     layers = compute_mla_layers(prepared.ctx, prepared.inputs, widths)
-    table = uniform_rate_widths(RATES, 2 * geo.num_key_value_heads * geo.head_dim, widths.qk_rope_head_dim,
-                                widths.kv_lora_rank, geo.num_layers)
+    table = uniform_rate_widths(
+        RATES, 2 * geo.num_key_value_heads * geo.head_dim, widths.qk_rope_head_dim, widths.kv_lora_rank, geo.num_layers
+    )
     rated = refit_mla_at_rates(prepared, layers, table, "output", WINDOWS * LENGTH, ridge=1e-4)
     out = tmp_path_factory.mktemp("mla_rate_refit_out") / "mla"
-    export_at_share(prepared, rated.layers, out, dtype=torch.float32, max_square_norms=rated.max_square_norms,
-                    provenance={"refit": rated.provenance()}, rate_table=rated.rate_table, rate_o_proj=rated.rate_o_proj)
+    export_at_share(
+        prepared,
+        rated.layers,
+        out,
+        dtype=torch.float32,
+        max_square_norms=rated.max_square_norms,
+        provenance={"refit": rated.provenance()},
+        rate_table=rated.rate_table,
+        rate_o_proj=rated.rate_o_proj,
+    )
     return layers, rated, out
 
 
@@ -64,10 +75,15 @@ def test_every_rate_is_the_single_rate_refit_at_that_share(prepared, exported):
         key = f"{rate:.2f}"
         fitted = rated.refits[key].layers
         for ours, reference in zip(fitted, single.layers):
-            assert torch.allclose(ours.o_proj, reference.o_proj, atol=1e-6 * float(reference.o_proj.abs().max()), rtol=0)
+            assert torch.allclose(
+                ours.o_proj, reference.o_proj, atol=1e-6 * float(reference.o_proj.abs().max()), rtol=0
+            )
         loaded = kvrewrite.load(out, rate=rate, dtype=torch.float32).eval()
         expected = _logits(mla_reference_model(original, single.layers), tokens)
-        assert torch.allclose(_logits(loaded, tokens), expected, atol=1e-3), (rate, (_logits(loaded, tokens) - expected).abs().max())
+        assert torch.allclose(_logits(loaded, tokens), expected, atol=1e-3), (
+            rate,
+            (_logits(loaded, tokens) - expected).abs().max(),
+        )
     assert set(rated.rate_o_proj) == {"0.50", "0.70"}  # the widest rate's is the stock weights'
 
 
@@ -80,7 +96,9 @@ def test_each_rate_lowers_the_kl_against_the_same_rate_unrefitted_on_unseen_text
     reference = _logits(original, unseen)
     for rate in RATES:
         width = widths_for_share(prepared.ctx.geometry, 1 - rate).kv_lora_rank
-        free = _kl(reference, _logits(mla_reference_model(original, [truncate_latent(l, width) for l in layers]), unseen))
+        free = _kl(
+            reference, _logits(mla_reference_model(original, [truncate_latent(l, width) for l in layers]), unseen)
+        )
         refitted = _kl(reference, _logits(kvrewrite.load(out, rate=rate, dtype=torch.float32).eval(), unseen))
         # Measured: 19% and 16% lower at p = 0.3 and 0.5; 2% at p = 0.7, where the tiny model keeps a latent of 3
         # and the refit has little left to map.
@@ -113,7 +131,9 @@ def test_a_missing_or_damaged_side_file_is_named(exported, tmp_path):
     broken = tmp_path / "broken"
     shutil.copytree(out, broken)
     (broken / RATE_O_PROJ_FILE).unlink()
-    with pytest.raises(CorruptCheckpointError, match="o_proj.safetensors is listed in kvrewrite_checksums.json but missing"):
+    with pytest.raises(
+        CorruptCheckpointError, match="o_proj.safetensors is listed in kvrewrite_checksums.json but missing"
+    ):
         kvrewrite.load(broken, rate=0.3)  # the manifest lists it: a missing side file is a damaged export
     write_manifest(broken)  # re-signed without it: the runtime's own checks remain
     with pytest.raises(CorruptCheckpointError, match="o_proj.safetensors is missing"):
@@ -148,11 +168,26 @@ def test_the_cli_serves_an_allocated_tables_refitted_rates(tmp_path):
 def test_after_a_nested_distillation_each_rate_is_refitted_on_the_trained_weights(tmp_path):
     """--distill --distill-rates with --refit-rates: the refit runs after the training, on its weights, and the file
     serves exactly the refitted rates; the trained latent and query weights are the stock file's at every rate."""
-    import kvrewrite
     from safetensors.torch import load_file
 
-    result, out = _cli(tmp_path, "--kv-share", "0.7", "--allocation", "sensitivity", "--distill", "--distill-rates",
-                       "0.3,0.5", "--distill-epochs", "1", "--calib-tokens", "1024", "--refit-rates", "0.3,0.4")
+    import kvrewrite
+
+    result, out = _cli(
+        tmp_path,
+        "--kv-share",
+        "0.7",
+        "--allocation",
+        "sensitivity",
+        "--distill",
+        "--distill-rates",
+        "0.3,0.5",
+        "--distill-epochs",
+        "1",
+        "--calib-tokens",
+        "1024",
+        "--refit-rates",
+        "0.3,0.4",
+    )
     assert result.exit_code == 0, result.output
     marker = json.loads((out / "config.json").read_text())["kvrewrite_mla"]
     assert marker["refit"]["after"] == "distill" and "distill" in marker
@@ -163,26 +198,53 @@ def test_after_a_nested_distillation_each_rate_is_refitted_on_the_trained_weight
     assert torch.equal(narrow.model.layers[1].self_attn.o_proj.weight.detach(), side[rate_o_proj_name("0.40", 1)])
     # The same export without the training: same calibration, same widths, so only the trained weights the refit
     # read can make its o_proj differ.
-    free, free_out = _cli(tmp_path / "free", "--kv-share", "0.7", "--allocation", "sensitivity", "--calib-tokens",
-                          "1024", "--refit-rates", "0.3,0.4")
+    free, free_out = _cli(
+        tmp_path / "free",
+        "--kv-share",
+        "0.7",
+        "--allocation",
+        "sensitivity",
+        "--calib-tokens",
+        "1024",
+        "--refit-rates",
+        "0.3,0.4",
+    )
     assert free.exit_code == 0, free.output
     free_side = load_file(str(free_out / RATE_O_PROJ_FILE))
     assert not torch.allclose(free_side[rate_o_proj_name("0.40", 1)], side[rate_o_proj_name("0.40", 1)], atol=1e-4)
 
 
-@pytest.mark.parametrize("extra, message", [
-    (("--kv-share", "0.7", "--refit-rates", "0.3,0.5", "--refit", "none"), "needs --refit output or output-local"),
-    (("--kv-share", "0.5", "--refit-rates", "0.3,0.5"), "export at --kv-share 0.7"),
-    (("--kv-share", "0.7", "--refit-rates", "0.3,0.5", "--distill"), "does not combine"),
-    (("--kv-share", "0.7", "--allocation", "sensitivity", "--distill", "--distill-rates", "0.3,0.5",
-      "--refit-rates", "0.3,0.6"), "must lie within --distill-rates 0.3..0.5"),
-    (("--kv-lora-rank", "20", "--refit-rates", "0.3,0.5"), "does not combine"),
-    (("--kv-share", "0.7", "--refit-rates", "0.3,0.52", "--allocation", "sensitivity"), "not on the rate table's grid"),
-    (("--kv-share", "0.7", "--refit-rates", "0.3,0.5,0.8"), "leaves a latent of"),
-    (("--kv-share", "0.7", "--refit-rates", "0.3"), "at least two distinct rates"),
-    (("--kv-share", "0.7", "--refit-rates", "0.3,0.35,0.351"), "in hundredths"),
-    (("--kv-share", "0.7", "--allocation", "sensitivity", "--refit-rates", "0.3,0.7"), "leaves a mean latent of 3"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (("--kv-share", "0.7", "--refit-rates", "0.3,0.5", "--refit", "none"), "needs --refit output or output-local"),
+        (("--kv-share", "0.5", "--refit-rates", "0.3,0.5"), "export at --kv-share 0.7"),
+        (("--kv-share", "0.7", "--refit-rates", "0.3,0.5", "--distill"), "does not combine"),
+        (
+            (
+                "--kv-share",
+                "0.7",
+                "--allocation",
+                "sensitivity",
+                "--distill",
+                "--distill-rates",
+                "0.3,0.5",
+                "--refit-rates",
+                "0.3,0.6",
+            ),
+            "must lie within --distill-rates 0.3..0.5",
+        ),
+        (("--kv-lora-rank", "20", "--refit-rates", "0.3,0.5"), "does not combine"),
+        (
+            ("--kv-share", "0.7", "--refit-rates", "0.3,0.52", "--allocation", "sensitivity"),
+            "not on the rate table's grid",
+        ),
+        (("--kv-share", "0.7", "--refit-rates", "0.3,0.5,0.8"), "leaves a latent of"),
+        (("--kv-share", "0.7", "--refit-rates", "0.3"), "at least two distinct rates"),
+        (("--kv-share", "0.7", "--refit-rates", "0.3,0.35,0.351"), "in hundredths"),
+        (("--kv-share", "0.7", "--allocation", "sensitivity", "--refit-rates", "0.3,0.7"), "leaves a mean latent of 3"),
+    ],
+)
 def test_what_does_not_combine_is_refused_before_any_work(tmp_path, monkeypatch, extra, message):
     from kvrewrite.compile.mla import export as mla_export
 

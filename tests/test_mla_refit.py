@@ -12,9 +12,9 @@ import torch
 from kvrewrite.compile.mla.export import export_at_share, export_matches_maths, prepare_source
 from kvrewrite.compile.mla.form import MLAWidths, compute_mla_layers, mla_reference_model, widths_for_share
 from kvrewrite.compile.mla.refit import refit_mla_output
-from kvrewrite.compile.plan import Plan
 from kvrewrite.compile.passes.collect_statistics import CollectStatistics
 from kvrewrite.compile.passes.load_checkpoint import LoadCheckpoint
+from kvrewrite.compile.plan import Plan
 from kvrewrite.method.mla import full_latent_rank
 from tests.test_mla_distill import _kl, _logits
 from tests.tiny_models import FixedCalibration, random_windows, save_tiny_llama
@@ -27,8 +27,10 @@ WINDOWS, LENGTH = 64, 48
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
     src = save_tiny_llama(tmp_path_factory.mktemp("mla_refit") / "src")  # 4 query heads, 2 KV heads, head_dim 16
-    return prepare_source(Plan(model=str(src), progress=False),
-                          [LoadCheckpoint(), FixedCalibration(random_windows(WINDOWS, LENGTH)), CollectStatistics()])
+    return prepare_source(
+        Plan(model=str(src), progress=False),
+        [LoadCheckpoint(), FixedCalibration(random_windows(WINDOWS, LENGTH)), CollectStatistics()],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +48,14 @@ def test_the_first_layers_o_proj_is_the_least_squares_solution_of_its_rows(prepa
     original = ctx.original_model()
     form = mla_reference_model(original, layers)
     rows: dict[str, torch.Tensor] = {}
-    hooks = [ctx.adapter.output_projection(ctx.adapter.attention(form.model.layers[0])).register_forward_pre_hook(
-                 lambda _m, args: rows.setdefault("z", args[0])),
-             ctx.adapter.output_projection(ctx.adapter.attention(original.model.layers[0])).register_forward_hook(
-                 lambda _m, _a, out: rows.setdefault("t", out))]
+    hooks = [
+        ctx.adapter.output_projection(ctx.adapter.attention(form.model.layers[0])).register_forward_pre_hook(
+            lambda _m, args: rows.setdefault("z", args[0])
+        ),
+        ctx.adapter.output_projection(ctx.adapter.attention(original.model.layers[0])).register_forward_hook(
+            lambda _m, _a, out: rows.setdefault("t", out)
+        ),
+    ]
     with torch.no_grad():
         form(ctx.calibration_tokens)
         original(ctx.calibration_tokens)
@@ -73,13 +79,17 @@ def test_an_exact_form_keeps_its_o_proj_and_its_logits(prepared):
     to the ridge) and the logits stay the original's."""
     geo = prepared.ctx.geometry
     n_kv, d = geo.num_key_value_heads, geo.head_dim
-    exact = compute_mla_layers(prepared.ctx, prepared.inputs, MLAWidths(n_kv, n_kv * d, full_latent_rank(geo, n_kv), 1.0))
+    exact = compute_mla_layers(
+        prepared.ctx, prepared.inputs, MLAWidths(n_kv, n_kv * d, full_latent_rank(geo, n_kv), 1.0)
+    )
     result = refit_mla_output(prepared, exact, "output", WINDOWS * LENGTH, ridge=0.0)
     for old, new in zip(exact, result.layers):
         assert torch.allclose(old.o_proj, new.o_proj, atol=1e-4 * float(old.o_proj.abs().max()), rtol=0)
     original = prepared.ctx.original_model()
     tokens = random_windows(2, 40, seed=11)
-    assert torch.allclose(_logits(mla_reference_model(original, result.layers), tokens), _logits(original, tokens), atol=1e-3)
+    assert torch.allclose(
+        _logits(mla_reference_model(original, result.layers), tokens), _logits(original, tokens), atol=1e-3
+    )
     assert max(r.relative_error_after for r in result.reports) < 1e-4
 
 
@@ -93,8 +103,14 @@ def test_the_refit_lowers_kl_on_text_it_was_not_fitted_on_and_the_export_carries
     free = _kl(reference, _logits(mla_reference_model(original, layers), unseen))
     refitted = _kl(reference, _logits(mla_reference_model(original, result.layers), unseen))
     assert refitted < 0.92 * free, (free, refitted)
-    summary = export_at_share(prepared, result.layers, tmp_path / "out", dtype=torch.float32,
-                              max_square_norms=result.max_square_norms, provenance={"refit": result.provenance()})
+    summary = export_at_share(
+        prepared,
+        result.layers,
+        tmp_path / "out",
+        dtype=torch.float32,
+        max_square_norms=result.max_square_norms,
+        provenance={"refit": result.provenance()},
+    )
     assert export_matches_maths(prepared, result.layers, summary.output, unseen[:2]) < 1e-3
     exported = AutoModelForCausalLM.from_pretrained(summary.output, dtype=torch.float32).eval()
     assert _kl(reference, _logits(exported, unseen)) == pytest.approx(refitted, rel=1e-3)
@@ -118,8 +134,22 @@ def _cli(tmp_path, *extra):
 
     src = save_tiny_llama(tmp_path / "src")
     out = tmp_path / "mla"
-    result = CliRunner().invoke(app, ["export-mla", str(src), "-o", str(out), "--calibration", "synthetic",
-                                      "--calib-tokens", "512", "--verify-tokens", "32", *extra])
+    result = CliRunner().invoke(
+        app,
+        [
+            "export-mla",
+            str(src),
+            "-o",
+            str(out),
+            "--calibration",
+            "synthetic",
+            "--calib-tokens",
+            "512",
+            "--verify-tokens",
+            "32",
+            *extra,
+        ],
+    )
     return result, out
 
 
@@ -139,20 +169,51 @@ def test_a_refit_before_distill_leaves_the_latent_norm_pass_to_the_distillation(
     passes = []
     measure = mla_form._measure_attention_inputs
     monkeypatch.setattr(mla_form, "_measure_attention_inputs", lambda *a, **k: passes.append(1) or measure(*a, **k))
-    result, out = _cli(tmp_path, "--kv-share", "0.5", "--refit", "output-local", "--distill", "--calib-tokens", "1024",
-                       "--distill-epochs", "1")
+    result, out = _cli(
+        tmp_path,
+        "--kv-share",
+        "0.5",
+        "--refit",
+        "output-local",
+        "--distill",
+        "--calib-tokens",
+        "1024",
+        "--distill-epochs",
+        "1",
+    )
     assert result.exit_code == 0, result.output
     marker = json.loads((out / "config.json").read_text())["kvrewrite_mla"]
     assert marker["refit"]["method"] == "output-local" and "distill" in marker
     assert len(passes) == 1
 
 
-@pytest.mark.parametrize("extra, message", [
-    (("--refit", "output", "--kv-share", "0.7", "--allocation", "sensitivity", "--distill", "--distill-rates", "0.3,0.5"),
-     "compiled ranks only"),
-    (("--refit", "none", "--refit-tokens", "256"), "--refit-tokens only applies"),
-    (("--refit", "outputs",), "--refit must be one of"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (
+            (
+                "--refit",
+                "output",
+                "--kv-share",
+                "0.7",
+                "--allocation",
+                "sensitivity",
+                "--distill",
+                "--distill-rates",
+                "0.3,0.5",
+            ),
+            "compiled ranks only",
+        ),
+        (("--refit", "none", "--refit-tokens", "256"), "--refit-tokens only applies"),
+        (
+            (
+                "--refit",
+                "outputs",
+            ),
+            "--refit must be one of",
+        ),
+    ],
+)
 def test_what_does_not_combine_is_refused_before_any_work(tmp_path, extra, message):
     result, out = _cli(tmp_path, *extra)
     assert result.exit_code == 2 and message in " ".join(result.output.split()), result.output

@@ -7,7 +7,12 @@ import pytest
 import torch
 
 from kvrewrite.compile.mla.form import MLAWidths, compute_mla_layers, source_scaling
-from kvrewrite.compile.rope_response import attention_by_distance, expected_rotation, measure_rope_response, rotary_frequencies
+from kvrewrite.compile.rope_response import (
+    attention_by_distance,
+    expected_rotation,
+    measure_rope_response,
+    rotary_frequencies,
+)
 from kvrewrite.method.mla import full_latent_rank
 from tests.test_mla_export import _prepared
 from tests.tiny_models import random_windows
@@ -57,10 +62,12 @@ def _weighted_scores(gqa, layers, weights, x_query, x_key, layer=0):
         w = weights[layer, h] / weights[layer, h].sum()
         for delta in range(DISTANCES):
             n, m = DISTANCES, DISTANCES - delta
-            source[h] += w[delta] * (_rotate_pairs(q_h, hf_first, hf_second, n * theta)
-                                     @ _rotate_pairs(k_g, hf_first, hf_second, m * theta))
-            kept = (_rotate_pairs(q_all[h, d:], pe_first, pe_second, n * theta[form.pair_frequency])
-                    @ _rotate_pairs(k_pe, pe_first, pe_second, m * theta[form.pair_frequency]))
+            source[h] += w[delta] * (
+                _rotate_pairs(q_h, hf_first, hf_second, n * theta) @ _rotate_pairs(k_g, hf_first, hf_second, m * theta)
+            )
+            kept = _rotate_pairs(q_all[h, d:], pe_first, pe_second, n * theta[form.pair_frequency]) @ _rotate_pairs(
+                k_pe, pe_first, pe_second, m * theta[form.pair_frequency]
+            )
             ours[h] += w[delta] * (q_all[h, :d] @ kv[h, :d] + kept) / scale
     return source, ours
 
@@ -112,11 +119,15 @@ def test_attention_by_distance_holds_every_query_once(gqa):
     # Distance 0 is the only one with no rotation: a head attending to itself alone responds with exactly 1.
     own = torch.zeros_like(mass)
     own[..., 0] = 1.0
-    torch.testing.assert_close(expected_rotation(own, rotary_frequencies(model)),
-                               torch.ones(*mass.shape[:2], geo.head_dim // 2, dtype=torch.complex128))
+    torch.testing.assert_close(
+        expected_rotation(own, rotary_frequencies(model)),
+        torch.ones(*mass.shape[:2], geo.head_dim // 2, dtype=torch.complex128),
+    )
 
 
-def test_the_cli_scores_position_free_queries_by_expected_rotation_by_default_records_it_and_refuses_an_unknown_choice(tmp_path):
+def test_the_cli_scores_position_free_queries_by_expected_rotation_by_default_records_it_and_refuses_an_unknown_choice(
+    tmp_path,
+):
     import json
 
     from typer.testing import CliRunner
@@ -127,8 +138,18 @@ def test_the_cli_scores_position_free_queries_by_expected_rotation_by_default_re
     from tests.tiny_models import save_tiny_llama
 
     src = save_tiny_llama(tmp_path / "src")
-    common = ["export-mla", str(src), "--kv-share", "0.5", "--calibration", "synthetic", "--calib-tokens", "512",
-              "--verify-tokens", "32"]
+    common = [
+        "export-mla",
+        str(src),
+        "--kv-share",
+        "0.5",
+        "--calibration",
+        "synthetic",
+        "--calib-tokens",
+        "512",
+        "--verify-tokens",
+        "32",
+    ]
     result = CliRunner().invoke(app, [*common, "-o", str(tmp_path / "mla")])  # the default
     assert result.exit_code == 0, result.output
     marker = json.loads((tmp_path / "mla" / "config.json").read_text())[MLA_MARKER]
@@ -142,10 +163,14 @@ def test_the_rotation_is_read_from_whole_calibration_windows_holding_the_token_b
     model = gqa.ctx.original_model()
     windows = random_windows(5, 24, seed=3)
     frequencies = rotary_frequencies(model)
-    torch.testing.assert_close(measure_rope_response(model, windows, n_tokens=48),
-                               expected_rotation(attention_by_distance(model, windows[:2], skip_first_key=True), frequencies))
-    torch.testing.assert_close(measure_rope_response(model, windows, n_tokens=10),  # fewer tokens than a window
-                               expected_rotation(attention_by_distance(model, windows[:1], skip_first_key=True), frequencies))
+    torch.testing.assert_close(
+        measure_rope_response(model, windows, n_tokens=48),
+        expected_rotation(attention_by_distance(model, windows[:2], skip_first_key=True), frequencies),
+    )
+    torch.testing.assert_close(
+        measure_rope_response(model, windows, n_tokens=10),  # fewer tokens than a window
+        expected_rotation(attention_by_distance(model, windows[:1], skip_first_key=True), frequencies),
+    )
     with_sink = measure_rope_response(model, windows, n_tokens=48, skip_first_key=False)
     torch.testing.assert_close(with_sink, expected_rotation(attention_by_distance(model, windows[:2]), frequencies))
     assert (with_sink - measure_rope_response(model, windows, n_tokens=48)).abs().max() > 1e-3

@@ -22,11 +22,30 @@ VOCAB = 101
 def tiny_config(rope_interleave: bool = True, q_lora_rank: int | None = None, attn: str = "sdpa") -> DeepseekV3Config:
     # Uneven widths (r = 24, d_r = 8, d_nope = 12, d_v = 10) so that a mixed-up split cannot pass by symmetry.
     config = DeepseekV3Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=q_lora_rank, kv_lora_rank=24,
-        qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=10, first_k_dense_replace=2, n_routed_experts=4,
-        n_group=1, topk_group=1, num_experts_per_tok=2, max_position_embeddings=256, rope_interleave=rope_interleave,
-        initializer_range=0.2, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=None,  # no early stop: compare whole runs
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=q_lora_rank,
+        kv_lora_rank=24,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=12,
+        v_head_dim=10,
+        first_k_dense_replace=2,
+        n_routed_experts=4,
+        n_group=1,
+        topk_group=1,
+        num_experts_per_tok=2,
+        max_position_embeddings=256,
+        rope_interleave=rope_interleave,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=None,  # no early stop: compare whole runs
     )
     config._attn_implementation = attn
     return config

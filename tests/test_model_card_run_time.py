@@ -6,7 +6,9 @@ from kvrewrite.spec import CompressionSpec, LayerSpec
 
 def _spec(modes: list[str], codec: dict | None = None) -> CompressionSpec:
     layers = [LayerSpec(mode, [4, 4], [4, 4], [list(range(4))] * 2 if mode == "freq" else None) for mode in modes]
-    return CompressionSpec("src", None, "llama", len(modes), 4, 2, 8, "optimal", "sensitivity", 0.5, layers, kv_codec=codec)
+    return CompressionSpec(
+        "src", None, "llama", len(modes), 4, 2, 8, "optimal", "sensitivity", 0.5, layers, kv_codec=codec
+    )
 
 
 def test_latent_card_says_keys_are_rebuilt_every_step():

@@ -19,12 +19,14 @@ OPTIONAL = ("gensim", "sklearn", "matplotlib")
 
 
 def _kvrewrite(args: list[str], blocked: tuple[str, ...], cache: Path) -> subprocess.CompletedProcess:
-    script = ("import sys\n"
-              f"for name in {list(blocked)!r}:\n"
-              "    sys.modules[name] = None\n"
-              "from kvrewrite.cli.app import main\n"
-              f"sys.argv = ['kvrewrite', *{args!r}]\n"
-              "main()\n")
+    script = (
+        "import sys\n"
+        f"for name in {list(blocked)!r}:\n"
+        "    sys.modules[name] = None\n"
+        "from kvrewrite.cli.app import main\n"
+        f"sys.argv = ['kvrewrite', *{args!r}]\n"
+        "main()\n"
+    )
     env = {**os.environ, "PYTHONPATH": str(ROOT), "KVREWRITE_CACHE": str(cache), "COLUMNS": "1000"}
     return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
 
@@ -36,22 +38,46 @@ def tiny_dir(tmp_path_factory) -> Path:
 
 def test_compress_with_synthetic_calibration_needs_no_optional_package(tiny_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    run = _kvrewrite(["compress", str(tiny_dir), "-o", str(out), "--target-rate", "0.5", "--calibration", "synthetic",
-                      "--calib-tokens", "256", "--seq-len", "64", "--verify-tokens", "32"],
-                     OPTIONAL, tmp_path / "cache")
+    run = _kvrewrite(
+        [
+            "compress",
+            str(tiny_dir),
+            "-o",
+            str(out),
+            "--target-rate",
+            "0.5",
+            "--calibration",
+            "synthetic",
+            "--calib-tokens",
+            "256",
+            "--seq-len",
+            "64",
+            "--verify-tokens",
+            "32",
+        ],
+        OPTIONAL,
+        tmp_path / "cache",
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads((out / "compress_report.json").read_text())
     assert report["calibration"]["source"] == "synthetic" and report["calibration"]["tokens"] == 256
 
 
-@pytest.mark.parametrize("extra,blocked,package,feature", [
-    (["--calibration", "wiki"], ("gensim",), "gensim", "--calibration wiki"),
-    (["--calibration", "synthetic", "--reduce", "kmeans"], ("sklearn",), "scikit-learn", "--reduce kmeans"),
-])
-def test_a_feature_without_its_package_fails_up_front_naming_both(tiny_dir: Path, tmp_path: Path, extra, blocked,
-                                                                  package, feature) -> None:
-    run = _kvrewrite(["compress", str(tiny_dir), "-o", str(tmp_path / "out"), "--calib-tokens", "256", *extra],
-                     blocked, tmp_path / "cache")
+@pytest.mark.parametrize(
+    "extra,blocked,package,feature",
+    [
+        (["--calibration", "wiki"], ("gensim",), "gensim", "--calibration wiki"),
+        (["--calibration", "synthetic", "--reduce", "kmeans"], ("sklearn",), "scikit-learn", "--reduce kmeans"),
+    ],
+)
+def test_a_feature_without_its_package_fails_up_front_naming_both(
+    tiny_dir: Path, tmp_path: Path, extra, blocked, package, feature
+) -> None:
+    run = _kvrewrite(
+        ["compress", str(tiny_dir), "-o", str(tmp_path / "out"), "--calib-tokens", "256", *extra],
+        blocked,
+        tmp_path / "cache",
+    )
     assert run.returncode == 2
     error = [line for line in run.stdout.splitlines() if line.startswith("error:")]
     assert len(error) == 1, run.stdout

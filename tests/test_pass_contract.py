@@ -26,12 +26,16 @@ class Step:
 
 
 def fresh(tmp_path=None) -> CompileContext:
-    return CompileContext(plan=Plan(model="nowhere", progress=False, output=None if tmp_path is None else tmp_path / "out"))
+    return CompileContext(
+        plan=Plan(model="nowhere", progress=False, output=None if tmp_path is None else tmp_path / "out")
+    )
 
 
 def test_results_are_applied_to_a_new_context():
     ctx = fresh()
-    after = run_pass(ctx, Step("a", {"target_rate": 0.4, "report.note": {"x": 1}}, produces=("target_rate", "report.note")))
+    after = run_pass(
+        ctx, Step("a", {"target_rate": 0.4, "report.note": {"x": 1}}, produces=("target_rate", "report.note"))
+    )
     assert after.target_rate == 0.4 and after.report == {"note": {"x": 1}}
     assert ctx.target_rate is None and ctx.report == {}  # the context before is untouched
     assert after.provenance == {"target_rate": "a", "report.note": "a"}
@@ -72,8 +76,10 @@ def test_pipeline_only_fields_and_unknown_names_cannot_be_declared():
 
 
 def test_run_pipeline_refuses_a_pass_breaking_the_contract(tmp_path):
-    passes = [Step("first", {"target_rate": 0.4}, produces=("target_rate",)),
-              Step("second", {"target_rate": 0.5}, produces=("target_rate",))]
+    passes = [
+        Step("first", {"target_rate": 0.4}, produces=("target_rate",)),
+        Step("second", {"target_rate": 0.5}, produces=("target_rate",)),
+    ]
     with pytest.raises(PassContractError, match="already set by pass first"):
         run_pipeline(fresh(tmp_path).plan, passes)
 
@@ -91,4 +97,4 @@ def test_default_pipeline_declarations_are_consistent():
     # The statistics passes produce nothing a rewrite pass produces: compile_variants' variants share them.
     shared = {key for step in statistics_passes() for key in step.produces}
     assert {"statistics", "calibration_tokens", "source"} <= shared
-    assert not shared & {key for step in default_pipeline()[len(statistics_passes()):] for key in step.produces}
+    assert not shared & {key for step in default_pipeline()[len(statistics_passes()) :] for key in step.produces}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import random_windows, save_tiny_llama, tiny_pipeline
 from transformers import AutoConfig
 
 import kvrewrite
@@ -12,7 +13,6 @@ from kvrewrite.compile.passes.pipeline import run_pipeline
 from kvrewrite.compile.plan import Plan
 from kvrewrite.compile.probes import truncated, truncated_by_rows, truncated_model
 from kvrewrite.errors import InvalidArgumentError
-from tiny_models import random_windows, save_tiny_llama, tiny_pipeline
 
 MODES = ["freq", "post-rope", "latent", "crosshead"]
 
@@ -23,7 +23,9 @@ def compiled(tmp_path_factory):
     src = save_tiny_llama(root / "src", seed=0, num_kv_heads=2, num_heads=4)
     out = {}
     for mode in MODES:
-        plan = Plan(model=str(src), output=root / mode, progress=False, target_rate=0.5, rope_mode=mode, allocation="greedy")
+        plan = Plan(
+            model=str(src), output=root / mode, progress=False, target_rate=0.5, rope_mode=mode, allocation="greedy"
+        )
         run_pipeline(plan, tiny_pipeline())
         out[mode] = root / mode
     out["src"] = src
@@ -85,14 +87,15 @@ def test_the_hook_is_removed_when_the_block_raises(compiled):
         assert torch.equal(full(tokens).logits, before)
 
 
-
 def test_truncation_by_rows_runs_each_block_as_its_own_truncation(compiled):
     """Two rank sets in one batch: each block's rows equal the whole model truncated to that block's ranks."""
     full = kvrewrite.load(compiled["latent"], rate=0.0)
     spec_model = kvrewrite.load(compiled["latent"])
     adapter = adapter_for(AutoConfig.from_pretrained(compiled["src"]))
-    compiled_ranks = ([a.key_ranks for a in (l.self_attn for l in spec_model.model.layers)],
-                      [a.value_ranks for a in (l.self_attn for l in spec_model.model.layers)])
+    compiled_ranks = (
+        [a.key_ranks for a in (l.self_attn for l in spec_model.model.layers)],
+        [a.value_ranks for a in (l.self_attn for l in spec_model.model.layers)],
+    )
     narrow = ([[2] * len(k) for k in compiled_ranks[0]], [[3] * len(v) for v in compiled_ranks[1]])
     tokens = random_windows(2, 24, seed=5)
     with torch.no_grad():

@@ -10,20 +10,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from tiny_models import random_windows, save_tiny_llama, tiny_pipeline
 from transformers import AutoModelForCausalLM
 
 import kvrewrite
-from kvrewrite.method.curve_allocation import curve_removal_order, curve_value, monotone_curve
-from kvrewrite.errors import InvalidArgumentError
-from kvrewrite.publish.evaluation import perplexity_and_agreement
-from kvrewrite.io.calibration_data import calibration_token_sequences
-from kvrewrite.method.linalg import whitened_projection
 from kvrewrite.compile.passes.collect_fisher import output_fisher, shrunk_sqrt
 from kvrewrite.compile.passes.pipeline import run_pipeline
 from kvrewrite.compile.plan import Plan
-from kvrewrite.method.rank_allocation import RankItem, allocate_greedy
 from kvrewrite.compile.sweep import pareto_front, parse_config, run_sweep
-from tiny_models import random_windows, save_tiny_llama, tiny_pipeline
+from kvrewrite.errors import InvalidArgumentError
+from kvrewrite.io.calibration_data import calibration_token_sequences
+from kvrewrite.method.curve_allocation import curve_removal_order, curve_value, monotone_curve
+from kvrewrite.method.linalg import whitened_projection
+from kvrewrite.method.rank_allocation import RankItem, allocate_greedy
+from kvrewrite.publish.evaluation import perplexity_and_agreement
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +48,9 @@ def _items(seed: int, layers: int = 2, heads: int = 2, d: int = 4) -> list[RankI
 
 def test_one_probe_curve_is_the_weighted_greedy():
     items = _items(0, layers=3, heads=2, d=8)
-    weights = {(l, s): w for (l, s), w in zip(itertools.product(range(3), ("key", "value")), [0.5, 3.0, 1.0, 7.0, 0.2, 2.0])}
+    weights = {
+        (l, s): w for (l, s), w in zip(itertools.product(range(3), ("key", "value")), [0.5, 3.0, 1.0, 7.0, 0.2, 2.0])
+    }
     # One probe point (e, KL) gives the line KL = (KL/e) * error through the origin.
     curves = {key: [(0.3, 0.3 * w)] for key, w in weights.items()}
     order = curve_removal_order(items, curves)
@@ -59,15 +61,22 @@ def test_one_probe_curve_is_the_weighted_greedy():
 
 def test_curve_greedy_matches_brute_force_on_convex_curves():
     items = _items(1, layers=2, heads=2, d=4)
-    curves = {(0, "key"): [(0.1, 0.01), (0.4, 0.2)], (0, "value"): [(0.1, 0.05), (0.3, 0.6)],
-              (1, "key"): [(0.2, 0.02), (0.5, 0.1)], (1, "value"): [(0.05, 0.02), (0.2, 0.3)]}
+    curves = {
+        (0, "key"): [(0.1, 0.01), (0.4, 0.2)],
+        (0, "value"): [(0.1, 0.05), (0.3, 0.6)],
+        (1, "key"): [(0.2, 0.02), (0.5, 0.1)],
+        (1, "value"): [(0.05, 0.02), (0.2, 0.3)],
+    }
     order = curve_removal_order(items, curves)
 
     def cost(ranks):
         total = 0.0
         for key in curves:
             members = [it for it in items if (it.layer, it.side) == key]
-            errs = [float((it.spectrum[ranks[(it.layer, it.head, it.side)]:] ** 2).sum() / (it.spectrum**2).sum()) for it in members]
+            errs = [
+                float((it.spectrum[ranks[(it.layer, it.head, it.side)] :] ** 2).sum() / (it.spectrum**2).sum())
+                for it in members
+            ]
             total += curve_value(*monotone_curve(curves[key]), float(np.mean(errs)))
         return total
 
@@ -108,10 +117,15 @@ def test_output_fisher_equals_autograd_of_each_attention_output(tiny):
     sums = output_fisher(model, [layer.self_attn.o_proj for layer in model.model.layers], tokens)
     # Reference: keep every o_proj output, take the loss gradient with respect to each in one autograd call.
     outputs = []
-    handles = [layer.self_attn.o_proj.register_forward_hook(lambda _m, _i, out: outputs.append(out)) for layer in model.model.layers]
+    handles = [
+        layer.self_attn.o_proj.register_forward_hook(lambda _m, _i, out: outputs.append(out))
+        for layer in model.model.layers
+    ]
     embeds = model.get_input_embeddings()(tokens).detach().requires_grad_(True)
     logits = model(inputs_embeds=embeds, use_cache=False).logits
-    loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1), reduction="sum")
+    loss = torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1), reduction="sum"
+    )
     grads = torch.autograd.grad(loss, outputs)
     for handle in handles:
         handle.remove()
@@ -122,8 +136,17 @@ def test_output_fisher_equals_autograd_of_each_attention_output(tiny):
 
 def test_fisher_compile_keeps_full_rank_equivalence(tiny, tmp_path):
     src, _ = tiny
-    ctx = run_pipeline(Plan(model=str(src), output=tmp_path / "f", progress=False, value_metric="fisher", fisher_tokens=96,
-                            target_rate=0.5), tiny_pipeline())
+    ctx = run_pipeline(
+        Plan(
+            model=str(src),
+            output=tmp_path / "f",
+            progress=False,
+            value_metric="fisher",
+            fisher_tokens=96,
+            target_rate=0.5,
+        ),
+        tiny_pipeline(),
+    )
     assert ctx.verification["full_rank_max_abs_logit_diff"] < 1e-4
     assert ctx.report["fisher"]["tokens"] == 96
 
@@ -131,8 +154,18 @@ def test_fisher_compile_keeps_full_rank_equivalence(tiny, tmp_path):
 def test_quality_budget_finds_the_largest_rate_within_budget(tiny, tmp_path):
     src, text = tiny
     fine_grid = tuple(round(0.01 * i, 2) for i in range(96))
-    plan = Plan(model=str(src), output=tmp_path / "b", progress=False, calibration=str(text), calib_tokens=1024, seq_len=64,
-                budget_tokens=256, max_kl=0.002, allocation="greedy", rate_grid=fine_grid)
+    plan = Plan(
+        model=str(src),
+        output=tmp_path / "b",
+        progress=False,
+        calibration=str(text),
+        calib_tokens=1024,
+        seq_len=64,
+        budget_tokens=256,
+        max_kl=0.002,
+        allocation="greedy",
+        rate_grid=fine_grid,
+    )
     ctx = run_pipeline(plan)
     budget = ctx.report["quality_budget"]
     chosen = budget["chosen_rate"]
@@ -142,7 +175,9 @@ def test_quality_budget_finds_the_largest_rate_within_budget(tiny, tmp_path):
     windows = calibration_token_sequences(str(text), ctx.tokenizer, 1024 + 256, 64, seed=0)[16:]
     assert torch.equal(windows, ctx.budget_tokens)
     at = perplexity_and_agreement(kvrewrite.load(tmp_path / "b", rate=chosen), windows, original, progress=False)
-    above = perplexity_and_agreement(kvrewrite.load(tmp_path / "b", rate=round(chosen + 0.01, 2)), windows, original, progress=False)
+    above = perplexity_and_agreement(
+        kvrewrite.load(tmp_path / "b", rate=round(chosen + 0.01, 2)), windows, original, progress=False
+    )
     assert at.kl_mean == pytest.approx(budget["chosen"]["kl_mean"], rel=1e-3, abs=1e-6)
     assert at.kl_mean <= 0.002 < above.kl_mean
     # The statistics never saw the held-back windows.
@@ -154,8 +189,15 @@ def test_quality_budget_default_output_is_checked_before_any_work(tiny, tmp_path
     directory names the budget instead, and an existing one is refused before the first pass, not at emit."""
     src, text = tiny
     monkeypatch.chdir(tmp_path)
-    plan = Plan(model=str(src), progress=False, calibration=str(text), calib_tokens=256, seq_len=32,
-                budget_tokens=64, max_kl=0.002)
+    plan = Plan(
+        model=str(src),
+        progress=False,
+        calibration=str(text),
+        calib_tokens=256,
+        seq_len=32,
+        budget_tokens=64,
+        max_kl=0.002,
+    )
     ctx = run_pipeline(plan)
     assert ctx.output_dir == Path(f"{src.name}-kvrewrite-kl0.002")
     assert (tmp_path / ctx.output_dir / "config.json").is_file()
@@ -178,11 +220,21 @@ def test_pareto_front():
 
 
 def test_parse_config():
-    assert parse_config("zack-faithful").overrides == {"objective": "zack", "allocation": "eps", "rope_mode": "post-rope"}
+    assert parse_config("zack-faithful").overrides == {
+        "objective": "zack",
+        "allocation": "eps",
+        "rope_mode": "post-rope",
+    }
     cfg = parse_config("mine:base=latent-uniform,min_rank=4,probe_rates=0.25/0.5,fisher_shrink=25%")
     assert cfg.name == "mine"
-    assert cfg.overrides == {"objective": "optimal", "allocation": "uniform", "rope_mode": "latent", "min_rank": 4,
-                             "probe_rates": (0.25, 0.5), "fisher_shrink": 0.25}
+    assert cfg.overrides == {
+        "objective": "optimal",
+        "allocation": "uniform",
+        "rope_mode": "latent",
+        "min_rank": 4,
+        "probe_rates": (0.25, 0.5),
+        "fisher_shrink": 0.25,
+    }
     for bad in ("nope", "x:target_rate=0.3", "x:max_kl=0.1", "x:unknown=1", "x:min_rank=abc", "x:min_rank"):
         with pytest.raises(InvalidArgumentError):
             parse_config(bad)
@@ -190,10 +242,20 @@ def test_parse_config():
 
 def test_sweep_writes_table_and_plot_and_slices_equal_direct_compiles(tiny, tmp_path):
     src, text = tiny
-    configs = [parse_config("zack-faithful"), parse_config("latent-sensitivity"), parse_config("mine:base=latent-uniform,min_rank=2")]
+    configs = [
+        parse_config("zack-faithful"),
+        parse_config("latent-sensitivity"),
+        parse_config("mine:base=latent-uniform,min_rank=2"),
+    ]
     windows = random_windows(4, 48, seed=9)
-    summary = run_sweep(str(src), [0.3, 0.5], configs, tmp_path / "sweep",
-                        base_overrides={"calibration": str(text), "calib_tokens": 1024, "seq_len": 64}, eval_windows=windows)
+    summary = run_sweep(
+        str(src),
+        [0.3, 0.5],
+        configs,
+        tmp_path / "sweep",
+        base_overrides={"calibration": str(text), "calib_tokens": 1024, "seq_len": 64},
+        eval_windows=windows,
+    )
     rows = summary["rows"]
     assert [r["config"] for r in rows] == ["original"] + [c.name for c in configs for _ in (0, 1)]
     for name in ("sweep_results.json", "sweep_results.csv", "sweep_results.md", "sweep_pareto.png"):
@@ -203,20 +265,38 @@ def test_sweep_writes_table_and_plot_and_slices_equal_direct_compiles(tiny, tmp_
         assert r["kv_share"] == pytest.approx(1 - r["rate"], abs=0.02)
     # A rate sliced from the sweep's checkpoint (compiled at 0.5) is the model a direct compile at 0.3 gives.
     original = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
-    direct = run_pipeline(Plan(model=str(src), output=tmp_path / "direct", progress=False, calibration=str(text), calib_tokens=1024,
-                               seq_len=64, target_rate=0.3, **configs[1].overrides))
+    direct = run_pipeline(
+        Plan(
+            model=str(src),
+            output=tmp_path / "direct",
+            progress=False,
+            calibration=str(text),
+            calib_tokens=1024,
+            seq_len=64,
+            target_rate=0.3,
+            **configs[1].overrides,
+        )
+    )
     sliced = kvrewrite.load(tmp_path / "sweep" / "checkpoints" / "latent-sensitivity", rate=0.3)
     assert sliced.compression_spec.layers == kvrewrite.load(direct.output_dir).compression_spec.layers
     with torch.no_grad():
         assert torch.allclose(sliced(windows).logits, kvrewrite.load(direct.output_dir)(windows).logits, atol=1e-5)
     row = next(r for r in rows if r["config"] == "latent-sensitivity" and r["rate"] == 0.3)
-    assert row["perplexity"] == pytest.approx(perplexity_and_agreement(sliced, windows, original, progress=False).perplexity, rel=1e-6)
+    assert row["perplexity"] == pytest.approx(
+        perplexity_and_agreement(sliced, windows, original, progress=False).perplexity, rel=1e-6
+    )
 
 
 def test_sweep_compiles_codec_configs_at_every_rate(tiny, tmp_path):
     src, text = tiny
-    summary = run_sweep(str(src), [0.3, 0.5], [parse_config("q:base=latent-uniform,kv_codec=int4")], tmp_path / "sweep",
-                        base_overrides={"calibration": str(text), "calib_tokens": 512, "seq_len": 64}, eval_windows=random_windows(2, 48, seed=9))
+    summary = run_sweep(
+        str(src),
+        [0.3, 0.5],
+        [parse_config("q:base=latent-uniform,kv_codec=int4")],
+        tmp_path / "sweep",
+        base_overrides={"calibration": str(text), "calib_tokens": 512, "seq_len": 64},
+        eval_windows=random_windows(2, 48, seed=9),
+    )
     assert sorted(p.name for p in (tmp_path / "sweep" / "checkpoints").iterdir()) == ["q@0.30", "q@0.50"]
     uncoded = {r["rate"]: r["kv_bytes_per_token"] for r in summary["rows"] if r["config"] == "q"}
     assert uncoded[0.3] > uncoded[0.5]
@@ -227,10 +307,21 @@ def test_each_variant_compiles_its_own_key_mode(tiny, tmp_path):
     from kvrewrite.compile.passes.pipeline import compile_variants
 
     src, text = tiny
-    plan = Plan(model=str(src), target_rate=0.5, allocation="greedy", calibration=str(text), calib_tokens=1024,
-                seq_len=64, progress=False)
-    variants = {"freq": {"rope_mode": "freq"}, "post": {"rope_mode": "post-rope"}, "latent": {"rope_mode": "latent"},
-                "zack": {"objective": "zack", "rope_mode": "default"}}
+    plan = Plan(
+        model=str(src),
+        target_rate=0.5,
+        allocation="greedy",
+        calibration=str(text),
+        calib_tokens=1024,
+        seq_len=64,
+        progress=False,
+    )
+    variants = {
+        "freq": {"rope_mode": "freq"},
+        "post": {"rope_mode": "post-rope"},
+        "latent": {"rope_mode": "latent"},
+        "zack": {"objective": "zack", "rope_mode": "default"},
+    }
     expected = {"freq": "freq", "post": "post-rope", "latent": "latent", "zack": "post-rope"}
     compile_variants(plan, variants, tmp_path / "out")
     for name, mode in expected.items():

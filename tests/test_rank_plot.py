@@ -68,7 +68,9 @@ def test_cells_show_their_ranks_in_place(tmp_path: Path) -> None:
         for layer in range(2):
             assert found[panel, layer, 0][0] < found[panel, layer, 1][0]  # head 0 left of head 1
     assert max(x for (p, _, _), (x, _) in found.items() if p == "keys") < min(
-        x for (p, _, _), (x, _) in found.items() if p == "values")
+        x for (p, _, _), (x, _) in found.items() if p == "values"
+    )
+
 
 def test_large_grid_without_annotations(tmp_path: Path) -> None:
     out = plot_rank_heatmap(_ranks(80, 32, 128, 0), _ranks(80, 32, 128, 3), 128, tmp_path / "big.png")

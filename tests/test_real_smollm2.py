@@ -7,9 +7,9 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import kvrewrite
-from kvrewrite.publish.evaluation import kv_cache_bytes_per_token
 from kvrewrite.compile.passes.pipeline import compile_variants
 from kvrewrite.compile.plan import Plan
+from kvrewrite.publish.evaluation import kv_cache_bytes_per_token
 
 pytestmark = pytest.mark.real_model
 

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import random_windows, save_tiny_llama, tiny_pipeline
 from transformers import AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 import kvrewrite
-from kvrewrite.errors import InvalidArgumentError
-from kvrewrite.publish.evaluation import perplexity_and_agreement
 from kvrewrite.compile.passes.pipeline import run_pipeline
 from kvrewrite.compile.plan import Plan
 from kvrewrite.compile.sweep import parse_config, rate_sliceable
-from tiny_models import random_windows, save_tiny_llama, tiny_pipeline
+from kvrewrite.errors import InvalidArgumentError
+from kvrewrite.publish.evaluation import perplexity_and_agreement
 
 CALIB = random_windows(12, 48, seed=5)
 
@@ -22,8 +22,19 @@ CALIB = random_windows(12, 48, seed=5)
 def compiled(tmp_path_factory):
     root = tmp_path_factory.mktemp("refit")
     src = save_tiny_llama(root / "src", seed=7, num_kv_heads=2, num_heads=4, layers=3)
-    plans = {name: Plan(model=str(src), output=root / name, progress=False, target_rate=0.5, allocation="uniform",
-                        refit=name, refit_tokens=int(CALIB.numel()), refit_ridge=0.0) for name in ("none", "output", "output-local")}
+    plans = {
+        name: Plan(
+            model=str(src),
+            output=root / name,
+            progress=False,
+            target_rate=0.5,
+            allocation="uniform",
+            refit=name,
+            refit_tokens=int(CALIB.numel()),
+            refit_ridge=0.0,
+        )
+        for name in ("none", "output", "output-local")
+    }
     contexts = {name: run_pipeline(plan, tiny_pipeline(CALIB)) for name, plan in plans.items()}
     return src, contexts
 
@@ -53,10 +64,17 @@ def _refit_inputs(model, original):
     handles = []
     for tag, net in (("c", model), ("o", original)):
         for idx, layer in enumerate(net.model.layers):
-            handles.append(layer.self_attn.register_forward_pre_hook(
-                lambda _m, args, kwargs, i=idx, t=tag: seen.__setitem__((t, "x", i), kwargs["hidden_states"]), with_kwargs=True))
-            handles.append(layer.self_attn.o_proj.register_forward_pre_hook(
-                lambda _m, inp, i=idx, t=tag: seen.__setitem__((t, "z", i), inp[0])))
+            handles.append(
+                layer.self_attn.register_forward_pre_hook(
+                    lambda _m, args, kwargs, i=idx, t=tag: seen.__setitem__((t, "x", i), kwargs["hidden_states"]),
+                    with_kwargs=True,
+                )
+            )
+            handles.append(
+                layer.self_attn.o_proj.register_forward_pre_hook(
+                    lambda _m, inp, i=idx, t=tag: seen.__setitem__((t, "z", i), inp[0])
+                )
+            )
     with torch.no_grad():
         model(input_ids=CALIB, use_cache=False)
         original(input_ids=CALIB, use_cache=False)
@@ -87,12 +105,16 @@ def test_refit_lowers_the_error_on_other_text_and_serves_only_its_rate(compiled)
     src, contexts = compiled
     original = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     held_out = random_windows(8, 48, seed=11)
-    kl = {name: perplexity_and_agreement(kvrewrite.load(ctx.output_dir), held_out, original, progress=False).kl_mean
-          for name, ctx in contexts.items()}
+    kl = {
+        name: perplexity_and_agreement(kvrewrite.load(ctx.output_dir), held_out, original, progress=False).kl_mean
+        for name, ctx in contexts.items()
+    }
     assert kl["output"] < 0.9 * kl["none"], kl
     assert kl["output-local"] < 0.9 * kl["none"], kl
     report = contexts["output"].report["refit"]
-    assert all(a <= b + 1e-9 for a, b in zip(report["layer_relative_error_after"], report["layer_relative_error_before"]))
+    assert all(
+        a <= b + 1e-9 for a, b in zip(report["layer_relative_error_after"], report["layer_relative_error_before"])
+    )
     assert list(contexts["output"].spec.rate_table) == ["0.50"]
     assert report["verify_kl_after"] < report["verify_kl_before"]
     assert contexts["output"].verification["compiled_rank"]["kl_mean"] == report["verify_kl_after"]
@@ -123,7 +145,10 @@ def test_one_refit_over_stacked_truncations_is_the_refit_of_their_rows(compiled)
     adapter = adapter_for(original.config)
     directory = contexts["none"].output_dir
     sliced = kvrewrite.load(directory)
-    ranks = ([l.self_attn.key_ranks for l in sliced.model.layers], [l.self_attn.value_ranks for l in sliced.model.layers])
+    ranks = (
+        [l.self_attn.key_ranks for l in sliced.model.layers],
+        [l.self_attn.value_ranks for l in sliced.model.layers],
+    )
     full = kvrewrite.load(directory, rate=0.0)
     before = [l.self_attn.o_proj.weight.detach().clone() for l in full.model.layers]
     refit_output_projections(sliced, original, adapter, CALIB, ridge=1e-4)

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import save_tiny_llama, tiny_pipeline
 from transformers import DynamicCache, StaticCache
 
 import kvrewrite
+from kvrewrite.compile.passes.pipeline import run_pipeline
+from kvrewrite.compile.plan import Plan
 from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.runtime.kernels.buckets import BucketedAttention
 from kvrewrite.runtime.kernels.cache_layout import packed_view
 from kvrewrite.runtime.kernels.dispatch import resolve_backend
-from kvrewrite.compile.passes.pipeline import run_pipeline
-from kvrewrite.compile.plan import Plan
-from tiny_models import save_tiny_llama, tiny_pipeline
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +34,15 @@ def _generate_logits(directory, monkeypatch, backend: str) -> torch.Tensor:
     ids = torch.tensor([[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]])
     mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1] * 6])
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False,
-                             pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=3,
+            do_sample=False,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
     return torch.stack(out.logits, dim=1)  # [B, new tokens, vocab]; prefill then 2 decode steps
 
 
@@ -69,10 +76,22 @@ def _decode_logits(directory, monkeypatch, backend: str, rate: float, cache_kind
     model = kvrewrite.load(directory, rate=rate).eval()
     ids = torch.tensor([[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]])
     mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1] * 6])
-    cache = DynamicCache(config=model.config) if cache_kind == "dynamic" else StaticCache(config=model.config, max_cache_len=16)
+    cache = (
+        DynamicCache(config=model.config)
+        if cache_kind == "dynamic"
+        else StaticCache(config=model.config, max_cache_len=16)
+    )
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0,
-                             past_key_values=cache, output_logits=True, return_dict_in_generate=True)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=5,
+            do_sample=False,
+            pad_token_id=0,
+            past_key_values=cache,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
     return torch.stack(out.logits, dim=1), cache
 
 

@@ -8,6 +8,9 @@ import json
 
 import pytest
 import torch
+from sequence_parallel_worker import prefill_jobs
+from tiny_families import save_tiny_family
+from tiny_models import random_windows, save_tiny_llama, tiny_pipeline
 from transformers import DynamicCache
 
 import kvrewrite
@@ -19,10 +22,14 @@ from kvrewrite.compile.plan import Plan
 from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.key_modes import key_transform
 from kvrewrite.runtime.kernels.cache_layout import packed_view
-from kvrewrite.runtime.sequence_parallel import check_world_size, head_runs, layer_shares, prefill, run_processes, token_runs
-from sequence_parallel_worker import prefill_jobs
-from tiny_families import save_tiny_family
-from tiny_models import random_windows, save_tiny_llama, tiny_pipeline
+from kvrewrite.runtime.sequence_parallel import (
+    check_world_size,
+    head_runs,
+    layer_shares,
+    prefill,
+    run_processes,
+    token_runs,
+)
 
 # One layer per RoPE key mode: shared key block, folded pairs, rebuilt latent keys, post-RoPE maps.
 MODES = ["crosshead", "freq", "latent", "post-rope"]
@@ -34,16 +41,20 @@ LENGTH, NEW_TOKENS = 29, 4  # 29 tokens: uneven slices for 2 and 4 ranks
 def checkpoint(tmp_path_factory):
     root = tmp_path_factory.mktemp("sp")
     source = save_tiny_llama(root / "src", seed=2, num_kv_heads=2, num_heads=4, layers=len(MODES))
-    ctx = CompileContext(plan=Plan(model=str(source), output=root / "out", progress=False, target_rate=0.5,
-                                   allocation="greedy"))
+    ctx = CompileContext(
+        plan=Plan(model=str(source), output=root / "out", progress=False, target_rate=0.5, allocation="greedy")
+    )
     pipeline = tiny_pipeline()
     split = [step.name for step in pipeline].index("compute_transforms") + 1
     for step in pipeline[:split]:
         ctx = run_pass(ctx, step)
-    ctx = dataclasses.replace(ctx, transforms=[
-        LayerTransforms(key=key_transform(mode, "optimal", stats, ctx.geometry), value=t.value)
-        for mode, stats, t in zip(MODES, ctx.statistics.layers, ctx.transforms)
-    ])
+    ctx = dataclasses.replace(
+        ctx,
+        transforms=[
+            LayerTransforms(key=key_transform(mode, "optimal", stats, ctx.geometry), value=t.value)
+            for mode, stats, t in zip(MODES, ctx.statistics.layers, ctx.transforms)
+        ],
+    )
     for step in pipeline[split:]:
         ctx = run_pass(ctx, step)
     assert [layer.key_mode for layer in ctx.spec.layers] == MODES
@@ -61,8 +72,10 @@ def family_checkpoints(tmp_path_factory):
     out = {}
     for i, family in enumerate(FAMILIES):
         source = save_tiny_family(root / f"{family}-src", family, seed=i)
-        run_pipeline(Plan(model=str(source), output=root / family, progress=False, target_rate=0.5, allocation="greedy"),
-                     tiny_pipeline())
+        run_pipeline(
+            Plan(model=str(source), output=root / family, progress=False, target_rate=0.5, allocation="greedy"),
+            tiny_pipeline(),
+        )
         out[family] = root / family
     return out
 
@@ -72,7 +85,7 @@ def single_process(directory, tokens, rate):
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         logits = model(tokens, past_key_values=cache, use_cache=True).logits
-        generated = model.generate(tokens, max_new_tokens=NEW_TOKENS, do_sample=False)[:, tokens.shape[1]:]
+        generated = model.generate(tokens, max_new_tokens=NEW_TOKENS, do_sample=False)[:, tokens.shape[1] :]
     return model, logits, [(packed_view(layer.keys), packed_view(layer.values)) for layer in cache.layers], generated
 
 
@@ -84,7 +97,7 @@ def test_n_process_prefill_equals_single_process_and_ships_the_packed_latents(ch
     ranks = run_processes(prefill_jobs, world, jobs + families, tokens, NEW_TOKENS)
     for directory, rate in families:  # other layouts: logits, cache and continuation
         model, logits, cache, generated = single_process(directory, tokens, rate)
-        for rank, result in enumerate(ranks):
+        for result in ranks:
             got = result[(directory, rate)]
             start, stop = got["tokens"]
             assert (got["logits"] - logits[:, start:stop]).abs().max().item() < 1e-5, directory
@@ -134,7 +147,9 @@ def test_shares_slice_the_packed_columns_without_padding(checkpoint):
         for world in (1, 2, 3, 4):
             shares = layer_shares(attn, world)
             # Output columns tile o_proj's packed input exactly once, in head order.
-            assert [s.output_columns for s in shares][0][0] == 0 and shares[-1].output_columns[1] == attn.layout.output_offsets[-1]
+            assert [s.output_columns for s in shares][0][0] == 0 and shares[-1].output_columns[
+                1
+            ] == attn.layout.output_offsets[-1]
             assert all(a.output_columns[1] == b.output_columns[0] for a, b in zip(shares, shares[1:]))
         if not attn.mode.shared_key_block and not attn.mode.rebuilds_keys:
             # With whole KV groups per rank, the shares tile the packed query, key and value too.
@@ -162,11 +177,28 @@ def test_cli_refuses_an_impossible_process_count_before_starting_any(checkpoint,
 
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("w5 w6 w7 w8 w9 w10")
-    result = CliRunner().invoke(app, ["prefill-parallel", str(checkpoint), "--prompt-file", str(prompt), "--nproc", "5"])
+    result = CliRunner().invoke(
+        app, ["prefill-parallel", str(checkpoint), "--prompt-file", str(prompt), "--nproc", "5"]
+    )
     assert result.exit_code == 2
     assert "--nproc 5: the model has 4 query heads" in result.output
-    result = CliRunner().invoke(app, ["prefill-parallel", str(checkpoint), "--prompt-file", str(prompt), "--nproc", "2",
-                                      "--rate", "0.5", "--new-tokens", "3", "--json", str(tmp_path / "run.json")])
+    result = CliRunner().invoke(
+        app,
+        [
+            "prefill-parallel",
+            str(checkpoint),
+            "--prompt-file",
+            str(prompt),
+            "--nproc",
+            "2",
+            "--rate",
+            "0.5",
+            "--new-tokens",
+            "3",
+            "--json",
+            str(tmp_path / "run.json"),
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "cache gathered to rank 0" in result.output and "next 3 tokens (greedy, rank 0)" in result.output
     written = json.loads((tmp_path / "run.json").read_text())

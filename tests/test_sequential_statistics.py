@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import random_windows, save_tiny_llama, tiny_pipeline
 from transformers import AutoModelForCausalLM
 
 import kvrewrite
 from kvrewrite.compile.passes.pipeline import run_pipeline
 from kvrewrite.compile.plan import Plan
 from kvrewrite.errors import InvalidArgumentError
-from tiny_models import random_windows, save_tiny_llama, tiny_pipeline
 
 CALIB = random_windows(8, 48, seed=3)
 MODES = ["latent", "freq", "crosshead"]
@@ -32,8 +32,11 @@ def key_grams_on_inputs(model, src, layers: int) -> list[torch.Tensor]:
     original = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     seen, handles = {}, []
     for idx, layer in enumerate(model.model.layers):
-        handles.append(layer.self_attn.register_forward_pre_hook(
-            lambda _m, args, kwargs, i=idx: seen.__setitem__(i, kwargs["hidden_states"]), with_kwargs=True))
+        handles.append(
+            layer.self_attn.register_forward_pre_hook(
+                lambda _m, args, kwargs, i=idx: seen.__setitem__(i, kwargs["hidden_states"]), with_kwargs=True
+            )
+        )
     with torch.no_grad():
         model(input_ids=CALIB, use_cache=False)
     for handle in handles:
@@ -56,7 +59,9 @@ def test_sequential_compile_is_exact_at_full_rank(source, tmp_path, mode):
         assert (full(tokens).logits - original(tokens).logits).abs().max().item() < 1e-4
 
 
-@pytest.mark.parametrize(("option", "mode"), [("keep-ranks", "latent"), ("keep-ranks", "freq"), ("reallocate", "latent")])
+@pytest.mark.parametrize(
+    ("option", "mode"), [("keep-ranks", "latent"), ("keep-ranks", "freq"), ("reallocate", "latent")]
+)
 def test_grams_are_measured_on_the_compressed_prefix(source, tmp_path, option, mode):
     plain = compile_tiny(source, tmp_path / "plain", rope_mode=mode)
     sequential = compile_tiny(source, tmp_path / "seq", rope_mode=mode, sequential_statistics=option)
@@ -76,7 +81,9 @@ def test_grams_are_measured_on_the_compressed_prefix(source, tmp_path, option, m
         if ctx is sequential and option == "reallocate":
             continue  # re-allocated ranks differ from the ones the prefix was truncated to
         for idx, gram in enumerate(key_grams_on_inputs(model, source, layers)):
-            torch.testing.assert_close(ctx.statistics.layers[idx].grams["key_pre"], gram, rtol=1e-4, atol=1e-4 * gram.abs().max().item())
+            torch.testing.assert_close(
+                ctx.statistics.layers[idx].grams["key_pre"], gram, rtol=1e-4, atol=1e-4 * gram.abs().max().item()
+            )
     report = sequential.report["sequential_statistics"]
     assert report["mode"] == option and report["key_gram_relative_change"][0] == 0.0
     assert all(c > 0 for c in report["key_gram_relative_change"][1:])

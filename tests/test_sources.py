@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kvrewrite.io import sources
 from kvrewrite.errors import ModelSourceError
+from kvrewrite.io import sources
 from kvrewrite.io.sources import ResolvedModel, bundled_smollm2_path, cache_dir, resolve_model_source
 
 FAKE_COMMIT = "0123456789abcdef0123456789abcdef01234567"

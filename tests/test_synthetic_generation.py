@@ -18,8 +18,9 @@ from kvrewrite.io.calibration_data.static_decoding import (
 )
 from kvrewrite.io.calibration_data.synthetic import DEFAULT_SETTINGS, _prompt_ids, seed_prompts, synthetic_texts
 
-SAMPLING = SamplingSettings(DEFAULT_SETTINGS.temperature, DEFAULT_SETTINGS.top_p, DEFAULT_SETTINGS.top_k,
-                            DEFAULT_SETTINGS.repetition_penalty)
+SAMPLING = SamplingSettings(
+    DEFAULT_SETTINGS.temperature, DEFAULT_SETTINGS.top_p, DEFAULT_SETTINGS.top_k, DEFAULT_SETTINGS.repetition_penalty
+)
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +36,17 @@ def _tiny_llama(dtype: torch.dtype) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, intermediate_size=128, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
     return LlamaForCausalLM(config).eval().to(dtype)
 
 
@@ -51,13 +61,19 @@ def _generate_alone(model: Any, prompt: list[int], text_id: int, seed: int, max_
             token = sample_next_tokens(scores, SAMPLING, seed, torch.tensor([text_id]), step)
             return torch.full_like(scores, float("-inf")).scatter_(-1, token[:, None], 0.0)
 
-    config = GenerationConfig(do_sample=False, max_new_tokens=max_new, repetition_penalty=SAMPLING.repetition_penalty,
-                              pad_token_id=eos, eos_token_id=[eos])
+    config = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=max_new,
+        repetition_penalty=SAMPLING.repetition_penalty,
+        pad_token_id=eos,
+        eos_token_id=[eos],
+    )
     with torch.inference_mode():
         ids = torch.tensor([prompt])
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config,
-                             logits_processor=[Draw()])
-    row = out[0, len(prompt):].tolist()
+        out = model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config, logits_processor=[Draw()]
+        )
+    row = out[0, len(prompt) :].tolist()
     return row[: row.index(eos)] if eos in row else row
 
 
@@ -76,14 +92,23 @@ def test_batched_static_cache_decoding_matches_generate_one_text_at_a_time(smoll
     assert len(reference[2]) == first < max_new
 
     with torch.inference_mode():
-        batched = decode_batch(model, prompts, text_ids, seed=seed, settings=SAMPLING, max_new_tokens=max_new,
-                               eos_ids=[eos], pad_id=0)
+        batched = decode_batch(
+            model, prompts, text_ids, seed=seed, settings=SAMPLING, max_new_tokens=max_new, eos_ids=[eos], pad_id=0
+        )
     assert [row.tokens for row in batched] == reference
     assert [row.ended for row in batched] == [len(r) < max_new for r in reference]
     # The same texts in another order and batch: each row depends on its own text id only.
     with torch.inference_mode():
-        alone = decode_batch(model, prompts[3:4], text_ids[3:4], seed=seed, settings=SAMPLING, max_new_tokens=max_new,
-                             eos_ids=[eos], pad_id=0)
+        alone = decode_batch(
+            model,
+            prompts[3:4],
+            text_ids[3:4],
+            seed=seed,
+            settings=SAMPLING,
+            max_new_tokens=max_new,
+            eos_ids=[eos],
+            pad_id=0,
+        )
     assert alone[0].tokens == reference[3]
 
 
@@ -118,8 +143,11 @@ def test_uniforms_are_uniform_and_keyed_by_seed_text_and_step() -> None:
     assert torch.allclose(counts, torch.full((10,), 0.1), atol=0.0035)
     # Neighbouring columns, rows and steps are uncorrelated.
     centred = u - 0.5
-    for a, b in ((centred[:, 1:], centred[:, :-1]), (centred[1:], centred[:-1]),
-                 (centred, text_uniforms(3, ids, torch.ones_like(ids), 50) - 0.5)):
+    for a, b in (
+        (centred[:, 1:], centred[:, :-1]),
+        (centred[1:], centred[:-1]),
+        (centred, text_uniforms(3, ids, torch.ones_like(ids), 50) - 0.5),
+    ):
         assert abs(float((a * b).mean()) / float((a * a).mean())) < 0.02
     assert not torch.equal(u, text_uniforms(4, ids, torch.zeros_like(ids), 50))
     # One row's numbers do not depend on the rows beside it.

@@ -7,17 +7,17 @@ import json
 
 import pytest
 import torch
+from tiny_models import random_windows, save_tiny_llama, tiny_pipeline
 
 import kvrewrite
-from kvrewrite.io.checkpoint_io import CHECKSUM_FILE
-from kvrewrite.errors import InvalidArgumentError
-from kvrewrite.publish.evaluation import cache_tensor_bytes, continuation_nll
 from kvrewrite.compile.passes.pipeline import run_pipeline
 from kvrewrite.compile.plan import Plan
-from kvrewrite.runtime.tiers import EvictionPolicy
 from kvrewrite.compile.token_budget import fp16_bytes, held_bytes, solve_keep
+from kvrewrite.errors import InvalidArgumentError
+from kvrewrite.io.checkpoint_io import CHECKSUM_FILE
+from kvrewrite.publish.evaluation import cache_tensor_bytes, continuation_nll
+from kvrewrite.runtime.tiers import EvictionPolicy
 from kvrewrite.runtime.tiers.eviction import eviction_policy_for_rate
-from tiny_models import random_windows, save_tiny_llama, tiny_pipeline
 
 
 @pytest.fixture(scope="module")
@@ -28,12 +28,21 @@ def checkpoint(tmp_path_factory):
     return root / "out"
 
 
-@pytest.mark.parametrize("window,rate,bits,keep,context", [(4, 0.5, None, 0.5, 40), (2, 0.0, 4, 0.3, 57),
-                                                          (8, 0.5, 8, 0.9, 8), (3, 0.5, 2, 0.0, 30),
-                                                          (3, 0.0, (8, 4), 0.6, 33), (2, 0.5, (None, 2), 0.5, 20)])
+@pytest.mark.parametrize(
+    "window,rate,bits,keep,context",
+    [
+        (4, 0.5, None, 0.5, 40),
+        (2, 0.0, 4, 0.3, 57),
+        (8, 0.5, 8, 0.9, 8),
+        (3, 0.5, 2, 0.0, 30),
+        (3, 0.0, (8, 4), 0.6, 33),
+        (2, 0.5, (None, 2), 0.5, 20),
+    ],
+)
 def test_formula_equals_the_bytes_the_cache_holds(checkpoint, window, rate, bits, keep, context):
-    model = kvrewrite.load(checkpoint, rate=rate, recent_window=window, kv_codec="none",
-                           evict={"keep": keep, "bits": bits}).eval()
+    model = kvrewrite.load(
+        checkpoint, rate=rate, recent_window=window, kv_codec="none", evict={"keep": keep, "bits": bits}
+    ).eval()
     cache = model.make_kv_cache()
     tokens = random_windows(n=1, length=context, seed=9)
     with torch.no_grad():
@@ -61,14 +70,25 @@ def test_solved_keep_is_the_largest_within_the_budget(checkpoint):
 def test_budget_command_records_the_best_split_and_load_uses_it(checkpoint):
     from kvrewrite.compile.budget_search import split_budget
 
-    result = split_budget(checkpoint, 0.3, context=48, windows=1, length=32, recent_windows=(2, 4), rates=(0.0, 0.5),
-                          bits_options=(None, 4), progress=False)
+    result = split_budget(
+        checkpoint,
+        0.3,
+        context=48,
+        windows=1,
+        length=32,
+        recent_windows=(2, 4),
+        rates=(0.0, 0.5),
+        bits_options=(None, 4),
+        progress=False,
+    )
     measured, winner, chosen = result["candidates"], result["winner"], result["chosen"]
     from kvrewrite.compile.token_budget import candidates
 
     spec = kvrewrite.load(checkpoint, token_policy=False).compression_spec
     fitting = candidates(spec, 0.3, 32, (2, 4), (0.0, 0.5), (None, 4))
-    assert [(c.window, c.rate, c.bits, c.keep) for c in measured] == [(c.window, c.rate, c.bits, c.keep) for c in fitting]
+    assert [(c.window, c.rate, c.bits, c.keep) for c in measured] == [
+        (c.window, c.rate, c.bits, c.keep) for c in fitting
+    ]
     assert len(measured) >= 4 and all(c.bytes_share <= 0.3 for c in measured)
     for c in measured:  # measured at the budget for the windows' length: the bytes really held agree
         assert c.measured_share <= 0.3 + 1e-9 and c.measured_share == pytest.approx(c.bytes_share, abs=0.02)
@@ -98,8 +118,11 @@ def test_budget_command_records_the_best_split_and_load_uses_it(checkpoint):
     with pytest.raises(kvrewrite.errors.CorruptCheckpointError):
         kvrewrite.load(checkpoint)
     (checkpoint / "token_policy.json").unlink()
-    (checkpoint / CHECKSUM_FILE).write_text(json.dumps(
-        {k: v for k, v in json.loads((checkpoint / CHECKSUM_FILE).read_text()).items() if k != "token_policy.json"}))
+    (checkpoint / CHECKSUM_FILE).write_text(
+        json.dumps(
+            {k: v for k, v in json.loads((checkpoint / CHECKSUM_FILE).read_text()).items() if k != "token_policy.json"}
+        )
+    )
 
 
 def test_bad_budgets_are_refused(checkpoint):
@@ -128,12 +151,30 @@ def test_budget_cli_dry_run_writes_its_json_and_leaves_the_checkpoint_alone(chec
 
     sums_before = (checkpoint / CHECKSUM_FILE).read_text()
     out = tmp_path / "splits.json"
-    result = CliRunner().invoke(app, ["budget", str(checkpoint), "--kv-budget", "0.5", "--context", "512", "--windows",
-                                      "1", "--length", "256", "--dry-run", "--json", str(out)])
+    result = CliRunner().invoke(
+        app,
+        [
+            "budget",
+            str(checkpoint),
+            "--kv-budget",
+            "0.5",
+            "--context",
+            "512",
+            "--windows",
+            "1",
+            "--length",
+            "256",
+            "--dry-run",
+            "--json",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output
     record = json.loads(out.read_text())
     splits = record["splits"]
-    assert [(r["nll"], r["bytes_share"]) for r in splits] == sorted((r["nll"], r["bytes_share"]) for r in splits)  # best first
+    assert [(r["nll"], r["bytes_share"]) for r in splits] == sorted(
+        (r["nll"], r["bytes_share"]) for r in splits
+    )  # best first
     assert [r["chosen"] for r in splits] == [True] + [False] * (len(splits) - 1)
     best = splits[0]
     assert (record["chosen"]["window"], record["chosen"]["rate"]) == (best["window"], best["rate"])

@@ -9,21 +9,26 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import kvrewrite
-from kvrewrite.runtime.codecs.packing import packed_length
-from kvrewrite.errors import InvalidArgumentError
-from kvrewrite.runtime.cache_bytes import cache_tensor_bytes
-from kvrewrite.runtime.modeling.attention import CompressedAttention
-from kvrewrite.runtime.tiers.build import make_tiered_cache
-from kvrewrite.runtime.tiers.eviction import EvictingLayer, decode_tokens, encode_tokens
 from test_tiers import RATE, compiled, dense_reference_logits, window_masks  # noqa: F401  (compiled: the fixture)
 from tiny_models import random_windows
 
+import kvrewrite
+from kvrewrite.errors import InvalidArgumentError
+from kvrewrite.runtime.cache_bytes import cache_tensor_bytes
+from kvrewrite.runtime.codecs.packing import packed_length
+from kvrewrite.runtime.modeling.attention import CompressedAttention
+from kvrewrite.runtime.tiers.build import make_tiered_cache
+from kvrewrite.runtime.tiers.eviction import EvictingLayer, decode_tokens, encode_tokens
+
 
 def evicting_model(directory, window: int, keep: float, bits=None, observed: int = 64):
-    return kvrewrite.load(directory, rate=RATE, recent_window=window, kv_codec="none",
-                          evict={"keep": keep, "bits": bits, "observed_queries": observed}).eval()
+    return kvrewrite.load(
+        directory,
+        rate=RATE,
+        recent_window=window,
+        kv_codec="none",
+        evict={"keep": keep, "bits": bits, "observed_queries": observed},
+    ).eval()
 
 
 def feed(model, tokens: torch.Tensor, chunk: int, cache):
@@ -32,8 +37,12 @@ def feed(model, tokens: torch.Tensor, chunk: int, cache):
     with torch.no_grad():
         for s in range(0, tokens.shape[1], chunk):
             logits.append(model(tokens[:, s : s + chunk], past_key_values=cache, use_cache=True).logits)
-            states.append([(set(layer.kept_positions[0].tolist()), layer.cumulative_length - layer.keys.shape[-2])
-                           for layer in cache.layers])
+            states.append(
+                [
+                    (set(layer.kept_positions[0].tolist()), layer.cumulative_length - layer.keys.shape[-2])
+                    for layer in cache.layers
+                ]
+            )
     return torch.cat(logits, dim=1), states
 
 
@@ -87,7 +96,7 @@ def test_kept_tokens_are_the_ones_the_newest_queries_attend_to_most(compiled):
         CompressedAttention.project = original_project
     key_ranks, _ = model.compression_spec.ranks_for_rate(RATE)
     attn = model.compressed_attentions()[0]
-    d, group, n_kv = attn.head_dim, attn.group_size, attn.num_kv_heads
+    d, group = attn.head_dim, attn.group_size
     budget = round(keep * (length - window))
     for layer, layer_cache in enumerate(cache.layers):
         query, key, _ = captured[layer]  # freq keys: packed latents, already position-encoded
@@ -210,7 +219,9 @@ def test_generate_beam_search_and_an_unpadded_row_unchanged_by_its_batch(compile
     with torch.no_grad():
         batched = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
         alone = model.generate(input_ids=ids[1:], max_new_tokens=6, do_sample=False, pad_token_id=0)
-        beams = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, num_beams=3, do_sample=False, pad_token_id=0)
+        beams = model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=4, num_beams=3, do_sample=False, pad_token_id=0
+        )
     assert torch.equal(batched[1], alone[0])
     assert beams.shape == (2, 14)
 
@@ -220,8 +231,14 @@ def test_bad_eviction_settings_are_refused(compiled):
     with pytest.raises(InvalidArgumentError, match="needs recent_window"):
         kvrewrite.load(directory, rate=RATE, evict={"keep": 0.5})
     with pytest.raises(InvalidArgumentError, match="choose one"):
-        kvrewrite.load(directory, rate=RATE, recent_window=4, kv_codec="none", evict={"keep": 0.5},
-                       important={"rate": 0.0, "share": 0.5})
+        kvrewrite.load(
+            directory,
+            rate=RATE,
+            recent_window=4,
+            kv_codec="none",
+            evict={"keep": 0.5},
+            important={"rate": 0.0, "share": 0.5},
+        )
     with pytest.raises(InvalidArgumentError, match="no block codec"):
         kvrewrite.load(directory, rate=RATE, recent_window=4, kv_codec="int4", evict={"keep": 0.5})
     with pytest.raises(InvalidArgumentError, match=r"\[0, 1\]"):

@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import random_windows, save_tiny_llama, tiny_pipeline
 
 import kvrewrite
+from kvrewrite.compile.passes.pipeline import run_pipeline
+from kvrewrite.compile.plan import Plan
 from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.runtime.cache_bytes import cache_tensor_bytes
 from kvrewrite.runtime.modeling.attention import CompressedAttention
-from kvrewrite.compile.passes.pipeline import run_pipeline
-from kvrewrite.compile.plan import Plan
 from kvrewrite.runtime.tiers import TieredCache
 from kvrewrite.runtime.tiers.build import make_tiered_cache
-from tiny_models import random_windows, save_tiny_llama, tiny_pipeline
 
 MODES = ("latent", "freq", "post-rope")
 RATE = 0.5
@@ -46,14 +46,17 @@ def window_masks(key_ranks, value_ranks, d: int, window: int):
 
     def masks(layer: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
         aged = (t - torch.arange(t + 1) > window)[:, None]
-        return (torch.where(aged, _head_mask(key_ranks[layer], d), 1.0),
-                torch.where(aged, _head_mask(value_ranks[layer], d), 1.0))
+        return (
+            torch.where(aged, _head_mask(key_ranks[layer], d), 1.0),
+            torch.where(aged, _head_mask(value_ranks[layer], d), 1.0),
+        )
 
     return masks
 
 
-def dense_reference_logits(directory, tokens: torch.Tensor, window: int, attention_mask=None, masks=None,
-                           dropped=None) -> torch.Tensor:
+def dense_reference_logits(
+    directory, tokens: torch.Tensor, window: int, attention_mask=None, masks=None, dropped=None
+) -> torch.Tensor:
     """Logits of the full-rank model in which query t reads keys/values older than `window` truncated to RATE's ranks.
 
     masks(layer, t) -> (key_mask, value_mask) [t + 1, C] overrides which dims query t reads of each token;
@@ -93,8 +96,13 @@ def tiered_model(directory, window: int, codec=None):
 
 def run_chunks(model, tokens: torch.Tensor, chunk: int, cache) -> torch.Tensor:
     with torch.no_grad():
-        return torch.cat([model(tokens[:, s : s + chunk], past_key_values=cache, use_cache=True).logits
-                          for s in range(0, tokens.shape[1], chunk)], dim=1)
+        return torch.cat(
+            [
+                model(tokens[:, s : s + chunk], past_key_values=cache, use_cache=True).logits
+                for s in range(0, tokens.shape[1], chunk)
+            ],
+            dim=1,
+        )
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -151,9 +159,18 @@ def test_aged_tokens_truncate_exactly_and_bytes_match_formula(compiled):
             value_cols = [g * d + c for g, r in enumerate(policy.aged_value_ranks[i]) for c in range(r)]
             assert len(key_cols) < keys.shape[-1] and len(value_cols) < values.shape[-1]
             torch.testing.assert_close(layer.aged_keys.float(), keys[..., : length - window, key_cols].half().float())
-            torch.testing.assert_close(layer.aged_values.float(), values[..., : length - window, value_cols].half().float())
+            torch.testing.assert_close(
+                layer.aged_values.float(), values[..., : length - window, value_cols].half().float()
+            )
         full_elements = 2 * len(policy.aged_key_ranks[i]) * d
-        expected_bytes += 2 * tokens.shape[0] * (window * full_elements + (length - window) * (sum(policy.aged_key_ranks[i]) + sum(policy.aged_value_ranks[i])))
+        expected_bytes += (
+            2
+            * tokens.shape[0]
+            * (
+                window * full_elements
+                + (length - window) * (sum(policy.aged_key_ranks[i]) + sum(policy.aged_value_ranks[i]))
+            )
+        )
     assert cache_tensor_bytes(cache) == expected_bytes
     assert cache.get_seq_length() == length
 
@@ -165,7 +182,9 @@ def test_generate_left_padding_and_beam_search(compiled):
     with torch.no_grad():
         batched = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
         alone = model.generate(input_ids=ids[:1, 2:], max_new_tokens=6, do_sample=False, pad_token_id=0)
-        beams = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, num_beams=3, do_sample=False, pad_token_id=0)
+        beams = model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=4, num_beams=3, do_sample=False, pad_token_id=0
+        )
     assert torch.equal(batched[0, 2:], alone[0])  # left padding changes nothing
     assert beams.shape == (2, 12)
 
@@ -188,8 +207,12 @@ def test_bad_tier_settings_are_refused(compiled):
     model = kvrewrite.load(compiled["freq"], rate=RATE)
     with pytest.raises(InvalidArgumentError, match="full rank"):
         with torch.no_grad():
-            model(torch.tensor([[5, 6]]), past_key_values=TieredCache(
-                tiered_model(compiled["freq"], 2).tier_policy, model.compressed_attentions()[0].head_dim))
+            model(
+                torch.tensor([[5, 6]]),
+                past_key_values=TieredCache(
+                    tiered_model(compiled["freq"], 2).tier_policy, model.compressed_attentions()[0].head_dim
+                ),
+            )
 
 
 def test_eval_reports_tiered_rows_with_bytes_measured_at_the_window_length(compiled):
@@ -205,12 +228,16 @@ def test_eval_reports_tiered_rows_with_bytes_measured_at_the_window_length(compi
     full = 2 * spec.num_layers * spec.num_key_value_heads * d
     assert tiered["kv_bytes_per_token"] == pytest.approx(2 * (8 * full + 40 * aged) / 48)  # float16, 48-token windows
     # On token windows the tiny model can read, the full-rank window brings the model closer to the original.
-    from kvrewrite.publish.evaluation import evaluate_many
     from kvrewrite.io.source_model import load_fp32_model
+    from kvrewrite.publish.evaluation import evaluate_many
 
     original = load_fp32_model(spec.source_model)
-    results = evaluate_many({"plain": kvrewrite.load(compiled["latent"]), "tiered": tiered_model(compiled["latent"], 8)},
-                            random_windows(n=4, length=48, seed=6), baseline=original, progress=False)
+    results = evaluate_many(
+        {"plain": kvrewrite.load(compiled["latent"]), "tiered": tiered_model(compiled["latent"], 8)},
+        random_windows(n=4, length=48, seed=6),
+        baseline=original,
+        progress=False,
+    )
     assert 0 < results["tiered"].kl_mean < results["plain"].kl_mean
 
 
@@ -244,7 +271,7 @@ def test_token_adaptive_dims_equal_dense_reference(compiled, mode, score):
     aged_k, aged_v = spec.ranks_for_rate(RATE)
     imp_k, imp_v = spec.ranks_for_rate(IMPORTANT_RATE)
     d = model.compressed_attentions()[0].head_dim
-    for i, layer in enumerate(cache.layers):  # classification of the prefill: round(g * pool) per full pool
+    for layer in cache.layers:  # classification of the prefill: round(g * pool) per full pool
         assert layer.important_positions.shape == (2, 3 * round(SHARE * POOL))
         assert layer.aged_positions.shape == (2, 3 * POOL - 3 * round(SHARE * POOL))
         held = torch.sort(torch.cat([layer.important_positions, layer.aged_positions], dim=-1), dim=-1).values
@@ -252,6 +279,7 @@ def test_token_adaptive_dims_equal_dense_reference(compiled, mode, score):
 
     # Classification may differ per batch row; compare row by row with that row's assignment.
     for row in range(2):
+
         def row_masks(layer: int, t: int, row=row):
             n = t + 1
             key_mask, value_mask = torch.ones(n, 2 * d), torch.ones(n, 2 * d)
@@ -291,7 +319,11 @@ def test_token_adaptive_bytes_match_formula(compiled):
     for i, layer in enumerate(cache.layers):
         n_recent = layer.keys.shape[-2]
         assert n_recent == length - 2 * POOL
-        elements = n_recent * full + n_imp * (sum(imp_k[i]) + sum(imp_v[i])) + (2 * POOL - n_imp) * (sum(aged_k[i]) + sum(aged_v[i]))
+        elements = (
+            n_recent * full
+            + n_imp * (sum(imp_k[i]) + sum(imp_v[i]))
+            + (2 * POOL - n_imp) * (sum(aged_k[i]) + sum(aged_v[i]))
+        )
         expected += 2 * elements + 4 * 2 * POOL + 4 * n_recent  # float16 latents, int32 positions, float32 scores
     assert cache_tensor_bytes(cache) == expected
 
@@ -301,8 +333,17 @@ def test_classification_keeps_the_top_scored_share_of_each_pool(score):
     from kvrewrite.runtime.tiers import TieredLayer
 
     window, pool, share, d = 3, 8, 0.375, 4
-    layer = TieredLayer(window, d, (2,), (1,), important_key_ranks=(3,), important_value_ranks=(2,),
-                        important_share=share, score=score, pool=pool)
+    layer = TieredLayer(
+        window,
+        d,
+        (2,),
+        (1,),
+        important_key_ranks=(3,),
+        important_value_ranks=(2,),
+        important_share=share,
+        score=score,
+        pool=pool,
+    )
     gen = torch.Generator().manual_seed(0)
     n = window + 2 * pool + 1
     keys, values = torch.randn(2, 1, n, d, generator=gen), torch.randn(2, 1, n, d, generator=gen)
@@ -387,5 +428,7 @@ def test_folded_keys_of_a_no_rope_family_equal_dense_reference(tmp_path):
     assert model.compressed_attentions()[0].key_mode == "folded"
     tokens = random_windows(n=2, length=30, seed=12)
     with torch.no_grad():
-        tiered = model(tokens, past_key_values=make_tiered_cache(model, model.tier_policy, torch.float32), use_cache=True).logits
+        tiered = model(
+            tokens, past_key_values=make_tiered_cache(model, model.tier_policy, torch.float32), use_cache=True
+        ).logits
     torch.testing.assert_close(tiered, dense_reference_logits(tmp_path / "opt", tokens, 5), rtol=1e-4, atol=1e-4)

@@ -7,13 +7,13 @@ import copy
 
 import pytest
 import torch
+from tiny_models import random_windows, save_tiny_llama, tiny_pipeline
 
 import kvrewrite
 from kvrewrite.compile.passes.pipeline import run_pipeline
 from kvrewrite.compile.plan import Plan
 from kvrewrite.runtime.codecs.kivi import kivi_decode, kivi_encode
 from kvrewrite.runtime.codecs.value_balance import balance_value_latents, value_column_norms
-from tiny_models import random_windows, save_tiny_llama, tiny_pipeline
 
 
 @pytest.fixture(scope="module")

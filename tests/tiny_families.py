@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from tiny_models import VOCAB, word_tokenizer
 from transformers import (
     AutoModelForCausalLM,
     Gemma3TextConfig,
@@ -17,11 +18,18 @@ from transformers import (
     Qwen3Config,
 )
 
-from tiny_models import VOCAB, word_tokenizer
-
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16
-COMMON = dict(vocab_size=VOCAB, hidden_size=HEADS * HEAD_DIM, num_hidden_layers=2, num_attention_heads=HEADS,
-              max_position_embeddings=256, tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=HEADS * HEAD_DIM,
+    num_hidden_layers=2,
+    num_attention_heads=HEADS,
+    max_position_embeddings=256,
+    tie_word_embeddings=True,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 ROPE = dict(intermediate_size=96, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM)
 
 TINY_CONFIGS = {
@@ -29,16 +37,34 @@ TINY_CONFIGS = {
     "mistral": lambda: MistralConfig(**COMMON, **ROPE, sliding_window=None),
     "qwen2": lambda: Qwen2Config(**COMMON, **ROPE),
     # Layer 1 attends over a 12-token window (Qwen2's max_window_layers rule); tests use longer sequences.
-    "qwen2-sliding": lambda: Qwen2Config(**COMMON, **ROPE, use_sliding_window=True, sliding_window=12, max_window_layers=1),
+    "qwen2-sliding": lambda: Qwen2Config(
+        **COMMON, **ROPE, use_sliding_window=True, sliding_window=12, max_window_layers=1
+    ),
     "qwen3": lambda: Qwen3Config(**COMMON, **ROPE),
     "phi3": lambda: Phi3Config(**COMMON, **ROPE),
     # One sliding (12-token window, its own RoPE table) and one full-attention layer; score scale 1/sqrt(24).
-    "gemma3": lambda: Gemma3TextConfig(**COMMON, **ROPE, layer_types=["sliding_attention", "full_attention"],
-                                       sliding_window=12, query_pre_attn_scalar=24),
+    "gemma3": lambda: Gemma3TextConfig(
+        **COMMON,
+        **ROPE,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=12,
+        query_pre_attn_scalar=24,
+    ),
     "opt": lambda: OPTConfig(**COMMON, ffn_dim=96, word_embed_proj_dim=HEADS * HEAD_DIM, dropout=0.0),
-    "gpt2": lambda: GPT2Config(vocab_size=VOCAB, n_embd=HEADS * HEAD_DIM, n_layer=2, n_head=HEADS, n_positions=256,
-                               tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    "gpt2": lambda: GPT2Config(
+        vocab_size=VOCAB,
+        n_embd=HEADS * HEAD_DIM,
+        n_layer=2,
+        n_head=HEADS,
+        n_positions=256,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    ),
 }
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from kvrewrite.compile.passes.allocate_ranks import AllocateRanks
 from kvrewrite.compile.passes.balance_values import BalanceValues
@@ -78,7 +78,10 @@ class FixedCalibration:
         self.tokens = tokens
 
     def run(self, ctx) -> dict:
-        return {"calibration_tokens": self.tokens, "report.calibration": {"source": "test", "tokens": int(self.tokens.numel())}}
+        return {
+            "calibration_tokens": self.tokens,
+            "report.calibration": {"source": "test", "tokens": int(self.tokens.numel())},
+        }
 
 
 def tiny_pipeline(tokens: torch.Tensor | None = None) -> list:
@@ -110,5 +113,8 @@ def one_shot_and_cached_logits(model, tokens: torch.Tensor, prefix: int = 20):
         one_shot = model(tokens).logits
         cache = DynamicCache(config=model.config)
         first = model(tokens[:, :prefix], past_key_values=cache, use_cache=True).logits
-        steps = [model(tokens[:, t : t + 1], past_key_values=cache, use_cache=True).logits for t in range(prefix, tokens.shape[1])]
+        steps = [
+            model(tokens[:, t : t + 1], past_key_values=cache, use_cache=True).logits
+            for t in range(prefix, tokens.shape[1])
+        ]
     return one_shot, torch.cat([first, *steps], dim=1), cache

@@ -26,8 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 def config_differences(a, b, path: str = "") -> list[str]:
     """The key paths where two JSON documents differ (a training's wall time, say)."""
     if isinstance(a, dict) and isinstance(b, dict):
-        return [d for key in sorted(set(a) | set(b))
-                for d in config_differences(a.get(key), b.get(key), f"{path}.{key}")]
+        return [
+            d for key in sorted(set(a) | set(b)) for d in config_differences(a.get(key), b.get(key), f"{path}.{key}")
+        ]
     return [] if a == b else [path]
 
 
@@ -41,13 +42,26 @@ def compare_files(before: Path, after: Path) -> dict:
         if name.endswith(".safetensors"):
             a, b = load_file(str(before / name)), load_file(str(after / name))
             tensors += len(a)
-            different += [f"{name}:{key}" for key in sorted(set(a) | set(b)) if key not in a or key not in b
-                          or a[key].dtype != b[key].dtype or not torch.equal(a[key], b[key])]
+            different += [
+                f"{name}:{key}"
+                for key in sorted(set(a) | set(b))
+                if key not in a or key not in b or a[key].dtype != b[key].dtype or not torch.equal(a[key], b[key])
+            ]
         elif name.endswith(".json"):
-            config += [f"{name}{d}" for d in config_differences(json.loads((before / name).read_text()),
-                                                                json.loads((after / name).read_text()))]
-    return {"files_before": names, "files_after": other, "same_file_names": names == other, "tensors": tensors,
-            "tensors_different": different, "json_values_different": config}
+            config += [
+                f"{name}{d}"
+                for d in config_differences(
+                    json.loads((before / name).read_text()), json.loads((after / name).read_text())
+                )
+            ]
+    return {
+        "files_before": names,
+        "files_after": other,
+        "same_file_names": names == other,
+        "tensors": tensors,
+        "tensors_different": different,
+        "json_values_different": config,
+    }
 
 
 def logits_difference(before: Path, after: Path, windows: torch.Tensor) -> dict:
@@ -67,8 +81,14 @@ def logits_difference(before: Path, after: Path, windows: torch.Tensor) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pair", nargs=3, action="append", metavar=("NAME", "BEFORE", "AFTER"), required=True)
-    parser.add_argument("--setting", nargs=2, action="append", default=[], metavar=("NAME", "FLAGS"),
-                        help="the export-mla flags a pair was exported with, recorded with it")
+    parser.add_argument(
+        "--setting",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("NAME", "FLAGS"),
+        help="the export-mla flags a pair was exported with, recorded with it",
+    )
     parser.add_argument("--json", type=Path, required=True)
     parser.add_argument("--windows", type=int, default=2)
     parser.add_argument("--length", type=int, default=256)
@@ -87,18 +107,29 @@ def main() -> None:
         before, after = Path(before), Path(after)
         tokenizer = AutoTokenizer.from_pretrained(before)
         windows = evaluation_token_sequences(tokenizer, args.windows * args.length, args.length, "wiki")
-        pairs[name] = {"flags": dict(args.setting).get(name), **compare_files(before, after),
-                       "max_abs_logit_difference": logits_difference(before, after, windows)}
-        print(name, json.dumps(pairs[name]["max_abs_logit_difference"]), "tensors different:",
-              pairs[name]["tensors_different"], "json values different:", pairs[name]["json_values_different"])
+        pairs[name] = {
+            "flags": dict(args.setting).get(name),
+            **compare_files(before, after),
+            "max_abs_logit_difference": logits_difference(before, after, windows),
+        }
+        print(
+            name,
+            json.dumps(pairs[name]["max_abs_logit_difference"]),
+            "tensors different:",
+            pairs[name]["tensors_different"],
+            "json values different:",
+            pairs[name]["json_values_different"],
+        )
     record = {
         "what": "the same export-mla settings run before and after the MLA compiler became "
-                "kvrewrite.export_mla(source, MLAPlan): every tensor compared bit for bit, and the logits of both "
-                "checkpoints loaded by kvrewrite.load on held-out wiki windows",
+        "kvrewrite.export_mla(source, MLAPlan): every tensor compared bit for bit, and the logits of both "
+        "checkpoints loaded by kvrewrite.load on held-out wiki windows",
         "command": " ".join(sys.argv),
         "before": {"commit": args.before_commit, "command": args.command_before},
         "after": {"commit": args.after_commit, "command": args.command_after},
-        "windows": args.windows, "length": args.length, "text": "wiki (held-out)",
+        "windows": args.windows,
+        "length": args.length,
+        "text": "wiki (held-out)",
         "machine": {"platform": platform.platform(), "torch": torch.__version__},
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "exports": pairs,

@@ -44,17 +44,24 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's kvrewrite, not an installed one
 from kvrewrite.publish.figures import NOT_PROSE, NUMBER, Claim, claims_in, matches, numeric_leaves  # noqa: E402,F401
 
-BLOCK = re.compile(r"<!-- numbers: (?P<files>[^ >]+(?:, *[^ >]+)*)(?: rows=(?P<rows>[\w.]+))? -->\n?(?P<body>.*?)"
-                   r"<!-- /numbers -->", re.S)
-TABLE_BLOCK = re.compile(r"<!-- table: (?P<files>[^ >]+(?:, *[^ >]+)*) template=(?P<template>[\w-]+)"
-                         r"(?: rows=(?P<rows>[\w.]+))? -->\n(?P<body>.*?)<!-- /table -->", re.S)
+BLOCK = re.compile(
+    r"<!-- numbers: (?P<files>[^ >]+(?:, *[^ >]+)*)(?: rows=(?P<rows>[\w.]+))? -->\n?(?P<body>.*?)"
+    r"<!-- /numbers -->",
+    re.S,
+)
+TABLE_BLOCK = re.compile(
+    r"<!-- table: (?P<files>[^ >]+(?:, *[^ >]+)*) template=(?P<template>[\w-]+)"
+    r"(?: rows=(?P<rows>[\w.]+))? -->\n(?P<body>.*?)<!-- /table -->",
+    re.S,
+)
 NOT_MEASURED = re.compile(r"<!-- not-measured -->.*?<!-- /not-measured -->", re.S)
 # Figures that look measured: signed or decimal percentages, decimal speed ratios, sizes, times, rates, and the
 # value after "ppl"/"perplexity"/"KL". Integers such as "50%" or "2x" are mostly settings and stay out.
 MEASURED = re.compile(
     r"(?<![\w.])(?:[+\-−±]\d[\d,]*(?:\.\d+)?%|\d[\d,]*\.\d+%|\d+\.\d+x\b"
     r"|\d[\d,]*(?:\.\d+)? ?(?:MiB|GiB|KiB|MB|GB|ms|s|min|tokens/s|tok/s|B/token|bytes/token)\b"
-    r"|(?:ppl|perplexity|KL)(?: of| is| =|:)? +\d+\.\d+)")
+    r"|(?:ppl|perplexity|KL)(?: of| is| =|:)? +\d+\.\d+)"
+)
 FIRST_CELL = re.compile(r"^\|\s*(?:`(?P<code>[^`]+)`|(?P<text>[^|]*?))\s*\|")
 
 
@@ -82,12 +89,23 @@ def passages_at(doc_path: Path, root: Path) -> list[Passage]:
     for m in blocks:
         first_line = text.count("\n", 0, m.start("body")) + 1
         sources = tuple(s.strip() for s in m.group("files").split(","))
-        row_names = tuple((first_line + i, (cell.group("code") or cell.group("text")).strip())
-                          for i, line in enumerate(m.group("body").splitlines())
-                          if (cell := FIRST_CELL.match(line)) and not set(line) <= set("|-: "))
+        row_names = tuple(
+            (first_line + i, (cell.group("code") or cell.group("text")).strip())
+            for i, line in enumerate(m.group("body").splitlines())
+            if (cell := FIRST_CELL.match(line)) and not set(line) <= set("|-: ")
+        )
         template = m.groupdict().get("template")
-        out.append(Passage(doc, first_line, sources, tuple(claims_in(doc, m.group("body"), first_line)),
-                           m.group("rows"), row_names, template))
+        out.append(
+            Passage(
+                doc,
+                first_line,
+                sources,
+                tuple(claims_in(doc, m.group("body"), first_line)),
+                m.group("rows"),
+                row_names,
+                template,
+            )
+        )
     return out
 
 
@@ -141,8 +159,10 @@ def unmarked_at(doc_path: Path, root: Path) -> list[str]:
         text = block.sub(lambda m: re.sub(r"[^\n]", " ", m.group()), text)
     # Comments, link targets and inline code (a command's settings) are not prose; fenced transcripts are.
     text = re.sub(r"<!--.*?-->|\]\([^)]*\)|`[^`\n]*`", lambda m: re.sub(r"[^\n]", " ", m.group()), text, flags=re.S)
-    return [f"{doc}:{text.count(chr(10), 0, m.start()) + 1}: {m.group()!r} is not in a marked passage"
-            for m in MEASURED.finditer(text)]
+    return [
+        f"{doc}:{text.count(chr(10), 0, m.start()) + 1}: {m.group()!r} is not in a marked passage"
+        for m in MEASURED.finditer(text)
+    ]
 
 
 def unmarked(root: Path = ROOT) -> list[str]:

@@ -43,6 +43,7 @@ def renderer(name: str) -> Callable[[Renderer], Renderer]:
     def register(function: Renderer) -> Renderer:
         RENDERERS[name] = function
         return function
+
     return register
 
 
@@ -71,14 +72,21 @@ def readme_headline(demo: dict, distill: dict) -> Table:
     default = next(r for r in demo["rows"] if r["name"] == "kvrewrite-optimal p=0.50")
     rows = [
         ("`compress -p 0.3 --refit output --refit-tokens 32768` ([refit](docs/refit.md))", runs["wiki | refit p=0.3"]),
-        ("`compress -p 0.5 --refit output --refit-tokens 32768 --distill` ([distill](docs/distill.md); checkpoint "
-         "from an earlier version of the distill pass)", runs["wiki | refit+distill p=0.5"]),
+        (
+            "`compress -p 0.5 --refit output --refit-tokens 32768 --distill` ([distill](docs/distill.md); checkpoint "
+            "from an earlier version of the distill pass)",
+            runs["wiki | refit+distill p=0.5"],
+        ),
         ("`compress -p 0.5 --calib-tokens 16384` (default method; one checkpoint serves every rate)", default),
     ]
     shares = [r["kv_bytes_per_token"] / r["baseline_kv_bytes_per_token"] for _, r in rows]
-    return Table(markdown(["recipe", "KV cache vs original", "held-out ppl"],
-                          [[label, f"{share:.1f}", f"{increase(r):+.1%}"] for (label, r), share in zip(rows, shares)]),
-                 tuple(shares))
+    return Table(
+        markdown(
+            ["recipe", "KV cache vs original", "held-out ppl"],
+            [[label, f"{share:.1f}", f"{increase(r):+.1%}"] for (label, r), share in zip(rows, shares)],
+        ),
+        tuple(shares),
+    )
 
 
 # ---- docs/results.md ----------------------------------------------------------------------------------------
@@ -96,14 +104,34 @@ def demo_table(demo: dict) -> Table:
     rows, previous = [], None
     for r in demo["rows"]:
         if r.get("baseline"):
-            rows.append(["original", "0", f"{r['perplexity']:.2f}", "", "", "", f"{r['kv_bytes_per_token']:,.0f}",
-                         f"{r['kv_share']:.3f}"])
+            rows.append(
+                [
+                    "original",
+                    "0",
+                    f"{r['perplexity']:.2f}",
+                    "",
+                    "",
+                    "",
+                    f"{r['kv_bytes_per_token']:,.0f}",
+                    f"{r['kv_share']:.3f}",
+                ]
+            )
             continue
         configuration = r["name"].rsplit(" p=", 1)[0]
         label = DEMO_CONFIGURATIONS[configuration] if configuration != previous else ""
         previous = configuration
-        rows.append([label, f"{r['rate']:.2f}", f"{r['perplexity']:.2f}", f"{increase(r):+.1%}", f"{r['kl_mean']:.3f}",
-                     f"{r['top1_agreement']:.3f}", f"{r['kv_bytes_per_token']:,.0f}", f"{r['kv_share']:.3f}"])
+        rows.append(
+            [
+                label,
+                f"{r['rate']:.2f}",
+                f"{r['perplexity']:.2f}",
+                f"{increase(r):+.1%}",
+                f"{r['kl_mean']:.3f}",
+                f"{r['top1_agreement']:.3f}",
+                f"{r['kv_bytes_per_token']:,.0f}",
+                f"{r['kv_share']:.3f}",
+            ]
+        )
     header = ["configuration", "p", "ppl", "Δppl", "KL (nats)", "top-1", "KV bytes/token", "vs original"]
     return Table(markdown(header, rows))
 
@@ -122,8 +150,14 @@ def allocation_table(compare: dict) -> Table:
     for name, label in ALLOCATIONS.items():
         best = name == "sensitivity"
         kl = f"{compare['calibration_kl_at_0.5'][name]:.2f}"
-        rows.append([label, ppl_with_increase(compare["results"][f"{name} p=0.3"], best),
-                     ppl_with_increase(compare["results"][f"{name} p=0.5"], best), f"**{kl}**" if best else kl])
+        rows.append(
+            [
+                label,
+                ppl_with_increase(compare["results"][f"{name} p=0.3"], best),
+                ppl_with_increase(compare["results"][f"{name} p=0.5"], best),
+                f"**{kl}**" if best else kl,
+            ]
+        )
     return Table(markdown(["allocation", "`p = 0.3` ppl", "`p = 0.5` ppl", "calibration KL at `p = 0.5`"], rows))
 
 
@@ -141,10 +175,16 @@ def issue3_table(sweep: dict, demo: dict) -> Table:
     rates = sweep["rates"]
     by_key = {(r["config"], r["rate"]): r for r in sweep["rows"]}
     cell = lambda r: f"{r['perplexity']:.2f} ({r['ppl_increase']:+.1%})"  # noqa: E731
-    rows = [[label, *(cell(by_key[(config, rate)]) for rate in rates)] for config, label in SWEEP_CONFIGURATIONS.items()]
+    rows = [
+        [label, *(cell(by_key[(config, rate)]) for rate in rates)] for config, label in SWEEP_CONFIGURATIONS.items()
+    ]
     default = {r["rate"]: r for r in demo["rows"] if r["name"].startswith("kvrewrite-optimal")}
-    rows.append(["kvrewrite default: latent keys + output-aware values, `sensitivity` allocation (demo run above)",
-                 *(ppl_with_increase(default[rate]) if rate in default else "not measured" for rate in rates)])
+    rows.append(
+        [
+            "kvrewrite default: latent keys + output-aware values, `sensitivity` allocation (demo run above)",
+            *(ppl_with_increase(default[rate]) if rate in default else "not measured" for rate in rates),
+        ]
+    )
     return Table(markdown(["configuration", *(f"`p = {rate}`" for rate in rates)], rows))
 
 
@@ -163,8 +203,17 @@ def key_modes_table(key_modes: dict) -> Table:
     rows = []
     for mode, cost in KEY_MODES.items():
         r = results[f"{mode} keys p=0.5 (values full)"]
-        rows.append([mode, cost, f"{r['perplexity']:.2f}", f"{increase(r):+.1%}", f"{r['kl_mean']:.3f}",
-                     f"{r['top1_agreement']:.3f}", f"{r['kv_bytes_per_token']:.0f}"])
+        rows.append(
+            [
+                mode,
+                cost,
+                f"{r['perplexity']:.2f}",
+                f"{increase(r):+.1%}",
+                f"{r['kl_mean']:.3f}",
+                f"{r['top1_agreement']:.3f}",
+                f"{r['kv_bytes_per_token']:.0f}",
+            ]
+        )
     return Table(markdown(["key mode", "runtime cost", "ppl", "Δppl", "KL", "top-1", "KV bytes/token"], rows))
 
 
@@ -179,24 +228,54 @@ def codecs_table(table: dict) -> Table:
     for rate, entry in sorted(table["rates"].items()):
         for name, r in entry.get("results", {}).items():
             if not rows:
-                rows.append(["–", "original (fp16 cache)", f"{r['baseline_perplexity']:.2f}", "–", "–",
-                             str(fp16), "1.000", str(fp16), "1.000"])
+                rows.append(
+                    [
+                        "–",
+                        "original (fp16 cache)",
+                        f"{r['baseline_perplexity']:.2f}",
+                        "–",
+                        "–",
+                        str(fp16),
+                        "1.000",
+                        str(fp16),
+                        "1.000",
+                    ]
+                )
             # The uncoded reduced cache is measured in the model's float32; its float16 size is half of that.
             b512, b2048 = r["kv_bytes_per_token_512"], r["kv_bytes_per_token_2048"]
             if name == "none":
                 b512, b2048 = b512 / 2, b2048 / 2
             derived += [float(rate), b512, b2048, b512 / fp16, b2048 / fp16]  # the rate is a key of the file
-            rows.append([rate, "none (fp16 latents)" if name == "none" else name, f"{r['perplexity']:.2f}",
-                         f"{increase(r):+.1%}", f"{r['kl_mean']:.4f}", f"{b512:.0f}", f"{b512 / fp16:.3f}",
-                         f"{b2048:.0f}", f"{b2048 / fp16:.3f}"])
-    header = ["rate p", "codec", "ppl", "Δppl vs original", "KL", "bytes/token @512", "vs fp16", "bytes/token @2048",
-              "vs fp16"]
+            rows.append(
+                [
+                    rate,
+                    "none (fp16 latents)" if name == "none" else name,
+                    f"{r['perplexity']:.2f}",
+                    f"{increase(r):+.1%}",
+                    f"{r['kl_mean']:.4f}",
+                    f"{b512:.0f}",
+                    f"{b512 / fp16:.3f}",
+                    f"{b2048:.0f}",
+                    f"{b2048 / fp16:.3f}",
+                ]
+            )
+    header = [
+        "rate p",
+        "codec",
+        "ppl",
+        "Δppl vs original",
+        "KL",
+        "bytes/token @512",
+        "vs fp16",
+        "bytes/token @2048",
+        "vs fp16",
+    ]
     return Table(markdown(header, rows), tuple(derived))
 
 
 def _protocol_model(spec: str) -> str:
     if spec.startswith("p") and "/" in spec:
-        rate = float(spec[1:spec.index("/")])
+        rate = float(spec[1 : spec.index("/")])
         return "rewrite, p = 0 (codec alone on the whitened latents)" if rate == 0 else f"rewrite, p = {rate:g}"
     return "original (raw post-RoPE K/V)"
 
@@ -220,7 +299,7 @@ CODEC_ORDER = ("none", "quanto:4", "int4", "quanto:2", "int2", "tada", "gear", "
 
 def _protocol_order(spec: str) -> tuple:
     """Rows by model (original first, then by rate), then by codec family, 4-bit before 2-bit, quanto first."""
-    rate = float(spec[1:spec.index("/")]) if spec.startswith("p") and "/" in spec else -1.0
+    rate = float(spec[1 : spec.index("/")]) if spec.startswith("p") and "/" in spec else -1.0
     cache = spec.split("/", 1)[-1].replace("codec:", "").replace("ours:", "").replace("balanced:", "")
     family = cache.split(":")[0] if not cache.startswith("quanto") else cache[:8]
     return rate, CODEC_ORDER.index(family) if family in CODEC_ORDER else len(CODEC_ORDER), cache
@@ -240,12 +319,23 @@ def codec_protocol_table(faithful: dict, tag: str = "table") -> Table:
         cells = [_protocol_model(spec), _protocol_cache(spec)]
         for protocol in ("window", "long"):
             r = runs.get(protocol)
-            cells += ([f"{r['bytes_fp16']:.0f} ({r['fp16_share']:.3f})", f"{r['dppl']:+.1%}", f"{r['kl']:.3f}"]
-                      if r else ["", "", ""])
+            cells += (
+                [f"{r['bytes_fp16']:.0f} ({r['fp16_share']:.3f})", f"{r['dppl']:+.1%}", f"{r['kl']:.3f}"]
+                if r
+                else ["", "", ""]
+            )
         rows.append(cells)
-    header = ["model", "cache", "bytes/token @512 (of fp16)", "Δppl, 512-token windows", "KL",
-              "bytes/token @4096 (of fp16)", "Δppl, positions 2K–4K", "KL"]
-    rates = {float(spec[1:spec.index("/")]) for spec in by_spec if spec.startswith("p") and "/" in spec}
+    header = [
+        "model",
+        "cache",
+        "bytes/token @512 (of fp16)",
+        "Δppl, 512-token windows",
+        "KL",
+        "bytes/token @4096 (of fp16)",
+        "Δppl, positions 2K–4K",
+        "KL",
+    ]
+    rates = {float(spec[1 : spec.index("/")]) for spec in by_spec if spec.startswith("p") and "/" in spec}
     return Table(markdown(header, rows), (float(fp16), *sorted(rates)))  # the rates are read off the row specs
 
 
@@ -263,8 +353,9 @@ def codec_groups_table(groups: dict) -> Table:
     int4:group_size=128 rows are the candidates for issue 6, so their figures are bold."""
     fp16 = groups["fp16_kv_bytes_per_token"]
     codec_order = ["none", "int4", "int4:group_size=64", "int4:group_size=128"]
-    runs = sorted(groups["runs"], key=lambda r: (list(CODEC_GROUP_TAGS).index(r["tag"]), r["rate"],
-                                                 codec_order.index(r["codec"])))
+    runs = sorted(
+        groups["runs"], key=lambda r: (list(CODEC_GROUP_TAGS).index(r["tag"]), r["rate"], codec_order.index(r["codec"]))
+    )
     base = runs[0]["baseline_perplexity"]
     rows = [["original (fp16 cache)", "–", "–", f"{base:.2f}", "–", "–", str(fp16), str(fp16), str(fp16), "1.000"]]
     derived = [float(fp16) / fp16]
@@ -272,12 +363,32 @@ def codec_groups_table(groups: dict) -> Table:
         bold = (lambda cell: f"**{cell}**") if r["tag"] != "default+refit" and r["codec"] != "none" else str
         share = r["bytes_4096"] / fp16
         derived.append(share)
-        rows.append([CODEC_GROUP_TAGS[r["tag"]], f"{r['rate']:.2f}", CODEC_LABELS.get(r["codec"], r["codec"]),
-                     bold(f"{r['perplexity']:.2f}"), bold(f"{increase(r):+.1%}"), f"{r['kl_mean']:.4f}",
-                     f"{r['bytes_512']:.0f}", f"{r['bytes_2048']:.0f}", bold(f"{r['bytes_4096']:.0f}"),
-                     bold(f"{share:.3f}")])
-    header = ["configuration", "rate p", "codec", "ppl", "Δppl", "KL", "bytes/token @512", "@2048", "@4096",
-              "@4096 vs fp16"]
+        rows.append(
+            [
+                CODEC_GROUP_TAGS[r["tag"]],
+                f"{r['rate']:.2f}",
+                CODEC_LABELS.get(r["codec"], r["codec"]),
+                bold(f"{r['perplexity']:.2f}"),
+                bold(f"{increase(r):+.1%}"),
+                f"{r['kl_mean']:.4f}",
+                f"{r['bytes_512']:.0f}",
+                f"{r['bytes_2048']:.0f}",
+                bold(f"{r['bytes_4096']:.0f}"),
+                bold(f"{share:.3f}"),
+            ]
+        )
+    header = [
+        "configuration",
+        "rate p",
+        "codec",
+        "ppl",
+        "Δppl",
+        "KL",
+        "bytes/token @512",
+        "@2048",
+        "@4096",
+        "@4096 vs fp16",
+    ]
     return Table(markdown(header, rows), tuple(derived))
 
 
@@ -300,11 +411,32 @@ def decode_cpu_table(decode: dict) -> Table:
             ratio = lambda key, fmt: "" if key not in vs else format(vs[key], fmt)  # noqa: E731
             mib = r["cache_bytes"] / 2**20
             derived.append(mib)
-            rows.append([model, f"{r['context']} x {r['batch']}", str(r["tokens_per_s"]), ratio("tokens_per_s", ".3f"),
-                         f"{r['attention_s']:.4f}", ratio("attention_s", ".3f"), ratio("attention_layer_s", ".3f"),
-                         f"{mib:.0f}", ratio("cache_bytes", ".2f"), f"{r['peak_rss_mib']:.1f}"])
-    header = ["model", "context x batch", "tokens/s", "vs stock", "attention s/step", "vs stock", "attn layer vs stock",
-              "cache MiB", "vs stock", "peak RSS MiB"]
+            rows.append(
+                [
+                    model,
+                    f"{r['context']} x {r['batch']}",
+                    str(r["tokens_per_s"]),
+                    ratio("tokens_per_s", ".3f"),
+                    f"{r['attention_s']:.4f}",
+                    ratio("attention_s", ".3f"),
+                    ratio("attention_layer_s", ".3f"),
+                    f"{mib:.0f}",
+                    ratio("cache_bytes", ".2f"),
+                    f"{r['peak_rss_mib']:.1f}",
+                ]
+            )
+    header = [
+        "model",
+        "context x batch",
+        "tokens/s",
+        "vs stock",
+        "attention s/step",
+        "vs stock",
+        "attn layer vs stock",
+        "cache MiB",
+        "vs stock",
+        "peak RSS MiB",
+    ]
     return Table(_raw_table(header, rows), tuple(derived))
 
 
@@ -315,15 +447,31 @@ def gpu_decode_table(record: dict) -> Table:
     for form, results in record["results"].items():
         for r in results:
             if "tokens_per_s" not in r:
-                rows.append([form, f"{r.get('batch', '')} x {r.get('context', '')}", r.get("error", "failed"),
-                             "", "", "", ""])
+                rows.append(
+                    [form, f"{r.get('batch', '')} x {r.get('context', '')}", r.get("error", "failed"), "", "", "", ""]
+                )
                 continue
             ratio = lambda key: format(r[key], ".2f") + "x" if key in r else ""  # noqa: E731
-            rows.append([form, f"{r['batch']} x {r['context']}", f"{r['tokens_per_s']:.1f}", ratio("vs_stock_static"),
-                         ratio("vs_stock_compiled"), format(r["cache_share"], ".2f") if "cache_share" in r else "",
-                         format(r["attention_bandwidth_GBps"], ".1f") if "attention_bandwidth_GBps" in r else ""])
-    header = ["form", "batch x context", "tokens/s", "vs stock static", "vs stock compiled", "cache bytes",
-              "attention GB/s"]
+            rows.append(
+                [
+                    form,
+                    f"{r['batch']} x {r['context']}",
+                    f"{r['tokens_per_s']:.1f}",
+                    ratio("vs_stock_static"),
+                    ratio("vs_stock_compiled"),
+                    format(r["cache_share"], ".2f") if "cache_share" in r else "",
+                    format(r["attention_bandwidth_GBps"], ".1f") if "attention_bandwidth_GBps" in r else "",
+                ]
+            )
+    header = [
+        "form",
+        "batch x context",
+        "tokens/s",
+        "vs stock static",
+        "vs stock compiled",
+        "cache bytes",
+        "attention GB/s",
+    ]
     kept = [i for i in range(len(header)) if i < 3 or any(row[i] for row in rows)]  # no column left empty
     return Table(markdown([header[i] for i in kept], [[row[i] for i in kept] for row in rows]), tuple(derived))
 
@@ -331,9 +479,16 @@ def gpu_decode_table(record: dict) -> Table:
 @renderer("prefill-cpu")
 def prefill_cpu_table(decode: dict) -> Table:
     """benchmarks/decode.py --prefill: each model's prefill time and its ratio to stock."""
-    rows = [[model, f"{r['length']} x {r['batch']}", f"{r['prefill_s']:.4f}",
-             "" if "vs_stock" not in r else f"{r['vs_stock']:.3f}"]
-            for model, result in decode["results"].items() for r in result.get("prefill", [])]
+    rows = [
+        [
+            model,
+            f"{r['length']} x {r['batch']}",
+            f"{r['prefill_s']:.4f}",
+            "" if "vs_stock" not in r else f"{r['vs_stock']:.3f}",
+        ]
+        for model, result in decode["results"].items()
+        for r in result.get("prefill", [])
+    ]
     return Table(_raw_table(["model", "prefill length x batch", "seconds", "vs stock"], rows))
 
 
@@ -344,8 +499,16 @@ def _rate_quality(text: str, *results: dict) -> Table:
     """Per checkpoint and protocol, the perplexity increase at every evaluated rate. A long_context.py file holds one
     checkpoint (named by its label up to the first colon); an mla_rates.py file holds several exports, each row
     named "EXPORT p=RATE"."""
-    rates = sorted({row["rate"] for result in results for run in result["runs"] if run["text"] == text
-                    for row in run["rows"] if not row.get("baseline")})
+    rates = sorted(
+        {
+            row["rate"]
+            for result in results
+            for run in result["runs"]
+            if run["text"] == text
+            for row in run["rows"]
+            if not row.get("baseline")
+        }
+    )
     rows = []
     for result in results:
         # checkpoint -> scored positions -> rate -> row, so each checkpoint's rows stay together, in file order.
@@ -353,7 +516,11 @@ def _rate_quality(text: str, *results: dict) -> Table:
         for run in (r for r in result["runs"] if r["text"] == text):
             for row in run["rows"]:
                 if not row.get("baseline"):
-                    name = result["checkpoint"].split(":")[0] if "checkpoint" in result else row["name"].rsplit(" p=", 1)[0]
+                    name = (
+                        result["checkpoint"].split(":")[0]
+                        if "checkpoint" in result
+                        else row["name"].rsplit(" p=", 1)[0]
+                    )
                     groups.setdefault(name, {}).setdefault(row.get("positions", "all"), {})[row["rate"]] = row
         for name, by_positions in groups.items():
             for positions, by_rate in by_positions.items():
@@ -396,8 +563,10 @@ def _code(text: str) -> str:
 @renderer("fault-table")
 def fault_table(result: dict) -> Table:
     """benchmarks/fault_table.py: every case of the fault suite through the CLI, what the user saw, the exit code."""
-    rows = [[r["case"].replace("|", "\\|"), _code(r["command"]), _code(r["message"]), str(r["exit"])]
-            for r in result["cases"]]
+    rows = [
+        [r["case"].replace("|", "\\|"), _code(r["command"]), _code(r["message"]), str(r["exit"])]
+        for r in result["cases"]
+    ]
     return Table(markdown(["case", "command", "what the user sees", "exit"], rows))
 
 
@@ -413,10 +582,15 @@ def render_block(files: str, template: str, root: Path = ROOT) -> Table:
 
 def render_text(text: str, root: Path = ROOT) -> str:
     """The doc with every table block's body rendered from its files."""
+
     def body(m) -> str:
         rendered = render_block(m.group("files"), m.group("template"), root).text
-        return m.group().replace(m.group("body"), rendered + "\n", 1) if m.group("body") else \
-            m.group().replace("<!-- /table -->", rendered + "\n<!-- /table -->")
+        return (
+            m.group().replace(m.group("body"), rendered + "\n", 1)
+            if m.group("body")
+            else m.group().replace("<!-- /table -->", rendered + "\n<!-- /table -->")
+        )
+
     return TABLE_BLOCK.sub(body, text)
 
 

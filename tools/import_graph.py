@@ -15,8 +15,15 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "kvrewrite"
 
 # Drawing order, bottom (imports nothing of ours) to top (the user-facing entry points).
-LAYERS = [["errors", "spec", "progress", "extras"], ["adapters"], ["io", "method"], ["key_modes"], ["runtime", "modeling"],
-          ["publish", "compile"], ["cli"]]
+LAYERS = [
+    ["errors", "spec", "progress", "extras"],
+    ["adapters"],
+    ["io", "method"],
+    ["key_modes"],
+    ["runtime", "modeling"],
+    ["publish", "compile"],
+    ["cli"],
+]
 
 
 def folder_of(module: str) -> str:
@@ -42,8 +49,11 @@ def imported_modules(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("kvrewrite"):
             found.add(node.module)
             if node.module == "kvrewrite":  # `from kvrewrite import io` may name a subpackage
-                found |= {f"kvrewrite.{alias.name}" for alias in node.names
-                          if (PACKAGE / alias.name).is_dir() or (PACKAGE / f"{alias.name}.py").is_file()}
+                found |= {
+                    f"kvrewrite.{alias.name}"
+                    for alias in node.names
+                    if (PACKAGE / alias.name).is_dir() or (PACKAGE / f"{alias.name}.py").is_file()
+                }
     return found
 
 
@@ -82,8 +92,10 @@ def module_edges() -> dict[str, set[str]]:
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                targets = [f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module
-                           for alias in node.names]
+                targets = [
+                    f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module
+                    for alias in node.names
+                ]
             else:
                 continue
             edges[importer] |= {t for t in targets if t in modules and t != importer}
@@ -128,14 +140,21 @@ def cli_imports() -> list[tuple[str, str, tuple[str, ...]]]:
     """Every import of kvrewrite.cli from outside kvrewrite/cli/ (the package, tests, benchmarks, tools, docs
     examples), as (file relative to the repository, module, names imported; () for a plain `import`)."""
     root = PACKAGE.parent
-    files = [p for folder in ("kvrewrite", "tests", "benchmarks", "tools", "docs") for p in (root / folder).rglob("*.py")
-             if (PACKAGE / "cli") not in p.parents]
+    files = [
+        p
+        for folder in ("kvrewrite", "tests", "benchmarks", "tools", "docs")
+        for p in (root / folder).rglob("*.py")
+        if (PACKAGE / "cli") not in p.parents
+    ]
     found = []
     for path in sorted(files):
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
             if isinstance(node, ast.Import):
-                found += [(str(path.relative_to(root)), alias.name, ()) for alias in node.names
-                          if alias.name == "kvrewrite.cli" or alias.name.startswith("kvrewrite.cli.")]
+                found += [
+                    (str(path.relative_to(root)), alias.name, ())
+                    for alias in node.names
+                    if alias.name == "kvrewrite.cli" or alias.name.startswith("kvrewrite.cli.")
+                ]
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 names = tuple(alias.name for alias in node.names)
                 if node.module == "kvrewrite.cli" or node.module.startswith("kvrewrite.cli."):
@@ -156,7 +175,7 @@ def cycles(edges: dict[tuple[str, str], list[str]]) -> list[list[str]]:
         state[node] = "open"
         for nxt in sorted(graph[node]):
             if state.get(nxt) == "open":
-                found.append(stack[stack.index(nxt):] + [nxt])
+                found.append(stack[stack.index(nxt) :] + [nxt])
             elif nxt not in state:
                 visit(nxt, stack + [nxt])
         state[node] = "done"
@@ -169,8 +188,8 @@ def cycles(edges: dict[tuple[str, str], list[str]]) -> list[list[str]]:
 
 def draw(edges: dict[tuple[str, str], list[str]], out: Path) -> None:
     import matplotlib
-    from matplotlib.figure import Figure
     from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     del matplotlib
     position = {}
@@ -187,13 +206,30 @@ def draw(edges: dict[tuple[str, str], list[str]], out: Path) -> None:
         if a not in position or b not in position:
             continue
         (x0, y0), (x1, y1) = position[a], position[b]
-        ax.annotate("", xy=(x1, y1), xytext=(x0, y0),
-                    arrowprops=dict(arrowstyle="-|>", color="0.8" if b in ("errors", "progress") else "0.4", shrinkA=22, shrinkB=22,
-                                    connectionstyle="arc3,rad=0.08", lw=0.6 + 0.25 * min(len(pairs), 8)))
+        ax.annotate(
+            "",
+            xy=(x1, y1),
+            xytext=(x0, y0),
+            arrowprops=dict(
+                arrowstyle="-|>",
+                color="0.8" if b in ("errors", "progress") else "0.4",
+                shrinkA=22,
+                shrinkB=22,
+                connectionstyle="arc3,rad=0.08",
+                lw=0.6 + 0.25 * min(len(pairs), 8),
+            ),
+        )
     for name, (x, y) in position.items():
         files = len(list((PACKAGE / name).rglob("*.py"))) if (PACKAGE / name).is_dir() else 1
-        ax.text(x, y, f"{name}/\n{files} files" if (PACKAGE / name).is_dir() else f"{name}.py", ha="center",
-                va="center", fontsize=10, bbox=dict(boxstyle="round", fc="#e8f0fe", ec="#3367d6"))
+        ax.text(
+            x,
+            y,
+            f"{name}/\n{files} files" if (PACKAGE / name).is_dir() else f"{name}.py",
+            ha="center",
+            va="center",
+            fontsize=10,
+            bbox=dict(boxstyle="round", fc="#e8f0fe", ec="#3367d6"),
+        )
     ax.set_title("kvrewrite: imports between top-level folders (arrow width ~ module pairs)", fontsize=10)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110, bbox_inches="tight")

@@ -36,12 +36,20 @@ def main() -> int:
         missing = missing_fields(path)
         if not missing:
             continue
-        log = subprocess.run(["git", "log", "-1", "--format=%H %cI", "--", str(path.relative_to(ROOT))],
-                             cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+        log = subprocess.run(
+            ["git", "log", "-1", "--format=%H %cI", "--", str(path.relative_to(ROOT))],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
         entry = {"missing_in_file": missing}
         if "commit" in missing or "date" in missing:
-            entry |= {"commit": log[0] if log else "unknown", "date": log[1] if log else "unknown",
-                      "note": "the commit that last wrote this file and its date, not the run's own (not recorded)"}
+            entry |= {
+                "commit": log[0] if log else "unknown",
+                "date": log[1] if log else "unknown",
+                "note": "the commit that last wrote this file and its date, not the run's own (not recorded)",
+            }
         if "machine" in missing:
             entry["machine"] = "not recorded"
         if "command" in missing:

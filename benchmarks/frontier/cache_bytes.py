@@ -7,6 +7,7 @@ look inside tensor subclasses (quanto's packed QTensors keep their data, scales 
 The model runs in float32 on CPU (faster and exact there); floating cache tensors are counted at 2 bytes per
 element, what they hold when the model runs in fp16/bf16. Integer, packed and float8 tensors count as they are.
 """
+
 from __future__ import annotations
 
 from typing import Any, Iterator

@@ -1,4 +1,5 @@
 """Runs methods over the saved inputs and returns their results as plain dicts (one process, one env)."""
+
 from __future__ import annotations
 
 import gc
@@ -20,12 +21,23 @@ def _work(protocols: list[str], windows: dict[str, torch.Tensor], prompts: list[
 
 
 def run_method(
-    method: Method, model: Any, tokenizer: Any, protocols: list[str], windows: dict[str, torch.Tensor],
-    prompts: list[PasskeyPrompt], chunk: int, advance: Any,
+    method: Method,
+    model: Any,
+    tokenizer: Any,
+    protocols: list[str],
+    windows: dict[str, torch.Tensor],
+    prompts: list[PasskeyPrompt],
+    chunk: int,
+    advance: Any,
 ) -> dict[str, Any]:
     per_token_fp16 = fp16_bytes_per_token(model.config)
-    result: dict[str, Any] = {"name": method.name, "family": method.family, "settings": method.settings,
-                              "prefill_chunk": method.prefill_chunk, "nominal_share": method.nominal_share}
+    result: dict[str, Any] = {
+        "name": method.name,
+        "family": method.family,
+        "settings": method.settings,
+        "prefill_chunk": method.prefill_chunk,
+        "nominal_share": method.nominal_share,
+    }
     started = time.perf_counter()
     if "continuation" in protocols:
         result["continuation"] = {}
@@ -37,8 +49,11 @@ def run_method(
                 advance(int(row.numel()))
             shares = [s.bytes_held / s.tokens / per_token_fp16 for s in scores]
             result["continuation"][regime] = {
-                "ppl": perplexity(scores), "n_windows": len(scores), "n_scored": sum(s.n_scored for s in scores),
-                "bytes_share": sum(shares) / len(shares), "window_nll": [s.nll_sum / s.n_scored for s in scores],
+                "ppl": perplexity(scores),
+                "n_windows": len(scores),
+                "n_scored": sum(s.n_scored for s in scores),
+                "bytes_share": sum(shares) / len(shares),
+                "window_nll": [s.nll_sum / s.n_scored for s in scores],
             }
     if "passkey" in protocols:
         items, shares = [], []
@@ -48,8 +63,12 @@ def run_method(
             items.append({"length": p.length, "depth": p.depth, "key": p.key, "answer": answer, "correct": ok})
             shares.append(held / fed / per_token_fp16)
             advance(len(p.context_ids) + len(p.question_ids))
-        result["passkey"] = {"accuracy": sum(i["correct"] for i in items) / len(items), "n": len(items),
-                             "bytes_share": sum(shares) / len(shares), "items": items}
+        result["passkey"] = {
+            "accuracy": sum(i["correct"] for i in items) / len(items),
+            "n": len(items),
+            "bytes_share": sum(shares) / len(shares),
+            "items": items,
+        }
     result["seconds"] = time.perf_counter() - started
     return result
 

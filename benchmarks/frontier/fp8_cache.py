@@ -3,6 +3,7 @@
 transformers has no stock float8 cache, so this is ours; it is only a storage dtype (no scaling, as vLLM's fp8
 cache with its default scale of 1.0). e4m3 spans +-448, enough for SmolLM2's keys and values.
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -3,6 +3,7 @@
 Built in the project env (it needs kvrewrite.io.calibration_data); every process then reads the same ids from the
 saved file, so peers run in the benchmark env score exactly the tokens kvrewrite methods score.
 """
+
 from __future__ import annotations
 
 import json
@@ -109,8 +110,11 @@ def load_inputs(path: Path) -> tuple[dict[str, torch.Tensor], list[PasskeyPrompt
     windows = {k.split("/", 1)[1]: v.long() for k, v in tensors.items() if k.startswith("window/")}
     prompts = [
         PasskeyPrompt(
-            d["length"], d["depth"], d["key"],
-            tensors[f"passkey/{i}/context"].tolist(), tensors[f"passkey/{i}/question"].tolist(),
+            d["length"],
+            d["depth"],
+            d["key"],
+            tensors[f"passkey/{i}/context"].tolist(),
+            tensors[f"passkey/{i}/question"].tolist(),
         )
         for i, d in enumerate(json.loads(header["passkey"]))
     ]

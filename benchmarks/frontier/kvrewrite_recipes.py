@@ -7,6 +7,7 @@ DIR is a kvrewrite checkpoint of the benchmark's model (the default compile: `kv
 -p 0.5 --calib-tokens 16384 -o DIR`); every recipe below is a load() of that one checkpoint (docs/tiers.md).
 Set KVREWRITE_FRONTIER_RECIPES to a comma-separated subset of names to run only those.
 """
+
 from __future__ import annotations
 
 import os
@@ -17,8 +18,11 @@ from .methods import Method
 # name -> load() keyword arguments; rates are points of the checkpoint's rate table.
 RECIPES: dict[str, dict[str, Any]] = {
     "kvrewrite-p0.5": {"rate": 0.5},
-    "kvrewrite-p0.6-W64-imp0.3x0.25": {"rate": 0.6, "recent_window": 64,
-                                       "important": {"rate": 0.3, "share": 0.25, "score": "attention"}},
+    "kvrewrite-p0.6-W64-imp0.3x0.25": {
+        "rate": 0.6,
+        "recent_window": 64,
+        "important": {"rate": 0.3, "share": 0.25, "score": "attention"},
+    },
     "kvrewrite-p0.3-W64-int4": {"rate": 0.3, "recent_window": 64, "kv_codec": "int4"},
     "kvrewrite-p0.6-W64-int4": {"rate": 0.6, "recent_window": 64, "kv_codec": "int4"},
     "kvrewrite-p0.3-W64-int2": {"rate": 0.3, "recent_window": 64, "kv_codec": "int2"},
@@ -28,28 +32,61 @@ RECIPES: dict[str, dict[str, Any]] = {
     "kvrewrite-p0-W64-int2": {"rate": 0.0, "recent_window": 64, "kv_codec": "int2"},
     # Eviction over the latent cache: beyond the window, only the most-attended share g of each 64-token pool stays
     # (at full dims, or at p = 0.5's), the rest is dropped.
-    "kvrewrite-W64-keep0.2": {"rate": 0.0, "recent_window": 64,
-                              "important": {"rate": 0.0, "share": 0.2, "evict_rest": True}},
-    "kvrewrite-W64-keep0.1": {"rate": 0.0, "recent_window": 64,
-                              "important": {"rate": 0.0, "share": 0.1, "evict_rest": True}},
-    "kvrewrite-W64-keep0.4-p0.5": {"rate": 0.5, "recent_window": 64,
-                                   "important": {"rate": 0.5, "share": 0.4, "evict_rest": True}},
+    "kvrewrite-W64-keep0.2": {
+        "rate": 0.0,
+        "recent_window": 64,
+        "important": {"rate": 0.0, "share": 0.2, "evict_rest": True},
+    },
+    "kvrewrite-W64-keep0.1": {
+        "rate": 0.0,
+        "recent_window": 64,
+        "important": {"rate": 0.0, "share": 0.1, "evict_rest": True},
+    },
+    "kvrewrite-W64-keep0.4-p0.5": {
+        "rate": 0.5,
+        "recent_window": 64,
+        "important": {"rate": 0.5, "share": 0.4, "evict_rest": True},
+    },
     # Re-scored eviction (kvrewrite.runtime.tiers.eviction): beyond a full-rank window of W tokens only the share g that the
     # newest queries attend to most stays, re-scored at every forward, quantized per token to 4 bits (centred,
     # scaled and turned) at full dims, or at p = 0.3's.
-    "kvrewrite-W64-evict0.7-int4": {"rate": 0.0, "recent_window": 64, "kv_codec": "none",
-                                    "evict": {"keep": 0.7, "bits": 4}},
-    "kvrewrite-W16-evict0.8-int4": {"rate": 0.0, "recent_window": 16, "kv_codec": "none",
-                                    "evict": {"keep": 0.8, "bits": 4}},
-    "kvrewrite-W16-evict0.4-int4": {"rate": 0.0, "recent_window": 16, "kv_codec": "none",
-                                    "evict": {"keep": 0.4, "bits": 4}},
-    "kvrewrite-W16-evict0.55-p0.3-int4": {"rate": 0.3, "recent_window": 16, "kv_codec": "none",
-                                          "evict": {"keep": 0.55, "bits": 4}},
+    "kvrewrite-W64-evict0.7-int4": {
+        "rate": 0.0,
+        "recent_window": 64,
+        "kv_codec": "none",
+        "evict": {"keep": 0.7, "bits": 4},
+    },
+    "kvrewrite-W16-evict0.8-int4": {
+        "rate": 0.0,
+        "recent_window": 16,
+        "kv_codec": "none",
+        "evict": {"keep": 0.8, "bits": 4},
+    },
+    "kvrewrite-W16-evict0.4-int4": {
+        "rate": 0.0,
+        "recent_window": 16,
+        "kv_codec": "none",
+        "evict": {"keep": 0.4, "bits": 4},
+    },
+    "kvrewrite-W16-evict0.55-p0.3-int4": {
+        "rate": 0.3,
+        "recent_window": 16,
+        "kv_codec": "none",
+        "evict": {"keep": 0.55, "bits": 4},
+    },
     # Keys at 8 bits, values at 4 (per-token keys lose more at 4 bits than values do).
-    "kvrewrite-W16-evict0.57-k8v4": {"rate": 0.0, "recent_window": 16, "kv_codec": "none",
-                                     "evict": {"keep": 0.57, "bits": (8, 4)}},
-    "kvrewrite-W16-evict0.26-k8v4": {"rate": 0.0, "recent_window": 16, "kv_codec": "none",
-                                     "evict": {"keep": 0.26, "bits": (8, 4)}},
+    "kvrewrite-W16-evict0.57-k8v4": {
+        "rate": 0.0,
+        "recent_window": 16,
+        "kv_codec": "none",
+        "evict": {"keep": 0.57, "bits": (8, 4)},
+    },
+    "kvrewrite-W16-evict0.26-k8v4": {
+        "rate": 0.0,
+        "recent_window": 16,
+        "kv_codec": "none",
+        "evict": {"keep": 0.26, "bits": (8, 4)},
+    },
 }
 
 
@@ -59,8 +96,13 @@ def _method(name: str, directory: str, options: dict[str, Any]) -> Method:
 
         return kvrewrite.load(directory, **options).eval()
 
-    return Method(name, "kvrewrite", new_cache=lambda model: model.make_kv_cache(), load=load,
-                  settings={"checkpoint": directory, **{k: v for k, v in options.items()}})
+    return Method(
+        name,
+        "kvrewrite",
+        new_cache=lambda model: model.make_kv_cache(),
+        load=load,
+        settings={"checkpoint": directory, **{k: v for k, v in options.items()}},
+    )
 
 
 def recipes() -> list[Method]:

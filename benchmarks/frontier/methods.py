@@ -4,6 +4,7 @@ A method is a model (the shared original by default, or its own loader) plus a c
 context manager the forwards run inside (kvpress presses hook the attention layers that way). The harness does
 prefill, continuation scoring, generation and byte counting itself, so a new method needs no harness change.
 """
+
 from __future__ import annotations
 
 import contextlib

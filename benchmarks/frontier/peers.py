@@ -4,6 +4,7 @@ an FP8 cache, and NVIDIA kvpress presses at prefill and during decoding.
 Imports of optional packages happen inside the factories, so the project env (no kvpress) can still list and run
 the methods it has.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -24,13 +25,24 @@ def quantized(nbits: int, kivi: bool, residual_length: int = 128, q_group_size: 
         from transformers import QuantizedCache
 
         return QuantizedCache(
-            backend="quanto", config=model.config, nbits=nbits, axis_key=axis_key, axis_value=axis_value,
-            q_group_size=q_group_size, residual_length=residual_length,
+            backend="quanto",
+            config=model.config,
+            nbits=nbits,
+            axis_key=axis_key,
+            axis_value=axis_value,
+            q_group_size=q_group_size,
+            residual_length=residual_length,
         )
 
     name = f"quanto-int{nbits}" + ("-kivi" if kivi else "")
-    settings = {"backend": "quanto", "nbits": nbits, "axis_key": axis_key, "axis_value": axis_value,
-                "q_group_size": q_group_size, "residual_length": residual_length}
+    settings = {
+        "backend": "quanto",
+        "nbits": nbits,
+        "axis_key": axis_key,
+        "axis_value": axis_value,
+        "q_group_size": q_group_size,
+        "residual_length": residual_length,
+    }
     return Method(name, "peer", new_cache=new_cache, settings=settings)
 
 
@@ -58,8 +70,9 @@ def _in_position_order(press: Any) -> Any:
     base = type(press)
 
     class Ordered(base):  # type: ignore[misc, valid-type]
-        def compress(self, module: Any, hidden_states: Any, keys: Any, values: Any, attentions: Any,
-                     kwargs: dict) -> tuple[Any, Any]:
+        def compress(
+            self, module: Any, hidden_states: Any, keys: Any, values: Any, attentions: Any, kwargs: dict
+        ) -> tuple[Any, Any]:
             if self.compression_ratio == 0:
                 return keys, values
             scores = self.score(module, hidden_states, keys, values, attentions, kwargs)
@@ -105,7 +118,9 @@ def _token_interval_decoding_press(base: Any, ratio: float, interval: int) -> An
             return super().forward_hook(module, input, kwargs, output)
 
     return TokenIntervalDecodingPress(
-        base_press=base, target_compression_ratio=ratio, compression_interval=interval,
+        base_press=base,
+        target_compression_ratio=ratio,
+        compression_interval=interval,
         hidden_states_buffer_size=interval,
     )
 
@@ -123,14 +138,21 @@ def press(kind: str, ratio: float, interval: int = 64, decoding: bool = True) ->
         p = PrefillDecodingPress(
             prefilling_press=_scorer(kind, ratio, decoding=False),
             decoding_press=_token_interval_decoding_press(_scorer(kind, 0.0, decoding=True), ratio, interval)
-            if decoding else None,
+            if decoding
+            else None,
         )
         return p(model)
 
     return Method(
-        f"{kind}-{1 - ratio:g}" + ("" if decoding else "-prefill-only"), "peer", context=context, prefill_chunk=None,
-        settings={"press": kind if decoding else f"{kind} (prefill only)", "compression_ratio": ratio,
-                  "decoding_interval_tokens": interval if decoding else None},
+        f"{kind}-{1 - ratio:g}" + ("" if decoding else "-prefill-only"),
+        "peer",
+        context=context,
+        prefill_chunk=None,
+        settings={
+            "press": kind if decoding else f"{kind} (prefill only)",
+            "compression_ratio": ratio,
+            "decoding_interval_tokens": interval if decoding else None,
+        },
     )
 
 
@@ -143,8 +165,12 @@ def think(ratio: float = 0.5) -> Method:
         return ThinKPress(key_channel_compression_ratio=ratio)(model)
 
     return Method(
-        f"think-keys-{ratio:g}", "peer", context=context, prefill_chunk=None,
-        nominal_share=1 - ratio / 2, settings={"press": "think", "key_channel_compression_ratio": ratio},
+        f"think-keys-{ratio:g}",
+        "peer",
+        context=context,
+        prefill_chunk=None,
+        nominal_share=1 - ratio / 2,
+        settings={"press": "think", "key_channel_compression_ratio": ratio},
     )
 
 

@@ -4,6 +4,7 @@ Every forward passes logical ``position_ids`` and lets transformers derive ``cac
 length, as kvpress's pipeline does: after a press evicts tokens the cache is shorter than the text, RoPE must still
 see the true positions while the causal mask follows the cache.
 """
+
 from __future__ import annotations
 
 import math

@@ -1,4 +1,5 @@
 """Method names the driver accepts: the original, every peer, and kvrewrite checkpoints or methods from a module."""
+
 from __future__ import annotations
 
 import importlib
@@ -21,7 +22,10 @@ def kvrewrite_checkpoint(directory: str, rate: float, new_cache: Any = None, nam
         return new_kv_cache(model)
 
     return Method(
-        name or f"kvrewrite-p{rate:g}", "kvrewrite", new_cache=new_cache or default_cache, load=load,
+        name or f"kvrewrite-p{rate:g}",
+        "kvrewrite",
+        new_cache=new_cache or default_cache,
+        load=load,
         settings={"checkpoint": directory, "rate": rate},
     )
 

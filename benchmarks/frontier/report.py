@@ -1,4 +1,5 @@
 """Summary table (rich) and the frontier plot: quality against bytes held per token, one panel per protocol."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -18,8 +19,17 @@ def print_table(results: list[dict[str, Any]]) -> None:
     from rich.table import Table
 
     table = Table(title="frontier: quality vs KV bytes held per token (share of the original's fp16 cache)")
-    for col in ("method", "family", "bytes 512–1K", "Δppl 512–1K", "bytes 2K–4K", "Δppl 2K–4K", "bytes passkey",
-                "passkey acc", "s"):
+    for col in (
+        "method",
+        "family",
+        "bytes 512–1K",
+        "Δppl 512–1K",
+        "bytes 2K–4K",
+        "Δppl 2K–4K",
+        "bytes passkey",
+        "passkey acc",
+        "s",
+    ):
         table.add_column(col, justify="left" if col in ("method", "family") else "right")
     fmt_share = lambda v: "—" if v is None else f"{100 * v:.1f}%"  # noqa: E731
     for r in results:
@@ -56,8 +66,18 @@ def write_plot(results: list[dict[str, Any]], path: Path) -> None:
     def marker(name: str, family: str) -> str:
         if family != "peer":
             return {"original": "*", "kvrewrite": "s"}.get(family, "o")
-        return "x" if "prefill only" in name else "s" if name.startswith("quanto") else "D" if name.startswith(
-            "fp8") else "P" if name == "think" else "o"
+        return (
+            "x"
+            if "prefill only" in name
+            else "s"
+            if name.startswith("quanto")
+            else "D"
+            if name.startswith("fp8")
+            else "P"
+            if name == "think"
+            else "o"
+        )
+
     for ax, (key, label) in zip(axes[0], panels):
         for name, rows in series.items():
             pts = []
@@ -71,8 +91,14 @@ def write_plot(results: list[dict[str, Any]], path: Path) -> None:
                 continue
             pts.sort()
             fam = rows[0]["family"]
-            ax.plot(*zip(*pts), marker=marker(name, fam), linestyle="-" if len(pts) > 1 else "none",
-                    markersize=12 if fam == "original" else 7, label=name, color=color_of[name])
+            ax.plot(
+                *zip(*pts),
+                marker=marker(name, fam),
+                linestyle="-" if len(pts) > 1 else "none",
+                markersize=12 if fam == "original" else 7,
+                label=name,
+                color=color_of[name],
+            )
         ax.set_xlabel("KV bytes held per token (% of original fp16)")
         ax.set_ylabel("accuracy (%)" if key == "passkey" else "Δppl vs original (%)")
         if key != "passkey":
@@ -94,14 +120,19 @@ def write_plot(results: list[dict[str, Any]], path: Path) -> None:
 def markdown_table(results: list[dict[str, Any]]) -> str:
     """The summary table as Markdown (pasted into docs/frontier.md from the committed JSON)."""
     pct = lambda v: "—" if v is None else f"{100 * v:.1f}%"  # noqa: E731
-    lines = ["| method | family | bytes 512–1K | Δppl 512–1K | bytes 2K–4K | Δppl 2K–4K | bytes passkey | passkey |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| method | family | bytes 512–1K | Δppl 512–1K | bytes 2K–4K | Δppl 2K–4K | bytes passkey | passkey |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in results:
         cells = [f"`{r['name']}`" + (" (failed)" if "error" in r else ""), r["family"]]
         for regime in REGIME_LABELS:
             c = r.get("continuation", {}).get(regime)
             cells += [pct(_share(r, regime)), "—" if c is None else f"{c['delta_ppl_pct']:+.1f}%"]
         pk = r.get("passkey")
-        cells += [pct(_share(r, "passkey")), "—" if pk is None else f"{sum(i['correct'] for i in pk['items'])}/{pk['n']}"]
+        cells += [
+            pct(_share(r, "passkey")),
+            "—" if pk is None else f"{sum(i['correct'] for i in pk['items'])}/{pk['n']}",
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

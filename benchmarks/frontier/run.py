@@ -5,6 +5,7 @@ tokens. Three steps, because kvpress needs transformers<5.3 and kvrewrite needs 
   eval    (either env)   run methods over the saved ids, the original first as the reference; write a partial JSON
   merge   (either env)   join partial JSONs into benchmarks/results/frontier.json, plot, print the table
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,11 @@ INPUTS = RESULTS / "frontier_inputs.safetensors"
 def _provenance() -> dict[str, Any]:
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                                    capture_output=True, text=True).stdout.strip())
+        dirty = bool(
+            subprocess.run(
+                ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True
+            ).stdout.strip()
+        )
     except OSError:
         commit, dirty = "unknown", False
     import transformers
@@ -52,9 +56,15 @@ def _provenance() -> dict[str, Any]:
             pass
     return {
         "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
-        "git_commit": commit, "git_dirty": dirty, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpu_count": os.cpu_count(),
-                    "torch_threads": torch.get_num_threads()},
+        "git_commit": commit,
+        "git_dirty": dirty,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor(),
+            "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+        },
         "versions": versions,
     }
 
@@ -68,20 +78,28 @@ def cmd_inputs(args: argparse.Namespace) -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     counts = {"512-1K": args.windows_1k, "2K-4K": args.windows_4k}
     windows = {r: wiki_windows(tokenizer, n, sum(REGIMES[r])) for r, n in counts.items() if n > 0}
-    prompts = passkey_prompts(tokenizer, args.passkey_lengths, args.passkey_depths, args.passkey_keys, args.seed,
-                              args.filler)
-    meta = {"model_path": model_path, "seed": args.seed, "filler": args.filler, "windows": counts,
-            "passkey": {"lengths": args.passkey_lengths, "depths": args.passkey_depths, "keys": args.passkey_keys},
-            **_provenance()}
+    prompts = passkey_prompts(
+        tokenizer, args.passkey_lengths, args.passkey_depths, args.passkey_keys, args.seed, args.filler
+    )
+    meta = {
+        "model_path": model_path,
+        "seed": args.seed,
+        "filler": args.filler,
+        "windows": counts,
+        "passkey": {"lengths": args.passkey_lengths, "depths": args.passkey_depths, "keys": args.passkey_keys},
+        **_provenance(),
+    }
     save_inputs(Path(args.output), windows, prompts, meta)
-    print(f"wrote {args.output}: " + ", ".join(f"{r} {tuple(w.shape)}" for r, w in windows.items())
-          + f", {len(prompts)} passkey prompts")
+    print(
+        f"wrote {args.output}: "
+        + ", ".join(f"{r} {tuple(w.shape)}" for r, w in windows.items())
+        + f", {len(prompts)} passkey prompts"
+    )
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # the weight-loading bar would drown the benchmark's own progress bar
@@ -113,16 +131,24 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
             try:
                 model = method.load(model_path) if method.load else shared
-                results.append(run_method(method, model, tokenizer, args.protocols, windows, prompts, args.chunk,
-                                          advance))
+                results.append(
+                    run_method(method, model, tokenizer, args.protocols, windows, prompts, args.chunk, advance)
+                )
                 if model is not shared:
                     free(model)
             except Exception as exc:  # one broken method must not lose the others' results
                 if method.family == "original":
                     raise
                 bar.console.print(f"[red]{method.name} failed: {type(exc).__name__}: {exc}")
-                results.append({"name": method.name, "family": method.family, "settings": method.settings,
-                                "error": f"{type(exc).__name__}: {exc}", "seconds": 0.0})
+                results.append(
+                    {
+                        "name": method.name,
+                        "family": method.family,
+                        "settings": method.settings,
+                        "error": f"{type(exc).__name__}: {exc}",
+                        "seconds": 0.0,
+                    }
+                )
             bar.remove_task(task)
             save()
     print_table(results)
@@ -149,14 +175,28 @@ def cmd_merge(args: argparse.Namespace) -> None:
             results.append(r)
     family_order = {"original": 0, "kvrewrite": 1, "peer": 2}
     share = lambda r: next(iter(r.get("continuation", {}).values()), {}).get("bytes_share", 0)  # noqa: E731
-    results.sort(key=lambda r: (family_order.get(r["family"], 3), str(r["settings"].get("press", r["name"])),
-                                -share(r), r["name"]))
+    results.sort(
+        key=lambda r: (
+            family_order.get(r["family"], 3),
+            str(r["settings"].get("press", r["name"])),
+            -share(r),
+            r["name"],
+        )
+    )
     merged = {
-        "provenance": _provenance(), "inputs": parts[0]["inputs"], "chunk": parts[0]["chunk"],
+        "provenance": _provenance(),
+        "inputs": parts[0]["inputs"],
+        "chunk": parts[0]["chunk"],
         "partials": [{"file": p, **part["provenance"]} for p, part in zip(args.partials, parts)],
         # Each partial's Δppl is against the original of its own process; these are those references.
-        "references": [{"env": o["env"], "continuation": {k: v["ppl"] for k, v in o.get("continuation", {}).items()},
-                        "passkey": o.get("passkey", {}).get("accuracy")} for o in originals],
+        "references": [
+            {
+                "env": o["env"],
+                "continuation": {k: v["ppl"] for k, v in o.get("continuation", {}).items()},
+                "passkey": o.get("passkey", {}).get("accuracy"),
+            }
+            for o in originals
+        ],
         "results": results,
         "superseded": superseded,
     }
@@ -187,8 +227,13 @@ def main(argv: list[str] | None = None) -> None:
     e = sub.add_parser("eval", help="run methods over the saved inputs; writes a partial JSON")
     e.add_argument("--methods", nargs="+", default=["original"], help="'original', 'peers', or peer names")
     e.add_argument("--kvrewrite", nargs="*", default=[], metavar="DIR:RATE", help="kvrewrite checkpoints")
-    e.add_argument("--method-module", nargs="*", default=[], metavar="MODULE:ATTR",
-                   help="extra methods: a list of Method (or a function returning one)")
+    e.add_argument(
+        "--method-module",
+        nargs="*",
+        default=[],
+        metavar="MODULE:ATTR",
+        help="extra methods: a list of Method (or a function returning one)",
+    )
     e.add_argument("--protocols", nargs="+", choices=["continuation", "passkey"], default=["continuation", "passkey"])
     e.add_argument("--regimes", nargs="+", choices=list(REGIMES), default=list(REGIMES))
     e.add_argument("--windows", type=int, default=0, help="use only the first N windows per regime (0: all)")

@@ -40,11 +40,30 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results" / "vllm_mla.json"
-LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                 num_key_value_heads=8, head_dim=128, max_position_embeddings=8192, rope_theta=500000.0,
-                 rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
-SMALL = dict(LLAMA3_8B, vocab_size=1024, hidden_size=1024, intermediate_size=2048, num_hidden_layers=2,
-             num_attention_heads=8, num_key_value_heads=4)
+LLAMA3_8B = dict(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=8192,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+SMALL = dict(
+    LLAMA3_8B,
+    vocab_size=1024,
+    hidden_size=1024,
+    intermediate_size=2048,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+)
 KV_LORA_RANK, ROPE_DIM = 512, 64
 KV_TOKENS = re.compile(r"KV cache size: ([\d,]+) tokens")
 CONCURRENCY = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
@@ -91,10 +110,31 @@ def calibration_file(path: Path, vocab_size: int, words: int, seed: int = 0) -> 
 
 
 def export_command(source: Path, output: Path, calibration: Path, calib_tokens: int) -> list[str]:
-    return [sys.executable, "-m", "kvrewrite.cli.app", "export-mla", str(source), "-o", str(output),
-            "--kv-lora-rank", str(KV_LORA_RANK), "--qk-rope-head-dim", str(ROPE_DIM), "--dtype", "bfloat16",
-            "--calibration", str(calibration), "--calib-tokens", str(calib_tokens), "--verify-tokens", "32",
-            "--position-free-queries", "source", "--refit", "none"]  # as export_large: random weights, nothing to measure
+    return [
+        sys.executable,
+        "-m",
+        "kvrewrite.cli.app",
+        "export-mla",
+        str(source),
+        "-o",
+        str(output),
+        "--kv-lora-rank",
+        str(KV_LORA_RANK),
+        "--qk-rope-head-dim",
+        str(ROPE_DIM),
+        "--dtype",
+        "bfloat16",
+        "--calibration",
+        str(calibration),
+        "--calib-tokens",
+        str(calib_tokens),
+        "--verify-tokens",
+        "32",
+        "--position-free-queries",
+        "source",
+        "--refit",
+        "none",
+    ]  # as export_large: random weights, nothing to measure
 
 
 def export_large(source: Path, output: Path, calibration: Path, calib_tokens: int) -> None:
@@ -109,7 +149,9 @@ def export_large(source: Path, output: Path, calibration: Path, calib_tokens: in
     if (output / "config.json").is_file():
         return
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    plan = Plan(model=str(source), calibration=str(calibration), calib_tokens=calib_tokens, device=device, progress=True)
+    plan = Plan(
+        model=str(source), calibration=str(calibration), calib_tokens=calib_tokens, device=device, progress=True
+    )
     # Serving speed and cache size do not depend on how the position-free queries are scored (only q_proj's
     # values change), and random weights have no attention pattern worth measuring: unrotated.
     prepared = prepare_source(plan, position_free_queries="source")
@@ -123,7 +165,9 @@ def build(work: Path, calib_tokens: int) -> None:
     build_source(work / "small", SMALL, seed=1)
     small_calibration = calibration_file(work / "calibration_small.txt", SMALL["vocab_size"], 4 * 2048)
     if not (work / "small-export" / "config.json").is_file():
-        subprocess.run(export_command(work / "small", work / "small-export", small_calibration, 2048), check=True, cwd=ROOT)
+        subprocess.run(
+            export_command(work / "small", work / "small-export", small_calibration, 2048), check=True, cwd=ROOT
+        )
     build_source(work / "original", LLAMA3_8B, seed=0)
     calibration = calibration_file(work / "calibration.txt", LLAMA3_8B["vocab_size"], 4 * calib_tokens)
     export_large(work / "original", work / "export", calibration, calib_tokens)
@@ -137,8 +181,15 @@ def measure(model: Path, concurrency: int, input_len: int, output_len: int, gpu_
     from vllm import LLM, SamplingParams
 
     max_len = input_len + output_len
-    llm = LLM(model=str(model), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=max_len,
-              max_num_seqs=concurrency, gpu_memory_utilization=gpu_memory_utilization, seed=0)
+    llm = LLM(
+        model=str(model),
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        max_model_len=max_len,
+        max_num_seqs=concurrency,
+        gpu_memory_utilization=gpu_memory_utilization,
+        seed=0,
+    )
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(3, 1000) for _ in range(input_len)]} for _ in range(concurrency)]
     prefill_only = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0, detokenize=False)
@@ -151,15 +202,33 @@ def measure(model: Path, concurrency: int, input_len: int, output_len: int, gpu_
     outputs = llm.generate(prompts, full)
     t_full = time.perf_counter() - t0
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return {"concurrency": concurrency, "input_len": input_len, "output_len": output_len, "generate_s": t_full,
-            "prefill_only_s": t_prefill, "output_tokens": generated, "output_tokens_per_s": generated / t_full,
-            "time_per_output_token_ms": 1000 * (t_full - t_prefill) / (output_len - 1)}
+    return {
+        "concurrency": concurrency,
+        "input_len": input_len,
+        "output_len": output_len,
+        "generate_s": t_full,
+        "prefill_only_s": t_prefill,
+        "output_tokens": generated,
+        "output_tokens_per_s": generated / t_full,
+        "time_per_output_token_ms": 1000 * (t_full - t_prefill) / (output_len - 1),
+    }
 
 
 def measure_in_subprocess(model: Path, args) -> dict:
-    command = [sys.executable, __file__, "measure", str(model), "--concurrency", str(args.concurrency),
-               "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-               "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    command = [
+        sys.executable,
+        __file__,
+        "measure",
+        str(model),
+        "--concurrency",
+        str(args.concurrency),
+        "--input-len",
+        str(args.input_len),
+        "--output-len",
+        str(args.output_len),
+        "--gpu-memory-utilization",
+        str(args.gpu_memory_utilization),
+    ]
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     log = done.stdout + done.stderr
     (args.work / f"vllm_{model.name}.log").write_text(log)
@@ -168,8 +237,11 @@ def measure_in_subprocess(model: Path, args) -> dict:
     result = json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
     tokens, concurrency = KV_TOKENS.search(log), CONCURRENCY.search(log)
     result["kv_cache_tokens"] = int(tokens.group(1).replace(",", "")) if tokens else None
-    result["max_concurrency_stated"] = ({"tokens_per_request": int(concurrency.group(1).replace(",", "")),
-                                         "sequences": float(concurrency.group(2))} if concurrency else None)
+    result["max_concurrency_stated"] = (
+        {"tokens_per_request": int(concurrency.group(1).replace(",", "")), "sequences": float(concurrency.group(2))}
+        if concurrency
+        else None
+    )
     result["attention_backend_lines"] = [line for line in log.splitlines() if "backend" in line.lower()][:5]
     return result
 
@@ -188,13 +260,23 @@ def check(work: Path) -> dict:
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         ref_logprobs = [torch.log_softmax(reference(torch.tensor([p])).logits[0].double(), -1) for p in prompts]
-        ref_greedy = [reference.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False)[0, len(p):].tolist()
-                      for p in prompts]
+        ref_greedy = [
+            reference.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False)[0, len(p) :].tolist()
+            for p in prompts
+        ]
     del reference
-    llm = LLM(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=256, seed=0,
-              gpu_memory_utilization=0.3)
-    scored = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                          SamplingParams(max_tokens=16, temperature=0.0, prompt_logprobs=1, detokenize=False))
+    llm = LLM(
+        model=str(model_dir),
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        max_model_len=256,
+        seed=0,
+        gpu_memory_utilization=0.3,
+    )
+    scored = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(max_tokens=16, temperature=0.0, prompt_logprobs=1, detokenize=False),
+    )
     worst, agree, total = 0.0, 0, 0
     for prompt, out, ref_lp, ref_gen in zip(prompts, scored, ref_logprobs, ref_greedy):
         for pos in range(1, len(prompt)):  # prompt_logprobs[pos]: {token_id: Logprob} for prompt[pos]
@@ -203,9 +285,12 @@ def check(work: Path) -> dict:
         gen = list(out.outputs[0].token_ids)
         agree += sum(a == b for a, b in zip(gen, ref_gen))
         total += len(ref_gen)
-    return {"prompts": len(prompts), "prompt_tokens_each": len(prompts[0]),
-            "max_abs_prompt_logprob_diff_vllm_bf16_vs_transformers_fp32": worst,
-            "greedy_token_agreement_16_new_tokens": agree / total}
+    return {
+        "prompts": len(prompts),
+        "prompt_tokens_each": len(prompts[0]),
+        "max_abs_prompt_logprob_diff_vllm_bf16_vs_transformers_fp32": worst,
+        "greedy_token_agreement_16_new_tokens": agree / total,
+    }
 
 
 # ---- all ---------------------------------------------------------------------------------------------------------
@@ -225,7 +310,11 @@ def main() -> None:
     if args.step == "build":
         build(args.work, args.calib_tokens)
     elif args.step == "measure":
-        print(json.dumps(measure(args.model, args.concurrency, args.input_len, args.output_len, args.gpu_memory_utilization)))
+        print(
+            json.dumps(
+                measure(args.model, args.concurrency, args.input_len, args.output_len, args.gpu_memory_utilization)
+            )
+        )
     elif args.step == "check":
         print(json.dumps(check(args.work), indent=2))
     else:
@@ -237,7 +326,9 @@ def main() -> None:
         import vllm
 
         o, e = runs["original"], runs["export"]
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
+        ).stdout.strip()
         document = {
             "command": "python benchmarks/vllm_mla/run.py " + " ".join(sys.argv[1:]),
             "commit": commit,
@@ -246,13 +337,17 @@ def main() -> None:
             "vllm": vllm.__version__,
             "torch": torch.__version__,
             "shapes": {"original": LLAMA3_8B, "export": {"kv_lora_rank": KV_LORA_RANK, "qk_rope_head_dim": ROPE_DIM}},
-            "kv_values_per_token_per_layer": {"original": 2 * LLAMA3_8B["num_key_value_heads"] * LLAMA3_8B["head_dim"],
-                                              "export": KV_LORA_RANK + ROPE_DIM},
+            "kv_values_per_token_per_layer": {
+                "original": 2 * LLAMA3_8B["num_key_value_heads"] * LLAMA3_8B["head_dim"],
+                "export": KV_LORA_RANK + ROPE_DIM,
+            },
             "runs": runs,
             "ratios_export_over_original": {
                 "output_tokens_per_s": e["output_tokens_per_s"] / o["output_tokens_per_s"],
                 "time_per_output_token": e["time_per_output_token_ms"] / o["time_per_output_token_ms"],
-                "kv_cache_tokens": (e["kv_cache_tokens"] / o["kv_cache_tokens"]) if o["kv_cache_tokens"] and e["kv_cache_tokens"] else None,
+                "kv_cache_tokens": (e["kv_cache_tokens"] / o["kv_cache_tokens"])
+                if o["kv_cache_tokens"] and e["kv_cache_tokens"]
+                else None,
             },
             "correctness_small_export": correctness,
             "total_time_s": round(time.perf_counter() - started, 1),

@@ -10,7 +10,15 @@ from kvrewrite.adapters.qwen2 import Qwen2Adapter
 from kvrewrite.adapters.qwen3 import Qwen3Adapter
 from kvrewrite.adapters.registry import adapter_for, all_adapters, register_adapter, supported_model_types
 
-for _adapter in (LlamaAdapter(), Qwen2Adapter(), Qwen3Adapter(), Phi3Adapter(), OPTAdapter(), GPT2Adapter(), Gemma3Adapter()):
+for _adapter in (
+    LlamaAdapter(),
+    Qwen2Adapter(),
+    Qwen3Adapter(),
+    Phi3Adapter(),
+    OPTAdapter(),
+    GPT2Adapter(),
+    Gemma3Adapter(),
+):
     register_adapter(_adapter)
 
 __all__ = [

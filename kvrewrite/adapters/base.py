@@ -90,7 +90,9 @@ class ArchitectureAdapter:
     # ---- validation -----------------------------------------------------------------------
     def check_config(self, config) -> None:
         """Raise UnsupportedModelError if this config uses a variant the adapter cannot rewrite."""
-        missing = [name for name in ("hidden_size", "num_attention_heads", "num_hidden_layers") if not hasattr(config, name)]
+        missing = [
+            name for name in ("hidden_size", "num_attention_heads", "num_hidden_layers") if not hasattr(config, name)
+        ]
         if missing:
             raise UnsupportedModelError(f"{config.model_type} config lacks {', '.join(missing)}")
         geometry = self.geometry(config)
@@ -120,7 +122,9 @@ class ArchitectureAdapter:
     def rotary_embedding(self, model: nn.Module) -> nn.Module | None:
         return model.model.rotary_emb
 
-    def rope_tables(self, model: nn.Module, probe: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    def rope_tables(
+        self, model: nn.Module, probe: torch.Tensor, positions: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """Per decoder layer, the (cos, sin) the stock model rotates that layer with; None without RoPE."""
         rotary = self.rotary_embedding(model)
         if rotary is None:
@@ -157,8 +161,14 @@ class ArchitectureAdapter:
             return None if linear.bias is None else linear.bias.detach()
 
         return Projections(
-            attn.q_proj.weight.detach(), attn.k_proj.weight.detach(), attn.v_proj.weight.detach(), attn.o_proj.weight.detach(),
-            bias(attn.q_proj), bias(attn.k_proj), bias(attn.v_proj), bias(attn.o_proj),
+            attn.q_proj.weight.detach(),
+            attn.k_proj.weight.detach(),
+            attn.v_proj.weight.detach(),
+            attn.o_proj.weight.detach(),
+            bias(attn.q_proj),
+            bias(attn.k_proj),
+            bias(attn.v_proj),
+            bias(attn.o_proj),
         )
 
     def activation_taps(self, attn: nn.Module) -> list[Tap]:

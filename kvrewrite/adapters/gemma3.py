@@ -31,17 +31,25 @@ class Gemma3Adapter(ArchitectureAdapter):
         if getattr(config, "attn_logit_softcapping", None) is not None:
             raise UnsupportedModelError("gemma3_text with attn_logit_softcapping is not supported yet")
         if getattr(config, "use_bidirectional_attention", False):
-            raise UnsupportedModelError("gemma3_text with bidirectional attention is not a causal LM kvrewrite can rewrite")
+            raise UnsupportedModelError(
+                "gemma3_text with bidirectional attention is not a causal LM kvrewrite can rewrite"
+            )
 
     def features(self, config) -> AttentionFeatures:
         bias = bool(getattr(config, "attention_bias", False))
         return AttentionFeatures(
-            q_bias=bias, k_bias=bias, v_bias=bias, o_bias=bias, qk_norm=True,
+            q_bias=bias,
+            k_bias=bias,
+            v_bias=bias,
+            o_bias=bias,
+            qk_norm=True,
             scaling=config.query_pre_attn_scalar**-0.5,
             sliding_layers="sliding_attention" in (config.layer_types or []),
         )
 
-    def rope_tables(self, model: nn.Module, probe: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def rope_tables(
+        self, model: nn.Module, probe: torch.Tensor, positions: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         rotary, layer_types = model.model.rotary_emb, model.config.layer_types
         tables = {kind: rotary(probe, positions, kind) for kind in set(layer_types)}
         return [tables[kind] for kind in layer_types]

@@ -29,7 +29,9 @@ class OPTAdapter(ArchitectureAdapter):
 
     def geometry(self, config) -> AttentionGeometry:
         heads = config.num_attention_heads
-        return AttentionGeometry(config.num_hidden_layers, heads, heads, config.hidden_size // heads, config.hidden_size)
+        return AttentionGeometry(
+            config.num_hidden_layers, heads, heads, config.hidden_size // heads, config.hidden_size
+        )
 
     def features(self, config) -> AttentionFeatures:
         bias = bool(getattr(config, "enable_bias", True))
@@ -53,8 +55,14 @@ class OPTAdapter(ArchitectureAdapter):
             return None if linear.bias is None else linear.bias.detach()
 
         return Projections(
-            attn.q_proj.weight.detach(), attn.k_proj.weight.detach(), attn.v_proj.weight.detach(), attn.out_proj.weight.detach(),
-            bias(attn.q_proj), bias(attn.k_proj), bias(attn.v_proj), bias(attn.out_proj),
+            attn.q_proj.weight.detach(),
+            attn.k_proj.weight.detach(),
+            attn.v_proj.weight.detach(),
+            attn.out_proj.weight.detach(),
+            bias(attn.q_proj),
+            bias(attn.k_proj),
+            bias(attn.v_proj),
+            bias(attn.out_proj),
         )
 
     def output_projection(self, attn: nn.Module) -> nn.Module:

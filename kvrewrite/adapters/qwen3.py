@@ -24,7 +24,9 @@ class Qwen3Adapter(ArchitectureAdapter):
     def features(self, config) -> AttentionFeatures:
         bias = bool(getattr(config, "attention_bias", False))
         sliding = "sliding_attention" in (getattr(config, "layer_types", None) or [])
-        return AttentionFeatures(q_bias=bias, k_bias=bias, v_bias=bias, o_bias=bias, qk_norm=True, sliding_layers=sliding)
+        return AttentionFeatures(
+            q_bias=bias, k_bias=bias, v_bias=bias, o_bias=bias, qk_norm=True, sliding_layers=sliding
+        )
 
     def make_qk_norms(self, config) -> tuple[nn.Module, nn.Module]:
         d = self.geometry(config).head_dim

@@ -27,19 +27,26 @@ QUARTER_OPTIONS = {"rate": 0.0, "recent_window": 16, "kv_codec": "none", "evict"
 MLA_VARIANT = "mla-allocated"
 
 
-def run_demo(output: Path, rates: list[float], calib_tokens: int, eval_tokens: int, console: Console,
-             mla: bool = False) -> list[dict]:
-    from kvrewrite.io.calibration_data import evaluation_token_sequences
-    from kvrewrite.publish.checkpoint_eval import result_rows
+def run_demo(
+    output: Path, rates: list[float], calib_tokens: int, eval_tokens: int, console: Console, mla: bool = False
+) -> list[dict]:
     from kvrewrite.cli.tables import eval_table
-    from kvrewrite.publish.evaluation import CODEC_EVAL_CHUNK, evaluate_many
     from kvrewrite.compile.passes.pipeline import compile_variants
     from kvrewrite.compile.plan import Plan
+    from kvrewrite.io.calibration_data import evaluation_token_sequences
+    from kvrewrite.publish.checkpoint_eval import result_rows
+    from kvrewrite.publish.evaluation import CODEC_EVAL_CHUNK, evaluate_many
     from kvrewrite.runtime.load import load
 
     started = time.perf_counter()
-    plan = Plan(model="smollm2-135m", target_rate=max(rates), calibration="wiki", calib_tokens=calib_tokens, overwrite=True,
-                rate_grid=tuple(sorted({*Plan.__dataclass_fields__["rate_grid"].default, *rates})))
+    plan = Plan(
+        model="smollm2-135m",
+        target_rate=max(rates),
+        calibration="wiki",
+        calib_tokens=calib_tokens,
+        overwrite=True,
+        rate_grid=tuple(sorted({*Plan.__dataclass_fields__["rate_grid"].default, *rates})),
+    )
 
     def on_pass(variant: str, step) -> None:
         console.print(f"[cyan]{variant}[/] {step.name}: {step.description}")
@@ -47,7 +54,9 @@ def run_demo(output: Path, rates: list[float], calib_tokens: int, eval_tokens: i
     shared, compiled = compile_variants(plan, DEMO_CONFIGS, output, on_pass=on_pass)
     compile_times = {name: ctx.report["variant_compile_s"] for name, ctx in compiled.items()}
     for name, ctx in compiled.items():
-        console.print(f"  {name}: full-rank max |Δlogit| = {ctx.verification['full_rank_max_abs_logit_diff']:.2e}, wrote {ctx.output_dir}")
+        console.print(
+            f"  {name}: full-rank max |Δlogit| = {ctx.verification['full_rank_max_abs_logit_diff']:.2e}, wrote {ctx.output_dir}"
+        )
     names = [DEFAULT_VARIANT]
     if mla:
         mla_started = time.perf_counter()
@@ -67,8 +76,13 @@ def run_demo(output: Path, rates: list[float], calib_tokens: int, eval_tokens: i
     results = evaluate_many(models, windows, baseline=baseline, batch_size=1)
     del models
     # Eviction acts between forwards: scored by chunked prefill through the cache (the original by the same chunks).
-    quarter = evaluate_many({QUARTER_VARIANT: load(output / DEFAULT_VARIANT, **QUARTER_OPTIONS)}, windows,
-                            baseline=baseline, batch_size=1, chunk=CODEC_EVAL_CHUNK)
+    quarter = evaluate_many(
+        {QUARTER_VARIANT: load(output / DEFAULT_VARIANT, **QUARTER_OPTIONS)},
+        windows,
+        baseline=baseline,
+        batch_size=1,
+        chunk=CODEC_EVAL_CHUNK,
+    )
     model_rates[QUARTER_VARIANT] = QUARTER_OPTIONS["rate"]
     rows = result_rows("SmolLM2-135M-Instruct", {**results, **quarter}, model_rates)
     console.print(eval_table(rows, title=f"SmolLM2-135M on held-out wiki ({windows.numel()} tokens)"))
@@ -80,8 +94,14 @@ def run_demo(output: Path, rates: list[float], calib_tokens: int, eval_tokens: i
         "shared_pass_time_s": shared.report["timings_s"],
         "compile_time_s": compile_times,
         "total_time_s": time.perf_counter() - started,
-        "configs": {**DEMO_CONFIGS, QUARTER_VARIANT: {"load": {**QUARTER_OPTIONS, "evict": {"keep": 0.57, "bits": [8, 4]}},
-                                                       "checkpoint": DEFAULT_VARIANT, "eval_chunk": CODEC_EVAL_CHUNK}},
+        "configs": {
+            **DEMO_CONFIGS,
+            QUARTER_VARIANT: {
+                "load": {**QUARTER_OPTIONS, "evict": {"keep": 0.57, "bits": [8, 4]}},
+                "checkpoint": DEFAULT_VARIANT,
+                "eval_chunk": CODEC_EVAL_CHUNK,
+            },
+        },
     }
     output.mkdir(parents=True, exist_ok=True)
     (output / "demo_results.json").write_text(json.dumps(summary, indent=2))
@@ -102,7 +122,9 @@ def _export_mla(plan, rates: list[float], output: Path, console: Console) -> Non
     prepared = prepare_source(replace(plan, output=None))
     form = allocated_at_share(prepared, probe_full_form(prepared), 1 - min(rates), rates=plan.rate_grid)
     export_at_share(prepared, form.layers, output, dtype=torch.float32, overwrite=True, rate_table=form.rate_table)
-    console.print(f"  {MLA_VARIANT}: latent widths {min(form.allocation.ranks)}..{max(form.allocation.ranks)} per layer, wrote {output}")
+    console.print(
+        f"  {MLA_VARIANT}: latent widths {min(form.allocation.ranks)}..{max(form.allocation.ranks)} per layer, wrote {output}"
+    )
 
 
 def _plot(rows: list[dict], names: list[str], path: Path) -> None:
@@ -116,7 +138,11 @@ def _plot(rows: list[dict], names: list[str], path: Path) -> None:
     base = next(r for r in rows if r.get("baseline"))
     fig, ax = plt.subplots(figsize=(6, 4))
     for name in names:
-        pts = sorted((r["kv_bytes_per_token"] / base["kv_bytes_per_token"], r["perplexity"]) for r in rows if r["name"].startswith(name))
+        pts = sorted(
+            (r["kv_bytes_per_token"] / base["kv_bytes_per_token"], r["perplexity"])
+            for r in rows
+            if r["name"].startswith(name)
+        )
         ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=name)
     ax.axhline(base["perplexity"], color="gray", linestyle="--", label="original")
     ax.set_xlabel("KV bytes per token (share of original)")

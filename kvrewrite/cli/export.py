@@ -45,26 +45,85 @@ def _flags() -> dict[str, str]:
 
 def export_mla_command(
     model: str = typer.Argument(..., help="Hub id, local directory, or 'smollm2-135m' (bundled)."),
-    output: Path = typer.Option(..., "--output", "-o", help="Directory for the DeepSeek-V3 checkpoint (written atomically)."),
-    kv_share: float = typer.Option(0.5, "--kv-share", help="Cached values per token and layer, as a share of the source's K+V: (r + d_r) / (2 n_kv d)."),
-    kv_lora_rank: int | None = typer.Option(None, "--kv-lora-rank", help="Exact latent width r instead of --kv-share (engines with fixed cached widths: vLLM's MLA kernels take r + d_r = 512 + 64)."),
-    qk_rope_head_dim: int | None = typer.Option(None, "--qk-rope-head-dim", help="With --kv-lora-rank: the shared RoPE key's width d_r, head_dim (default) or head_dim / s, s dividing head_dim / 2 (every s-th frequency keeps its rotation)."),
-    allocation: str = typer.Option("uniform", "--allocation", help="Latent widths across layers: uniform (every engine caches the share) or sensitivity (per-layer widths from measured KL at the same total; exported zero-padded to the widest layer, so only kvrewrite's runtime caches the share; docs/serving.md)."),
+    output: Path = typer.Option(
+        ..., "--output", "-o", help="Directory for the DeepSeek-V3 checkpoint (written atomically)."
+    ),
+    kv_share: float = typer.Option(
+        0.5,
+        "--kv-share",
+        help="Cached values per token and layer, as a share of the source's K+V: (r + d_r) / (2 n_kv d).",
+    ),
+    kv_lora_rank: int | None = typer.Option(
+        None,
+        "--kv-lora-rank",
+        help="Exact latent width r instead of --kv-share (engines with fixed cached widths: vLLM's MLA kernels take r + d_r = 512 + 64).",
+    ),
+    qk_rope_head_dim: int | None = typer.Option(
+        None,
+        "--qk-rope-head-dim",
+        help="With --kv-lora-rank: the shared RoPE key's width d_r, head_dim (default) or head_dim / s, s dividing head_dim / 2 (every s-th frequency keeps its rotation).",
+    ),
+    allocation: str = typer.Option(
+        "uniform",
+        "--allocation",
+        help="Latent widths across layers: uniform (every engine caches the share) or sensitivity (per-layer widths from measured KL at the same total; exported zero-padded to the widest layer, so only kvrewrite's runtime caches the share; docs/serving.md).",
+    ),
     calib_tokens: int = typer.Option(16384, "--calib-tokens", help="Calibration tokens (wiki)."),
     calibration: str = typer.Option("wiki", help="Calibration source: wiki, synthetic or a text file."),
-    dtype: str = typer.Option("auto", help="Weights dtype: auto (the source's), bfloat16 or float32 (float16 cannot hold the neutralised latent)."),
-    position_free_queries: str = typer.Option("expected-rotation", "--position-free-queries", help="How the latent's key part scores the RoPE components whose rotation is dropped: expected-rotation (the default: turned by each head's expected rotation over the distances its attention covers, attention sink left out, measured on calibration text and folded into q_proj) or source (the head's query unrotated). docs/serving.md has both measured."),
-    key_weight: float | None = typer.Option(None, "--key-weight", help="Weight of the key side against the value side in the latent's objective (default 0.25, chosen on calibration text)."),
-    verify_tokens: int = typer.Option(128, "--verify-tokens", help="Tokens of one calibration window for the checks at the end."),
+    dtype: str = typer.Option(
+        "auto",
+        help="Weights dtype: auto (the source's), bfloat16 or float32 (float16 cannot hold the neutralised latent).",
+    ),
+    position_free_queries: str = typer.Option(
+        "expected-rotation",
+        "--position-free-queries",
+        help="How the latent's key part scores the RoPE components whose rotation is dropped: expected-rotation (the default: turned by each head's expected rotation over the distances its attention covers, attention sink left out, measured on calibration text and folded into q_proj) or source (the head's query unrotated). docs/serving.md has both measured.",
+    ),
+    key_weight: float | None = typer.Option(
+        None,
+        "--key-weight",
+        help="Weight of the key side against the value side in the latent's objective (default 0.25, chosen on calibration text).",
+    ),
+    verify_tokens: int = typer.Option(
+        128, "--verify-tokens", help="Tokens of one calibration window for the checks at the end."
+    ),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
-    refit: str | None = typer.Option(None, "--refit", help=f"Least-squares refit of every o_proj at the exported widths, layer by layer (closed form, no run-time cost): output-local (against the original layer on the form's own inputs), output (against the original model's attention outputs) or none. Default: {DEFAULT_REFIT} for a uniform export, none with --allocation sensitivity (it keeps its rate table; a refitted export serves its exported widths only) or --distill (docs/serving.md)."),
-    refit_tokens: int | None = typer.Option(None, "--refit-tokens", help="With --refit: calibration tokens the least squares read (default 16384)."),
-    distill: bool = typer.Option(False, "--distill", help="Train the MLA form's attention weights at its widths against the original model's next-token distribution (no run-time cost; docs/distill.md)."),
-    distill_tokens: int | None = typer.Option(None, "--distill-tokens", help="With --distill: calibration tokens it trains on, 1/16 of them held back for validation (default: every calibration token)."),
-    distill_epochs: float | None = typer.Option(None, "--distill-epochs", help=f"With --distill: passes over the distillation tokens; the best epoch on the validation windows is kept (default {DISTILL_EPOCHS:g}, with --distill-rates {NESTED_DISTILL_EPOCHS:g})."),
-    distill_lr: float | None = typer.Option(None, "--distill-lr", help=f"With --distill: Adam learning rate, cosine decay (default {DISTILL_LR:g})."),
-    distill_rates: str | None = typer.Option(None, "--distill-rates", help="With --distill and --allocation sensitivity: A,B trains every rate of the rate table from A to B together (nested over the latent widths; one file serves them all). A must be 1 - --kv-share."),
-    refit_rates: str | None = typer.Option(None, "--refit-rates", help=f"A,B,...: one file serving these rates, o_proj refitted at each on its own (the stock weights hold A's, the others a side file kvrewrite.load(dir, rate=p) reads; no run-time cost). A must be 1 - --kv-share; widths uniform, or the rate table's with --allocation sensitivity. With --distill --distill-rates, each rate is refitted after the nested training. --refit defaults to {DEFAULT_REFIT} (docs/serving.md)."),
+    refit: str | None = typer.Option(
+        None,
+        "--refit",
+        help=f"Least-squares refit of every o_proj at the exported widths, layer by layer (closed form, no run-time cost): output-local (against the original layer on the form's own inputs), output (against the original model's attention outputs) or none. Default: {DEFAULT_REFIT} for a uniform export, none with --allocation sensitivity (it keeps its rate table; a refitted export serves its exported widths only) or --distill (docs/serving.md).",
+    ),
+    refit_tokens: int | None = typer.Option(
+        None, "--refit-tokens", help="With --refit: calibration tokens the least squares read (default 16384)."
+    ),
+    distill: bool = typer.Option(
+        False,
+        "--distill",
+        help="Train the MLA form's attention weights at its widths against the original model's next-token distribution (no run-time cost; docs/distill.md).",
+    ),
+    distill_tokens: int | None = typer.Option(
+        None,
+        "--distill-tokens",
+        help="With --distill: calibration tokens it trains on, 1/16 of them held back for validation (default: every calibration token).",
+    ),
+    distill_epochs: float | None = typer.Option(
+        None,
+        "--distill-epochs",
+        help=f"With --distill: passes over the distillation tokens; the best epoch on the validation windows is kept (default {DISTILL_EPOCHS:g}, with --distill-rates {NESTED_DISTILL_EPOCHS:g}).",
+    ),
+    distill_lr: float | None = typer.Option(
+        None, "--distill-lr", help=f"With --distill: Adam learning rate, cosine decay (default {DISTILL_LR:g})."
+    ),
+    distill_rates: str | None = typer.Option(
+        None,
+        "--distill-rates",
+        help="With --distill and --allocation sensitivity: A,B trains every rate of the rate table from A to B together (nested over the latent widths; one file serves them all). A must be 1 - --kv-share.",
+    ),
+    refit_rates: str | None = typer.Option(
+        None,
+        "--refit-rates",
+        help=f"A,B,...: one file serving these rates, o_proj refitted at each on its own (the stock weights hold A's, the others a side file kvrewrite.load(dir, rate=p) reads; no run-time cost). A must be 1 - --kv-share; widths uniform, or the rate table's with --allocation sensitivity. With --distill --distill-rates, each rate is refitted after the nested training. --refit defaults to {DEFAULT_REFIT} (docs/serving.md).",
+    ),
 ) -> None:
     """Compute a multi-head latent (MLA) form from calibration statistics and write it as a stock DeepSeek-V3 checkpoint."""
     from kvrewrite.cli.compress_options import cli_message
@@ -75,13 +134,28 @@ def export_mla_command(
         from kvrewrite.compile.mla.plan import MLAPlan
         from kvrewrite.compile.mla.rate_refit import parse_refit_rates
 
-        plan = MLAPlan(output=output, kv_share=kv_share, kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim,
-                       allocation=allocation, calibration=calibration, calib_tokens=calib_tokens, dtype=dtype,
-                       position_free_queries=position_free_queries, key_weight=key_weight, verify_tokens=verify_tokens,
-                       overwrite=overwrite, refit=refit, refit_tokens=refit_tokens, distill=distill,
-                       distill_tokens=distill_tokens, distill_epochs=distill_epochs, distill_lr=distill_lr,
-                       distill_rates=_rates(distill_rates, "--distill-rates"),
-                       refit_rates=parse_refit_rates(refit_rates) if refit_rates is not None else ())
+        plan = MLAPlan(
+            output=output,
+            kv_share=kv_share,
+            kv_lora_rank=kv_lora_rank,
+            qk_rope_head_dim=qk_rope_head_dim,
+            allocation=allocation,
+            calibration=calibration,
+            calib_tokens=calib_tokens,
+            dtype=dtype,
+            position_free_queries=position_free_queries,
+            key_weight=key_weight,
+            verify_tokens=verify_tokens,
+            overwrite=overwrite,
+            refit=refit,
+            refit_tokens=refit_tokens,
+            distill=distill,
+            distill_tokens=distill_tokens,
+            distill_epochs=distill_epochs,
+            distill_lr=distill_lr,
+            distill_rates=_rates(distill_rates, "--distill-rates"),
+            refit_rates=parse_refit_rates(refit_rates) if refit_rates is not None else (),
+        )
         result = export_mla(model, plan)
     except (KVRewriteError, ValueError) as exc:
         console.print(f"[bold red]error:[/] {escape(cli_message(str(exc), _flags()))}")
@@ -94,44 +168,76 @@ def _print_export(console: Console, model: str, plan, result) -> None:
         _print_rate_refits(console, result.rate_refit)
     if result.refit is not None:
         errors = [(r.relative_error_before, r.relative_error_after) for r in result.refit.reports]
-        console.print(f"refit: o_proj of {len(errors)} layers on {result.refit.tokens} calibration tokens; relative error "
-                      f"of the attention output, mean over layers {sum(b for b, _ in errors) / len(errors):.3f} -> "
-                      f"{sum(a for _, a in errors) / len(errors):.3f}")
+        console.print(
+            f"refit: o_proj of {len(errors)} layers on {result.refit.tokens} calibration tokens; relative error "
+            f"of the attention output, mean over layers {sum(b for b, _ in errors) / len(errors):.3f} -> "
+            f"{sum(a for _, a in errors) / len(errors):.3f}"
+        )
     layers, source_values = result.layers, result.source_values
     mean_cached = sum(layer.cached_values_per_token for layer in layers) / len(layers)
-    table = Table(title=f"MLA form of {model}: {mean_cached:g} of {source_values} K+V values per token and layer"
-                        + (" (mean over layers)" if plan.allocation == "sensitivity" else ""))
-    for column in ("layer", "r (kv_lora_rank)", "d_r (qk_rope_head_dim)", "share", "RoPE energy kept", "latent-norm error bound"):
+    table = Table(
+        title=f"MLA form of {model}: {mean_cached:g} of {source_values} K+V values per token and layer"
+        + (" (mean over layers)" if plan.allocation == "sensitivity" else "")
+    )
+    for column in (
+        "layer",
+        "r (kv_lora_rank)",
+        "d_r (qk_rope_head_dim)",
+        "share",
+        "RoPE energy kept",
+        "latent-norm error bound",
+    ):
         table.add_column(column, justify="right")
     for idx, (layer, norm) in enumerate(zip(layers, result.summary.neutralisers)):
-        table.add_row(str(idx), str(layer.kv_lora_rank), str(layer.qk_rope_head_dim), f"{layer.cached_values_per_token / source_values:.3f}",
-                      f"{layer.rope_energy_kept:.3f}", f"{norm.relative_error_bound:.0e}")
+        table.add_row(
+            str(idx),
+            str(layer.kv_lora_rank),
+            str(layer.qk_rope_head_dim),
+            f"{layer.cached_values_per_token / source_values:.3f}",
+            f"{layer.rope_energy_kept:.3f}",
+            f"{norm.relative_error_bound:.0e}",
+        )
     console.print(table)
     if result.distilled is not None:
         _print_distillation(console, result)
-    console.print(f"verify: full-width MLA (every RoPE component, full latent) vs original, max |Δlogit| = {result.full_width_diff:.2e}")
-    console.print(f"verify: exported checkpoint in stock transformers ({str(result.summary.dtype).removeprefix('torch.')}) vs our maths, "
-                  f"max |Δlogit| = {result.export_diff:.2e}")
+    console.print(
+        f"verify: full-width MLA (every RoPE component, full latent) vs original, max |Δlogit| = {result.full_width_diff:.2e}"
+    )
+    console.print(
+        f"verify: exported checkpoint in stock transformers ({str(result.summary.dtype).removeprefix('torch.')}) vs our maths, "
+        f"max |Δlogit| = {result.export_diff:.2e}"
+    )
     for key, diff in result.rate_diffs.items():
-        console.print(f"verify: rate {key} loaded by kvrewrite.load (its own o_proj from the side file) vs our maths, "
-                      f"max |Δlogit| = {diff:.2e}")
+        console.print(
+            f"verify: rate {key} loaded by kvrewrite.load (its own o_proj from the side file) vs our maths, "
+            f"max |Δlogit| = {diff:.2e}"
+        )
     if result.served_rates:
-        console.print(f"rate table: kvrewrite.load(DIR, rate=p) serves p = {', '.join(result.served_rates)} from this file "
-                      "(per-layer widths, prefixes of the exported ones"
-                      + (", each with its own refitted o_proj)" if result.rate_refit is not None else ")"))
+        console.print(
+            f"rate table: kvrewrite.load(DIR, rate=p) serves p = {', '.join(result.served_rates)} from this file "
+            "(per-layer widths, prefixes of the exported ones"
+            + (", each with its own refitted o_proj)" if result.rate_refit is not None else ")")
+        )
     console.print(f"wrote {result.output} (DeepseekV3ForCausalLM; load with AutoModelForCausalLM.from_pretrained)")
 
 
 def _print_rate_refits(console: Console, rated) -> None:
-    table = Table(title="o_proj refitted per rate (--refit-rates): relative error of the attention output, mean over layers")
+    table = Table(
+        title="o_proj refitted per rate (--refit-rates): relative error of the attention output, mean over layers"
+    )
     for column in ("rate", "mean latent width", "before", "after", "stored in"):
         table.add_column(column, justify="right")
     for key, refit in rated.refits.items():
         widths = rated.rate_table[key]
         before = sum(r.relative_error_before for r in refit.reports) / len(refit.reports)
         after = sum(r.relative_error_after for r in refit.reports) / len(refit.reports)
-        table.add_row(key, f"{round(sum(widths) / len(widths), 1):g}", f"{before:.3f}", f"{after:.3f}",
-                      "stock weights" if key == rated.widest else "side file")
+        table.add_row(
+            key,
+            f"{round(sum(widths) / len(widths), 1):g}",
+            f"{before:.3f}",
+            f"{after:.3f}",
+            "stock weights" if key == rated.widest else "side file",
+        )
     console.print(table)
 
 
@@ -141,8 +247,12 @@ def _print_distillation(console: Console, result) -> None:
         console.print("distill: the form is exact at these widths (every RoPE component, full latent): nothing trained")
         return
     kept = f"epoch {report.kept_epoch} kept" if report.kept_epoch else "no epoch helped, weights unchanged"
-    console.print(f"distill: validation KL {report.validation_kl_before:.4f} -> {report.validation_kl_after:.4f} nats "
-                  f"({kept}; {report.train_tokens} training, {report.validation_tokens} validation tokens, {report.seconds:.0f} s)")
+    console.print(
+        f"distill: validation KL {report.validation_kl_before:.4f} -> {report.validation_kl_after:.4f} nats "
+        f"({kept}; {report.train_tokens} training, {report.validation_tokens} validation tokens, {report.seconds:.0f} s)"
+    )
     bound = max(n.relative_error_bound for n in result.summary.neutralisers)
-    console.print(f"distill: kv_a_layernorm neutralisation re-derived from the trained weights: largest error on calibration "
-                  f"tokens {max(result.latent_norm_errors):.1e} (bound {bound:.0e})")
+    console.print(
+        f"distill: kv_a_layernorm neutralisation re-derived from the trained weights: largest error on calibration "
+        f"tokens {max(result.latent_norm_errors):.1e} (bound {bound:.0e})"
+    )

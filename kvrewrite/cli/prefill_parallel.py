@@ -23,8 +23,9 @@ def read_prompt(path: Path) -> str:
     try:
         text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise InvalidArgumentError(f"--prompt-file {path} is not UTF-8 text (byte {exc.start} is not); give a text "
-                                   "file") from None
+        raise InvalidArgumentError(
+            f"--prompt-file {path} is not UTF-8 text (byte {exc.start} is not); give a text file"
+        ) from None
     if "\x00" in text or not text.strip():
         raise InvalidArgumentError(f"--prompt-file {path} is {'binary' if text.strip() else 'empty'}; give a text file")
     return text
@@ -44,8 +45,10 @@ def check_options(directory: Path, nproc: int, rate, new_tokens: int, threads: i
         config = json.loads(config_path.read_text())
         spec = config["kvrewrite"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise KVRewriteError(f"{config_path}: unreadable or has no kvrewrite spec ({exc}); is {directory} a kvrewrite "
-                             "checkpoint? (prefill-parallel runs the per-head forms of kvrewrite compress)") from None
+        raise KVRewriteError(
+            f"{config_path}: unreadable or has no kvrewrite spec ({exc}); is {directory} a kvrewrite "
+            "checkpoint? (prefill-parallel runs the per-head forms of kvrewrite compress)"
+        ) from None
     verify_checkpoint_files(directory)  # the spec read here, and the tokenizer read next, are the ones written
     if rate is not None:
         CompressionSpec.from_dict(spec).ranks_for_rate(rate)  # a rate off the table, named now, not in a worker
@@ -59,11 +62,15 @@ def check_before_start(directory: Path, nproc: int, prompt_length: int, spec: di
         try:
             spec = json.loads(config_path.read_text())["kvrewrite"]
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise KVRewriteError(f"{config_path}: unreadable or has no kvrewrite spec ({exc}); is {directory} a kvrewrite checkpoint?") from exc
+            raise KVRewriteError(
+                f"{config_path}: unreadable or has no kvrewrite spec ({exc}); is {directory} a kvrewrite checkpoint?"
+            ) from exc
     heads = spec["num_attention_heads"]
     if nproc < 1 or nproc > heads:
-        raise InvalidArgumentError(f"--nproc {nproc}: the model has {heads} query heads and every process attends for at "
-                                   f"least one (use 1 to {heads})")
+        raise InvalidArgumentError(
+            f"--nproc {nproc}: the model has {heads} query heads and every process attends for at "
+            f"least one (use 1 to {heads})"
+        )
     if prompt_length < nproc:
         raise InvalidArgumentError(f"the prompt has {prompt_length} tokens, fewer than --nproc {nproc}")
     return heads
@@ -86,10 +93,14 @@ def worker(rank: int, world: int, directory: str, input_ids: torch.Tensor, rate,
     prefilled = time.perf_counter()
     generated = greedy_continue(model, result, new_tokens)[0].tolist() if rank == 0 and new_tokens > 0 else []
     return {
-        "rank": rank, "tokens": list(result.tokens),
+        "rank": rank,
+        "tokens": list(result.tokens),
         "heads": list(head_runs(model.compressed_attentions()[0].num_heads, world)[rank]),
-        "load_s": loaded - started, "prefill_s": prefilled - begin, "decode_s": time.perf_counter() - prefilled,
-        "sent_bytes": result.collectives.bytes_by_name(), "generated": generated,
+        "load_s": loaded - started,
+        "prefill_s": prefilled - begin,
+        "decode_s": time.perf_counter() - prefilled,
+        "sent_bytes": result.collectives.bytes_by_name(),
+        "generated": generated,
     }
 
 
@@ -110,12 +121,27 @@ def size(n: int) -> str:
 
 def rank_table(results: list[dict]) -> Table:
     table = Table(title="sequence-parallel prefill, per process")
-    for column in ("rank", "prompt tokens", "query heads", "load s", "prefill s", "q/k/v sent", "outputs sent", "cache sent"):
+    for column in (
+        "rank",
+        "prompt tokens",
+        "query heads",
+        "load s",
+        "prefill s",
+        "q/k/v sent",
+        "outputs sent",
+        "cache sent",
+    ):
         table.add_column(column, justify="right")
     for r in results:
         (t0, t1), (h0, h1), sent = r["tokens"], r["heads"], r["sent_bytes"]
-        table.add_row(str(r["rank"]), f"{t0}..{t1 - 1}", f"{h0}..{h1 - 1}", f"{r['load_s']:.1f}", f"{r['prefill_s']:.2f}",
-                      *(size(sent.get(k, 0)) for k in ("qkv", "output", "cache")))
+        table.add_row(
+            str(r["rank"]),
+            f"{t0}..{t1 - 1}",
+            f"{h0}..{h1 - 1}",
+            f"{r['load_s']:.1f}",
+            f"{r['prefill_s']:.2f}",
+            *(size(sent.get(k, 0)) for k in ("qkv", "output", "cache")),
+        )
     return table
 
 
@@ -133,8 +159,8 @@ def summary_table(results: list[dict], prompt_tokens: int, new_tokens: int) -> T
     table.add_row("prompt tokens", str(prompt_tokens))
     table.add_row("prefill wall time", f"{max(r['prefill_s'] for r in results):.2f} s (slowest process)")
     table.add_row("first all-to-all (packed q/k/v)", f"{size(total['qkv'])} between processes")
-    table.add_row("second all-to-all (attention outputs)", size(total['output']))
-    table.add_row("cache gathered to rank 0", size(total['cache']))
+    table.add_row("second all-to-all (attention outputs)", size(total["output"]))
+    table.add_row("cache gathered to rank 0", size(total["cache"]))
     table.add_row(f"decode of {new_tokens} tokens on rank 0", f"{results[0]['decode_s']:.2f} s")
     return table
 
@@ -149,10 +175,14 @@ def run(directory: Path, prompt: str, nproc: int, rate, new_tokens: int, threads
     input_ids = tokenizer(prompt, return_tensors="pt").input_ids
     heads = check_before_start(directory, nproc, input_ids.shape[1], spec)
     if rate is None and read_token_policy(directory) is not None:
-        console.print("note: the token policy recorded by `kvrewrite budget` is not used: the sequence-parallel prefill "
-                      f"runs the plain cache at the compiled rate {spec['target_rate']:g} (--rate picks another)")
-    console.print(f"prefilling {input_ids.shape[1]} tokens across {nproc} processes (gloo, {threads} thread(s) each, "
-                  f"{heads} query heads split over them) ...")
+        console.print(
+            "note: the token policy recorded by `kvrewrite budget` is not used: the sequence-parallel prefill "
+            f"runs the plain cache at the compiled rate {spec['target_rate']:g} (--rate picks another)"
+        )
+    console.print(
+        f"prefilling {input_ids.shape[1]} tokens across {nproc} processes (gloo, {threads} thread(s) each, "
+        f"{heads} query heads split over them) ..."
+    )
     import logging
 
     # torch logs each sibling it terminates after a worker failed; the failure itself is reported below, in one line.
@@ -167,5 +197,12 @@ def run(directory: Path, prompt: str, nproc: int, rate, new_tokens: int, threads
     console.print(summary_table(results, input_ids.shape[1], new_tokens))
     text = tokenizer.decode(results[0]["generated"])
     console.print(f"[bold]next {new_tokens} tokens (greedy, rank 0):[/] {text!r}")
-    return {"prompt_tokens": input_ids.shape[1], "processes": nproc, "rate": rate, "new_tokens": new_tokens,
-            "total_sent_bytes": total_sent_bytes(results), "results": results, "text": text}
+    return {
+        "prompt_tokens": input_ids.shape[1],
+        "processes": nproc,
+        "rate": rate,
+        "new_tokens": new_tokens,
+        "total_sent_bytes": total_sent_bytes(results),
+        "results": results,
+        "text": text,
+    }

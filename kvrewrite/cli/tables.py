@@ -17,8 +17,13 @@ def ranks_table(spec: CompressionSpec) -> Table:
     per_layer = 2 * spec.num_key_value_heads * spec.head_dim
     for i, layer in enumerate(spec.layers):
         kept = sum(layer.key_ranks) + sum(layer.value_ranks)
-        table.add_row(str(i), layer.key_mode, " ".join(f"{r:3d}" for r in layer.key_ranks),
-                      " ".join(f"{r:3d}" for r in layer.value_ranks), f"{kept / per_layer:.0%}")
+        table.add_row(
+            str(i),
+            layer.key_mode,
+            " ".join(f"{r:3d}" for r in layer.key_ranks),
+            " ".join(f"{r:3d}" for r in layer.value_ranks),
+            f"{kept / per_layer:.0%}",
+        )
     return table
 
 
@@ -34,7 +39,11 @@ def summary_table(spec: CompressionSpec, report: dict | None = None) -> Table:
     table.add_row("KV elements per token", f"{spec.kept_elements_per_token} of {spec.baseline_elements_per_token}")
     if spec.kv_codec:
         codec = (report or {}).get("kv_codec", {})
-        coded = f", {codec['coded_bytes_per_token']:.0f} coded bytes/token + fp16 window" if "coded_bytes_per_token" in codec else ""
+        coded = (
+            f", {codec['coded_bytes_per_token']:.0f} coded bytes/token + fp16 window"
+            if "coded_bytes_per_token" in codec
+            else ""
+        )
         table.add_row("KV codec", f"{spec.kv_codec['name']} {spec.kv_codec['params']}{coded}")
     if report:
         verification = report.get("verification", {})
@@ -42,11 +51,18 @@ def summary_table(spec: CompressionSpec, report: dict | None = None) -> Table:
             table.add_row("full-rank max |Δlogit|", f"{verification['full_rank_max_abs_logit_diff']:.2e}")
         compiled = verification.get("compiled_rank", {})
         if compiled:
-            table.add_row("calibration KL / top-1", f"{compiled['kl_mean']:.4f} nats / {compiled['top1_agreement']:.3f}")
+            table.add_row(
+                "calibration KL / top-1", f"{compiled['kl_mean']:.4f} nats / {compiled['top1_agreement']:.3f}"
+            )
         distill = report.get("distill")
         if distill:
-            kept = f"epoch {distill['kept_epoch']} kept" if distill["kept_epoch"] else "no epoch helped, weights unchanged"
-            table.add_row("distillation validation KL", f"{distill['validation_kl_before']:.4f} -> {distill['validation_kl_after']:.4f} nats ({kept})")
+            kept = (
+                f"epoch {distill['kept_epoch']} kept" if distill["kept_epoch"] else "no epoch helped, weights unchanged"
+            )
+            table.add_row(
+                "distillation validation KL",
+                f"{distill['validation_kl_before']:.4f} -> {distill['validation_kl_after']:.4f} nats ({kept})",
+            )
         if "timings_s" in report:
             table.add_row("compile time", f"{report['timings_s'].get('total', 0):.1f} s")
         if "peak_rss_mib" in report:
@@ -58,8 +74,14 @@ def eval_table(rows: list[dict], title: str = "evaluation on held-out wiki text"
     table = Table(title=title)
     by_position = any("positions" in r for r in rows)  # continuation mode: one group of rows per position range
     columns = [("model", "left"), ("rate", "right")] + ([("positions", "right")] if by_position else [])
-    columns += [("ppl", "right"), ("Δppl", "right"), ("KL (nats)", "right"), ("top-1", "right"),
-                ("KV bytes/token", "right"), ("vs baseline", "right")]
+    columns += [
+        ("ppl", "right"),
+        ("Δppl", "right"),
+        ("KL (nats)", "right"),
+        ("top-1", "right"),
+        ("KV bytes/token", "right"),
+        ("vs baseline", "right"),
+    ]
     for name, justify in columns:
         table.add_column(name, justify=justify)
     fp16 = any("fp16_kv_bytes_per_token" in r for r in rows)
@@ -75,30 +97,56 @@ def eval_table(rows: list[dict], title: str = "evaluation on held-out wiki text"
         cells = [r["name"], f"{r.get('rate', 0.0):.2f}"] + ([r.get("positions", "")] if by_position else [])
         cells += [f"{r['perplexity']:.2f}", delta, kl, top1, f"{r['kv_bytes_per_token']:.0f}", ratio]
         if fp16:
-            cells.append(f"{r['kv_bytes_per_token'] / r['fp16_kv_bytes_per_token']:.3f}" if r.get("fp16_kv_bytes_per_token") else "")
+            cells.append(
+                f"{r['kv_bytes_per_token'] / r['fp16_kv_bytes_per_token']:.3f}"
+                if r.get("fp16_kv_bytes_per_token")
+                else ""
+            )
         table.add_row(*cells)
     return table
 
 
 def sweep_table(rows: list[dict], title: str = "sweep") -> Table:
     table = Table(title=title)
-    for name, justify in (("config", "left"), ("rate", "right"), ("ppl", "right"), ("Δppl", "right"), ("KL (nats)", "right"),
-                          ("top-1", "right"), ("KV bytes/token", "right"), ("Pareto", "center")):
+    for name, justify in (
+        ("config", "left"),
+        ("rate", "right"),
+        ("ppl", "right"),
+        ("Δppl", "right"),
+        ("KL (nats)", "right"),
+        ("top-1", "right"),
+        ("KV bytes/token", "right"),
+        ("Pareto", "center"),
+    ):
         table.add_column(name, justify=justify)
     for r in rows:
         original = r["config"] == "original"
-        table.add_row(r["config"], f"{r['rate']:.2f}", f"{r['perplexity']:.2f}", "" if original else f"{r['ppl_increase']:+.1%}",
-                      "" if original else f"{r['kl_mean']:.4f}", "" if original else f"{r['top1_agreement']:.3f}",
-                      f"{r['kv_bytes_per_token']:.0f}", "*" if r.get("pareto") else "")
+        table.add_row(
+            r["config"],
+            f"{r['rate']:.2f}",
+            f"{r['perplexity']:.2f}",
+            "" if original else f"{r['ppl_increase']:+.1%}",
+            "" if original else f"{r['kl_mean']:.4f}",
+            "" if original else f"{r['top1_agreement']:.3f}",
+            f"{r['kv_bytes_per_token']:.0f}",
+            "*" if r.get("pareto") else "",
+        )
     return table
 
 
 def budget_table(rows: list[dict], title: str = "budget splits") -> Table:
     table = Table(title=title)
-    for name, justify in (("split", "left"), ("bytes (formula)", "right"), ("bytes (measured)", "right"),
-                          ("Δppl", "right"), ("chosen", "center")):
+    for name, justify in (
+        ("split", "left"),
+        ("bytes (formula)", "right"),
+        ("bytes (measured)", "right"),
+        ("Δppl", "right"),
+        ("chosen", "center"),
+    ):
         table.add_column(name, justify=justify)
     for r in rows:
         measured = "" if r["measured_share"] is None else f"{r['measured_share']:.3f}"
-        table.add_row(r["split"], f"{r['bytes_share']:.3f}", measured, f"{r['delta_ppl']:+.2%}", "*" if r["chosen"] else "")
+        table.add_row(
+            r["split"], f"{r['bytes_share']:.3f}", measured, f"{r['delta_ppl']:+.2%}", "*" if r["chosen"] else ""
+        )
     return table

@@ -7,14 +7,37 @@ from __future__ import annotations
 from dataclasses import asdict
 from pathlib import Path
 
+from kvrewrite.compile.token_budget import (
+    DEFAULT_BITS,
+    DEFAULT_RATES,
+    DEFAULT_WINDOWS,
+    Candidate,
+    best,
+    candidates,
+    fp16_bytes,
+    measure,
+    ranking,
+    solve_keep,
+    write_token_policy,
+)
 from kvrewrite.errors import CorruptCheckpointError, InvalidArgumentError
-from kvrewrite.compile.token_budget import (DEFAULT_BITS, DEFAULT_RATES, DEFAULT_WINDOWS, Candidate, best, candidates, fp16_bytes,
-                                    measure, ranking, solve_keep, write_token_policy)
 
 
-def split_budget(directory: Path, budget: float, *, context: int = 4096, windows: int = 2, length: int = 1024,
-                 calibration: str = "wiki", seed: int = 1, recent_windows=DEFAULT_WINDOWS, rates=DEFAULT_RATES,
-                 bits_options=DEFAULT_BITS, progress: bool = True, write: bool = True) -> dict:
+def split_budget(
+    directory: Path,
+    budget: float,
+    *,
+    context: int = 4096,
+    windows: int = 2,
+    length: int = 1024,
+    calibration: str = "wiki",
+    seed: int = 1,
+    recent_windows=DEFAULT_WINDOWS,
+    rates=DEFAULT_RATES,
+    bits_options=DEFAULT_BITS,
+    progress: bool = True,
+    write: bool = True,
+) -> dict:
     """Measure every split of `budget` (a share of the fp16 cache) on `windows` calibration windows of `length` tokens
     (the first half is context, the second half scored) and record the best in the checkpoint.
 
@@ -25,9 +48,9 @@ def split_budget(directory: Path, budget: float, *, context: int = 4096, windows
     """
     from kvrewrite.io.calibration_data import calibration_token_sequences
     from kvrewrite.io.tokenizer_loading import load_tokenizer
-    from kvrewrite.runtime.codecs.checkpoint import read_codec_tables
-    from kvrewrite.publish.evaluation import continuation_nll
     from kvrewrite.progress import progress_bar
+    from kvrewrite.publish.evaluation import continuation_nll
+    from kvrewrite.runtime.codecs.checkpoint import read_codec_tables
     from kvrewrite.runtime.load import load
     from kvrewrite.runtime.tiers.build import enable_tiers
 
@@ -48,24 +71,38 @@ def split_budget(directory: Path, budget: float, *, context: int = 4096, windows
 
     def with_policy(candidate: Candidate):
         options = candidate.load_options()
-        enable_tiers(model, spec, options["rate"], options["recent_window"], options["kv_codec"], tables,
-                     evict=options["evict"])
+        enable_tiers(
+            model, spec, options["rate"], options["recent_window"], options["kv_codec"], tables, evict=options["evict"]
+        )
         return model
 
     with progress_bar("measuring budget splits", len(found) + 1, progress) as bar:
         nll, count, _ = continuation_nll(model, token_windows, scored_from, model.make_kv_cache)  # the full-rank cache
         reference = nll / count
         bar.advance()
-        measured = measure(with_policy, found, token_windows, scored_from, fp16_bytes(spec, 1),
-                           progress=lambda _c: bar.advance())
+        measured = measure(
+            with_policy, found, token_windows, scored_from, fp16_bytes(spec, 1), progress=lambda _c: bar.advance()
+        )
     winner = best(measured)
     chosen = solve_keep(spec, budget, context, winner.window, winner.rate, winner.bits)
     chosen = Candidate(**{**asdict(chosen), "nll": winner.nll, "measured_share": winner.measured_share})
     path = None
     if write:
-        path = write_token_policy(directory, chosen, measured, budget, context, {
-            "source": calibration, "windows": windows, "length": length, "seed": seed, "scored_from": scored_from,
-            "reference_nll": reference})
+        path = write_token_policy(
+            directory,
+            chosen,
+            measured,
+            budget,
+            context,
+            {
+                "source": calibration,
+                "windows": windows,
+                "length": length,
+                "seed": seed,
+                "scored_from": scored_from,
+                "reference_nll": reference,
+            },
+        )
     return {"reference": reference, "candidates": measured, "winner": winner, "chosen": chosen, "path": path}
 
 
@@ -75,8 +112,14 @@ def budget_rows(result: dict) -> list[dict]:
 
     rows = []
     for c in sorted(result["candidates"], key=ranking):
-        rows.append({"split": c.label(), **asdict(c), "delta_ppl": math.exp(c.nll - result["reference"]) - 1,
-                     "chosen": c == result["winner"]})
+        rows.append(
+            {
+                "split": c.label(),
+                **asdict(c),
+                "delta_ppl": math.exp(c.nll - result["reference"]) - 1,
+                "chosen": c == result["winner"],
+            }
+        )
     return rows
 
 

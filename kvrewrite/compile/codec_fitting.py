@@ -50,8 +50,13 @@ class _LatentRecorder:
         return keys, values
 
 
-def collect_latents_streamed(streamed, layer_ranks: list[tuple[list[int], list[int]]], tokens: torch.Tensor,
-                             batch_size: int = 4, progress: bool = False) -> Latents:
+def collect_latents_streamed(
+    streamed,
+    layer_ranks: list[tuple[list[int], list[int]]],
+    tokens: torch.Tensor,
+    batch_size: int = 4,
+    progress: bool = False,
+) -> Latents:
     """collect_latents for a layer-streamed rewrite (a StreamedModel at full rank): each layer is sliced to
     its (key ranks, value ranks) and run on every batch while it holds its weights, so only one layer's
     weights are resident however big the model is."""
@@ -73,12 +78,25 @@ def collect_latents_streamed(streamed, layer_ranks: list[tuple[list[int], list[i
 
 def codec_calibration_errors(codecs, latents: Latents) -> dict[str, list[float]]:
     """Relative squared error of decode(encode(x)) per layer and side on the calibration latents."""
-    return {side: [round(relative_error(c, layer[side], side), 6) if c.channels[side] else 0.0
-                   for c, layer in zip(codecs, latents)] for side in SIDES}
+    return {
+        side: [
+            round(relative_error(c, layer[side], side), 6) if c.channels[side] else 0.0
+            for c, layer in zip(codecs, latents)
+        ]
+        for side in SIDES
+    }
 
 
-def fit_codec_tables(codec: CodecConfig, model, tokens: torch.Tensor, *, budget_bits: float | None = None,
-                     sensitivity: dict | None = None, batch_size: int = 4, progress: bool = False) -> tuple[dict, dict]:
+def fit_codec_tables(
+    codec: CodecConfig,
+    model,
+    tokens: torch.Tensor,
+    *,
+    budget_bits: float | None = None,
+    sensitivity: dict | None = None,
+    batch_size: int = 4,
+    progress: bool = False,
+) -> tuple[dict, dict]:
     """Fit what `codec` needs on the latents `model` (a compressed model at its final ranks) caches for `tokens`.
 
     Returns (tables, report): tables for kv_codec.safetensors (empty for untrained codecs), and the calibration
@@ -86,23 +104,32 @@ def fit_codec_tables(codec: CodecConfig, model, tokens: torch.Tensor, *, budget_
     """
     key_ranks, value_ranks = model._layer_ranks()
     latents = collect_latents(model, tokens, batch_size)
-    return fit_codec_tables_on_latents(codec, latents, key_ranks, value_ranks, budget_bits=budget_bits,
-                                       sensitivity=sensitivity, progress=progress)
+    return fit_codec_tables_on_latents(
+        codec, latents, key_ranks, value_ranks, budget_bits=budget_bits, sensitivity=sensitivity, progress=progress
+    )
 
 
-def fit_codec_tables_on_latents(codec: CodecConfig, latents: Latents, key_ranks, value_ranks, *,
-                                budget_bits: float | None = None, sensitivity: dict | None = None,
-                                progress: bool = False) -> tuple[dict, dict]:
+def fit_codec_tables_on_latents(
+    codec: CodecConfig,
+    latents: Latents,
+    key_ranks,
+    value_ranks,
+    *,
+    budget_bits: float | None = None,
+    sensitivity: dict | None = None,
+    progress: bool = False,
+) -> tuple[dict, dict]:
     """fit_codec_tables on latents already collected (the compile pass collects them layer-streamed)."""
-    from kvrewrite.runtime.codecs import build_layer_codecs
     from kvrewrite.progress import progress_bar
+    from kvrewrite.runtime.codecs import build_layer_codecs
 
     report: dict = {"codec": codec.describe(), "fit_tokens": int(latents[0]["key"].shape[0])}
     cls = codec.codec_class
     label = cls.fit_description
     with progress_bar(label or "", len(latents), enabled=progress and label is not None) as bar:
-        tables, fitted = cls.fit_tables(codec, latents, key_ranks, value_ranks, budget_bits=budget_bits,
-                                        weights=sensitivity, progress=bar.advance)
+        tables, fitted = cls.fit_tables(
+            codec, latents, key_ranks, value_ranks, budget_bits=budget_bits, weights=sensitivity, progress=bar.advance
+        )
     report.update(fitted)
     codecs = build_layer_codecs(codec, key_ranks, value_ranks, tables)
     report["calibration_relative_sq_error"] = codec_calibration_errors(codecs, latents)

@@ -48,9 +48,15 @@ def whole_compressed_model(folded: FoldedWeights, spec: CompressionSpec, sliced:
     state = {name: tensor.float() for name, tensor in folded.read(names).items()}
     missing, unexpected = model.load_state_dict(state, strict=False)
     # output_names leaves out only a tied LM head (stored once, as the embedding); anything else missing is a bug.
-    tied = {folded.source.output_embedding_name()} if getattr(folded.source.config, "tie_word_embeddings", False) else set()
+    tied = (
+        {folded.source.output_embedding_name()}
+        if getattr(folded.source.config, "tie_word_embeddings", False)
+        else set()
+    )
     if set(missing) - tied or unexpected:
-        raise RuntimeError(f"rewritten weights do not match the model: missing {sorted(set(missing) - tied)}, unexpected {unexpected}")
+        raise RuntimeError(
+            f"rewritten weights do not match the model: missing {sorted(set(missing) - tied)}, unexpected {unexpected}"
+        )
     model.tie_weights()
     model.eval()
     if sliced:
@@ -80,13 +86,21 @@ def remeasure_compiled_rank(ctx: CompileContext, original) -> tuple[dict, dict, 
     tokens = verification_tokens(ctx.calibration_tokens, ctx.plan.verify_tokens)
     device = next(original.parameters()).device  # where the caller put the original: the compile device
     ref_logits, ref_outputs = record_attention_outputs(original, ctx.adapter, tokens, with_logits=True)
-    logits, outputs = record_attention_outputs(whole_compressed_model(ctx.folded, ctx.spec).to(device), ctx.adapter,
-                                               tokens, with_logits=True)
+    logits, outputs = record_attention_outputs(
+        whole_compressed_model(ctx.folded, ctx.spec).to(device), ctx.adapter, tokens, with_logits=True
+    )
     kl, top1 = next_token_kl(ref_logits, logits)
     verification = ctx.verification
     if verified:
-        verification = {**ctx.verification, "compiled_rank": {
-            **verified, "kl_mean": kl, "top1_agreement": top1,
-            "layer_attention_relative_error": [((o - r).norm() / r.norm().clamp_min(1e-30)).item() for o, r in zip(outputs, ref_outputs)],
-        }}
+        verification = {
+            **ctx.verification,
+            "compiled_rank": {
+                **verified,
+                "kl_mean": kl,
+                "top1_agreement": top1,
+                "layer_attention_relative_error": [
+                    ((o - r).norm() / r.norm().clamp_min(1e-30)).item() for o, r in zip(outputs, ref_outputs)
+                ],
+            },
+        }
     return verification, verified, kl, top1

@@ -12,13 +12,15 @@ import copy
 import torch
 
 from kvrewrite.adapters.base import Projections
-from kvrewrite.runtime.compressed_model import compressed_classes, compressed_config
 from kvrewrite.compile.layer_streaming import SourceModel, StreamedModel, empty_model
 from kvrewrite.key_modes import key_mode
+from kvrewrite.runtime.compressed_model import compressed_classes, compressed_config
 from kvrewrite.spec import CompressionSpec
 
 
-def fold_layer(projections: Projections, transforms, geometry, kept: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+def fold_layer(
+    projections: Projections, transforms, geometry, kept: dict[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
     """New attention tensors of one layer, keyed by their name inside CompressedAttention, in the dtype of
     `projections` (products formed in float64).
 
@@ -32,7 +34,9 @@ def fold_layer(projections: Projections, transforms, geometry, kept: dict[str, t
     def f64(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.detach().double()
 
-    w_q, w_k, w_v, w_o = (f64(t) for t in (projections.q_weight, projections.k_weight, projections.v_weight, projections.o_weight))
+    w_q, w_k, w_v, w_o = (
+        f64(t) for t in (projections.q_weight, projections.k_weight, projections.v_weight, projections.o_weight)
+    )
     b_q, b_k, b_v = f64(projections.q_bias), f64(projections.k_bias), f64(projections.v_bias)
     key, value = transforms.key, transforms.value
     mode = key_mode(key.mode)
@@ -72,8 +76,11 @@ def fold_layer(projections: Projections, transforms, geometry, kept: dict[str, t
 
 def full_rank(spec: CompressionSpec) -> CompressionSpec:
     d = spec.head_dim
-    return spec.with_ranks([key_mode(l.key_mode).full_key_ranks(len(l.key_ranks), d) for l in spec.layers],
-                           [[d] * len(l.value_ranks) for l in spec.layers], 0.0)
+    return spec.with_ranks(
+        [key_mode(l.key_mode).full_key_ranks(len(l.key_ranks), d) for l in spec.layers],
+        [[d] * len(l.value_ranks) for l in spec.layers],
+        0.0,
+    )
 
 
 class FoldedWeights:

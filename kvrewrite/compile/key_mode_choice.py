@@ -35,15 +35,23 @@ def probe_key_rank(mode: str, num_kv_heads: int, head_dim: int, rate: float = PR
     return key_mode(mode).uniform_key_ranks(per_head, num_kv_heads)
 
 
-def key_probe_kl(ctx, transforms: list, original: StreamedModel, tokens: torch.Tensor, reference: torch.Tensor,
-                 label: str = "key mode probes") -> list[float]:
+def key_probe_kl(
+    ctx,
+    transforms: list,
+    original: StreamedModel,
+    tokens: torch.Tensor,
+    reference: torch.Tensor,
+    label: str = "key mode probes",
+) -> list[float]:
     """Per layer: KL to the original when only that layer's keys are truncated to the probe rank."""
     plan, geo, d = ctx.plan, ctx.geometry, ctx.geometry.head_dim
     full_keys, full_values = full_rank_ranks(ctx, transforms)
     spec = build_spec(ctx, full_keys, full_values, transforms=transforms)
     rewritten = FoldedWeights(ctx.source, transforms, geo).streamed(spec, plan.compute_dtype(), plan.device)
-    layer_probes = [{"key": (probe_key_rank(t.key.mode, geo.num_key_value_heads, d), full_values[idx])}
-                    for idx, t in enumerate(transforms)]
+    layer_probes = [
+        {"key": (probe_key_rank(t.key.mode, geo.num_key_value_heads, d), full_values[idx])}
+        for idx, t in enumerate(transforms)
+    ]
     kls = probe_kls(original, rewritten, layer_probes, tokens, plan.progress, label=label, reference=reference)
     return [kls[(idx, "key")] for idx in range(len(transforms))]
 
@@ -62,8 +70,9 @@ def choose_key_modes(ctx, candidates: dict[str, list], cost_weight: float) -> tu
             if reference is None:
                 with torch.inference_mode():
                     reference = original.forward(tokens, head=log_probs)
-            probes[cache_key] = key_probe_kl(ctx, transforms, original, tokens, reference,
-                                             label=f"key mode probes ({mode})")
+            probes[cache_key] = key_probe_kl(
+                ctx, transforms, original, tokens, reference, label=f"key mode probes ({mode})"
+            )
         kl[mode] = probes[cache_key]
     chosen = []
     for layer in range(num_layers):

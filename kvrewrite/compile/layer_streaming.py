@@ -22,8 +22,8 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from kvrewrite.adapters.base import Projections
-from kvrewrite.io.lazy_checkpoint import LazyCheckpoint
 from kvrewrite.errors import CorruptCheckpointError
+from kvrewrite.io.lazy_checkpoint import LazyCheckpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -48,7 +48,9 @@ def module_prefixes(model: nn.Module) -> dict[int, str]:
 
 
 @contextlib.contextmanager
-def loaded(module: nn.Module, prefix: str, tensors: TensorSource, dtype: torch.dtype, device: torch.device) -> Iterator[nn.Module]:
+def loaded(
+    module: nn.Module, prefix: str, tensors: TensorSource, dtype: torch.dtype, device: torch.device
+) -> Iterator[nn.Module]:
     """`module` (a part of a meta-device model, named `prefix` there) holding its checkpoint tensors for the block."""
     local = list(module.state_dict().keys())
     full = [f"{prefix}.{k}" if prefix else k for k in local]
@@ -102,7 +104,14 @@ class StreamedModel:
     tables. Only the modules before the first layer hold weights meanwhile.
     """
 
-    def __init__(self, skeleton: nn.Module, adapter, tensors: TensorSource, dtype: torch.dtype, device: str | torch.device = "cpu"):
+    def __init__(
+        self,
+        skeleton: nn.Module,
+        adapter,
+        tensors: TensorSource,
+        dtype: torch.dtype,
+        device: str | torch.device = "cpu",
+    ):
         self.skeleton, self.adapter, self.tensors = skeleton, adapter, tensors
         self.dtype, self.device = dtype, torch.device(device)
         self.prefixes = module_prefixes(skeleton)
@@ -206,7 +215,9 @@ class StreamedModel:
             for layer in self.layers:
                 del layer.forward
         if len(calls) != len(self.layers):
-            raise RuntimeError(f"the {type(self.skeleton).__name__} forward called {len(calls)} of {len(self.layers)} decoder layers")
+            raise RuntimeError(
+                f"the {type(self.skeleton).__name__} forward called {len(calls)} of {len(self.layers)} decoder layers"
+            )
         return calls[0][0], LayerInputs([arguments for _, arguments in calls])
 
     def run_layer(self, layer: nn.Module, hidden: torch.Tensor, inputs: LayerInputs, **overrides) -> torch.Tensor:
@@ -215,8 +226,9 @@ class StreamedModel:
         out = layer(hidden, **arguments)
         return out[0] if isinstance(out, tuple) else out
 
-    def walk(self, hidden: MutableSequence[torch.Tensor] | MutableMapping, on_layer: OnLayer | None = None,
-             **layer_kwargs) -> Iterator[int]:
+    def walk(
+        self, hidden: MutableSequence[torch.Tensor] | MutableMapping, on_layer: OnLayer | None = None, **layer_kwargs
+    ) -> Iterator[int]:
         """Carry the hidden states in `hidden` (a list or dict, its entries replaced in place) through every decoder
         layer, in order; yields each layer's index once it ran on every entry and gave its weights back.
 
@@ -236,9 +248,15 @@ class StreamedModel:
                     hidden[key] = self.run_layer(layer, hidden[key], self.layer_inputs(hidden[key]), **arguments)
             yield idx
 
-    def forward(self, batches: torch.Tensor | list[torch.Tensor], *, on_layer: OnLayer | None = None,
-                head: Callable[[torch.Tensor], torch.Tensor] | None = None, progress: Callable[[], None] | None = None,
-                **layer_kwargs) -> torch.Tensor | list[torch.Tensor]:
+    def forward(
+        self,
+        batches: torch.Tensor | list[torch.Tensor],
+        *,
+        on_layer: OnLayer | None = None,
+        head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        progress: Callable[[], None] | None = None,
+        **layer_kwargs,
+    ) -> torch.Tensor | list[torch.Tensor]:
         """The whole model on token batches ([B, T] each, a tensor or a list), one decoder layer at a time.
 
         Returns the last layer's hidden states per batch, or with `head` head(logits) per batch (final norm(s)

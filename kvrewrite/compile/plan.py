@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch
 
-from kvrewrite.runtime.codecs import bits_budget_codecs, parse_codec
 from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.key_modes import key_mode_names
+from kvrewrite.runtime.codecs import bits_budget_codecs, parse_codec
 from kvrewrite.spec import ALLOCATIONS, OBJECTIVES, validate_rate
 
 # default: the family's best fixed mode; auto: chosen per layer by measured KL (opt-in until held-out numbers
@@ -116,7 +116,9 @@ class Plan:
     def __post_init__(self) -> None:
         self._normalise("target_rate", validate_rate(self.target_rate, "`target_rate`"))
         self._normalise("dtype", DTYPE_ALIASES.get(str(self.dtype).lower(), str(self.dtype).lower()))
-        self._normalise("rate_grid", tuple(sorted({round(validate_rate(r, "every `rate_grid` entry"), 4) for r in self.rate_grid})))
+        self._normalise(
+            "rate_grid", tuple(sorted({round(validate_rate(r, "every `rate_grid` entry"), 4) for r in self.rate_grid}))
+        )
         choices = {
             "objective": (self.objective, OBJECTIVES),
             "allocation": (self.allocation, ALLOCATIONS),
@@ -131,7 +133,10 @@ class Plan:
         for name, (value, allowed) in choices.items():
             if value not in allowed:
                 raise InvalidArgumentError(f"`{name}` must be one of {', '.join(allowed)}; got {value!r}")
-        self._normalise("probe_rates", tuple(sorted({round(validate_rate(r, "every `probe_rates` entry"), 4) for r in self.probe_rates})))
+        self._normalise(
+            "probe_rates",
+            tuple(sorted({round(validate_rate(r, "every `probe_rates` entry"), 4) for r in self.probe_rates})),
+        )
         if not self.probe_rates or 0.0 in self.probe_rates:
             raise InvalidArgumentError("`probe_rates` must be one or more rates in (0, 1)")
         if self.device.split(":")[0] not in DEVICES:
@@ -139,7 +144,18 @@ class Plan:
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise InvalidArgumentError("`device=cuda` was asked for but torch sees no CUDA device here")
         parse_size(self.max_shard_size)
-        for name in ("calib_tokens", "seq_len", "batch_size", "rank_multiple", "kmeans_clusters", "probe_windows", "fisher_tokens", "refit_tokens", "distill_tokens", "verify_tokens"):
+        for name in (
+            "calib_tokens",
+            "seq_len",
+            "batch_size",
+            "rank_multiple",
+            "kmeans_clusters",
+            "probe_windows",
+            "fisher_tokens",
+            "refit_tokens",
+            "distill_tokens",
+            "verify_tokens",
+        ):
             if int(getattr(self, name)) < 1:
                 raise InvalidArgumentError(f"`{name}` must be a positive integer, got {getattr(self, name)!r}")
         for name in ("max_ppl_increase", "max_kl"):
@@ -158,14 +174,18 @@ class Plan:
             raise InvalidArgumentError(f"`distill_lr` must be in (0, 1), got {self.distill_lr!r}")
         self._check_distill_rates()
         if self.sequential_statistics != "off" and self.reduce != "none":
-            raise InvalidArgumentError(f"`sequential_statistics={self.sequential_statistics}` collects exact Grams; "
-                                       f"it cannot be combined with `reduce={self.reduce}`")
+            raise InvalidArgumentError(
+                f"`sequential_statistics={self.sequential_statistics}` collects exact Grams; "
+                f"it cannot be combined with `reduce={self.reduce}`"
+            )
         try:
             alpha = float(self.balance_values)
         except (TypeError, ValueError):
             alpha = float("nan")
         if not 0.0 <= alpha <= 2.0:  # also refuses NaN
-            raise InvalidArgumentError(f"`balance_values` must be an exponent in [0, 2] (0: off), got {self.balance_values!r}")
+            raise InvalidArgumentError(
+                f"`balance_values` must be an exponent in [0, 2] (0: off), got {self.balance_values!r}"
+            )
         self._normalise("balance_values", alpha)
         if not self.key_mode_cost >= 0:
             raise InvalidArgumentError(f"`key_mode_cost` must be >= 0, got {self.key_mode_cost!r}")
@@ -181,26 +201,35 @@ class Plan:
                 allowed = " or ".join(f"`kv_codec={name}`" for name in bits_budget_codecs())
                 raise InvalidArgumentError(f"`kv_bits_budget` applies to {allowed} (a per-layer bit search)")
             if not 0 < float(self.kv_bits_budget) <= 16:
-                raise InvalidArgumentError(f"`kv_bits_budget` must be in (0, 16] bits per cached element, got {self.kv_bits_budget!r}")
+                raise InvalidArgumentError(
+                    f"`kv_bits_budget` must be in (0, 16] bits per cached element, got {self.kv_bits_budget!r}"
+                )
             self._normalise("kv_bits_budget", float(self.kv_bits_budget))
 
     def _check_distill_rates(self) -> None:
         if not self.distill_rates:
             return
-        self._normalise("distill_rates", tuple(sorted({round(validate_rate(r, "every `distill_rates` entry"), 4) for r in self.distill_rates})))
+        self._normalise(
+            "distill_rates",
+            tuple(sorted({round(validate_rate(r, "every `distill_rates` entry"), 4) for r in self.distill_rates})),
+        )
         if not self.distill:
             raise InvalidArgumentError("`distill_rates` chooses the rates of a nested distillation; add `distill=True`")
         if self.refit != "none":
             raise InvalidArgumentError(
                 f"`refit={self.refit}` fits o_proj for the compiled ranks only; nested `distill_rates` train o_proj for "
-                "every rate, so leave `refit` at none")
+                "every rate, so leave `refit` at none"
+            )
         off_grid = [r for r in self.distill_rates if r not in self.rate_grid]
         if off_grid:
-            raise InvalidArgumentError(f"`distill_rates` {off_grid} are not in the `rate_grid` "
-                                       f"({', '.join(f'{r:g}' for r in self.rate_grid)})")
+            raise InvalidArgumentError(
+                f"`distill_rates` {off_grid} are not in the `rate_grid` ({', '.join(f'{r:g}' for r in self.rate_grid)})"
+            )
         if not self.distill_rates[0] <= self.target_rate <= self.distill_rates[-1]:
-            raise InvalidArgumentError(f"`target_rate={self.target_rate:g}` must lie within the nested `distill_rates` "
-                                       f"({self.distill_rates[0]:g} to {self.distill_rates[-1]:g})")
+            raise InvalidArgumentError(
+                f"`target_rate={self.target_rate:g}` must lie within the nested `distill_rates` "
+                f"({self.distill_rates[0]:g} to {self.distill_rates[-1]:g})"
+            )
 
     def nested_distill_rates(self) -> tuple[float, ...]:
         """Every rate a nested distillation trains and the checkpoint keeps: the grid from min to max of distill_rates."""
@@ -249,7 +278,7 @@ def parse_size(size: int | str) -> int:
     else:
         text = str(size).strip().upper().replace(" ", "")
         number = text.rstrip("KMGIB")
-        unit = text[len(number):]
+        unit = text[len(number) :]
         try:
             value = int(float(number) * _SIZE_UNITS[unit])
         except (ValueError, KeyError):

@@ -32,7 +32,9 @@ def _keep_mask(widths: list[int], keep: list[int], like: torch.Tensor) -> torch.
 
 
 @contextlib.contextmanager
-def _masking(attention: nn.Module, masks: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]) -> Iterator[nn.Module]:
+def _masking(
+    attention: nn.Module, masks: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+) -> Iterator[nn.Module]:
     """Inside the block, `attention`'s key and value latents are multiplied by masks(key, value); always unwrapped."""
     shadowed = attention.__dict__.get("project")  # a truncation already in force (nested blocks)
     project = attention.project
@@ -56,13 +58,19 @@ def truncated(attention: nn.Module, key_ranks: list[int], value_ranks: list[int]
     """Inside the block, `attention` (a CompressedAttention at full rank) caches and attends with every head's latent
     dims beyond key_ranks / value_ranks zeroed: the same numbers as the model sliced to those ranks (set_ranks).
     Block widths are the current ranks: head_dim per head, or [n_kv * d, 0, ...] for crosshead keys."""
-    return _masking(attention, lambda key, value: (_keep_mask(attention.key_ranks, key_ranks, key),
-                                                   _keep_mask(attention.value_ranks, value_ranks, value)))
+    return _masking(
+        attention,
+        lambda key, value: (
+            _keep_mask(attention.key_ranks, key_ranks, key),
+            _keep_mask(attention.value_ranks, value_ranks, value),
+        ),
+    )
 
 
 @contextlib.contextmanager
-def truncated_by_rows(model: nn.Module, adapter, blocks: list[tuple[list[list[int]], list[list[int]]]],
-                      rows_per_block: int) -> Iterator[nn.Module]:
+def truncated_by_rows(
+    model: nn.Module, adapter, blocks: list[tuple[list[list[int]], list[list[int]]]], rows_per_block: int
+) -> Iterator[nn.Module]:
     """Several truncations of one full-rank model in one forward: batch rows [i * rows_per_block, (i + 1) *
     rows_per_block) run at blocks[i] = (key ranks, value ranks) per layer, in every layer (each row as
     truncated_model with those ranks computes it)."""
@@ -72,12 +80,18 @@ def truncated_by_rows(model: nn.Module, adapter, blocks: list[tuple[list[list[in
 
             def masks(key: torch.Tensor, value: torch.Tensor, attention=attention, idx=idx):
                 if key.shape[0] != len(blocks) * rows_per_block:
-                    raise InvalidArgumentError(f"truncated_by_rows: a batch of {key.shape[0]} rows, expected "
-                                               f"{len(blocks)} blocks of {rows_per_block}")
+                    raise InvalidArgumentError(
+                        f"truncated_by_rows: a batch of {key.shape[0]} rows, expected "
+                        f"{len(blocks)} blocks of {rows_per_block}"
+                    )
                 key_mask = torch.stack([_keep_mask(attention.key_ranks, keys[idx], key) for keys, _ in blocks])
-                value_mask = torch.stack([_keep_mask(attention.value_ranks, values[idx], value) for _, values in blocks])
-                return (key_mask.repeat_interleave(rows_per_block, 0)[:, None],
-                        value_mask.repeat_interleave(rows_per_block, 0)[:, None])
+                value_mask = torch.stack(
+                    [_keep_mask(attention.value_ranks, values[idx], value) for _, values in blocks]
+                )
+                return (
+                    key_mask.repeat_interleave(rows_per_block, 0)[:, None],
+                    value_mask.repeat_interleave(rows_per_block, 0)[:, None],
+                )
 
             stack.enter_context(_masking(attention, masks))
         yield model
@@ -89,7 +103,9 @@ def truncating(adapter, layer_ranks: list[ProbeRanks]) -> Callable[[int, nn.Modu
 
 
 @contextlib.contextmanager
-def truncated_model(model: nn.Module, adapter, key_ranks: list[list[int]], value_ranks: list[list[int]]) -> Iterator[nn.Module]:
+def truncated_model(
+    model: nn.Module, adapter, key_ranks: list[list[int]], value_ranks: list[list[int]]
+) -> Iterator[nn.Module]:
     """A whole full-rank rewritten model computing as at the given ranks (and passing gradients only there)."""
     with contextlib.ExitStack() as stack:
         for layer, keys, values in zip(adapter.decoder_layers(model), key_ranks, value_ranks):
@@ -102,9 +118,15 @@ def log_probs(logits: torch.Tensor) -> torch.Tensor:
     return F.log_softmax(logits.float(), dim=-1)
 
 
-def probe_kls(original: StreamedModel, rewritten: StreamedModel, layer_probes: list[dict[str, ProbeRanks]],
-              tokens: torch.Tensor, progress: bool = True, label: str = "measuring sensitivity",
-              reference: torch.Tensor | None = None) -> dict[tuple[int, str], float]:
+def probe_kls(
+    original: StreamedModel,
+    rewritten: StreamedModel,
+    layer_probes: list[dict[str, ProbeRanks]],
+    tokens: torch.Tensor,
+    progress: bool = True,
+    label: str = "measuring sensitivity",
+    reference: torch.Tensor | None = None,
+) -> dict[tuple[int, str], float]:
     """(layer, probe name) -> KL to the original of the rewrite with only that layer truncated to that probe's ranks.
 
     layer_probes[i]: probe name -> (key ranks, value ranks) for layer i; every other layer runs at full

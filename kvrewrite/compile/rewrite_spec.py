@@ -12,13 +12,15 @@ if TYPE_CHECKING:
     from kvrewrite.compile.passes.context import CompileContext
 
 
-def build_spec(ctx: CompileContext, key_ranks: list[list[int]], value_ranks: list[list[int]], transforms: list | None = None) -> CompressionSpec:
+def build_spec(
+    ctx: CompileContext, key_ranks: list[list[int]], value_ranks: list[list[int]], transforms: list | None = None
+) -> CompressionSpec:
     """The spec of ctx.transforms (or of `transforms`, e.g. a candidate key mode) at the given ranks."""
     plan, geo = ctx.plan, ctx.geometry
     layer_specs = []
-    for idx, transforms in enumerate(transforms if transforms is not None else ctx.transforms):
-        freq_order = key_mode(transforms.key.mode).stored_order(transforms.key)
-        layer_specs.append(LayerSpec(transforms.key.mode, key_ranks[idx], value_ranks[idx], freq_order))
+    for idx, layer_transforms in enumerate(transforms if transforms is not None else ctx.transforms):
+        freq_order = key_mode(layer_transforms.key.mode).stored_order(layer_transforms.key)
+        layer_specs.append(LayerSpec(layer_transforms.key.mode, key_ranks[idx], value_ranks[idx], freq_order))
     spec = CompressionSpec(
         source_model=ctx.source_id,
         source_revision=ctx.source_revision,
@@ -41,5 +43,8 @@ def build_spec(ctx: CompileContext, key_ranks: list[list[int]], value_ranks: lis
 def full_rank_ranks(ctx: CompileContext, transforms: list | None = None) -> tuple[list[list[int]], list[list[int]]]:
     """(key ranks, value ranks) per layer at full rank for ctx.transforms (or `transforms`)."""
     geo, d = ctx.geometry, ctx.geometry.head_dim
-    full_keys = [full_key_ranks(t.key.mode, geo.num_key_value_heads, d) for t in (transforms if transforms is not None else ctx.transforms)]
+    full_keys = [
+        full_key_ranks(t.key.mode, geo.num_key_value_heads, d)
+        for t in (transforms if transforms is not None else ctx.transforms)
+    ]
     return full_keys, [[d] * geo.num_key_value_heads for _ in range(geo.num_layers)]

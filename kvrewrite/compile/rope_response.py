@@ -40,8 +40,9 @@ def attention_by_distance(model: nn.Module, windows: torch.Tensor, skip_first_ke
     distance = positions[:, None] - positions[None, :]  # [queries, keys]: query n looks delta = n - m back at key m
     counted = (distance >= 0) & (positions[None, :] > 0) if skip_first_key else distance >= 0
     counted_distance = distance[counted]
-    mass = torch.zeros(len(attentions), adapter.geometry(model.config).num_attention_heads, windows.shape[1],
-                       dtype=torch.float64)
+    mass = torch.zeros(
+        len(attentions), adapter.geometry(model.config).num_attention_heads, windows.shape[1], dtype=torch.float64
+    )
 
     def accumulate(index: int):
         def hook(module: nn.Module, args, output) -> None:
@@ -49,6 +50,7 @@ def attention_by_distance(model: nn.Module, windows: torch.Tensor, skip_first_ke
             if probs is None:
                 raise InvalidArgumentError(f"attention layer {index} returned no probabilities under eager attention")
             mass[index].index_add_(1, counted_distance, probs[0][:, counted].double())
+
         return hook
 
     previous = model.config._attn_implementation
@@ -81,8 +83,9 @@ def expected_rotation(mass: torch.Tensor, frequencies: torch.Tensor) -> torch.Te
     return torch.complex(weights @ angles.cos(), weights @ angles.sin())
 
 
-def measure_rope_response(model: nn.Module, calibration_windows: torch.Tensor,
-                          n_tokens: int = RESPONSE_TOKENS, skip_first_key: bool = True) -> torch.Tensor:
+def measure_rope_response(
+    model: nn.Module, calibration_windows: torch.Tensor, n_tokens: int = RESPONSE_TOKENS, skip_first_key: bool = True
+) -> torch.Tensor:
     """Every layer's and head's expected rotation, measured on the first calibration windows (whole, at their own
     length) that hold n_tokens tokens, at least one window; skip_first_key leaves the attention sink out."""
     n_windows = max(1, n_tokens // calibration_windows.shape[1])

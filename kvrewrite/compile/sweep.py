@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from kvrewrite.io.atomic_files import atomic_write, atomic_write_text
-from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.compile.plan import Plan
+from kvrewrite.errors import InvalidArgumentError
+from kvrewrite.io.atomic_files import atomic_write, atomic_write_text
 
 NAMED_CONFIGS: dict[str, dict] = {
     # ZACK as published: [Q;K] SVD on post-RoPE q/k, [V; W_O^T] SVD values, shared removal rate (Eq. 6).
@@ -41,12 +41,27 @@ NAMED_CONFIGS: dict[str, dict] = {
     "latent-greedy": {"objective": "optimal", "allocation": "greedy", "rope_mode": "latent"},
     "latent-sensitivity": {"objective": "optimal", "allocation": "sensitivity", "rope_mode": "latent"},
     # Sensitivity measured as a KL curve (three probe rates) instead of one point.
-    "latent-sensitivity-curve": {"objective": "optimal", "allocation": "sensitivity", "rope_mode": "latent",
-                                 "probe_rates": (0.25, 0.5, 0.75)},
+    "latent-sensitivity-curve": {
+        "objective": "optimal",
+        "allocation": "sensitivity",
+        "rope_mode": "latent",
+        "probe_rates": (0.25, 0.5, 0.75),
+    },
     # The default plus the output refit at each rate (rank-specific, so compiled at every swept rate).
-    "latent-sensitivity-refit": {"objective": "optimal", "allocation": "sensitivity", "rope_mode": "latent", "refit": "output"},
+    "latent-sensitivity-refit": {
+        "objective": "optimal",
+        "allocation": "sensitivity",
+        "rope_mode": "latent",
+        "refit": "output",
+    },
     # ... and the distillation on top of the refit (docs/distill.md): the best quality per byte, the slowest compile.
-    "latent-sensitivity-distill": {"objective": "optimal", "allocation": "sensitivity", "rope_mode": "latent", "refit": "output", "distill": True},
+    "latent-sensitivity-distill": {
+        "objective": "optimal",
+        "allocation": "sensitivity",
+        "rope_mode": "latent",
+        "refit": "output",
+        "distill": True,
+    },
     "freq-sensitivity": {"objective": "optimal", "allocation": "sensitivity", "rope_mode": "freq"},
 }
 
@@ -93,8 +108,10 @@ def parse_config(text: str) -> SweepConfig:
     text = text.strip()
     if ":" not in text:
         if text not in NAMED_CONFIGS:
-            raise InvalidArgumentError(f"unknown sweep config {text!r}; named configs: {', '.join(NAMED_CONFIGS)} "
-                                       "(or a custom one: NAME:field=value,field=value)")
+            raise InvalidArgumentError(
+                f"unknown sweep config {text!r}; named configs: {', '.join(NAMED_CONFIGS)} "
+                "(or a custom one: NAME:field=value,field=value)"
+            )
         return SweepConfig(text, dict(NAMED_CONFIGS[text]))
     name, _, body = text.partition(":")
     if not name or "/" in name:
@@ -116,8 +133,11 @@ def parse_config(text: str) -> SweepConfig:
 
 def rate_sliceable(overrides: dict) -> bool:
     """Whether one compile at the largest rate, sliced through its rate table, equals a compile at each rate."""
-    return (overrides.get("kv_codec", "none") in ("none", None) and overrides.get("refit", "none") == "none"
-            and not overrides.get("distill", False))
+    return (
+        overrides.get("kv_codec", "none") in ("none", None)
+        and overrides.get("refit", "none") == "none"
+        and not overrides.get("distill", False)
+    )
 
 
 def pareto_front(points: list[tuple[float, float]]) -> list[int]:
@@ -131,8 +151,18 @@ def pareto_front(points: list[tuple[float, float]]) -> list[int]:
 
 
 def sweep_rows_csv(rows: list[dict]) -> str:
-    columns = ["config", "rate", "perplexity", "ppl_increase", "kl_mean", "top1_agreement", "kv_bytes_per_token",
-               "kv_share", "pareto", "compile_s"]
+    columns = [
+        "config",
+        "rate",
+        "perplexity",
+        "ppl_increase",
+        "kl_mean",
+        "top1_agreement",
+        "kv_bytes_per_token",
+        "kv_share",
+        "pareto",
+        "compile_s",
+    ]
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=columns, extrasaction="ignore")
     writer.writeheader()
@@ -143,13 +173,20 @@ def sweep_rows_csv(rows: list[dict]) -> str:
 
 def sweep_rows_markdown(rows: list[dict]) -> str:
     """The table as Markdown, one row per (config, rate); Pareto points marked."""
-    lines = ["| config | rate | ppl | Δppl | KL (nats) | top-1 | KV bytes/token | Pareto |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| config | rate | ppl | Δppl | KL (nats) | top-1 | KV bytes/token | Pareto |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if r["config"] == "original":
-            lines.append(f"| original | 0 | {r['perplexity']:.2f} | | | | {r['kv_bytes_per_token']:,.0f} | {'*' if r.get('pareto') else ''} |")
+            lines.append(
+                f"| original | 0 | {r['perplexity']:.2f} | | | | {r['kv_bytes_per_token']:,.0f} | {'*' if r.get('pareto') else ''} |"
+            )
             continue
-        lines.append(f"| {r['config']} | {r['rate']:.2f} | {r['perplexity']:.2f} | {r['ppl_increase']:+.1%} | {r['kl_mean']:.3f} | "
-                     f"{r['top1_agreement']:.3f} | {r['kv_bytes_per_token']:,.0f} | {'*' if r.get('pareto') else ''} |")
+        lines.append(
+            f"| {r['config']} | {r['rate']:.2f} | {r['perplexity']:.2f} | {r['ppl_increase']:+.1%} | {r['kl_mean']:.3f} | "
+            f"{r['top1_agreement']:.3f} | {r['kv_bytes_per_token']:,.0f} | {'*' if r.get('pareto') else ''} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -166,7 +203,9 @@ def plot_pareto(rows: list[dict], path: Path, title: str) -> None:
         ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", alpha=0.75, label=name)
     front = sorted((r["kv_bytes_per_token"], r["perplexity"]) for r in rows if r["pareto"])
     ax.plot([p[0] for p in front], [p[1] for p in front], "k--", linewidth=2.5, alpha=0.5, label="Pareto frontier")
-    ax.scatter([base["kv_bytes_per_token"]], [base["perplexity"]], marker="*", s=160, color="black", label="original", zorder=5)
+    ax.scatter(
+        [base["kv_bytes_per_token"]], [base["perplexity"]], marker="*", s=160, color="black", label="original", zorder=5
+    )
     ax.set_xlabel("KV bytes per token (measured on the cache)")
     ax.set_ylabel("held-out perplexity")
     ax.set_yscale("log")
@@ -191,9 +230,9 @@ def run_sweep(
     on_result=None,
 ) -> dict:
     """Compile every config (statistics shared), evaluate every (config, rate) on held-out text, write the results."""
+    from kvrewrite.compile.passes.pipeline import compile_variants
     from kvrewrite.io.calibration_data import evaluation_token_sequences
     from kvrewrite.publish.evaluation import evaluate_many
-    from kvrewrite.compile.passes.pipeline import compile_variants
     from kvrewrite.runtime.load import load
 
     if not rates:
@@ -205,8 +244,14 @@ def run_sweep(
         raise InvalidArgumentError(f"duplicate sweep config names: {names}")
     started = time.perf_counter()
     output = Path(output)
-    plan = Plan(model=model, target_rate=max(rates), overwrite=True, progress=False,
-                rate_grid=tuple(sorted({*Plan.__dataclass_fields__["rate_grid"].default, *rates})), **(base_overrides or {}))
+    plan = Plan(
+        model=model,
+        target_rate=max(rates),
+        overwrite=True,
+        progress=False,
+        rate_grid=tuple(sorted({*Plan.__dataclass_fields__["rate_grid"].default, *rates})),
+        **(base_overrides or {}),
+    )
     for cfg in configs:  # fail on a bad override before any work
         dataclasses.replace(plan, **cfg.overrides)
     # A KV codec's tables are fitted at the compiled ranks, so a codec config is compiled at every rate
@@ -219,7 +264,11 @@ def run_sweep(
             variants.update({f"{c.name}@{r:.2f}": {**c.overrides, "target_rate": r} for r in rates})
     shared, compiled = compile_variants(plan, variants, output / "checkpoints", on_pass=on_pass)
     # The held-out wiki articles by default; tests pass their own windows.
-    windows = eval_windows if eval_windows is not None else evaluation_token_sequences(shared.tokenizer, eval_tokens, plan.seq_len)
+    windows = (
+        eval_windows
+        if eval_windows is not None
+        else evaluation_token_sequences(shared.tokenizer, eval_tokens, plan.seq_len)
+    )
 
     rows: list[dict] = []
     for cfg in configs:
@@ -227,20 +276,41 @@ def run_sweep(
             models = {rate: load(compiled[cfg.name].output_dir, rate=rate) for rate in rates}
         else:
             models = {rate: load(compiled[f"{cfg.name}@{rate:.2f}"].output_dir) for rate in rates}
-        results = evaluate_many({f"{r:.2f}": m for r, m in models.items()}, windows, baseline=shared.original_model(), progress=False)
+        results = evaluate_many(
+            {f"{r:.2f}": m for r, m in models.items()}, windows, baseline=shared.original_model(), progress=False
+        )
         del models
         for rate in rates:
             res = results[f"{rate:.2f}"]
             if not rows:
-                rows.append({"config": "original", "rate": 0.0, "perplexity": res.baseline_perplexity, "ppl_increase": 0.0,
-                             "kl_mean": 0.0, "top1_agreement": 1.0, "kv_bytes_per_token": res.baseline_kv_bytes_per_token,
-                             "kv_share": 1.0, "overrides": {}, "compile_s": None})
-            row = {"config": cfg.name, "rate": rate, "perplexity": res.perplexity,
-                   "ppl_increase": res.perplexity / res.baseline_perplexity - 1, "kl_mean": res.kl_mean,
-                   "top1_agreement": res.top1_agreement, "kv_bytes_per_token": res.kv_bytes_per_token,
-                   "kv_share": res.kv_bytes_per_token / res.baseline_kv_bytes_per_token,
-                   "overrides": {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.overrides.items()},
-                   "compile_s": compiled.get(cfg.name, compiled.get(f"{cfg.name}@{rate:.2f}")).report.get("variant_compile_s")}
+                rows.append(
+                    {
+                        "config": "original",
+                        "rate": 0.0,
+                        "perplexity": res.baseline_perplexity,
+                        "ppl_increase": 0.0,
+                        "kl_mean": 0.0,
+                        "top1_agreement": 1.0,
+                        "kv_bytes_per_token": res.baseline_kv_bytes_per_token,
+                        "kv_share": 1.0,
+                        "overrides": {},
+                        "compile_s": None,
+                    }
+                )
+            row = {
+                "config": cfg.name,
+                "rate": rate,
+                "perplexity": res.perplexity,
+                "ppl_increase": res.perplexity / res.baseline_perplexity - 1,
+                "kl_mean": res.kl_mean,
+                "top1_agreement": res.top1_agreement,
+                "kv_bytes_per_token": res.kv_bytes_per_token,
+                "kv_share": res.kv_bytes_per_token / res.baseline_kv_bytes_per_token,
+                "overrides": {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.overrides.items()},
+                "compile_s": compiled.get(cfg.name, compiled.get(f"{cfg.name}@{rate:.2f}")).report.get(
+                    "variant_compile_s"
+                ),
+            }
             rows.append(row)
             if on_result is not None:
                 on_result(row)
@@ -250,14 +320,21 @@ def run_sweep(
     summary = {
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs; torch {torch.__version__}",
-        "model": model, "rates": rates, "configs": {c.name: rows[1 + i * len(rates)]["overrides"] for i, c in enumerate(configs)},
-        "calibration": plan.calibration, "calibration_tokens": int(shared.calibration_tokens.numel()),
-        "eval_tokens": int(windows.numel()), "statistics_s": shared.report.get("timings_s", {}),
-        "total_s": round(time.perf_counter() - started, 1), "rows": rows,
+        "model": model,
+        "rates": rates,
+        "configs": {c.name: rows[1 + i * len(rates)]["overrides"] for i, c in enumerate(configs)},
+        "calibration": plan.calibration,
+        "calibration_tokens": int(shared.calibration_tokens.numel()),
+        "eval_tokens": int(windows.numel()),
+        "statistics_s": shared.report.get("timings_s", {}),
+        "total_s": round(time.perf_counter() - started, 1),
+        "rows": rows,
     }
     output.mkdir(parents=True, exist_ok=True)
     atomic_write_text(output / "sweep_results.json", json.dumps(summary, indent=1))
     atomic_write_text(output / "sweep_results.csv", sweep_rows_csv(rows))
     atomic_write_text(output / "sweep_results.md", sweep_rows_markdown(rows))
-    plot_pareto(rows, output / "sweep_pareto.png", f"{Path(model).name}: held-out ppl vs KV bytes ({windows.numel()} tokens)")
+    plot_pareto(
+        rows, output / "sweep_pareto.png", f"{Path(model).name}: held-out ppl vs KV bytes ({windows.numel()} tokens)"
+    )
     return summary

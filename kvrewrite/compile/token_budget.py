@@ -20,9 +20,9 @@ from typing import Callable
 import torch
 
 from kvrewrite.errors import InvalidArgumentError
-from kvrewrite.spec import rate_key
-from kvrewrite.runtime.tiers.token_policy_file import TOKEN_POLICY_FILE
 from kvrewrite.runtime.tiers.eviction import EvictionPolicy, eviction_policy_for_rate, kept_token_bytes, side_bits
+from kvrewrite.runtime.tiers.token_policy_file import TOKEN_POLICY_FILE
+from kvrewrite.spec import rate_key
 
 DEFAULT_WINDOWS = (16, 64)
 DEFAULT_RATES = (0.0, 0.3, 0.5)
@@ -43,8 +43,12 @@ class Candidate:
     measured_share: float | None = None  # held bytes per token on the calibration windows, of fp16
 
     def load_options(self) -> dict:
-        return {"rate": self.rate, "recent_window": self.window, "kv_codec": "none",
-                "evict": {"keep": self.keep, "bits": list(self.bits) if isinstance(self.bits, tuple) else self.bits}}
+        return {
+            "rate": self.rate,
+            "recent_window": self.window,
+            "kv_codec": "none",
+            "evict": {"keep": self.keep, "bits": list(self.bits) if isinstance(self.bits, tuple) else self.bits},
+        }
 
     def label(self) -> str:
         sides = side_bits(self.bits)
@@ -61,11 +65,18 @@ def held_bytes(policy: EvictionPolicy, spec, context: int) -> int:
     for key_ranks, value_ranks, keep in zip(policy.kept_key_ranks, policy.kept_value_ranks, policy.keep):
         n_recent = min(policy.window, context)
         n_kept = round(keep * (context - n_recent))
-        per_kept = sum(kept_token_bytes(sum(r), sides[side], policy.group_size)
-                       for side, r in (("key", key_ranks), ("value", value_ranks))) + 4
+        per_kept = (
+            sum(
+                kept_token_bytes(sum(r), sides[side], policy.group_size)
+                for side, r in (("key", key_ranks), ("value", value_ranks))
+            )
+            + 4
+        )
         total += n_recent * full + n_kept * per_kept
         if context > n_recent:  # float16 mean and rms per channel of each quantized side, from the first settle
-            total += sum(2 * 2 * sum(r) for side, r in (("key", key_ranks), ("value", value_ranks)) if sides[side] is not None)
+            total += sum(
+                2 * 2 * sum(r) for side, r in (("key", key_ranks), ("value", value_ranks)) if sides[side] is not None
+            )
     if any(b is not None for b in sides.values()):  # built with the cache, shared by its layers
         widths = {r for ranks in policy.kept_key_ranks + policy.kept_value_ranks for r in ranks if r}
         total += sum(4 * r * r for r in widths)
@@ -97,8 +108,9 @@ def solve_keep(spec, budget: float, context: int, window: int, rate: float, bits
     return Candidate(window, rate, bits, low / 1000, held(low / 1000) / total)
 
 
-def candidates(spec, budget: float, context: int, windows=DEFAULT_WINDOWS, rates=DEFAULT_RATES,
-               bits_options=DEFAULT_BITS) -> list[Candidate]:
+def candidates(
+    spec, budget: float, context: int, windows=DEFAULT_WINDOWS, rates=DEFAULT_RATES, bits_options=DEFAULT_BITS
+) -> list[Candidate]:
     if not 0 < budget <= 1:
         raise InvalidArgumentError(f"kv budget must be a share of the fp16 cache in (0, 1], got {budget}")
     if context < 1:
@@ -115,12 +127,19 @@ def candidates(spec, budget: float, context: int, windows=DEFAULT_WINDOWS, rates
     if not out:
         raise InvalidArgumentError(
             f"no split fits {budget:.1%} of the fp16 cache at {context} tokens: even the smallest window "
-            f"({min(windows)} tokens at full rank) holds more; raise the budget or the context length")
+            f"({min(windows)} tokens at full rank) holds more; raise the budget or the context length"
+        )
     return out
 
 
-def measure(with_policy: Callable[[Candidate], torch.nn.Module], found: list[Candidate], windows: torch.Tensor,
-            context: int, fp16_per_token: float, progress: Callable[[Candidate], None] | None = None) -> list[Candidate]:
+def measure(
+    with_policy: Callable[[Candidate], torch.nn.Module],
+    found: list[Candidate],
+    windows: torch.Tensor,
+    context: int,
+    fp16_per_token: float,
+    progress: Callable[[Candidate], None] | None = None,
+) -> list[Candidate]:
     """Each candidate's mean continuation NLL on `windows` (tokens after `context`), fed MEASURE_CHUNK at a time;
     with_policy(candidate) returns the model caching through that candidate's policy."""
     from kvrewrite.publish.evaluation import continuation_nll
@@ -144,15 +163,22 @@ def best(measured: list[Candidate]) -> Candidate:
     return min(measured, key=ranking)
 
 
-def write_token_policy(directory: Path, chosen: Candidate, measured: list[Candidate], budget: float, context: int,
-                       calibration: dict) -> Path:
+def write_token_policy(
+    directory: Path, chosen: Candidate, measured: list[Candidate], budget: float, context: int, calibration: dict
+) -> Path:
     """token_policy.json in the checkpoint, written atomically and added to its checksums."""
     from kvrewrite.io.atomic_files import atomic_write_text
     from kvrewrite.io.checkpoint_io import CHECKSUM_FILE, write_checksums
 
     directory = Path(directory)
-    record = {"kv_budget": budget, "context": context, "load": chosen.load_options(), "chosen": asdict(chosen),
-              "candidates": [asdict(c) for c in measured], "calibration": calibration}
+    record = {
+        "kv_budget": budget,
+        "context": context,
+        "load": chosen.load_options(),
+        "chosen": asdict(chosen),
+        "candidates": [asdict(c) for c in measured],
+        "calibration": calibration,
+    }
     path = atomic_write_text(directory / TOKEN_POLICY_FILE, json.dumps(record, indent=2) + "\n")
     # The other entries were verified when the checkpoint was loaded for the measurement: only the new file is read.
     listed = json.loads((directory / CHECKSUM_FILE).read_text(encoding="utf-8"))

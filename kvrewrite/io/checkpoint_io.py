@@ -23,8 +23,8 @@ from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from kvrewrite.io.atomic_files import current_umask, directory_lock, exchange_paths, rename_no_replace
 from kvrewrite.errors import CorruptCheckpointError, InvalidArgumentError, ModelSourceError, OutputError
+from kvrewrite.io.atomic_files import current_umask, directory_lock, exchange_paths, rename_no_replace
 from kvrewrite.io.fault_injection import exchange_disabled, fault_point
 
 CHECKSUM_FILE = "kvrewrite_checksums.json"
@@ -367,7 +367,9 @@ def check_safetensors_files(directory: Path) -> list[str]:
     directory = Path(directory)
     shards = _shard_filenames(directory)
     if not shards:
-        pickled = sorted(p.name for p in directory.iterdir() if p.suffix in PICKLE_SUFFIXES) if directory.is_dir() else []
+        pickled = (
+            sorted(p.name for p in directory.iterdir() if p.suffix in PICKLE_SUFFIXES) if directory.is_dir() else []
+        )
         if pickled:
             raise ModelSourceError(
                 f"{directory} holds only pickled weights ({', '.join(pickled)}); kvrewrite reads safetensors only, "

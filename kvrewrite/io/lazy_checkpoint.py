@@ -31,11 +31,15 @@ class LazyCheckpoint:
                 return dict(json.loads(index.read_text(encoding="utf-8"))["weight_map"])
             except (ValueError, KeyError, TypeError) as exc:
                 raise CorruptCheckpointError(f"{index} is not a valid safetensors index ({exc})") from exc
-        files = [SINGLE_SHARD_FILE] if (self.directory / SINGLE_SHARD_FILE).is_file() else sorted(
-            p.name for p in self.directory.glob("*.safetensors")
+        files = (
+            [SINGLE_SHARD_FILE]
+            if (self.directory / SINGLE_SHARD_FILE).is_file()
+            else sorted(p.name for p in self.directory.glob("*.safetensors"))
         )
         if not files:
-            raise ModelSourceError(f"no *.safetensors weights in {self.directory}; kvrewrite reads safetensors checkpoints only")
+            raise ModelSourceError(
+                f"no *.safetensors weights in {self.directory}; kvrewrite reads safetensors checkpoints only"
+            )
         weight_map = {}
         for name in files:
             with safe_open(str(self.directory / name), framework="pt") as f:

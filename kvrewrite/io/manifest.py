@@ -28,9 +28,20 @@ MANIFEST_FILE = CHECKSUM_FILE
 MODELING_FILE = "modeling_kvrewrite.py"  # kvrewrite's own stub (compile/passes/emit.py); never imported by kvrewrite
 TOKEN_POLICY_FILE = "token_policy.json"
 # What a tokenizer or a model load reads besides the weights and config.json.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model", "chat_template.jinja",
-                   "chat_template.json", "preprocessor_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "chat_template.jinja",
+    "chat_template.json",
+    "preprocessor_config.json",
+)
 LOAD_FILES = ("config.json", "generation_config.json", TOKEN_POLICY_FILE, SAFETENSORS_INDEX_FILE, *TOKENIZER_FILES)
 
 
@@ -76,10 +87,13 @@ def verify_manifest(directory: Path) -> None:
     if not is_full_manifest(entries):
         if (directory / TOKEN_POLICY_FILE).is_file() and TOKEN_POLICY_FILE not in entries:
             raise _unlisted(directory / TOKEN_POLICY_FILE, manifest)
-        warnings.warn(f"{manifest} lists the weight files only (written by a kvrewrite before its manifest covered "
-                      "every file): config.json and the tokenizer are not checksummed, config.json is checked "
-                      "against the weights' spec. Re-run the compile to get a full manifest", KVRewriteWarning,
-                      stacklevel=2)
+        warnings.warn(
+            f"{manifest} lists the weight files only (written by a kvrewrite before its manifest covered "
+            "every file): config.json and the tokenizer are not checksummed, config.json is checked "
+            "against the weights' spec. Re-run the compile to get a full manifest",
+            KVRewriteWarning,
+            stacklevel=2,
+        )
         return
     unlisted = [name for name in written_files(directory) if changes_the_model(name) and name not in entries]
     if unlisted:
@@ -90,4 +104,5 @@ def _unlisted(path: Path, manifest: Path, more: int = 0) -> CorruptCheckpointErr
     also = f" (and {more} more unlisted file(s))" if more else ""
     return CorruptCheckpointError(
         f"{path} is not listed in {manifest.name}{also}: it was added after the checkpoint was written and would "
-        "change what the model computes or how it loads. Delete it, or re-run the command that writes it")
+        "change what the model computes or how it loads. Delete it, or re-run the command that writes it"
+    )

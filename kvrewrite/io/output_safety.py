@@ -14,8 +14,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from kvrewrite.io.atomic_files import directory_lock
 from kvrewrite.errors import InvalidArgumentError
+from kvrewrite.io.atomic_files import directory_lock
 
 CHECKPOINT_MARKERS = ("config.json", "kvrewrite_checksums.json")
 # Room beyond the estimated weights: tokenizer, metadata, report, and the filesystem's own bookkeeping.
@@ -55,8 +55,9 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:,.0f} MiB"
 
 
-def check_output_location(out: Path, *, source: Path | None = None, overwrite: bool = False,
-                          need_bytes: int | None = None) -> None:
+def check_output_location(
+    out: Path, *, source: Path | None = None, overwrite: bool = False, need_bytes: int | None = None
+) -> None:
     """Refuse, before any work, an output that would destroy the source or user files, or cannot be written."""
     out_abs = _absolute(out)
     if out_abs == out_abs.parent:
@@ -160,8 +161,9 @@ def recover_leftovers(out: Path) -> list[str]:
                             continue
                         shutil.rmtree(entry)
                     notes.append(f"removed {entry}, a partial checkpoint left by an interrupted run")
-            olds = sorted((e for e in entries if e.name.startswith(old_prefix) and e.is_dir()),
-                          key=lambda e: e.stat().st_mtime)
+            olds = sorted(
+                (e for e in entries if e.name.startswith(old_prefix) and e.is_dir()), key=lambda e: e.stat().st_mtime
+            )
             if olds and not os.path.lexists(out):
                 os.rename(olds.pop(), out)
                 notes.append(f"restored {out} from its copy moved aside by an interrupted run")
@@ -169,6 +171,8 @@ def recover_leftovers(out: Path) -> list[str]:
                 shutil.rmtree(old)
                 notes.append(f"removed {old}, an output an interrupted run had already replaced")
     except OSError as exc:
-        notes.append(f"could not clean up leftovers of interrupted runs beside {out} ({exc}); "
-                     f"delete '{tmp_prefix}*' and '{old_prefix}*' there by hand")
+        notes.append(
+            f"could not clean up leftovers of interrupted runs beside {out} ({exc}); "
+            f"delete '{tmp_prefix}*' and '{old_prefix}*' there by hand"
+        )
     return notes

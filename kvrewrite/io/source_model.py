@@ -30,14 +30,23 @@ def load_whole_model(path, dtype: torch.dtype = torch.float32, device: str = "cp
     read_source_config(path)
     refuse_custom_code(path)
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device, use_safetensors=True,
-                                                           output_loading_info=True, trust_remote_code=False)
+        model, info = AutoModelForCausalLM.from_pretrained(
+            path,
+            dtype=dtype,
+            device_map=device,
+            use_safetensors=True,
+            output_loading_info=True,
+            trust_remote_code=False,
+        )
     except (RuntimeError, ValueError) as exc:  # e.g. a tensor whose shape does not match config.json
         raise CorruptCheckpointError(f"could not load the model in {path}: {exc}") from None
     problems = {kind: sorted(str(k) for k in info.get(kind) or []) for kind in ("missing_keys", "mismatched_keys")}
     if any(problems.values()):
-        listed = "; ".join(f"{kind.replace('_', ' ')}: {', '.join(keys[:6])}{' ...' if len(keys) > 6 else ''}"
-                           for kind, keys in problems.items() if keys)
+        listed = "; ".join(
+            f"{kind.replace('_', ' ')}: {', '.join(keys[:6])}{' ...' if len(keys) > 6 else ''}"
+            for kind, keys in problems.items()
+            if keys
+        )
         raise CorruptCheckpointError(
             f"the checkpoint in {path} lacks weights its config needs ({listed}); transformers would fill them with "
             "random values. Re-download the model or fix its shards"

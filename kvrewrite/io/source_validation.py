@@ -31,7 +31,9 @@ def read_source_config(directory: Path) -> dict:
         raise ModelSourceError(f"{path} holds a JSON {type(config).__name__}, not an object; re-download the model")
     if "kvrewrite" in config:
         table = [f"{float(r):g}" for r in (config["kvrewrite"].get("rate_table") or {})]
-        rates = (", ".join(table) if len(table) <= 6 else f"{table[0]} to {table[-1]}, {len(table)} rates") or "its compiled rate"
+        rates = (
+            ", ".join(table) if len(table) <= 6 else f"{table[0]} to {table[-1]}, {len(table)} rates"
+        ) or "its compiled rate"
         raise UnsupportedModelError(
             f"{directory} is already a kvrewrite checkpoint (compressed from "
             f"{config['kvrewrite'].get('source_model', 'another model')}); compressing it again is not supported. "
@@ -115,7 +117,8 @@ def check_tensor_shapes(source) -> None:
         listed = ", ".join(f"{n} ({weight_map[n]})" for n in extra[:6]) + (" ..." if len(extra) > 6 else "")
         warnings.warn(
             f"{source.directory} has {len(extra)} tensor(s) that config.json does not use, ignored: {listed}",
-            KVRewriteWarning, stacklevel=2,
+            KVRewriteWarning,
+            stacklevel=2,
         )
 
 

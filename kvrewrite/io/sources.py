@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from kvrewrite.io.atomic_files import current_umask
 from kvrewrite.errors import ModelSourceError
+from kvrewrite.io.atomic_files import current_umask
 
 __all__ = [
     "BUNDLED_ALIASES",
@@ -115,8 +115,9 @@ def _convert_smollm2(gguf_dir: Path, out_dir: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=_SMOLLM2_GGUF, dtype=torch.float32,
-                                                      trust_remote_code=False)
+    gguf_model = AutoModelForCausalLM.from_pretrained(
+        gguf_dir, gguf_file=_SMOLLM2_GGUF, dtype=torch.float32, trust_remote_code=False
+    )
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_SMOLLM2_GGUF, trust_remote_code=False)
 
     # transformers refuses save_pretrained on a GGUF-loaded model, so rebuild a plain model from a cleaned config:
@@ -356,4 +357,3 @@ def resolve_model_source(name_or_path: str, revision: str | None = None) -> Reso
             "or 'smollm2-135m' for the bundled demo model."
         )
     return _resolve_hub(name, revision)
-

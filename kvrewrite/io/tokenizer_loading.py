@@ -28,6 +28,8 @@ def load_tokenizer(directory: Path, **kwargs):
             raise ModelSourceError(
                 f"{directory} asks for code shipped with the model to load its tokenizer; kvrewrite never runs code "
                 "shipped with a model. Use a revision with a built-in tokenizer class, or save the tokenizer as "
-                "tokenizer.json") from None
-        raise ModelSourceError(f"the tokenizer in {directory} cannot be loaded ({exc}); re-download the model or "
-                               "fix its tokenizer files") from None
+                "tokenizer.json"
+            ) from None
+        raise ModelSourceError(
+            f"the tokenizer in {directory} cannot be loaded ({exc}); re-download the model or fix its tokenizer files"
+        ) from None

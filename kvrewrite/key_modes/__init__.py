@@ -19,5 +19,15 @@ from kvrewrite.key_modes import freq, post_rope, latent, crosshead, folded  # no
 
 from kvrewrite.key_modes.families import allowed_key_modes, preferred_key_modes, resolve_key_mode  # noqa: E402
 
-__all__ = ["KeyMode", "KeyTransform", "allowed_key_modes", "key_mode", "key_mode_names", "key_transform",
-           "preferred_key_modes", "register_key_mode", "resolve_key_mode", "unregister_key_mode"]
+__all__ = [
+    "KeyMode",
+    "KeyTransform",
+    "allowed_key_modes",
+    "key_mode",
+    "key_mode_names",
+    "key_transform",
+    "preferred_key_modes",
+    "register_key_mode",
+    "resolve_key_mode",
+    "unregister_key_mode",
+]

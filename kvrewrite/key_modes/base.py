@@ -27,7 +27,9 @@ class KeyTransform:
     """A layer's key-side transform at full rank, ordered by importance. Each mode extends it with its tensors."""
 
     mode: str
-    spectrum: torch.Tensor  # [n_kv, d] ([1, n_kv*d] for a shared key block), descending; truncation error ~ removed squares
+    spectrum: (
+        torch.Tensor
+    )  # [n_kv, d] ([1, n_kv*d] for a shared key block), descending; truncation error ~ removed squares
 
 
 class KeyMode(ABC):
@@ -59,7 +61,9 @@ class KeyMode(ABC):
     def transform(self, objective: str, stats: LayerStatistics, geometry: AttentionGeometry) -> KeyTransform:
         """The layer's key transform at full rank from its calibration statistics."""
 
-    def fold(self, transform: KeyTransform, q: Linear64, k: Linear64, geometry: AttentionGeometry) -> tuple[Linear64, Linear64]:
+    def fold(
+        self, transform: KeyTransform, q: Linear64, k: Linear64, geometry: AttentionGeometry
+    ) -> tuple[Linear64, Linear64]:
         """New q_proj and k_proj (weight, bias) in float64 from the original ones; unchanged by default."""
         return map_rows(q, ()), map_rows(k, ())
 
@@ -105,22 +109,29 @@ class KeyMode(ABC):
 
     def add_parameters(self, attn: nn.Module) -> None:
         """Declare the extra parameters the checkpoint stores for this mode (empty; loaded later)."""
+        return None  # a mode without stored tensors declares none
 
     def slice_query_key(self, attn: nn.Module, key_ranks: list[int]) -> None:
         """Slice q_proj/k_proj from attn.key_ranks down to `key_ranks`: both keep a prefix per head by default."""
         g = attn.group_size
         slice_linear_rows(attn.k_proj, attn.key_ranks, key_ranks)
-        slice_linear_rows(attn.q_proj, [r for r in attn.key_ranks for _ in range(g)], [r for r in key_ranks for _ in range(g)])
+        slice_linear_rows(
+            attn.q_proj, [r for r in attn.key_ranks for _ in range(g)], [r for r in key_ranks for _ in range(g)]
+        )
 
     def indices(self, attn: nn.Module) -> dict[str, torch.Tensor]:
         """Index tensors the mode needs at the current ranks (built on CPU, cached on the module per device)."""
         return {}
 
-    def project(self, attn: nn.Module, query: torch.Tensor, key: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+    def project(
+        self, attn: nn.Module, query: torch.Tensor, key: torch.Tensor, cos, sin
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The packed query and key latents from q_proj/k_proj's outputs (and RoPE's cos/sin); unchanged by default."""
         return query, key
 
-    def rebuild_keys(self, attn: nn.Module, latent: torch.Tensor, g: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def rebuild_keys(
+        self, attn: nn.Module, latent: torch.Tensor, g: int, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
         """KV head g's rotated keys [B, 1, S, d] from its cached latent [B, 1, S, r] (modes with rebuilds_keys)."""
         raise NotImplementedError(f"key mode {self.name!r} caches its keys; nothing to rebuild")
 

@@ -33,18 +33,26 @@ class CrossheadMode(KeyMode):
     rank_step = 2
     shared_key_block = True
     run_time_cost = 0.0
-    run_time_sentence = "`crosshead` layers do nothing extra at run time: the shared key block is folded into the projections"
+    run_time_sentence = (
+        "`crosshead` layers do nothing extra at run time: the shared key block is folded into the projections"
+    )
 
     def allowed_for(self, features: AttentionFeatures) -> bool:
         # Mixes heads inside k_proj: its fold has no bias path (yet); the latent's cache-index rule applies too.
-        return (features.has_rope and not features.qk_norm and not features.sliding_layers
-                and not (features.q_bias or features.k_bias))
+        return (
+            features.has_rope
+            and not features.qk_norm
+            and not features.sliding_layers
+            and not (features.q_bias or features.k_bias)
+        )
 
     def transform(self, objective: str, stats: LayerStatistics, geometry: AttentionGeometry) -> CrossheadKeyTransform:
         maps = crosshead_maps(stats, geometry)  # query-aware for both objectives (no paper version exists)
         return CrossheadKeyTransform(self.name, maps.spectrum[None], maps.freq_order[None], maps.k_fold, maps.q_fold)
 
-    def fold(self, transform: CrossheadKeyTransform, q: Linear64, k: Linear64, geometry: AttentionGeometry) -> tuple[Linear64, Linear64]:
+    def fold(
+        self, transform: CrossheadKeyTransform, q: Linear64, k: Linear64, geometry: AttentionGeometry
+    ) -> tuple[Linear64, Linear64]:
         # Every query head now scores against the whole shared key block: n_kv*d rows per head at full rank.
         (w_q, b_q), (w_k, b_k) = q, k
         d, heads = geometry.head_dim, range(geometry.num_attention_heads)
@@ -62,12 +70,16 @@ class CrossheadMode(KeyMode):
         problems = []
         shared, rest = layer.key_ranks[0], layer.key_ranks[1:]
         if any(rest) or not (0 <= shared <= num_kv_heads * head_dim) or shared % 2:
-            problems.append(f"layer {index}: crosshead key ranks must be [R, 0, ...] with even R <= {num_kv_heads * head_dim}, "
-                            f"got {layer.key_ranks}")
+            problems.append(
+                f"layer {index}: crosshead key ranks must be [R, 0, ...] with even R <= {num_kv_heads * head_dim}, "
+                f"got {layer.key_ranks}"
+            )
         order = layer.freq_order or []
         if len(order) != 1 or sorted(order[0]) != sorted(j for j in range(head_dim // 2) for _ in range(num_kv_heads)):
-            problems.append(f"layer {index}: crosshead freq_order must be one list holding each of range({head_dim // 2}) "
-                            f"{num_kv_heads} times")
+            problems.append(
+                f"layer {index}: crosshead freq_order must be one list holding each of range({head_dim // 2}) "
+                f"{num_kv_heads} times"
+            )
         return problems
 
     def query_width(self, num_kv_heads: int, head_dim: int) -> int:
@@ -84,5 +96,7 @@ class CrossheadMode(KeyMode):
             "query_pair_freq": torch.tensor(shared * attn.num_heads, dtype=torch.long),
         }
 
-    def project(self, attn: nn.Module, query: torch.Tensor, key: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+    def project(
+        self, attn: nn.Module, query: torch.Tensor, key: torch.Tensor, cos, sin
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return rotate_stored_pairs(attn, query, key, cos, sin)

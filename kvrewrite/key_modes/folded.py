@@ -26,10 +26,14 @@ class FoldedMode(KeyMode):
         q_maps, k_maps, spectra = post_rope_maps(objective, stats, geometry.num_key_value_heads)
         return BilinearKeyTransform(self.name, spectra, q_maps, k_maps)
 
-    def fold(self, transform: BilinearKeyTransform, q: Linear64, k: Linear64, geometry: AttentionGeometry) -> tuple[Linear64, Linear64]:
+    def fold(
+        self, transform: BilinearKeyTransform, q: Linear64, k: Linear64, geometry: AttentionGeometry
+    ) -> tuple[Linear64, Linear64]:
         d = geometry.head_dim
         q_maps, k_maps = [], []
         for g in range(geometry.num_key_value_heads):
             k_maps.append((slice(g * d, (g + 1) * d), lambda x, m=transform.k_map[g]: m.T @ x))
-            q_maps += [(slice(h * d, (h + 1) * d), lambda x, m=transform.q_map[g]: m.T @ x) for h in geometry.query_heads_of(g)]
+            q_maps += [
+                (slice(h * d, (h + 1) * d), lambda x, m=transform.q_map[g]: m.T @ x) for h in geometry.query_heads_of(g)
+            ]
         return map_rows(q, q_maps), map_rows(k, k_maps)

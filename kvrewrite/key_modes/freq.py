@@ -24,7 +24,9 @@ class FreqTransform(KeyTransform):
     freq_order: torch.Tensor  # [n_kv, d/2] frequencies, most important first
 
 
-def rotate_stored_pairs(attn: nn.Module, query: torch.Tensor, key: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+def rotate_stored_pairs(
+    attn: nn.Module, query: torch.Tensor, key: torch.Tensor, cos, sin
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate every stored pair of the packed query and key by its own frequency (the `*_pair_freq` indices)."""
     q_freq, k_freq = attn._index("query_pair_freq", query.device), attn._index("key_pair_freq", query.device)
     query = rotate_interleaved_pairs(query, cos[..., q_freq], sin[..., q_freq])
@@ -37,7 +39,9 @@ class FreqMode(KeyMode):
     name = "freq"
     rank_step = 2
     run_time_cost = 0.0
-    run_time_sentence = "`freq` layers do nothing extra at run time: the kept rotary pairs are folded into the projections"
+    run_time_sentence = (
+        "`freq` layers do nothing extra at run time: the kept rotary pairs are folded into the projections"
+    )
 
     def allowed_for(self, features: AttentionFeatures) -> bool:
         return features.has_rope and not features.qk_norm
@@ -46,7 +50,9 @@ class FreqMode(KeyMode):
         orders, spectra = frequency_pair_selection(stats, geometry.num_key_value_heads)
         return FreqTransform(self.name, spectra, orders)
 
-    def fold(self, transform: FreqTransform, q: Linear64, k: Linear64, geometry: AttentionGeometry) -> tuple[Linear64, Linear64]:
+    def fold(
+        self, transform: FreqTransform, q: Linear64, k: Linear64, geometry: AttentionGeometry
+    ) -> tuple[Linear64, Linear64]:
         d = geometry.head_dim
         q_maps, k_maps = [], []
         for g in range(geometry.num_key_value_heads):
@@ -77,5 +83,7 @@ class FreqMode(KeyMode):
             "query_pair_freq": torch.tensor([f for fs in key_freqs for _ in range(g) for f in fs], dtype=torch.long),
         }
 
-    def project(self, attn: nn.Module, query: torch.Tensor, key: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+    def project(
+        self, attn: nn.Module, query: torch.Tensor, key: torch.Tensor, cos, sin
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return rotate_stored_pairs(attn, query, key, cos, sin)

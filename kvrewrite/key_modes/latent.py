@@ -30,8 +30,10 @@ class LatentMode(KeyMode):
     rebuilds_keys = True
     run_time_cost = 1.0  # r x d multiply-adds per cached token and KV head, every step
     context_independent = False
-    run_time_sentence = ("`latent` layers rebuild every cached key from its latent and rotate it on every step, "
-                         "a cost that grows with the context")
+    run_time_sentence = (
+        "`latent` layers rebuild every cached key from its latent and rotate it on every step, "
+        "a cost that grows with the context"
+    )
 
     def allowed_for(self, features: AttentionFeatures) -> bool:
         # latent rotates keys by cache index, which a sliding-window cache renumbers.
@@ -41,9 +43,14 @@ class LatentMode(KeyMode):
         downs, ups, spectra = latent_key_basis(objective, stats, geometry.num_key_value_heads)
         return LatentKeyTransform(self.name, spectra, downs, ups)
 
-    def fold(self, transform: LatentKeyTransform, q: Linear64, k: Linear64, geometry: AttentionGeometry) -> tuple[Linear64, Linear64]:
+    def fold(
+        self, transform: LatentKeyTransform, q: Linear64, k: Linear64, geometry: AttentionGeometry
+    ) -> tuple[Linear64, Linear64]:
         d = geometry.head_dim
-        k_maps = [(slice(g * d, (g + 1) * d), lambda x, m=transform.down[g]: m.T @ x) for g in range(geometry.num_key_value_heads)]
+        k_maps = [
+            (slice(g * d, (g + 1) * d), lambda x, m=transform.down[g]: m.T @ x)
+            for g in range(geometry.num_key_value_heads)
+        ]
         return map_rows(q, ()), map_rows(k, k_maps)
 
     def stored_tensors(self, transform: LatentKeyTransform) -> dict[str, torch.Tensor]:
@@ -55,5 +62,7 @@ class LatentMode(KeyMode):
     def slice_query_key(self, attn: nn.Module, key_ranks: list[int]) -> None:
         slice_linear_rows(attn.k_proj, attn.key_ranks, key_ranks)  # queries stay whole: rotated at attention time
 
-    def rebuild_keys(self, attn: nn.Module, latent: torch.Tensor, g: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def rebuild_keys(
+        self, attn: nn.Module, latent: torch.Tensor, g: int, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
         return attn._apply_rope(latent @ attn.k_up[g, : latent.shape[-1]], cos, sin)

@@ -66,7 +66,9 @@ class PostRopeMode(KeyMode):
     def slice_query_key(self, attn: nn.Module, key_ranks: list[int]) -> None:
         """q_proj/k_proj stay whole (RoPE needs every dim); the maps are cut to the ranks when used."""
 
-    def project(self, attn: nn.Module, query: torch.Tensor, key: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+    def project(
+        self, attn: nn.Module, query: torch.Tensor, key: torch.Tensor, cos, sin
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         q = attn._apply_rope(attn._heads(query, attn.num_heads), cos, sin)
         k = attn._apply_rope(attn._heads(key, attn.num_kv_heads), cos, sin)
         rotated = torch.cat((q.transpose(1, 2).flatten(2), k.transpose(1, 2).flatten(2)), dim=-1)

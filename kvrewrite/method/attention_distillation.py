@@ -115,7 +115,9 @@ def _log_probs(model, tokens: torch.Tensor) -> torch.Tensor:
 
 def _kl(reference_log_probs: torch.Tensor, log_probs: torch.Tensor) -> torch.Tensor:
     """Mean over tokens of KL(reference || model), in nats."""
-    return F.kl_div(log_probs.flatten(0, -2), reference_log_probs.flatten(0, -2), log_target=True, reduction="batchmean")
+    return F.kl_div(
+        log_probs.flatten(0, -2), reference_log_probs.flatten(0, -2), log_target=True, reduction="batchmean"
+    )
 
 
 def mean_kl(student, teacher, windows: torch.Tensor) -> float:
@@ -123,7 +125,9 @@ def mean_kl(student, teacher, windows: torch.Tensor) -> float:
     gradients. The teacher's side is recomputed on every call rather than kept: it would hold windows x tokens x
     vocabulary floats (400 MB for 4 SmolLM2 windows) through the whole run."""
     with torch.no_grad():
-        return sum(_kl(_log_probs(teacher, w), _log_probs(student, w)).item() for w in windows.split(1)) / max(len(windows), 1)
+        return sum(_kl(_log_probs(teacher, w), _log_probs(student, w)).item() for w in windows.split(1)) / max(
+            len(windows), 1
+        )
 
 
 def _validation_kls(student, teacher, windows: torch.Tensor, mix: RateMix | None) -> dict[str, float]:
@@ -137,8 +141,16 @@ def _validation_kls(student, teacher, windows: torch.Tensor, mix: RateMix | None
     return kls
 
 
-def distill_attention(student, teacher, adapter, train_windows: torch.Tensor, validation_windows: torch.Tensor,
-                      settings: DistillSettings, progress: bool = True, mix: RateMix | None = None) -> DistillReport:
+def distill_attention(
+    student,
+    teacher,
+    adapter,
+    train_windows: torch.Tensor,
+    validation_windows: torch.Tensor,
+    settings: DistillSettings,
+    progress: bool = True,
+    mix: RateMix | None = None,
+) -> DistillReport:
     """Train the student's attention weights in place against the teacher's next-token distribution.
 
     student: the rewritten model at full rank, truncated to its compiled ranks (compile.probes.truncated_model);
@@ -163,13 +175,21 @@ def distill_attention(student, teacher, adapter, train_windows: torch.Tensor, va
     steps_per_epoch = math.ceil(train_windows.shape[0] / batch)
     epochs = max(1, math.ceil(settings.epochs))
     total_steps = max(1, round(settings.epochs * steps_per_epoch))
-    optimizer = torch.optim.AdamW(list(trained.values()), lr=settings.learning_rate, betas=(0.9, 0.99), weight_decay=0.0)
+    optimizer = torch.optim.AdamW(
+        list(trained.values()), lr=settings.learning_rate, betas=(0.9, 0.99), weight_decay=0.0
+    )
     warmup = max(1, min(settings.warmup_steps, total_steps))
     # Linear warm-up (again after every back-off), then cosine decay to zero over the whole run.
     phase = {"scale": 1.0, "start": 0}
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: phase["scale"] * min(1.0, (s - phase["start"] + 1) / warmup)
-        * 0.5 * (1.0 + math.cos(math.pi * min(s, total_steps) / total_steps)))
+        optimizer,
+        lambda s: (
+            phase["scale"]
+            * min(1.0, (s - phase["start"] + 1) / warmup)
+            * 0.5
+            * (1.0 + math.cos(math.pi * min(s, total_steps) / total_steps))
+        ),
+    )
     generator = torch.Generator().manual_seed(settings.seed)
 
     rate_draws = torch.Generator().manual_seed(settings.seed + 1)
@@ -184,9 +204,14 @@ def distill_attention(student, teacher, adapter, train_windows: torch.Tensor, va
 
     by_rate = _validation_kls(student, teacher, validation_windows, mix)
     before = sum(by_rate.values()) / len(by_rate)
-    report = DistillReport(steps=total_steps, train_tokens=int(train_windows.numel()), validation_tokens=int(validation_windows.numel()),
-                           trained_tensor_elements=sum(p.numel() for p in trained.values()),
-                           validation_kl_before=before, validation_kl_after=before)
+    report = DistillReport(
+        steps=total_steps,
+        train_tokens=int(train_windows.numel()),
+        validation_tokens=int(validation_windows.numel()),
+        trained_tensor_elements=sum(p.numel() for p in trained.values()),
+        validation_kl_before=before,
+        validation_kl_after=before,
+    )
     if mix is not None:
         report.validation_kl_by_rate_before = dict(by_rate)
         report.validation_kl_by_rate_after = dict(by_rate)

@@ -39,7 +39,11 @@ def curve_value(errors: np.ndarray, kls: np.ndarray, e: float) -> float:
 
 
 def curve_removal_order(
-    items: list[RankItem], curves: dict[tuple[int, str], list[tuple[float, float]]], *, min_rank: int = 0, rank_multiple: int = 1
+    items: list[RankItem],
+    curves: dict[tuple[int, str], list[tuple[float, float]]],
+    *,
+    min_rank: int = 0,
+    rank_multiple: int = 1,
 ) -> list[tuple[tuple, int, float]]:
     """Every removable tail chunk as (item key, dims, marginal KL per dim), in the order the greedy removes them."""
     groups: dict[tuple[int, str], list[int]] = {}

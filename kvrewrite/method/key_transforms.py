@@ -46,7 +46,9 @@ def frequency_pair_selection(stats: LayerStatistics, num_kv_heads: int) -> tuple
     return torch.stack(orders), torch.stack(spectra)
 
 
-def post_rope_maps(objective: str, stats: LayerStatistics, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def post_rope_maps(
+    objective: str, stats: LayerStatistics, num_kv_heads: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per KV head, the query and key maps [n_kv, d, d] applied after RoPE, and their spectrum [n_kv, d].
 
     Without RoPE (folded) the same maps fold into W_Q/W_K; post-RoPE Grams equal pre-RoPE ones there.
@@ -68,7 +70,9 @@ def post_rope_maps(objective: str, stats: LayerStatistics, num_kv_heads: int) ->
     return torch.stack(q_maps), torch.stack(k_maps), torch.stack(spectra)
 
 
-def latent_key_basis(objective: str, stats: LayerStatistics, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def latent_key_basis(
+    objective: str, stats: LayerStatistics, num_kv_heads: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per KV head, the down-projection [n_kv, d, d] to the pre-RoPE key latent, its up-projection and spectrum."""
     downs, ups, spectra = [], [], []
     for g in range(num_kv_heads):

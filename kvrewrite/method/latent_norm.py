@@ -28,8 +28,12 @@ def neutralise_latent_norm(max_mean_square: float, eps: float, tolerance: float 
     """s such that s^2 * max_mean_square / (2 eps) = tolerance."""
     max_mean_square = max(float(max_mean_square), 1e-300)
     scale = (2.0 * tolerance * eps / max_mean_square) ** 0.5
-    return LatentNormNeutraliser(scale=scale, norm_weight=eps**0.5 / scale, relative_error_bound=tolerance,
-                                 latent_rms=(scale**2 * max_mean_square) ** 0.5)
+    return LatentNormNeutraliser(
+        scale=scale,
+        norm_weight=eps**0.5 / scale,
+        relative_error_bound=tolerance,
+        latent_rms=(scale**2 * max_mean_square) ** 0.5,
+    )
 
 
 def relative_error(mean_square: torch.Tensor, neutraliser: LatentNormNeutraliser, eps: float) -> torch.Tensor:

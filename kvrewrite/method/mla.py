@@ -45,7 +45,6 @@ from kvrewrite.method.linalg import psd_sqrt, whitened_projection
 from kvrewrite.method.statistics import LayerStatistics
 from kvrewrite.method.value_transforms import stacked_output_rows
 
-
 # The key side's weight against the value side in the latent's objective. Chosen on SmolLM2-135M at 50% of K+V on
 # held-back calibration windows (wiki, 4,096 tokens not used for the statistics): 0.125/0.25/0.5/1/2/4 gave
 # +51.6/+48.2/+48.7/+50.9/+59.7/+73.0% perplexity (benchmarks/results/mla_quality.json has the held-out figure).
@@ -75,7 +74,10 @@ class MLALayer:
 
 def full_latent_rank(geometry: AttentionGeometry, rope_components: int, rope_frequency_stride: int = 1) -> int:
     """The latent width at which the latent part is exact: residual-key coordinates plus every value."""
-    return 2 * geometry.num_key_value_heads * geometry.head_dim - rope_components * geometry.head_dim // rope_frequency_stride
+    return (
+        2 * geometry.num_key_value_heads * geometry.head_dim
+        - rope_components * geometry.head_dim // rope_frequency_stride
+    )
 
 
 def check_rope_frequency_stride(geometry: AttentionGeometry, rope_components: int, rope_frequency_stride: int) -> None:
@@ -83,7 +85,8 @@ def check_rope_frequency_stride(geometry: AttentionGeometry, rope_components: in
     if rope_frequency_stride < 1 or half % rope_frequency_stride:
         raise InvalidArgumentError(
             f"the RoPE frequency stride must divide head_dim / 2 = {half} (qk_rope_head_dim = head_dim / stride), "
-            f"got {rope_frequency_stride}")
+            f"got {rope_frequency_stride}"
+        )
     if rope_frequency_stride > 1 and rope_components != 1:
         raise InvalidArgumentError("a qk_rope_head_dim below head_dim keeps one RoPE component per kept frequency")
 
@@ -121,7 +124,9 @@ def mla_layer(
     check_rope_frequency_stride(geometry, rope_components, rope_frequency_stride)
     full = full_latent_rank(geometry, rope_components, rope_frequency_stride)
     if not 1 <= latent_rank <= full:
-        raise InvalidArgumentError(f"latent rank must be within 1..{full} at {rope_components} RoPE components, got {latent_rank}")
+        raise InvalidArgumentError(
+            f"latent rank must be within 1..{full} at {rope_components} RoPE components, got {latent_rank}"
+        )
     q_weight, k_weight, v_weight, o_weight = (w.double() for w in (q_weight, k_weight, v_weight, o_weight))
     downs, ups, values = frequency_components(stats, geometry)
 
@@ -129,11 +134,15 @@ def mla_layer(
     # stride * p. Frequencies between the kept ones lose the rotation of all their components.
     kept_frequencies = range(0, half, rope_frequency_stride)
     kept = [(j, l) for l in range(rope_components) for j in kept_frequencies]
-    dropped = [(j, l) for j in range(half)
-               for l in range(rope_components if j % rope_frequency_stride == 0 else 0, n_kv)]
+    dropped = [
+        (j, l) for j in range(half) for l in range(rope_components if j % rope_frequency_stride == 0 else 0, n_kv)
+    ]
     k_pe = torch.cat([_complex_pair_rows(downs[j][:, l], j, n_kv, d) for j, l in kept])  # [d_r, n_kv d] over keys
-    k_np = (torch.cat([_complex_pair_rows(downs[j][:, l], j, n_kv, d) for j, l in dropped])
-            if dropped else torch.zeros(0, n_kv * d, dtype=torch.float64))
+    k_np = (
+        torch.cat([_complex_pair_rows(downs[j][:, l], j, n_kv, d) for j, l in dropped])
+        if dropped
+        else torch.zeros(0, n_kv * d, dtype=torch.float64)
+    )
     d_r, n_np = k_pe.shape[0], k_np.shape[0]
 
     # residual[g] [d, n_np]: head g's key part carried by the dropped components, from their coordinates.
@@ -154,14 +163,20 @@ def mla_layer(
     # components by their expected rotation over the attention's distances (position_free_query_maps).
     # The key side's query Gram is per KV group, so it sees the group's mean response.
     query_maps = position_free_query_maps(rope_response, n_q, d)
-    group_maps = position_free_query_maps(None if rope_response is None else rope_response.view(n_kv, -1, half).mean(1), n_kv, d)
+    group_maps = position_free_query_maps(
+        None if rope_response is None else rope_response.view(n_kv, -1, half).mean(1), n_kv, d
+    )
 
     # Latent: y = T x = [dropped-component coordinates; values of every KV head].
     target = torch.cat([k_np @ k_weight, v_weight])
     gram = target @ hidden_gram.double() @ target.T
-    key_map = torch.cat([residual[g].T @ psd_sqrt(group_maps[g] @ stats.gram("query_pre", g) @ group_maps[g].T)
-                         for g in range(n_kv)], dim=1)  # [n_np, n_kv d]
-    value_map = torch.block_diag(*[stacked_output_rows(o_weight, geometry, g) for g in range(n_kv)])  # [n_kv d, n_kv*group*hidden]
+    key_map = torch.cat(
+        [residual[g].T @ psd_sqrt(group_maps[g] @ stats.gram("query_pre", g) @ group_maps[g].T) for g in range(n_kv)],
+        dim=1,
+    )  # [n_np, n_kv d]
+    value_map = torch.block_diag(
+        *[stacked_output_rows(o_weight, geometry, g) for g in range(n_kv)]
+    )  # [n_kv d, n_kv*group*hidden]
     root = psd_sqrt(gram)
 
     def energy(rows: slice, m: torch.Tensor) -> float:
@@ -231,7 +246,11 @@ def balance_latent_gauge(layer: MLALayer) -> MLALayer:
     r = layer.kv_lora_rank
     down_norms = layer.kv_a_proj_with_mqa[:r].norm(dim=1)
     up_norms = layer.kv_b_proj.norm(dim=0)
-    t = (up_norms / down_norms.clamp_min(1e-300)).sqrt().where((down_norms > 0) & (up_norms > 0), torch.ones_like(up_norms))
+    t = (
+        (up_norms / down_norms.clamp_min(1e-300))
+        .sqrt()
+        .where((down_norms > 0) & (up_norms > 0), torch.ones_like(up_norms))
+    )
     kv_a = layer.kv_a_proj_with_mqa.clone()
     kv_a[:r] *= t[:, None]
     return replace(layer, kv_a_proj_with_mqa=kv_a, kv_b_proj=layer.kv_b_proj / t)

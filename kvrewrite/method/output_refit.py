@@ -33,22 +33,30 @@ class RefitLayerReport:
 
 def refit_windows(calibration_tokens: torch.Tensor, tokens: int) -> torch.Tensor:
     """The first calibration windows holding `tokens` tokens, rounded up to whole windows (at least one)."""
-    return calibration_tokens[:max(1, -(-tokens // calibration_tokens.shape[1]))]
+    return calibration_tokens[: max(1, -(-tokens // calibration_tokens.shape[1]))]
 
 
 def least_squares_output(z: torch.Tensor, target: torch.Tensor, ridge: float) -> torch.Tensor:
     """argmin_W ||z W^T - target||^2 + lam ||W||^2, lam = ridge * mean diag(z^T z); float64, -> [out, in]."""
     gram = z.T @ z
     lam = ridge * gram.diagonal().mean().clamp_min(1e-30)
-    return torch.linalg.solve(gram + lam * torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device), z.T @ target).T
+    return torch.linalg.solve(
+        gram + lam * torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device), z.T @ target
+    ).T
 
 
-def record_attention_outputs(model, adapter, tokens: torch.Tensor, with_logits: bool = False) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+def record_attention_outputs(
+    model, adapter, tokens: torch.Tensor, with_logits: bool = False
+) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
     """Every layer's attention output (what the output projection returns) of one forward on tokens, and the
     logits when asked for (otherwise only the decoder stack runs: the LM head over a big batch is not needed)."""
     outputs: list[torch.Tensor] = []
-    handles = [adapter.output_projection(adapter.attention(layer)).register_forward_hook(lambda _m, _i, out: outputs.append(out))
-               for layer in adapter.decoder_layers(model)]
+    handles = [
+        adapter.output_projection(adapter.attention(layer)).register_forward_hook(
+            lambda _m, _i, out: outputs.append(out)
+        )
+        for layer in adapter.decoder_layers(model)
+    ]
     tokens = tokens.to(next(model.parameters()).device)
     try:
         with torch.no_grad():
@@ -66,8 +74,16 @@ def original_attention_outputs(original, adapter, windows: torch.Tensor) -> list
     return record_attention_outputs(original, adapter, windows)[1]
 
 
-def refit_output_projections(compressed, original, adapter, windows: torch.Tensor, ridge: float = 1e-4,
-                             target: str = "model", copies: int = 1, on_layer=None) -> list[RefitLayerReport]:
+def refit_output_projections(
+    compressed,
+    original,
+    adapter,
+    windows: torch.Tensor,
+    ridge: float = 1e-4,
+    target: str = "model",
+    copies: int = 1,
+    on_layer=None,
+) -> list[RefitLayerReport]:
     """Refit, in place and layer by layer, the o_proj of every compressed attention against the original.
 
     compressed: the rewritten model at its compiled ranks (modified in place); original: the stock model.
@@ -104,11 +120,15 @@ def refit_output_projections(compressed, original, adapter, windows: torch.Tenso
             weight = module.weight.detach().double().clone()
             weight[:, read] = least_squares_output(z[:, read], t, ridge)
             norm = t.norm().clamp_min(1e-30)
-            reports.append(RefitLayerReport(float((z @ module.weight.double().T - t).norm() / norm),
-                                            float((z @ weight.T - t).norm() / norm)))
+            reports.append(
+                RefitLayerReport(
+                    float((z @ module.weight.double().T - t).norm() / norm), float((z @ weight.T - t).norm() / norm)
+                )
+            )
             module.weight.copy_(weight.to(module.weight.dtype))  # o_proj's forward then uses the refitted weight
             if on_layer is not None:
                 on_layer()
+
         return hook
 
     handles = []
@@ -119,15 +139,18 @@ def refit_output_projections(compressed, original, adapter, windows: torch.Tenso
     try:
         with torch.no_grad():
             # The decoder stack only: the LM head's logits over the whole batch are not needed.
-            compressed.get_decoder()(input_ids=windows.to(next(compressed.parameters()).device).repeat(copies, 1), use_cache=False)
+            compressed.get_decoder()(
+                input_ids=windows.to(next(compressed.parameters()).device).repeat(copies, 1), use_cache=False
+            )
     finally:
         for handle in handles:
             handle.remove()
     return reports
 
 
-def scatter_refit_columns(full_weight: torch.Tensor, refit_weight: torch.Tensor, value_ranks: list[int], group_size: int,
-                          head_dim: int) -> torch.Tensor:
+def scatter_refit_columns(
+    full_weight: torch.Tensor, refit_weight: torch.Tensor, value_ranks: list[int], group_size: int, head_dim: int
+) -> torch.Tensor:
     """Write a refitted o_proj [out, sum_h r_h] into the prefix columns of each query head's block of the full-rank
     o_proj [out, n_q * d]; the columns beyond each rank (unused at the compiled ranks) are left as they were."""
     out = full_weight.clone()

@@ -94,7 +94,9 @@ def allocate_eps(items: list[RankItem], rate: float, *, min_rank: int = 0, rank_
     return RankAllocation(ranks=ranks, kept=sum(ranks.values()), total=total, eps=hi)
 
 
-def greedy_removal_order(items: list[RankItem], *, min_rank: int = 0, rank_multiple: int = 1) -> list[tuple[tuple, int, float]]:
+def greedy_removal_order(
+    items: list[RankItem], *, min_rank: int = 0, rank_multiple: int = 1
+) -> list[tuple[tuple, int, float]]:
     """Every removable tail chunk as (item key, dims, cost), cheapest first; prefix order is kept per item."""
     chunks = []
     for it in items:
@@ -116,12 +118,16 @@ def greedy_removal_order(items: list[RankItem], *, min_rank: int = 0, rank_multi
     return [(key, dims, cost) for key, dims, cost, _ in chunks]
 
 
-def allocate_greedy(items: list[RankItem], rate: float, *, min_rank: int = 0, rank_multiple: int = 1, order=None) -> RankAllocation:
+def allocate_greedy(
+    items: list[RankItem], rate: float, *, min_rank: int = 0, rank_multiple: int = 1, order=None
+) -> RankAllocation:
     total = sum(len(it.spectrum) for it in items)
     target = _target_kept(total, rate)
     ranks = {(it.layer, it.head, it.side): len(it.spectrum) for it in items}
     kept = total
-    for key, dims, _cost in order if order is not None else greedy_removal_order(items, min_rank=min_rank, rank_multiple=rank_multiple):
+    for key, dims, _cost in (
+        order if order is not None else greedy_removal_order(items, min_rank=min_rank, rank_multiple=rank_multiple)
+    ):
         if kept <= target:
             break
         ranks[key] -= dims
@@ -133,7 +139,9 @@ def allocate_greedy(items: list[RankItem], rate: float, *, min_rank: int = 0, ra
     return RankAllocation(ranks=ranks, kept=kept, total=total)
 
 
-def allocate_uniform(items: list[RankItem], rate: float, *, min_rank: int = 0, rank_multiple: int = 1) -> RankAllocation:
+def allocate_uniform(
+    items: list[RankItem], rate: float, *, min_rank: int = 0, rank_multiple: int = 1
+) -> RankAllocation:
     """The same rank for every head and side (the baseline the adaptive allocators must beat)."""
     total = sum(len(it.spectrum) for it in items)
     target = _target_kept(total, rate)
@@ -155,7 +163,9 @@ def allocate_uniform(items: list[RankItem], rate: float, *, min_rank: int = 0, r
     return RankAllocation(ranks=ranks, kept=kept, total=total)
 
 
-def allocate(items: list[RankItem], rate: float, method: str, *, min_rank: int = 0, rank_multiple: int = 1) -> RankAllocation:
+def allocate(
+    items: list[RankItem], rate: float, method: str, *, min_rank: int = 0, rank_multiple: int = 1
+) -> RankAllocation:
     """eps (ZACK Eq. 6), greedy (objective error), sensitivity (greedy on KL-weighted error), uniform."""
     if method == "eps":
         return allocate_eps(items, rate, min_rank=min_rank, rank_multiple=rank_multiple)

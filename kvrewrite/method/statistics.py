@@ -45,7 +45,10 @@ class GramAccumulator:
             {
                 **{k: torch.zeros(num_kv_heads, head_dim, head_dim, dtype=torch.float64) for k in KV_GROUP_KINDS},
                 **{k: torch.zeros(num_heads, head_dim, head_dim, dtype=torch.float64) for k in PER_QUERY_HEAD_KINDS},
-                **{k: torch.zeros(1, num_kv_heads * head_dim, num_kv_heads * head_dim, dtype=torch.float64) for k in PER_LAYER_KINDS},
+                **{
+                    k: torch.zeros(1, num_kv_heads * head_dim, num_kv_heads * head_dim, dtype=torch.float64)
+                    for k in PER_LAYER_KINDS
+                },
             }
             for _ in range(num_layers)
         ]
@@ -71,7 +74,9 @@ class KMeansGramReducer(GramAccumulator):
     its scale matches the exact Gram (which matters where Grams are stacked with weights, as in zack).
     """
 
-    def __init__(self, num_layers, num_kv_heads, num_heads, head_dim, clusters: int = 256, keep_share: float = 0.5, seed: int = 0):
+    def __init__(
+        self, num_layers, num_kv_heads, num_heads, head_dim, clusters: int = 256, keep_share: float = 0.5, seed: int = 0
+    ):
         super().__init__(num_layers, num_kv_heads, num_heads, head_dim)
         self.clusters, self.keep_share, self.seed = clusters, keep_share, seed
         self.samples: dict[tuple[int, str, int], list[np.ndarray]] = {}
@@ -122,9 +127,12 @@ class KMeansGramReducer(GramAccumulator):
                     out[head] = gram
                 reduced[kind] = out
             reduced_layers.append(LayerStatistics(grams=reduced, tokens=layer.tokens))
-        notes = {"kmeans_relative_gram_change_mean": float(np.mean(drift)) if drift else 0.0,
-                 "kmeans_relative_gram_change_max": float(np.max(drift)) if drift else 0.0,
-                 "clusters": self.clusters, "keep_share": self.keep_share}
+        notes = {
+            "kmeans_relative_gram_change_mean": float(np.mean(drift)) if drift else 0.0,
+            "kmeans_relative_gram_change_max": float(np.max(drift)) if drift else 0.0,
+            "clusters": self.clusters,
+            "keep_share": self.keep_share,
+        }
         return CalibrationStatistics(layers=reduced_layers, tokens=exact.tokens, reduce="kmeans", notes=notes)
 
     def _rows_per_token(self, kind: str) -> int:

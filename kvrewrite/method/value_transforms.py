@@ -30,7 +30,10 @@ def stacked_output_rows(o_proj_weight: torch.Tensor, geometry: AttentionGeometry
 
 
 def value_transform(
-    objective: str, stats: LayerStatistics, o_proj_weight: torch.Tensor, geometry: AttentionGeometry,
+    objective: str,
+    stats: LayerStatistics,
+    o_proj_weight: torch.Tensor,
+    geometry: AttentionGeometry,
     output_metric: torch.Tensor | None = None,
 ) -> ValueTransform:
     """output_metric: optional [hidden, hidden] right factor M on what o_proj writes (optimal objective only):

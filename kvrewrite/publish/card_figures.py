@@ -58,5 +58,8 @@ def unsourced_card_figures(card_text: str, evaluation: dict | None, report: dict
         if len(string) > 3:
             text = text.replace(string, " " * len(string))
     leaves = card_leaves(evaluation, report)
-    return [f"card line {c.line}: {c.text} is in neither eval_results.json nor compress_report.json"
-            for c in claims_in("card", text, 1) if not matches(c, leaves)]
+    return [
+        f"card line {c.line}: {c.text} is in neither eval_results.json nor compress_report.json"
+        for c in claims_in("card", text, 1)
+        if not matches(c, leaves)
+    ]

@@ -15,11 +15,20 @@ from kvrewrite.publish.evaluation import default_chunk, kv_cache_bytes_per_token
 from kvrewrite.spec import CompressionSpec, rate_key
 
 
-def evaluate_checkpoint(directory: Path, *, baseline: str | None = None, rates: list[float] | None = None,
-                        tokens: int = 8192, seq_len: int = 512, progress: bool = True,
-                        kv_codecs: list[str] | None = None, chunk: int | None = None,
-                        recent_windows: list[int] | None = None, positions: tuple[PositionRange, ...] | None = None,
-                        text: str = "wiki") -> list[dict]:
+def evaluate_checkpoint(
+    directory: Path,
+    *,
+    baseline: str | None = None,
+    rates: list[float] | None = None,
+    tokens: int = 8192,
+    seq_len: int = 512,
+    progress: bool = True,
+    kv_codecs: list[str] | None = None,
+    chunk: int | None = None,
+    recent_windows: list[int] | None = None,
+    positions: tuple[PositionRange, ...] | None = None,
+    text: str = "wiki",
+) -> list[dict]:
     """Rows for the eval table: the baseline first, then the checkpoint at each rate (and each KV codec).
 
     positions: continuation mode (kvrewrite.publish.continuation_eval): windows as long as the last range's end, fed
@@ -42,10 +51,13 @@ def evaluate_checkpoint(directory: Path, *, baseline: str | None = None, rates: 
         raise CorruptCheckpointError(f"{directory} has no config.json; is it a kvrewrite checkpoint?")
     config = json.loads(config_path.read_text())
     if is_mla_checkpoint(config):
-        source, original, models, model_rates = _mla_models(Path(directory), config, baseline, rates, kv_codecs, recent_windows)
+        source, original, models, model_rates = _mla_models(
+            Path(directory), config, baseline, rates, kv_codecs, recent_windows
+        )
     else:
-        source, original, models, model_rates = _per_head_models(Path(directory), config, baseline, rates, kv_codecs,
-                                                                 recent_windows)
+        source, original, models, model_rates = _per_head_models(
+            Path(directory), config, baseline, rates, kv_codecs, recent_windows
+        )
     tokenizer = load_tokenizer(directory)
     window_len = positions[-1].end if positions else seq_len
     windows = evaluation_token_sequences(tokenizer, tokens, window_len, text)
@@ -65,8 +77,14 @@ def evaluate_checkpoint(directory: Path, *, baseline: str | None = None, rates: 
     return rows
 
 
-def _per_head_models(directory: Path, config: dict, baseline: str | None, rates: list[float] | None,
-                     kv_codecs: list[str] | None, recent_windows: list[int] | None):
+def _per_head_models(
+    directory: Path,
+    config: dict,
+    baseline: str | None,
+    rates: list[float] | None,
+    kv_codecs: list[str] | None,
+    recent_windows: list[int] | None,
+):
     """A per-head checkpoint at each rate (and codec, and token tier), with its source model."""
     from kvrewrite.io.source_model import load_fp32_model
     from kvrewrite.io.sources import resolve_model_source
@@ -93,14 +111,23 @@ def _per_head_models(directory: Path, config: dict, baseline: str | None, rates:
                 model = load(directory, rate=rate, kv_codec=codec, recent_window=window)
                 codec_config = model.kv_codec if window is None else model.tier_policy.codec
                 label = codec_config.describe() if codec_config is not None else "none"
-                name = (f"{directory.name} p={rate:.2f}" + (f" +W={window}" if window is not None else "")
-                        + (f" +{label}" if label != "none" else ""))
+                name = (
+                    f"{directory.name} p={rate:.2f}"
+                    + (f" +W={window}" if window is not None else "")
+                    + (f" +{label}" if label != "none" else "")
+                )
                 models[name], model_rates[name] = model, rate
     return source, original, models, model_rates
 
 
-def _mla_models(directory: Path, config: dict, baseline: str | None, rates: list[float] | None,
-                kv_codecs: list[str] | None, recent_windows: list[int] | None):
+def _mla_models(
+    directory: Path,
+    config: dict,
+    baseline: str | None,
+    rates: list[float] | None,
+    kv_codecs: list[str] | None,
+    recent_windows: list[int] | None,
+):
     """An MLA export (export-mla) at its own widths, or at each rate of its rate table, run by kvrewrite's absorbed
     runtime, with its source model (recorded by the export, or --baseline)."""
     from kvrewrite.io.source_model import load_fp32_model
@@ -109,18 +136,23 @@ def _mla_models(directory: Path, config: dict, baseline: str | None, rates: list
     from kvrewrite.runtime.mla.checkpoint import MLA_MARKER, RATE_TABLE_KEY
 
     if kv_codecs or recent_windows:
-        raise InvalidArgumentError(f"{directory} is an MLA export: --kv-codec and --recent-window apply to the per-head "
-                                   "forms only")
+        raise InvalidArgumentError(
+            f"{directory} is an MLA export: --kv-codec and --recent-window apply to the per-head forms only"
+        )
     verify_mla_files(directory)  # an edited or damaged export fails now, naming the file, not after the baseline loads
     marker = config[MLA_MARKER]
     table = marker.get(RATE_TABLE_KEY) or {}
     unknown = [rate_key(r) for r in rates or [] if rate_key(r) not in table]
     if unknown:
-        raise InvalidArgumentError(f"{directory} is an MLA export whose rate table has no rate {', '.join(unknown)} "
-                                   f"(rates: {', '.join(table) or 'none'})")
+        raise InvalidArgumentError(
+            f"{directory} is an MLA export whose rate table has no rate {', '.join(unknown)} "
+            f"(rates: {', '.join(table) or 'none'})"
+        )
     source = baseline or marker.get("source_model")
     if source is None:
-        raise InvalidArgumentError(f"{directory} is an MLA export that does not record its source model; pass --baseline")
+        raise InvalidArgumentError(
+            f"{directory} is an MLA export that does not record its source model; pass --baseline"
+        )
     baseline_dir = resolve_model_source(source).path
     refuse_compressed_baseline(directory, baseline_dir, given=baseline is not None)
     original = load_fp32_model(baseline_dir)
@@ -128,8 +160,9 @@ def _mla_models(directory: Path, config: dict, baseline: str | None, rates: list
     return source, original, models, model_rates
 
 
-def mla_models_at_rates(directory: Path, rates: list[float] | None, source_config: Any, name: str
-                        ) -> tuple[dict[str, Any], dict[str, float]]:
+def mla_models_at_rates(
+    directory: Path, rates: list[float] | None, source_config: Any, name: str
+) -> tuple[dict[str, Any], dict[str, float]]:
     """An MLA export loaded by kvrewrite's runtime at each rate of its table (rates), or at its own widths (None),
     as {"NAME p=RATE": model} and {"NAME p=RATE": rate}."""
     from kvrewrite.runtime.load import load
@@ -170,29 +203,54 @@ def continuation_rows(baseline_name: str, measured: dict, rates: dict[str, float
     base = measured["baseline"]
     rows = []
     for label, base_stats in base.by_range.items():
-        rows.append({"name": f"{baseline_name} (original)", "baseline": True, "rate": 0.0, "positions": label,
-                     "perplexity": base_stats.perplexity, "kl_mean": None, "top1_agreement": None,
-                     "kv_bytes_per_token": base.kv_bytes_per_token, "n_tokens": base_stats.n_tokens})
+        rows.append(
+            {
+                "name": f"{baseline_name} (original)",
+                "baseline": True,
+                "rate": 0.0,
+                "positions": label,
+                "perplexity": base_stats.perplexity,
+                "kl_mean": None,
+                "top1_agreement": None,
+                "kv_bytes_per_token": base.kv_bytes_per_token,
+                "n_tokens": base_stats.n_tokens,
+            }
+        )
         for name, result in measured.items():
             if name == "baseline":
                 continue
             stats = result.by_range[label]
-            rows.append({"name": name, "rate": rates[name], "positions": label, "perplexity": stats.perplexity,
-                         "kl_mean": stats.kl_mean, "top1_agreement": stats.top1_agreement,
-                         "kv_bytes_per_token": result.kv_bytes_per_token, "n_tokens": stats.n_tokens,
-                         "baseline_perplexity": stats.baseline_perplexity,
-                         "baseline_kv_bytes_per_token": base.kv_bytes_per_token})
+            rows.append(
+                {
+                    "name": name,
+                    "rate": rates[name],
+                    "positions": label,
+                    "perplexity": stats.perplexity,
+                    "kl_mean": stats.kl_mean,
+                    "top1_agreement": stats.top1_agreement,
+                    "kv_bytes_per_token": result.kv_bytes_per_token,
+                    "n_tokens": stats.n_tokens,
+                    "baseline_perplexity": stats.baseline_perplexity,
+                    "baseline_kv_bytes_per_token": base.kv_bytes_per_token,
+                }
+            )
     return rows
 
 
 def result_rows(baseline_name: str, results: dict, rates: dict[str, float]) -> list[dict]:
     first = next(iter(results.values()))
-    rows = [{
-        "name": f"{baseline_name} (original)", "baseline": True, "rate": 0.0,
-        "perplexity": first.baseline_perplexity, "kl_mean": None, "top1_agreement": None,
-        "kv_bytes_per_token": first.baseline_kv_bytes_per_token, "n_tokens": first.n_tokens,
-    }]
+    rows = [
+        {
+            "name": f"{baseline_name} (original)",
+            "baseline": True,
+            "rate": 0.0,
+            "perplexity": first.baseline_perplexity,
+            "kl_mean": None,
+            "top1_agreement": None,
+            "kv_bytes_per_token": first.baseline_kv_bytes_per_token,
+            "n_tokens": first.n_tokens,
+        }
+    ]
     for name, result in results.items():
         rows.append({"name": name, "rate": rates[name], **result.as_dict()})
     return rows
-

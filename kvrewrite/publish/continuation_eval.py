@@ -48,7 +48,9 @@ def parse_positions(text: str) -> tuple[PositionRange, ...]:
     def number(part: str) -> int:
         match = re.fullmatch(r"\s*(\d+)\s*([kK]?)\s*", part)
         if match is None:
-            raise InvalidArgumentError(f"--positions {text!r}: {part!r} is not a whole number of tokens (e.g. 2048 or 2K)")
+            raise InvalidArgumentError(
+                f"--positions {text!r}: {part!r} is not a whole number of tokens (e.g. 2048 or 2K)"
+            )
         return int(match.group(1)) * (1024 if match.group(2) else 1)
 
     ranges = []
@@ -142,7 +144,10 @@ def continuation_quality(
                     if lo >= hi:
                         continue  # context only: its logits are never normalised
                     targets = window[lo + 1 : hi + 1]
-                    logp = {name: torch.log_softmax(out[lo - s : hi - s].float().cpu(), dim=-1) for name, out in logits.items()}
+                    logp = {
+                        name: torch.log_softmax(out[lo - s : hi - s].float().cpu(), dim=-1)
+                        for name, out in logits.items()
+                    }
                     ref = logp["baseline"] if baseline is not None else None
                     for name in runners:
                         lp = logp[name]
@@ -151,7 +156,9 @@ def continuation_quality(
                         acc.count += hi - lo
                         if ref is not None and name != "baseline":
                             p = ref.exp()
-                            acc.kl += torch.where(p > 0, p * (ref - lp), torch.zeros_like(p)).sum(-1).double().sum().item()
+                            acc.kl += (
+                                torch.where(p > 0, p * (ref - lp), torch.zeros_like(p)).sum(-1).double().sum().item()
+                            )
                             acc.agree += int((ref.argmax(-1) == lp.argmax(-1)).sum())
                 bar.advance(task)
             for name, cache in caches.items():

@@ -6,8 +6,8 @@ import json
 import time
 from pathlib import Path
 
-from kvrewrite.io.atomic_files import atomic_write_text
 from kvrewrite.errors import CorruptCheckpointError
+from kvrewrite.io.atomic_files import atomic_write_text
 
 EVAL_RESULTS_FILE = "eval_results.json"
 # Continuation-mode results (`kvrewrite eval --positions`) are kept apart: the card's table is the windows' table.
@@ -15,8 +15,15 @@ CONTINUATION_RESULTS_FILE = "eval_results_continuation.json"
 EVAL_TEXT = "held-out Wikipedia articles (gensim's enwiki slice; never used for calibration)"
 
 
-def eval_results_document(rows: list[dict], *, tokens: int, seq_len: int, command: str, text: str = EVAL_TEXT,
-                          positions: list[str] | None = None) -> dict:
+def eval_results_document(
+    rows: list[dict],
+    *,
+    tokens: int,
+    seq_len: int,
+    command: str,
+    text: str = EVAL_TEXT,
+    positions: list[str] | None = None,
+) -> dict:
     """What `kvrewrite eval` saves: the rows plus how they were measured, so a model card can cite them.
     positions: the scored position ranges of a continuation evaluation (seq_len is then the window length)."""
     from kvrewrite import __version__
@@ -48,5 +55,7 @@ def read_eval_results(directory: Path) -> dict | None:
         if not isinstance(rows, list) or not all(isinstance(r, dict) and "perplexity" in r for r in rows):
             raise ValueError("rows must be a list of result objects with a perplexity")
     except (ValueError, KeyError, TypeError) as exc:
-        raise CorruptCheckpointError(f"{path} is not a kvrewrite evaluation result ({exc}); re-run `kvrewrite eval`") from exc
+        raise CorruptCheckpointError(
+            f"{path} is not a kvrewrite evaluation result ({exc}); re-run `kvrewrite eval`"
+        ) from exc
     return document

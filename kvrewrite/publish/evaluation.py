@@ -20,8 +20,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
-from kvrewrite.runtime.cache_bytes import cache_tensor_bytes
 from kvrewrite.errors import InvalidArgumentError, KVRewriteError
+from kvrewrite.runtime.cache_bytes import cache_tensor_bytes
 
 
 @dataclass
@@ -174,7 +174,9 @@ def perplexity_and_agreement(
     but the last predicts the next token, so n_tokens = n_windows * (seq_len - 1). Sums are accumulated in float64;
     log-softmax is taken in float32 regardless of the model dtype.
     """
-    stats = perplexity_and_agreement_many({"model": model}, token_seqs, baseline, batch_size=batch_size, progress=progress, chunk=chunk)
+    stats = perplexity_and_agreement_many(
+        {"model": model}, token_seqs, baseline, batch_size=batch_size, progress=progress, chunk=chunk
+    )
     return stats["model"]
 
 
@@ -267,8 +269,9 @@ def perplexity_and_agreement_many(
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def continuation_nll(model: torch.nn.Module, windows: torch.Tensor, context: int, make_cache,
-                     chunk: int | None = None) -> tuple[float, int, float]:
+def continuation_nll(
+    model: torch.nn.Module, windows: torch.Tensor, context: int, make_cache, chunk: int | None = None
+) -> tuple[float, int, float]:
     """Summed NLL of each window's tokens after `context`, their count, and cache bytes held per token (after the
     window, mean over windows): the window is fed through `make_cache()`'s cache `chunk` tokens at a time (one
     forward without), so a cache that codes or evicts between forwards is read as decoding would read it."""
@@ -278,8 +281,13 @@ def continuation_nll(model: torch.nn.Module, windows: torch.Tensor, context: int
         cache = make_cache()
         step = chunk or ids.shape[1]
         with torch.no_grad():
-            logits = torch.cat([model(ids[:, s : s + step], past_key_values=cache, use_cache=True).logits
-                                for s in range(0, ids.shape[1], step)], dim=1)[0, context - 1 : -1].float()
+            logits = torch.cat(
+                [
+                    model(ids[:, s : s + step], past_key_values=cache, use_cache=True).logits
+                    for s in range(0, ids.shape[1], step)
+                ],
+                dim=1,
+            )[0, context - 1 : -1].float()
         targets = ids[0, context:]
         total += torch.nn.functional.cross_entropy(logits, targets, reduction="sum").item()
         count += targets.numel()
@@ -357,7 +365,9 @@ def evaluate(
 
     The cache is measured with one window of the evaluation length, so sliding-window caches are sized as used.
     """
-    return evaluate_many({"model": model}, token_seqs, baseline, batch_size=batch_size, progress=progress, chunk=chunk)["model"]
+    return evaluate_many({"model": model}, token_seqs, baseline, batch_size=batch_size, progress=progress, chunk=chunk)[
+        "model"
+    ]
 
 
 def evaluate_many(
@@ -370,7 +380,9 @@ def evaluate_many(
     chunk: int | None = None,
 ) -> dict[str, EvalResult]:
     """evaluate() for several models sharing one pass over the data (and one baseline forward per batch)."""
-    stats = perplexity_and_agreement_many(models, token_seqs, baseline, batch_size=batch_size, progress=progress, chunk=chunk)
+    stats = perplexity_and_agreement_many(
+        models, token_seqs, baseline, batch_size=batch_size, progress=progress, chunk=chunk
+    )
     seq_len = int(token_seqs.shape[1])
     base_bytes = kv_cache_bytes_per_token(baseline, seq_len) if baseline is not None else None
     return {

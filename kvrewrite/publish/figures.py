@@ -15,8 +15,10 @@ from dataclasses import dataclass
 NOT_PROSE = re.compile(r"`[^`]*`|\]\([^)]*\)|<!--.*?-->", re.S)
 # A number: optional sign, digits with thousands commas, optional decimals and exponent; not glued to a word
 # ("p0.5", "2K", "x8", the 1 of "top-1" stay out), but "12.3%", "2.8x" and "1.9e-05" are numbers.
-NUMBER = re.compile(r"(?<![\w.])(?<![A-Za-z][-−])(?P<sign>[+\-−]?)(?P<num>\d{1,3}(?:,\d{3})+|\d+)(?P<dec>\.\d+)?"
-                    r"(?:e(?P<exp>[+\-−]?\d+))?(?P<unit>%|x\b)?(?![\w.]*\w)")
+NUMBER = re.compile(
+    r"(?<![\w.])(?<![A-Za-z][-−])(?P<sign>[+\-−]?)(?P<num>\d{1,3}(?:,\d{3})+|\d+)(?P<dec>\.\d+)?"
+    r"(?:e(?P<exp>[+\-−]?\d+))?(?P<unit>%|x\b)?(?![\w.]*\w)"
+)
 
 
 # A number inside a JSON key: a setting named by the key ("bytes_4096", "rate 0.30"), not part of a word ("fp16").
@@ -35,8 +37,11 @@ class Claim:
 
 # Ratios a record implies and the docs print: (numerator, denominator, offset). The perplexity increase is printed
 # as Δppl; the cache bytes as a share of the original's and of a float16 cache (`kvrewrite eval`'s two columns).
-DERIVED = (("perplexity", "baseline_perplexity", -1.0), ("kv_bytes_per_token", "baseline_kv_bytes_per_token", 0.0),
-           ("kv_bytes_per_token", "fp16_kv_bytes_per_token", 0.0))
+DERIVED = (
+    ("perplexity", "baseline_perplexity", -1.0),
+    ("kv_bytes_per_token", "baseline_kv_bytes_per_token", 0.0),
+    ("kv_bytes_per_token", "fp16_kv_bytes_per_token", 0.0),
+)
 
 
 def _number(value) -> bool:
@@ -85,13 +90,13 @@ def claims_in(doc: str, body: str, first_line: int) -> list[Claim]:
         for m in NUMBER.finditer(prose):
             digits = m.group("num").replace(",", "") + (m.group("dec") or "")
             exponent = int(m.group("exp").replace("−", "-")) if m.group("exp") else 0
-            value = float(digits) * 10.0 ** exponent * (-1 if m.group("sign") in ("-", "−") else 1)
+            value = float(digits) * 10.0**exponent * (-1 if m.group("sign") in ("-", "−") else 1)
             decimals = len(m.group("dec") or "") - (1 if m.group("dec") else 0) - exponent
             found.append(Claim(doc, first_line + offset, m.group().strip(), value, decimals, m.group("unit") == "%"))
     return found
 
 
 def matches(claim: Claim, leaves: list[float]) -> bool:
-    half_step = 0.5 * 10 ** -claim.decimals + 1e-9
+    half_step = 0.5 * 10**-claim.decimals + 1e-9
     candidates = leaves + [100 * v for v in leaves] if claim.percent else leaves  # a share printed as a percentage
     return any(abs(v - claim.value) <= half_step for v in candidates)

@@ -13,17 +13,24 @@ from pathlib import Path
 
 from huggingface_hub import HfApi, constants
 from huggingface_hub.errors import (  # HTTPError: huggingface_hub's HTTP client's base error (connection failures too)
-    HFValidationError,
     HfHubHTTPError,
+    HFValidationError,
     HTTPError,
     LocalTokenNotFoundError,
     OfflineModeIsEnabled,
 )
 from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects, validate_repo_id
 
-from kvrewrite.io.manifest import MODELING_FILE, verify_manifest
 from kvrewrite.errors import HubError, InvalidArgumentError
-from kvrewrite.publish.model_card import CARD_FILE, HEATMAP_FILE, is_generated_card, read_checkpoint_facts, render_model_card, write_model_card
+from kvrewrite.io.manifest import MODELING_FILE, verify_manifest
+from kvrewrite.publish.model_card import (
+    CARD_FILE,
+    HEATMAP_FILE,
+    is_generated_card,
+    read_checkpoint_facts,
+    render_model_card,
+    write_model_card,
+)
 
 # Hidden entries are the temp files of atomic writes (".name.tmp-…") and editor/OS litter; never upload them.
 UPLOAD_IGNORE_PATTERNS = (".*", "*/.*", "*.tmp", "__pycache__/*", "*/__pycache__/*")
@@ -56,7 +63,8 @@ def refuse_foreign_code(directory: Path) -> None:
             f"{Path(directory) / foreign[0]} is Python code that kvrewrite did not write"
             + (f" (and {len(foreign) - 1} more .py file(s))" if len(foreign) > 1 else "")
             + "; a kvrewrite checkpoint carries no code but its modeling_kvrewrite.py stub, so nothing was uploaded. "
-            "Delete it, or push the folder with huggingface_hub yourself")
+            "Delete it, or push the folder with huggingface_hub yourself"
+        )
 
 
 def ensure_heatmap(directory: Path) -> Path:
@@ -69,13 +77,19 @@ def ensure_heatmap(directory: Path) -> Path:
         from kvrewrite.publish.rank_plot import plot_rank_heatmap
 
         spec = read_checkpoint_facts(directory).spec
-        plot_rank_heatmap([l.key_ranks for l in spec.layers], [l.value_ranks for l in spec.layers], spec.head_dim, path,
-                          title=f"{spec.source_model}: p = {spec.target_rate:.2f} ({spec.objective}/{spec.allocation})")
+        plot_rank_heatmap(
+            [l.key_ranks for l in spec.layers],
+            [l.value_ranks for l in spec.layers],
+            spec.head_dim,
+            path,
+            title=f"{spec.source_model}: p = {spec.target_rate:.2f} ({spec.objective}/{spec.allocation})",
+        )
     return path
 
 
-def prepare_for_upload(directory: Path, repo_id: str | None, *, base_model: str | None = None,
-                       license: str | None = None) -> bool:
+def prepare_for_upload(
+    directory: Path, repo_id: str | None, *, base_model: str | None = None, license: str | None = None
+) -> bool:
     """Verify the weights, draw the heat map, write the card unless a hand-written one exists. True if written."""
     verify_manifest(directory)  # never publish a damaged or edited checkpoint
     ensure_heatmap(directory)
@@ -107,7 +121,9 @@ def push_checkpoint(
     except HFValidationError as exc:
         raise InvalidArgumentError(f"{repo_id!r} is not a valid Hub repo id ({exc}); use 'user/name'") from exc
     if create_pr and revision not in (None, constants.DEFAULT_REVISION):
-        raise InvalidArgumentError("`create_pr` opens a pull request against main; it cannot be combined with `revision`")
+        raise InvalidArgumentError(
+            "`create_pr` opens a pull request against main; it cannot be combined with `revision`"
+        )
     if not directory.is_dir():
         raise InvalidArgumentError(f"{directory} is not a directory; pass a kvrewrite output directory")
     read_checkpoint_facts(directory)  # a kvrewrite checkpoint with a readable spec, or a clear error

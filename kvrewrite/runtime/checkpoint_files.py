@@ -34,6 +34,7 @@ def verify_checkpoint_files(directory: Path) -> None:
 
 def _spec_differences(config_spec: dict, written: dict) -> list[str]:
     """Each field of config.json's spec that differs from the spec the weights were written with, by name."""
+
     def short(value) -> str:
         text = repr(value)
         return text if len(text) <= 40 else text[:37] + "..."
@@ -47,11 +48,19 @@ def _spec_differences(config_spec: dict, written: dict) -> list[str]:
         if name == "layers" and isinstance(have, list) and isinstance(want, list) and len(have) == len(want):
             for i, (a, b) in enumerate(zip(have, want)):
                 a, b = (a if isinstance(a, dict) else {}), (b if isinstance(b, dict) else {})
-                problems += [f"layer {i} {field} is {short(a.get(field))} in config.json but {short(b.get(field))} "
-                             "in the weights" for field in sorted(set(a) | set(b)) if a.get(field) != b.get(field)]
+                problems += [
+                    f"layer {i} {field} is {short(a.get(field))} in config.json but {short(b.get(field))} "
+                    "in the weights"
+                    for field in sorted(set(a) | set(b))
+                    if a.get(field) != b.get(field)
+                ]
         elif name == "rate_table" and isinstance(have, dict) and isinstance(want, dict):
-            problems += [f"rate_table entry {key} is {short(have.get(key))} in config.json but {short(want.get(key))} "
-                         "in the weights" for key in sorted(set(have) | set(want)) if have.get(key) != want.get(key)]
+            problems += [
+                f"rate_table entry {key} is {short(have.get(key))} in config.json but {short(want.get(key))} "
+                "in the weights"
+                for key in sorted(set(have) | set(want))
+                if have.get(key) != want.get(key)
+            ]
         else:
             problems.append(f"{name} is {short(have)} in config.json but {short(want)} in the weights")
     return problems
@@ -75,8 +84,9 @@ def check_spec_matches_weights(directory: Path) -> None:
     try:
         written = json.loads(written_json)
     except ValueError as exc:
-        raise CorruptCheckpointError(f"the kvrewrite_spec metadata of the weights in {directory} is not JSON ({exc}); "
-                                     "re-run the compile") from None
+        raise CorruptCheckpointError(
+            f"the kvrewrite_spec metadata of the weights in {directory} is not JSON ({exc}); re-run the compile"
+        ) from None
     if not isinstance(config_spec, dict) or not isinstance(written, dict):
         raise CorruptCheckpointError(f"{config_path}: the kvrewrite spec is not a JSON object; restore config.json")
     shard = Path(directory) / _shard_filenames(Path(directory))[0]
@@ -100,8 +110,12 @@ def verify_mla_files(directory: Path) -> None:
     if (directory / MANIFEST_FILE).is_file():
         verify_manifest(directory)
         return
-    warnings.warn(f"{directory} has no {MANIFEST_FILE}: it was exported by a kvrewrite that wrote no manifest, so "
-                  "none of its files can be verified. Re-export it to get one", KVRewriteWarning, stacklevel=3)
+    warnings.warn(
+        f"{directory} has no {MANIFEST_FILE}: it was exported by a kvrewrite that wrote no manifest, so "
+        "none of its files can be verified. Re-export it to get one",
+        KVRewriteWarning,
+        stacklevel=3,
+    )
 
 
 def refuse_remote_code(kwargs: dict) -> None:
@@ -109,8 +123,10 @@ def refuse_remote_code(kwargs: dict) -> None:
     if kwargs.pop("trust_remote_code", None):
         from kvrewrite.errors import InvalidArgumentError
 
-        raise InvalidArgumentError("kvrewrite never runs code shipped with a checkpoint: its models are built-in "
-                                   "classes, so load without trust_remote_code")
+        raise InvalidArgumentError(
+            "kvrewrite never runs code shipped with a checkpoint: its models are built-in "
+            "classes, so load without trust_remote_code"
+        )
 
 
 def ensure_complete_load(info: dict, directory: Path) -> None:
@@ -135,11 +151,14 @@ def ensure_complete_load(info: dict, directory: Path) -> None:
     for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
         keys = sorted(info.get(kind) or [], key=str)
         if keys:
-            problems.append(f"{kind.replace('_', ' ')}: {', '.join(named(k) for k in keys[:8])}{' ...' if len(keys) > 8 else ''}")
+            problems.append(
+                f"{kind.replace('_', ' ')}: {', '.join(named(k) for k in keys[:8])}{' ...' if len(keys) > 8 else ''}"
+            )
     if info.get("error_msgs"):
         problems.append("; ".join(info["error_msgs"]))
     if problems:
         raise CorruptCheckpointError(
-            f"checkpoint {directory} does not match its compression spec: " + " | ".join(problems)
+            f"checkpoint {directory} does not match its compression spec: "
+            + " | ".join(problems)
             + ". Re-download it or re-run the compile"
         )

@@ -11,7 +11,16 @@ from kvrewrite.runtime.modeling.families import COMPRESSED_FAMILIES
 from kvrewrite.spec import CompressionSpec
 
 # Keys of the original config that must not be carried over.
-_DROP_KEYS = ("model_type", "architectures", "transformers_version", "quantization_config", "_name_or_path", "auto_map", "dtype", "torch_dtype")
+_DROP_KEYS = (
+    "model_type",
+    "architectures",
+    "transformers_version",
+    "quantization_config",
+    "_name_or_path",
+    "auto_map",
+    "dtype",
+    "torch_dtype",
+)
 
 
 def compressed_classes(original_config) -> tuple[type, type]:

@@ -39,12 +39,22 @@ def grown_capacity(needed: int, tokens_per_row: int = 1) -> int:
 
 def is_prefix_view(held: torch.Tensor, buffer: torch.Tensor, dim: int) -> bool:
     """Whether `held` is buffer.narrow(dim, 0, n) for some n: same start, same strides, same other sizes."""
-    return (held.data_ptr() == buffer.data_ptr() and held.stride() == buffer.stride() and held.dtype == buffer.dtype
-            and held.shape[:dim] + held.shape[dim + 1 :] == buffer.shape[:dim] + buffer.shape[dim + 1 :])
+    return (
+        held.data_ptr() == buffer.data_ptr()
+        and held.stride() == buffer.stride()
+        and held.dtype == buffer.dtype
+        and held.shape[:dim] + held.shape[dim + 1 :] == buffer.shape[:dim] + buffer.shape[dim + 1 :]
+    )
 
 
-def append_in_place(buffer: torch.Tensor | None, held: torch.Tensor | None, new: torch.Tensor, dim: int,
-                    capacity: int | None = None, tokens_per_row: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def append_in_place(
+    buffer: torch.Tensor | None,
+    held: torch.Tensor | None,
+    new: torch.Tensor,
+    dim: int,
+    capacity: int | None = None,
+    tokens_per_row: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(buffer, view): `held` followed by `new` along `dim`, as a prefix view of a buffer with room.
 
     Written in place when `held` is a prefix view of `buffer` (what this function returned, or a crop of it) and the
@@ -54,9 +64,13 @@ def append_in_place(buffer: torch.Tensor | None, held: torch.Tensor | None, new:
     dim = dim % new.dim()
     length = held.shape[dim] if held is not None else 0
     needed = length + new.shape[dim]
-    fits = (buffer is not None and buffer.shape[dim] >= needed and buffer.device == new.device
-            and buffer.shape[:dim] + buffer.shape[dim + 1 :] == new.shape[:dim] + new.shape[dim + 1 :]
-            and (held is None or is_prefix_view(held, buffer, dim)))
+    fits = (
+        buffer is not None
+        and buffer.shape[dim] >= needed
+        and buffer.device == new.device
+        and buffer.shape[:dim] + buffer.shape[dim + 1 :] == new.shape[:dim] + new.shape[dim + 1 :]
+        and (held is None or is_prefix_view(held, buffer, dim))
+    )
     if not fits:
         if capacity is not None and needed <= capacity:
             rows = capacity

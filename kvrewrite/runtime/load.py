@@ -11,13 +11,21 @@ from transformers.modeling_utils import AttentionInterface
 
 from kvrewrite.errors import CorruptCheckpointError
 from kvrewrite.runtime.checkpoint_files import (
-    checkpoint_directory, ensure_complete_load, refuse_remote_code, verify_mla_files,
+    checkpoint_directory,
+    ensure_complete_load,
+    refuse_remote_code,
+    verify_mla_files,
 )
-from kvrewrite.runtime.modeling.attention import PACKED_ATTENTION, packed_attention_forward
 from kvrewrite.runtime.mla.checkpoint import (
-    MLA_MARKER, RATE_TABLE_KEY, absorb_attention, check_mla_marker, is_mla_checkpoint, widths_at_rate,
+    MLA_MARKER,
+    RATE_TABLE_KEY,
+    absorb_attention,
+    check_mla_marker,
+    is_mla_checkpoint,
+    widths_at_rate,
 )
 from kvrewrite.runtime.mla.rate_projections import load_rate_o_proj, rates_with_o_proj
+from kvrewrite.runtime.modeling.attention import PACKED_ATTENTION, packed_attention_forward
 from kvrewrite.runtime.modeling.families import COMPRESSED_FAMILIES
 from kvrewrite.spec import rate_key
 
@@ -48,8 +56,9 @@ def load(name_or_path, rate: float | None = None, **kwargs):
     """
     from kvrewrite.runtime.tiers.load_options import check_cache_keywords
 
-    check_cache_keywords(kwargs.get("kv_codec"), kwargs.get("recent_window"), kwargs.get("important"),
-                         kwargs.get("evict"))  # a wrong type named before any file is read
+    check_cache_keywords(
+        kwargs.get("kv_codec"), kwargs.get("recent_window"), kwargs.get("important"), kwargs.get("evict")
+    )  # a wrong type named before any file is read
     directory = checkpoint_directory(name_or_path, kwargs.get("revision"))
     config_file = directory / "config.json"
     try:
@@ -84,8 +93,9 @@ def load_mla(directory: Path, config: dict, rate: float | None = None, **kwargs)
         )
     kwargs.pop("output_loading_info", None)
     refuse_remote_code(kwargs)
-    model, info = DeepseekV3ForCausalLM.from_pretrained(directory, output_loading_info=True, trust_remote_code=False,
-                                                        **kwargs)
+    model, info = DeepseekV3ForCausalLM.from_pretrained(
+        directory, output_loading_info=True, trust_remote_code=False, **kwargs
+    )
     ensure_complete_load(info, directory)
     widths = None if rate is None else widths_at_rate(model.config, rate, str(directory))
     if rate is not None and rate_key(rate) in rates_with_o_proj(config[MLA_MARKER]):  # export-mla --refit-rates

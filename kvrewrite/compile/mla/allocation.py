@@ -68,7 +68,9 @@ def tail_share(spectrum: torch.Tensor, rank: int) -> float:
 
 
 def probe_ranks(full_rank: int) -> list[int]:
-    return sorted({max(RANK_MULTIPLE, RANK_MULTIPLE * round(share * full_rank / RANK_MULTIPLE)) for share in PROBE_SHARES})
+    return sorted(
+        {max(RANK_MULTIPLE, RANK_MULTIPLE * round(share * full_rank / RANK_MULTIPLE)) for share in PROBE_SHARES}
+    )
 
 
 @contextlib.contextmanager
@@ -78,7 +80,9 @@ def _layer_swapped(model: nn.Module, idx: int, layer: MLALayer) -> Iterator[None
     decoder_layer = adapter.decoder_layers(model)[idx]
     kept = getattr(decoder_layer, adapter.attention_attr)
     dtype = kept.q_proj.dtype
-    setattr(decoder_layer, adapter.attention_attr, MLAReferenceAttention(layer, model.config.num_attention_heads, dtype))
+    setattr(
+        decoder_layer, adapter.attention_attr, MLAReferenceAttention(layer, model.config.num_attention_heads, dtype)
+    )
     try:
         yield
     finally:
@@ -90,8 +94,9 @@ def _mean_kl(reference: torch.Tensor, logits: torch.Tensor) -> float:
     return float((reference.exp() * (reference - probe)).sum(-1).mean())
 
 
-def measure_latent_sensitivity(original: nn.Module, full_layers: list[MLALayer], tokens: torch.Tensor,
-                               progress: Callable[[], None] | None = None) -> LatentSensitivity:
+def measure_latent_sensitivity(
+    original: nn.Module, full_layers: list[MLALayer], tokens: torch.Tensor, progress: Callable[[], None] | None = None
+) -> LatentSensitivity:
     """Every (layer, probe width): KL to the original with that layer alone truncated. tokens [windows, length]."""
     with torch.no_grad():
         reference = log_probs(original(tokens).logits)
@@ -117,18 +122,23 @@ class LatentAllocation:
     removal_order: tuple[tuple[int, int], ...]  # (layer, dims) tail chunks, cheapest first: every share is a prefix
 
 
-def allocate_latent_ranks(full_layers: list[MLALayer], sensitivity: LatentSensitivity, target_rank: int) -> LatentAllocation:
+def allocate_latent_ranks(
+    full_layers: list[MLALayer], sensitivity: LatentSensitivity, target_rank: int
+) -> LatentAllocation:
     """Per-layer widths keeping target_rank * layers latent dims in all, placed by the measured KL curves."""
     full = full_layers[0].kv_lora_rank
     if any(layer.kv_lora_rank != full for layer in full_layers):
         raise InvalidArgumentError("the allocation starts from every layer at the same full latent width")
     if not RANK_MULTIPLE <= target_rank <= full:
         raise InvalidArgumentError(f"a latent width of {target_rank} per layer is outside {RANK_MULTIPLE}..{full}")
-    items = [RankItem(layer=idx, head=0, side="latent", spectrum=layer.latent_spectrum[:full].double().numpy())
-             for idx, layer in enumerate(full_layers)]
+    items = [
+        RankItem(layer=idx, head=0, side="latent", spectrum=layer.latent_spectrum[:full].double().numpy())
+        for idx, layer in enumerate(full_layers)
+    ]
     order = curve_removal_order(items, sensitivity.curves(), min_rank=RANK_MULTIPLE, rank_multiple=RANK_MULTIPLE)
-    allocation = allocate_greedy(items, 1.0 - target_rank / full, min_rank=RANK_MULTIPLE, rank_multiple=RANK_MULTIPLE,
-                                 order=order)
+    allocation = allocate_greedy(
+        items, 1.0 - target_rank / full, min_rank=RANK_MULTIPLE, rank_multiple=RANK_MULTIPLE, order=order
+    )
     ranks = tuple(allocation.ranks[(idx, 0, "latent")] for idx in range(len(full_layers)))
     return LatentAllocation(ranks, target_rank, tuple((key[0], dims) for key, dims, _ in order))
 
@@ -144,12 +154,20 @@ def check_rate_latents(rates: tuple[float, ...], values_per_token: int, rope_dim
     for rate in rates:
         width = latent_width_at_rate(rate, values_per_token, rope_dim)
         if width < RANK_MULTIPLE:
-            raise InvalidArgumentError(f"{option} {rate:g} leaves a mean latent of {width} per layer; the rate table "
-                                       f"keeps at least {RANK_MULTIPLE}: choose smaller rates")
+            raise InvalidArgumentError(
+                f"{option} {rate:g} leaves a mean latent of {width} per layer; the rate table "
+                f"keeps at least {RANK_MULTIPLE}: choose smaller rates"
+            )
 
 
-def latent_rate_table(full_layers: list[MLALayer], sensitivity: LatentSensitivity, values_per_token: int,
-                      rope_dim: int, largest_rank: int, rates: tuple[float, ...]) -> dict[str, list[int]]:
+def latent_rate_table(
+    full_layers: list[MLALayer],
+    sensitivity: LatentSensitivity,
+    values_per_token: int,
+    rope_dim: int,
+    largest_rank: int,
+    rates: tuple[float, ...],
+) -> dict[str, list[int]]:
     """Per-layer widths at every rate p of the grid that an export of mean latent width `largest_rank` can serve: the
     same removal order cut at (1 - p) * values_per_token - rope_dim dims per layer, so each rate's widths are a prefix
     of the export's and `kvrewrite.load(dir, rate=p)` serves it from the same file. Keys as the per-head rate tables'."""
@@ -166,8 +184,10 @@ def allocation_report(sensitivity: LatentSensitivity, allocation: LatentAllocati
         "method": "sensitivity",
         "probe_tokens": sensitivity.probe_tokens,
         "full_width_kl": sensitivity.full_width_kl,
-        "probes": [{"layer": p.layer, "rank": p.rank, "predicted_relative_error": p.predicted_relative_error, "kl": p.kl}
-                   for p in sensitivity.probes],
+        "probes": [
+            {"layer": p.layer, "rank": p.rank, "predicted_relative_error": p.predicted_relative_error, "kl": p.kl}
+            for p in sensitivity.probes
+        ],
         "target_rank": allocation.target_rank,
         "kv_lora_ranks": list(allocation.ranks),
     }
@@ -181,4 +201,3 @@ def check_latent_widths(ranks: list[int] | tuple[int, ...], layers: int) -> None
 def sensitivity_tokens(calibration_tokens: torch.Tensor, windows: int) -> torch.Tensor:
     """The probes' text: the per-head forms' (the first calibration windows, PROBE_TOKENS long)."""
     return calibration_tokens[:windows, :PROBE_TOKENS]
-

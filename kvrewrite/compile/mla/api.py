@@ -67,8 +67,11 @@ def export_mla(source: str, plan: MLAPlan) -> MLAExport:
     # The widths, from the config alone, before any weight is read.
     config = load_config(resolve_model_source(statistics.model, revision=statistics.revision).path)
     geometry = adapter_for(config).geometry(config)
-    widths = (widths_for_share(geometry, plan.kv_share) if plan.kv_lora_rank is None
-              else widths_for_ranks(geometry, plan.kv_lora_rank, plan.qk_rope_head_dim))
+    widths = (
+        widths_for_share(geometry, plan.kv_share)
+        if plan.kv_lora_rank is None
+        else widths_for_ranks(geometry, plan.kv_lora_rank, plan.qk_rope_head_dim)
+    )
     # Every trained or refitted rate's widths (uniform) or mean width (allocated), from the config alone.
     values = 2 * geometry.num_key_value_heads * geometry.head_dim
     if statistics.distill_rates:
@@ -77,8 +80,9 @@ def export_mla(source: str, plan: MLAPlan) -> MLAExport:
     if plan.refit_rates and plan.allocation == "uniform":
         from kvrewrite.compile.mla.rate_refit import uniform_rate_widths
 
-        uniform_rates = uniform_rate_widths(plan.refit_rates, values, widths.qk_rope_head_dim, widths.kv_lora_rank,
-                                            geometry.num_layers)
+        uniform_rates = uniform_rate_widths(
+            plan.refit_rates, values, widths.qk_rope_head_dim, widths.kv_lora_rank, geometry.num_layers
+        )
     elif plan.refit_rates:
         check_rate_latents(plan.refit_rates, values, widths.qk_rope_head_dim, "--refit-rates")
     prepare_output(plan.output, statistics)  # leftovers of interrupted exports, then a safe, writable location
@@ -92,8 +96,9 @@ def export_mla(source: str, plan: MLAPlan) -> MLAExport:
         from kvrewrite.compile.mla.allocation import allocation_report
         from kvrewrite.compile.mla.export import allocated_at_share, probe_full_form
 
-        with progress_bar("MLA form at full width, then sensitivity probes", 2 * ctx.geometry.num_layers,
-                          statistics.progress) as bar:
+        with progress_bar(
+            "MLA form at full width, then sensitivity probes", 2 * ctx.geometry.num_layers, statistics.progress
+        ) as bar:
             probed = probe_full_form(prepared, progress=bar.advance, **weighting)
         allocated = allocated_at_share(prepared, probed, plan.kv_share)
         layers, allocation_record = allocated.layers, allocation_report(allocated.sensitivity, allocated.allocation)
@@ -110,10 +115,20 @@ def export_mla(source: str, plan: MLAPlan) -> MLAExport:
         from kvrewrite.compile.mla.rate_refit import refit_mla_at_rates, served_refit_table
 
         table = uniform_rates if plan.allocation == "uniform" else served_refit_table(plan.refit_rates, served_rates)
-        rated = refit_mla_at_rates(prepared, layers, table, plan.refit_method, statistics.refit_tokens,
-                                   statistics.refit_ridge, statistics.progress)
-        bound = (rated.max_square_norms if norms is None
-                 else [max(a, b) for a, b in zip(norms, rated.max_square_norms, strict=True)])
+        rated = refit_mla_at_rates(
+            prepared,
+            layers,
+            table,
+            plan.refit_method,
+            statistics.refit_tokens,
+            statistics.refit_ridge,
+            statistics.progress,
+        )
+        bound = (
+            rated.max_square_norms
+            if norms is None
+            else [max(a, b) for a, b in zip(norms, rated.max_square_norms, strict=True)]
+        )
         return rated, bound
 
     if plan.refit_rates and not statistics.distill:
@@ -123,8 +138,15 @@ def export_mla(source: str, plan: MLAPlan) -> MLAExport:
     elif statistics.refit != "none":
         from kvrewrite.compile.mla.refit import refit_mla_output
 
-        refitted = refit_mla_output(prepared, layers, statistics.refit, statistics.refit_tokens, statistics.refit_ridge,
-                                    statistics.progress, measure_inputs=not statistics.distill)  # a distillation
+        refitted = refit_mla_output(
+            prepared,
+            layers,
+            statistics.refit,
+            statistics.refit_tokens,
+            statistics.refit_ridge,
+            statistics.progress,
+            measure_inputs=not statistics.distill,
+        )  # a distillation
         # after it measures its own form
         layers, norms, provenance = refitted.layers, refitted.max_square_norms, {"refit": refitted.provenance()}
         served_rates = None  # fitted for the exported widths: the narrower rates of a table are not served
@@ -138,10 +160,14 @@ def export_mla(source: str, plan: MLAPlan) -> MLAExport:
             keys = [rate_key(r) for r in statistics.nested_distill_rates() if rate_key(r) in served_rates]
             missing = [rate_key(r) for r in statistics.distill_rates if rate_key(r) not in served_rates]
             if missing:
-                raise InvalidArgumentError(f"`distill_rates` {', '.join(missing)} are not in the export's rate table "
-                                           f"({', '.join(served_rates)})")
-            nested = {"rate_table": {k: served_rates[k] for k in keys},
-                      "named_rates": tuple(rate_key(r) for r in statistics.distill_rates)}
+                raise InvalidArgumentError(
+                    f"`distill_rates` {', '.join(missing)} are not in the export's rate table "
+                    f"({', '.join(served_rates)})"
+                )
+            nested = {
+                "rate_table": {k: served_rates[k] for k in keys},
+                "named_rates": tuple(rate_key(r) for r in statistics.distill_rates),
+            }
         distilled = distill_mla_layers(prepared, layers, progress=statistics.progress, **nested)
         layers, norms = distilled.layers, distilled.max_square_norms
         provenance.update(distill_provenance(distilled, statistics))
@@ -153,11 +179,19 @@ def export_mla(source: str, plan: MLAPlan) -> MLAExport:
     provenance["position_free_queries"] = plan.position_free_queries
     if allocation_record is not None:  # kept in the marker: how the widths were placed (the probes stay out)
         provenance["allocation"] = {k: v for k, v in allocation_record.items() if k != "probes"}
-    summary = export_at_share(prepared, layers, plan.output, dtype=chosen, overwrite=plan.overwrite,
-                              max_square_norms=norms, provenance=provenance, rate_table=served_rates,
-                              rate_o_proj=rate_o_proj)
+    summary = export_at_share(
+        prepared,
+        layers,
+        plan.output,
+        dtype=chosen,
+        overwrite=plan.overwrite,
+        max_square_norms=norms,
+        provenance=provenance,
+        rate_table=served_rates,
+        rate_o_proj=rate_o_proj,
+    )
 
-    tokens = ctx.calibration_tokens[:1, :plan.verify_tokens]
+    tokens = ctx.calibration_tokens[:1, : plan.verify_tokens]
     full_diff = full_width_max_logit_diff(prepared, tokens)
     export_diff = export_matches_maths(prepared, layers, plan.output, tokens)
     rate_diffs = {}
@@ -171,11 +205,20 @@ def export_mla(source: str, plan: MLAPlan) -> MLAExport:
         from kvrewrite.compile.mla.distill import measured_latent_norm_errors
 
         latent_norm_errors = measured_latent_norm_errors(distilled, summary.neutralisers, TRANSFORMERS_LATENT_NORM_EPS)
-    return MLAExport(output=plan.output, layers=layers, summary=summary,
-                     source_values=2 * ctx.geometry.num_key_value_heads * ctx.geometry.head_dim,
-                     served_rates=served_rates, full_width_diff=full_diff, export_diff=export_diff,
-                     rate_diffs=rate_diffs, refit=refitted, rate_refit=rated, distilled=distilled,
-                     latent_norm_errors=latent_norm_errors)
+    return MLAExport(
+        output=plan.output,
+        layers=layers,
+        summary=summary,
+        source_values=2 * ctx.geometry.num_key_value_heads * ctx.geometry.head_dim,
+        served_rates=served_rates,
+        full_width_diff=full_diff,
+        export_diff=export_diff,
+        rate_diffs=rate_diffs,
+        refit=refitted,
+        rate_refit=rated,
+        distilled=distilled,
+        latent_norm_errors=latent_norm_errors,
+    )
 
 
 def _source_dtype(config) -> torch.dtype:

@@ -26,18 +26,27 @@ from pathlib import Path
 
 import torch
 
-from kvrewrite.runtime.mla.checkpoint import LATENT_RANKS_KEY, MLA_FORMAT_VERSION, MLA_MARKER, RATE_TABLE_KEY
-from kvrewrite.runtime.mla.rate_projections import RATE_O_PROJ_FILE, RATE_O_PROJ_KEY, rate_o_proj_name
 from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.io.checkpoint_io import atomic_output_dir, save_safetensors, write_safetensors_shards
 from kvrewrite.io.manifest import write_manifest
 from kvrewrite.method.latent_norm import LatentNormNeutraliser, dtype_holds_latent, neutralise_latent_norm
 from kvrewrite.method.mla import MLALayer
+from kvrewrite.runtime.mla.checkpoint import LATENT_RANKS_KEY, MLA_FORMAT_VERSION, MLA_MARKER, RATE_TABLE_KEY
+from kvrewrite.runtime.mla.rate_projections import RATE_O_PROJ_FILE, RATE_O_PROJ_KEY, rate_o_proj_name
 
 # transformers' DeepseekV3Attention builds kv_a_layernorm as DeepseekV3RMSNorm(kv_lora_rank): default eps 1e-6.
 TRANSFORMERS_LATENT_NORM_EPS = 1e-6
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-                   "tokenizer.model", "added_tokens.json", "chat_template.jinja", "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
@@ -65,10 +74,14 @@ def latent_width_marker(layers: list[MLALayer], rate_table: dict[str, list[int]]
     return marker
 
 
-def deepseek_v3_config(source_config, layer: MLALayer, dtype: torch.dtype, provenance: dict | None = None,
-                       kv_lora_rank: int | None = None) -> dict:
+def deepseek_v3_config(
+    source_config, layer: MLALayer, dtype: torch.dtype, provenance: dict | None = None, kv_lora_rank: int | None = None
+) -> dict:
     """kv_lora_rank: the padded width when layers differ (default: layer's own)."""
-    rope = dict(getattr(source_config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": source_config.rope_theta})
+    rope = dict(
+        getattr(source_config, "rope_parameters", None)
+        or {"rope_type": "default", "rope_theta": source_config.rope_theta}
+    )
     # DeepSeek rotates pair p with base^(-2p/d_r); the source rotated frequency j with base^(-2j/head_dim). They agree
     # iff pair p holds frequency p * head_dim / d_r (one component per kept frequency, every stride-th frequency).
     d_r, d = layer.qk_rope_head_dim, layer.qk_nope_head_dim
@@ -122,14 +135,27 @@ def deepseek_v3_config(source_config, layer: MLALayer, dtype: torch.dtype, prove
         "use_cache": True,
         # kvrewrite.load recognises its own export by this and runs the absorbed runtime (runtime/mla/); stock
         # transformers keeps it as a plain config attribute.
-        MLA_MARKER: {"format_version": MLA_FORMAT_VERSION, "source_model_type": source_config.model_type, **(provenance or {})},
+        MLA_MARKER: {
+            "format_version": MLA_FORMAT_VERSION,
+            "source_model_type": source_config.model_type,
+            **(provenance or {}),
+        },
     }
 
 
-def export_deepseek_v3(source, layers: list[MLALayer], max_square_norms: list[float], output: Path, *,
-                       dtype: torch.dtype, norm_tolerance: float = 1e-6, overwrite: bool = False,
-                       provenance: dict | None = None, rate_table: dict[str, list[int]] | None = None,
-                       rate_o_proj: dict[str, list[torch.Tensor]] | None = None) -> ExportSummary:
+def export_deepseek_v3(
+    source,
+    layers: list[MLALayer],
+    max_square_norms: list[float],
+    output: Path,
+    *,
+    dtype: torch.dtype,
+    norm_tolerance: float = 1e-6,
+    overwrite: bool = False,
+    provenance: dict | None = None,
+    rate_table: dict[str, list[int]] | None = None,
+    rate_o_proj: dict[str, list[torch.Tensor]] | None = None,
+) -> ExportSummary:
     """source: compile.layer_streaming.SourceModel of the original; layers: its MLA form; max_square_norms: per layer
     the largest calibration ||x||^2 at the attention input (bounds the latent's mean square for the norm);
     provenance: extra keys for the config's kvrewrite_mla marker (how the form was made, e.g. its distillation);
@@ -138,8 +164,10 @@ def export_deepseek_v3(source, layers: list[MLALayer], max_square_norms: list[fl
     from kvrewrite.compile.mla.form import latent_max_mean_square
 
     eps = TRANSFORMERS_LATENT_NORM_EPS
-    neutralisers = [neutralise_latent_norm(latent_max_mean_square(layer, m), eps, norm_tolerance)
-                    for layer, m in zip(layers, max_square_norms)]
+    neutralisers = [
+        neutralise_latent_norm(latent_max_mean_square(layer, m), eps, norm_tolerance)
+        for layer, m in zip(layers, max_square_norms)
+    ]
     bad = [i for i, n in enumerate(neutralisers) if not dtype_holds_latent(n, dtype)]
     if bad:
         raise InvalidArgumentError(
@@ -161,9 +189,15 @@ def export_deepseek_v3(source, layers: list[MLALayer], max_square_norms: list[fl
         write_safetensors_shards(tmp, state, {"kvrewrite_form": "mla-deepseek-v3"}, max_shard_size="2GB")
         if rate_o_proj:  # beside the stock weights, where no engine reads it
             (tmp / RATE_O_PROJ_FILE).parent.mkdir(parents=True)
-            save_safetensors({rate_o_proj_name(key, idx): weight.to(dtype).contiguous()
-                       for key, weights in rate_o_proj.items() for idx, weight in enumerate(weights)},
-                      tmp / RATE_O_PROJ_FILE, metadata={"kvrewrite_form": "mla-rate-o-proj"})
+            save_safetensors(
+                {
+                    rate_o_proj_name(key, idx): weight.to(dtype).contiguous()
+                    for key, weights in rate_o_proj.items()
+                    for idx, weight in enumerate(weights)
+                },
+                tmp / RATE_O_PROJ_FILE,
+                metadata={"kvrewrite_form": "mla-rate-o-proj"},
+            )
         for name in TOKENIZER_FILES:
             if (source.directory / name).is_file():
                 shutil.copyfile(source.directory / name, tmp / name)  # the user's umask, not the source's mode
@@ -171,10 +205,16 @@ def export_deepseek_v3(source, layers: list[MLALayer], max_square_norms: list[fl
     return ExportSummary(Path(output), neutralisers, dtype)
 
 
-def _weights(source, layers: list[MLALayer], neutralisers: list[LatentNormNeutraliser], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _weights(
+    source, layers: list[MLALayer], neutralisers: list[LatentNormNeutraliser], dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
     names = list(source.skeleton.state_dict())
     attention_prefixes = [source.attention_prefix(i) for i in range(len(layers))]
-    kept = [n for n in names if not any(n.startswith(f"{p}.{proj}.") for p in attention_prefixes for proj in ATTENTION_PROJECTIONS)]
+    kept = [
+        n
+        for n in names
+        if not any(n.startswith(f"{p}.{proj}.") for p in attention_prefixes for proj in ATTENTION_PROJECTIONS)
+    ]
     state = {name: tensor.to(dtype) for name, tensor in source.read(kept).items()}  # embeddings, norms, MLPs, lm_head
     padded = padded_latent_rank(layers)
     for prefix, layer, norm in zip(attention_prefixes, layers, neutralisers):

@@ -38,7 +38,9 @@ class MLADistillResult:
     layers: list[MLALayer]  # the trained form (or the starting one where nothing was trained)
     report: DistillReport | None  # None: nothing to train (the form is exact)
     max_square_norms: list[float]  # per layer, for the latent-norm bound: max(original's, distilled form's) ||x||^2
-    latent_mean_square_max: list[float]  # per layer, the largest measured mean(c^2) of the trained latent (unscaled); [] untrained
+    latent_mean_square_max: list[
+        float
+    ]  # per layer, the largest measured mean(c^2) of the trained latent (unscaled); [] untrained
     rates: tuple[str, ...] = ()  # nested: the rate keys trained together (their widths are the rate table's)
 
 
@@ -55,7 +57,8 @@ def _latent_widths(model, widths: list[int]):
     for attention, width in zip(attentions, widths):
         r = attention.layer.kv_lora_rank
         attention.latent_keep = (torch.arange(r, device=attention.kv_a_proj_with_mqa.device) < width).to(
-            attention.kv_a_proj_with_mqa.dtype)
+            attention.kv_a_proj_with_mqa.dtype
+        )
     try:
         yield model
     finally:
@@ -69,13 +72,24 @@ def nested_mla_rate_mix(student, rate_table: dict[str, list[int]], named: tuple[
     KL picks the epoch (as the per-head forms' nested_rate_mix)."""
     keys = sorted(rate_table)
     between = [k for k in keys if k not in named]
-    weights = tuple((0.5 / len(named) if between else 1.0 / len(named)) if k in named else 0.5 / len(between) for k in keys)
-    return RateMix(names=tuple(keys), enter=tuple((lambda w=rate_table[k]: _latent_widths(student, w)) for k in keys),
-                   weights=weights, validate=tuple(i for i, k in enumerate(keys) if k in named))
+    weights = tuple(
+        (0.5 / len(named) if between else 1.0 / len(named)) if k in named else 0.5 / len(between) for k in keys
+    )
+    return RateMix(
+        names=tuple(keys),
+        enter=tuple((lambda w=rate_table[k]: _latent_widths(student, w)) for k in keys),
+        weights=weights,
+        validate=tuple(i for i, k in enumerate(keys) if k in named),
+    )
 
 
-def distill_mla_layers(prepared, layers: list[MLALayer], progress: bool = True,
-                       rate_table: dict[str, list[int]] | None = None, named_rates: tuple[str, ...] = ()) -> MLADistillResult:
+def distill_mla_layers(
+    prepared,
+    layers: list[MLALayer],
+    progress: bool = True,
+    rate_table: dict[str, list[int]] | None = None,
+    named_rates: tuple[str, ...] = (),
+) -> MLADistillResult:
     """Train `layers` (the MLA form of prepared.ctx's source) as the plan's distill settings say.
 
     rate_table (nested, `--distill-rates`): per-layer widths of every rate to train together, each window drawing one
@@ -86,11 +100,13 @@ def distill_mla_layers(prepared, layers: list[MLALayer], progress: bool = True,
     if plan.distill_tokens > calibration.numel():
         raise InvalidArgumentError(
             f"--distill-tokens {plan.distill_tokens} is more than the {calibration.numel()} calibration tokens it trains "
-            f"on; raise --calib-tokens to at least {plan.distill_tokens} or lower --distill-tokens")
+            f"on; raise --calib-tokens to at least {plan.distill_tokens} or lower --distill-tokens"
+        )
     if plan.distill_tokens < 2 * calibration.shape[1]:
         raise InvalidArgumentError(
             f"--distill-tokens {plan.distill_tokens} is less than two {calibration.shape[1]}-token windows: nothing would "
-            "be left to validate on")
+            "be left to validate on"
+        )
     if form_is_exact(layers, ctx.geometry):  # trained, it could only drift by rounding noise
         return MLADistillResult(list(layers), None, list(prepared.inputs.max_square_norms), [])
     device = torch.device(plan.device)
@@ -99,12 +115,14 @@ def distill_mla_layers(prepared, layers: list[MLALayer], progress: bool = True,
     # Same function, latent factors at one scale, so Adam's per-element steps move both alike (method/mla.py).
     layers = [balance_latent_gauge(layer) for layer in layers]
     student = mla_reference_model(teacher, layers, trainable=True)
-    settings = DistillSettings(epochs=plan.distill_epochs, learning_rate=plan.distill_lr, batch_windows=plan.batch_size,
-                               seed=plan.seed)
+    settings = DistillSettings(
+        epochs=plan.distill_epochs, learning_rate=plan.distill_lr, batch_windows=plan.batch_size, seed=plan.seed
+    )
     mix = nested_mla_rate_mix(student, rate_table, named_rates) if rate_table else None
     try:
-        report = distill_attention(student, teacher, ctx.adapter, train.to(device), validation.to(device), settings,
-                                   progress=progress, mix=mix)
+        report = distill_attention(
+            student, teacher, ctx.adapter, train.to(device), validation.to(device), settings, progress=progress, mix=mix
+        )
     finally:
         teacher.to("cpu")
     norms, latents = latent_norm_inputs(prepared, student, calibration.to(device), progress)  # on the training device
@@ -128,15 +146,27 @@ def distill_provenance(result: MLADistillResult, plan) -> dict:
     entry = {"tokens": plan.distill_tokens, "epochs": plan.distill_epochs, "learning_rate": plan.distill_lr}
     if report is None:
         return {"distill": {**entry, "trained": False, "why": "the form is exact at these widths"}}
-    record = {**entry, "trained": report.kept_epoch > 0, "train_tokens": report.train_tokens,
-              "validation_tokens": report.validation_tokens, "steps": report.steps,
-              "validation_kl_before": report.validation_kl_before,
-              "validation_kl_per_epoch": report.validation_kl_per_epoch,
-              "validation_kl_after": report.validation_kl_after, "kept_epoch": report.kept_epoch,
-              "learning_rate_per_epoch": report.learning_rate_per_epoch, "seconds": round(report.seconds, 1)}
+    record = {
+        **entry,
+        "trained": report.kept_epoch > 0,
+        "train_tokens": report.train_tokens,
+        "validation_tokens": report.validation_tokens,
+        "steps": report.steps,
+        "validation_kl_before": report.validation_kl_before,
+        "validation_kl_per_epoch": report.validation_kl_per_epoch,
+        "validation_kl_after": report.validation_kl_after,
+        "kept_epoch": report.kept_epoch,
+        "learning_rate_per_epoch": report.learning_rate_per_epoch,
+        "seconds": round(report.seconds, 1),
+    }
     if result.rates:  # nested: every rate of the table trained together
-        record.update({"nested_rates": list(result.rates), "validation_rates": sorted(report.validation_kl_by_rate_before),
-                       "windows_per_rate": report.windows_per_rate,
-                       "validation_kl_by_rate_before": report.validation_kl_by_rate_before,
-                       "validation_kl_by_rate_after": report.validation_kl_by_rate_after})
+        record.update(
+            {
+                "nested_rates": list(result.rates),
+                "validation_rates": sorted(report.validation_kl_by_rate_before),
+                "windows_per_rate": report.windows_per_rate,
+                "validation_kl_by_rate_before": report.validation_kl_by_rate_before,
+                "validation_kl_by_rate_after": report.validation_kl_by_rate_after,
+            }
+        )
     return {"distill": record}

@@ -8,6 +8,14 @@ from pathlib import Path
 
 import torch
 
+from kvrewrite.compile.mla.allocation import (
+    LatentAllocation,
+    LatentSensitivity,
+    allocate_latent_ranks,
+    latent_rate_table,
+    measure_latent_sensitivity,
+    sensitivity_tokens,
+)
 from kvrewrite.compile.mla.deepseek_v3_export import ExportSummary, export_deepseek_v3
 from kvrewrite.compile.mla.form import (
     AttentionInputStatistics,
@@ -18,17 +26,12 @@ from kvrewrite.compile.mla.form import (
     run_statistics_with_attention_inputs,
     widths_for_share,
 )
-from kvrewrite.compile.mla.allocation import (
-    LatentAllocation, LatentSensitivity, allocate_latent_ranks, latent_rate_table, measure_latent_sensitivity,
-    sensitivity_tokens,
-)
 from kvrewrite.compile.mla.plan import DEFAULT_POSITION_FREE_QUERIES, check_position_free_queries
 from kvrewrite.compile.passes.context import CompileContext
 from kvrewrite.compile.passes.load_checkpoint import load_config
 from kvrewrite.compile.passes.pipeline import statistics_passes
-from kvrewrite.compile.rope_response import measure_rope_response
 from kvrewrite.compile.plan import DEFAULT_RATE_GRID, Plan
-from kvrewrite.errors import InvalidArgumentError
+from kvrewrite.compile.rope_response import measure_rope_response
 from kvrewrite.io.sources import resolve_model_source
 from kvrewrite.method.mla import DEFAULT_KEY_WEIGHT, MLALayer, full_latent_rank, truncate_latent
 
@@ -46,32 +49,46 @@ def check_source_exportable(plan: Plan) -> None:
     check_exportable(load_config(resolved.path))
 
 
-def prepare_source(plan: Plan, passes: list | None = None,
-                   position_free_queries: str = DEFAULT_POSITION_FREE_QUERIES) -> PreparedSource:
+def prepare_source(
+    plan: Plan, passes: list | None = None, position_free_queries: str = DEFAULT_POSITION_FREE_QUERIES
+) -> PreparedSource:
     """The statistics every MLA width is computed from, and (expected-rotation) each head's measured rotation."""
     check_position_free_queries(position_free_queries)
     check_source_exportable(plan)
     ctx = CompileContext(plan=plan)
     ctx, inputs = run_statistics_with_attention_inputs(ctx, passes if passes is not None else statistics_passes())
-    response = (measure_rope_response(ctx.original_model(), ctx.calibration_tokens)
-                if position_free_queries == "expected-rotation" else None)
+    response = (
+        measure_rope_response(ctx.original_model(), ctx.calibration_tokens)
+        if position_free_queries == "expected-rotation"
+        else None
+    )
     return PreparedSource(ctx, inputs, response)
 
 
-def mla_layers_at_share(prepared: PreparedSource, kv_share: float, key_weight: float = DEFAULT_KEY_WEIGHT, progress=None) -> tuple[MLAWidths, list[MLALayer]]:
+def mla_layers_at_share(
+    prepared: PreparedSource, kv_share: float, key_weight: float = DEFAULT_KEY_WEIGHT, progress=None
+) -> tuple[MLAWidths, list[MLALayer]]:
     widths = widths_for_share(prepared.ctx.geometry, kv_share)
     return widths, mla_layers_at_widths(prepared, widths, key_weight=key_weight, progress=progress)
 
 
-def mla_layers_at_widths(prepared: PreparedSource, widths: MLAWidths, key_weight: float = DEFAULT_KEY_WEIGHT,
-                         progress=None) -> list[MLALayer]:
-    return compute_mla_layers(prepared.ctx, prepared.inputs, widths, key_weight=key_weight, progress=progress,
-                              rope_response=prepared.rope_response)
+def mla_layers_at_widths(
+    prepared: PreparedSource, widths: MLAWidths, key_weight: float = DEFAULT_KEY_WEIGHT, progress=None
+) -> list[MLALayer]:
+    return compute_mla_layers(
+        prepared.ctx,
+        prepared.inputs,
+        widths,
+        key_weight=key_weight,
+        progress=progress,
+        rope_response=prepared.rope_response,
+    )
 
 
 @dataclass(frozen=True)
 class ProbedForm:
     """Every layer at its full latent width, with the measured sensitivity of narrowing each: serves every share."""
+
     full_layers: list[MLALayer]
     sensitivity: LatentSensitivity
     rope_frequency_stride: int = 1  # d_r = head_dim / stride (every stride-th frequency keeps its rotation)
@@ -86,44 +103,76 @@ class AllocatedForm:
     rate_table: dict[str, list[int]]  # rate key -> per-layer widths, every one a prefix of `layers`' widths
 
 
-def probe_full_form(prepared: PreparedSource, key_weight: float = DEFAULT_KEY_WEIGHT, progress=None,
-                    probe_windows: int | None = None, rope_frequency_stride: int = 1) -> ProbedForm:
+def probe_full_form(
+    prepared: PreparedSource,
+    key_weight: float = DEFAULT_KEY_WEIGHT,
+    progress=None,
+    probe_windows: int | None = None,
+    rope_frequency_stride: int = 1,
+) -> ProbedForm:
     """Every layer computed once at full latent width (d_r = head_dim / rope_frequency_stride), then probed
     (compile/mla/allocation.py). progress: called once per layer computed and once per layer probed."""
     ctx = prepared.ctx
     geometry = ctx.geometry
-    full = MLAWidths(1, geometry.head_dim // rope_frequency_stride, full_latent_rank(geometry, 1, rope_frequency_stride),
-                     1.0, rope_frequency_stride)
-    full_layers = compute_mla_layers(ctx, prepared.inputs, full, key_weight=key_weight, progress=progress,
-                                     rope_response=prepared.rope_response)
+    full = MLAWidths(
+        1,
+        geometry.head_dim // rope_frequency_stride,
+        full_latent_rank(geometry, 1, rope_frequency_stride),
+        1.0,
+        rope_frequency_stride,
+    )
+    full_layers = compute_mla_layers(
+        ctx, prepared.inputs, full, key_weight=key_weight, progress=progress, rope_response=prepared.rope_response
+    )
     windows = ctx.plan.probe_windows if probe_windows is None else probe_windows
-    sensitivity = measure_latent_sensitivity(ctx.original_model(), full_layers,
-                                             sensitivity_tokens(ctx.calibration_tokens, windows), progress)
+    sensitivity = measure_latent_sensitivity(
+        ctx.original_model(), full_layers, sensitivity_tokens(ctx.calibration_tokens, windows), progress
+    )
     return ProbedForm(full_layers, sensitivity, rope_frequency_stride)
 
 
-def allocated_at_share(prepared: PreparedSource, probed: ProbedForm, kv_share: float,
-                       rates: tuple[float, ...] = DEFAULT_RATE_GRID) -> AllocatedForm:
+def allocated_at_share(
+    prepared: PreparedSource, probed: ProbedForm, kv_share: float, rates: tuple[float, ...] = DEFAULT_RATE_GRID
+) -> AllocatedForm:
     """Per-layer latent widths keeping the uniform form's cached values at this share, placed by measured KL, with a
     rate table over `rates` (those this share can serve)."""
     widths = widths_for_share(prepared.ctx.geometry, kv_share, rope_frequency_stride=probed.rope_frequency_stride)
     allocation = allocate_latent_ranks(probed.full_layers, probed.sensitivity, widths.kv_lora_rank)
     layers = [truncate_latent(layer, rank) for layer, rank in zip(probed.full_layers, allocation.ranks)]
     geometry = prepared.ctx.geometry
-    table = latent_rate_table(probed.full_layers, probed.sensitivity, 2 * geometry.num_key_value_heads * geometry.head_dim,
-                              widths.qk_rope_head_dim, widths.kv_lora_rank, rates)
+    table = latent_rate_table(
+        probed.full_layers,
+        probed.sensitivity,
+        2 * geometry.num_key_value_heads * geometry.head_dim,
+        widths.qk_rope_head_dim,
+        widths.kv_lora_rank,
+        rates,
+    )
     return AllocatedForm(widths, layers, allocation, probed.sensitivity, table)
 
 
-def mla_layers_allocated(prepared: PreparedSource, kv_share: float, key_weight: float = DEFAULT_KEY_WEIGHT,
-                         progress=None, probe_windows: int | None = None) -> AllocatedForm:
+def mla_layers_allocated(
+    prepared: PreparedSource,
+    kv_share: float,
+    key_weight: float = DEFAULT_KEY_WEIGHT,
+    progress=None,
+    probe_windows: int | None = None,
+) -> AllocatedForm:
     return allocated_at_share(prepared, probe_full_form(prepared, key_weight, progress, probe_windows), kv_share)
 
 
-def export_at_share(prepared: PreparedSource, layers: list[MLALayer], output: Path, *, dtype: torch.dtype,
-                    overwrite: bool = False, max_square_norms: list[float] | None = None,
-                    provenance: dict | None = None, rate_table: dict[str, list[int]] | None = None,
-                    rate_o_proj: dict[str, list[torch.Tensor]] | None = None) -> ExportSummary:
+def export_at_share(
+    prepared: PreparedSource,
+    layers: list[MLALayer],
+    output: Path,
+    *,
+    dtype: torch.dtype,
+    overwrite: bool = False,
+    max_square_norms: list[float] | None = None,
+    provenance: dict | None = None,
+    rate_table: dict[str, list[int]] | None = None,
+    rate_o_proj: dict[str, list[torch.Tensor]] | None = None,
+) -> ExportSummary:
     """max_square_norms: the attention inputs' largest ||x||^2 per layer for the latent-norm bound (default: the
     original's on the calibration windows; a distilled form passes its own, distill.py); rate_table: narrower
     per-layer widths that kvrewrite.load(dir, rate=p) serves from the same file (AllocatedForm.rate_table);
@@ -132,8 +181,17 @@ def export_at_share(prepared: PreparedSource, layers: list[MLALayer], output: Pa
     # The source as compress records it (an absolute path for a local directory, else the Hub id or bundled name):
     # `kvrewrite eval` compares the export with it, from whatever directory it is run.
     marker = {"source_model": prepared.ctx.source_id, **(provenance or {})}
-    return export_deepseek_v3(prepared.ctx.source, layers, norms, output, dtype=dtype, overwrite=overwrite,
-                              provenance=marker, rate_table=rate_table, rate_o_proj=rate_o_proj)
+    return export_deepseek_v3(
+        prepared.ctx.source,
+        layers,
+        norms,
+        output,
+        dtype=dtype,
+        overwrite=overwrite,
+        provenance=marker,
+        rate_table=rate_table,
+        rate_o_proj=rate_o_proj,
+    )
 
 
 def full_width_max_logit_diff(prepared: PreparedSource, tokens: torch.Tensor) -> float:

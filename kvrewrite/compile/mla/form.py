@@ -23,8 +23,8 @@ from torch import nn
 from kvrewrite.adapters import adapter_for
 from kvrewrite.compile.passes.base import run_pass
 from kvrewrite.errors import InvalidArgumentError, UnsupportedModelError
-from kvrewrite.progress import progress_bar
 from kvrewrite.method.mla import DEFAULT_KEY_WEIGHT, MLALayer, full_latent_rank, mla_layer
+from kvrewrite.progress import progress_bar
 
 # Families whose layers map one to one onto DeepseekV3's dense layers (RMSNorm, gated SiLU MLP, q/k/v/o linears).
 EXPORTABLE_MODEL_TYPES = ("llama", "mistral")
@@ -45,13 +45,17 @@ def check_exportable(config) -> None:
         problems.append("it normalises q/k per head (DeepSeek-V3 attention has no q/k norm)")
     biases = [name for name in ("q", "k", "v", "o") if getattr(features, f"{name}_bias")]
     if biases:
-        problems.append(f"its {'/'.join(biases)} projections have biases (DeepSeek-V3's attention has none in this form)")
+        problems.append(
+            f"its {'/'.join(biases)} projections have biases (DeepSeek-V3's attention has none in this form)"
+        )
     if getattr(config, "mlp_bias", False):
         problems.append("its MLP has biases (DeepSeek-V3's dense MLP has none)")
     if features.sliding_layers or getattr(config, "sliding_window", None):
         problems.append("it has sliding-window layers (DeepSeek-V3 attends to the whole context)")
     if not problems and model_type not in EXPORTABLE_MODEL_TYPES:
-        problems.append(f"its layers (norms, MLP) are not mapped onto DeepSeek-V3's; exportable: {', '.join(EXPORTABLE_MODEL_TYPES)}")
+        problems.append(
+            f"its layers (norms, MLP) are not mapped onto DeepSeek-V3's; exportable: {', '.join(EXPORTABLE_MODEL_TYPES)}"
+        )
     if problems:
         raise UnsupportedModelError(f"cannot export {model_type!r} as DeepSeek-V3 MLA: " + "; ".join(problems))
 
@@ -88,11 +92,14 @@ def widths_for_ranks(geometry, kv_lora_rank: int, qk_rope_head_dim: int | None =
     d_r = d if qk_rope_head_dim is None else qk_rope_head_dim
     if d_r < 2 or d_r > d or d % d_r or (d // 2) % (d // d_r):
         raise InvalidArgumentError(
-            f"--qk-rope-head-dim must be head_dim ({d}) divided by a divisor of head_dim / 2 ({d // 2}), got {d_r}")
+            f"--qk-rope-head-dim must be head_dim ({d}) divided by a divisor of head_dim / 2 ({d // 2}), got {d_r}"
+        )
     stride = d // d_r
     full = full_latent_rank(geometry, 1, stride)
     if not 1 <= kv_lora_rank <= full:
-        raise InvalidArgumentError(f"--kv-lora-rank must be within 1..{full} at qk_rope_head_dim {d_r}, got {kv_lora_rank}")
+        raise InvalidArgumentError(
+            f"--kv-lora-rank must be within 1..{full} at qk_rope_head_dim {d_r}, got {kv_lora_rank}"
+        )
     total = 2 * geometry.num_key_value_heads * d
     return MLAWidths(1, d_r, kv_lora_rank, (kv_lora_rank + d_r) / total, stride)
 
@@ -128,8 +135,10 @@ def run_statistics_with_attention_inputs(ctx, passes: list) -> tuple[Any, Attent
 def _hook_attention_inputs(ctx) -> tuple[AttentionInputStatistics, list]:
     adapter, skeleton = ctx.adapter, ctx.source.skeleton
     hidden = ctx.geometry.hidden_size
-    stats = AttentionInputStatistics([torch.zeros(hidden, hidden, dtype=torch.float64) for _ in range(ctx.geometry.num_layers)],
-                                     [0.0] * ctx.geometry.num_layers)
+    stats = AttentionInputStatistics(
+        [torch.zeros(hidden, hidden, dtype=torch.float64) for _ in range(ctx.geometry.num_layers)],
+        [0.0] * ctx.geometry.num_layers,
+    )
 
     def hook(idx: int):
         def accumulate(_module, args):
@@ -139,8 +148,10 @@ def _hook_attention_inputs(ctx) -> tuple[AttentionInputStatistics, list]:
 
         return accumulate
 
-    handles = [adapter.attention(layer).k_proj.register_forward_pre_hook(hook(idx))
-               for idx, layer in enumerate(adapter.decoder_layers(skeleton))]
+    handles = [
+        adapter.attention(layer).k_proj.register_forward_pre_hook(hook(idx))
+        for idx, layer in enumerate(adapter.decoder_layers(skeleton))
+    ]
     return stats, handles
 
 
@@ -149,8 +160,14 @@ def source_scaling(adapter, config, geometry) -> float:
     return scaling if scaling is not None else geometry.head_dim**-0.5
 
 
-def compute_mla_layers(ctx, inputs: AttentionInputStatistics, widths: MLAWidths, key_weight: float = DEFAULT_KEY_WEIGHT,
-                       progress=None, rope_response: torch.Tensor | None = None) -> list[MLALayer]:
+def compute_mla_layers(
+    ctx,
+    inputs: AttentionInputStatistics,
+    widths: MLAWidths,
+    key_weight: float = DEFAULT_KEY_WEIGHT,
+    progress=None,
+    rope_response: torch.Tensor | None = None,
+) -> list[MLALayer]:
     """Every layer's MLA weights at the given uniform widths (float64).
 
     rope_response: [layers, heads, head_dim / 2] expected rotations (compile/rope_response.py) that the position-free
@@ -159,12 +176,23 @@ def compute_mla_layers(ctx, inputs: AttentionInputStatistics, widths: MLAWidths,
     scaling = source_scaling(ctx.adapter, ctx.config, ctx.geometry)
     for idx in range(ctx.geometry.num_layers):
         proj, _ = ctx.source.attention_weights(idx)
-        layers.append(mla_layer(
-            ctx.statistics.layers[idx], ctx.geometry, proj.q_weight, proj.k_weight, proj.v_weight, proj.o_weight,
-            inputs.grams[idx], rope_components=widths.rope_components, latent_rank=widths.kv_lora_rank,
-            source_scaling=scaling, key_weight=key_weight, rope_frequency_stride=widths.rope_frequency_stride,
-            rope_response=None if rope_response is None else rope_response[idx],
-        ))
+        layers.append(
+            mla_layer(
+                ctx.statistics.layers[idx],
+                ctx.geometry,
+                proj.q_weight,
+                proj.k_weight,
+                proj.v_weight,
+                proj.o_weight,
+                inputs.grams[idx],
+                rope_components=widths.rope_components,
+                latent_rank=widths.kv_lora_rank,
+                source_scaling=scaling,
+                key_weight=key_weight,
+                rope_frequency_stride=widths.rope_frequency_stride,
+                rope_response=None if rope_response is None else rope_response[idx],
+            )
+        )
         if progress is not None:
             progress()
     return layers
@@ -246,8 +274,11 @@ def mla_reference_model(model: nn.Module, layers: list[MLALayer], trainable: boo
     mla = copy.deepcopy(model)
     dtype = next(model.parameters()).dtype
     for layer, weights in zip(adapter.decoder_layers(mla), layers):
-        setattr(layer, adapter.attention_attr,
-                MLAReferenceAttention(weights, model.config.num_attention_heads, dtype, trainable=trainable))
+        setattr(
+            layer,
+            adapter.attention_attr,
+            MLAReferenceAttention(weights, model.config.num_attention_heads, dtype, trainable=trainable),
+        )
     return mla.eval()
 
 
@@ -257,9 +288,14 @@ def mla_layers_of(model: nn.Module, layers: list[MLALayer]) -> list[MLALayer]:
     found = []
     for decoder_layer, layer in zip(adapter.decoder_layers(model), layers):
         attention = getattr(decoder_layer, adapter.attention_attr)
-        weights = {name: getattr(attention, name) for name in MLA_TENSOR_WEIGHT_NAMES} | {"o_proj": attention.o_proj.weight}
-        found.append(dataclasses.replace(
-            layer, **{name: weight.detach().to("cpu", torch.float64).clone() for name, weight in weights.items()}))
+        weights = {name: getattr(attention, name) for name in MLA_TENSOR_WEIGHT_NAMES} | {
+            "o_proj": attention.o_proj.weight
+        }
+        found.append(
+            dataclasses.replace(
+                layer, **{name: weight.detach().to("cpu", torch.float64).clone() for name, weight in weights.items()}
+            )
+        )
     return found
 
 
@@ -290,7 +326,9 @@ def _measure_attention_inputs(model, windows: torch.Tensor, progress: bool = Fal
     return inputs, latents
 
 
-def latent_norm_inputs(prepared, model, windows: torch.Tensor, progress: bool = False) -> tuple[list[float], list[float]]:
+def latent_norm_inputs(
+    prepared, model, windows: torch.Tensor, progress: bool = False
+) -> tuple[list[float], list[float]]:
     """For the latent-norm bound of a form whose weights changed after the statistics (refit, distillation): per
     layer, the larger of the original's and `model`'s largest ||x||^2 at the attention input (its residual stream
     differs from the original's), and `model`'s largest latent mean(c^2), over `windows`."""

@@ -73,8 +73,11 @@ class MLAPlan:
 
     def __post_init__(self) -> None:
         self._normalise("output", Path(self.output).expanduser())
-        given = [f"`{name}`" for name in ("distill_tokens", "distill_epochs", "distill_lr")
-                 if getattr(self, name) is not None]
+        given = [
+            f"`{name}`"
+            for name in ("distill_tokens", "distill_epochs", "distill_lr")
+            if getattr(self, name) is not None
+        ]
         if not self.distill and given:
             raise InvalidArgumentError(f"{', '.join(given)} only apply with `distill`")
         if self.distill_rates:
@@ -89,61 +92,81 @@ class MLAPlan:
         if refit == "none" and self.refit_tokens is not None:
             raise InvalidArgumentError("`refit_tokens` only applies with `refit=output` or output-local")
         if refit == "none" and self.refit_rates:
-            raise InvalidArgumentError("`refit_rates` refits o_proj at each rate; it needs `refit=output` or "
-                                       "output-local")
+            raise InvalidArgumentError(
+                "`refit_rates` refits o_proj at each rate; it needs `refit=output` or output-local"
+            )
         if self.dtype not in DTYPES:
             raise InvalidArgumentError(f"`dtype` must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.key_weight is not None and not 0 < self.key_weight < float("inf"):
-            raise InvalidArgumentError(f"`key_weight={self.key_weight}`: the key side's weight against the value side "
-                                       "must be a positive number")
+            raise InvalidArgumentError(
+                f"`key_weight={self.key_weight}`: the key side's weight against the value side "
+                "must be a positive number"
+            )
         if self.verify_tokens < 1:
-            raise InvalidArgumentError(f"`verify_tokens={self.verify_tokens}`: the checks at the end compare logits on "
-                                       "at least 1 calibration token")
+            raise InvalidArgumentError(
+                f"`verify_tokens={self.verify_tokens}`: the checks at the end compare logits on "
+                "at least 1 calibration token"
+            )
         if not 0 < self.kv_share <= 1:
             raise InvalidArgumentError(f"`kv_share` must be in (0, 1], got {self.kv_share}")
         statistics = self.statistics_plan("")  # the fields it shares with compress, checked where compress checks them
         if statistics.distill and statistics.distill_tokens > self.calib_tokens:
-            raise InvalidArgumentError(f"`distill_tokens={statistics.distill_tokens}` is more than "
-                                       f"`calib_tokens={self.calib_tokens}`: the distillation trains on calibration "
-                                       "windows; raise `calib_tokens`")
+            raise InvalidArgumentError(
+                f"`distill_tokens={statistics.distill_tokens}` is more than "
+                f"`calib_tokens={self.calib_tokens}`: the distillation trains on calibration "
+                "windows; raise `calib_tokens`"
+            )
         if self.qk_rope_head_dim is not None and self.kv_lora_rank is None:
             raise InvalidArgumentError("`qk_rope_head_dim` needs `kv_lora_rank` (exact widths)")
         check_position_free_queries(self.position_free_queries, "`position_free_queries`")
         if self.allocation not in ALLOCATIONS:
             raise InvalidArgumentError(f"`allocation` must be uniform or sensitivity, got {self.allocation!r}")
         if self.allocation == "sensitivity" and self.kv_lora_rank is not None:
-            raise InvalidArgumentError("`kv_lora_rank` gives every layer one exact width; `allocation=sensitivity` "
-                                       "places widths per layer at a `kv_share`")
+            raise InvalidArgumentError(
+                "`kv_lora_rank` gives every layer one exact width; `allocation=sensitivity` "
+                "places widths per layer at a `kv_share`"
+            )
 
     def _check_distill_rates(self) -> None:
         """A nested distillation trains the rate table of a sensitivity-allocated export from its own rate on."""
         if not self.distill or self.allocation != "sensitivity" or self.kv_lora_rank is not None:
-            raise InvalidArgumentError("`distill_rates` trains the rate table of an `allocation=sensitivity` export at "
-                                       "a `kv_share`; add `distill` and `allocation=sensitivity`")
+            raise InvalidArgumentError(
+                "`distill_rates` trains the rate table of an `allocation=sensitivity` export at "
+                "a `kv_share`; add `distill` and `allocation=sensitivity`"
+            )
         first = self.distill_rates[0]
         if round(1 - self.kv_share, 4) != round(first, 4):
-            raise InvalidArgumentError(f"`distill_rates` starts at {first:g}: export at `kv_share={1 - first:g}`, the "
-                                       "widest rate it trains, so every trained rate is a prefix of the exported "
-                                       "widths")
+            raise InvalidArgumentError(
+                f"`distill_rates` starts at {first:g}: export at `kv_share={1 - first:g}`, the "
+                "widest rate it trains, so every trained rate is a prefix of the exported "
+                "widths"
+            )
 
     def _check_refit_rates(self) -> None:
         """The widest refitted rate is the export's own (1 - kv_share); with a nested distillation every one lies
         within its rates, refitted after the training."""
         rates, nested = self.refit_rates, self.distill_rates
         if (self.distill and not nested) or self.kv_lora_rank is not None:
-            raise InvalidArgumentError("`refit_rates` refits an export at a `kv_share`, training-free or after a "
-                                       "nested `distill_rates`; it does not combine with a single-rate `distill` or "
-                                       "`kv_lora_rank`")
+            raise InvalidArgumentError(
+                "`refit_rates` refits an export at a `kv_share`, training-free or after a "
+                "nested `distill_rates`; it does not combine with a single-rate `distill` or "
+                "`kv_lora_rank`"
+            )
         if nested and not nested[0] <= rates[-1] <= nested[-1]:
-            raise InvalidArgumentError(f"`refit_rates` must lie within `distill_rates` {nested[0]:g}..{nested[-1]:g}, "
-                                       "the rates the nested distillation trains")
+            raise InvalidArgumentError(
+                f"`refit_rates` must lie within `distill_rates` {nested[0]:g}..{nested[-1]:g}, "
+                "the rates the nested distillation trains"
+            )
         if round(1 - self.kv_share, 4) != rates[0]:
-            raise InvalidArgumentError(f"`refit_rates` starts at {rates[0]:g}: export at `kv_share={1 - rates[0]:g}`, "
-                                       "the widest rate, so every refitted rate is a prefix of the exported widths")
+            raise InvalidArgumentError(
+                f"`refit_rates` starts at {rates[0]:g}: export at `kv_share={1 - rates[0]:g}`, "
+                "the widest rate, so every refitted rate is a prefix of the exported widths"
+            )
         grid = {rate_key(r) for r in DEFAULT_RATE_GRID}
         if self.allocation == "sensitivity" and (off := [f"{r:g}" for r in rates if rate_key(r) not in grid]):
-            raise InvalidArgumentError(f"`refit_rates` {', '.join(off)} are not on the rate table's grid "
-                                       "(steps of 0.05)")
+            raise InvalidArgumentError(
+                f"`refit_rates` {', '.join(off)} are not on the rate table's grid (steps of 0.05)"
+            )
 
     @property
     def refit_method(self) -> str:
@@ -158,19 +181,31 @@ class MLAPlan:
         (none with refit_rates, whose refits run at each rate), the distillation with its defaults resolved."""
         options: dict = {}
         if self.distill:
-            options.update(distill=True, distill_tokens=self.calib_tokens if self.distill_tokens is None
-                           else self.distill_tokens,
-                           distill_epochs=self.distill_epochs if self.distill_epochs is not None
-                           else NESTED_DISTILL_EPOCHS if self.distill_rates else DISTILL_EPOCHS,
-                           distill_lr=DISTILL_LR if self.distill_lr is None else self.distill_lr)
+            options.update(
+                distill=True,
+                distill_tokens=self.calib_tokens if self.distill_tokens is None else self.distill_tokens,
+                distill_epochs=self.distill_epochs
+                if self.distill_epochs is not None
+                else NESTED_DISTILL_EPOCHS
+                if self.distill_rates
+                else DISTILL_EPOCHS,
+                distill_lr=DISTILL_LR if self.distill_lr is None else self.distill_lr,
+            )
         if self.distill_rates:
             options.update(distill_rates=self.distill_rates, target_rate=self.distill_rates[0])
         if not self.refit_rates:
             options["refit"] = self.refit_method
         if self.refit_tokens is not None:
             options["refit_tokens"] = self.refit_tokens
-        return Plan(model=model, calibration=self.calibration, calib_tokens=self.calib_tokens, output=self.output,
-                    overwrite=self.overwrite, progress=self.progress, **options)
+        return Plan(
+            model=model,
+            calibration=self.calibration,
+            calib_tokens=self.calib_tokens,
+            output=self.output,
+            overwrite=self.overwrite,
+            progress=self.progress,
+            **options,
+        )
 
 
 def check_position_free_queries(choice: str, option: str = "position_free_queries") -> None:

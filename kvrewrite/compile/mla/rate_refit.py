@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvrewrite.compile.mla.export import PreparedSource
 from kvrewrite.compile.mla.allocation import latent_width_at_rate
+from kvrewrite.compile.mla.export import PreparedSource
 from kvrewrite.compile.mla.plan import check_refit_rates
 from kvrewrite.compile.mla.refit import REFIT_TARGETS, MLARefitResult, refit_mla_output
 from kvrewrite.errors import InvalidArgumentError
@@ -42,14 +42,22 @@ class RateRefitResult:
     @property
     def rate_o_proj(self) -> dict[str, list[torch.Tensor]]:
         """Every narrower rate -> its per-layer refitted o_proj (float64), for the side file."""
-        return {key: [layer.o_proj for layer in refit.layers] for key, refit in self.refits.items() if key != self.widest}
+        return {
+            key: [layer.o_proj for layer in refit.layers] for key, refit in self.refits.items() if key != self.widest
+        }
 
     def provenance(self) -> dict:
         first = self.refits[self.widest]
-        return {"method": first.method, "target": REFIT_TARGETS[first.method], "tokens": first.tokens,
-                "ridge": first.ridge, "rates": {key: {k: v for k, v in refit.provenance().items()
-                                                       if k.startswith("layer_relative_error")}
-                                                 for key, refit in self.refits.items()}}
+        return {
+            "method": first.method,
+            "target": REFIT_TARGETS[first.method],
+            "tokens": first.tokens,
+            "ridge": first.ridge,
+            "rates": {
+                key: {k: v for k, v in refit.provenance().items() if k.startswith("layer_relative_error")}
+                for key, refit in self.refits.items()
+            },
+        }
 
 
 def parse_refit_rates(text: str, option: str = "--refit-rates") -> tuple[float, ...]:
@@ -62,16 +70,19 @@ def parse_refit_rates(text: str, option: str = "--refit-rates") -> tuple[float, 
     return check_refit_rates(given, option, shown=text)
 
 
-def uniform_rate_widths(rates: tuple[float, ...], values_per_token: int, rope_dim: int, exported_rank: int,
-                        layers: int) -> dict[str, list[int]]:
+def uniform_rate_widths(
+    rates: tuple[float, ...], values_per_token: int, rope_dim: int, exported_rank: int, layers: int
+) -> dict[str, list[int]]:
     """Every layer at one latent width per rate: the exported width for the widest (first) rate, (1 - p) *
     values_per_token - rope_dim for the others, each within the exported width, so every rate is a prefix of it."""
     table = {}
     for rate in rates:
         width = exported_rank if rate == rates[0] else latent_width_at_rate(rate, values_per_token, rope_dim)
         if not 1 <= width <= exported_rank:
-            raise InvalidArgumentError(f"rate {rate:g} leaves a latent of {width} per layer, outside 1..{exported_rank} "
-                                       f"(the export's); choose rates that keep more than the {rope_dim} RoPE values")
+            raise InvalidArgumentError(
+                f"rate {rate:g} leaves a latent of {width} per layer, outside 1..{exported_rank} "
+                f"(the export's); choose rates that keep more than the {rope_dim} RoPE values"
+            )
         table[rate_key(rate)] = [width] * layers
     return table
 
@@ -81,27 +92,45 @@ def served_refit_table(rates: tuple[float, ...], served: dict[str, list[int]]) -
     table rate without its own o_proj would run another rate's)."""
     missing = [rate_key(r) for r in rates if rate_key(r) not in served]
     if missing:
-        raise InvalidArgumentError(f"--refit-rates {', '.join(missing)} are not in the export's rate table "
-                                   f"({', '.join(served)})")
+        raise InvalidArgumentError(
+            f"--refit-rates {', '.join(missing)} are not in the export's rate table ({', '.join(served)})"
+        )
     return {rate_key(r): served[rate_key(r)] for r in rates}
 
 
-def refit_mla_at_rates(prepared: PreparedSource, layers: list[MLALayer], rate_table: dict[str, list[int]], method: str,
-                       tokens: int, ridge: float, progress: bool = False) -> RateRefitResult:
+def refit_mla_at_rates(
+    prepared: PreparedSource,
+    layers: list[MLALayer],
+    rate_table: dict[str, list[int]],
+    method: str,
+    tokens: int,
+    ridge: float,
+    progress: bool = False,
+) -> RateRefitResult:
     """The MLA form `layers` (the exported widths) with o_proj refitted at every rate of `rate_table` on its own; the
     table's widest rate must be the exported widths."""
     exported = [layer.kv_lora_rank for layer in layers]
     widest = [key for key, widths in rate_table.items() if list(widths) == exported]
     if not widest:
         raise InvalidArgumentError("the widest refitted rate must be the exported widths (export at --kv-share 1 - A)")
-    refits = {key: refit_mla_output(prepared, [truncate_latent(layer, width) for layer, width in zip(layers, widths)],
-                                    method, tokens, ridge, progress)
-              for key, widths in sorted(rate_table.items())}
+    refits = {
+        key: refit_mla_output(
+            prepared,
+            [truncate_latent(layer, width) for layer, width in zip(layers, widths)],
+            method,
+            tokens,
+            ridge,
+            progress,
+        )
+        for key, widths in sorted(rate_table.items())
+    }
     norms = [max(per_rate) for per_rate in zip(*(refit.max_square_norms for refit in refits.values()))]
     return RateRefitResult(refits, widest[0], dict(rate_table), norms)
 
 
-def rates_match_maths(prepared: PreparedSource, rated: RateRefitResult, output, tokens: torch.Tensor) -> dict[str, float]:
+def rates_match_maths(
+    prepared: PreparedSource, rated: RateRefitResult, output, tokens: torch.Tensor
+) -> dict[str, float]:
     """Per narrower rate: max |Δlogit| between the export loaded by kvrewrite.load(output, rate=p) (float32) and our
     maths at that rate's widths with its refitted o_proj (the check export_matches_maths makes of the widest)."""
     from kvrewrite.compile.mla.form import mla_reference_model

@@ -32,13 +32,25 @@ class MLARefitResult:
     max_square_norms: list[float] | None
 
     def provenance(self) -> dict:
-        return {"method": self.method, "target": REFIT_TARGETS[self.method], "tokens": self.tokens, "ridge": self.ridge,
-                "layer_relative_error_before": [round(r.relative_error_before, 5) for r in self.reports],
-                "layer_relative_error_after": [round(r.relative_error_after, 5) for r in self.reports]}
+        return {
+            "method": self.method,
+            "target": REFIT_TARGETS[self.method],
+            "tokens": self.tokens,
+            "ridge": self.ridge,
+            "layer_relative_error_before": [round(r.relative_error_before, 5) for r in self.reports],
+            "layer_relative_error_after": [round(r.relative_error_after, 5) for r in self.reports],
+        }
 
 
-def refit_mla_output(prepared, layers: list[MLALayer], method: str, tokens: int, ridge: float,
-                     progress: bool = False, measure_inputs: bool = True) -> MLARefitResult:
+def refit_mla_output(
+    prepared,
+    layers: list[MLALayer],
+    method: str,
+    tokens: int,
+    ridge: float,
+    progress: bool = False,
+    measure_inputs: bool = True,
+) -> MLARefitResult:
     """The MLA form `layers` of prepared.ctx's source with every o_proj refitted on the first `tokens` calibration
     tokens (whole windows, at least one), all run as one batch (memory: one layer's activations of them).
 
@@ -50,10 +62,16 @@ def refit_mla_output(prepared, layers: list[MLALayer], method: str, tokens: int,
     windows = refit_windows(ctx.calibration_tokens, tokens)
     model = mla_reference_model(original, layers)
     with progress_bar(f"o_proj refit ({method}), layer by layer", ctx.geometry.num_layers, progress) as bar:
-        reports = refit_output_projections(model, original, ctx.adapter, windows, ridge=ridge, target=REFIT_TARGETS[method],
-                                           on_layer=bar.advance)
+        reports = refit_output_projections(
+            model, original, ctx.adapter, windows, ridge=ridge, target=REFIT_TARGETS[method], on_layer=bar.advance
+        )
     # Only o_proj changed; the other weights keep their float64 values rather than the model's copies.
-    refitted = [replace(layer, o_proj=ctx.adapter.output_projection(ctx.adapter.attention(decoder_layer)).weight.detach().double().clone())
-                for layer, decoder_layer in zip(layers, ctx.adapter.decoder_layers(model))]
+    refitted = [
+        replace(
+            layer,
+            o_proj=ctx.adapter.output_projection(ctx.adapter.attention(decoder_layer)).weight.detach().double().clone(),
+        )
+        for layer, decoder_layer in zip(layers, ctx.adapter.decoder_layers(model))
+    ]
     norms = latent_norm_inputs(prepared, model, ctx.calibration_tokens, progress)[0] if measure_inputs else None
     return MLARefitResult(refitted, method, int(windows.numel()), ridge, reports, norms)

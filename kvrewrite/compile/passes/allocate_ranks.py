@@ -3,12 +3,12 @@ and the rate -> ranks table."""
 
 from __future__ import annotations
 
-from kvrewrite.method.curve_allocation import curve_removal_order
-from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.compile.passes.context import CompileContext
 from kvrewrite.compile.passes.quality_budget import largest_rate_within_budget
-from kvrewrite.method.rank_allocation import RankItem, allocate, allocate_greedy
+from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.key_modes import key_mode
+from kvrewrite.method.curve_allocation import curve_removal_order
+from kvrewrite.method.rank_allocation import RankItem, allocate, allocate_greedy
 from kvrewrite.spec import rate_key
 
 
@@ -29,8 +29,15 @@ class AllocateRanks:
     name = "allocate_ranks"
     description = "pick the target rate (given, or the largest within --max-ppl-increase / --max-kl on held-back calibration text), a rank per layer/KV head/side for it, plus a rate table"
 
-    produces = ("rank_solver", "target_rate", "allocation", "rate_table",
-                "report.quality_budget", "report.allocation", "report.rate_table")
+    produces = (
+        "rank_solver",
+        "target_rate",
+        "allocation",
+        "rate_table",
+        "report.quality_budget",
+        "report.allocation",
+        "report.rate_table",
+    )
 
     def run(self, ctx: CompileContext) -> dict:
         plan, geo = ctx.plan, ctx.geometry
@@ -38,11 +45,15 @@ class AllocateRanks:
         order = None
         if plan.allocation == "sensitivity":
             # Measured KL curves per (layer, side): one removal order, every rate a prefix of it.
-            order = curve_removal_order(items, ctx.sensitivity_curves, min_rank=plan.min_rank, rank_multiple=plan.rank_multiple)
+            order = curve_removal_order(
+                items, ctx.sensitivity_curves, min_rank=plan.min_rank, rank_multiple=plan.rank_multiple
+            )
 
         def solve(rate: float):
             if order is not None:
-                return allocate_greedy(items, rate, min_rank=plan.min_rank, rank_multiple=plan.rank_multiple, order=order)
+                return allocate_greedy(
+                    items, rate, min_rank=plan.min_rank, rank_multiple=plan.rank_multiple, order=order
+                )
             return allocate(items, rate, plan.allocation, min_rank=plan.min_rank, rank_multiple=plan.rank_multiple)
 
         results = {"rank_solver": solve}
@@ -67,4 +78,10 @@ class AllocateRanks:
             "baseline_elements_per_token": allocation.total,
             "eps": allocation.eps,
         }
-        return {**results, "target_rate": target_rate, "allocation": allocation, "rate_table": table, "report.rate_table": table}
+        return {
+            **results,
+            "target_rate": target_rate,
+            "allocation": allocation,
+            "rate_table": table,
+            "report.rate_table": table,
+        }

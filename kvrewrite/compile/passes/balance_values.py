@@ -24,12 +24,16 @@ from kvrewrite.runtime.kernels.reference import PackedLayout
 from kvrewrite.spec import CompressionSpec
 
 
-def balanced_overrides(folded: FoldedWeights, alpha: float) -> tuple[dict[str, torch.Tensor], list[tuple[float, float]]]:
+def balanced_overrides(
+    folded: FoldedWeights, alpha: float
+) -> tuple[dict[str, torch.Tensor], list[tuple[float, float]]]:
     """The balanced v_proj weight/bias and o_proj weight of every layer (full-rank layout, as the checkpoint stores
     them), read through `folded` (so refit / distillation overrides are what gets balanced), and per layer the
     (smallest, largest) scale."""
     geo = folded.geometry
-    layout = PackedLayout((geo.head_dim,) * geo.num_key_value_heads, (geo.head_dim,) * geo.num_key_value_heads, geo.group_size)
+    layout = PackedLayout(
+        (geo.head_dim,) * geo.num_key_value_heads, (geo.head_dim,) * geo.num_key_value_heads, geo.group_size
+    )
     tensors, ranges = {}, []
     for idx, prefix in enumerate(folded.attention_prefixes):
         names = [f"{prefix}.v_proj.weight", f"{prefix}.o_proj.weight"]
@@ -46,8 +50,9 @@ def balanced_overrides(folded: FoldedWeights, alpha: float) -> tuple[dict[str, t
     return tensors, ranges
 
 
-def full_rank_logit_difference(before: FoldedWeights, after: FoldedWeights, spec: CompressionSpec, tokens: torch.Tensor,
-                               device: str) -> float:
+def full_rank_logit_difference(
+    before: FoldedWeights, after: FoldedWeights, spec: CompressionSpec, tokens: torch.Tensor, device: str
+) -> float:
     """Largest |logit difference| between two sets of rewritten weights at full rank, in float64, layer-streamed."""
     a, b = before.streamed(spec, torch.float64, device), after.streamed(spec, torch.float64, device)
     with torch.inference_mode():
@@ -76,11 +81,16 @@ class BalanceValues:
         difference = full_rank_logit_difference(ctx.folded, folded, ctx.spec, tokens, ctx.plan.device)
         tolerance = ctx.plan.verify_tolerance
         if not difference < tolerance:
-            raise VerificationError(f"value balancing changed the full-rank logits by up to {difference:.3g} in float64 "
-                                    f"(tolerance {tolerance:g}); nothing was written")
-        return {"folded": folded, "report.value_balance": {
-            "alpha": alpha,
-            "full_rank_max_abs_logit_diff": difference,
-            "layer_scale_min": [round(lo, 5) for lo, _ in ranges],
-            "layer_scale_max": [round(hi, 5) for _, hi in ranges],
-        }}
+            raise VerificationError(
+                f"value balancing changed the full-rank logits by up to {difference:.3g} in float64 "
+                f"(tolerance {tolerance:g}); nothing was written"
+            )
+        return {
+            "folded": folded,
+            "report.value_balance": {
+                "alpha": alpha,
+                "full_rank_max_abs_logit_diff": difference,
+                "layer_scale_min": [round(lo, 5) for lo, _ in ranges],
+                "layer_scale_max": [round(hi, 5) for _, hi in ranges],
+            },
+        }

@@ -41,21 +41,27 @@ def run_pass(ctx: CompileContext, step: Pass) -> CompileContext:
     produces, refines = tuple(getattr(step, "produces", ())), tuple(getattr(step, "refines", ()))
     for key in produces + refines:
         if key not in CONTEXT_FIELDS and not (key.startswith(REPORT_PREFIX) and len(key) > len(REPORT_PREFIX)):
-            raise PassContractError(f"pass {step.name} declares {key!r}, which is neither a context field nor report.<section>")
+            raise PassContractError(
+                f"pass {step.name} declares {key!r}, which is neither a context field nor report.<section>"
+            )
     provenance = dict(ctx.provenance)
     fields, sections = {}, {}
     for key, value in results.items():
         if key not in produces and key not in refines:
-            raise PassContractError(f"pass {step.name} returned {key!r}, which it does not declare (produces {produces}, refines {refines})")
+            raise PassContractError(
+                f"pass {step.name} returned {key!r}, which it does not declare (produces {produces}, refines {refines})"
+            )
         earlier = provenance.get(key)
         if key in produces and earlier is not None:
-            raise PassContractError(f"pass {step.name} sets {key!r}, already set by pass {earlier}; only a pass that declares it "
-                                    "in `refines` may replace it")
+            raise PassContractError(
+                f"pass {step.name} sets {key!r}, already set by pass {earlier}; only a pass that declares it "
+                "in `refines` may replace it"
+            )
         if key in refines and earlier is None:
             raise PassContractError(f"pass {step.name} refines {key!r}, which no earlier pass set")
         provenance[key] = step.name if earlier is None else f"{earlier} > {step.name}"
         if key.startswith(REPORT_PREFIX):
-            sections[key[len(REPORT_PREFIX):]] = value
+            sections[key[len(REPORT_PREFIX) :]] = value
         else:
             fields[key] = value
     if sections:

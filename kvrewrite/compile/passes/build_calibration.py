@@ -32,7 +32,12 @@ class BuildCalibration:
         model = generation_model(ctx) if plan.calibration == "synthetic" else None
         # One draw of distinct non-overlapping windows: the quality budget's windows never overlap the statistics'.
         windows = calibration_token_sequences(
-            plan.calibration, ctx.tokenizer, plan.calib_tokens + held_back * plan.seq_len, plan.seq_len, model=model, seed=plan.seed
+            plan.calibration,
+            ctx.tokenizer,
+            plan.calib_tokens + held_back * plan.seq_len,
+            plan.seq_len,
+            model=model,
+            seed=plan.seed,
         )
         del model  # a copy loaded for generation alone is freed here
         calibration_tokens = windows[:n_calib]

@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvrewrite.method.linalg import psd_sqrt
 from kvrewrite.compile.passes.context import CompileContext
+from kvrewrite.method.linalg import psd_sqrt
 from kvrewrite.progress import progress_bar
 
 FISHER_BATCH = 2
@@ -53,7 +53,9 @@ def output_fisher(model, out_projections, windows: torch.Tensor, show_progress: 
                 tokens = tokens.to(device)
                 embeds = model.get_input_embeddings()(tokens).detach().requires_grad_(True)
                 logits = model(inputs_embeds=embeds, use_cache=False).logits.float()
-                loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1), reduction="sum")
+                loss = F.cross_entropy(
+                    logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1), reduction="sum"
+                )
                 loss.backward()
                 bar.advance()
     finally:
@@ -87,11 +89,15 @@ class CollectFisher:
         # the compile device, then back to the host copy the other whole-model passes share.
         model = ctx.original_model().to(plan.device)
         adapter = ctx.adapter
-        out_projections = [adapter.output_projection(adapter.attention(layer)) for layer in adapter.decoder_layers(model)]
+        out_projections = [
+            adapter.output_projection(adapter.attention(layer)) for layer in adapter.decoder_layers(model)
+        ]
         try:
             with torch.enable_grad():
                 sums = output_fisher(model, out_projections, windows, plan.progress)
         finally:
             model.to("cpu")
-        return {"output_metric": [shrunk_sqrt(s, plan.fisher_shrink) for s in sums],
-                "report.fisher": {"tokens": int(windows.numel()), "shrink": plan.fisher_shrink}}
+        return {
+            "output_metric": [shrunk_sqrt(s, plan.fisher_shrink) for s in sums],
+            "report.fisher": {"tokens": int(windows.numel()), "shrink": plan.fisher_shrink},
+        }

@@ -14,8 +14,8 @@ import torch
 
 from kvrewrite.compile.layer_streaming import StreamedModel
 from kvrewrite.compile.passes.context import CompileContext
-from kvrewrite.progress import progress_bar
 from kvrewrite.method.statistics import CalibrationStatistics, GramAccumulator, KMeansGramReducer
+from kvrewrite.progress import progress_bar
 
 
 class CollectStatistics:
@@ -36,7 +36,10 @@ class CollectStatistics:
             seed=plan.seed,
             progress=plan.progress,
         )
-        return {"statistics": statistics, "report.statistics": {"tokens": statistics.tokens, "reduce": statistics.reduce, **statistics.notes}}
+        return {
+            "statistics": statistics,
+            "report.statistics": {"tokens": statistics.tokens, "reduce": statistics.reduce, **statistics.notes},
+        }
 
 
 def collect_statistics(
@@ -58,8 +61,15 @@ def collect_statistics(
     adapter = model.adapter
     geo = adapter.geometry(model.skeleton.config)
     if reduce == "kmeans":
-        sink = KMeansGramReducer(geo.num_layers, geo.num_key_value_heads, geo.num_attention_heads, geo.head_dim,
-                                 clusters=kmeans_clusters, keep_share=kmeans_keep_share, seed=seed)
+        sink = KMeansGramReducer(
+            geo.num_layers,
+            geo.num_key_value_heads,
+            geo.num_attention_heads,
+            geo.head_dim,
+            clusters=kmeans_clusters,
+            keep_share=kmeans_keep_share,
+            seed=seed,
+        )
     else:
         sink = GramAccumulator(geo.num_layers, geo.num_key_value_heads, geo.num_attention_heads, geo.head_dim)
     with gram_hooks(model, sink):
@@ -68,7 +78,10 @@ def collect_statistics(
         if isinstance(sink, KMeansGramReducer):
             # The k-means reducer samples whole batches; the same batches must be kept at every layer. (On the
             # attention, not the layer: the stock forward calls the layers' stand-ins while it prepares their inputs.)
-            extra = [adapter.attention(layer).register_forward_pre_hook(lambda *_: sink.start_batch()) for layer in model.layers]
+            extra = [
+                adapter.attention(layer).register_forward_pre_hook(lambda *_: sink.start_batch())
+                for layer in model.layers
+            ]
 
             @contextlib.contextmanager
             def same_batches(_idx, _layer):
@@ -144,7 +157,9 @@ def gram_hooks(model: StreamedModel, sink: GramAccumulator) -> Iterator[GramAccu
     handles = []
     for idx, layer in enumerate(model.layers):
         attn = adapter.attention(layer)
-        handles += [module.register_forward_hook(keep_output(idx, read)) for module, read in adapter.activation_taps(attn)]
+        handles += [
+            module.register_forward_hook(keep_output(idx, read)) for module, read in adapter.activation_taps(attn)
+        ]
         handles.append(adapter.output_projection(attn).register_forward_pre_hook(on_attention_output(idx)))
     try:
         yield sink

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvrewrite.errors import UnsupportedModelError
 from kvrewrite.compile.key_mode_choice import choose_key_modes
-from kvrewrite.key_modes import KeyTransform, allowed_key_modes, key_transform, preferred_key_modes, resolve_key_mode
 from kvrewrite.compile.passes.context import CompileContext
+from kvrewrite.errors import UnsupportedModelError
+from kvrewrite.key_modes import KeyTransform, allowed_key_modes, key_transform, preferred_key_modes, resolve_key_mode
 from kvrewrite.method.value_transforms import ValueTransform, value_transform
 
 
@@ -39,12 +39,21 @@ class ComputeTransforms:
         allowed = allowed_key_modes(ctx.adapter, ctx.config)
         modes = [resolved] if resolved != "auto" else [m for m in preferred_key_modes(plan.prefer) if m in allowed]
         if not modes:
-            raise UnsupportedModelError(f"`prefer={plan.prefer}` leaves no key mode for this model (allowed: {', '.join(allowed)})")
+            raise UnsupportedModelError(
+                f"`prefer={plan.prefer}` leaves no key mode for this model (allowed: {', '.join(allowed)})"
+            )
         candidates = {
-            m: [LayerTransforms(key_transform(m, plan.objective, stats, geo), v) for stats, v in zip(ctx.statistics.layers, values)]
+            m: [
+                LayerTransforms(key_transform(m, plan.objective, stats, geo), v)
+                for stats, v in zip(ctx.statistics.layers, values)
+            ]
             for m in modes
         }
-        report = {"objective": plan.objective, "key_mode": modes[0] if len(modes) == 1 else "auto", "value_metric": plan.value_metric}
+        report = {
+            "objective": plan.objective,
+            "key_mode": modes[0] if len(modes) == 1 else "auto",
+            "value_metric": plan.value_metric,
+        }
         if len(modes) == 1:
             return {"key_mode": resolved, "transforms": candidates[modes[0]], "report.transforms": report}
         chosen, choice = choose_key_modes(ctx, candidates, plan.key_mode_cost)

@@ -17,8 +17,8 @@ from kvrewrite.adapters.base import ArchitectureAdapter, AttentionGeometry
 from kvrewrite.compile.folded_weights import FoldedWeights
 from kvrewrite.compile.layer_streaming import SourceModel
 from kvrewrite.compile.plan import Plan
-from kvrewrite.spec import CompressionSpec
 from kvrewrite.method.statistics import CalibrationStatistics
+from kvrewrite.spec import CompressionSpec
 
 
 @dataclass

@@ -7,15 +7,15 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from kvrewrite.io.checkpoint_io import ShardWriter, atomic_output_dir
-from kvrewrite.io.manifest import MODELING_FILE, write_manifest
-from kvrewrite.runtime.codecs.checkpoint import write_codec_tables
-from kvrewrite.runtime.compressed_model import compressed_classes, compressed_config
-from kvrewrite.io.fault_injection import fault_point
 from kvrewrite.compile.passes.context import CompileContext
 from kvrewrite.compile.plan import Plan, parse_size
-from kvrewrite.progress import progress_bar
+from kvrewrite.io.checkpoint_io import ShardWriter, atomic_output_dir
+from kvrewrite.io.fault_injection import fault_point
+from kvrewrite.io.manifest import MODELING_FILE, write_manifest
 from kvrewrite.key_modes import key_mode
+from kvrewrite.progress import progress_bar
+from kvrewrite.runtime.codecs.checkpoint import write_codec_tables
+from kvrewrite.runtime.compressed_model import compressed_classes, compressed_config
 from kvrewrite.spec import CompressionSpec
 
 HUB_MODELING_STUB = '''"""This checkpoint was rewritten by kvrewrite: its attention stores a compressed KV cache.
@@ -63,11 +63,13 @@ def kernel_metadata(spec: CompressionSpec, transforms) -> dict:
         )
     return {
         "format_version": spec.format_version,
-        "cache_layout": ("per layer: keys [B, 1, S, sum(key_ranks)], values [B, 1, S, sum(value_ranks)], KV heads packed in order "
-                         "(logical layout; the CPU torch runtime keeps it column-major in DynamicCache layers, tensors "
-                         "[B, sum(ranks), S, 1], and kvrewrite.runtime.kernels.cache_layout.packed_view gives the logical view); "
-                         "key_layout 'shared' (crosshead): key_ranks = [R, 0, ...], one key block that every query head "
-                         "scores against with an R-dim query"),
+        "cache_layout": (
+            "per layer: keys [B, 1, S, sum(key_ranks)], values [B, 1, S, sum(value_ranks)], KV heads packed in order "
+            "(logical layout; the CPU torch runtime keeps it column-major in DynamicCache layers, tensors "
+            "[B, sum(ranks), S, 1], and kvrewrite.runtime.kernels.cache_layout.packed_view gives the logical view); "
+            "key_layout 'shared' (crosshead): key_ranks = [R, 0, ...], one key block that every query head "
+            "scores against with an R-dim query"
+        ),
         "bucket_multiple": BUCKET_MULTIPLE,
         "kept_elements_per_token": spec.kept_elements_per_token,
         "baseline_elements_per_token": spec.baseline_elements_per_token,
@@ -103,7 +105,9 @@ def output_dir_for(plan: Plan) -> Path:
 
 class Emit:
     name = "emit"
-    description = "write safetensors shards, config.json, tokenizer, kernel_metadata.json, compress_report.json (atomically)"
+    description = (
+        "write safetensors shards, config.json, tokenizer, kernel_metadata.json, compress_report.json (atomically)"
+    )
 
     produces = ("output_dir",)
 
@@ -119,7 +123,7 @@ class Emit:
                 for name in names:
                     writer.add(name, ctx.folded.read([name])[name].to(dtype))
                     bar.advance()
-            shards = writer.finish()
+            writer.finish()
             fault_point("emit:shards")
             compressed_config(ctx.config, spec, dtype=dtype).save_pretrained(tmp)
             fault_point("emit:config")
@@ -151,7 +155,9 @@ def remove_foreign_code(directory: Path) -> None:
 def modeling_stub(original_config) -> str:
     """The checkpoint's modeling_kvrewrite.py: imports this family's classes from kvrewrite (or says to install it)."""
     config_class, model_class = compressed_classes(original_config)
-    return HUB_MODELING_STUB.replace("{config_class}", config_class.__name__).replace("{model_class}", model_class.__name__)
+    return HUB_MODELING_STUB.replace("{config_class}", config_class.__name__).replace(
+        "{model_class}", model_class.__name__
+    )
 
 
 def spec_summary(spec: CompressionSpec) -> dict:

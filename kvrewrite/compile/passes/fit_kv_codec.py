@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvrewrite.runtime.codecs import parse_codec
 from kvrewrite.compile.codec_fitting import collect_latents_streamed, fit_codec_tables_on_latents
 from kvrewrite.compile.passes.context import CompileContext
+from kvrewrite.runtime.codecs import parse_codec
 
 FIT_WINDOWS = 8  # calibration windows whose latents the codec is fitted on (8 x 512 tokens by default)
 
 
 class FitKVCodec:
     name = "fit_kv_codec"
-    description = "fit the KV codec (--kv-codec) on the compiled model's calibration latents: TaDA bit search, CSR dictionaries"
+    description = (
+        "fit the KV codec (--kv-codec) on the compiled model's calibration latents: TaDA bit search, CSR dictionaries"
+    )
 
     produces = ("codec_tables", "report.kv_codec")
     # spec: the fold built it before the codec was fitted; the codec and its parameters are written into it here.
@@ -33,9 +35,24 @@ class FitKVCodec:
         streamed = ctx.folded.streamed(spec, plan.compute_dtype(), plan.device)
         key_ranks = [layer.key_ranks for layer in spec.layers]
         value_ranks = [layer.value_ranks for layer in spec.layers]
-        latents = collect_latents_streamed(streamed, list(zip(key_ranks, value_ranks)), ctx.calibration_tokens[:FIT_WINDOWS],
-                                           batch_size=plan.batch_size, progress=plan.progress)
+        latents = collect_latents_streamed(
+            streamed,
+            list(zip(key_ranks, value_ranks)),
+            ctx.calibration_tokens[:FIT_WINDOWS],
+            batch_size=plan.batch_size,
+            progress=plan.progress,
+        )
         codec_tables, report = fit_codec_tables_on_latents(
-            codec, latents, key_ranks, value_ranks, budget_bits=plan.kv_bits_budget,
-            sensitivity=ctx.sensitivity, progress=plan.progress)
-        return {"codec_tables": codec_tables, "report.kv_codec": report, "spec": dataclasses.replace(spec, kv_codec=codec.to_dict())}
+            codec,
+            latents,
+            key_ranks,
+            value_ranks,
+            budget_bits=plan.kv_bits_budget,
+            sensitivity=ctx.sensitivity,
+            progress=plan.progress,
+        )
+        return {
+            "codec_tables": codec_tables,
+            "report.kv_codec": report,
+            "spec": dataclasses.replace(spec, kv_codec=codec.to_dict()),
+        }

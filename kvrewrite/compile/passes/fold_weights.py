@@ -13,11 +13,16 @@ from kvrewrite.compile.rewrite_spec import build_spec
 
 class FoldWeights:
     name = "fold_weights"
-    description = "fold the transforms into q_proj/k_proj/v_proj/o_proj and biases (full rank, ordered) and build the spec"
+    description = (
+        "fold the transforms into q_proj/k_proj/v_proj/o_proj and biases (full rank, ordered) and build the spec"
+    )
 
     produces = ("folded", "spec")
 
     def run(self, ctx: CompileContext) -> dict:
         geo = ctx.geometry
         key_ranks, value_ranks = ctx.allocation.as_lists(geo.num_layers, geo.num_key_value_heads)
-        return {"folded": FoldedWeights(ctx.source, ctx.transforms, geo), "spec": build_spec(ctx, key_ranks, value_ranks)}
+        return {
+            "folded": FoldedWeights(ctx.source, ctx.transforms, geo),
+            "spec": build_spec(ctx, key_ranks, value_ranks),
+        }

@@ -5,15 +5,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+from transformers import AutoConfig, GenerationConfig
 
 from kvrewrite.adapters import adapter_for
-from kvrewrite.io.checkpoint_io import check_safetensors_files
-from kvrewrite.errors import CorruptCheckpointError, ModelSourceError
 from kvrewrite.compile.layer_streaming import SourceModel
-from kvrewrite.io.output_safety import check_output_location
 from kvrewrite.compile.passes.context import CompileContext
+from kvrewrite.errors import CorruptCheckpointError, ModelSourceError
+from kvrewrite.io.checkpoint_io import check_safetensors_files
+from kvrewrite.io.output_safety import check_output_location
 from kvrewrite.io.source_validation import (
     check_finite_weights,
     check_head_arithmetic,
@@ -30,8 +29,20 @@ class LoadCheckpoint:
     name = "load_checkpoint"
     description = "resolve the model (Hub id, local dir or bundled), check its architecture, open its shards lazily"
 
-    produces = ("source_dir", "source_revision", "source_id", "adapter", "geometry", "config", "key_mode", "source",
-                "tokenizer", "generation_config", "report.source", "report.source_config")
+    produces = (
+        "source_dir",
+        "source_revision",
+        "source_id",
+        "adapter",
+        "geometry",
+        "config",
+        "key_mode",
+        "source",
+        "tokenizer",
+        "generation_config",
+        "report.source",
+        "report.source_config",
+    )
 
     def run(self, ctx: CompileContext) -> dict:
         resolved = resolve_model_source(ctx.plan.model, revision=ctx.plan.revision)
@@ -63,9 +74,16 @@ class LoadCheckpoint:
         except (OSError, ValueError):
             generation_config = None  # optional file
         return {
-            "source_dir": resolved.path, "source_revision": resolved.revision, "source_id": resolved.source_id,
-            "adapter": adapter, "geometry": geometry, "config": config, "key_mode": key_mode, "source": source,
-            "tokenizer": tokenizer, "generation_config": generation_config,
+            "source_dir": resolved.path,
+            "source_revision": resolved.revision,
+            "source_id": resolved.source_id,
+            "adapter": adapter,
+            "geometry": geometry,
+            "config": config,
+            "key_mode": key_mode,
+            "source": source,
+            "tokenizer": tokenizer,
+            "generation_config": generation_config,
             "report.source": {
                 "model": resolved.source_id,
                 "revision": resolved.revision,

@@ -58,23 +58,39 @@ class MeasureSensitivity:
             mode = key_mode(transforms.key.mode)
             key_step = mode.rank_step
             probes_here = {}
-            for side, spectra, step in (("key", transforms.key.spectrum, key_step), ("value", transforms.value.spectrum, 1)):
+            for side, spectra, step in (
+                ("key", transforms.key.spectrum, key_step),
+                ("value", transforms.value.spectrum, 1),
+            ):
                 for rate in rates:
                     r = probe_rank(d, rate, step)
                     # crosshead: one shared key block, truncated to the same number of kept key dims in all.
                     keep = mode.uniform_key_ranks(r, n_kv) if side == "key" else [r] * n_kv
-                    probes_here[f"{side}@{rate}"] = (keep, full_values[idx]) if side == "key" else (full_keys[idx], keep)
+                    probes_here[f"{side}@{rate}"] = (
+                        (keep, full_values[idx]) if side == "key" else (full_keys[idx], keep)
+                    )
                     # Kept dims per row of the spectra (a crosshead spectrum is one row of n_kv * d values).
-                    meta[(idx, f"{side}@{rate}")] = (side, rate, r, relative_error(spectra, sum(keep) // spectra.shape[0]))
+                    meta[(idx, f"{side}@{rate}")] = (
+                        side,
+                        rate,
+                        r,
+                        relative_error(spectra, sum(keep) // spectra.shape[0]),
+                    )
             layer_probes.append(probes_here)
-        kls = probe_kls(ctx.source.streamed(plan.compute_dtype(), plan.device),
-                        folded.streamed(spec, plan.compute_dtype(), plan.device),
-                        layer_probes, tokens, plan.progress)
+        kls = probe_kls(
+            ctx.source.streamed(plan.compute_dtype(), plan.device),
+            folded.streamed(spec, plan.compute_dtype(), plan.device),
+            layer_probes,
+            tokens,
+            plan.progress,
+        )
         curves, probes = {}, {}
         for (idx, name), (side, rate, r, predicted) in meta.items():  # in probe-rate order per (layer, side)
             kl = kls[(idx, name)]
             curves.setdefault((idx, side), []).append((predicted, kl))
-            probes.setdefault(f"{idx}.{side}", []).append({"rate": rate, "rank": r, "kl": kl, "predicted_relative_error": predicted})
+            probes.setdefault(f"{idx}.{side}", []).append(
+                {"rate": rate, "rank": r, "kl": kl, "predicted_relative_error": predicted}
+            )
         # One weight per layer side (KL per unit of predicted error at the middle probe, mean-normalised), for
         # the report and for passes that weigh layer sides (the tada codec's bit search).
         slopes = {key: pts[len(pts) // 2][1] / max(pts[len(pts) // 2][0], 1e-12) for key, pts in curves.items()}
@@ -83,6 +99,10 @@ class MeasureSensitivity:
         return {
             "sensitivity_curves": curves,
             "sensitivity": sensitivity,
-            "report.sensitivity": {"probe_rates": list(rates), "probe_tokens": int(tokens.numel()), "probes": probes,
-                                   "weights": {f"{l}.{s}": w for (l, s), w in sensitivity.items()}},
+            "report.sensitivity": {
+                "probe_rates": list(rates),
+                "probe_tokens": int(tokens.numel()),
+                "probes": probes,
+                "weights": {f"{l}.{s}": w for (l, s), w in sensitivity.items()},
+            },
         }

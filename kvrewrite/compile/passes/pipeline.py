@@ -16,9 +16,6 @@ from kvrewrite.compile.passes.collect_fisher import CollectFisher
 from kvrewrite.compile.passes.collect_statistics import CollectStatistics
 from kvrewrite.compile.passes.compute_transforms import ComputeTransforms
 from kvrewrite.compile.passes.context import CompileContext
-from kvrewrite.io.checkpoint_io import estimated_output_bytes
-from kvrewrite.errors import KVRewriteWarning
-from kvrewrite.io.output_safety import check_output_location, recover_leftovers
 from kvrewrite.compile.passes.distill_attention import DistillAttention
 from kvrewrite.compile.passes.emit import Emit, output_dir_for
 from kvrewrite.compile.passes.fit_kv_codec import FitKVCodec
@@ -29,6 +26,9 @@ from kvrewrite.compile.passes.refit_output import RefitOutput
 from kvrewrite.compile.passes.sequential_statistics import SequentialStatistics
 from kvrewrite.compile.passes.verify import Verify
 from kvrewrite.compile.plan import Plan
+from kvrewrite.errors import KVRewriteWarning
+from kvrewrite.io.checkpoint_io import estimated_output_bytes
+from kvrewrite.io.output_safety import check_output_location, recover_leftovers
 from kvrewrite.io.sources import local_source_dir
 
 
@@ -77,7 +77,9 @@ def prepare_output(out: Path, plan: Plan) -> None:
     check_output_location(out, source=source, overwrite=plan.overwrite, need_bytes=need)
 
 
-def compile_variants(plan: Plan, variants: dict[str, dict], output_root: Path, on_pass=None) -> tuple[CompileContext, dict[str, CompileContext]]:
+def compile_variants(
+    plan: Plan, variants: dict[str, dict], output_root: Path, on_pass=None
+) -> tuple[CompileContext, dict[str, CompileContext]]:
     """Collect statistics once, then compile every variant (plan overrides) into output_root/<name>.
 
     Every variant starts from the shared statistics context: its rewrite-side fields are simply unset there (the
@@ -132,9 +134,13 @@ def run_pipeline(plan: Plan, passes: list | None = None, on_pass=None) -> Compil
         ctx = run_pass(ctx, step)
         timings[step.name] = round(time.perf_counter() - t0, 3)
         # Updated after every pass so the report that Emit writes holds everything before it.
-        ctx = dataclasses.replace(ctx, report={
-            **ctx.report, "timings_s": {**timings, "total": round(time.perf_counter() - start, 3)},
-            "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-            **_peak_device_memory(plan.device),
-        })
+        ctx = dataclasses.replace(
+            ctx,
+            report={
+                **ctx.report,
+                "timings_s": {**timings, "total": round(time.perf_counter() - start, 3)},
+                "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+                **_peak_device_memory(plan.device),
+            },
+        )
     return ctx

@@ -19,12 +19,12 @@ from typing import Callable
 
 import torch
 
-from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.compile.folded_weights import FoldedWeights
 from kvrewrite.compile.layer_streaming import StreamedModel
 from kvrewrite.compile.passes.context import CompileContext
 from kvrewrite.compile.probes import log_probs, truncating
 from kvrewrite.compile.rewrite_spec import build_spec
+from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.spec import full_key_ranks
 
 RATE_STEP = 0.01
@@ -32,17 +32,24 @@ MAX_RATE = 0.95
 EVAL_BATCH = 4
 
 
-def streamed_log_probs(model: StreamedModel, batches: list[torch.Tensor], layer_ranks: list | None = None) -> list[torch.Tensor]:
+def streamed_log_probs(
+    model: StreamedModel, batches: list[torch.Tensor], layer_ranks: list | None = None
+) -> list[torch.Tensor]:
     """Next-token log-probabilities of every batch (all but the last position), layer-streamed.
 
     layer_ranks[i]: (key ranks, value ranks) layer i is truncated to (probes.truncated on a full-rank rewrite).
     """
     with torch.inference_mode():
-        return model.forward(batches, on_layer=truncating(model.adapter, layer_ranks) if layer_ranks is not None else None,
-                             head=lambda logits: log_probs(logits)[:, :-1])
+        return model.forward(
+            batches,
+            on_layer=truncating(model.adapter, layer_ranks) if layer_ranks is not None else None,
+            head=lambda logits: log_probs(logits)[:, :-1],
+        )
 
 
-def nll_and_kl(logprobs: list[torch.Tensor], reference_logprobs: list[torch.Tensor], batches: list[torch.Tensor]) -> tuple[float, float]:
+def nll_and_kl(
+    logprobs: list[torch.Tensor], reference_logprobs: list[torch.Tensor], batches: list[torch.Tensor]
+) -> tuple[float, float]:
     """Mean next-token NLL on the data and mean KL(original || model) over the same positions."""
     nll, kl, count = 0.0, 0.0, 0
     for tokens, logp, ref in zip(batches, logprobs, reference_logprobs):
@@ -67,15 +74,21 @@ def largest_rate_within_budget(ctx: CompileContext, rank_solver: Callable) -> tu
     rank_solver: rate -> RankAllocation, the allocation pass's own (the same items and order at every rate)."""
     plan = ctx.plan
     if ctx.budget_tokens is None or len(ctx.budget_tokens) == 0:
-        raise InvalidArgumentError("a quality budget needs held-back calibration windows; set it on the plan that builds the calibration")
+        raise InvalidArgumentError(
+            "a quality budget needs held-back calibration windows; set it on the plan that builds the calibration"
+        )
     geo, d = ctx.geometry, ctx.geometry.head_dim
     full_values = [[d] * geo.num_key_value_heads for _ in range(geo.num_layers)]
     full_keys = [full_key_ranks(t.key.mode, geo.num_key_value_heads, d) for t in ctx.transforms]
     # The full-rank rewrite, folded layer by layer as each probe runs (fold_weights makes the checkpoint's own).
-    model = FoldedWeights(ctx.source, ctx.transforms, geo).streamed(build_spec(ctx, full_keys, full_values), plan.compute_dtype(), plan.device)
+    model = FoldedWeights(ctx.source, ctx.transforms, geo).streamed(
+        build_spec(ctx, full_keys, full_values), plan.compute_dtype(), plan.device
+    )
     batches = list(ctx.budget_tokens.split(EVAL_BATCH))
     reference = streamed_log_probs(ctx.source.streamed(plan.compute_dtype(), plan.device), batches)
-    base_nll = sum(float(-r.gather(-1, b[:, 1:, None]).sum()) for r, b in zip(reference, batches)) / sum(b[:, 1:].numel() for b in batches)
+    base_nll = sum(float(-r.gather(-1, b[:, 1:, None]).sum()) for r, b in zip(reference, batches)) / sum(
+        b[:, 1:].numel() for b in batches
+    )
 
     probes: dict[float, dict] = {}
 
@@ -86,7 +99,12 @@ def largest_rate_within_budget(ctx: CompileContext, rank_solver: Callable) -> tu
             ranks = list(zip(*allocation.as_lists(geo.num_layers, geo.num_key_value_heads)))
             nll, kl = nll_and_kl(streamed_log_probs(model, batches, ranks), reference, batches)
             increase = math.exp(nll - base_nll) - 1
-            probes[rate] = {"rate": rate, "ppl_increase": increase, "kl_mean": kl, "ok": within_budget(plan, increase, kl)}
+            probes[rate] = {
+                "rate": rate,
+                "ppl_increase": increase,
+                "kl_mean": kl,
+                "ok": within_budget(plan, increase, kl),
+            }
         return probes[rate]["ok"]
 
     grid = [round(i * RATE_STEP, 4) for i in range(int(round(MAX_RATE / RATE_STEP)) + 1)]
@@ -103,7 +121,11 @@ def largest_rate_within_budget(ctx: CompileContext, rank_solver: Callable) -> tu
     if chosen not in probes:
         measure(chosen)
     return chosen, {
-        "max_ppl_increase": plan.max_ppl_increase, "max_kl": plan.max_kl,
-        "held_back_tokens": int(ctx.budget_tokens.numel()), "baseline_ppl": math.exp(base_nll),
-        "chosen_rate": chosen, "chosen": probes[chosen], "probes": sorted(probes.values(), key=lambda p: p["rate"]),
+        "max_ppl_increase": plan.max_ppl_increase,
+        "max_kl": plan.max_kl,
+        "held_back_tokens": int(ctx.budget_tokens.numel()),
+        "baseline_ppl": math.exp(base_nll),
+        "chosen_rate": chosen,
+        "chosen": probes[chosen],
+        "probes": sorted(probes.values(), key=lambda p: p["rate"]),
     }

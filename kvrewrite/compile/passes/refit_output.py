@@ -34,7 +34,9 @@ class RefitOutput:
         model = whole_compressed_model(ctx.folded, ctx.spec).to(plan.device)
         target = "layer" if plan.refit == "output-local" else "model"
         try:
-            layers = refit_output_projections(model, original, ctx.adapter, windows, ridge=plan.refit_ridge, target=target)
+            layers = refit_output_projections(
+                model, original, ctx.adapter, windows, ridge=plan.refit_ridge, target=target
+            )
         except BaseException:
             original.to("cpu")
             raise
@@ -47,23 +49,38 @@ class RefitOutput:
             o_proj = ctx.adapter.output_projection(ctx.adapter.attention(layer))
             name = names[id(o_proj)] + ".weight"
             folded_weight = ctx.folded.read([name])[name]
-            refitted[name] = scatter_refit_columns(folded_weight, o_proj.weight.detach().to("cpu", folded_weight.dtype),
-                                                   layer_spec.value_ranks, geo.group_size, geo.head_dim).contiguous()
+            refitted[name] = scatter_refit_columns(
+                folded_weight,
+                o_proj.weight.detach().to("cpu", folded_weight.dtype),
+                layer_spec.value_ranks,
+                geo.group_size,
+                geo.head_dim,
+            ).contiguous()
         del model
         spec = keep_only_compiled_rate(ctx.spec, ctx.target_rate)
         folded = ctx.folded.with_overrides(refitted)
         try:
-            verification, verified, kl, top1 = remeasure_compiled_rank(dataclasses.replace(ctx, folded=folded, spec=spec), original)
+            verification, verified, kl, top1 = remeasure_compiled_rank(
+                dataclasses.replace(ctx, folded=folded, spec=spec), original
+            )
         finally:
             original.to("cpu")
         return {
-            "folded": folded, "spec": spec, "rate_table": spec.rate_table, "report.rate_table": spec.rate_table,
+            "folded": folded,
+            "spec": spec,
+            "rate_table": spec.rate_table,
+            "report.rate_table": spec.rate_table,
             "verification": verification,
             "report.refit": {
-                "method": plan.refit, "target": target, "tokens": int(windows.numel()), "ridge": plan.refit_ridge,
+                "method": plan.refit,
+                "target": target,
+                "tokens": int(windows.numel()),
+                "ridge": plan.refit_ridge,
                 "layer_relative_error_before": [round(r.relative_error_before, 5) for r in layers],
                 "layer_relative_error_after": [round(r.relative_error_after, 5) for r in layers],
-                "verify_kl_before": verified.get("kl_mean"), "verify_top1_before": verified.get("top1_agreement"),
-                "verify_kl_after": kl, "verify_top1_after": top1,
+                "verify_kl_before": verified.get("kl_mean"),
+                "verify_top1_before": verified.get("top1_agreement"),
+                "verify_kl_after": kl,
+                "verify_top1_after": top1,
             },
         }

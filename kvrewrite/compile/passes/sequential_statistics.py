@@ -36,14 +36,26 @@ from kvrewrite.progress import progress_bar
 from kvrewrite.spec import rate_key
 
 # What re-allocation replaces: everything measure_sensitivity and allocate_ranks set.
-REALLOCATED = ("sensitivity_curves", "sensitivity", "report.sensitivity", "rank_solver", "target_rate", "allocation",
-               "rate_table", "report.quality_budget", "report.allocation", "report.rate_table")
+REALLOCATED = (
+    "sensitivity_curves",
+    "sensitivity",
+    "report.sensitivity",
+    "rank_solver",
+    "target_rate",
+    "allocation",
+    "rate_table",
+    "report.quality_budget",
+    "report.allocation",
+    "report.rate_table",
+)
 
 
 class SequentialStatistics:
     name = "sequential_statistics"
-    description = ("(--sequential-statistics) re-collect each layer's Grams on hidden states that went through the "
-                   "already-compressed layers before it, at the compiled ranks, and re-solve its transforms from them")
+    description = (
+        "(--sequential-statistics) re-collect each layer's Grams on hidden states that went through the "
+        "already-compressed layers before it, at the compiled ranks, and re-solve its transforms from them"
+    )
     produces = ("report.sequential_statistics",)
     # statistics and transforms: the ones measured on the compressed prefix replace the original-model ones; with
     # `reallocate`, the sensitivity curves and the allocation measured on the new transforms replace the first ones.
@@ -57,9 +69,12 @@ class SequentialStatistics:
         statistics, transforms = sequential_statistics(ctx, ranks["key"], ranks["value"])
         changes = [layer_relative_change(a, b) for a, b in zip(ctx.statistics.layers, statistics.layers)]
         results = {
-            "statistics": statistics, "transforms": transforms,
+            "statistics": statistics,
+            "transforms": transforms,
             "report.sequential_statistics": {
-                "mode": plan.sequential_statistics, "rate": ctx.target_rate, "tokens": statistics.tokens,
+                "mode": plan.sequential_statistics,
+                "rate": ctx.target_rate,
+                "tokens": statistics.tokens,
                 # How far each layer's key_pre Gram moved from the original-model one (relative Frobenius norm).
                 "key_gram_relative_change": [round(c, 6) for c in changes],
             },
@@ -78,8 +93,9 @@ def layer_relative_change(original: LayerStatistics, sequential: LayerStatistics
     return float(torch.linalg.norm(a - b) / torch.linalg.norm(a).clamp_min(1e-300))
 
 
-def sequential_statistics(ctx: CompileContext, key_ranks: list[list[int]], value_ranks: list[list[int]]
-                          ) -> tuple[CalibrationStatistics, list[LayerTransforms]]:
+def sequential_statistics(
+    ctx: CompileContext, key_ranks: list[list[int]], value_ranks: list[list[int]]
+) -> tuple[CalibrationStatistics, list[LayerTransforms]]:
     """(statistics, transforms) with layer i's measured on the output of layers 0..i-1 rewritten with their new
     transforms and truncated to key_ranks / value_ranks. One layer of each model holds weights at a time."""
     plan, geo = ctx.plan, ctx.geometry
@@ -102,18 +118,24 @@ def sequential_statistics(ctx: CompileContext, key_ranks: list[list[int]], value
             o_weight = ctx.source.attention_weights(idx)[0].o_weight
             transforms[idx] = LayerTransforms(
                 key_transform(transforms[idx].key.mode, plan.objective, stats, geo),
-                value_transform(plan.objective, stats, o_weight, geo, output_metric=metrics[idx]))
+                value_transform(plan.objective, stats, o_weight, geo, output_metric=metrics[idx]),
+            )
             # 3. The rewritten layer idx (new transforms, truncated to its compiled ranks) gives the next input.
             # FoldedWeights reads `transforms` (this list) when it folds a layer, so layer idx folds with its new
             # transforms; the skeleton is rebuilt only when the spec's stored order (freq / crosshead) changed.
             order = key_mode(transforms[idx].key.mode).stored_order(transforms[idx].key)
             if rewritten is None or order != orders[idx]:
                 rewritten = FoldedWeights(ctx.source, transforms, geo).streamed(
-                    build_spec(ctx, full_keys, full_values, transforms), dtype, plan.device)
+                    build_spec(ctx, full_keys, full_values, transforms), dtype, plan.device
+                )
                 orders = [key_mode(t.key.mode).stored_order(t.key) for t in transforms]
-            with rewritten.layer(idx) as layer, truncated(rewritten.adapter.attention(layer), list(key_ranks[idx]), list(value_ranks[idx])):
+            with (
+                rewritten.layer(idx) as layer,
+                truncated(rewritten.adapter.attention(layer), list(key_ranks[idx]), list(value_ranks[idx])),
+            ):
                 hidden = [rewritten.run_layer(layer, h, rewritten.layer_inputs(h)) for h in hidden]
             bar.advance()
     layers = [LayerStatistics(grams=g, tokens=t) for g, t in zip(sink.grams, sink.tokens)]
-    return CalibrationStatistics(layers=layers, tokens=max(sink.tokens, default=0), reduce="none",
-                                 notes={"sequential": True}), transforms
+    return CalibrationStatistics(
+        layers=layers, tokens=max(sink.tokens, default=0), reduce="none", notes={"sequential": True}
+    ), transforms

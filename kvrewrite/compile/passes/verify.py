@@ -30,7 +30,9 @@ def recording_attention_outputs(adapter, outputs: list[torch.Tensor]):
 
     @contextlib.contextmanager
     def on_layer(_idx: int, layer) -> Iterator[None]:
-        handle = adapter.output_projection(adapter.attention(layer)).register_forward_hook(lambda _m, _i, out: outputs.append(out))
+        handle = adapter.output_projection(adapter.attention(layer)).register_forward_hook(
+            lambda _m, _i, out: outputs.append(out)
+        )
         try:
             yield
         finally:
@@ -41,7 +43,9 @@ def recording_attention_outputs(adapter, outputs: list[torch.Tensor]):
 
 class Verify:
     name = "verify"
-    description = "check full-rank equivalence (logits, in float64) and measure the error at the compiled ranks, layer-streamed"
+    description = (
+        "check full-rank equivalence (logits, in float64) and measure the error at the compiled ranks, layer-streamed"
+    )
 
     produces = ("verification",)
 
@@ -65,8 +69,12 @@ class Verify:
             h_full, h_compiled = [h_exact[0].clone()], [h_ref[0].clone()]
             layer_errors, layer_full_diff = [], []
             # Four streams in lockstep, one layer of each holding weights at a time.
-            for idx, *_ in zip(reference.walk(h_ref, recording_attention_outputs(adapter, attn_ref)), exact_reference.walk(h_exact), exact_full.walk(h_full),
-                               compiled.walk(h_compiled, at_compiled_ranks)):
+            for idx, *_ in zip(
+                reference.walk(h_ref, recording_attention_outputs(adapter, attn_ref)),
+                exact_reference.walk(h_exact),
+                exact_full.walk(h_full),
+                compiled.walk(h_compiled, at_compiled_ranks),
+            ):
                 # End to end: each layer sees the (already perturbed) output of the layers before it.
                 attn, ref = attn_compiled[idx].float(), attn_ref[idx].float()
                 layer_errors.append(((attn - ref).norm() / ref.norm().clamp_min(1e-30)).item())
@@ -86,7 +94,10 @@ class Verify:
             "verify_dtype": "float64",
             "compute_dtype": plan.dtype,
             # The stock model's own rounding noise, for context: compute dtype vs float64 logits.
-            "original_compute_dtype_vs_fp64_max_abs_logit_diff": (ref_logits.double() - exact_logits).abs().max().item(),
+            "original_compute_dtype_vs_fp64_max_abs_logit_diff": (ref_logits.double() - exact_logits)
+            .abs()
+            .max()
+            .item(),
             "tolerance": tolerance,
         }
         if not max_diff < tolerance:

@@ -3,8 +3,8 @@
 from kvrewrite.io.calibration_data.corpus import (
     EVALUATION_TEXTS,
     NAMED_SOURCES,
-    evaluation_documents,
     calibration_token_sequences,
+    evaluation_documents,
     evaluation_token_sequences,
     load_text_documents,
 )

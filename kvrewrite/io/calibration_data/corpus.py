@@ -14,10 +14,10 @@ from typing import Any, Sequence
 
 import torch
 
-from kvrewrite.io.calibration_data.synthetic import synthetic_texts
-from kvrewrite.io.calibration_data.news import news_split
-from kvrewrite.io.calibration_data.wiki import wiki_split
 from kvrewrite.errors import CalibrationError, InvalidArgumentError
+from kvrewrite.io.calibration_data.news import news_split
+from kvrewrite.io.calibration_data.synthetic import synthetic_texts
+from kvrewrite.io.calibration_data.wiki import wiki_split
 
 __all__ = [
     "EVALUATION_TEXTS",

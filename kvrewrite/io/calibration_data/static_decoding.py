@@ -135,10 +135,10 @@ def decode_batch(
     # own tokens are penalised (a repeat is penalised once).
     history = torch.zeros((rows, total), dtype=torch.long)
     for r, prompt in enumerate(prompts):
-        ids[r, width - len(prompt):] = torch.tensor(list(prompt), dtype=torch.long)
-        mask[r, width - len(prompt):width] = 1
+        ids[r, width - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
+        mask[r, width - len(prompt) : width] = 1
         history[r, :width] = prompt[0]
-        history[r, width - len(prompt):width] = ids[r, width - len(prompt):]
+        history[r, width - len(prompt) : width] = ids[r, width - len(prompt) :]
     ids, mask, history = ids.to(device), mask.to(device), history.to(device)
     positions = (mask[:, :width].cumsum(-1) - 1).clamp(min=0)
     texts = torch.tensor(list(text_ids), dtype=torch.long, device=device)
@@ -152,9 +152,15 @@ def decode_batch(
     inputs, length = ids, width
     steps_done = 0
     for step in range(max_new_tokens):
-        out = model(input_ids=inputs, attention_mask=mask[:, :length], position_ids=positions,
-                    past_key_values=cache, cache_position=torch.arange(length - inputs.shape[1], length, device=device),
-                    use_cache=True, **extra)
+        out = model(
+            input_ids=inputs,
+            attention_mask=mask[:, :length],
+            position_ids=positions,
+            past_key_values=cache,
+            cache_position=torch.arange(length - inputs.shape[1], length, device=device),
+            use_cache=True,
+            **extra,
+        )
         scores = penalise_repeats(out.logits[:, -1, :].float(), history[:, :length], settings.repetition_penalty)
         token = sample_next_tokens(scores, settings, seed, texts, step_tensor.fill_(step))
         generated[:, step] = token

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from rich.progress import ProgressColumn
 from rich.text import Text
 
@@ -248,9 +247,17 @@ def _generate(
                 text_ids = list(range(next_text, next_text + rows))
                 next_text += rows
                 batch = [_prompt_ids(tokenizer, prompts[order[i % len(order)]]) for i in text_ids]
-                decoded = decode_batch(model, batch, text_ids, seed=seed, settings=sampling,
-                                       max_new_tokens=settings.max_new_tokens, eos_ids=eos_ids, pad_id=pad_id,
-                                       on_step=on_step)
+                decoded = decode_batch(
+                    model,
+                    batch,
+                    text_ids,
+                    seed=seed,
+                    settings=sampling,
+                    max_new_tokens=settings.max_new_tokens,
+                    eos_ids=eos_ids,
+                    pad_id=pad_id,
+                    on_step=on_step,
+                )
                 batch_tokens = 0
                 for row in decoded:
                     text = tokenizer.decode(row.tokens, skip_special_tokens=True).strip()

@@ -68,9 +68,17 @@ class LayerCodec(ABC):
     # ---- fitting (compile time) ----------------------------------------------------------------------------
 
     @classmethod
-    def fit_tables(cls, config: CodecConfig, latents: Latents, key_ranks: list[list[int]], value_ranks: list[list[int]],
-                   *, budget_bits: float | None = None, weights: dict | None = None,
-                   progress: Callable[[], None] | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+    def fit_tables(
+        cls,
+        config: CodecConfig,
+        latents: Latents,
+        key_ranks: list[list[int]],
+        value_ranks: list[list[int]],
+        *,
+        budget_bits: float | None = None,
+        weights: dict | None = None,
+        progress: Callable[[], None] | None = None,
+    ) -> tuple[dict[str, torch.Tensor], dict]:
         """Tables for kv_codec.safetensors fitted on calibration latents, and what to add to the compile report.
 
         weights: (layer, side) -> multiplier on that side's error (the sensitivity pass's KL weights), if any.
@@ -81,8 +89,14 @@ class LayerCodec(ABC):
     # ---- run time ----------------------------------------------------------------------------------------
 
     @classmethod
-    def for_layer(cls, config: CodecConfig, layer_idx: int, key_ranks: list[int], value_ranks: list[int],
-                  tables: dict[str, torch.Tensor]) -> "LayerCodec":
+    def for_layer(
+        cls,
+        config: CodecConfig,
+        layer_idx: int,
+        key_ranks: list[int],
+        value_ranks: list[int],
+        tables: dict[str, torch.Tensor],
+    ) -> "LayerCodec":
         """The codec of one layer; codecs with trained tables read theirs from `tables`."""
         return cls(config, key_ranks, value_ranks)
 

@@ -41,8 +41,9 @@ def default_read_mode() -> str:
     return mode
 
 
-def encode_append(codec: LayerCodec, store: dict | None, staged: torch.Tensor, n_blocks: int, side: str,
-                  buffers: dict | None = None) -> dict:
+def encode_append(
+    codec: LayerCodec, store: dict | None, staged: torch.Tensor, n_blocks: int, side: str, buffers: dict | None = None
+) -> dict:
     """Code the first n_blocks whole blocks of G tokens of `staged` [B, 1, S, C] and append them to `store`.
 
     With `buffers` (a dict the caller keeps, so the room is counted as held memory) every coded tensor is a prefix
@@ -56,8 +57,9 @@ def encode_append(codec: LayerCodec, store: dict | None, staged: torch.Tensor, n
         return coded if store is None else {name: torch.cat([store[name], coded[name]], dim=1) for name in store}
     appended = {}
     for name, new in coded.items():
-        buffers[name], appended[name] = append_in_place(buffers.get(name), None if store is None else store[name],
-                                                        new, 1, tokens_per_row=g)
+        buffers[name], appended[name] = append_in_place(
+            buffers.get(name), None if store is None else store[name], new, 1, tokens_per_row=g
+        )
     return appended
 
 
@@ -78,7 +80,9 @@ class CodecLayer(BatchFirstLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         self.keys = key_states.new_empty((key_states.shape[0], 1, 0, key_states.shape[-1]), dtype=RESIDUAL_DTYPE)
-        self.values = value_states.new_empty((value_states.shape[0], 1, 0, value_states.shape[-1]), dtype=RESIDUAL_DTYPE)
+        self.values = value_states.new_empty(
+            (value_states.shape[0], 1, 0, value_states.shape[-1]), dtype=RESIDUAL_DTYPE
+        )
         self.is_initialized = True
 
     @property
@@ -87,7 +91,9 @@ class CodecLayer(BatchFirstLayer):
         layout = getattr(self.codec, "fused_layout", None)  # stand-in codecs (tests) may lack the method
         return layout() if layout is not None else None
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The decode path: append, then return decode(store) + window (every stored token, decoded)."""
         self._stage(key_states, value_states)
         # Attention reads what was coded by *earlier* updates, then the window including this update's tokens at
@@ -124,10 +130,12 @@ class CodecLayer(BatchFirstLayer):
         g = self.codec.block_tokens
         n_blocks = max(0, self.keys.shape[-2] - self.residual_length) // g
         if n_blocks:
-            self.coded_keys = encode_append(self.codec, self.coded_keys, self.keys, n_blocks, "key",
-                                            self.coded_key_buffers)
-            self.coded_values = encode_append(self.codec, self.coded_values, self.values, n_blocks, "value",
-                                              self.coded_value_buffers)
+            self.coded_keys = encode_append(
+                self.codec, self.coded_keys, self.keys, n_blocks, "key", self.coded_key_buffers
+            )
+            self.coded_values = encode_append(
+                self.codec, self.coded_values, self.values, n_blocks, "value", self.coded_value_buffers
+            )
             self.keys = self.keys[..., n_blocks * g :, :].contiguous()
             self.values = self.values[..., n_blocks * g :, :].contiguous()
 

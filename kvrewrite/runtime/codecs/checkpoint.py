@@ -17,8 +17,11 @@ def write_codec_tables(directory: Path, tables: dict[str, torch.Tensor]) -> list
     """Write the tables (if any); returns the file names written, for the checksum list."""
     if not tables:
         return []
-    save_safetensors({k: v.detach().cpu().contiguous() for k, v in tables.items()}, Path(directory) / CODEC_TABLES_FILE,
-                     metadata={"format": "pt"})
+    save_safetensors(
+        {k: v.detach().cpu().contiguous() for k, v in tables.items()},
+        Path(directory) / CODEC_TABLES_FILE,
+        metadata={"format": "pt"},
+    )
     return [CODEC_TABLES_FILE]
 
 

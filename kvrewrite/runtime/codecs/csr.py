@@ -55,8 +55,9 @@ def to_pieces(x: torch.Tensor, chunks: int) -> torch.Tensor:
     return x.reshape(*x.shape[:-1], chunks, w)
 
 
-def matching_pursuit(x: torch.Tensor, atoms: torch.Tensor, sparsity: int,
-                     allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def matching_pursuit(
+    x: torch.Tensor, atoms: torch.Tensor, sparsity: int, allowed: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Matching pursuit (the paper's eqs. 2-4): x [..., M, w], atoms [..., K, w] (unit rows, or float16-rounded
     unit rows: the coefficient is the projection <R, d> / |d|^2) -> indices [..., M, s] (long) and float16
     coefficients [..., M, s]. allowed: an optional bool mask broadcastable to [..., M, K] of the atoms a row
@@ -100,9 +101,20 @@ class CsrCodec(LayerCodec):
     name = "csr"
     # The paper's CSR-8: keys s = 8 on whole vectors, values s = 4 on each of 2 halves; 256 offline atoms per
     # KV head (its Llama-3 setting); online_per_block: online atoms each block of G tokens adds per head.
-    defaults = {"atoms": 256, "key_sparsity": 8, "value_sparsity": 4, "key_chunks": 1, "value_chunks": 2,
-                "online_per_block": 1, "epochs": 10, "batch": 1024, "learning_rate": 0.01, "kmeans_iterations": 10,
-                "group_size": 32, "residual": 32}
+    defaults = {
+        "atoms": 256,
+        "key_sparsity": 8,
+        "value_sparsity": 4,
+        "key_chunks": 1,
+        "value_chunks": 2,
+        "online_per_block": 1,
+        "epochs": 10,
+        "batch": 1024,
+        "learning_rate": 0.01,
+        "kmeans_iterations": 10,
+        "group_size": 32,
+        "residual": 32,
+    }
     fit_description = "training CSR dictionaries (NeuralDict)"
 
     @classmethod
@@ -110,7 +122,8 @@ class CsrCodec(LayerCodec):
         if "sparsity" in overrides:
             raise InvalidArgumentError(
                 "codec csr: `sparsity` is now `key_sparsity` and `value_sparsity` (the paper's 8 and 4, values "
-                "coded in `value_chunks`=2 halves); a checkpoint compiled with the old csr must be recompiled")
+                "coded in `value_chunks`=2 halves); a checkpoint compiled with the old csr must be recompiled"
+            )
         return super().parse_params(overrides)
 
     @classmethod
@@ -141,9 +154,15 @@ class CsrCodec(LayerCodec):
                     if r > 0:
                         pieces = to_pieces(layer[side][:, start : start + r].float(), int(p[f"{side}_chunks"]))
                         atoms, history = neural_dict(
-                            pieces.reshape(-1, pieces.shape[-1]), int(p["atoms"]), int(p[f"{side}_sparsity"]),
-                            epochs=int(p["epochs"]), batch=int(p["batch"]), learning_rate=float(p["learning_rate"]),
-                            kmeans_iterations=int(p["kmeans_iterations"]), seed=i)
+                            pieces.reshape(-1, pieces.shape[-1]),
+                            int(p["atoms"]),
+                            int(p[f"{side}_sparsity"]),
+                            epochs=int(p["epochs"]),
+                            batch=int(p["batch"]),
+                            learning_rate=float(p["learning_rate"]),
+                            kmeans_iterations=int(p["kmeans_iterations"]),
+                            seed=i,
+                        )
                         tables[dictionary_name(i, side, h)] = atoms
                         layer_losses.append([round(history[0], 5), round(history[-1], 5)])
                     start += r
@@ -211,8 +230,11 @@ class CsrCodec(LayerCodec):
             new_atoms = pieces.new_zeros(batch, n, k, w)
             if k:
                 new_atoms = self._online_atoms(pieces, offline, s)
-                earlier = (store["online"][..., online_offset : online_offset + k * w].float().reshape(batch, -1, w)
-                           if store is not None else pieces.new_zeros(batch, 0, w))
+                earlier = (
+                    store["online"][..., online_offset : online_offset + k * w].float().reshape(batch, -1, w)
+                    if store is not None
+                    else pieces.new_zeros(batch, 0, w)
+                )
                 atoms_seen = torch.cat([earlier, new_atoms.reshape(batch, n * k, w)], dim=1)  # [B, P, w]
             idx, coef = [], []
             for lo in range(0, n, MP_BLOCKS_AT_ONCE):
@@ -285,11 +307,14 @@ class CsrCodec(LayerCodec):
                 online_offset += k * w
                 newest = (torch.arange(n, device=idx.device) + 1) * k - 1
                 position = (newest[None, :, None, None] - (idx - self.atoms)).clamp(0, n * k - 1)
-                from_online = reconstruct(position.reshape(batch, n * g * chunks, s),
-                                          torch.where(idx >= self.atoms, coef.float(), 0.0).reshape(batch, -1, s),
-                                          online).reshape(batch, n, g * chunks, w)
-                from_offline = reconstruct(idx.clamp(max=self.atoms - 1), torch.where(idx < self.atoms, coef.float(), 0.0),
-                                           offline)
+                from_online = reconstruct(
+                    position.reshape(batch, n * g * chunks, s),
+                    torch.where(idx >= self.atoms, coef.float(), 0.0).reshape(batch, -1, s),
+                    online,
+                ).reshape(batch, n, g * chunks, w)
+                from_offline = reconstruct(
+                    idx.clamp(max=self.atoms - 1), torch.where(idx < self.atoms, coef.float(), 0.0), offline
+                )
                 piece = from_offline + from_online
             else:
                 piece = reconstruct(idx, coef, offline)
@@ -351,9 +376,18 @@ def diversity(atoms: torch.Tensor) -> torch.Tensor:
     return (torch.eye(n) - atoms @ atoms.T).pow(2).sum() / n**2
 
 
-def neural_dict(x: torch.Tensor, atoms: int, sparsity: int, *, epochs: int = 10, batch: int = 1024,
-                learning_rate: float = 0.01, kmeans_iterations: int = 10, seed: int = 0,
-                init: torch.Tensor | None = None) -> tuple[torch.Tensor, list[float]]:
+def neural_dict(
+    x: torch.Tensor,
+    atoms: int,
+    sparsity: int,
+    *,
+    epochs: int = 10,
+    batch: int = 1024,
+    learning_rate: float = 0.01,
+    kmeans_iterations: int = 10,
+    seed: int = 0,
+    init: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, list[float]]:
     """NeuralDict (the paper's Algorithm 1, TrainNeurDict) for the rows of x [T, w]: a unit-norm dictionary
     [atoms, w] initialised at k-means centroids, then `epochs` passes of mini-batch Adam on
     L = L_MSE + beta * L_div (eqs. 8, 10, 11; beta = min(0.1 * L_MSE / L_div of the last batch, 1)) with ReNorm

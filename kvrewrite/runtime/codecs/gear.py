@@ -66,7 +66,9 @@ class GearCodec(LayerCodec):
         if params["rank"] < 0:
             raise InvalidArgumentError(f"codec {cls.name}: rank must be >= 0, got {params['rank']}")
         if not 0 <= params["outlier_percent"] < 50:
-            raise InvalidArgumentError(f"codec {cls.name}: outlier_percent must be in [0, 50), got {params['outlier_percent']}")
+            raise InvalidArgumentError(
+                f"codec {cls.name}: outlier_percent must be in [0, 50), got {params['outlier_percent']}"
+            )
 
     def __init__(self, config: CodecConfig, key_ranks, value_ranks):
         super().__init__(config, key_ranks, value_ranks)
@@ -131,7 +133,9 @@ class GearCodec(LayerCodec):
                 residual = residual.masked_fill(outlier, 0.0)  # decode writes these entries back exactly
             lefts, rights = [], []
             for start, end, rank in heads:
-                left, right = low_rank(residual[..., start:end].reshape(batch * n, g, end - start), rank, self.iterations)
+                left, right = low_rank(
+                    residual[..., start:end].reshape(batch * n, g, end - start), rank, self.iterations
+                )
                 lefts.append(left.reshape(batch, n, g, rank))
                 rights.append(right.reshape(batch, n, (end - start) * rank))
             coded["lowrank_left"] = torch.cat(lefts, -1).to(META_DTYPE)  # [B, n, G, sum of ranks]

@@ -8,8 +8,14 @@ import torch
 from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.runtime.codecs.base import LayerCodec
 from kvrewrite.runtime.codecs.config import CodecConfig
-from kvrewrite.runtime.codecs.packing import (SUPPORTED_BITS, dequantize_minmax, pack_bits, packed_length,
-                                              quantize_minmax, unpack_bits)
+from kvrewrite.runtime.codecs.packing import (
+    SUPPORTED_BITS,
+    dequantize_minmax,
+    pack_bits,
+    packed_length,
+    quantize_minmax,
+    unpack_bits,
+)
 from kvrewrite.runtime.codecs.readout import QuantizedBlocks
 from kvrewrite.runtime.codecs.registry import register_codec
 

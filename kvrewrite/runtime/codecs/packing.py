@@ -47,7 +47,9 @@ def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     return codes.flatten(-2)[..., :n]
 
 
-def quantize_minmax(x: torch.Tensor, reduce_dims: tuple[int, ...], bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_minmax(
+    x: torch.Tensor, reduce_dims: tuple[int, ...], bits: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric uniform quantization with one (scale, minimum) per slice over `reduce_dims`.
 
     Returns uint8 codes shaped like x, and float16 scale and minimum with the reduced dims kept (size 1).

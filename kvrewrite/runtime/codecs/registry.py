@@ -26,7 +26,9 @@ def register_codec(cls: type[LayerCodec]) -> type[LayerCodec]:
         raise ValueError(f"codec {name}: defaults lack {', '.join(missing)} (every codec has them)")
     existing = _CODECS.get(name)
     if existing is not None and existing is not cls:
-        raise ValueError(f"a codec named {name!r} is already registered ({existing.__module__}.{existing.__qualname__})")
+        raise ValueError(
+            f"a codec named {name!r} is already registered ({existing.__module__}.{existing.__qualname__})"
+        )
     _CODECS[name] = cls
     return cls
 

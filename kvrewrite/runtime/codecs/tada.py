@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from kvrewrite.errors import InvalidArgumentError
-from kvrewrite.runtime.codecs.base import SIDES, LayerCodec, Latents, relative_error
+from kvrewrite.runtime.codecs.base import SIDES, Latents, LayerCodec, relative_error
 from kvrewrite.runtime.codecs.config import CodecConfig
 from kvrewrite.runtime.codecs.kivi import check_bit_width, kivi_block_bytes, kivi_decode, kivi_encode
 from kvrewrite.runtime.codecs.registry import register_codec
@@ -37,8 +37,14 @@ class TadaCodec(LayerCodec):
         self.group_size = int(config.params["group_size"])
         self.mean_dims = {side: max(r, default=0) for side, r in self.ranks.items()}
         # For every packed channel: which mean dim it deviates from.
-        self.dim_index = {side: torch.tensor([d for r in ranks for d in range(r)], dtype=torch.long) for side, ranks in self.ranks.items()}
-        self.head_index = {side: torch.tensor([h for h, r in enumerate(ranks) for _ in range(r)], dtype=torch.long) for side, ranks in self.ranks.items()}
+        self.dim_index = {
+            side: torch.tensor([d for r in ranks for d in range(r)], dtype=torch.long)
+            for side, ranks in self.ranks.items()
+        }
+        self.head_index = {
+            side: torch.tensor([h for h, r in enumerate(ranks) for _ in range(r)], dtype=torch.long)
+            for side, ranks in self.ranks.items()
+        }
 
     @classmethod
     def validate(cls, params):
@@ -78,20 +84,29 @@ class TadaCodec(LayerCodec):
 
     def decode(self, coded, side):
         g, c = self.block_tokens, self.channels[side]
-        mean_hat = kivi_decode({k[5:]: v for k, v in coded.items() if k.startswith("mean_")}, "value", self.mean_bits,
-                               self.group_size, g, self.mean_dims[side])
-        deviation = kivi_decode({k[4:]: v for k, v in coded.items() if k.startswith("dev_")}, side, self.bits[side],
-                                self.group_size, g, c)
+        mean_hat = kivi_decode(
+            {k[5:]: v for k, v in coded.items() if k.startswith("mean_")},
+            "value",
+            self.mean_bits,
+            self.group_size,
+            g,
+            self.mean_dims[side],
+        )
+        deviation = kivi_decode(
+            {k[4:]: v for k, v in coded.items() if k.startswith("dev_")}, side, self.bits[side], self.group_size, g, c
+        )
         return mean_hat[..., self.dim_index[side].to(mean_hat.device)] - deviation
 
     def block_bytes(self, side):
         g = self.block_tokens
-        return (kivi_block_bytes("value", self.mean_bits, self.group_size, g, self.mean_dims[side])
-                + kivi_block_bytes(side, self.bits[side], self.group_size, g, self.channels[side]))
+        return kivi_block_bytes("value", self.mean_bits, self.group_size, g, self.mean_dims[side]) + kivi_block_bytes(
+            side, self.bits[side], self.group_size, g, self.channels[side]
+        )
 
 
-def search_tada_bits(config: CodecConfig, latents: Latents, key_ranks, value_ranks, budget_bits: float,
-                     weights=None) -> tuple[torch.Tensor, dict]:
+def search_tada_bits(
+    config: CodecConfig, latents: Latents, key_ranks, value_ranks, budget_bits: float, weights=None
+) -> tuple[torch.Tensor, dict]:
     """Greedy marginal search: start every (layer, side) at 2 bits and repeatedly raise the one with the largest
     drop in weighted calibration error per added byte (2 -> 4 -> 8) while the whole cache stays within
     `budget_bits` stored bits per latent element (codes, means, scales and zero points all counted).

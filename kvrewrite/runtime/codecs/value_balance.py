@@ -38,11 +38,14 @@ def scales_from_norms(norms: list[torch.Tensor], alpha: float) -> list[torch.Ten
     if not bool(positive.any()):
         return [torch.ones_like(n) for n in norms]
     log_mean = flat[positive].log().mean()
-    return [torch.where(n > 0, ((n.clamp_min(1e-300).log() - log_mean) * alpha).exp(), torch.ones_like(n)) for n in norms]
+    return [
+        torch.where(n > 0, ((n.clamp_min(1e-300).log() - log_mean) * alpha).exp(), torch.ones_like(n)) for n in norms
+    ]
 
 
-def balanced_value_weights(v_weight: torch.Tensor, v_bias: torch.Tensor | None, o_weight: torch.Tensor, layout,
-                           scales: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+def balanced_value_weights(
+    v_weight: torch.Tensor, v_bias: torch.Tensor | None, o_weight: torch.Tensor, layout, scales: list[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """(v_proj weight, v_proj bias, o_proj weight) with per-dim scales (per KV head, [r_v[h]]) folded in: value
     rows times s_j, o_proj columns of dim j (every group member) divided by s_j. Products in float64, results in
     each input's dtype; the inputs are not modified."""

@@ -137,11 +137,21 @@ class BucketedAttention:
         # Block-diagonal route: packed query column -> flat [head, key column] position, and flat
         # [head, value column] position -> packed output column.
         self._diag_query = torch.tensor(
-            [(h * g + j) * ko[-1] + ko[h] + i for h, rk in enumerate(layout.key_ranks) for j in range(g) for i in range(rk)],
+            [
+                (h * g + j) * ko[-1] + ko[h] + i
+                for h, rk in enumerate(layout.key_ranks)
+                for j in range(g)
+                for i in range(rk)
+            ],
             dtype=torch.long,
         )
         self._diag_output = torch.tensor(
-            [(h * g + j) * vo[-1] + vo[h] + i for h, rv in enumerate(layout.value_ranks) for j in range(g) for i in range(rv)],
+            [
+                (h * g + j) * vo[-1] + vo[h] + i
+                for h, rv in enumerate(layout.value_ranks)
+                for j in range(g)
+                for i in range(rv)
+            ],
             dtype=torch.long,
         )
         self._heads = heads
@@ -154,12 +164,18 @@ class BucketedAttention:
             self._column_runs = [(h, 1) for h, rv in enumerate(layout.value_ranks) if rv > 0]
         # Packed query columns of each bucket, ordered [head, group member, rank] (a small gather per step).
         self._query_index = [
-            torch.tensor([qo[h] + j * b.key_rank + i for h in b.heads for j in range(g) for i in range(b.key_rank)], dtype=torch.long)
+            torch.tensor(
+                [qo[h] + j * b.key_rank + i for h in b.heads for j in range(g) for i in range(b.key_rank)],
+                dtype=torch.long,
+            )
             for b in self.buckets
         ]
         # Where each bucket's output block lands in the packed output (o_proj's input order).
         self._output_index = [
-            torch.tensor([oo[h] + j * b.value_rank + i for h in b.heads for j in range(g) for i in range(b.value_rank)], dtype=torch.long)
+            torch.tensor(
+                [oo[h] + j * b.value_rank + i for h in b.heads for j in range(g) for i in range(b.value_rank)],
+                dtype=torch.long,
+            )
             for b in self.buckets
         ]
         self._device = torch.device("cpu")
@@ -232,7 +248,12 @@ class BucketedAttention:
         outputs = []
         for h, n in self._column_runs:
             rk, rv = self.layout.key_ranks[h], self.layout.value_ranks[h]
-            q = query[..., qo[h] : qo[h + n]].view(batch, q_len, n, g * rk).transpose(1, 2).reshape(batch * n, q_len * g, rk)
+            q = (
+                query[..., qo[h] : qo[h + n]]
+                .view(batch, q_len, n, g * rk)
+                .transpose(1, 2)
+                .reshape(batch * n, q_len * g, rk)
+            )
             k_t = keys_t[:, ko[h] : ko[h + n]].reshape(batch * n, rk, kv_len)  # a view: the run is the whole row
             scores = torch.bmm(q, k_t)
             scores = scores.to(softmax_dtype(scores.dtype))  # softmax in fp32 (float64 stays float64)
@@ -273,9 +294,15 @@ class BucketedAttention:
         kv_len, w = key.shape[-2], bucket.width
         ks, vs = key.stride(), value.stride()
         # [B, n, S, w] views straight into the packed cache rows.
-        k = key.as_strided((batch, n, kv_len, w), (ks[0], bucket.key_stride, ks[2], ks[3]), key.storage_offset() + bucket.key_start * ks[3])
+        k = key.as_strided(
+            (batch, n, kv_len, w),
+            (ks[0], bucket.key_stride, ks[2], ks[3]),
+            key.storage_offset() + bucket.key_start * ks[3],
+        )
         v = value.as_strided(
-            (batch, n, kv_len, w), (vs[0], bucket.value_stride, vs[2], vs[3]), value.storage_offset() + bucket.value_start * vs[3]
+            (batch, n, kv_len, w),
+            (vs[0], bucket.value_stride, vs[2], vs[3]),
+            value.storage_offset() + bucket.value_start * vs[3],
         )
         if bucket.key_rank != w or bucket.key_shift:
             q = F.pad(q, (bucket.key_shift, w - bucket.key_rank - bucket.key_shift))

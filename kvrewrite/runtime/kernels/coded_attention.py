@@ -25,8 +25,9 @@ from kvrewrite.runtime.kernels.reference import softmax_dtype
 CHUNK_TOKENS = 1024  # tokens dequantised per step of the walk (rounded down to whole blocks, at least one)
 
 
-def dequantize_blocks(coded: dict[str, torch.Tensor], side: str, layout: QuantizedBlocks, start: int, stop: int,
-                      out: torch.Tensor) -> torch.Tensor:
+def dequantize_blocks(
+    coded: dict[str, torch.Tensor], side: str, layout: QuantizedBlocks, start: int, stop: int, out: torch.Tensor
+) -> torch.Tensor:
     """Blocks start..stop-1 of a KIVI store written into out [B, (stop - start) * G, C] (float32), bit for bit
     kivi_decode's values (code * scale + low, one float32 multiply and one add, in place: no temporaries)."""
     packed = coded["codes"][:, start:stop]
@@ -55,8 +56,9 @@ def unpack_codes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     return codes.flatten(-2)[..., :n]
 
 
-def readout_chunks(readout: CodedReadout, dtype: torch.dtype,
-                   chunk_tokens: int | None = None) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+def readout_chunks(
+    readout: CodedReadout, dtype: torch.dtype, chunk_tokens: int | None = None
+) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
     """(first cache index, keys [B, 1, n, Ck], values [B, 1, n, Cv]) of consecutive chunks, in cache order: the
     coded blocks dequantised a chunk at a time, the float16 window appended to the last one (one step fewer)."""
     layout = readout.layout
@@ -123,8 +125,9 @@ class OnlineSoftmax:
 ScoreFn = Callable[[int, torch.Tensor], torch.Tensor]
 
 
-def blockwise_coded_attention(readout: CodedReadout, score: ScoreFn, allowed: torch.Tensor, dtype: torch.dtype,
-                              chunk_tokens: int | None = None) -> torch.Tensor:
+def blockwise_coded_attention(
+    readout: CodedReadout, score: ScoreFn, allowed: torch.Tensor, dtype: torch.dtype, chunk_tokens: int | None = None
+) -> torch.Tensor:
     """softmax(score) @ values over the whole cache -> [B, H, T, Cv]: every query head against ALL packed value
     columns (one GEMM per chunk; the caller keeps each head's own KV head's columns, the block diagonal).
     allowed: [B|1, 1, T, S] (S = readout.length)."""

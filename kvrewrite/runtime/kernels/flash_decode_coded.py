@@ -25,8 +25,17 @@ import triton.language as tl
 from kvrewrite.runtime.codecs.readout import QuantizedBlocks
 from kvrewrite.runtime.kernels.flash_decode_packed import head_costs
 from kvrewrite.runtime.kernels.flash_decode_splits import (
-    LOG2E, NEG_INF, SplitPlan, column_alignment, int_table, interpreting, mask_argument, merge_splits, plan_splits,
-    pow2, workspace,
+    LOG2E,
+    NEG_INF,
+    SplitPlan,
+    column_alignment,
+    int_table,
+    interpreting,
+    mask_argument,
+    merge_splits,
+    plan_splits,
+    pow2,
+    workspace,
 )
 from kvrewrite.runtime.kernels.reference import PackedLayout
 
@@ -45,8 +54,9 @@ def _unpack(ptr, idx, ok, BITS: tl.constexpr):
 
 
 @triton.jit
-def _code_tile(ptr, first, rank, dims, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BITS: tl.constexpr,
-               PAIRS: tl.constexpr):
+def _code_tile(
+    ptr, first, rank, dims, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BITS: tl.constexpr, PAIRS: tl.constexpr
+):
     """Codes [BLOCK_T, BLOCK_D] of one head in a coded block: row t holds codes first[t] + 0 .. first[t] + rank - 1.
     PAIRS (4 bits, every row starting on a byte): one byte load per column pair, split into its two nibbles;
     otherwise one (narrow) load per code. Columns >= rank are garbage: the caller masks them."""
@@ -70,17 +80,72 @@ def _online_step(m_i, l_i, acc, q, k, v, slot_ok, qk_scale, DOT: tl.constexpr):
 
 @triton.jit(do_not_specialize=["n_cap", "w_cap"])
 def _coded_split_kernel(
-    q_ptr, mask_ptr, n_coded_ptr, window_len_ptr, tasks_ptr,
-    kc_ptr, ks_ptr, kl_ptr, vc_ptr, vs_ptr, vl_ptr, kw_ptr, vw_ptr,
-    q_off_ptr, k_off_ptr, v_off_ptr, o_off_ptr, k_rank_ptr, v_rank_ptr, chunk_ptr, n_split_ptr,
-    o_ptr, acc_ptr, m_ptr, l_ptr,
-    n_cap, w_cap, key_channels, value_channels, qk_scale,
-    s_qb, s_mb, s_kcb, s_kcn, s_ksb, s_ksn, s_vcb, s_vcn, s_vsb, s_vsn, s_vst, s_kwb, s_kwt, s_vwb, s_vwt,
-    s_ob, s_ab, s_ah, s_as, s_lb, s_lh,
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
-    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BITS: tl.constexpr, VALUE_GROUP: tl.constexpr,
-    HAS_COUNTS: tl.constexpr, PARTIAL: tl.constexpr, UPCAST: tl.constexpr, K_PAIRS: tl.constexpr,
-    V_PAIRS: tl.constexpr, K_ALIGN: tl.constexpr, V_ALIGN: tl.constexpr,
+    q_ptr,
+    mask_ptr,
+    n_coded_ptr,
+    window_len_ptr,
+    tasks_ptr,
+    kc_ptr,
+    ks_ptr,
+    kl_ptr,
+    vc_ptr,
+    vs_ptr,
+    vl_ptr,
+    kw_ptr,
+    vw_ptr,
+    q_off_ptr,
+    k_off_ptr,
+    v_off_ptr,
+    o_off_ptr,
+    k_rank_ptr,
+    v_rank_ptr,
+    chunk_ptr,
+    n_split_ptr,
+    o_ptr,
+    acc_ptr,
+    m_ptr,
+    l_ptr,
+    n_cap,
+    w_cap,
+    key_channels,
+    value_channels,
+    qk_scale,
+    s_qb,
+    s_mb,
+    s_kcb,
+    s_kcn,
+    s_ksb,
+    s_ksn,
+    s_vcb,
+    s_vcn,
+    s_vsb,
+    s_vsn,
+    s_vst,
+    s_kwb,
+    s_kwt,
+    s_vwb,
+    s_vwt,
+    s_ob,
+    s_ab,
+    s_ah,
+    s_as,
+    s_lb,
+    s_lh,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    BLOCK_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BITS: tl.constexpr,
+    VALUE_GROUP: tl.constexpr,
+    HAS_COUNTS: tl.constexpr,
+    PARTIAL: tl.constexpr,
+    UPCAST: tl.constexpr,
+    K_PAIRS: tl.constexpr,
+    V_PAIRS: tl.constexpr,
+    K_ALIGN: tl.constexpr,
+    V_ALIGN: tl.constexpr,
 ):
     task = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -119,15 +184,31 @@ def _coded_split_kernel(
         pos = blk * BLOCK_T + tok
         slot_ok = tl.load(mask_ptr + b * s_mb + pos) != 0
         # Keys: one (scale, min) per channel per block; codes token-major over the block's [G, C] grid.
-        codes = _code_tile(kc_ptr + b * s_kcb + blk * s_kcn, tok[:, None] * key_channels + k_off, rk, dk, BLOCK_T,
-                           BLOCK_DK, BITS, K_PAIRS)
+        codes = _code_tile(
+            kc_ptr + b * s_kcb + blk * s_kcn,
+            tok[:, None] * key_channels + k_off,
+            rk,
+            dk,
+            BLOCK_T,
+            BLOCK_DK,
+            BITS,
+            K_PAIRS,
+        )
         kmeta = b * s_ksb + blk * s_ksn + k_cols
         scale = tl.load(ks_ptr + kmeta, mask=k_in, other=0.0).to(tl.float32)
         low = tl.load(kl_ptr + kmeta, mask=k_in, other=0.0).to(tl.float32)
         k = tl.where(k_in[None, :], codes * scale[None, :] + low[None, :], 0.0)
         # Values: one (scale, min) per token per group of VALUE_GROUP packed channels.
-        vcodes = _code_tile(vc_ptr + b * s_vcb + blk * s_vcn, tok[:, None] * value_channels + v_off, rv, dv,
-                            BLOCK_T, BLOCK_DV, BITS, V_PAIRS)
+        vcodes = _code_tile(
+            vc_ptr + b * s_vcb + blk * s_vcn,
+            tok[:, None] * value_channels + v_off,
+            rv,
+            dv,
+            BLOCK_T,
+            BLOCK_DV,
+            BITS,
+            V_PAIRS,
+        )
         vmeta = b * s_vsb + blk * s_vsn + tok[:, None] * s_vst + (v_cols // VALUE_GROUP)[None, :]
         vscale = tl.load(vs_ptr + vmeta, mask=v_in[None, :], other=0.0).to(tl.float32)
         vlow = tl.load(vl_ptr + vmeta, mask=v_in[None, :], other=0.0).to(tl.float32)
@@ -140,15 +221,20 @@ def _coded_split_kernel(
         w = start + wtok
         live = w < window
         slot_ok = live & (tl.load(mask_ptr + b * s_mb + n_coded * BLOCK_T + w, mask=live, other=0) != 0)
-        k = tl.load(kw_ptr + b * s_kwb + w[:, None] * s_kwt + k_cols[None, :], mask=live[:, None] & k_in[None, :],
-                    other=0.0).to(tl.float32)
-        v = tl.load(vw_ptr + b * s_vwb + w[:, None] * s_vwt + v_cols[None, :], mask=live[:, None] & v_in[None, :],
-                    other=0.0).to(tl.float32)
+        k = tl.load(
+            kw_ptr + b * s_kwb + w[:, None] * s_kwt + k_cols[None, :], mask=live[:, None] & k_in[None, :], other=0.0
+        ).to(tl.float32)
+        v = tl.load(
+            vw_ptr + b * s_vwb + w[:, None] * s_vwt + v_cols[None, :], mask=live[:, None] & v_in[None, :], other=0.0
+        ).to(tl.float32)
         m_i, l_i, acc = _online_step(m_i, l_i, acc, q, k, v, slot_ok, qk_scale, DOT)
     hq = h * GROUP + member
     if PARTIAL:
-        tl.store(acc_ptr + b * s_ab + hq[:, None] * s_ah + split * s_as + dv[None, :], acc,
-                 mask=row_ok[:, None] & v_in[None, :])
+        tl.store(
+            acc_ptr + b * s_ab + hq[:, None] * s_ah + split * s_as + dv[None, :],
+            acc,
+            mask=row_ok[:, None] & v_in[None, :],
+        )
         tl.store(m_ptr + b * s_lb + hq * s_lh + split, m_i, mask=row_ok)
         tl.store(l_ptr + b * s_lb + hq * s_lh + split, l_i, mask=row_ok)
     else:
@@ -162,8 +248,14 @@ def _byte_pairs(bits: int, offsets: list[int]) -> bool:
     return bits == 4 and all(o % 2 == 0 for o in offsets)
 
 
-def coded_plan(layout: PackedLayout, blocks: QuantizedBlocks, batch: int, n_cap: int, device: torch.device | str,
-               splits: int | None = None) -> SplitPlan:
+def coded_plan(
+    layout: PackedLayout,
+    blocks: QuantizedBlocks,
+    batch: int,
+    n_cap: int,
+    device: torch.device | str,
+    splits: int | None = None,
+) -> SplitPlan:
     """Splits of the coded blocks (a chunk is a whole number of blocks: plan_splits' key block is one coded block)."""
     g = blocks.block_tokens
     costs = head_costs(layout)
@@ -181,20 +273,43 @@ def _tables(layout: PackedLayout, plan: SplitPlan, device: str) -> dict[str, tor
     block = plan.block_n
     return {
         "tasks": int_table(tuple(x for t in tasks for x in t), device),
-        "heads": torch.stack([int_table(tuple(v), device) for v in (
-            layout.query_offsets[:-1], layout.key_offsets[:-1], layout.value_offsets[:-1], layout.output_offsets[:-1],
-            layout.key_ranks, layout.value_ranks, tuple(c // block for c in plan.chunks), plan.splits)]),
-        "out_offsets": int_table(tuple(layout.output_offsets[h // g] + (h % g) * layout.value_ranks[h // g]
-                                       for h in per_query), device),
+        "heads": torch.stack(
+            [
+                int_table(tuple(v), device)
+                for v in (
+                    layout.query_offsets[:-1],
+                    layout.key_offsets[:-1],
+                    layout.value_offsets[:-1],
+                    layout.output_offsets[:-1],
+                    layout.key_ranks,
+                    layout.value_ranks,
+                    tuple(c // block for c in plan.chunks),
+                    plan.splits,
+                )
+            ]
+        ),
+        "out_offsets": int_table(
+            tuple(layout.output_offsets[h // g] + (h % g) * layout.value_ranks[h // g] for h in per_query), device
+        ),
         "out_widths": int_table(tuple(layout.value_ranks[h // g] for h in per_query), device),
         "split_counts": int_table(tuple(plan.splits[h // g] for h in per_query), device),
     }
 
 
-def coded_flash_decode(query: torch.Tensor, blocks: QuantizedBlocks, keys: dict[str, torch.Tensor],
-                       values: dict[str, torch.Tensor], key_window: torch.Tensor, value_window: torch.Tensor,
-                       allowed: torch.Tensor, n_coded: torch.Tensor | None, window_len: torch.Tensor | None,
-                       scaling: float, layout: PackedLayout, splits: int | None = None) -> torch.Tensor:
+def coded_flash_decode(
+    query: torch.Tensor,
+    blocks: QuantizedBlocks,
+    keys: dict[str, torch.Tensor],
+    values: dict[str, torch.Tensor],
+    key_window: torch.Tensor,
+    value_window: torch.Tensor,
+    allowed: torch.Tensor,
+    n_coded: torch.Tensor | None,
+    window_len: torch.Tensor | None,
+    scaling: float,
+    layout: PackedLayout,
+    splits: int | None = None,
+) -> torch.Tensor:
     """One decode step over a preallocated KIVI cache: query [B, Qsum] -> output [B, Osum] in the query's dtype.
 
     keys / values: QuantizedBlocks stores with capacity n_cap on dim 1 ("codes", "scale", "low"; contiguous);
@@ -226,23 +341,69 @@ def coded_flash_decode(query: torch.Tensor, blocks: QuantizedBlocks, keys: dict[
     vc, vs, vl = (values[n] for n in ("codes", "scale", "low"))
     n_tasks = tables["tasks"].numel() // 2
     _coded_split_kernel[(n_tasks, batch)](
-        query, mask, *counts, tables["tasks"], kc, ks, kl, vc, vs, vl, key_window, value_window,
-        *tables["heads"].unbind(0), output, acc, m, l,
-        n_cap, key_window.shape[1], key_window.shape[-1], value_window.shape[-1], scaling * LOG2E,
-        query.stride(0), mask.stride(0), kc.stride(0), kc.stride(1), ks.stride(0), ks.stride(1),
-        vc.stride(0), vc.stride(1), vs.stride(0), vs.stride(1), vs.stride(2),
-        key_window.stride(0), key_window.stride(1), value_window.stride(0), value_window.stride(1),
-        output.stride(0), acc.stride(0) if ws else 0, acc.stride(1) if ws else 0, acc.stride(2) if ws else 0,
-        m.stride(0) if ws else 0, m.stride(1) if ws else 0,
-        GROUP=group, BLOCK_G=pow2(group), BLOCK_T=g, BLOCK_W=WINDOW_TILE, BLOCK_DK=pow2(max(layout.key_ranks)),
-        BLOCK_DV=block_dv, BITS=blocks.bits, VALUE_GROUP=blocks.value_group, HAS_COUNTS=has_counts,
-        PARTIAL=plan.partial, UPCAST=query.dtype != torch.float32 and interpreting(),
-        K_PAIRS=_byte_pairs(blocks.bits, layout.key_offsets), V_PAIRS=_byte_pairs(blocks.bits, layout.value_offsets),
+        query,
+        mask,
+        *counts,
+        tables["tasks"],
+        kc,
+        ks,
+        kl,
+        vc,
+        vs,
+        vl,
+        key_window,
+        value_window,
+        *tables["heads"].unbind(0),
+        output,
+        acc,
+        m,
+        l,
+        n_cap,
+        key_window.shape[1],
+        key_window.shape[-1],
+        value_window.shape[-1],
+        scaling * LOG2E,
+        query.stride(0),
+        mask.stride(0),
+        kc.stride(0),
+        kc.stride(1),
+        ks.stride(0),
+        ks.stride(1),
+        vc.stride(0),
+        vc.stride(1),
+        vs.stride(0),
+        vs.stride(1),
+        vs.stride(2),
+        key_window.stride(0),
+        key_window.stride(1),
+        value_window.stride(0),
+        value_window.stride(1),
+        output.stride(0),
+        acc.stride(0) if ws else 0,
+        acc.stride(1) if ws else 0,
+        acc.stride(2) if ws else 0,
+        m.stride(0) if ws else 0,
+        m.stride(1) if ws else 0,
+        GROUP=group,
+        BLOCK_G=pow2(group),
+        BLOCK_T=g,
+        BLOCK_W=WINDOW_TILE,
+        BLOCK_DK=pow2(max(layout.key_ranks)),
+        BLOCK_DV=block_dv,
+        BITS=blocks.bits,
+        VALUE_GROUP=blocks.value_group,
+        HAS_COUNTS=has_counts,
+        PARTIAL=plan.partial,
+        UPCAST=query.dtype != torch.float32 and interpreting(),
+        K_PAIRS=_byte_pairs(blocks.bits, layout.key_offsets),
+        V_PAIRS=_byte_pairs(blocks.bits, layout.value_offsets),
         K_ALIGN=column_alignment(layout.key_offsets, blocks.bits / 8),
         V_ALIGN=column_alignment(layout.value_offsets, blocks.bits / 8),
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES,
     )
     if ws:
-        merge_splits(ws, output, tables["out_offsets"], tables["out_widths"], tables["split_counts"],
-                     max(layout.value_ranks))
+        merge_splits(
+            ws, output, tables["out_offsets"], tables["out_widths"], tables["split_counts"], max(layout.value_ranks)
+        )
     return output

@@ -22,8 +22,18 @@ import triton.language as tl
 
 from kvrewrite.runtime.kernels.flash_decode_packed import head_costs, partial_share, tile_columns, tile_window
 from kvrewrite.runtime.kernels.flash_decode_splits import (
-    LOG2E, NEG_INF, SplitPlan, decode_tile, int_table, interpreting, kv_len_argument,
-    mask_argument, merge_splits, plan_splits, pow2, workspace,
+    LOG2E,
+    NEG_INF,
+    SplitPlan,
+    decode_tile,
+    int_table,
+    interpreting,
+    kv_len_argument,
+    mask_argument,
+    merge_splits,
+    plan_splits,
+    pow2,
+    workspace,
 )
 from kvrewrite.runtime.kernels.reference import PackedLayout
 
@@ -35,15 +45,58 @@ PROGRAMS_PER_SM = 2
 
 @triton.jit(do_not_specialize=["s_cap"])
 def _latent_split_kernel(
-    q_ptr, k_ptr, v_ptr, mask_ptr, kv_len_ptr, tasks_ptr, up_ptr, cos_ptr, sin_ptr,
-    k_off_ptr, v_off_ptr, o_off_ptr, k_rank_ptr, v_rank_ptr, chunk_ptr,
-    o_ptr, acc_ptr, m_ptr, l_ptr,
-    s_cap, half_d, qk_scale,
-    s_qb, s_kb, s_ks, s_vb, s_vs, s_mb, s_ug, s_ur, s_cs, s_ss, s_ob, s_ab, s_ah, s_as, s_lb, s_lh,
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_DV: tl.constexpr, HALF: tl.constexpr, HAS_KV_LEN: tl.constexpr, PARTIAL: tl.constexpr,
-    UPCAST: tl.constexpr, K_ALIGN: tl.constexpr, V_ALIGN: tl.constexpr, K_WINDOW: tl.constexpr,
-    V_WINDOW: tl.constexpr, SAME_HALVES: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    mask_ptr,
+    kv_len_ptr,
+    tasks_ptr,
+    up_ptr,
+    cos_ptr,
+    sin_ptr,
+    k_off_ptr,
+    v_off_ptr,
+    o_off_ptr,
+    k_rank_ptr,
+    v_rank_ptr,
+    chunk_ptr,
+    o_ptr,
+    acc_ptr,
+    m_ptr,
+    l_ptr,
+    s_cap,
+    half_d,
+    qk_scale,
+    s_qb,
+    s_kb,
+    s_ks,
+    s_vb,
+    s_vs,
+    s_mb,
+    s_ug,
+    s_ur,
+    s_cs,
+    s_ss,
+    s_ob,
+    s_ab,
+    s_ah,
+    s_as,
+    s_lb,
+    s_lh,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    HALF: tl.constexpr,
+    HAS_KV_LEN: tl.constexpr,
+    PARTIAL: tl.constexpr,
+    UPCAST: tl.constexpr,
+    K_ALIGN: tl.constexpr,
+    V_ALIGN: tl.constexpr,
+    K_WINDOW: tl.constexpr,
+    V_WINDOW: tl.constexpr,
+    SAME_HALVES: tl.constexpr,
 ):
     task = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -133,8 +186,11 @@ def _latent_split_kernel(
         m_i = m_new
     hq = h * GROUP + member
     if PARTIAL:
-        tl.store(acc_ptr + b * s_ab + hq[:, None] * s_ah + split * s_as + (dv - v_shift)[None, :], acc,
-                 mask=row_ok[:, None] & v_head[None, :])
+        tl.store(
+            acc_ptr + b * s_ab + hq[:, None] * s_ah + split * s_as + (dv - v_shift)[None, :],
+            acc,
+            mask=row_ok[:, None] & v_head[None, :],
+        )
         tl.store(m_ptr + b * s_lb + hq * s_lh + split, m_i, mask=row_ok)
         tl.store(l_ptr + b * s_lb + hq * s_lh + split, l_i, mask=row_ok)
     else:
@@ -143,12 +199,27 @@ def _latent_split_kernel(
         tl.store(o_ptr + b * s_ob + o_cols, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & v_head[None, :])
 
 
-def latent_plan(layout: PackedLayout, head_dim: int, batch: int, s_cap: int, element_bytes: int,
-                device: torch.device | str, splits: int | None = None) -> SplitPlan:
+def latent_plan(
+    layout: PackedLayout,
+    head_dim: int,
+    batch: int,
+    s_cap: int,
+    element_bytes: int,
+    device: torch.device | str,
+    splits: int | None = None,
+) -> SplitPlan:
     # The block height follows the widest register tile, the rebuilt keys [BLOCK_N, head_dim].
     block_n = decode_tile(max(head_dim, max(layout.value_ranks)), element_bytes)
-    return plan_splits(head_costs(layout), batch, s_cap, block_n, device, splits, PROGRAMS_PER_SM,
-                       partial_share(layout, s_cap, element_bytes))
+    return plan_splits(
+        head_costs(layout),
+        batch,
+        s_cap,
+        block_n,
+        device,
+        splits,
+        PROGRAMS_PER_SM,
+        partial_share(layout, s_cap, element_bytes),
+    )
 
 
 @functools.lru_cache(maxsize=64)
@@ -158,20 +229,42 @@ def _tables(layout: PackedLayout, plan: SplitPlan, device: str) -> dict[str, tor
     tasks = plan.tasks(head_costs(layout))
     return {
         "tasks": int_table(tuple(x for t in tasks for x in t), device),
-        "heads": torch.stack([int_table(tuple(v), device) for v in (
-            layout.key_offsets[:-1], layout.value_offsets[:-1], layout.output_offsets[:-1],
-            layout.key_ranks, layout.value_ranks, plan.chunks)]),
-        "out_offsets": int_table(tuple(layout.output_offsets[h // g] + (h % g) * layout.value_ranks[h // g]
-                                       for h in per_query), device),
+        "heads": torch.stack(
+            [
+                int_table(tuple(v), device)
+                for v in (
+                    layout.key_offsets[:-1],
+                    layout.value_offsets[:-1],
+                    layout.output_offsets[:-1],
+                    layout.key_ranks,
+                    layout.value_ranks,
+                    plan.chunks,
+                )
+            ]
+        ),
+        "out_offsets": int_table(
+            tuple(layout.output_offsets[h // g] + (h % g) * layout.value_ranks[h // g] for h in per_query), device
+        ),
         "out_widths": int_table(tuple(layout.value_ranks[h // g] for h in per_query), device),
         "split_counts": int_table(tuple(plan.splits[h // g] for h in per_query), device),
     }
 
 
-def latent_flash_decode(query_rotated: torch.Tensor, key_latents: torch.Tensor, values: torch.Tensor,
-                        allowed: torch.Tensor, kv_len: torch.Tensor | None, scaling: float, layout: PackedLayout,
-                        k_up: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                        splits: int | None = None, *, rope_halves_equal: bool = True) -> torch.Tensor:
+def latent_flash_decode(
+    query_rotated: torch.Tensor,
+    key_latents: torch.Tensor,
+    values: torch.Tensor,
+    allowed: torch.Tensor,
+    kv_len: torch.Tensor | None,
+    scaling: float,
+    layout: PackedLayout,
+    k_up: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    splits: int | None = None,
+    *,
+    rope_halves_equal: bool = True,
+) -> torch.Tensor:
     """One decode step over a latent-key cache: query_rotated [B, H * d] -> output [B, Osum] (packed value layout).
 
     key_latents [B, S_cap, Ksum] and values [B, S_cap, Vsum] (unit last stride), allowed [B, S_cap] bool/int8,
@@ -201,21 +294,59 @@ def latent_flash_decode(query_rotated: torch.Tensor, key_latents: torch.Tensor, 
     kv_len_t, has_kv_len = kv_len_argument(kv_len, mask)
     n_tasks = tables["tasks"].numel() // 2
     _latent_split_kernel[(n_tasks, batch)](
-        query, key_latents, values, mask, kv_len_t, tables["tasks"], k_up, cos, sin, *tables["heads"].unbind(0),
-        output, acc, m, l,
-        s_cap, head_dim // 2, scaling * LOG2E,
-        query.stride(0), key_latents.stride(0), key_latents.stride(1), values.stride(0), values.stride(1),
-        mask.stride(0), k_up.stride(0), k_up.stride(1), cos.stride(-2), sin.stride(-2),
-        output.stride(0), acc.stride(0) if ws else 0, acc.stride(1) if ws else 0, acc.stride(2) if ws else 0,
-        m.stride(0) if ws else 0, m.stride(1) if ws else 0,
-        GROUP=g, BLOCK_G=pow2(g), BLOCK_N=plan.block_n, BLOCK_R=block_r, BLOCK_DV=block_dv, HALF=half,
-        HAS_KV_LEN=has_kv_len, PARTIAL=plan.partial,
+        query,
+        key_latents,
+        values,
+        mask,
+        kv_len_t,
+        tables["tasks"],
+        k_up,
+        cos,
+        sin,
+        *tables["heads"].unbind(0),
+        output,
+        acc,
+        m,
+        l,
+        s_cap,
+        head_dim // 2,
+        scaling * LOG2E,
+        query.stride(0),
+        key_latents.stride(0),
+        key_latents.stride(1),
+        values.stride(0),
+        values.stride(1),
+        mask.stride(0),
+        k_up.stride(0),
+        k_up.stride(1),
+        cos.stride(-2),
+        sin.stride(-2),
+        output.stride(0),
+        acc.stride(0) if ws else 0,
+        acc.stride(1) if ws else 0,
+        acc.stride(2) if ws else 0,
+        m.stride(0) if ws else 0,
+        m.stride(1) if ws else 0,
+        GROUP=g,
+        BLOCK_G=pow2(g),
+        BLOCK_N=plan.block_n,
+        BLOCK_R=block_r,
+        BLOCK_DV=block_dv,
+        HALF=half,
+        HAS_KV_LEN=has_kv_len,
+        PARTIAL=plan.partial,
         UPCAST=query.dtype != torch.float32 and interpreting(),
-        K_ALIGN=k_align, V_ALIGN=v_align, K_WINDOW=k_window, V_WINDOW=v_window, SAME_HALVES=rope_halves_equal,
+        K_ALIGN=k_align,
+        V_ALIGN=v_align,
+        K_WINDOW=k_window,
+        V_WINDOW=v_window,
+        SAME_HALVES=rope_halves_equal,
         # Two [rk, d / 2] up-projection tiles stay in registers for the walk: wide heads get more warps.
-        num_warps=8 if block_r * half >= 64 * 64 else 4, num_stages=NUM_STAGES,
+        num_warps=8 if block_r * half >= 64 * 64 else 4,
+        num_stages=NUM_STAGES,
     )
     if ws:
-        merge_splits(ws, output, tables["out_offsets"], tables["out_widths"], tables["split_counts"],
-                     max(layout.value_ranks))
+        merge_splits(
+            ws, output, tables["out_offsets"], tables["out_widths"], tables["split_counts"], max(layout.value_ranks)
+        )
     return output

@@ -21,8 +21,17 @@ import triton
 import triton.language as tl
 
 from kvrewrite.runtime.kernels.flash_decode_splits import (
-    LOG2E, NEG_INF, SplitPlan, int_table, interpreting, kv_len_argument, mask_argument, merge_splits, plan_splits,
-    pow2, workspace,
+    LOG2E,
+    NEG_INF,
+    SplitPlan,
+    int_table,
+    interpreting,
+    kv_len_argument,
+    mask_argument,
+    merge_splits,
+    plan_splits,
+    pow2,
+    workspace,
 )
 
 # Sized by compiling for sm_90 here (benchmarks/flash_decode_resources.py; no GPU timing yet). At r = 512 a [32, 512]
@@ -37,12 +46,39 @@ PROGRAMS_PER_SM = 1  # 178 registers x 256 threads: one program per sm_90 SM
 
 @triton.jit(do_not_specialize=["s_cap"])
 def _mla_split_kernel(
-    q_ptr, rows_ptr, mask_ptr, kv_len_ptr,
-    o_ptr, acc_ptr, m_ptr, l_ptr,
-    s_cap, heads, rank, rope_dim, chunk, qk_scale,
-    s_qb, s_qh, s_rb, s_rs, s_mb, s_ob, s_oh, s_ab, s_ah, s_as, s_lb, s_lh,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_PE: tl.constexpr,
-    HAS_KV_LEN: tl.constexpr, PARTIAL: tl.constexpr, UPCAST: tl.constexpr,
+    q_ptr,
+    rows_ptr,
+    mask_ptr,
+    kv_len_ptr,
+    o_ptr,
+    acc_ptr,
+    m_ptr,
+    l_ptr,
+    s_cap,
+    heads,
+    rank,
+    rope_dim,
+    chunk,
+    qk_scale,
+    s_qb,
+    s_qh,
+    s_rb,
+    s_rs,
+    s_mb,
+    s_ob,
+    s_oh,
+    s_ab,
+    s_ah,
+    s_as,
+    s_lb,
+    s_lh,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_PE: tl.constexpr,
+    HAS_KV_LEN: tl.constexpr,
+    PARTIAL: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     head_block = tl.program_id(0)
     split = tl.program_id(1)
@@ -81,8 +117,7 @@ def _mla_split_kernel(
         # anything (NaN): zeroed before it serves as keys and values, its score replaced.
         c = tl.load(row_base + n[:, None] * s_rs + dr[None, :], mask=live[:, None] & r_in[None, :], other=0.0)
         c = tl.where(slot_ok[:, None], c, 0.0)
-        pe = tl.load(row_base + n[:, None] * s_rs + rank + dp[None, :], mask=live[:, None] & p_in[None, :],
-                     other=0.0)
+        pe = tl.load(row_base + n[:, None] * s_rs + rank + dp[None, :], mask=live[:, None] & p_in[None, :], other=0.0)
         if UPCAST:
             c = c.to(tl.float32)
             pe = pe.to(tl.float32)
@@ -95,14 +130,20 @@ def _mla_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)  # the value sum from the same latent tile
         m_i = m_new
     if PARTIAL:
-        tl.store(acc_ptr + b * s_ab + hq[:, None] * s_ah + split * s_as + dr[None, :], acc,
-                 mask=h_ok[:, None] & r_in[None, :])
+        tl.store(
+            acc_ptr + b * s_ab + hq[:, None] * s_ah + split * s_as + dr[None, :],
+            acc,
+            mask=h_ok[:, None] & r_in[None, :],
+        )
         tl.store(m_ptr + b * s_lb + hq * s_lh + split, m_i, mask=h_ok)
         tl.store(l_ptr + b * s_lb + hq * s_lh + split, l_i, mask=h_ok)
     else:
         out = tl.where(l_i[:, None] > 0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
-        tl.store(o_ptr + b * s_ob + hq[:, None] * s_oh + dr[None, :], out.to(o_ptr.dtype.element_ty),
-                 mask=h_ok[:, None] & r_in[None, :])
+        tl.store(
+            o_ptr + b * s_ob + hq[:, None] * s_oh + dr[None, :],
+            out.to(o_ptr.dtype.element_ty),
+            mask=h_ok[:, None] & r_in[None, :],
+        )
 
 
 def mla_tile(rank: int) -> int:
@@ -113,8 +154,16 @@ def mla_tile(rank: int) -> int:
     return max(16, min(64, 16384 // pow2(rank)))
 
 
-def mla_plan(batch: int, heads: int, rank: int, rope_dim: int, s_cap: int, element_bytes: int,
-             device: torch.device | str, splits: int | None = None) -> SplitPlan:
+def mla_plan(
+    batch: int,
+    heads: int,
+    rank: int,
+    rope_dim: int,
+    s_cap: int,
+    element_bytes: int,
+    device: torch.device | str,
+    splits: int | None = None,
+) -> SplitPlan:
     block_h = min(MAX_BLOCK_H, pow2(heads))
     head_blocks = -(-heads // block_h)
     # A split's partial: block_h rows of r + 2 fp32, written and read back, against S_cap rows of r + d_r bf16
@@ -125,12 +174,22 @@ def mla_plan(batch: int, heads: int, rank: int, rope_dim: int, s_cap: int, eleme
 
 @functools.lru_cache(maxsize=64)
 def _merge_tables(heads: int, rank: int, splits: int, device: str) -> tuple[torch.Tensor, ...]:
-    return (int_table(tuple(h * rank for h in range(heads)), device), int_table((rank,) * heads, device),
-            int_table((splits,) * heads, device))
+    return (
+        int_table(tuple(h * rank for h in range(heads)), device),
+        int_table((rank,) * heads, device),
+        int_table((splits,) * heads, device),
+    )
 
 
-def mla_flash_decode(q_rows: torch.Tensor, rows: torch.Tensor, allowed: torch.Tensor, kv_len: torch.Tensor | None,
-                     scaling: float, rank: int, splits: int | None = None) -> torch.Tensor:
+def mla_flash_decode(
+    q_rows: torch.Tensor,
+    rows: torch.Tensor,
+    allowed: torch.Tensor,
+    kv_len: torch.Tensor | None,
+    scaling: float,
+    rank: int,
+    splits: int | None = None,
+) -> torch.Tensor:
     """One absorbed-MLA decode step: q_rows [B, H, r + d_r], rows [B, S_cap, r + d_r] -> latent_out [B, H, r].
 
     Any batch / head / slot strides, unit last stride. allowed [B, S_cap] bool/int8 (unit last stride), kv_len:
@@ -152,16 +211,44 @@ def mla_flash_decode(q_rows: torch.Tensor, rows: torch.Tensor, allowed: torch.Te
     mask = mask_argument(allowed)
     kv_len_t, has_kv_len = kv_len_argument(kv_len, mask)
     _mla_split_kernel[(head_blocks, plan.max_splits, batch)](
-        q_rows, rows, mask, kv_len_t, output, acc, m, l,
-        s_cap, heads, rank, rope_dim, plan.chunks[0], scaling * LOG2E,
-        q_rows.stride(0), q_rows.stride(1), rows.stride(0), rows.stride(1), mask.stride(0),
-        output.stride(0), output.stride(1), acc.stride(0) if ws else 0, acc.stride(1) if ws else 0,
-        acc.stride(2) if ws else 0, m.stride(0) if ws else 0, m.stride(1) if ws else 0,
-        BLOCK_H=block_h, BLOCK_N=plan.block_n, BLOCK_R=block_r, BLOCK_PE=pow2(rope_dim),
-        HAS_KV_LEN=has_kv_len, PARTIAL=plan.partial, UPCAST=q_rows.dtype != torch.float32 and interpreting(),
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        q_rows,
+        rows,
+        mask,
+        kv_len_t,
+        output,
+        acc,
+        m,
+        l,
+        s_cap,
+        heads,
+        rank,
+        rope_dim,
+        plan.chunks[0],
+        scaling * LOG2E,
+        q_rows.stride(0),
+        q_rows.stride(1),
+        rows.stride(0),
+        rows.stride(1),
+        mask.stride(0),
+        output.stride(0),
+        output.stride(1),
+        acc.stride(0) if ws else 0,
+        acc.stride(1) if ws else 0,
+        acc.stride(2) if ws else 0,
+        m.stride(0) if ws else 0,
+        m.stride(1) if ws else 0,
+        BLOCK_H=block_h,
+        BLOCK_N=plan.block_n,
+        BLOCK_R=block_r,
+        BLOCK_PE=pow2(rope_dim),
+        HAS_KV_LEN=has_kv_len,
+        PARTIAL=plan.partial,
+        UPCAST=q_rows.dtype != torch.float32 and interpreting(),
+        num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES,
     )
     if ws:
-        merge_splits(ws, output.view(batch, heads * rank), *_merge_tables(heads, rank, plan.max_splits, str(device)),
-                     rank)
+        merge_splits(
+            ws, output.view(batch, heads * rank), *_merge_tables(heads, rank, plan.max_splits, str(device)), rank
+        )
     return output

@@ -23,8 +23,19 @@ import triton
 import triton.language as tl
 
 from kvrewrite.runtime.kernels.flash_decode_splits import (
-    LOG2E, NEG_INF, SplitPlan, column_alignment, decode_tile, int_table, interpreting, kv_len_argument,
-    mask_argument, merge_splits, plan_splits, pow2, workspace,
+    LOG2E,
+    NEG_INF,
+    SplitPlan,
+    column_alignment,
+    decode_tile,
+    int_table,
+    interpreting,
+    kv_len_argument,
+    mask_argument,
+    merge_splits,
+    plan_splits,
+    pow2,
+    workspace,
 )
 from kvrewrite.runtime.kernels.reference import PackedLayout
 from kvrewrite.runtime.kernels.scheduling import head_work
@@ -59,14 +70,49 @@ def tile_window(offset, rank, ALIGN: tl.constexpr, WINDOW: tl.constexpr):
 
 @triton.jit(do_not_specialize=["s_cap"])  # s_cap == 1 would turn into a constexpr
 def _packed_split_kernel(
-    q_ptr, k_ptr, v_ptr, mask_ptr, kv_len_ptr, tasks_ptr,
-    q_off_ptr, k_off_ptr, v_off_ptr, o_off_ptr, k_rank_ptr, v_rank_ptr, chunk_ptr,
-    o_ptr, acc_ptr, m_ptr, l_ptr,
-    s_cap, qk_scale,
-    s_qb, s_kb, s_ks, s_vb, s_vs, s_mb, s_ob, s_ab, s_ah, s_as, s_lb, s_lh,
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr,
-    BLOCK_DV: tl.constexpr, HAS_KV_LEN: tl.constexpr, PARTIAL: tl.constexpr, UPCAST: tl.constexpr,
-    K_ALIGN: tl.constexpr, V_ALIGN: tl.constexpr, K_WINDOW: tl.constexpr, V_WINDOW: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    mask_ptr,
+    kv_len_ptr,
+    tasks_ptr,
+    q_off_ptr,
+    k_off_ptr,
+    v_off_ptr,
+    o_off_ptr,
+    k_rank_ptr,
+    v_rank_ptr,
+    chunk_ptr,
+    o_ptr,
+    acc_ptr,
+    m_ptr,
+    l_ptr,
+    s_cap,
+    qk_scale,
+    s_qb,
+    s_kb,
+    s_ks,
+    s_vb,
+    s_vs,
+    s_mb,
+    s_ob,
+    s_ab,
+    s_ah,
+    s_as,
+    s_lb,
+    s_lh,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    HAS_KV_LEN: tl.constexpr,
+    PARTIAL: tl.constexpr,
+    UPCAST: tl.constexpr,
+    K_ALIGN: tl.constexpr,
+    V_ALIGN: tl.constexpr,
+    K_WINDOW: tl.constexpr,
+    V_WINDOW: tl.constexpr,
 ):
     task = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -125,8 +171,11 @@ def _packed_split_kernel(
         m_i = m_new
     hq = h * GROUP + member
     if PARTIAL:
-        tl.store(acc_ptr + b * s_ab + hq[:, None] * s_ah + split * s_as + (dv - v_shift)[None, :], acc,
-                 mask=row_ok[:, None] & v_head[None, :])
+        tl.store(
+            acc_ptr + b * s_ab + hq[:, None] * s_ah + split * s_as + (dv - v_shift)[None, :],
+            acc,
+            mask=row_ok[:, None] & v_head[None, :],
+        )
         tl.store(m_ptr + b * s_lb + hq * s_lh + split, m_i, mask=row_ok)
         tl.store(l_ptr + b * s_lb + hq * s_lh + split, l_i, mask=row_ok)
     else:
@@ -173,11 +222,25 @@ def tile_columns(offsets: list[int], rows: torch.Tensor) -> tuple[int, bool, int
     return align, False, pow2(max(ranks))
 
 
-def packed_plan(layout: PackedLayout, batch: int, s_cap: int, element_bytes: int, device: torch.device | str,
-                splits: int | None = None) -> SplitPlan:
+def packed_plan(
+    layout: PackedLayout,
+    batch: int,
+    s_cap: int,
+    element_bytes: int,
+    device: torch.device | str,
+    splits: int | None = None,
+) -> SplitPlan:
     block_n = decode_tile(max(max(layout.key_ranks), max(layout.value_ranks)), element_bytes)
-    return plan_splits(head_costs(layout), batch, s_cap, block_n, device, splits, PROGRAMS_PER_SM,
-                       partial_share(layout, s_cap, element_bytes))
+    return plan_splits(
+        head_costs(layout),
+        batch,
+        s_cap,
+        block_n,
+        device,
+        splits,
+        PROGRAMS_PER_SM,
+        partial_share(layout, s_cap, element_bytes),
+    )
 
 
 @functools.lru_cache(maxsize=64)
@@ -188,19 +251,38 @@ def _tables(layout: PackedLayout, plan: SplitPlan, device: str) -> dict[str, tor
     tasks = plan.tasks(head_costs(layout))
     return {
         "tasks": int_table(tuple(x for t in tasks for x in t), device),
-        "heads": torch.stack([int_table(tuple(v), device) for v in (
-            layout.query_offsets[:-1], layout.key_offsets[:-1], layout.value_offsets[:-1], layout.output_offsets[:-1],
-            layout.key_ranks, layout.value_ranks, plan.chunks)]),
-        "out_offsets": int_table(tuple(layout.output_offsets[h // g] + (h % g) * layout.value_ranks[h // g]
-                                       for h in per_query), device),
+        "heads": torch.stack(
+            [
+                int_table(tuple(v), device)
+                for v in (
+                    layout.query_offsets[:-1],
+                    layout.key_offsets[:-1],
+                    layout.value_offsets[:-1],
+                    layout.output_offsets[:-1],
+                    layout.key_ranks,
+                    layout.value_ranks,
+                    plan.chunks,
+                )
+            ]
+        ),
+        "out_offsets": int_table(
+            tuple(layout.output_offsets[h // g] + (h % g) * layout.value_ranks[h // g] for h in per_query), device
+        ),
         "out_widths": int_table(tuple(layout.value_ranks[h // g] for h in per_query), device),
         "split_counts": int_table(tuple(plan.splits[h // g] for h in per_query), device),
     }
 
 
-def packed_flash_decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor,
-                        kv_len: torch.Tensor | None, scaling: float, layout: PackedLayout,
-                        splits: int | None = None) -> torch.Tensor:
+def packed_flash_decode(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    allowed: torch.Tensor,
+    kv_len: torch.Tensor | None,
+    scaling: float,
+    layout: PackedLayout,
+    splits: int | None = None,
+) -> torch.Tensor:
     """One decode step over the packed cache: query [B, Qsum] -> output [B, Osum] in the query's dtype.
 
     keys [B, S_cap, Ksum], values [B, S_cap, Vsum] (unit last stride), allowed [B, S_cap] bool/int8 (unit last
@@ -223,19 +305,48 @@ def packed_flash_decode(query: torch.Tensor, keys: torch.Tensor, values: torch.T
     kv_len_t, has_kv_len = kv_len_argument(kv_len, mask)
     n_tasks = tables["tasks"].numel() // 2
     _packed_split_kernel[(n_tasks, batch)](
-        query, keys, values, mask, kv_len_t, tables["tasks"], *tables["heads"].unbind(0),
-        output, acc, m, l,
-        s_cap, scaling * LOG2E,
-        query.stride(0), keys.stride(0), keys.stride(1), values.stride(0), values.stride(1), mask.stride(0),
-        output.stride(0), acc.stride(0) if ws else 0, acc.stride(1) if ws else 0, acc.stride(2) if ws else 0,
-        m.stride(0) if ws else 0, m.stride(1) if ws else 0,
-        GROUP=g, BLOCK_G=pow2(g), BLOCK_N=plan.block_n, BLOCK_DK=block_dk, BLOCK_DV=block_dv,
-        HAS_KV_LEN=has_kv_len, PARTIAL=plan.partial,
+        query,
+        keys,
+        values,
+        mask,
+        kv_len_t,
+        tables["tasks"],
+        *tables["heads"].unbind(0),
+        output,
+        acc,
+        m,
+        l,
+        s_cap,
+        scaling * LOG2E,
+        query.stride(0),
+        keys.stride(0),
+        keys.stride(1),
+        values.stride(0),
+        values.stride(1),
+        mask.stride(0),
+        output.stride(0),
+        acc.stride(0) if ws else 0,
+        acc.stride(1) if ws else 0,
+        acc.stride(2) if ws else 0,
+        m.stride(0) if ws else 0,
+        m.stride(1) if ws else 0,
+        GROUP=g,
+        BLOCK_G=pow2(g),
+        BLOCK_N=plan.block_n,
+        BLOCK_DK=block_dk,
+        BLOCK_DV=block_dv,
+        HAS_KV_LEN=has_kv_len,
+        PARTIAL=plan.partial,
         UPCAST=query.dtype != torch.float32 and interpreting(),
-        K_ALIGN=k_align, V_ALIGN=v_align, K_WINDOW=k_window, V_WINDOW=v_window,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        K_ALIGN=k_align,
+        V_ALIGN=v_align,
+        K_WINDOW=k_window,
+        V_WINDOW=v_window,
+        num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES,
     )
     if ws:
-        merge_splits(ws, output, tables["out_offsets"], tables["out_widths"], tables["split_counts"],
-                     max(layout.value_ranks))
+        merge_splits(
+            ws, output, tables["out_offsets"], tables["out_widths"], tables["split_counts"], max(layout.value_ranks)
+        )
     return output

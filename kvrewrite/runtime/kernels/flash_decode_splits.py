@@ -51,8 +51,9 @@ def multiprocessor_count(device: str) -> int:
     return INTERPRETER_SMS
 
 
-def choose_splits(programs: int, s_cap: int, block_n: int, slots: int, partial_share: float,
-                  min_split_tokens: int = MIN_SPLIT_TOKENS) -> int:
+def choose_splits(
+    programs: int, s_cap: int, block_n: int, slots: int, partial_share: float, min_split_tokens: int = MIN_SPLIT_TOKENS
+) -> int:
     """The split count that minimises a wave model of the launch's time.
 
     `programs` unsplit tasks of equal work run on `slots` resident programs (multiprocessors x programs that fit on
@@ -73,8 +74,9 @@ def choose_splits(programs: int, s_cap: int, block_n: int, slots: int, partial_s
     return min(range(1, limit + 1), key=lambda s: (time(s), s))
 
 
-def device_splits(programs: int, s_cap: int, block_n: int, device: torch.device | str, programs_per_sm: int,
-                  partial_share: float) -> int:
+def device_splits(
+    programs: int, s_cap: int, block_n: int, device: torch.device | str, programs_per_sm: int, partial_share: float
+) -> int:
     """choose_splits for this device: its multiprocessor count (under the interpreter a small pretend one, and
     splits as short as one key block, so tiny test caches still split)."""
     slots = programs_per_sm * multiprocessor_count(str(device))
@@ -105,8 +107,16 @@ class SplitPlan:
         return sorted(tasks, key=lambda t: (-self.chunks[t[0]] * work[t[0]], t))
 
 
-def plan_splits(work: tuple[int, ...], batch: int, s_cap: int, block_n: int, device: torch.device | str,
-                splits: int | None = None, programs_per_sm: int = 4, partial_share: float = 0.0) -> SplitPlan:
+def plan_splits(
+    work: tuple[int, ...],
+    batch: int,
+    s_cap: int,
+    block_n: int,
+    device: torch.device | str,
+    splits: int | None = None,
+    programs_per_sm: int = 4,
+    partial_share: float = 0.0,
+) -> SplitPlan:
     """Split counts per head: the heaviest head gets `splits` (default: device_splits for the whole launch), a head
     of work w gets about splits * w / max(work), at least one. A given `splits` is kept even when it exceeds the key
     blocks (the extra programs find no slots and write an empty partial); a chosen one never leaves a split empty.
@@ -173,9 +183,21 @@ def workspace(batch: int, heads: int, splits: int, width: int, device: torch.dev
 
 @triton.jit
 def _merge_kernel(
-    acc_ptr, m_ptr, l_ptr, o_ptr, o_off_ptr, o_width_ptr, n_split_ptr,
-    s_ab, s_ah, s_as, s_mb, s_mh, s_ob,
-    SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
+    acc_ptr,
+    m_ptr,
+    l_ptr,
+    o_ptr,
+    o_off_ptr,
+    o_width_ptr,
+    n_split_ptr,
+    s_ab,
+    s_ah,
+    s_as,
+    s_mb,
+    s_mh,
+    s_ob,
+    SPLITS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     hq = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -191,15 +213,22 @@ def _merge_kernel(
     width = tl.load(o_width_ptr + hq)
     dims = d0 + tl.arange(0, BLOCK_D)
     d_ok = dims < width
-    acc = tl.load(acc_ptr + b * s_ab + hq * s_ah + sp[:, None] * s_as + dims[None, :], mask=ok[:, None] & d_ok[None, :],
-                  other=0.0)
+    acc = tl.load(
+        acc_ptr + b * s_ab + hq * s_ah + sp[:, None] * s_as + dims[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0
+    )
     out = tl.sum(acc * weight[:, None], 0)
     out = tl.where(total > 0, out / tl.maximum(total, 1e-30), 0.0)  # no allowed slot at all (padding row): zeros
     tl.store(o_ptr + b * s_ob + tl.load(o_off_ptr + hq) + dims, out.to(o_ptr.dtype.element_ty), mask=d_ok)
 
 
-def merge_splits(ws: Workspace, output: torch.Tensor, out_offsets: torch.Tensor, out_widths: torch.Tensor,
-                 split_counts: torch.Tensor, max_width: int) -> None:
+def merge_splits(
+    ws: Workspace,
+    output: torch.Tensor,
+    out_offsets: torch.Tensor,
+    out_widths: torch.Tensor,
+    split_counts: torch.Tensor,
+    max_width: int,
+) -> None:
     """Write output[b, out_offsets[h] : + out_widths[h]] = the merged splits of query head h (output: [B, C], unit
     last stride). split_counts[h]: how many of the workspace's splits head h's programs wrote."""
     batch, heads, splits, _ = ws.acc.shape
@@ -207,10 +236,22 @@ def merge_splits(ws: Workspace, output: torch.Tensor, out_offsets: torch.Tensor,
     block_d = min(pow2(max_width), max(16, MERGE_TILE // split_tile))
     grid = (heads, batch, max(1, -(-max_width // block_d)))
     _merge_kernel[grid](
-        ws.acc, ws.running_max, ws.normaliser, output, out_offsets, out_widths, split_counts,
-        ws.acc.stride(0), ws.acc.stride(1), ws.acc.stride(2), ws.running_max.stride(0), ws.running_max.stride(1),
+        ws.acc,
+        ws.running_max,
+        ws.normaliser,
+        output,
+        out_offsets,
+        out_widths,
+        split_counts,
+        ws.acc.stride(0),
+        ws.acc.stride(1),
+        ws.acc.stride(2),
+        ws.running_max.stride(0),
+        ws.running_max.stride(1),
         output.stride(0),
-        SPLITS=split_tile, BLOCK_D=block_d, num_warps=4,
+        SPLITS=split_tile,
+        BLOCK_D=block_d,
+        num_warps=4,
     )
 
 

@@ -16,7 +16,9 @@ GROW = 4096
 _LENGTH_DEPENDENT = ("dynamic", "longrope")
 
 
-def _computed(rotary: nn.Module, like: torch.Tensor, length: int, transposed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _computed(
+    rotary: nn.Module, like: torch.Tensor, length: int, transposed: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     positions = torch.arange(length, device=like.device)[None]
     cos, sin = rotary(like, positions)  # [1, S, d]
     if transposed:
@@ -24,8 +26,9 @@ def _computed(rotary: nn.Module, like: torch.Tensor, length: int, transposed: bo
     return cos[0].contiguous(), sin[0].contiguous()
 
 
-def rope_table(rotary: nn.Module, like: torch.Tensor, length: int, transposed: bool = True
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_table(
+    rotary: nn.Module, like: torch.Tensor, length: int, transposed: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin) in `like`'s dtype and device for cache positions 0.. (at least `length` of them): [d, >= length]
     when transposed, else [>= length, d]."""
     rope_type = str(getattr(rotary, "rope_type", "default"))

@@ -19,16 +19,18 @@ from __future__ import annotations
 
 import os
 
+import torch
 import triton
 import triton.language as tl
-import torch
 
 from kvrewrite.runtime.kernels.cache_layout import ROWS
 from kvrewrite.runtime.kernels.flash_decode_packed import packed_flash_decode
 from kvrewrite.runtime.kernels.reference import PackedLayout, boolean_mask
 from kvrewrite.runtime.kernels.scheduling import head_work, lpt_decode_schedule, prefill_tasks
 
-NEG_INF = tl.constexpr(-1.0e30)  # a constexpr: compiled kernels read no plain globals; finite: a fully masked block must not turn the running max into -inf - -inf = nan
+NEG_INF = tl.constexpr(
+    -1.0e30
+)  # a constexpr: compiled kernels read no plain globals; finite: a fully masked block must not turn the running max into -inf - -inf = nan
 INTERPRETER_WORKERS = 4
 
 
@@ -53,12 +55,32 @@ def _attend_block(q, m_i, l_i, acc, k_ptrs, v_ptrs, key_ok, value_ok, allowed, s
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, mask_ptr,
-    tasks_ptr, starts_ptr,
-    q_off_ptr, k_off_ptr, v_off_ptr, o_off_ptr, k_rank_ptr, v_rank_ptr,
-    kv_len, scaling,
-    stride_qb, stride_kb, stride_ks, stride_vb, stride_vs, stride_ob, stride_mb,
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    o_ptr,
+    mask_ptr,
+    tasks_ptr,
+    starts_ptr,
+    q_off_ptr,
+    k_off_ptr,
+    v_off_ptr,
+    o_off_ptr,
+    k_rank_ptr,
+    v_rank_ptr,
+    kv_len,
+    scaling,
+    stride_qb,
+    stride_kb,
+    stride_ks,
+    stride_vb,
+    stride_vs,
+    stride_ob,
+    stride_mb,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     worker = tl.program_id(0)
@@ -85,12 +107,17 @@ def _decode_kernel(
             in_range = n < kv_len
             allowed = (tl.load(mask_ptr + b * stride_mb + n, mask=in_range, other=0) != 0)[None, :] & row_ok
             m_i, l_i, acc = _attend_block(
-                q, m_i, l_i, acc,
+                q,
+                m_i,
+                l_i,
+                acc,
                 k_base + n[:, None] * stride_ks + dims[None, :],
                 v_base + n[:, None] * stride_vs + dims[None, :],
                 in_range[:, None] & (dims[None, :] < rk),
                 in_range[:, None] & (dims[None, :] < rv),
-                allowed, scaling, UPCAST,
+                allowed,
+                scaling,
+                UPCAST,
             )
         out = tl.where(l_i[:, None] > 0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
         o_cols = tl.load(o_off_ptr + h) + rows[:, None] * rv + dims[None, :]
@@ -99,13 +126,38 @@ def _decode_kernel(
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, mask_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    o_ptr,
+    mask_ptr,
     tasks_ptr,
-    q_off_ptr, k_off_ptr, v_off_ptr, o_off_ptr, k_rank_ptr, v_rank_ptr,
-    kv_len, past_len, scaling,
-    stride_qb, stride_qt, stride_kb, stride_ks, stride_vb, stride_vs, stride_ob, stride_ot, stride_mb, stride_mt,
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
+    q_off_ptr,
+    k_off_ptr,
+    v_off_ptr,
+    o_off_ptr,
+    k_rank_ptr,
+    v_rank_ptr,
+    kv_len,
+    past_len,
+    scaling,
+    stride_qb,
+    stride_qt,
+    stride_kb,
+    stride_ks,
+    stride_vb,
+    stride_vs,
+    stride_ob,
+    stride_ot,
+    stride_mb,
+    stride_mt,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     task = tl.program_id(0)
     b = tl.load(tasks_ptr + 4 * task).to(tl.int64)
@@ -140,12 +192,17 @@ def _prefill_kernel(
             m_ptrs = mask_ptr + b * stride_mb + pos[:, None] * stride_mt + n[None, :]
             allowed = tl.load(m_ptrs, mask=row_ok[:, None] & in_range[None, :], other=0) != 0
             m_i, l_i, acc = _attend_block(
-                q, m_i, l_i, acc,
+                q,
+                m_i,
+                l_i,
+                acc,
                 k_base + n[:, None] * stride_ks + dims[None, :],
                 v_base + n[:, None] * stride_vs + dims[None, :],
                 in_range[:, None] & (dims[None, :] < rk),
                 in_range[:, None] & (dims[None, :] < rv),
-                allowed, scaling, UPCAST,
+                allowed,
+                scaling,
+                UPCAST,
             )
         out = tl.where(l_i[:, None] > 0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
         o_ptrs = o_ptr + b * stride_ob + pos[:, None] * stride_ot + o_off + member[:, None] * rv + dims[None, :]
@@ -165,8 +222,14 @@ class TritonPackedAttention:
 
     cache_layout = ROWS  # the kernels read token-major packed rows (unit column stride)
 
-    def __init__(self, layout: PackedLayout, causal: bool = True, workers: int | None = None, base_rows: int = 32,
-                 flash_decode: bool = True):
+    def __init__(
+        self,
+        layout: PackedLayout,
+        causal: bool = True,
+        workers: int | None = None,
+        base_rows: int = 32,
+        flash_decode: bool = True,
+    ):
         self.layout = layout
         # Decode through the flash-decoding kernel (default) or the one-program-per-head _decode_kernel.
         self.flash_decode = flash_decode
@@ -179,8 +242,14 @@ class TritonPackedAttention:
     def _rank_tables(self, device: torch.device) -> torch.Tensor:
         if device not in self._tables:
             lay = self.layout
-            rows = [lay.query_offsets[:-1], lay.key_offsets[:-1], lay.value_offsets[:-1], lay.output_offsets[:-1],
-                    list(lay.key_ranks), list(lay.value_ranks)]
+            rows = [
+                lay.query_offsets[:-1],
+                lay.key_offsets[:-1],
+                lay.value_offsets[:-1],
+                lay.output_offsets[:-1],
+                list(lay.key_ranks),
+                list(lay.value_ranks),
+            ]
             self._tables[device] = torch.tensor(rows, dtype=torch.int32, device=device)
         return self._tables[device]
 
@@ -198,8 +267,11 @@ class TritonPackedAttention:
             # Every request of a batch has the same (padded) context, so the order depends only on the
             # ranks and one schedule serves every step of this batch size.
             lay = self.layout
-            costs = {(b, h): float(kv_len * head_work(rk, rv)) for b in range(batch)
-                     for h, (rk, rv) in enumerate(zip(lay.key_ranks, lay.value_ranks))}
+            costs = {
+                (b, h): float(kv_len * head_work(rk, rv))
+                for b in range(batch)
+                for h, (rk, rv) in enumerate(zip(lay.key_ranks, lay.value_ranks))
+            }
             plan = lpt_decode_schedule(costs, workers)
             tasks = torch.tensor(plan.tasks, dtype=torch.int32, device=device).reshape(-1)
             starts = torch.tensor(plan.starts, dtype=torch.int32, device=device)
@@ -232,20 +304,60 @@ class TritonPackedAttention:
         if q_len == 1:
             tasks, starts, workers = self._decode_schedule(batch, kv_len, query.device)
             _decode_kernel[(workers,)](
-                query, key, value, output, mask, tasks, starts, *common, kv_len, scaling,
-                query.stride(0), key.stride(0), key.stride(2), value.stride(0), value.stride(2),
-                output.stride(0), mask.stride(0),
-                GROUP=g, BLOCK_G=max(16, block_g), BLOCK_N=64, BLOCK_D=block_d, UPCAST=upcast,
+                query,
+                key,
+                value,
+                output,
+                mask,
+                tasks,
+                starts,
+                *common,
+                kv_len,
+                scaling,
+                query.stride(0),
+                key.stride(0),
+                key.stride(2),
+                value.stride(0),
+                value.stride(2),
+                output.stride(0),
+                mask.stride(0),
+                GROUP=g,
+                BLOCK_G=max(16, block_g),
+                BLOCK_N=64,
+                BLOCK_D=block_d,
+                UPCAST=upcast,
             )
             return output
         block_m = max(1, 64 // block_g)
         tasks = prefill_tasks(batch, q_len, lay.key_ranks, lay.value_ranks, self.base_rows, block_m)
         task_table = torch.tensor(tasks, dtype=torch.int32, device=query.device).reshape(-1)
         _prefill_kernel[(len(tasks),)](
-            query, key, value, output, mask, task_table, *common, kv_len, kv_len - q_len, scaling,
-            query.stride(0), query.stride(1), key.stride(0), key.stride(2), value.stride(0), value.stride(2),
-            output.stride(0), output.stride(1), mask.stride(0), mask.stride(1),
-            GROUP=g, BLOCK_G=block_g, BLOCK_M=block_m, BLOCK_N=32, BLOCK_D=block_d, CAUSAL=self.causal,
+            query,
+            key,
+            value,
+            output,
+            mask,
+            task_table,
+            *common,
+            kv_len,
+            kv_len - q_len,
+            scaling,
+            query.stride(0),
+            query.stride(1),
+            key.stride(0),
+            key.stride(2),
+            value.stride(0),
+            value.stride(2),
+            output.stride(0),
+            output.stride(1),
+            mask.stride(0),
+            mask.stride(1),
+            GROUP=g,
+            BLOCK_G=block_g,
+            BLOCK_M=block_m,
+            BLOCK_N=32,
+            BLOCK_D=block_d,
+            CAUSAL=self.causal,
             UPCAST=upcast,
         )
         return output

@@ -34,7 +34,9 @@ from kvrewrite.runtime.codecs.readout import CodedReadout
 from kvrewrite.runtime.kernels.reference import PackedLayout, boolean_mask
 
 MIN_BLOCKS_PER_SPLIT = 4
-NEG_INF = tl.constexpr(-1.0e30)  # a constexpr: compiled kernels read no plain globals; finite, as in triton_attention: a fully masked tile must not make the running max -inf
+NEG_INF = tl.constexpr(
+    -1.0e30
+)  # a constexpr: compiled kernels read no plain globals; finite, as in triton_attention: a fully masked tile must not make the running max -inf
 
 
 @triton.jit
@@ -46,8 +48,22 @@ def _unpack(ptr, idx, ok, BITS: tl.constexpr):
 
 
 @triton.jit
-def _scores(q1, q2, k, up_base, cos_ptr, sin_ptr, n, n_ok, rdims, rk, head_d,
-            BLOCK_D: tl.constexpr, HALF: tl.constexpr, LATENT: tl.constexpr):
+def _scores(
+    q1,
+    q2,
+    k,
+    up_base,
+    cos_ptr,
+    sin_ptr,
+    n,
+    n_ok,
+    rdims,
+    rk,
+    head_d,
+    BLOCK_D: tl.constexpr,
+    HALF: tl.constexpr,
+    LATENT: tl.constexpr,
+):
     """Scores of the tile rows against a key tile k [N, BLOCK_D] (packed keys, or latents to rebuild and rotate)."""
     if LATENT:
         half = tl.arange(0, HALF)
@@ -78,16 +94,72 @@ def _online_step(m_i, l_i, acc, s, allowed, v):
 
 @triton.jit
 def _coded_attention_kernel(
-    q_ptr, o_ptr, mask_ptr,
-    kc_ptr, ks_ptr, kl_ptr, vc_ptr, vs_ptr, vl_ptr, kw_ptr, vw_ptr,
-    up_ptr, cos_ptr, sin_ptr,
-    q_off_ptr, k_off_ptr, v_off_ptr, o_off_ptr, k_rank_ptr, v_rank_ptr, pm_ptr, pl_ptr,
-    n_blocks, window, q_len, row_blocks, n_kv, key_channels, value_channels, head_d, scaling, blocks_per_split,
-    s_qb, s_qt, s_ob, s_ot, s_mb, s_mt, s_os, s_ps, s_pb, s_pt,
-    s_kcb, s_kcn, s_ksb, s_ksn, s_vcb, s_vcn, s_vsb, s_vsn, s_vst, s_kwb, s_kwt, s_vwb, s_vwt,
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr, HALF: tl.constexpr, BITS: tl.constexpr,
-    VALUE_GROUP: tl.constexpr, LATENT: tl.constexpr, PARTIAL: tl.constexpr,
+    q_ptr,
+    o_ptr,
+    mask_ptr,
+    kc_ptr,
+    ks_ptr,
+    kl_ptr,
+    vc_ptr,
+    vs_ptr,
+    vl_ptr,
+    kw_ptr,
+    vw_ptr,
+    up_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_off_ptr,
+    k_off_ptr,
+    v_off_ptr,
+    o_off_ptr,
+    k_rank_ptr,
+    v_rank_ptr,
+    pm_ptr,
+    pl_ptr,
+    n_blocks,
+    window,
+    q_len,
+    row_blocks,
+    n_kv,
+    key_channels,
+    value_channels,
+    head_d,
+    scaling,
+    blocks_per_split,
+    s_qb,
+    s_qt,
+    s_ob,
+    s_ot,
+    s_mb,
+    s_mt,
+    s_os,
+    s_ps,
+    s_pb,
+    s_pt,
+    s_kcb,
+    s_kcn,
+    s_ksb,
+    s_ksn,
+    s_vcb,
+    s_vcn,
+    s_vsb,
+    s_vsn,
+    s_vst,
+    s_kwb,
+    s_kwt,
+    s_vwb,
+    s_vwt,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HALF: tl.constexpr,
+    BITS: tl.constexpr,
+    VALUE_GROUP: tl.constexpr,
+    LATENT: tl.constexpr,
+    PARTIAL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -109,10 +181,13 @@ def _coded_attention_kernel(
         half = tl.arange(0, HALF)
         q_ok = row_ok[:, None] & (half[None, :] < head_d // 2)
         q1 = tl.load(q_base + member[:, None] * head_d + half[None, :], mask=q_ok, other=0.0).to(tl.float32)
-        q2 = tl.load(q_base + member[:, None] * head_d + head_d // 2 + half[None, :], mask=q_ok, other=0.0).to(tl.float32)
+        q2 = tl.load(q_base + member[:, None] * head_d + head_d // 2 + half[None, :], mask=q_ok, other=0.0).to(
+            tl.float32
+        )
     else:
-        q1 = tl.load(q_base + member[:, None] * rk + dims[None, :], mask=row_ok[:, None] & (dims[None, :] < rk),
-                     other=0.0).to(tl.float32)
+        q1 = tl.load(
+            q_base + member[:, None] * rk + dims[None, :], mask=row_ok[:, None] & (dims[None, :] < rk), other=0.0
+        ).to(tl.float32)
         q2 = q1
     up_base = up_ptr + h * head_d * head_d
     m_i = tl.full([BLOCK_M * BLOCK_G], NEG_INF, tl.float32)
@@ -150,15 +225,29 @@ def _coded_attention_kernel(
         w = start + wtok
         w_ok = w < window
         n = coded + w
-        k = tl.load(kw_ptr + b * s_kwb + w[:, None] * s_kwt + k_cols[None, :], mask=w_ok[:, None] & k_ok,
-                    other=0.0).to(tl.float32)
+        k = tl.load(kw_ptr + b * s_kwb + w[:, None] * s_kwt + k_cols[None, :], mask=w_ok[:, None] & k_ok, other=0.0).to(
+            tl.float32
+        )
         s = _scores(q1, q2, k, up_base, cos_ptr, sin_ptr, n, w_ok, dims, rk, head_d, BLOCK_D, HALF, LATENT) * scaling
-        v = tl.load(vw_ptr + b * s_vwb + w[:, None] * s_vwt + v_cols[None, :], mask=w_ok[:, None] & v_ok,
-                    other=0.0).to(tl.float32)
-        allowed = tl.load(mask_ptr + b * s_mb + pos[:, None] * s_mt + n[None, :], mask=row_ok[:, None] & w_ok[None, :],
-                          other=0) != 0
+        v = tl.load(vw_ptr + b * s_vwb + w[:, None] * s_vwt + v_cols[None, :], mask=w_ok[:, None] & v_ok, other=0.0).to(
+            tl.float32
+        )
+        allowed = (
+            tl.load(
+                mask_ptr + b * s_mb + pos[:, None] * s_mt + n[None, :], mask=row_ok[:, None] & w_ok[None, :], other=0
+            )
+            != 0
+        )
         m_i, l_i, acc = _online_step(m_i, l_i, acc, s, allowed & row_ok[:, None] & w_ok[None, :], v)
-    o_ptrs = o_ptr + split * s_os + b * s_ob + pos[:, None] * s_ot + tl.load(o_off_ptr + h) + member[:, None] * rv + dims[None, :]
+    o_ptrs = (
+        o_ptr
+        + split * s_os
+        + b * s_ob
+        + pos[:, None] * s_ot
+        + tl.load(o_off_ptr + h)
+        + member[:, None] * rv
+        + dims[None, :]
+    )
     if PARTIAL:  # this split's unnormalised sum, running max and normaliser, merged by _merge_splits
         tl.store(o_ptrs, acc, mask=row_ok[:, None] & v_ok)
         stat = split * s_ps + b * s_pb + pos * s_pt + h * GROUP + member
@@ -193,8 +282,9 @@ def split_count(programs: int, blocks: int, device: torch.device) -> int:
     return max(1, min(wanted, blocks // MIN_BLOCKS_PER_SPLIT))
 
 
-def _merge_splits(partial: torch.Tensor, running_max: torch.Tensor, normaliser: torch.Tensor,
-                  column_heads: torch.Tensor) -> torch.Tensor:
+def _merge_splits(
+    partial: torch.Tensor, running_max: torch.Tensor, normaliser: torch.Tensor, column_heads: torch.Tensor
+) -> torch.Tensor:
     """partial [splits, B, T, Osum] unnormalised outputs, running_max / normaliser [splits, B, T, H] -> [B, T, Osum]:
     each split is rescaled to the common max, as the online softmax rescales between tiles."""
     weight = torch.exp(running_max - running_max.amax(0, keepdim=True))  # [splits, B, T, H]; masked splits -> 0
@@ -203,10 +293,16 @@ def _merge_splits(partial: torch.Tensor, running_max: torch.Tensor, normaliser: 
     return torch.where(total > 0, summed / total.clamp_min(1e-30), torch.zeros_like(summed))
 
 
-def triton_coded_attention(query: torch.Tensor, readout: CodedReadout, attention_mask, scaling: float,
-                           layout: PackedLayout, k_up: torch.Tensor | None = None,
-                           rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                           splits: int | None = None) -> torch.Tensor:
+def triton_coded_attention(
+    query: torch.Tensor,
+    readout: CodedReadout,
+    attention_mask,
+    scaling: float,
+    layout: PackedLayout,
+    k_up: torch.Tensor | None = None,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    splits: int | None = None,
+) -> torch.Tensor:
     """query [B, T, Qsum] (latent: the rotated full-width queries [B, T, H * d]) over a CodedReadout -> [B, T, Osum].
 
     Latent layers pass k_up [n_kv, d, d] (rows = latent dims) and rope = (cos, sin) [S, d] at cache indices 0..S-1.
@@ -221,8 +317,18 @@ def triton_coded_attention(query: torch.Tensor, readout: CodedReadout, attention
     mask = allowed.expand(batch, 1, q_len, kv_len)[:, 0].to(torch.int8).contiguous()  # [B, T, S]
     head_d = k_up.shape[-1] if latent else 1
     q_offsets = [h * group * head_d for h in range(n_kv)] if latent else layout.query_offsets[:-1]
-    tables = torch.tensor([q_offsets, layout.key_offsets[:-1], layout.value_offsets[:-1], layout.output_offsets[:-1],
-                           list(layout.key_ranks), list(layout.value_ranks)], dtype=torch.int32, device=device)
+    tables = torch.tensor(
+        [
+            q_offsets,
+            layout.key_offsets[:-1],
+            layout.value_offsets[:-1],
+            layout.output_offsets[:-1],
+            list(layout.key_ranks),
+            list(layout.value_ranks),
+        ],
+        dtype=torch.int32,
+        device=device,
+    )
     output = torch.zeros(batch, q_len, layout.output_offsets[-1], device=device, dtype=query.dtype)
     query = query.contiguous()
     blocks = readout.coded_blocks
@@ -251,22 +357,72 @@ def triton_coded_attention(query: torch.Tensor, readout: CodedReadout, attention
     running_max = normaliser = dummy
     if splits > 1:
         target = torch.zeros(splits, *output.shape, device=device, dtype=torch.float32)
-        running_max = torch.full((splits, batch, q_len, n_kv * group), NEG_INF.value, device=device, dtype=torch.float32)
+        running_max = torch.full(
+            (splits, batch, q_len, n_kv * group), NEG_INF.value, device=device, dtype=torch.float32
+        )
         normaliser = torch.zeros_like(running_max)
     _coded_attention_kernel[(programs, splits)](
-        query, target, mask, kc, ks, kl, vc, vs, vl, key_window, value_window, up, cos, sin,
-        *tables.unbind(0), running_max, normaliser,
-        blocks, key_window.shape[1], q_len, row_blocks, n_kv, key_window.shape[-1], value_window.shape[-1], head_d, scaling,
+        query,
+        target,
+        mask,
+        kc,
+        ks,
+        kl,
+        vc,
+        vs,
+        vl,
+        key_window,
+        value_window,
+        up,
+        cos,
+        sin,
+        *tables.unbind(0),
+        running_max,
+        normaliser,
+        blocks,
+        key_window.shape[1],
+        q_len,
+        row_blocks,
+        n_kv,
+        key_window.shape[-1],
+        value_window.shape[-1],
+        head_d,
+        scaling,
         blocks_per_split,
-        query.stride(0), query.stride(1), target.stride(-3), target.stride(-2), mask.stride(0), mask.stride(1),
-        target.stride(0) if splits > 1 else 0, running_max.stride(0) if splits > 1 else 0,
-        running_max.stride(1) if splits > 1 else 0, running_max.stride(2) if splits > 1 else 0,
-        kc.stride(0), kc.stride(1), ks.stride(0), ks.stride(1), vc.stride(0), vc.stride(1),
-        vs.stride(0), vs.stride(1), vs.stride(2),
-        key_window.stride(0), key_window.stride(1), value_window.stride(0), value_window.stride(1),
-        GROUP=group, BLOCK_G=block_g, BLOCK_M=block_m, BLOCK_T=g, BLOCK_W=16, BLOCK_D=block_d,
-        HALF=_pow2(head_d // 2) if latent else 16, BITS=readout.layout.bits, VALUE_GROUP=readout.layout.value_group,
-        LATENT=latent, PARTIAL=splits > 1,
+        query.stride(0),
+        query.stride(1),
+        target.stride(-3),
+        target.stride(-2),
+        mask.stride(0),
+        mask.stride(1),
+        target.stride(0) if splits > 1 else 0,
+        running_max.stride(0) if splits > 1 else 0,
+        running_max.stride(1) if splits > 1 else 0,
+        running_max.stride(2) if splits > 1 else 0,
+        kc.stride(0),
+        kc.stride(1),
+        ks.stride(0),
+        ks.stride(1),
+        vc.stride(0),
+        vc.stride(1),
+        vs.stride(0),
+        vs.stride(1),
+        vs.stride(2),
+        key_window.stride(0),
+        key_window.stride(1),
+        value_window.stride(0),
+        value_window.stride(1),
+        GROUP=group,
+        BLOCK_G=block_g,
+        BLOCK_M=block_m,
+        BLOCK_T=g,
+        BLOCK_W=16,
+        BLOCK_D=block_d,
+        HALF=_pow2(head_d // 2) if latent else 16,
+        BITS=readout.layout.bits,
+        VALUE_GROUP=readout.layout.value_group,
+        LATENT=latent,
+        PARTIAL=splits > 1,
     )
     if splits == 1:
         return output
@@ -276,5 +432,10 @@ def triton_coded_attention(query: torch.Tensor, readout: CodedReadout, attention
 @functools.lru_cache(maxsize=64)
 def _column_heads(layout: PackedLayout, device: str) -> torch.Tensor:
     """The query head each packed output column belongs to ([Osum]); built once per layout and device, not per step."""
-    return torch.cat([torch.full((rv,), h * layout.group_size + m, dtype=torch.long, device=device)
-                      for h, rv in enumerate(layout.value_ranks) for m in range(layout.group_size)])
+    return torch.cat(
+        [
+            torch.full((rv,), h * layout.group_size + m, dtype=torch.long, device=device)
+            for h, rv in enumerate(layout.value_ranks)
+            for m in range(layout.group_size)
+        ]
+    )

@@ -18,7 +18,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_pos_emb, apply_rotary_pos_emb_interleave
 
 from kvrewrite.errors import CorruptCheckpointError
@@ -27,16 +26,26 @@ from kvrewrite.runtime.kernels.reference import boolean_mask, softmax_dtype
 from kvrewrite.runtime.mla.latent_cache import cache_latent_rows
 
 # The stock attention's submodules, taken over under the same names so the state dict stays the stock one.
-_STOCK_SUBMODULES = ("q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm",
-                     "kv_b_proj", "o_proj")
+_STOCK_SUBMODULES = (
+    "q_proj",
+    "q_a_proj",
+    "q_a_layernorm",
+    "q_b_proj",
+    "kv_a_proj_with_mqa",
+    "kv_a_layernorm",
+    "kv_b_proj",
+    "o_proj",
+)
 
 
-def expansion_is_cheaper(new_tokens: int, cached_tokens: int, heads: int, rank: int, nope_dim: int, rope_dim: int,
-                         value_dim: int) -> bool:
+def expansion_is_cheaper(
+    new_tokens: int, cached_tokens: int, heads: int, rank: int, nope_dim: int, rope_dim: int, value_dim: int
+) -> bool:
     """True when rebuilding per-head K/V from the latents costs fewer multiply-adds than absorbed attention."""
     absorbed = new_tokens * heads * (nope_dim * rank + cached_tokens * (2 * rank + rope_dim) + rank * value_dim)
     expanded = cached_tokens * heads * rank * (nope_dim + value_dim) + new_tokens * heads * cached_tokens * (
-        nope_dim + rope_dim + value_dim)
+        nope_dim + rope_dim + value_dim
+    )
     return expanded < absorbed
 
 
@@ -72,7 +81,8 @@ def narrow_latent(stock: nn.Module, rank: int, exported: int | None = None) -> N
     recorded = padded if exported is None else exported
     if bool(kv_a[recorded:padded].any()) or bool(kv_b[:, recorded:].any()):
         raise CorruptCheckpointError(
-            f"layer {stock.layer_idx}: latent width {recorded} is recorded, but its latent weights beyond it are not zero")
+            f"layer {stock.layer_idx}: latent width {recorded} is recorded, but its latent weights beyond it are not zero"
+        )
     stock.kv_a_proj_with_mqa = _narrowed_linear(torch.cat([kv_a[:rank], kv_a[padded : padded + rope]]))
     stock.kv_b_proj = _narrowed_linear(kv_b[:, :rank])
     stock.kv_a_layernorm = PaddedWidthRMSNorm(stock.kv_a_layernorm, rank)
@@ -108,8 +118,9 @@ class AbsorbedMLAAttention(nn.Module):
     # ---- weights ----------------------------------------------------------------------------
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj split per head: W_uk [H, d_nope, r] and W_uv [H, d_v, r] (views, never copies)."""
-        per_head = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim,
-                                              self.kv_lora_rank)
+        per_head = self.kv_b_proj.weight.view(
+            self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank
+        )
         return per_head[:, : self.qk_nope_head_dim], per_head[:, self.qk_nope_head_dim :]
 
     # ---- forward ----------------------------------------------------------------------------
@@ -126,15 +137,18 @@ class AbsorbedMLAAttention(nn.Module):
         latent, k_pe = torch.split(self.kv_a_proj_with_mqa(hidden_states), [r, dr], dim=-1)
         latent = self.kv_a_layernorm(latent)
         cos, sin = position_embeddings
-        q_pe, k_pe = self._rope(q_pe.transpose(1, 2), k_pe.view(batch, 1, q_len, dr), cos, sin)  # [B,H,T,dr], [B,1,T,dr]
+        q_pe, k_pe = self._rope(
+            q_pe.transpose(1, 2), k_pe.view(batch, 1, q_len, dr), cos, sin
+        )  # [B,H,T,dr], [B,1,T,dr]
         rows = torch.cat([latent.view(batch, 1, q_len, r), k_pe], dim=-1)
         if past_key_values is not None:
             rows = cache_latent_rows(past_key_values, self.layer_idx, rows)
         kv_len = rows.shape[-2]
         allowed = boolean_mask(attention_mask, q_len, kv_len, hidden_states.device)  # [B|1, 1, T, S]
 
-        if self.path == "expanded" or (self.path == "auto" and expansion_is_cheaper(
-                q_len, kv_len, self.num_heads, r, dn, dr, self.v_head_dim)):
+        if self.path == "expanded" or (
+            self.path == "auto" and expansion_is_cheaper(q_len, kv_len, self.num_heads, r, dn, dr, self.v_head_dim)
+        ):
             output = self._expanded(q_nope, q_pe, rows, allowed)
         else:
             output = self._absorbed(q_nope, q_pe, rows, allowed)

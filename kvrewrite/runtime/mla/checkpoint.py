@@ -13,8 +13,8 @@ from typing import Any
 from torch import nn
 
 from kvrewrite.errors import CorruptCheckpointError
-from kvrewrite.spec import rate_key
 from kvrewrite.runtime.mla.attention import AbsorbedMLAAttention
+from kvrewrite.spec import rate_key
 
 MLA_MARKER = "kvrewrite_mla"
 MLA_FORMAT_VERSION = 1
@@ -33,9 +33,11 @@ def missing_spec_message(config_path: Any, config: dict[str, Any], command: str)
     """Why `command` (card, push, inspect) cannot read a config without a per-head spec: an MLA export is named as
     such, with what to use instead, rather than reported as a config with no spec."""
     if is_mla_checkpoint(config):
-        return (f"{config_path} is an MLA export (export-mla, a stock DeepSeek-V3 checkpoint); `kvrewrite {command}` "
-                "reads per-head checkpoints (kvrewrite compress) only. Its widths and rate table are in config.json's "
-                f"`{MLA_MARKER}` marker; `kvrewrite eval` and `kvrewrite.load` run it (docs/serving.md).")
+        return (
+            f"{config_path} is an MLA export (export-mla, a stock DeepSeek-V3 checkpoint); `kvrewrite {command}` "
+            "reads per-head checkpoints (kvrewrite compress) only. Its widths and rate table are in config.json's "
+            f"`{MLA_MARKER}` marker; `kvrewrite eval` and `kvrewrite.load` run it (docs/serving.md)."
+        )
     return f"{config_path} has no kvrewrite compression spec (model_type {config.get('model_type')!r})"
 
 
@@ -50,11 +52,15 @@ def check_mla_marker(config: dict[str, Any], where: str) -> None:
 
 def _checked_widths(ranks, config, where: str, within: list[int] | None = None) -> list[int]:
     limits = within or [config.kv_lora_rank] * config.num_hidden_layers
-    if (not isinstance(ranks, list) or len(ranks) != config.num_hidden_layers
-            or not all(isinstance(r, int) and 1 <= r <= limit for r, limit in zip(ranks, limits))):
+    if (
+        not isinstance(ranks, list)
+        or len(ranks) != config.num_hidden_layers
+        or not all(isinstance(r, int) and 1 <= r <= limit for r, limit in zip(ranks, limits))
+    ):
         raise CorruptCheckpointError(
             f"{MLA_MARKER}.{where} must list {config.num_hidden_layers} widths within 1..{config.kv_lora_rank} "
-            f"(kv_lora_rank){' and within the exported widths' if within else ''}, got {ranks!r}")
+            f"(kv_lora_rank){' and within the exported widths' if within else ''}, got {ranks!r}"
+        )
     return ranks
 
 
@@ -84,7 +90,8 @@ def widths_at_rate(config, rate: float, where: str) -> list[int]:
         have = ", ".join(table) if table else "none"
         raise CorruptCheckpointError(
             f"{where} is an MLA export with no rate {rate_key(rate)} in its rate table (rates: {have}); "
-            "load it without rate, or export with --allocation sensitivity at a larger --kv-share, or with --refit-rates")
+            "load it without rate, or export with --allocation sensitivity at a larger --kv-share, or with --refit-rates"
+        )
     return table[rate_key(rate)]
 
 
@@ -104,8 +111,9 @@ def absorb_attention(model: nn.Module, widths: list[int] | None = None) -> nn.Mo
             attention = getattr(layer, "self_attn", None)
             if attention is not None and type(attention).__name__ == "DeepseekV3Attention":
                 idx = attention.layer_idx
-                layer.self_attn = AbsorbedMLAAttention(attention, None if ranks is None else ranks[idx],
-                                                       None if exported is None else exported[idx])
+                layer.self_attn = AbsorbedMLAAttention(
+                    attention, None if ranks is None else ranks[idx], None if exported is None else exported[idx]
+                )
                 swapped += 1
     if not swapped:
         raise CorruptCheckpointError(f"{type(model).__name__} has no DeepseekV3Attention layers to absorb")

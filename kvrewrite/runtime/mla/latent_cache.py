@@ -31,8 +31,9 @@ def cache_latent_rows(cache, layer_idx: int, rows: torch.Tensor) -> torch.Tensor
     return stored
 
 
-def latent_cache_bytes(batch: int, tokens: int, layers: int, kv_lora_rank: int, rope_dim: int,
-                       dtype: torch.dtype) -> int:
+def latent_cache_bytes(
+    batch: int, tokens: int, layers: int, kv_lora_rank: int, rope_dim: int, dtype: torch.dtype
+) -> int:
     """Bytes an MLA cache holds after one prefill of `tokens`: (r + d_r) values per token, layer and sequence (decode
     appends then hold the buffer's room too, runtime.inplace_cache)."""
     element = torch.empty((), dtype=dtype).element_size()

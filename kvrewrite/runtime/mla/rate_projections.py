@@ -40,14 +40,17 @@ def load_rate_o_proj(model: nn.Module, directory: Path, rate: str) -> None:
 
     path = Path(directory) / RATE_O_PROJ_FILE
     if not path.is_file():
-        raise CorruptCheckpointError(f"{directory}'s config lists an o_proj for rate {rate}, but {path} is missing; "
-                                     "re-download the checkpoint or re-export it")
+        raise CorruptCheckpointError(
+            f"{directory}'s config lists an o_proj for rate {rate}, but {path} is missing; "
+            "re-download the checkpoint or re-export it"
+        )
     layers = model.model.layers
     try:
         opened = safe_open(str(path), framework="pt")
     except Exception as exc:  # safetensors raises its own error types for a damaged header
-        raise CorruptCheckpointError(f"{path} is not a readable safetensors file ({exc}); re-download the checkpoint "
-                                     "or re-export it") from None
+        raise CorruptCheckpointError(
+            f"{path} is not a readable safetensors file ({exc}); re-download the checkpoint or re-export it"
+        ) from None
     with opened as tensors:
         stored = set(tensors.keys())
         for idx, layer in enumerate(layers):
@@ -56,11 +59,14 @@ def load_rate_o_proj(model: nn.Module, directory: Path, rate: str) -> None:
             if name not in stored:
                 raise CorruptCheckpointError(f"{path} has no tensor {name}; re-download the checkpoint or re-export it")
             if target.is_meta:  # offloaded (device_map): there is nothing here to copy into
-                raise CorruptCheckpointError(f"rate {rate}'s o_proj cannot be loaded into offloaded weights; load "
-                                             f"{directory} at that rate without a device_map that offloads layers")
+                raise CorruptCheckpointError(
+                    f"rate {rate}'s o_proj cannot be loaded into offloaded weights; load "
+                    f"{directory} at that rate without a device_map that offloads layers"
+                )
             weight = tensors.get_tensor(name)
             if weight.shape != target.shape:
-                raise CorruptCheckpointError(f"{path}: {name} has shape {list(weight.shape)}, the model's o_proj "
-                                             f"{list(target.shape)}")
+                raise CorruptCheckpointError(
+                    f"{path}: {name} has shape {list(weight.shape)}, the model's o_proj {list(target.shape)}"
+                )
             with torch.no_grad():
                 target.copy_(weight.to(target.dtype))

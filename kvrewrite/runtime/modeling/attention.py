@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -16,9 +15,9 @@ from kvrewrite.errors import CorruptCheckpointError
 from kvrewrite.key_modes import allowed_key_modes, key_mode
 from kvrewrite.key_modes.rows import block_prefix_rows, slice_linear_rows
 from kvrewrite.runtime.codecs.readout import CodedReadout
+from kvrewrite.runtime.inplace_cache import InPlaceLayer, in_place_layer
 from kvrewrite.runtime.kernels.cache_layout import COLUMNS, ROWS, packed_view, to_storage
 from kvrewrite.runtime.kernels.coded_attention import blockwise_coded_attention
-from kvrewrite.runtime.inplace_cache import InPlaceLayer, in_place_layer
 from kvrewrite.runtime.kernels.dispatch import PackedAttentionFn, build_attention, resolve_backend
 from kvrewrite.runtime.kernels.latent_decode import latent_decode_attention
 from kvrewrite.runtime.kernels.reference import PackedLayout, boolean_mask, grouped_attention, shared_key_attention
@@ -145,7 +144,9 @@ class CompressedAttention(nn.Module):
             key, value = key.unsqueeze(1), value.unsqueeze(1)
         return self.o_proj(self.attend(query, key, value, attention_mask, past_len, **kwargs)), None
 
-    def project(self, hidden_states: torch.Tensor, position_embeddings=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project(
+        self, hidden_states: torch.Tensor, position_embeddings=None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The new tokens' packed query [B, T, Qsum] and the key and value latents [B, T, Ksum / Vsum] they cache."""
         batch, q_len, _ = hidden_states.shape
         cos, sin = position_embeddings if position_embeddings is not None else (None, None)
@@ -202,11 +203,21 @@ class CompressedAttention(nn.Module):
             def score(start: int, keys: torch.Tensor) -> torch.Tensor:
                 cos, sin = rope(start, keys.shape[-2])
                 # Per KV head: rebuild its keys [B, 1, n, d], score its query rows; only the scores are joined.
-                scores = torch.cat([torch.matmul(grouped[:, g : g + 1], self.mode.rebuild_keys(
-                    self, keys[..., ko[g] : ko[g + 1]], g, cos, sin).transpose(-1, -2)) for g in range(n_kv)], dim=1)
+                scores = torch.cat(
+                    [
+                        torch.matmul(
+                            grouped[:, g : g + 1],
+                            self.mode.rebuild_keys(self, keys[..., ko[g] : ko[g + 1]], g, cos, sin).transpose(-1, -2),
+                        )
+                        for g in range(n_kv)
+                    ],
+                    dim=1,
+                )
                 return (scores * scaling).view(batch, n_q, q_len, -1)
         elif self.mode.shared_key_block:
-            rows = query.view(batch, q_len, n_q, self.layout.key_ranks[0]).transpose(1, 2).reshape(batch, n_q * q_len, -1)
+            rows = (
+                query.view(batch, q_len, n_q, self.layout.key_ranks[0]).transpose(1, 2).reshape(batch, n_q * q_len, -1)
+            )
 
             def score(start: int, keys: torch.Tensor) -> torch.Tensor:
                 return (torch.matmul(rows, keys[:, 0].transpose(-1, -2)) * scaling).view(batch, n_q, q_len, -1)
@@ -216,7 +227,8 @@ class CompressedAttention(nn.Module):
             spread = query.new_zeros(batch, n_q, q_len, ko[-1])
             for g, rk in enumerate(self.layout.key_ranks):
                 spread[:, g * group : (g + 1) * group, :, ko[g] : ko[g + 1]] = (
-                    query[..., qo[g] : qo[g + 1]].view(batch, q_len, group, rk).transpose(1, 2))
+                    query[..., qo[g] : qo[g + 1]].view(batch, q_len, group, rk).transpose(1, 2)
+                )
 
             spread = spread.view(batch, n_q * q_len, ko[-1])  # one GEMM per request, not one per head
 
@@ -224,33 +236,57 @@ class CompressedAttention(nn.Module):
                 return (torch.matmul(spread, keys[:, 0].transpose(-1, -2)) * scaling).view(batch, n_q, q_len, -1)
 
         out = blockwise_coded_attention(readout, score, allowed, query.dtype)  # [B, H, T, Vsum]
-        return torch.cat([out[:, g * group : (g + 1) * group, :, vo[g] : vo[g + 1]].transpose(1, 2)
-                          .reshape(batch, q_len, group * (vo[g + 1] - vo[g])) for g in range(n_kv)], dim=-1)
+        return torch.cat(
+            [
+                out[:, g * group : (g + 1) * group, :, vo[g] : vo[g + 1]]
+                .transpose(1, 2)
+                .reshape(batch, q_len, group * (vo[g + 1] - vo[g]))
+                for g in range(n_kv)
+            ],
+            dim=-1,
+        )
 
-    def _triton_coded(self, triton_coded, query: torch.Tensor, readout: CodedReadout, attention_mask,
-                      past_len: int) -> torch.Tensor:
+    def _triton_coded(
+        self, triton_coded, query: torch.Tensor, readout: CodedReadout, attention_mask, past_len: int
+    ) -> torch.Tensor:
         """attend_coded on CUDA: the Triton kernel dequantises each block in registers (latent keys rebuilt and
         rotated there too, with the cache indices' cos/sin)."""
         batch, q_len, _ = query.shape
-        if not self.mode.rebuilds_keys and q_len == 1 and readout.keys is not None and coded_flash_decode_fits(
-                readout.layout.block_tokens):
+        if (
+            not self.mode.rebuilds_keys
+            and q_len == 1
+            and readout.keys is not None
+            and coded_flash_decode_fits(readout.layout.block_tokens)
+        ):
             # One decode token over coded blocks: flash-decoding (the coded blocks split across programs).
             from kvrewrite.runtime.kernels.flash_decode_coded import coded_flash_decode
 
             keep = boolean_mask(attention_mask, 1, readout.length, query.device)
             keep = keep.expand(batch, 1, 1, readout.length)[:, 0, 0]
-            return coded_flash_decode(query[:, 0], readout.layout, readout.keys, readout.values,
-                                      readout.key_window[:, 0], readout.value_window[:, 0], keep, None, None,
-                                      self.scaling, self.layout)[:, None]
+            return coded_flash_decode(
+                query[:, 0],
+                readout.layout,
+                readout.keys,
+                readout.values,
+                readout.key_window[:, 0],
+                readout.value_window[:, 0],
+                keep,
+                None,
+                None,
+                self.scaling,
+                self.layout,
+            )[:, None]
         if not self.mode.rebuilds_keys:
             return triton_coded.triton_coded_attention(query, readout, attention_mask, self.scaling, self.layout)
         positions = torch.arange(readout.length, device=query.device)[None]
         cos, sin = self._rotary[0](query, positions)  # [1, S, d]
-        heads = self._apply_rope(self._heads(query, self.num_heads), cos[:, past_len : past_len + q_len],
-                                 sin[:, past_len : past_len + q_len])
+        heads = self._apply_rope(
+            self._heads(query, self.num_heads), cos[:, past_len : past_len + q_len], sin[:, past_len : past_len + q_len]
+        )
         rotated = heads.transpose(1, 2).reshape(batch, q_len, self.num_heads * self.head_dim)
-        return triton_coded.triton_coded_attention(rotated, readout, attention_mask, self.scaling, self.layout,
-                                                   self.k_up, (cos[0], sin[0]))
+        return triton_coded.triton_coded_attention(
+            rotated, readout, attention_mask, self.scaling, self.layout, self.k_up, (cos[0], sin[0])
+        )
 
     def cache_order(self, cache, device: torch.device) -> str:
         """Memory order of this layer's cache tensors (kernels.cache_layout): the packed runner's choice.
@@ -293,8 +329,9 @@ class CompressedAttention(nn.Module):
             cos_q, sin_q = cos_t.index_select(1, rows).T[None], sin_t.index_select(1, rows).T[None]
             q = self._apply_rope(self._heads(query, self.num_heads), cos_q, sin_q)
             allowed = boolean_mask(attention_mask, q_len, kv_len, query.device)
-            return latent_decode_attention(q, key_latent, value, allowed, self.scaling, self.key_ranks,
-                                           self.value_ranks, self.k_up, cos_t, sin_t)
+            return latent_decode_attention(
+                q, key_latent, value, allowed, self.scaling, self.key_ranks, self.value_ranks, self.k_up, cos_t, sin_t
+            )
         positions = torch.arange(kv_len, device=query.device)[None].expand(batch, kv_len)
         cos_k, sin_k = rotary(query, positions)
         cos_q, sin_q = cos_k[:, past_len : past_len + q_len], sin_k[:, past_len : past_len + q_len]
@@ -302,13 +339,12 @@ class CompressedAttention(nn.Module):
         allowed = boolean_mask(attention_mask, q_len, kv_len, query.device)
         ko, vo = self.layout.key_offsets, self.layout.value_offsets
         outputs = []
-        for g, (rk, rv) in enumerate(zip(self.key_ranks, self.value_ranks)):
+        for g, rv in enumerate(self.value_ranks):
             k = self.mode.rebuild_keys(self, key_latent[..., ko[g] : ko[g + 1]], g, cos_k, sin_k)  # [B, 1, S, d]
             q_g = q[:, g * self.group_size : (g + 1) * self.group_size]
             out = grouped_attention(q_g, k, value[..., vo[g] : vo[g + 1]], allowed, self.scaling)
             outputs.append(out.transpose(1, 2).reshape(batch, q_len, self.group_size * rv))
         return torch.cat(outputs, dim=-1)
-
 
     def _latent_flash_decode(self, query, key_latent, value, attention_mask, past_len) -> torch.Tensor:
         """One decode step on CUDA: kernels.flash_decode_latent rebuilds and rotates the keys in registers."""
@@ -317,11 +353,22 @@ class CompressedAttention(nn.Module):
         batch, kv_len = query.shape[0], key_latent.shape[-2]
         cos, sin = rope_table(self._rotary[0], query, kv_len, transposed=False)  # [>= S, d]
         at = torch.arange(1, device=query.device) + past_len  # gathered: past_len may be a tensor (StaticCache)
-        q = self._apply_rope(self._heads(query, self.num_heads), cos.index_select(0, at)[None],
-                             sin.index_select(0, at)[None])  # [B, H, 1, d]
+        q = self._apply_rope(
+            self._heads(query, self.num_heads), cos.index_select(0, at)[None], sin.index_select(0, at)[None]
+        )  # [B, H, 1, d]
         keep = boolean_mask(attention_mask, 1, kv_len, query.device).expand(batch, 1, 1, kv_len)[:, 0, 0]
-        out = latent_flash_decode(q[:, :, 0].reshape(batch, -1), key_latent[:, 0], value[:, 0], keep, None,
-                                  self.scaling, self.layout, self.k_up, cos, sin)
+        out = latent_flash_decode(
+            q[:, :, 0].reshape(batch, -1),
+            key_latent[:, 0],
+            value[:, 0],
+            keep,
+            None,
+            self.scaling,
+            self.layout,
+            self.k_up,
+            cos,
+            sin,
+        )
         return out[:, None]
 
 

@@ -12,8 +12,8 @@ from huggingface_hub.dataclasses import strict
 
 from kvrewrite.adapters import all_adapters
 from kvrewrite.adapters.base import ArchitectureAdapter
-from kvrewrite.runtime.codecs.config import CodecConfig, parse_codec
 from kvrewrite.errors import CorruptCheckpointError
+from kvrewrite.runtime.codecs.config import CodecConfig, parse_codec
 from kvrewrite.runtime.modeling.attention import PACKED_ATTENTION, CompressedAttention
 from kvrewrite.spec import CompressionSpec
 
@@ -99,12 +99,23 @@ def compressed_family(adapter: ArchitectureAdapter) -> tuple[type, type]:
                 return in_place_cache(self.config)
             return make_codec_cache(self.kv_codec, *self._layer_ranks(), self.kv_codec_tables)
 
-        def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode=None,
-                                          batch_size=None, max_cache_length=None, *args, **kwargs):
+        def _prepare_cache_for_generation(
+            self,
+            generation_config,
+            model_kwargs,
+            generation_mode=None,
+            batch_size=None,
+            max_cache_length=None,
+            *args,
+            **kwargs,
+        ):
             # generate() without a user cache or a cache_implementation: the configured codec or tiered cache, else
             # an in-place cache sized for this call's max_length (runtime.inplace_cache), so no extra code is needed.
-            if (model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False
-                    and generation_config.cache_implementation is None):
+            if (
+                model_kwargs.get("past_key_values") is None
+                and generation_config.use_cache is not False
+                and generation_config.cache_implementation is None
+            ):
                 if self.kv_codec is not None or self.tier_policy is not None:
                     model_kwargs["past_key_values"] = self.make_kv_cache()
                     return
@@ -112,8 +123,9 @@ def compressed_family(adapter: ArchitectureAdapter) -> tuple[type, type]:
 
                 model_kwargs["past_key_values"] = in_place_cache(self.config, capacity=max_cache_length)
                 return
-            return super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, batch_size,
-                                                         max_cache_length, *args, **kwargs)
+            return super()._prepare_cache_for_generation(
+                generation_config, model_kwargs, generation_mode, batch_size, max_cache_length, *args, **kwargs
+            )
 
         @classmethod
         def from_pretrained(
@@ -145,10 +157,16 @@ def compressed_family(adapter: ArchitectureAdapter) -> tuple[type, type]:
             token_policy: when the checkpoint holds a budget split (token_policy.json, written by `kvrewrite budget`)
                 and none of rate, recent_window, important, evict or kv_codec is given, load with it. False: ignore it.
             """
-            from kvrewrite.runtime.checkpoint_files import (checkpoint_directory, ensure_complete_load,
-                                                            refuse_remote_code, verify_checkpoint_files)
+            from kvrewrite.runtime.checkpoint_files import (
+                checkpoint_directory,
+                ensure_complete_load,
+                refuse_remote_code,
+                verify_checkpoint_files,
+            )
 
-            if (important is not None or evict is not None) and recent_window is None:  # refused before any weight is read
+            if (
+                important is not None or evict is not None
+            ) and recent_window is None:  # refused before any weight is read
                 from kvrewrite.errors import InvalidArgumentError
 
                 what = "important= (token-adaptive dims)" if important is not None else "evict= (re-scored eviction)"
@@ -159,21 +177,32 @@ def compressed_family(adapter: ArchitectureAdapter) -> tuple[type, type]:
             directory = checkpoint_directory(pretrained_model_name_or_path, kwargs.get("revision"))
             if verify_checksums:
                 verify_checkpoint_files(directory)
-            if token_policy and rate is None and recent_window is None and important is None and evict is None \
-                    and kv_codec == "compiled":
+            if (
+                token_policy
+                and rate is None
+                and recent_window is None
+                and important is None
+                and evict is None
+                and kv_codec == "compiled"
+            ):
                 from kvrewrite.runtime.tiers.token_policy_file import read_token_policy
 
                 recorded = read_token_policy(directory)
                 if recorded is not None:  # the budget split `kvrewrite budget` measured and recorded
-                    rate, recent_window, kv_codec, evict = (recorded["rate"], recorded["recent_window"],
-                                                            recorded["kv_codec"], recorded["evict"])
+                    rate, recent_window, kv_codec, evict = (
+                        recorded["rate"],
+                        recorded["recent_window"],
+                        recorded["kv_codec"],
+                        recorded["evict"],
+                    )
             want_info = kwargs.pop("output_loading_info", False)
             # A mis-shaped tensor is reported by ensure_complete_load (naming file and tensor), not raised by
             # transformers as a bare RuntimeError; the half-loaded model is discarded either way.
             kwargs.setdefault("ignore_mismatched_sizes", True)
             refuse_remote_code(kwargs)
-            model, info = super().from_pretrained(directory, *args, output_loading_info=True, trust_remote_code=False,
-                                                  **kwargs)
+            model, info = super().from_pretrained(
+                directory, *args, output_loading_info=True, trust_remote_code=False, **kwargs
+            )
             ensure_complete_load(info, directory)
             from kvrewrite.runtime.codecs.checkpoint import read_codec_tables
 
@@ -205,4 +234,3 @@ for _adapter in all_adapters():
     COMPRESSED_FAMILIES[_adapter.compressed_model_type] = (_config_cls, _model_cls)
     globals()[_config_cls.__name__] = _config_cls
     globals()[_model_cls.__name__] = _model_cls
-

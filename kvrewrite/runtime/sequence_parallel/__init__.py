@@ -9,5 +9,16 @@ from kvrewrite.runtime.sequence_parallel.launch import run_processes
 from kvrewrite.runtime.sequence_parallel.plan import RankShare, check_world_size, head_runs, layer_shares, token_runs
 from kvrewrite.runtime.sequence_parallel.prefill import PrefillResult, greedy_continue, prefill
 
-__all__ = ["CollectiveCall", "CountingCollectives", "PrefillResult", "RankShare", "check_world_size", "greedy_continue",
-           "head_runs", "layer_shares", "prefill", "run_processes", "token_runs"]
+__all__ = [
+    "CollectiveCall",
+    "CountingCollectives",
+    "PrefillResult",
+    "RankShare",
+    "check_world_size",
+    "greedy_continue",
+    "head_runs",
+    "layer_shares",
+    "prefill",
+    "run_processes",
+    "token_runs",
+]

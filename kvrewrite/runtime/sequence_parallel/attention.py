@@ -15,7 +15,9 @@ from kvrewrite.runtime.sequence_parallel.collectives import CountingCollectives
 from kvrewrite.runtime.sequence_parallel.plan import RankShare
 
 
-def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, chunk: int) -> torch.Tensor:
+def causal_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, chunk: int
+) -> torch.Tensor:
     """query [B, n, S, r], key [B, 1, S, r], value [B, 1, S, rv] -> [B, n, S, rv], causal, `chunk` query rows at a time.
 
     Rows are chunked so long prompts never hold an S x S score matrix; a chunk only reads the keys it may see.
@@ -25,11 +27,15 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     for start in range(0, length, chunk):
         stop = min(length, start + chunk)
         allowed = boolean_mask(None, stop - start, stop, query.device)
-        outputs.append(grouped_attention(query[:, :, start:stop], key[:, :, :stop], value[:, :, :stop], allowed, scaling))
+        outputs.append(
+            grouped_attention(query[:, :, start:stop], key[:, :, :stop], value[:, :, :stop], allowed, scaling)
+        )
     return torch.cat(outputs, dim=2)
 
 
-def attend_share(attn, share: RankShare, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, chunk: int) -> torch.Tensor:
+def attend_share(
+    attn, share: RankShare, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, chunk: int
+) -> torch.Tensor:
     """Attention of one rank's query heads over the whole sequence, from the column ranges it received.
 
     query/key/value [B, S, width] are this rank's columns of the packed latents; returns its columns of o_proj's
@@ -46,7 +52,9 @@ def attend_share(attn, share: RankShare, query: torch.Tensor, key: torch.Tensor,
     outputs, column = [], 0
     for g in range(kv_first, kv_stop):
         heads = min(stop, (g + 1) * group_size) - max(first, g * group_size)
-        width = (attn.head_dim if mode.rebuilds_keys else attn.key_ranks[0] if mode.shared_key_block else attn.key_ranks[g])
+        width = (
+            attn.head_dim if mode.rebuilds_keys else attn.key_ranks[0] if mode.shared_key_block else attn.key_ranks[g]
+        )
         q = query[..., column : column + heads * width].view(batch, length, heads, width).transpose(1, 2)
         column += heads * width
         k = key if mode.shared_key_block else key[..., ko[g] - ko[kv_first] : ko[g + 1] - ko[kv_first]]
@@ -62,8 +70,15 @@ def attend_share(attn, share: RankShare, query: torch.Tensor, key: torch.Tensor,
 class SequenceParallelAttention:
     """Stands in for one CompressedAttention's forward during a sequence-parallel prefill."""
 
-    def __init__(self, attn, shares: list[RankShare], tokens: list[tuple[int, int]], comm: CountingCollectives,
-                 local_latents: dict, chunk: int):
+    def __init__(
+        self,
+        attn,
+        shares: list[RankShare],
+        tokens: list[tuple[int, int]],
+        comm: CountingCollectives,
+        local_latents: dict,
+        chunk: int,
+    ):
         self.attn, self.shares, self.tokens, self.comm = attn, shares, tokens, comm
         self.local_latents, self.chunk = local_latents, chunk
 
@@ -74,21 +89,34 @@ class SequenceParallelAttention:
         self.local_latents[attn.layer_idx] = (key, value)  # this rank's tokens of the cache
 
         # First all-to-all: the packed latents of my tokens, each rank's column ranges, as they are.
-        pieces = [torch.cat((query[..., slice(*s.query_columns)], key[..., slice(*s.key_columns)],
-                             value[..., slice(*s.value_columns)]), dim=-1) for s in self.shares]
+        pieces = [
+            torch.cat(
+                (
+                    query[..., slice(*s.query_columns)],
+                    key[..., slice(*s.key_columns)],
+                    value[..., slice(*s.value_columns)],
+                ),
+                dim=-1,
+            )
+            for s in self.shares
+        ]
         widths = self.shares[me].widths
-        received = comm.exchange("qkv", attn.layer_idx, pieces,
-                                 [batch * (stop - start) * sum(widths) for start, stop in self.tokens])
-        full = torch.cat([piece.view(batch, stop - start, sum(widths))
-                          for piece, (start, stop) in zip(received, self.tokens)], dim=1)
+        received = comm.exchange(
+            "qkv", attn.layer_idx, pieces, [batch * (stop - start) * sum(widths) for start, stop in self.tokens]
+        )
+        full = torch.cat(
+            [piece.view(batch, stop - start, sum(widths)) for piece, (start, stop) in zip(received, self.tokens)], dim=1
+        )
         q, k, v = full.split(widths, dim=-1)
 
         out = attend_share(attn, self.shares[me], q, k, v, self.chunk)
 
         # Second all-to-all: every rank gets its tokens' rows of my heads' outputs; heads are in rank order.
         pieces = [out[:, start:stop] for start, stop in self.tokens]
-        received = comm.exchange("output", attn.layer_idx, pieces,
-                                 [batch * local_length * s.output_width for s in self.shares])
-        packed = torch.cat([piece.view(batch, local_length, s.output_width)
-                            for piece, s in zip(received, self.shares)], dim=-1)
+        received = comm.exchange(
+            "output", attn.layer_idx, pieces, [batch * local_length * s.output_width for s in self.shares]
+        )
+        packed = torch.cat(
+            [piece.view(batch, local_length, s.output_width) for piece, s in zip(received, self.shares)], dim=-1
+        )
         return attn.o_proj(packed), None

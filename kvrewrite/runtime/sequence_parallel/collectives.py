@@ -37,7 +37,9 @@ class CountingCollectives:
     def world_size(self) -> int:
         return dist.get_world_size(self.group) if dist.is_initialized() else 1
 
-    def exchange(self, name: str, layer: int | None, pieces: list[torch.Tensor], receive_numels: list[int]) -> list[torch.Tensor]:
+    def exchange(
+        self, name: str, layer: int | None, pieces: list[torch.Tensor], receive_numels: list[int]
+    ) -> list[torch.Tensor]:
         """Send pieces[r] to rank r; return the flat piece received from every rank (receive_numels[r] elements).
 
         The payload is the concatenation of the pieces as they are (flattened, same dtype), one collective call.
@@ -46,12 +48,15 @@ class CountingCollectives:
         send = torch.cat([p.reshape(-1) for p in pieces]) if len(pieces) > 1 else pieces[0].reshape(-1)
         send_numels = [p.numel() for p in pieces]
         size = send.element_size()
-        self.calls.append(CollectiveCall(
-            name, layer,
-            sent=size * sum(n for r, n in enumerate(send_numels) if r != me),
-            received=size * sum(n for r, n in enumerate(receive_numels) if r != me),
-            kept=size * send_numels[me],
-        ))
+        self.calls.append(
+            CollectiveCall(
+                name,
+                layer,
+                sent=size * sum(n for r, n in enumerate(send_numels) if r != me),
+                received=size * sum(n for r, n in enumerate(receive_numels) if r != me),
+                kept=size * send_numels[me],
+            )
+        )
         if self.world_size == 1:
             return [send]
         received = torch.empty(sum(receive_numels), dtype=dtype, device=device)
@@ -61,11 +66,15 @@ class CountingCollectives:
     def broadcast(self, name: str, tensor: torch.Tensor, source: int) -> torch.Tensor:
         me, size = self.rank, tensor.numel() * tensor.element_size()
         others = self.world_size - 1
-        self.calls.append(CollectiveCall(name, None, sent=size * others if me == source else 0,
-                                         received=0 if me == source else size, kept=0))
+        self.calls.append(
+            CollectiveCall(
+                name, None, sent=size * others if me == source else 0, received=0 if me == source else size, kept=0
+            )
+        )
         if self.world_size > 1:
-            dist.broadcast(tensor, dist.get_global_rank(self.group, source) if self.group is not None else source,
-                           group=self.group)
+            dist.broadcast(
+                tensor, dist.get_global_rank(self.group, source) if self.group is not None else source, group=self.group
+            )
         return tensor
 
     def bytes_by_name(self) -> dict[str, int]:

@@ -35,8 +35,13 @@ def run_processes(fn: Callable[..., Any], nprocs: int, *args, threads: int = 1) 
     context = mp.get_context("spawn")
     results, collected = context.SimpleQueue(), context.Event()
     with tempfile.TemporaryDirectory(prefix="kvrewrite-sp-") as directory:
-        processes = mp.start_processes(_worker, args=(fn, nprocs, directory, args, threads, results, collected),
-                                       nprocs=nprocs, join=False, start_method="spawn")
+        processes = mp.start_processes(
+            _worker,
+            args=(fn, nprocs, directory, args, threads, results, collected),
+            nprocs=nprocs,
+            join=False,
+            start_method="spawn",
+        )
         gathered: dict[int, Any] = {}
         try:
             while len(gathered) < nprocs:

@@ -76,14 +76,16 @@ def layer_shares(attn, world_size: int) -> list[RankShare]:
     for first, stop in head_runs(attn.num_heads, world_size):
         kv_first, kv_stop = first // attn.group_size, (stop - 1) // attn.group_size + 1
         keys = (0, ko[-1]) if attn.mode.shared_key_block else (ko[kv_first], ko[kv_stop])
-        shares.append(RankShare(
-            heads=(first, stop),
-            kv_heads=(kv_first, kv_stop),
-            query_columns=(query_head_columns(attn, first)[0], query_head_columns(attn, stop - 1)[1]),
-            key_columns=keys,
-            value_columns=(vo[kv_first], vo[kv_stop]),
-            output_columns=(output_head_columns(attn, first)[0], output_head_columns(attn, stop - 1)[1]),
-        ))
+        shares.append(
+            RankShare(
+                heads=(first, stop),
+                kv_heads=(kv_first, kv_stop),
+                query_columns=(query_head_columns(attn, first)[0], query_head_columns(attn, stop - 1)[1]),
+                key_columns=keys,
+                value_columns=(vo[kv_first], vo[kv_stop]),
+                output_columns=(output_head_columns(attn, first)[0], output_head_columns(attn, stop - 1)[1]),
+            )
+        )
     return shares
 
 
@@ -104,8 +106,9 @@ def check_world_size(model, world_size: int, prompt_length: int) -> None:
             f"least one head (use at most {heads} processes)"
         )
     if prompt_length < world_size:
-        raise InvalidArgumentError(f"a {prompt_length}-token prompt cannot be split over {world_size} processes "
-                                   "(at least one token each)")
+        raise InvalidArgumentError(
+            f"a {prompt_length}-token prompt cannot be split over {world_size} processes (at least one token each)"
+        )
     adapter = model.kvrewrite_adapter
     if adapter.features(model.config).sliding_layers:
         raise UnsupportedModelError(

@@ -40,8 +40,15 @@ def _swapped_attention(attentions, stand_ins) -> Iterator[None]:
             attn.__dict__.pop("forward", None)
 
 
-def prefill(model, input_ids: torch.Tensor, group: dist.ProcessGroup | None = None, *, cache_on: str = "first",
-            all_logits: bool = False, query_chunk: int = 1024) -> PrefillResult:
+def prefill(
+    model,
+    input_ids: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    *,
+    cache_on: str = "first",
+    all_logits: bool = False,
+    query_chunk: int = 1024,
+) -> PrefillResult:
     """Prefill `input_ids` [B, S] (the whole prompt, the same on every rank) across the ranks of `group`.
 
     Every rank must call it (a collective). Rank r runs the model on positions token_runs(S, N)[r]; attention
@@ -60,12 +67,18 @@ def prefill(model, input_ids: torch.Tensor, group: dist.ProcessGroup | None = No
     tokens = token_runs(length, world)
     start, stop = tokens[me]
     local_latents: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    stand_ins = [SequenceParallelAttention(a, layer_shares(a, world), tokens, comm, local_latents, query_chunk)
-                 for a in attentions]
+    stand_ins = [
+        SequenceParallelAttention(a, layer_shares(a, world), tokens, comm, local_latents, query_chunk)
+        for a in attentions
+    ]
     positions = torch.arange(start, stop, device=input_ids.device)[None].expand(batch, -1)
     with torch.no_grad(), _swapped_attention(attentions, stand_ins):
-        out = model(input_ids=input_ids[:, start:stop], position_ids=positions, use_cache=False,
-                    logits_to_keep=0 if all_logits else 1)
+        out = model(
+            input_ids=input_ids[:, start:stop],
+            position_ids=positions,
+            use_cache=False,
+            logits_to_keep=0 if all_logits else 1,
+        )
     # A copy: broadcast writes into it, and [:, -1] of a batch of one is a view of this rank's own logits.
     last = comm.broadcast("last_logits", out.logits[:, -1].clone(), source=world - 1)
     cache = _gather_cache(model, attentions, local_latents, tokens, comm, cache_on) if cache_on != "none" else None
@@ -82,8 +95,9 @@ def _gather_cache(model, attentions, local_latents, tokens, comm: CountingCollec
     mine = torch.cat([t.reshape(batch, -1) for i in range(len(attentions)) for t in local_latents[i]], dim=1)
     empty = mine.new_empty(0)
     pieces = [mine if r in holders else empty for r in range(world)]
-    received = comm.exchange("cache", None, pieces,
-                             [batch * (stop - start) * per_token if me in holders else 0 for start, stop in tokens])
+    received = comm.exchange(
+        "cache", None, pieces, [batch * (stop - start) * per_token if me in holders else 0 for start, stop in tokens]
+    )
     if me not in holders:
         return None
     # Per source rank: [B, its tokens * per_token] laid out layer by layer (keys then values, token-major).

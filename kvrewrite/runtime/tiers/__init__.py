@@ -5,5 +5,12 @@ from kvrewrite.runtime.tiers.cache import TieredCache, TieredLayer
 from kvrewrite.runtime.tiers.eviction import EvictingLayer, EvictionPolicy, eviction_policy_for_rate
 from kvrewrite.runtime.tiers.policy import TierPolicy, tier_policy_for_rate
 
-__all__ = ["EvictingLayer", "EvictionPolicy", "TierPolicy", "TieredCache", "TieredLayer", "eviction_policy_for_rate",
-           "tier_policy_for_rate"]
+__all__ = [
+    "EvictingLayer",
+    "EvictionPolicy",
+    "TierPolicy",
+    "TieredCache",
+    "TieredLayer",
+    "eviction_policy_for_rate",
+    "tier_policy_for_rate",
+]

@@ -29,8 +29,10 @@ def check_full_rank(module) -> None:
     """The tiered cache needs every head's full-rank transform: the window keeps all dims."""
     d = module.head_dim
     if module.mode.shared_key_block:
-        raise InvalidArgumentError(f"a tiered cache (recent window) does not support {module.key_mode} keys (one key block "
-                                   "shared by all heads); compile with another `rope_mode`")
+        raise InvalidArgumentError(
+            f"a tiered cache (recent window) does not support {module.key_mode} keys (one key block "
+            "shared by all heads); compile with another `rope_mode`"
+        )
     if any(r != d for r in module.key_ranks) or any(r != d for r in module.value_ranks):
         raise InvalidArgumentError(
             f"layer {module.layer_idx}: a tiered cache needs the model at full rank; load it with "
@@ -126,7 +128,11 @@ def tiered_attention(module, query: torch.Tensor, layer, attention_mask: torch.T
     want_recent, want_stored, want_denominator = ("recent" in wanted), ("stored" in wanted), ("denominator" in wanted)
     if want_recent or want_stored:
         query_weights = _scored_queries(layer, allowed, q_len)[:, None, :, None]  # [B, 1, T, 1]
-    received = [torch.zeros(batch, t.keys.shape[-2], dtype=torch.float32, device=device) for t in tiers] if want_stored else None
+    received = (
+        [torch.zeros(batch, t.keys.shape[-2], dtype=torch.float32, device=device) for t in tiers]
+        if want_stored
+        else None
+    )
     received_recent = torch.zeros(batch, n_recent, dtype=torch.float32, device=device) if want_recent else None
     log_denominator = None
     if want_denominator:
@@ -135,7 +141,9 @@ def tiered_attention(module, query: torch.Tensor, layer, attention_mask: torch.T
     for g in range(module.num_kv_heads):
         q = heads[:, g * group : (g + 1) * group]  # [B, G, T, d]
         k_recent, v_recent = recent_k[..., g * d : (g + 1) * d], recent_v[..., g * d : (g + 1) * d]
-        parts = [scores(q, t.key_block(g), g, t.key_ranks[g], tier_rope[i] if latent else None) for i, t in enumerate(tiers)]
+        parts = [
+            scores(q, t.key_block(g), g, t.key_ranks[g], tier_rope[i] if latent else None) for i, t in enumerate(tiers)
+        ]
         s_recent = scores(q, k_recent, g, d, recent_rope if latent else None)
         if any_beyond:
             s_old = scores(q, k_recent, g, beyond_k_ranks[g], recent_rope if latent else None)

@@ -9,12 +9,19 @@ from kvrewrite.runtime.tiers.cache import STORAGE_DTYPE, TieredCache
 from kvrewrite.runtime.tiers.eviction import EvictionPolicy, eviction_policy_for_rate
 from kvrewrite.runtime.tiers.policy import TierPolicy, tier_policy_for_rate
 
-
 EVICT_OPTIONS = ("keep", "bits", "group_size", "observed_queries")
 
 
-def enable_tiers(model, spec, rate: float | None, window: int, kv_codec, tables: dict,
-                 important: dict | None = None, evict: dict | None = None) -> TierPolicy | EvictionPolicy:
+def enable_tiers(
+    model,
+    spec,
+    rate: float | None,
+    window: int,
+    kv_codec,
+    tables: dict,
+    important: dict | None = None,
+    evict: dict | None = None,
+) -> TierPolicy | EvictionPolicy:
     """Keep `model` at full rank and make it cache through a TieredCache with aged tokens at `rate`'s ranks.
 
     kv_codec: "compiled" (the checkpoint's codec, if any), None / "none", or a codec for the aged tier.
@@ -46,10 +53,15 @@ def enable_tiers(model, spec, rate: float | None, window: int, kv_codec, tables:
         unknown = set(important) - {"rate", "share", "score", "pool", "evict_rest"}
         if unknown or "rate" not in important or "share" not in important:
             raise InvalidArgumentError(
-                f"important= takes rate, share and optionally score, pool and evict_rest; got {sorted(important)}")
-        options = dict(important_rate=important["rate"], important_share=important["share"],
-                       score=important.get("score", "attention"), pool=important.get("pool", 64),
-                       evict_rest=bool(important.get("evict_rest", False)))
+                f"important= takes rate, share and optionally score, pool and evict_rest; got {sorted(important)}"
+            )
+        options = dict(
+            important_rate=important["rate"],
+            important_share=important["share"],
+            score=important.get("score", "attention"),
+            pool=important.get("pool", 64),
+            evict_rest=bool(important.get("evict_rest", False)),
+        )
     policy = tier_policy_for_rate(spec, rate, window, codec, **options)
     _aged_tier_codecs(policy, tables)  # a codec that cannot serve the aged ranks fails now, not at the first forward
     model.kv_codec, model.kv_codec_tables = None, dict(tables)
@@ -63,10 +75,13 @@ def _eviction_policy(spec, rate: float, window: int, codec, important: dict | No
     if codec is not None:
         raise InvalidArgumentError(
             f"evict= quantizes kept tokens per token (evict={{'bits': 4}}); it takes no block codec, got {codec.describe()} "
-            "(pass kv_codec='none')")
+            "(pass kv_codec='none')"
+        )
     unknown = set(evict) - set(EVICT_OPTIONS)
     if unknown or "keep" not in evict:
-        raise InvalidArgumentError(f"evict= takes keep and optionally {', '.join(EVICT_OPTIONS[1:])}; got {sorted(evict)}")
+        raise InvalidArgumentError(
+            f"evict= takes keep and optionally {', '.join(EVICT_OPTIONS[1:])}; got {sorted(evict)}"
+        )
     options = {k: evict[k] for k in EVICT_OPTIONS[1:] if k in evict}
     return eviction_policy_for_rate(spec, rate, window, evict["keep"], **options)
 
@@ -77,11 +92,14 @@ def _aged_tier_codecs(policy: TierPolicy | EvictionPolicy, tables: dict) -> list
 
     if policy.codec is None:
         return None
-    return build_layer_codecs(policy.codec, [list(k) for k in policy.aged_key_ranks],
-                              [list(v) for v in policy.aged_value_ranks], tables)
+    return build_layer_codecs(
+        policy.codec, [list(k) for k in policy.aged_key_ranks], [list(v) for v in policy.aged_value_ranks], tables
+    )
 
 
-def make_tiered_cache(model, policy: TierPolicy | EvictionPolicy, storage_dtype: torch.dtype = STORAGE_DTYPE) -> TieredCache:
+def make_tiered_cache(
+    model, policy: TierPolicy | EvictionPolicy, storage_dtype: torch.dtype = STORAGE_DTYPE
+) -> TieredCache:
     """The TieredCache a tiered model attends through (its aged-tier codecs built for the aged ranks)."""
     head_dim = model.compressed_attentions()[0].head_dim
     return TieredCache(policy, head_dim, _aged_tier_codecs(policy, model.kv_codec_tables), storage_dtype)

@@ -77,14 +77,35 @@ class RecentWindowLayer(BatchFirstLayer):
 class TieredLayer(RecentWindowLayer):
     """Recent window at full rank; older tokens in the aged tier (and, token-adaptive, the important tier)."""
 
-    stored_tensor_names = ("keys", "values", "aged_keys", "aged_values", "important_keys", "important_values",
-                           "aged_positions", "important_positions", "recent_scores")
+    stored_tensor_names = (
+        "keys",
+        "values",
+        "aged_keys",
+        "aged_values",
+        "important_keys",
+        "important_values",
+        "aged_positions",
+        "important_positions",
+        "recent_scores",
+    )
     stored_dict_names = ("coded_keys", "coded_values")
 
-    def __init__(self, window: int, head_dim: int, aged_key_ranks: tuple[int, ...], aged_value_ranks: tuple[int, ...],
-                 codec=None, storage_dtype: torch.dtype = STORAGE_DTYPE, *, important_key_ranks=None,
-                 important_value_ranks=None, important_share: float | None = None, score: str = "attention", pool: int = 64,
-                 evict_rest: bool = False):
+    def __init__(
+        self,
+        window: int,
+        head_dim: int,
+        aged_key_ranks: tuple[int, ...],
+        aged_value_ranks: tuple[int, ...],
+        codec=None,
+        storage_dtype: torch.dtype = STORAGE_DTYPE,
+        *,
+        important_key_ranks=None,
+        important_value_ranks=None,
+        important_share: float | None = None,
+        score: str = "attention",
+        pool: int = 64,
+        evict_rest: bool = False,
+    ):
         super().__init__(window, head_dim, storage_dtype)
         self.aged_key_ranks, self.aged_value_ranks = tuple(aged_key_ranks), tuple(aged_value_ranks)
         self.codec = codec
@@ -139,8 +160,12 @@ class TieredLayer(RecentWindowLayer):
         if self.adaptive:
             self.recent_scores = torch.cat([self.recent_scores, self.recent_scores.new_zeros((batch, n))], dim=-1)
 
-    def add_scores(self, received: torch.Tensor | None, received_stored: list[torch.Tensor] | None,
-                   denominators: torch.Tensor | None) -> None:
+    def add_scores(
+        self,
+        received: torch.Tensor | None,
+        received_stored: list[torch.Tensor] | None,
+        denominators: torch.Tensor | None,
+    ) -> None:
         """One forward's importance evidence (token-adaptive only): attention each recent token received [B, S_recent]
         (summed over heads and queries) with the "attention" score, or the new tokens' own log softmax denominators
         [B, T] (combined over heads) with "denominator". Classified tokens keep their tier."""
@@ -161,7 +186,9 @@ class TieredLayer(RecentWindowLayer):
             key_cols = self._columns(self.aged_key_ranks)
             value_cols = self._columns(self.aged_value_ranks)
             self.aged_keys = torch.cat([self.aged_keys, self.keys[..., :moving, :].index_select(-1, key_cols)], dim=-2)
-            self.aged_values = torch.cat([self.aged_values, self.values[..., :moving, :].index_select(-1, value_cols)], dim=-2)
+            self.aged_values = torch.cat(
+                [self.aged_values, self.values[..., :moving, :].index_select(-1, value_cols)], dim=-2
+            )
         self.keys = self.keys[..., moving:, :].contiguous()
         self.values = self.values[..., moving:, :].contiguous()
         if self.adaptive:
@@ -180,9 +207,15 @@ class TieredLayer(RecentWindowLayer):
             scores = scores / (self.cumulative_length - positions).to(scores.dtype)
         n_important = round(self.important_share * self.pool)
         pools = scores.view(batch, moving // self.pool, self.pool)
-        top = pools.topk(n_important, dim=-1).indices if n_important else pools.new_zeros((batch, moving // self.pool, 0), dtype=torch.long)
+        top = (
+            pools.topk(n_important, dim=-1).indices
+            if n_important
+            else pools.new_zeros((batch, moving // self.pool, 0), dtype=torch.long)
+        )
         important = torch.zeros_like(pools, dtype=torch.bool).scatter_(-1, top, True).view(batch, moving)
-        order = torch.argsort((~important).to(torch.int8), dim=-1, stable=True)  # important first, positions kept in order
+        order = torch.argsort(
+            (~important).to(torch.int8), dim=-1, stable=True
+        )  # important first, positions kept in order
         n_imp = n_important * (moving // self.pool)
         imp_idx, aged_idx = order[:, :n_imp], order[:, n_imp:]
         tokens_k, tokens_v = self.keys[:, 0, :moving], self.values[:, 0, :moving]  # [B, moving, C]
@@ -225,8 +258,15 @@ class TieredLayer(RecentWindowLayer):
         tiers = []
         if not self.evict_rest:  # evicted tokens are gone: not a zero-score key, no key at all
             tiers.append(StoredTier(aged_k, aged_v, self.aged_key_ranks, self.aged_value_ranks, self.aged_positions))
-        tiers.append(StoredTier(self.important_keys.to(dtype), self.important_values.to(dtype), self.important_key_ranks,
-                                self.important_value_ranks, self.important_positions))
+        tiers.append(
+            StoredTier(
+                self.important_keys.to(dtype),
+                self.important_values.to(dtype),
+                self.important_key_ranks,
+                self.important_value_ranks,
+                self.important_positions,
+            )
+        )
         return tiers
 
     def aged_latents(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -244,8 +284,17 @@ class TieredLayer(RecentWindowLayer):
     def reset(self) -> None:
         super().reset()
         self.coded_length = 0
-        for name in ("aged_keys", "aged_values", "coded_keys", "coded_values", "important_keys", "important_values",
-                     "aged_positions", "important_positions", "recent_scores"):
+        for name in (
+            "aged_keys",
+            "aged_values",
+            "coded_keys",
+            "coded_values",
+            "important_keys",
+            "important_values",
+            "aged_positions",
+            "important_positions",
+            "recent_scores",
+        ):
             setattr(self, name, None)
 
     def crop(self, max_length: int) -> None:
@@ -260,12 +309,16 @@ class TieredCache(Cache):
 
     is_tiered = True
 
-    def __init__(self, policy, head_dim: int, layer_codecs: list | None = None, storage_dtype: torch.dtype = STORAGE_DTYPE):
+    def __init__(
+        self, policy, head_dim: int, layer_codecs: list | None = None, storage_dtype: torch.dtype = STORAGE_DTYPE
+    ):
         # The policy builds its own layers (TierPolicy: TieredLayer; EvictionPolicy: EvictingLayer).
         super().__init__(layers=policy.make_layers(head_dim, layer_codecs, storage_dtype))
         self.policy = policy
 
-    def attend(self, module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask) -> torch.Tensor:
+    def attend(
+        self, module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask
+    ) -> torch.Tensor:
         """Store the new tokens, attend over every tier, then age what left the window. Returns o_proj's input."""
         from kvrewrite.runtime.tiers.attention import tiered_attention
 

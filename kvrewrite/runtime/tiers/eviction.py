@@ -31,9 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
+from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.runtime.codecs.kivi import kivi_decode, kivi_encode
 from kvrewrite.runtime.codecs.packing import META_DTYPE, SUPPORTED_BITS, packed_length
-from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.runtime.tiers.cache import POSITION_DTYPE, STORAGE_DTYPE, RecentWindowLayer
 
 DEFAULT_OBSERVED_QUERIES = 64  # scoring queries per forward: a 64-token chunk, or the last 64 of a long prefill
@@ -63,7 +63,8 @@ class EvictionPolicy:
         sides = self.bits if isinstance(self.bits, tuple) else (self.bits, self.bits)
         if len(sides) != 2 or any(b is not None and b not in SUPPORTED_BITS for b in sides):
             raise InvalidArgumentError(
-                f"evict: bits must be one of {SUPPORTED_BITS}, None, or a (key, value) pair of them; got {self.bits!r}")
+                f"evict: bits must be one of {SUPPORTED_BITS}, None, or a (key, value) pair of them; got {self.bits!r}"
+            )
         if self.group_size < 1 or self.observed_queries < 1:
             raise InvalidArgumentError("evict: group_size and observed_queries must be >= 1")
 
@@ -92,9 +93,21 @@ class EvictionPolicy:
         rotations = None
         if any(b is not None for b in self.side_bits.values()):
             rotations = block_rotations([r for ranks in self.kept_key_ranks + self.kept_value_ranks for r in ranks])
-        return [EvictingLayer(self.window, head_dim, self.kept_key_ranks[i], self.kept_value_ranks[i], self.keep[i],
-                              self.bits, self.group_size, self.observed_queries, storage_dtype, rotations)
-                for i in range(self.num_layers)]
+        return [
+            EvictingLayer(
+                self.window,
+                head_dim,
+                self.kept_key_ranks[i],
+                self.kept_value_ranks[i],
+                self.keep[i],
+                self.bits,
+                self.group_size,
+                self.observed_queries,
+                storage_dtype,
+                rotations,
+            )
+            for i in range(self.num_layers)
+        ]
 
 
 def side_bits(bits) -> dict[str, int | None]:
@@ -103,15 +116,28 @@ def side_bits(bits) -> dict[str, int | None]:
     return {"key": key_bits, "value": value_bits}
 
 
-def eviction_policy_for_rate(spec, rate: float, window: int, keep: float | list[float], *, bits=None,
-                             group_size: int = DEFAULT_GROUP_SIZE,
-                             observed_queries: int = DEFAULT_OBSERVED_QUERIES) -> EvictionPolicy:
+def eviction_policy_for_rate(
+    spec,
+    rate: float,
+    window: int,
+    keep: float | list[float],
+    *,
+    bits=None,
+    group_size: int = DEFAULT_GROUP_SIZE,
+    observed_queries: int = DEFAULT_OBSERVED_QUERIES,
+) -> EvictionPolicy:
     """Kept tokens at the ranks of `rate` in the checkpoint's rate table (kvrewrite.spec.CompressionSpec)."""
     key_ranks, value_ranks = spec.ranks_for_rate(rate)
     shares = [keep] * spec.num_layers if isinstance(keep, (int, float)) else list(keep)
-    return EvictionPolicy(window=window, kept_key_ranks=tuple(tuple(k) for k in key_ranks),
-                          kept_value_ranks=tuple(tuple(v) for v in value_ranks), keep=tuple(float(k) for k in shares),
-                          bits=tuple(bits) if isinstance(bits, list) else bits, group_size=group_size, observed_queries=observed_queries)
+    return EvictionPolicy(
+        window=window,
+        kept_key_ranks=tuple(tuple(k) for k in key_ranks),
+        kept_value_ranks=tuple(tuple(v) for v in value_ranks),
+        keep=tuple(float(k) for k in shares),
+        bits=tuple(bits) if isinstance(bits, list) else bits,
+        group_size=group_size,
+        observed_queries=observed_queries,
+    )
 
 
 # ---- per-token storage of the kept tier ------------------------------------------------------------------
@@ -130,8 +156,9 @@ def block_rotations(widths) -> dict[int, torch.Tensor]:
     return rotations
 
 
-def encode_tokens(x: torch.Tensor, bits: int | None, group_size: int,
-                  storage_dtype: torch.dtype = STORAGE_DTYPE) -> dict[str, torch.Tensor]:
+def encode_tokens(
+    x: torch.Tensor, bits: int | None, group_size: int, storage_dtype: torch.dtype = STORAGE_DTYPE
+) -> dict[str, torch.Tensor]:
     """[B, S, C] latents -> what the kept tier stores for them, every tensor [B, S, ...] (tokens independent):
     the latents in `storage_dtype` without bits, else packed codes and a float16 scale and minimum per group."""
     if bits is None:
@@ -139,15 +166,18 @@ def encode_tokens(x: torch.Tensor, bits: int | None, group_size: int,
     batch, n, channels = x.shape
     if n == 0:  # the packer cannot shape zero tokens
         groups = -(-channels // group_size)
-        return {"codes": x.new_empty((batch, 0, packed_length(channels, bits)), dtype=torch.uint8),
-                "scale": x.new_empty((batch, 0, groups), dtype=META_DTYPE),
-                "low": x.new_empty((batch, 0, groups), dtype=META_DTYPE)}
+        return {
+            "codes": x.new_empty((batch, 0, packed_length(channels, bits)), dtype=torch.uint8),
+            "scale": x.new_empty((batch, 0, groups), dtype=META_DTYPE),
+            "low": x.new_empty((batch, 0, groups), dtype=META_DTYPE),
+        }
     coded = kivi_encode(x.float().unsqueeze(2), "value", bits, group_size)  # one "block" of one token each
     return {"codes": coded["codes"], "scale": coded["scale"].squeeze(2), "low": coded["low"].squeeze(2)}
 
 
-def decode_tokens(stored: dict[str, torch.Tensor], channels: int, bits: int | None, group_size: int,
-                  dtype: torch.dtype) -> torch.Tensor:
+def decode_tokens(
+    stored: dict[str, torch.Tensor], channels: int, bits: int | None, group_size: int, dtype: torch.dtype
+) -> torch.Tensor:
     """Inverse of encode_tokens -> [B, 1, S, C]."""
     if bits is None:
         return stored["latents"].to(dtype).unsqueeze(1)
@@ -169,10 +199,19 @@ class EvictingLayer(RecentWindowLayer):
     stored_tensor_names = ("keys", "values", "kept_positions")
     stored_dict_names = ("kept_keys", "kept_values", "channel_stats")
 
-    def __init__(self, window: int, head_dim: int, kept_key_ranks: tuple[int, ...], kept_value_ranks: tuple[int, ...],
-                 keep: float, bits=None, group_size: int = DEFAULT_GROUP_SIZE,
-                 observed_queries: int = DEFAULT_OBSERVED_QUERIES, storage_dtype: torch.dtype = STORAGE_DTYPE,
-                 rotations: dict[int, torch.Tensor] | None = None):
+    def __init__(
+        self,
+        window: int,
+        head_dim: int,
+        kept_key_ranks: tuple[int, ...],
+        kept_value_ranks: tuple[int, ...],
+        keep: float,
+        bits=None,
+        group_size: int = DEFAULT_GROUP_SIZE,
+        observed_queries: int = DEFAULT_OBSERVED_QUERIES,
+        storage_dtype: torch.dtype = STORAGE_DTYPE,
+        rotations: dict[int, torch.Tensor] | None = None,
+    ):
         super().__init__(window, head_dim, storage_dtype)
         self.kept_key_ranks, self.kept_value_ranks = tuple(kept_key_ranks), tuple(kept_value_ranks)
         self.keep, self.group_size = keep, group_size
@@ -203,14 +242,26 @@ class EvictingLayer(RecentWindowLayer):
         self.keys = key_states.new_empty((batch, 1, 0, key_states.shape[-1]), dtype=self.storage_dtype)
         self.values = value_states.new_empty((batch, 1, 0, value_states.shape[-1]), dtype=self.storage_dtype)
         for side, ranks in (("key", self.kept_key_ranks), ("value", self.kept_value_ranks)):
-            setattr(self, f"kept_{side}s", encode_tokens(key_states.new_empty((batch, 0, sum(ranks))), self.side_bits[side],
-                                                         self.group_size, self.storage_dtype))
+            setattr(
+                self,
+                f"kept_{side}s",
+                encode_tokens(
+                    key_states.new_empty((batch, 0, sum(ranks))),
+                    self.side_bits[side],
+                    self.group_size,
+                    self.storage_dtype,
+                ),
+            )
         self.kept_positions = key_states.new_empty((batch, 0), dtype=POSITION_DTYPE)
         self.is_initialized = True
 
     # ---- writes --------------------------------------------------------------------------------------------
-    def add_scores(self, received: torch.Tensor | None, received_stored: list[torch.Tensor] | None,
-                   denominators: torch.Tensor | None) -> None:
+    def add_scores(
+        self,
+        received: torch.Tensor | None,
+        received_stored: list[torch.Tensor] | None,
+        denominators: torch.Tensor | None,
+    ) -> None:
         """Attention the recent [B, S_recent] and kept [B, S_kept] tokens received from this forward's observed queries."""
         self._received_recent = received
         self._received_kept = received_stored[0] if received_stored else None
@@ -230,8 +281,12 @@ class EvictingLayer(RecentWindowLayer):
                         self.channel_stats.update(_channel_stats(store[:, 0].index_select(-1, cols), side))
             moving_k = self._to_code_space(self.keys[:, 0, :beyond].index_select(-1, key_cols), "key")
             moving_v = self._to_code_space(self.values[:, 0, :beyond].index_select(-1, value_cols), "value")
-            self.kept_keys = _append(self.kept_keys, encode_tokens(moving_k, self.side_bits["key"], self.group_size, self.storage_dtype))
-            self.kept_values = _append(self.kept_values, encode_tokens(moving_v, self.side_bits["value"], self.group_size, self.storage_dtype))
+            self.kept_keys = _append(
+                self.kept_keys, encode_tokens(moving_k, self.side_bits["key"], self.group_size, self.storage_dtype)
+            )
+            self.kept_values = _append(
+                self.kept_values, encode_tokens(moving_v, self.side_bits["value"], self.group_size, self.storage_dtype)
+            )
             batch = self.keys.shape[0]
             positions = torch.arange(first, first + beyond, device=self.keys.device, dtype=POSITION_DTYPE)
             self.kept_positions = torch.cat([self.kept_positions, positions[None].expand(batch, beyond)], dim=-1)
@@ -265,7 +320,10 @@ class EvictingLayer(RecentWindowLayer):
         if self.side_bits[side] is None or self.channel_stats is None:  # nothing kept yet: nothing to turn back
             return y
         x = self._turn(y, side, inverse=True)
-        return x * self.channel_stats[side + "_rms"].float()[:, None, :] + self.channel_stats[side + "_mean"].float()[:, None, :]
+        return (
+            x * self.channel_stats[side + "_rms"].float()[:, None, :]
+            + self.channel_stats[side + "_mean"].float()[:, None, :]
+        )
 
     def _turn(self, x: torch.Tensor, side: str, inverse: bool = False) -> torch.Tensor:
         """Turn every head's block of packed latents [..., C] by its width's rotation (or back)."""
@@ -284,8 +342,12 @@ class EvictingLayer(RecentWindowLayer):
     def stored_tiers(self, dtype: torch.dtype) -> list:
         from kvrewrite.runtime.tiers.attention import StoredTier
 
-        keys = decode_tokens(self.kept_keys, sum(self.kept_key_ranks), self.side_bits["key"], self.group_size, torch.float32)
-        values = decode_tokens(self.kept_values, sum(self.kept_value_ranks), self.side_bits["value"], self.group_size, torch.float32)
+        keys = decode_tokens(
+            self.kept_keys, sum(self.kept_key_ranks), self.side_bits["key"], self.group_size, torch.float32
+        )
+        values = decode_tokens(
+            self.kept_values, sum(self.kept_value_ranks), self.side_bits["value"], self.group_size, torch.float32
+        )
         keys = self._from_code_space(keys[:, 0], "key").unsqueeze(1).to(dtype)
         values = self._from_code_space(values[:, 0], "value").unsqueeze(1).to(dtype)
         return [StoredTier(keys, values, self.kept_key_ranks, self.kept_value_ranks, self.kept_positions)]

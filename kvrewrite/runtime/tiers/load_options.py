@@ -20,8 +20,9 @@ def _shares(value, name: str) -> None:
     """A share in [0, 1], or one per layer."""
     values = value if isinstance(value, (list, tuple)) else [value]
     if not values or not all(_is_number(v) and 0 <= v <= 1 for v in values):
-        raise InvalidArgumentError(f"{name} must be a number in [0, 1] (or a list of them, one per layer), "
-                                   f"got {value!r}")
+        raise InvalidArgumentError(
+            f"{name} must be a number in [0, 1] (or a list of them, one per layer), got {value!r}"
+        )
 
 
 def check_cache_keywords(kv_codec, recent_window, important, evict) -> None:
@@ -29,22 +30,26 @@ def check_cache_keywords(kv_codec, recent_window, important, evict) -> None:
     from kvrewrite.runtime.codecs.config import CodecConfig
 
     if kv_codec is not None and not isinstance(kv_codec, (str, CodecConfig)):
-        raise InvalidArgumentError(f"kv_codec= takes a codec name such as 'int4', 'none' or 'compiled', "
-                                   f"got {kv_codec!r}")
+        raise InvalidArgumentError(
+            f"kv_codec= takes a codec name such as 'int4', 'none' or 'compiled', got {kv_codec!r}"
+        )
     if recent_window is not None and (not _is_whole(recent_window) or recent_window < 0):
-        raise InvalidArgumentError(f"recent window (recent_window=) must be a whole number of tokens >= 0, "
-                                   f"got {recent_window!r}")
+        raise InvalidArgumentError(
+            f"recent window (recent_window=) must be a whole number of tokens >= 0, got {recent_window!r}"
+        )
     if important is not None:
         if not isinstance(important, dict):
-            raise InvalidArgumentError(f"important= takes a dict such as {{'rate': 0.7, 'share': 0.2}}, "
-                                       f"got {important!r}")
+            raise InvalidArgumentError(
+                f"important= takes a dict such as {{'rate': 0.7, 'share': 0.2}}, got {important!r}"
+            )
         if "rate" in important and not _is_number(important["rate"]):
             raise InvalidArgumentError(f"important= rate must be a number, got {important['rate']!r}")
         if "share" in important:
             _shares(important["share"], "important= share")
         if "pool" in important and (not _is_whole(important["pool"]) or important["pool"] < 1):
-            raise InvalidArgumentError(f"important= pool must be a whole number of tokens >= 1, "
-                                       f"got {important['pool']!r}")
+            raise InvalidArgumentError(
+                f"important= pool must be a whole number of tokens >= 1, got {important['pool']!r}"
+            )
     if evict is not None:
         if not isinstance(evict, dict):
             raise InvalidArgumentError(f"evict= takes a dict such as {{'keep': 0.25, 'bits': 4}}, got {evict!r}")
@@ -53,8 +58,10 @@ def check_cache_keywords(kv_codec, recent_window, important, evict) -> None:
         bits = evict.get("bits")
         sides = list(bits) if isinstance(bits, (list, tuple)) else [bits]
         if len(sides) not in (1, 2) or not all(b is None or (_is_whole(b) and b in SUPPORTED_BITS) for b in sides):
-            raise InvalidArgumentError(f"evict= bits must be None (float16) or one of {SUPPORTED_BITS}, or a "
-                                       f"(key, value) pair of them, got {bits!r}")
+            raise InvalidArgumentError(
+                f"evict= bits must be None (float16) or one of {SUPPORTED_BITS}, or a "
+                f"(key, value) pair of them, got {bits!r}"
+            )
         for name in ("group_size", "observed_queries"):
             if name in evict and (not _is_whole(evict[name]) or evict[name] < 1):
                 raise InvalidArgumentError(f"evict= {name} must be a whole number >= 1, got {evict[name]!r}")

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvrewrite.runtime.codecs.config import CodecConfig
 from kvrewrite.errors import InvalidArgumentError
+from kvrewrite.runtime.codecs.config import CodecConfig
 
 IMPORTANCE_SCORES = ("attention", "denominator")
 
@@ -60,7 +60,8 @@ class TierPolicy:
                 raise InvalidArgumentError("token-adaptive dims with a codec on the aged tier are not supported yet")
             for i, (ak, ik) in enumerate(zip(self.aged_key_ranks, self.important_key_ranks)):
                 if any(a > b for a, b in zip(ak, ik)) or any(
-                        a > b for a, b in zip(self.aged_value_ranks[i], self.important_value_ranks[i])):
+                    a > b for a, b in zip(self.aged_value_ranks[i], self.important_value_ranks[i])
+                ):
                     raise InvalidArgumentError(f"layer {i}: important ranks must be at least the aged ranks")
         elif self.evict_rest:
             raise InvalidArgumentError("evict_rest needs an important share (the tokens it keeps)")
@@ -88,17 +89,40 @@ class TierPolicy:
         for i in range(self.num_layers):
             adaptive = {}
             if self.adaptive:
-                adaptive = dict(important_key_ranks=self.important_key_ranks[i], important_value_ranks=self.important_value_ranks[i],
-                                important_share=self.important_share[i], score=self.score, pool=self.pool,
-                                evict_rest=self.evict_rest)
-            layers.append(TieredLayer(self.window, head_dim, self.aged_key_ranks[i], self.aged_value_ranks[i],
-                                      codecs[i], storage_dtype, **adaptive))
+                adaptive = dict(
+                    important_key_ranks=self.important_key_ranks[i],
+                    important_value_ranks=self.important_value_ranks[i],
+                    important_share=self.important_share[i],
+                    score=self.score,
+                    pool=self.pool,
+                    evict_rest=self.evict_rest,
+                )
+            layers.append(
+                TieredLayer(
+                    self.window,
+                    head_dim,
+                    self.aged_key_ranks[i],
+                    self.aged_value_ranks[i],
+                    codecs[i],
+                    storage_dtype,
+                    **adaptive,
+                )
+            )
         return layers
 
 
-def tier_policy_for_rate(spec, rate: float, window: int, codec: CodecConfig | None = None, *,
-                         important_rate: float | None = None, important_share: float | list[float] | None = None,
-                         score: str = "attention", pool: int = 64, evict_rest: bool = False) -> TierPolicy:
+def tier_policy_for_rate(
+    spec,
+    rate: float,
+    window: int,
+    codec: CodecConfig | None = None,
+    *,
+    important_rate: float | None = None,
+    important_share: float | list[float] | None = None,
+    score: str = "attention",
+    pool: int = 64,
+    evict_rest: bool = False,
+) -> TierPolicy:
     """Aged tokens at the ranks of `rate` in the checkpoint's rate table (kvrewrite.spec.CompressionSpec); with
     important_rate and important_share (one g for every layer, or one per layer), important tokens at that rate's."""
     key_ranks, value_ranks = spec.ranks_for_rate(rate)
@@ -107,9 +131,17 @@ def tier_policy_for_rate(spec, rate: float, window: int, codec: CodecConfig | No
         if important_rate is None:
             raise InvalidArgumentError("an important share needs an important rate")
         ik, iv = spec.ranks_for_rate(important_rate)
-        shares = [important_share] * spec.num_layers if isinstance(important_share, (int, float)) else list(important_share)
-        important = dict(important_key_ranks=tuple(tuple(k) for k in ik), important_value_ranks=tuple(tuple(v) for v in iv),
-                         important_share=tuple(float(g) for g in shares), score=score, pool=pool, evict_rest=evict_rest)
+        shares = (
+            [important_share] * spec.num_layers if isinstance(important_share, (int, float)) else list(important_share)
+        )
+        important = dict(
+            important_key_ranks=tuple(tuple(k) for k in ik),
+            important_value_ranks=tuple(tuple(v) for v in iv),
+            important_share=tuple(float(g) for g in shares),
+            score=score,
+            pool=pool,
+            evict_rest=evict_rest,
+        )
     return TierPolicy(
         window=window,
         aged_key_ranks=tuple(tuple(k) for k in key_ranks),

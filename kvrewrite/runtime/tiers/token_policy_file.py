@@ -22,9 +22,13 @@ def read_token_policy(directory: Path) -> dict | None:
         options = json.loads(path.read_text(encoding="utf-8"))["load"]
         missing = {"rate", "recent_window", "kv_codec", "evict"} - set(options)
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CorruptCheckpointError(f"{path}: unreadable token policy ({exc}); delete it or re-run kvrewrite budget") from exc
+        raise CorruptCheckpointError(
+            f"{path}: unreadable token policy ({exc}); delete it or re-run kvrewrite budget"
+        ) from exc
     if missing:
-        raise CorruptCheckpointError(f"{path}: token policy lacks {sorted(missing)}; delete it or re-run kvrewrite budget")
+        raise CorruptCheckpointError(
+            f"{path}: token policy lacks {sorted(missing)}; delete it or re-run kvrewrite budget"
+        )
     from kvrewrite.errors import InvalidArgumentError
     from kvrewrite.runtime.tiers.load_options import check_cache_keywords
     from kvrewrite.spec import validate_rate
@@ -33,5 +37,7 @@ def read_token_policy(directory: Path) -> dict | None:
         validate_rate(options["rate"], "rate")
         check_cache_keywords(options["kv_codec"], options["recent_window"], None, options["evict"])
     except InvalidArgumentError as exc:
-        raise CorruptCheckpointError(f"{path}: recorded load option {exc}; delete it or re-run kvrewrite budget") from None
+        raise CorruptCheckpointError(
+            f"{path}: recorded load option {exc}; delete it or re-run kvrewrite budget"
+        ) from None
     return options
