@@ -31,8 +31,10 @@ from kvrewrite.runtime.kernels.flash_decode_splits import (
     kv_len_argument,
     mask_argument,
     merge_splits,
+    online_softmax_tile,
     plan_splits,
     pow2,
+    store_head_split,
     workspace,
 )
 from kvrewrite.runtime.kernels.reference import PackedLayout
@@ -177,26 +179,12 @@ def _latent_split_kernel(
         r1 = k1 * cos1 - k2 * sin1  # rotate_half(k) = (-k2, k1)
         r2 = k2 * cos2 + k1 * sin2
         s = (tl.dot(q1, tl.trans(r1.to(q1.dtype))) + tl.dot(q2, tl.trans(r2.to(q2.dtype)))) * qk_scale
-        s = tl.where(slot_ok[None, :], s, NEG_INF)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.where(slot_ok[None, :], tl.exp2(s - m_new[:, None]), 0.0)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-    hq = h * GROUP + member
-    if PARTIAL:
-        tl.store(
-            acc_ptr + b * s_ab + hq[:, None] * s_ah + split * s_as + (dv - v_shift)[None, :],
-            acc,
-            mask=row_ok[:, None] & v_head[None, :],
-        )
-        tl.store(m_ptr + b * s_lb + hq * s_lh + split, m_i, mask=row_ok)
-        tl.store(l_ptr + b * s_lb + hq * s_lh + split, l_i, mask=row_ok)
-    else:
-        out = tl.where(l_i[:, None] > 0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
-        o_cols = tl.load(o_off_ptr + h) + member[:, None] * rv + (dv - v_shift)[None, :]
-        tl.store(o_ptr + b * s_ob + o_cols, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & v_head[None, :])
+        m_i, l_i, acc = online_softmax_tile(s, slot_ok, v, m_i, l_i, acc)
+    o_cols = tl.load(o_off_ptr + h) + member[:, None] * rv + (dv - v_shift)[None, :]
+    store_head_split(
+        acc, m_i, l_i, h * GROUP + member, row_ok, dv - v_shift, v_head, b, split,
+        acc_ptr, m_ptr, l_ptr, s_ab, s_ah, s_as, s_lb, s_lh, o_ptr, o_cols, s_ob, PARTIAL,
+    )  # fmt: skip
 
 
 def latent_plan(

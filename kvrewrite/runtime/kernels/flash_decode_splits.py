@@ -182,6 +182,58 @@ def workspace(batch: int, heads: int, splits: int, width: int, device: torch.dev
 
 
 @triton.jit
+def online_softmax_tile(s, slot_ok, v, m_i, l_i, acc):
+    """One key tile of a split's online softmax: scores s [G, N] (log2 units) of the slots slot_ok [N] allows, values
+    v [N, D] -> the running max, normaliser and unnormalised value sum after it."""
+    s = tl.where(slot_ok[None, :], s, NEG_INF)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.where(slot_ok[None, :], tl.exp2(s - m_new[:, None]), 0.0)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def store_head_split(
+    acc,
+    m_i,
+    l_i,
+    hq,
+    row_ok,
+    dims,
+    dims_ok,
+    b,
+    split,
+    acc_ptr,
+    m_ptr,
+    l_ptr,
+    s_ab,
+    s_ah,
+    s_as,
+    s_lb,
+    s_lh,
+    o_ptr,
+    o_cols,
+    s_ob,
+    PARTIAL: tl.constexpr,
+):
+    """A split's result for the query heads hq [G]: its partial and statistics into the workspace (PARTIAL), or,
+    when the head is not split, the normalised output at o_cols [G, D] (zeros where no slot was allowed)."""
+    if PARTIAL:
+        tl.store(
+            acc_ptr + b * s_ab + hq[:, None] * s_ah + split * s_as + dims[None, :],
+            acc,
+            mask=row_ok[:, None] & dims_ok[None, :],
+        )
+        tl.store(m_ptr + b * s_lb + hq * s_lh + split, m_i, mask=row_ok)
+        tl.store(l_ptr + b * s_lb + hq * s_lh + split, l_i, mask=row_ok)
+    else:
+        out = tl.where(l_i[:, None] > 0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
+        tl.store(o_ptr + b * s_ob + o_cols, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & dims_ok[None, :])
+
+
+@triton.jit
 def _merge_kernel(
     acc_ptr,
     m_ptr,
