@@ -417,6 +417,15 @@ def add_ratios(results: dict) -> None:
                 row["cache_share"] = round(row["cache_bytes_read"] / base_bytes[(row["batch"], row["context"])], 3)
 
 
+def add_peak_shares(record: dict) -> None:
+    """Each attention call's achieved bandwidth as a share of the GPU's nominal peak (GPU runs only)."""
+    peak = record.get("peak_bandwidth_GBps")
+    for rows in record["results"].values():
+        for row in rows:
+            if peak and "attention_bandwidth_GBps" in row:
+                row["attention_share_of_peak"] = round(row["attention_bandwidth_GBps"] / peak, 3)
+
+
 def provenance(args, device: torch.device) -> dict:
     commit = subprocess.run(
         ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
@@ -512,6 +521,7 @@ def main() -> None:
         for form, row in measure_config(runs, batch, context, args, device, dtype).items():
             record["results"][form].append(row)
         add_ratios(record["results"])
+        add_peak_shares(record)
         out.write_text(json.dumps(record, indent=1) + "\n")  # after every configuration: a later crash keeps these
     print_table(record)
     print(f"wrote {out}")
