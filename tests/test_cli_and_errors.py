@@ -301,3 +301,23 @@ def test_compress_help_groups_its_options_in_panels():
         "--overwrite": "Output",
     }
     assert {flag: where[flag] for flag in expected} == expected
+
+
+def test_errors_name_the_running_commands_own_options_as_flags():
+    """A command's own option (not a Plan field) is named by its flag in an error: the flags come from the running
+    command's context, on the click that typer runs commands on."""
+    import typer
+    from typer.testing import CliRunner
+
+    from kvrewrite.cli import app as cli_app
+
+    probe = typer.Typer()
+    seen = {}
+
+    @probe.command()
+    def command(new_tokens: int = typer.Option(1, "--new-tokens")) -> None:
+        seen.update(cli_app._flags())
+
+    result = CliRunner().invoke(probe, ["--new-tokens", "3"])
+    assert result.exit_code == 0, result.output
+    assert seen["new_tokens"] == "--new-tokens"

@@ -61,15 +61,23 @@ def _setup() -> None:
 
 def _flags() -> dict[str, str]:
     """Parameter name -> flag: the Plan's options, then the running command's own (push's `revision`, eval's `rates`)."""
-    import click
-
     flags = dict(PLAN_FLAGS)
-    context = click.get_current_context(silent=True)
+    context = _current_context()
     for param in context.command.params if context is not None else ():
         longest = max(param.opts, key=len)
         if param.name and longest.startswith("--"):
             flags[param.name] = longest
     return flags
+
+
+def _current_context():
+    """The running command's context. typer 0.29 runs commands on its own copy of click, whose context stack is not
+    click's: click.get_current_context() there is always None."""
+    try:
+        from typer._click.globals import get_current_context
+    except ImportError:  # a typer that runs on click itself
+        from click import get_current_context
+    return get_current_context(silent=True)
 
 
 def _fail(exc: Exception) -> None:
