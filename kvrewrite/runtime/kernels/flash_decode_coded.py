@@ -296,6 +296,11 @@ def _tables(layout: PackedLayout, plan: SplitPlan, device: str) -> dict[str, tor
     }
 
 
+def supports_block_tokens(block_tokens: int) -> bool:
+    """Whether this kernel reads blocks of this many tokens: whole key tiles, a power of two, at least 16 on a GPU."""
+    return block_tokens & (block_tokens - 1) == 0 and (block_tokens >= 16 or interpreting())
+
+
 def coded_flash_decode(
     query: torch.Tensor,
     blocks: QuantizedBlocks,
@@ -319,7 +324,7 @@ def coded_flash_decode(
     heaviest head gets (default: from the device, the batch and n_cap).
     """
     g = blocks.block_tokens
-    if g & (g - 1) or (g < 16 and not interpreting()):
+    if not supports_block_tokens(g):
         raise ValueError(f"coded blocks of {g} tokens: the kernel needs a power of two >= 16 (one key tile)")
     batch, n_cap = keys["codes"].shape[:2]
     device = query.device

@@ -191,13 +191,13 @@ class CompressedAttention(nn.Module):
         ko, vo = self.layout.key_offsets, self.layout.value_offsets
         n_q = group * n_kv
         if self.mode.rebuilds_keys:
-            rotary = self._rotary[0]
+            # Cache indices as positions, as in _latent_attention.
+            cos, sin = rope_table(self._rotary[0], query, readout.length, transposed=False)
 
             def rope(start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-                # Cache indices as positions, as in _latent_attention.
-                return rotary(query, torch.arange(start, start + n, device=query.device)[None].expand(batch, n))
+                return cos[None, start : start + n], sin[None, start : start + n]
 
-            heads = self._apply_rope(self._heads(query, self.num_heads), *rope(past_len, q_len))
+            heads = self._rotate_queries(query, past_len, cos, sin)
             grouped = heads.reshape(batch, n_kv, group * q_len, self.head_dim)  # a KV head's query rows
 
             def score(start: int, keys: torch.Tensor) -> torch.Tensor:
@@ -251,19 +251,20 @@ class CompressedAttention(nn.Module):
     ) -> torch.Tensor:
         """attend_coded on CUDA: the Triton kernel dequantises each block in registers (latent keys rebuilt and
         rotated there too, with the cache indices' cos/sin)."""
+        from kvrewrite.runtime.kernels import flash_decode_coded
+
         batch, q_len, _ = query.shape
         if (
             not self.mode.rebuilds_keys
             and q_len == 1
             and readout.keys is not None
-            and coded_flash_decode_fits(readout.layout.block_tokens)
+            and flash_decode_coded.supports_block_tokens(readout.layout.block_tokens)
         ):
             # One decode token over coded blocks: flash-decoding (the coded blocks split across programs).
-            from kvrewrite.runtime.kernels.flash_decode_coded import coded_flash_decode
 
             keep = boolean_mask(attention_mask, 1, readout.length, query.device)
             keep = keep.expand(batch, 1, 1, readout.length)[:, 0, 0]
-            return coded_flash_decode(
+            return flash_decode_coded.coded_flash_decode(
                 query[:, 0],
                 readout.layout,
                 readout.keys,
@@ -278,15 +279,13 @@ class CompressedAttention(nn.Module):
             )[:, None]
         if not self.mode.rebuilds_keys:
             return triton_coded.triton_coded_attention(query, readout, attention_mask, self.scaling, self.layout)
-        positions = torch.arange(readout.length, device=query.device)[None]
-        cos, sin = self._rotary[0](query, positions)  # [1, S, d]
-        heads = self._apply_rope(
-            self._heads(query, self.num_heads), cos[:, past_len : past_len + q_len], sin[:, past_len : past_len + q_len]
-        )
+        cos, sin = rope_table(self._rotary[0], query, readout.length, transposed=False)  # [>= S, d]
+        heads = self._rotate_queries(query, past_len, cos, sin)
         rotated = heads.transpose(1, 2).reshape(batch, q_len, self.num_heads * self.head_dim)
         return triton_coded.triton_coded_attention(
-            rotated, readout, attention_mask, self.scaling, self.layout, self.k_up, (cos[0], sin[0])
-        )
+            rotated, readout, attention_mask, self.scaling, self.layout, self.k_up,
+            (cos[: readout.length], sin[: readout.length]),
+        )  # fmt: skip
 
     def cache_order(self, cache, device: torch.device) -> str:
         """Memory order of this layer's cache tensors (kernels.cache_layout): the packed runner's choice.
@@ -309,6 +308,15 @@ class CompressedAttention(nn.Module):
             return ROWS
         return getattr(self.packed_attention_runner(device), "cache_layout", ROWS)
 
+    def _rotate_queries(self, query: torch.Tensor, past_len, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The new tokens' queries [B, H, T, d] rotated at cache positions past_len.. (cos/sin [>= S, d]).
+
+        Gathered, not sliced: past_len is a tensor on a StaticCache, and a slice by it would give the queries a
+        data-dependent length under torch.compile."""
+        at = torch.arange(query.shape[1], device=query.device) + past_len
+        return self._apply_rope(self._heads(query, self.num_heads), cos.index_select(0, at)[None],
+                                sin.index_select(0, at)[None])  # fmt: skip
+
     def _latent_attention(self, query, key_latent, value, attention_mask, past_len: int) -> torch.Tensor:
         """Rebuild each head's pre-RoPE key from its latent and rotate q and k by cache position.
 
@@ -321,21 +329,15 @@ class CompressedAttention(nn.Module):
         rotary = self._rotary[0]
         if q_len == 1 and resolve_backend(query.device) == "triton":
             return self._latent_flash_decode(query, key_latent, value, attention_mask, past_len)
+        cos, sin = rope_table(rotary, query, kv_len, transposed=False)  # [>= S, d], one table for every layer
+        q = self._rotate_queries(query, past_len, cos, sin)
         if q_len <= LATENT_DECODE_ROWS:
-            cos_t, sin_t = rope_table(rotary, query, kv_len)  # [d, >= S]
-            # Gathered, not sliced: past_len is a tensor on a StaticCache, and a slice by it would give the queries
-            # a data-dependent length under torch.compile.
-            rows = torch.arange(q_len, device=query.device) + past_len
-            cos_q, sin_q = cos_t.index_select(1, rows).T[None], sin_t.index_select(1, rows).T[None]
-            q = self._apply_rope(self._heads(query, self.num_heads), cos_q, sin_q)
+            cos_t, sin_t = rope_table(rotary, query, kv_len)  # [d, >= S] for the tiles
             allowed = boolean_mask(attention_mask, q_len, kv_len, query.device)
             return latent_decode_attention(
                 q, key_latent, value, allowed, self.scaling, self.key_ranks, self.value_ranks, self.k_up, cos_t, sin_t
             )
-        positions = torch.arange(kv_len, device=query.device)[None].expand(batch, kv_len)
-        cos_k, sin_k = rotary(query, positions)
-        cos_q, sin_q = cos_k[:, past_len : past_len + q_len], sin_k[:, past_len : past_len + q_len]
-        q = self._apply_rope(self._heads(query, self.num_heads), cos_q, sin_q)
+        cos_k, sin_k = cos[None, :kv_len], sin[None, :kv_len]
         allowed = boolean_mask(attention_mask, q_len, kv_len, query.device)
         ko, vo = self.layout.key_offsets, self.layout.value_offsets
         outputs = []
@@ -352,10 +354,7 @@ class CompressedAttention(nn.Module):
 
         batch, kv_len = query.shape[0], key_latent.shape[-2]
         cos, sin = rope_table(self._rotary[0], query, kv_len, transposed=False)  # [>= S, d]
-        at = torch.arange(1, device=query.device) + past_len  # gathered: past_len may be a tensor (StaticCache)
-        q = self._apply_rope(
-            self._heads(query, self.num_heads), cos.index_select(0, at)[None], sin.index_select(0, at)[None]
-        )  # [B, H, 1, d]
+        q = self._rotate_queries(query, past_len, cos, sin)  # [B, H, 1, d]
         keep = boolean_mask(attention_mask, 1, kv_len, query.device).expand(batch, 1, 1, kv_len)[:, 0, 0]
         out = latent_flash_decode(
             q[:, :, 0].reshape(batch, -1),
@@ -370,13 +369,6 @@ class CompressedAttention(nn.Module):
             sin,
         )
         return out[:, None]
-
-
-def coded_flash_decode_fits(block_tokens: int) -> bool:
-    """The codec flash-decoding kernel reads whole key tiles: blocks of a power of two tokens, at least 16 on a GPU."""
-    from kvrewrite.runtime.kernels.flash_decode_splits import interpreting
-
-    return block_tokens & (block_tokens - 1) == 0 and (block_tokens >= 16 or interpreting())
 
 
 def packed_attention_forward(module: CompressedAttention, query, key, value, attention_mask, scaling, **kwargs):
