@@ -235,36 +235,10 @@ def static_decode_logits(model, forward, steps: int = 4) -> torch.Tensor:
 
 
 def tiny_mla_model():
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    """The MLA runtime tests' tiny DeepSeek-V3 (uneven widths) with kvrewrite's absorbed attention."""
+    from test_mla_runtime import stock_and_ours, tiny_config
 
-    from kvrewrite.runtime.mla.checkpoint import absorb_attention
-
-    config = DeepseekV3Config(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        q_lora_rank=None,
-        kv_lora_rank=24,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=12,
-        v_head_dim=10,
-        first_k_dense_replace=2,
-        n_routed_experts=4,
-        n_group=1,
-        topk_group=1,
-        num_experts_per_tok=2,
-        max_position_embeddings=256,
-        initializer_range=0.2,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=None,
-    )
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return absorb_attention(DeepseekV3ForCausalLM(config)).eval()
+    return stock_and_ours(tiny_config())[1]
 
 
 @pytest.mark.parametrize("form", ["latent", "post-rope", "mla"])
