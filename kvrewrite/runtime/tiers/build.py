@@ -9,7 +9,7 @@ from kvrewrite.runtime.tiers.cache import STORAGE_DTYPE, TieredCache
 from kvrewrite.runtime.tiers.eviction import EvictionPolicy, eviction_policy_for_rate
 from kvrewrite.runtime.tiers.policy import TierPolicy, tier_policy_for_rate
 
-EVICT_OPTIONS = ("keep", "bits", "group_size", "observed_queries")
+EVICT_OPTIONS = ("keep", "bits", "group_size", "observed_queries", "floor")
 
 
 def enable_tiers(
@@ -28,8 +28,9 @@ def enable_tiers(
     important: token-adaptive dims, {"rate": r_i, "share": g (or one per layer), "score": "attention" |
         "denominator", "pool": tokens classified together, "evict_rest": drop the others}; see kvrewrite.runtime.tiers.policy.
     evict: re-scored eviction, {"keep": share beyond the window (or one per layer), "bits": None | 8 | 4 | 2,
-        "group_size": channels per scale, "observed_queries": scoring queries per forward}; the kept tokens hold
-        `rate`'s ranks. See kvrewrite.runtime.tiers.eviction.
+        "group_size": channels per scale, "observed_queries": scoring queries per forward, "floor": {"key": dims,
+        "value": dims, "bits": ...} kept by an evicted token instead of dropping it}; the kept tokens hold `rate`'s
+        ranks. See kvrewrite.runtime.tiers.eviction and kvrewrite.runtime.tiers.floor.
     """
     from kvrewrite.runtime.codecs.config import parse_codec
     from kvrewrite.runtime.tiers.attention import check_full_rank

@@ -35,6 +35,7 @@ from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.runtime.codecs.kivi import kivi_decode, kivi_encode
 from kvrewrite.runtime.codecs.packing import META_DTYPE, SUPPORTED_BITS, packed_length
 from kvrewrite.runtime.tiers.cache import POSITION_DTYPE, STORAGE_DTYPE, RecentWindowLayer
+from kvrewrite.runtime.tiers.floor import DEFAULT_FLOOR_BITS, FloorPolicy, floor_columns, floor_policy
 
 DEFAULT_OBSERVED_QUERIES = 64  # scoring queries per forward: a 64-token chunk, or the last 64 of a long prefill
 DEFAULT_GROUP_SIZE = 64  # channels per (scale, minimum) pair, as transformers' QuantizedCache defaults
@@ -52,6 +53,7 @@ class EvictionPolicy:
     bits: int | tuple[int | None, int | None] | None = None  # both sides, or (key bits, value bits); None: float16
     group_size: int = DEFAULT_GROUP_SIZE
     observed_queries: int = DEFAULT_OBSERVED_QUERIES
+    floor: FloorPolicy | None = None  # what an evicted token keeps (None: it is dropped); see tiers/floor.py
 
     def __post_init__(self) -> None:
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 0:
@@ -67,6 +69,8 @@ class EvictionPolicy:
             )
         if self.group_size < 1 or self.observed_queries < 1:
             raise InvalidArgumentError("evict: group_size and observed_queries must be >= 1")
+        if self.floor is not None and len(self.floor.key_ranks) != len(self.keep):
+            raise InvalidArgumentError(f"evict: the floor needs ranks for every layer ({len(self.keep)})")
 
     @property
     def num_layers(self) -> int:
@@ -90,9 +94,12 @@ class EvictionPolicy:
     def make_layers(self, head_dim: int, layer_codecs: list | None, storage_dtype) -> list:
         if layer_codecs is not None:
             raise InvalidArgumentError("an eviction policy quantizes per token itself; it takes no block codec")
+        widths = [r for ranks in self.kept_key_ranks + self.kept_value_ranks for r in ranks]
+        if self.floor is not None and self.floor.bits is not None:
+            widths += [r for ranks in self.floor.key_ranks + self.floor.value_ranks for r in ranks]
         rotations = None
-        if any(b is not None for b in self.side_bits.values()):
-            rotations = block_rotations([r for ranks in self.kept_key_ranks + self.kept_value_ranks for r in ranks])
+        if any(b is not None for b in self.side_bits.values()) or (self.floor is not None and self.floor.bits):
+            rotations = block_rotations(widths)
         return [
             EvictingLayer(
                 self.window,
@@ -105,6 +112,9 @@ class EvictionPolicy:
                 self.observed_queries,
                 storage_dtype,
                 rotations,
+                floor=None
+                if self.floor is None
+                else (self.floor.key_ranks[i], self.floor.value_ranks[i], self.floor.bits),
             )
             for i in range(self.num_layers)
         ]
@@ -125,18 +135,33 @@ def eviction_policy_for_rate(
     bits=None,
     group_size: int = DEFAULT_GROUP_SIZE,
     observed_queries: int = DEFAULT_OBSERVED_QUERIES,
+    floor: dict | None = None,
 ) -> EvictionPolicy:
-    """Kept tokens at the ranks of `rate` in the checkpoint's rate table (kvrewrite.spec.CompressionSpec)."""
+    """Kept tokens at the ranks of `rate` in the checkpoint's rate table (kvrewrite.spec.CompressionSpec).
+
+    floor: {"key": dims per head, "value": dims per head (default: key's), "bits": 8 | 4 | 2 | None (default 4)},
+    widths one for every layer or one per layer; evicted tokens then keep that much (tiers/floor.py)."""
     key_ranks, value_ranks = spec.ranks_for_rate(rate)
     shares = [keep] * spec.num_layers if isinstance(keep, (int, float)) else list(keep)
+    kept_k = tuple(tuple(k) for k in key_ranks)
+    kept_v = tuple(tuple(v) for v in value_ranks)
+    floor_tier = None
+    if floor is not None:
+        unknown = set(floor) - {"key", "value", "bits"}
+        if unknown or "key" not in floor:
+            raise InvalidArgumentError(f"evict= floor takes key and optionally value and bits; got {sorted(floor)}")
+        floor_tier = floor_policy(
+            kept_k, kept_v, floor["key"], floor.get("value", floor["key"]), floor.get("bits", DEFAULT_FLOOR_BITS)
+        )
     return EvictionPolicy(
         window=window,
-        kept_key_ranks=tuple(tuple(k) for k in key_ranks),
-        kept_value_ranks=tuple(tuple(v) for v in value_ranks),
+        kept_key_ranks=kept_k,
+        kept_value_ranks=kept_v,
         keep=tuple(float(k) for k in shares),
         bits=tuple(bits) if isinstance(bits, list) else bits,
         group_size=group_size,
         observed_queries=observed_queries,
+        floor=floor_tier,
     )
 
 
@@ -196,8 +221,8 @@ def kept_token_bytes(channels: int, bits: int | None, group_size: int) -> int:
 class EvictingLayer(RecentWindowLayer):
     """Recent window at full rank; beyond it the kept tier, re-scored and cut to its budget after every forward."""
 
-    stored_tensor_names = ("keys", "values", "kept_positions")
-    stored_dict_names = ("kept_keys", "kept_values", "channel_stats")
+    stored_tensor_names = ("keys", "values", "kept_positions", "floor_positions")
+    stored_dict_names = ("kept_keys", "kept_values", "channel_stats", "floor_keys", "floor_values", "floor_stats")
 
     def __init__(
         self,
@@ -211,6 +236,7 @@ class EvictingLayer(RecentWindowLayer):
         observed_queries: int = DEFAULT_OBSERVED_QUERIES,
         storage_dtype: torch.dtype = STORAGE_DTYPE,
         rotations: dict[int, torch.Tensor] | None = None,
+        floor: tuple[tuple[int, ...], tuple[int, ...], int | None] | None = None,
     ):
         super().__init__(window, head_dim, storage_dtype)
         self.kept_key_ranks, self.kept_value_ranks = tuple(kept_key_ranks), tuple(kept_value_ranks)
@@ -219,13 +245,21 @@ class EvictingLayer(RecentWindowLayer):
         quantized = any(b is not None for b in self.side_bits.values())
         self.observed_queries = observed_queries
         # With bits: each head's kept block is turned by rotations[width] before quantizing (see the module docstring).
-        if quantized and rotations is None:
-            rotations = block_rotations(self.kept_key_ranks + self.kept_value_ranks)
-        self.rotations = rotations if quantized else None
+        floor_quantized = floor is not None and floor[2] is not None
+        if (quantized or floor_quantized) and rotations is None:
+            widths = self.kept_key_ranks + self.kept_value_ranks + (floor[0] + floor[1] if floor_quantized else ())
+            rotations = block_rotations(widths)
+        self.rotations = rotations if (quantized or floor_quantized) else None
         self.kept_keys: dict[str, torch.Tensor] | None = None
         self.kept_values: dict[str, torch.Tensor] | None = None
         self.kept_positions: torch.Tensor | None = None
         self.channel_stats: dict[str, torch.Tensor] | None = None  # with bits: [B, C] per side, set at the first settle
+        # The floor (tiers/floor.py): (key ranks, value ranks, bits) of what an evicted token keeps; None drops it.
+        self.floor_key_ranks, self.floor_value_ranks, self.floor_bits = floor if floor else (None, None, None)
+        self.floor_keys: dict[str, torch.Tensor] | None = None
+        self.floor_values: dict[str, torch.Tensor] | None = None
+        self.floor_positions: torch.Tensor | None = None
+        self.floor_stats: dict[str, torch.Tensor] | None = None  # with floor bits: [B, C] per side, first demotion
         # One forward's evidence, handed over by attention and consumed by settle(); never held between forwards.
         self._received_recent: torch.Tensor | None = None
         self._received_kept: torch.Tensor | None = None
@@ -253,6 +287,12 @@ class EvictingLayer(RecentWindowLayer):
                 ),
             )
         self.kept_positions = key_states.new_empty((batch, 0), dtype=POSITION_DTYPE)
+        if self.floor_key_ranks is not None:
+            for side, ranks in (("key", self.floor_key_ranks), ("value", self.floor_value_ranks)):
+                empty = key_states.new_empty((batch, 0, sum(ranks)))
+                coded = encode_tokens(empty, self._floor_side_bits(ranks), self.group_size, self.storage_dtype)
+                setattr(self, f"floor_{side}s", coded)
+            self.floor_positions = key_states.new_empty((batch, 0), dtype=POSITION_DTYPE)
         self.is_initialized = True
 
     # ---- writes --------------------------------------------------------------------------------------------
@@ -304,30 +344,94 @@ class EvictingLayer(RecentWindowLayer):
         if scores is None or scores.shape[-1] != self.kept_positions.shape[-1]:
             # No evidence for every kept token (e.g. tokens settled outside attention): keep the newest.
             scores = self.kept_positions.float()
-        chosen = scores.topk(budget, dim=-1).indices.sort(dim=-1).values  # kept in cache order
+        order = scores.argsort(dim=-1, descending=True, stable=True)
+        chosen = order[:, :budget].sort(dim=-1).values  # kept in cache order
+        if self.floor_key_ranks is not None:
+            self._demote(order[:, budget:].sort(dim=-1).values)
         self.kept_positions = self.kept_positions.gather(1, chosen)
         self.kept_keys = _select(self.kept_keys, chosen)
         self.kept_values = _select(self.kept_values, chosen)
+
+    def _demote(self, index: torch.Tensor) -> None:
+        """Move kept tokens `index` [B, n] to the floor: each head's first floor dims, coded per token."""
+        moved = {}
+        for side, kept_ranks, floor_ranks in (
+            ("key", self.kept_key_ranks, self.floor_key_ranks),
+            ("value", self.kept_value_ranks, self.floor_value_ranks),
+        ):
+            store = _select(self.kept_keys if side == "key" else self.kept_values, index)
+            latents = decode_tokens(store, sum(kept_ranks), self.side_bits[side], self.group_size, torch.float32)
+            latents = self._from_code_space(latents[:, 0], side)
+            moved[side] = latents.index_select(-1, floor_columns(kept_ranks, floor_ranks, latents.device))
+        if self.floor_bits is not None and self.floor_stats is None:
+            # The floor's per-channel centre and scale: the kept tier's (set over the window) where it has them,
+            # else those of the first demoted tokens of the sequence.
+            self.floor_stats = {}
+            for side, kept_ranks, floor_ranks in (
+                ("key", self.kept_key_ranks, self.floor_key_ranks),
+                ("value", self.kept_value_ranks, self.floor_value_ranks),
+            ):
+                if self.channel_stats is not None and side + "_mean" in self.channel_stats:
+                    columns = floor_columns(kept_ranks, floor_ranks, moved[side].device)
+                    for stat in ("_mean", "_rms"):
+                        self.floor_stats[side + stat] = self.channel_stats[side + stat].index_select(-1, columns)
+                else:
+                    self.floor_stats.update(_channel_stats(moved[side], side))
+        for side, ranks in (("key", self.floor_key_ranks), ("value", self.floor_value_ranks)):
+            coded = encode_tokens(
+                self._to_floor_space(moved[side], side, ranks),
+                self._floor_side_bits(ranks),
+                self.group_size,
+                self.storage_dtype,
+            )
+            name = f"floor_{side}s"
+            setattr(self, name, _append(getattr(self, name), coded))
+        self.floor_positions = torch.cat([self.floor_positions, self.kept_positions.gather(1, index)], dim=-1)
+
+    def _floor_side_bits(self, ranks: tuple[int, ...]) -> int | None:
+        """A side the floor keeps no dim of holds an empty float16 run (nothing to quantize)."""
+        return self.floor_bits if sum(ranks) else None
+
+    def _to_floor_space(self, x: torch.Tensor, side: str, ranks: tuple[int, ...]) -> torch.Tensor:
+        if self.floor_bits is None:
+            return x
+        stats = self.floor_stats
+        return self._turn(
+            (x.float() - stats[side + "_mean"].float()[:, None]) / stats[side + "_rms"].float()[:, None], ranks
+        )
+
+    def _from_floor_space(self, y: torch.Tensor, side: str, ranks: tuple[int, ...]) -> torch.Tensor:
+        if self.floor_bits is None or self.floor_stats is None:
+            return y
+        stats = self.floor_stats
+        return (
+            self._turn(y, ranks, inverse=True) * stats[side + "_rms"].float()[:, None]
+            + stats[side + "_mean"].float()[:, None]
+        )
 
     def _to_code_space(self, x: torch.Tensor, side: str) -> torch.Tensor:
         """[B, S, C] kept latents -> what is quantized per token: centred and scaled per channel, each head's block turned."""
         if self.side_bits[side] is None:
             return x
         mean = self.channel_stats[side + "_mean"].float()[:, None, :]
-        return self._turn((x.float() - mean) / self.channel_stats[side + "_rms"].float()[:, None, :], side)
+        return self._turn(
+            (x.float() - mean) / self.channel_stats[side + "_rms"].float()[:, None, :], self._kept_ranks(side)
+        )
 
     def _from_code_space(self, y: torch.Tensor, side: str) -> torch.Tensor:
         if self.side_bits[side] is None or self.channel_stats is None:  # nothing kept yet: nothing to turn back
             return y
-        x = self._turn(y, side, inverse=True)
+        x = self._turn(y, self._kept_ranks(side), inverse=True)
         return (
             x * self.channel_stats[side + "_rms"].float()[:, None, :]
             + self.channel_stats[side + "_mean"].float()[:, None, :]
         )
 
-    def _turn(self, x: torch.Tensor, side: str, inverse: bool = False) -> torch.Tensor:
-        """Turn every head's block of packed latents [..., C] by its width's rotation (or back)."""
-        ranks = self.kept_key_ranks if side == "key" else self.kept_value_ranks
+    def _kept_ranks(self, side: str) -> tuple[int, ...]:
+        return self.kept_key_ranks if side == "key" else self.kept_value_ranks
+
+    def _turn(self, x: torch.Tensor, ranks: tuple[int, ...], inverse: bool = False) -> torch.Tensor:
+        """Turn every head's block (widths `ranks`) of packed latents [..., C] by its width's rotation (or back)."""
         blocks, start = [], 0
         for r in ranks:
             block = x[..., start : start + r].float()
@@ -350,12 +454,21 @@ class EvictingLayer(RecentWindowLayer):
         )
         keys = self._from_code_space(keys[:, 0], "key").unsqueeze(1).to(dtype)
         values = self._from_code_space(values[:, 0], "value").unsqueeze(1).to(dtype)
-        return [StoredTier(keys, values, self.kept_key_ranks, self.kept_value_ranks, self.kept_positions)]
+        tiers = [StoredTier(keys, values, self.kept_key_ranks, self.kept_value_ranks, self.kept_positions)]
+        if self.floor_positions is not None and self.floor_positions.shape[-1]:
+            floor = []
+            for side, ranks in (("key", self.floor_key_ranks), ("value", self.floor_value_ranks)):
+                coded = self.floor_keys if side == "key" else self.floor_values
+                y = decode_tokens(coded, sum(ranks), self._floor_side_bits(ranks), self.group_size, torch.float32)[:, 0]
+                floor.append(self._from_floor_space(y, side, ranks).unsqueeze(1).to(dtype))
+            tiers.append(StoredTier(*floor, self.floor_key_ranks, self.floor_value_ranks, self.floor_positions))
+        return tiers
 
     def reset(self) -> None:
         super().reset()
         # The channel statistics belong to the sequence that set them: the next one sets its own at its first settle.
         self.kept_keys = self.kept_values = self.kept_positions = self.channel_stats = None
+        self.floor_keys = self.floor_values = self.floor_positions = self.floor_stats = None
         self._received_recent = self._received_kept = None
 
 

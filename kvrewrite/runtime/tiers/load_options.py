@@ -62,6 +62,28 @@ def check_cache_keywords(kv_codec, recent_window, important, evict) -> None:
                 f"evict= bits must be None (float16) or one of {SUPPORTED_BITS}, or a "
                 f"(key, value) pair of them, got {bits!r}"
             )
+        floor = evict.get("floor")
+        if floor is not None:
+            _check_floor(floor)
         for name in ("group_size", "observed_queries"):
             if name in evict and (not _is_whole(evict[name]) or evict[name] < 1):
                 raise InvalidArgumentError(f"evict= {name} must be a whole number >= 1, got {evict[name]!r}")
+
+
+def _check_floor(floor) -> None:
+    """evict= floor: {"key": dims, "value": dims, "bits": bits}, widths whole numbers (or one per layer)."""
+    if not isinstance(floor, dict):
+        raise InvalidArgumentError(
+            f"evict= floor takes a dict such as {{'key': 8, 'value': 8, 'bits': 4}}, got {floor!r}"
+        )
+    for name in ("key", "value"):
+        if name not in floor:
+            continue
+        widths = floor[name] if isinstance(floor[name], (list, tuple)) else [floor[name]]
+        if not widths or not all(_is_whole(w) and w >= 0 for w in widths):
+            raise InvalidArgumentError(
+                f"evict= floor {name} must be a whole number of dims >= 0 (or one per layer), got {floor[name]!r}"
+            )
+    bits = floor.get("bits", 4)
+    if bits is not None and not (_is_whole(bits) and bits in SUPPORTED_BITS):
+        raise InvalidArgumentError(f"evict= floor bits must be None (float16) or one of {SUPPORTED_BITS}, got {bits!r}")
