@@ -60,7 +60,16 @@ def run_method(
         for p in prompts:
             answer, held, fed = passkey(model, tokenizer, method, p)
             ok = passkey_correct(answer, p.key)
-            items.append({"length": p.length, "depth": p.depth, "key": p.key, "answer": answer, "correct": ok})
+            items.append(
+                {
+                    "length": p.length,
+                    "depth": p.depth,
+                    "key": p.key,
+                    "variant": p.variant,
+                    "answer": answer,
+                    "correct": ok,
+                }
+            )
             shares.append(held / fed / per_token_fp16)
             advance(len(p.context_ids) + len(p.question_ids))
         result["passkey"] = {

@@ -24,6 +24,8 @@ PASSKEY_INTRO = (
     "I will quiz you about the important information there.\n\n"
 )
 PASSKEY_QUESTION = "\n\nWhat is the pass key? The pass key is"
+# The multi-key variant: one key per colour, planted at spread depths; the question names one colour.
+MULTI_KEY_COLOURS = ("red", "blue", "green", "gold")
 # The classic filler of the passkey test (Mohtashami & Jaggi 2023, LongLoRA).
 CLASSIC_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 
@@ -35,6 +37,7 @@ class PasskeyPrompt:
     key: str
     context_ids: list[int]  # intro + filler with the key line (prefilled like a context)
     question_ids: list[int]  # the question, fed after the context
+    variant: str = "single"  # "single": one key; "multi": MULTI_KEYS keys planted, the one at `depth` asked
 
 
 def wiki_windows(tokenizer: Any, n_windows: int, length: int) -> torch.LongTensor:
@@ -56,10 +59,31 @@ def _wiki_sentences() -> list[str]:
     return [s.strip() + "." for s in text.split(". ") if 40 < len(s) < 300]
 
 
+def _needle(key: str, colour: str | None) -> str:
+    if colour is None:
+        return f" The pass key is {key}. Remember it. {key} is the pass key. "
+    return f" The {colour} pass key is {key}. Remember it. {key} is the {colour} pass key. "
+
+
+def _question(colour: str | None) -> str:
+    if colour is None:
+        return PASSKEY_QUESTION
+    return f"\n\nWhat is the {colour} pass key? The {colour} pass key is"
+
+
 def passkey_prompts(
-    tokenizer: Any, lengths: list[int], depths: list[float], n_keys: int, seed: int, filler: str
+    tokenizer: Any,
+    lengths: list[int],
+    depths: list[float],
+    n_keys: int,
+    seed: int,
+    filler: str,
+    variant: str = "single",
 ) -> list[PasskeyPrompt]:
-    """One prompt per (length, depth, key); keys are random 5-digit numbers from a fixed seed."""
+    """One prompt per (length, depth, key); keys are random 5-digit numbers from a fixed seed.
+
+    variant "multi": one key per colour of MULTI_KEY_COLOURS, the asked one at `depth` and the others at depths
+    spread over the filler away from it; the question names the asked colour."""
     rng = random.Random(seed)
     enc = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
     sentences = _wiki_sentences() if filler == "wiki" else None
@@ -68,8 +92,18 @@ def passkey_prompts(
         for depth in depths:
             for _ in range(n_keys):
                 key = str(rng.randrange(10000, 100000))
-                needle = f" The pass key is {key}. Remember it. {key} is the pass key. "
-                fixed = len(enc(PASSKEY_INTRO)) + len(enc(needle)) + len(enc(PASSKEY_QUESTION))
+                planted = [(depth, _needle(key, None))]
+                asked = None
+                if variant == "multi":
+                    colours = list(MULTI_KEY_COLOURS)
+                    rng.shuffle(colours)
+                    asked = colours[0]
+                    others = [d for d in (0.05, 0.3, 0.55, 0.8, 0.95) if abs(d - depth) > 0.12][: len(colours) - 1]
+                    planted = [(depth, _needle(key, asked))] + [
+                        (d, _needle(str(rng.randrange(10000, 100000)), c)) for d, c in zip(others, colours[1:])
+                    ]
+                question = enc(_question(asked))
+                fixed = len(enc(PASSKEY_INTRO)) + sum(len(enc(n)) for _, n in planted) + len(question)
                 budget = length - fixed
                 if sentences is None:
                     pieces = [CLASSIC_FILLER] * (budget // len(enc(CLASSIC_FILLER)) + 1)
@@ -86,10 +120,14 @@ def passkey_prompts(
                     filler_ids.extend(enc(piece))
                     bounds.append(len(filler_ids))
                 filler_ids = filler_ids[:budget]
-                # The key line goes at a piece boundary near the asked depth.
-                cut = min(bounds, key=lambda b: abs(b - depth * budget))
-                context = enc(PASSKEY_INTRO) + filler_ids[:cut] + enc(needle) + filler_ids[cut:]
-                prompts.append(PasskeyPrompt(length, depth, key, context, enc(PASSKEY_QUESTION)))
+                # Each key line goes at a piece boundary near its depth.
+                cuts = sorted((min(bounds, key=lambda b, d=d: abs(b - d * budget)), n) for d, n in planted)
+                context, start = enc(PASSKEY_INTRO), 0
+                for cut, needle in cuts:
+                    context += filler_ids[start:cut] + enc(needle)
+                    start = cut
+                context += filler_ids[start:]
+                prompts.append(PasskeyPrompt(length, depth, key, context, question, variant))
     return prompts
 
 
@@ -98,7 +136,7 @@ def save_inputs(path: Path, windows: dict[str, torch.Tensor], prompts: list[Pass
     for i, p in enumerate(prompts):
         tensors[f"passkey/{i}/context"] = torch.tensor(p.context_ids, dtype=torch.int32)
         tensors[f"passkey/{i}/question"] = torch.tensor(p.question_ids, dtype=torch.int32)
-    info = [{"length": p.length, "depth": p.depth, "key": p.key} for p in prompts]
+    info = [{"length": p.length, "depth": p.depth, "key": p.key, "variant": p.variant} for p in prompts]
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path), metadata={"meta": json.dumps(meta), "passkey": json.dumps(info)})
 
@@ -115,6 +153,7 @@ def load_inputs(path: Path) -> tuple[dict[str, torch.Tensor], list[PasskeyPrompt
             d["key"],
             tensors[f"passkey/{i}/context"].tolist(),
             tensors[f"passkey/{i}/question"].tolist(),
+            d.get("variant", "single"),
         )
         for i, d in enumerate(json.loads(header["passkey"]))
     ]

@@ -79,14 +79,19 @@ def cmd_inputs(args: argparse.Namespace) -> None:
     counts = {"512-1K": args.windows_1k, "2K-4K": args.windows_4k}
     windows = {r: wiki_windows(tokenizer, n, sum(REGIMES[r])) for r, n in counts.items() if n > 0}
     prompts = passkey_prompts(
-        tokenizer, args.passkey_lengths, args.passkey_depths, args.passkey_keys, args.seed, args.filler
+        tokenizer, args.passkey_lengths, args.passkey_depths, args.passkey_keys, args.seed, args.filler, args.variant
     )
     meta = {
         "model_path": model_path,
         "seed": args.seed,
         "filler": args.filler,
         "windows": counts,
-        "passkey": {"lengths": args.passkey_lengths, "depths": args.passkey_depths, "keys": args.passkey_keys},
+        "passkey": {
+            "lengths": args.passkey_lengths,
+            "depths": args.passkey_depths,
+            "keys": args.passkey_keys,
+            "variant": args.variant,
+        },
         **_provenance(),
     }
     save_inputs(Path(args.output), windows, prompts, meta)
@@ -217,9 +222,10 @@ def main(argv: list[str] | None = None) -> None:
     i.add_argument("--windows-1k", type=int, default=8, help="windows for 512-1K (context 512, score 512)")
     i.add_argument("--windows-4k", type=int, default=4, help="windows for 2K-4K (context 2048, score 2048)")
     i.add_argument("--passkey-lengths", type=int, nargs="+", default=[1024, 2048, 4096])
-    i.add_argument("--passkey-depths", type=float, nargs="+", default=[0.1, 0.5, 0.9])
-    i.add_argument("--passkey-keys", type=int, default=2, help="random keys per (length, depth)")
+    i.add_argument("--passkey-depths", type=float, nargs="+", default=[0.1, 0.3, 0.5, 0.7, 0.9])
+    i.add_argument("--passkey-keys", type=int, default=3, help="random keys per (length, depth)")
     i.add_argument("--filler", choices=["classic", "wiki"], default="classic")
+    i.add_argument("--variant", choices=["single", "multi"], default="single", help="multi: 4 keys planted, 1 asked")
     i.add_argument("--seed", type=int, default=0)
     i.add_argument("-o", "--output", default=str(INPUTS))
     i.set_defaults(func=cmd_inputs)
