@@ -12,7 +12,7 @@ import docs_tables  # noqa: E402
 MAIN_TABLES = {
     "README.md": {"readme-headline"},
     "docs/results/quality.md": {"demo", "allocation", "issue3", "key-modes"},
-    "docs/codecs.md": {"codecs"},
+    "docs/results/codecs.md": {"codecs"},
     "docs/frontier.md": {"frontier"},
 }
 
