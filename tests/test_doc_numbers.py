@@ -20,6 +20,15 @@ def test_every_cited_number_is_in_its_result_file():
     assert problems == []
 
 
+def test_every_results_page_cites_its_result_files():
+    """The measured tables live in docs/results/: each page there (but the hub) holds passages the check reads."""
+    pages = sorted((doc_numbers.ROOT / "docs" / "results").glob("*.md"))
+    assert len(pages) >= 7
+    for page in pages:
+        if page.name != "index.md":
+            assert sum(len(p.claims) for p in doc_numbers.passages(page)) > 10, page
+
+
 def _copy_with(tmp_path: Path, doc: str, old: str, new: str) -> Path:
     """The repo's doc and results under tmp_path, with one edit in the doc."""
     (tmp_path / "docs").mkdir()

@@ -11,8 +11,8 @@ import docs_tables  # noqa: E402
 
 MAIN_TABLES = {
     "README.md": {"readme-headline"},
-    "docs/results.md": {"demo", "allocation", "issue3", "key-modes"},
-    "docs/codecs.md": {"codecs"},
+    "docs/results/quality.md": {"demo", "allocation", "issue3", "key-modes"},
+    "docs/results/codecs.md": {"codecs"},
     "docs/frontier.md": {"frontier"},
 }
 
@@ -29,14 +29,15 @@ def test_committed_tables_equal_their_rendering():
 
 def test_a_table_edited_by_hand_is_stale_and_rendering_restores_it(tmp_path):
     shutil.copytree(docs_tables.ROOT / "benchmarks" / "results", tmp_path / "benchmarks" / "results")
-    (tmp_path / "docs").mkdir()
-    original = (docs_tables.ROOT / "docs/results.md").read_text(encoding="utf-8")
+    (tmp_path / "docs" / "results").mkdir(parents=True)
+    doc = "docs/results/quality.md"
+    original = (docs_tables.ROOT / doc).read_text(encoding="utf-8")
     row = "| | 0.50 | 33.29 | +35.7% |"
     assert original.count(row) == 1
-    (tmp_path / "docs/results.md").write_text(original.replace(row, row.replace("+35.7%", "+35.6%")), encoding="utf-8")
+    (tmp_path / doc).write_text(original.replace(row, row.replace("+35.7%", "+35.6%")), encoding="utf-8")
     (tmp_path / "README.md").write_text("", encoding="utf-8")
-    assert docs_tables.stale(tmp_path) == [tmp_path / "docs/results.md"]
-    assert docs_tables.render_text((tmp_path / "docs/results.md").read_text(encoding="utf-8"), tmp_path) == original
+    assert docs_tables.stale(tmp_path) == [tmp_path / doc]
+    assert docs_tables.render_text((tmp_path / doc).read_text(encoding="utf-8"), tmp_path) == original
 
 
 def test_a_changed_result_changes_the_table(tmp_path):
