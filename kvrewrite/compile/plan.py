@@ -31,7 +31,7 @@ VALUE_METRICS = ("output", "fisher")
 REFITS = ("none", "output", "output-local")
 # `refit=auto`, the default of both compress and export-mla, one rule (default_refit): output-local where the file
 # serves its compiled widths alone and nothing is trained after (a uniform MLA export: docs/serving.md, measured
-# better than none on held-out wiki and news at 512 tokens and 2K-4K, benchmarks/results/mla_refit_shares.json), none
+# better than none on held-out wiki and news at 512 tokens and 2K-4K, benchmarks/results/mla_refit_50.json), none
 # where it keeps a rate table a refit would forfeit (every per-head checkpoint, docs/refit.md; an allocated MLA
 # export) or is distilled (the distillations were measured from the unrefitted form).
 AUTO_REFIT = "auto"
