@@ -17,6 +17,8 @@ import random
 
 import torch
 
+# An ablation of one inner step, not an export: it scores our maths at each key weight from one statistics pass, so
+# it calls the form's parts; kvrewrite.export_mla(source, MLAPlan(key_weight=...)) would recollect them per weight.
 from kvrewrite.compile.mla.export import mla_layers_at_share, prepare_source
 from kvrewrite.compile.mla.form import mla_reference_model
 from kvrewrite.compile.plan import Plan

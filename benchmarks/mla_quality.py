@@ -28,6 +28,9 @@ from pathlib import Path
 
 import torch
 
+# A sweep with ablation rows, not one export: statistics and sensitivity probes are collected once and shared by
+# every share and allocation (kvrewrite.export_mla would recollect both per export), the rows isolate the RoPE drop
+# and rms_norm_eps, and it scores the training-free form (refit none), so it calls the export's parts directly.
 from kvrewrite.compile.mla.export import (
     allocated_at_share,
     export_at_share,

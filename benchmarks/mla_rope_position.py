@@ -29,6 +29,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from decode import run_provenance  # noqa: E402  (the provenance header every benchmark result starts with)
 
+# An ablation of one inner step, not an export: our maths with the position-free queries each way on the same
+# statistics and rotations (a full-latent row no MLAPlan writes), so it calls the form's parts, not export_mla.
 from kvrewrite.compile.mla.export import prepare_source  # noqa: E402
 from kvrewrite.compile.mla.form import MLAWidths, compute_mla_layers, mla_reference_model, widths_for_share  # noqa: E402
 from kvrewrite.compile.plan import Plan  # noqa: E402

@@ -10,7 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import kvrewrite
-from kvrewrite.compile.mla.plan import DISTILL_EPOCHS, NESTED_DISTILL_EPOCHS, MLAPlan
+from kvrewrite.compile.mla.plan import MLAPlan
+from kvrewrite.compile.plan import DISTILL_EPOCHS, NESTED_DISTILL_EPOCHS
 from kvrewrite.errors import InvalidArgumentError
 from tests.tiny_models import random_windows, save_tiny_llama
 

@@ -224,6 +224,26 @@ def test_load_refuses_rate_and_unknown_format(tmp_path):
         kvrewrite.load(tmp_path / "future")
 
 
+@pytest.mark.parametrize(
+    "keywords, named",
+    [
+        ({"recent_window": 16}, "recent_window="),
+        ({"recent_window": 16, "evict": {"keep": 0.5}}, "recent_window=, evict="),
+        ({"kv_codec": "int4"}, "kv_codec="),
+        ({"token_policy": False}, "token_policy="),
+    ],
+)
+def test_load_refuses_the_per_head_cache_keywords_on_an_export_naming_them(tmp_path, keywords, named):
+    """The token tiers, codecs and budget policy are the per-head checkpoints': on an MLA export they are refused,
+    named, instead of being handed to transformers' from_pretrained."""
+    from kvrewrite.errors import InvalidArgumentError
+
+    save_export(tmp_path)
+    with pytest.raises(InvalidArgumentError, match="is an MLA export") as refused:
+        kvrewrite.load(tmp_path, **keywords)
+    assert str(refused.value).startswith(named + ":")
+
+
 def test_plain_deepseek_checkpoint_is_not_taken_for_an_export(tmp_path):
     torch.manual_seed(0)
     DeepseekV3ForCausalLM(tiny_config()).save_pretrained(tmp_path)

@@ -64,13 +64,21 @@ def compare_files(before: Path, after: Path) -> dict:
     }
 
 
+def table_keys(path: Path) -> list[str]:
+    return list(json.loads((path / "config.json").read_text())["kvrewrite_mla"].get("rate_table") or {})
+
+
 def logits_difference(before: Path, after: Path, windows: torch.Tensor) -> dict:
-    """max |Δlogit| between the two exports loaded by kvrewrite.load, at their own widths and at each table rate."""
+    """max |Δlogit| between the two exports loaded by kvrewrite.load, at their own widths and at each rate both
+    tables serve (a table that serves more rates than the other has those compared by nothing)."""
     import kvrewrite
 
-    table = json.loads((before / "config.json").read_text())["kvrewrite_mla"].get("rate_table") or {}
+    def table(path: Path) -> dict:
+        return json.loads((path / "config.json").read_text())["kvrewrite_mla"].get("rate_table") or {}
+
+    both = [key for key in table(before) if key in table(after)]
     result = {}
-    for rate in [None, *[float(key) for key in table]]:
+    for rate in [None, *[float(key) for key in both]]:
         a, b = kvrewrite.load(before, rate=rate).eval(), kvrewrite.load(after, rate=rate).eval()
         with torch.no_grad():
             diff = max(float((a(w[None]).logits - b(w[None]).logits).abs().max()) for w in windows)
@@ -96,6 +104,7 @@ def main() -> None:
     parser.add_argument("--after-commit", required=True)
     parser.add_argument("--command-before", required=True)
     parser.add_argument("--command-after", required=True)
+    parser.add_argument("--what", default=None, help="what the comparison shows (default: the MLAPlan refactor's)")
     args = parser.parse_args()
 
     from transformers import AutoTokenizer
@@ -110,6 +119,8 @@ def main() -> None:
         pairs[name] = {
             "flags": dict(args.setting).get(name),
             **compare_files(before, after),
+            "rate_table_before": sorted(table_keys(before)),
+            "rate_table_after": sorted(table_keys(after)),
             "max_abs_logit_difference": logits_difference(before, after, windows),
         }
         print(
@@ -121,7 +132,8 @@ def main() -> None:
             pairs[name]["json_values_different"],
         )
     record = {
-        "what": "the same export-mla settings run before and after the MLA compiler became "
+        "what": args.what
+        or "the same export-mla settings run before and after the MLA compiler became "
         "kvrewrite.export_mla(source, MLAPlan): every tensor compared bit for bit, and the logits of both "
         "checkpoints loaded by kvrewrite.load on held-out wiki windows",
         "command": " ".join(sys.argv),

@@ -140,6 +140,8 @@ def export_command(source: Path, output: Path, calibration: Path, calib_tokens: 
 def export_large(source: Path, output: Path, calibration: Path, calib_tokens: int) -> None:
     """The 8B export through export-mla's own functions (the CLI's verify step would hold three fp32 copies of an 8B
     model in memory); same widths, same code path as `kvrewrite export-mla ... --kv-lora-rank 512 --qk-rope-head-dim 64`."""
+    # Not kvrewrite.export_mla: its checks at the end (verify_tokens >= 1) would hold those copies, and MLAPlan has no
+    # `device` to run the statistics on the GPU; the parts below are the ones export_mla calls for these widths.
     import torch
 
     from kvrewrite.compile.mla.export import export_at_share, mla_layers_at_widths, prepare_source

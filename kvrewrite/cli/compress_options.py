@@ -129,6 +129,16 @@ PLAN_OPTIONS: tuple[PlanOption, ...] = (
         show=_comma_list,
     ),
     PlanOption(
+        "serve_rates",
+        "The rates the checkpoint serves, exactly, e.g. 0.3,0.5,0.7 (the same option as export-mla's; the target rate must be one of them): from its rate table, or trained together (--serve-rates-by).",
+        parse=numbers_or_none,
+        show=_comma_list,
+    ),
+    PlanOption(
+        "serve_rates_by",
+        "How --serve-rates are served: table (the rate table holds exactly them; the default) or distill (with --distill, its default: a nested distillation trains exactly them). export-mla also takes refit.",
+    ),
+    PlanOption(
         "max_ppl_increase",
         "Quality budget instead of a rate: the largest rate whose perplexity rises at most this much on held-back calibration text (e.g. 5% or 0.05).",
         parse=fraction_or_percent,
@@ -153,7 +163,7 @@ PLAN_OPTIONS: tuple[PlanOption, ...] = (
     ),
     PlanOption(
         "refit",
-        "none; output: refit every o_proj by least squares at the compiled ranks against the original model's attention outputs; output-local: against the original layer on the compressed hidden states (the checkpoint serves its compiled rate only; docs/refit.md).",
+        "auto (the default, as export-mla's: output-local where the file serves its compiled widths alone, none where it keeps a rate table or is distilled, so none here), none; output: refit every o_proj by least squares at the compiled ranks against the original model's attention outputs; output-local: against the original layer on the compressed hidden states (the checkpoint serves its compiled rate only; docs/refit.md).",
     ),
     PlanOption("refit_tokens", "Calibration tokens the output refit is fitted on."),
     PlanOption("refit_ridge", "Ridge of the output refit, relative to the mean diagonal of the latents' Gram (>= 0)."),
@@ -165,7 +175,8 @@ PLAN_OPTIONS: tuple[PlanOption, ...] = (
         "distill_tokens", "Calibration tokens the distillation trains on (1/16 of them held back for validation)."
     ),
     PlanOption(
-        "distill_epochs", "Passes over the distillation tokens (the best epoch on the validation windows is kept)."
+        "distill_epochs",
+        "Passes over the distillation tokens; the best epoch on the validation windows is kept (default 8, with --distill-rates 2; as export-mla's).",
     ),
     PlanOption("distill_lr", "Adam learning rate of the distillation (cosine decay)."),
     PlanOption(
@@ -223,6 +234,8 @@ PANELS: dict[str, tuple[str, ...]] = {
         "min_rank",
         "rank_multiple",
         "rate_grid",
+        "serve_rates",
+        "serve_rates_by",
         "max_ppl_increase",
         "max_kl",
         "budget_tokens",

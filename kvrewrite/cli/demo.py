@@ -60,7 +60,7 @@ def run_demo(
     names = [DEFAULT_VARIANT]
     if mla:
         mla_started = time.perf_counter()
-        _export_mla(plan, rates, output / MLA_VARIANT, console)
+        _export_mla(calib_tokens, rates, output / MLA_VARIANT, console)
         compile_times[MLA_VARIANT] = time.perf_counter() - mla_started
         names.append(MLA_VARIANT)
 
@@ -110,20 +110,29 @@ def run_demo(
     return rows
 
 
-def _export_mla(plan, rates: list[float], output: Path, console: Console) -> None:
-    """The allocated MLA form at the smallest rate's share, with a rate table serving every demo rate."""
-    from dataclasses import replace
-
-    import torch
-
-    from kvrewrite.compile.mla.export import allocated_at_share, export_at_share, prepare_source, probe_full_form
+def _export_mla(calib_tokens: int, rates: list[float], output: Path, console: Console) -> None:
+    """The allocated MLA form at the smallest rate's share, its rate table serving exactly the demo's rates:
+    `kvrewrite.export_mla` (float32, as the per-head checkpoint is written)."""
+    import kvrewrite
+    from kvrewrite.compile.mla.plan import MLAPlan
 
     console.print(f"[cyan]{MLA_VARIANT}[/] statistics, full-width MLA form, sensitivity probes, per-layer widths")
-    prepared = prepare_source(replace(plan, output=None))
-    form = allocated_at_share(prepared, probe_full_form(prepared), 1 - min(rates), rates=plan.rate_grid)
-    export_at_share(prepared, form.layers, output, dtype=torch.float32, overwrite=True, rate_table=form.rate_table)
+    plan = MLAPlan(
+        output=output,
+        kv_share=1 - min(rates),
+        allocation="sensitivity",
+        serve_rates=tuple(rates),
+        serve_rates_by="table",
+        calibration="wiki",
+        calib_tokens=calib_tokens,
+        dtype="float32",
+        overwrite=True,
+    )
+    result = kvrewrite.export_mla("smollm2-135m", plan)
+    ranks = [layer.kv_lora_rank for layer in result.layers]
     console.print(
-        f"  {MLA_VARIANT}: latent widths {min(form.allocation.ranks)}..{max(form.allocation.ranks)} per layer, wrote {output}"
+        f"  {MLA_VARIANT}: latent widths {min(ranks)}..{max(ranks)} per layer, export vs our maths max |Δlogit| = "
+        f"{result.export_diff:.2e}, wrote {output}"
     )
 
 

@@ -13,7 +13,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from kvrewrite.compile.mla.plan import DEFAULT_REFIT, DISTILL_EPOCHS, DISTILL_LR, NESTED_DISTILL_EPOCHS
+from kvrewrite.compile.mla.plan import DISTILL_LR
+from kvrewrite.compile.plan import DISTILL_EPOCHS, NESTED_DISTILL_EPOCHS, SERVE_RATES_BY
 from kvrewrite.errors import InvalidArgumentError, KVRewriteError
 
 
@@ -48,10 +49,10 @@ def export_mla_command(
     output: Path = typer.Option(
         ..., "--output", "-o", help="Directory for the DeepSeek-V3 checkpoint (written atomically)."
     ),
-    kv_share: float = typer.Option(
-        0.5,
+    kv_share: float | None = typer.Option(
+        None,
         "--kv-share",
-        help="Cached values per token and layer, as a share of the source's K+V: (r + d_r) / (2 n_kv d).",
+        help="Cached values per token and layer, as a share of the source's K+V: (r + d_r) / (2 n_kv d). Default 0.5, or with --serve-rates 1 - the smallest.",
     ),
     kv_lora_rank: int | None = typer.Option(
         None,
@@ -88,10 +89,10 @@ def export_mla_command(
         128, "--verify-tokens", help="Tokens of one calibration window for the checks at the end."
     ),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
-    refit: str | None = typer.Option(
-        None,
+    refit: str = typer.Option(
+        "auto",
         "--refit",
-        help=f"Least-squares refit of every o_proj at the exported widths, layer by layer (closed form, no run-time cost): output-local (against the original layer on the form's own inputs), output (against the original model's attention outputs) or none. Default: {DEFAULT_REFIT} for a uniform export, none with --allocation sensitivity (it keeps its rate table; a refitted export serves its exported widths only) or --distill (docs/serving.md).",
+        help="Least-squares refit of every o_proj at the exported widths, layer by layer (closed form, no run-time cost): output-local (against the original layer on the form's own inputs), output (against the original model's attention outputs) or none. auto (the default, as compress's): output-local for a uniform export or per-rate refits, none with --allocation sensitivity (it keeps its rate table; a refitted export serves its exported widths only) or --distill (docs/serving.md).",
     ),
     refit_tokens: int | None = typer.Option(
         None, "--refit-tokens", help="With --refit: calibration tokens the least squares read (default 16384)."
@@ -122,7 +123,17 @@ def export_mla_command(
     refit_rates: str | None = typer.Option(
         None,
         "--refit-rates",
-        help=f"A,B,...: one file serving these rates, o_proj refitted at each on its own (the stock weights hold A's, the others a side file kvrewrite.load(dir, rate=p) reads; no run-time cost). A must be 1 - --kv-share; widths uniform, or the rate table's with --allocation sensitivity. With --distill --distill-rates, each rate is refitted after the nested training. --refit defaults to {DEFAULT_REFIT} (docs/serving.md).",
+        help="A,B,...: one file serving these rates, o_proj refitted at each on its own (the stock weights hold A's, the others a side file kvrewrite.load(dir, rate=p) reads; no run-time cost). A must be 1 - --kv-share; widths uniform, or the rate table's with --allocation sensitivity. With --distill --distill-rates, each rate is refitted after the nested training. --refit auto is output-local (docs/serving.md). Same as --serve-rates A,B,... --serve-rates-by refit.",
+    ),
+    serve_rates: str | None = typer.Option(
+        None,
+        "--serve-rates",
+        help="The rates the file serves, exactly, e.g. 0.3,0.5,0.7 (the same option as compress's); the smallest is the export's own, so --kv-share defaults to 1 - it. Served as --serve-rates-by says.",
+    ),
+    serve_rates_by: str | None = typer.Option(
+        None,
+        "--serve-rates-by",
+        help=f"How --serve-rates are served: {', '.join(SERVE_RATES_BY)}. table: the rate table of an --allocation sensitivity export (closed form; its default); distill: a nested --distill trains exactly them (the default with --distill); refit: o_proj refitted at each (the default for a uniform export).",
     ),
 ) -> None:
     """Compute a multi-head latent (MLA) form from calibration statistics and write it as a stock DeepSeek-V3 checkpoint."""
@@ -134,6 +145,9 @@ def export_mla_command(
         from kvrewrite.compile.mla.plan import MLAPlan
         from kvrewrite.compile.mla.rate_refit import parse_refit_rates
 
+        served = _rates(serve_rates, "--serve-rates")
+        if kv_share is None:  # the widest served rate is the export's own
+            kv_share = round(1 - min(served), 4) if served else 0.5
         plan = MLAPlan(
             output=output,
             kv_share=kv_share,
@@ -155,6 +169,8 @@ def export_mla_command(
             distill_lr=distill_lr,
             distill_rates=_rates(distill_rates, "--distill-rates"),
             refit_rates=parse_refit_rates(refit_rates) if refit_rates is not None else (),
+            serve_rates=served,
+            serve_rates_by=serve_rates_by,
         )
         result = export_mla(model, plan)
     except (KVRewriteError, ValueError) as exc:

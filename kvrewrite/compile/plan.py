@@ -29,11 +29,38 @@ VALUE_METRICS = ("output", "fisher")
 # model's attention outputs, so upstream drift is absorbed too); output-local (target: the original layer on the
 # compressed model's own hidden states).
 REFITS = ("none", "output", "output-local")
+# `refit=auto`, the default of both compress and export-mla, one rule (default_refit): output-local where the file
+# serves its compiled widths alone and nothing is trained after (a uniform MLA export: docs/serving.md, measured
+# better than none on held-out wiki and news at 512 tokens and 2K-4K, benchmarks/results/mla_refit_50.json), none
+# where it keeps a rate table a refit would forfeit (every per-head checkpoint, docs/refit.md; an allocated MLA
+# export) or is distilled (the distillations were measured from the unrefitted form).
+AUTO_REFIT = "auto"
 # Statistics on the compressed prefix (passes/sequential_statistics.py): off; keep-ranks (re-solve every layer's
 # transforms from Grams measured after the compressed layers before it, keep the first allocation); reallocate
 # (the same, then measure sensitivity and allocate again on the new transforms).
 SEQUENTIAL_STATISTICS = ("off", "keep-ranks", "reallocate")
 DEFAULT_RATE_GRID = tuple(round(0.05 * i, 2) for i in range(20))  # 0.00 .. 0.95
+# How a file serves several rates (`serve_rates`, both compilers): from its rate table (a per-head checkpoint's, an
+# allocated MLA export's; closed form, nothing fitted per rate), by a nested distillation over exactly those rates,
+# or (MLA exports) with o_proj refitted at each rate.
+SERVE_RATES_BY = ("table", "distill", "refit")
+# --distill-epochs' default in both compilers (default_distill_epochs): a single-rate distillation 8 passes, measured
+# better than 2, 4 and 6 on the MLA form (held-out wiki and news at 512 tokens and 2K-4K, docs/serving.md,
+# benchmarks/results/mla_distill_nosink_8ep.json; the best epoch on the validation windows is kept, so more passes
+# cost time, not validation KL); a nested one 2, the setting its rate tables were measured at (docs/results.md: 4
+# helped in 16 of 18 cells, benchmarks/results/long_context_nested_4ep.json, at twice the compile time).
+DISTILL_EPOCHS = 8.0
+NESTED_DISTILL_EPOCHS = 2.0
+
+
+def default_refit(keeps_rate_table: bool, distilled: bool) -> str:
+    """What `refit=auto` means, in both compilers (AUTO_REFIT)."""
+    return "none" if keeps_rate_table or distilled else "output-local"
+
+
+def default_distill_epochs(nested: bool) -> float:
+    """What an unset `distill_epochs` means, in both compilers (DISTILL_EPOCHS)."""
+    return NESTED_DISTILL_EPOCHS if nested else DISTILL_EPOCHS
 
 
 @dataclass(frozen=True)
@@ -68,7 +95,7 @@ class Plan:
     # Output refit (passes/refit_output.py): o_proj refitted by least squares at the compiled ranks against the
     # original attention outputs, layer by layer on refit_tokens calibration tokens; ridge is relative to the
     # mean diagonal of the latents' Gram. A refitted checkpoint serves its compiled rate only.
-    refit: str = "none"
+    refit: str = AUTO_REFIT  # auto: none here (a refit forfeits the rate table; default_refit)
     # GPTQ-style sequential statistics (see SEQUENTIAL_STATISTICS above); opt-in until held-out numbers back it.
     sequential_statistics: str = "off"
     refit_tokens: int = 16384
@@ -78,12 +105,17 @@ class Plan:
     # validation). A distilled checkpoint serves its compiled rate only.
     distill: bool = False
     distill_tokens: int = 32768
-    distill_epochs: float = 2.0
+    distill_epochs: float | None = None  # None: default_distill_epochs (8, or 2 nested)
     distill_lr: float = 1e-5
     # Nested distillation: instead of the compiled rate alone, train one set of weights for every rate of the rate
     # grid between min and max of distill_rates (each window draws one; the named rates weigh as much as all the
     # others together). The checkpoint keeps exactly those rates in its table. Empty: single-rate distillation.
     distill_rates: tuple[float, ...] = ()
+    # The rates the checkpoint serves, exactly (SERVE_RATES_BY; the concept export-mla shares): the rate table holds
+    # these and no other (table), or a nested distillation trains exactly these (distill); serve_rates_by None:
+    # distill with `distill`, else table. The target rate must be one of them.
+    serve_rates: tuple[float, ...] = ()
+    serve_rates_by: str | None = None
     # Quality budget (passes/quality_budget.py): instead of target_rate, the largest rate whose perplexity
     # increase (a fraction: 0.05 = 5%) and/or mean KL on held-back calibration text stays within budget.
     max_ppl_increase: float | None = None
@@ -119,6 +151,9 @@ class Plan:
         self._normalise(
             "rate_grid", tuple(sorted({round(validate_rate(r, "every `rate_grid` entry"), 4) for r in self.rate_grid}))
         )
+        if self.refit == AUTO_REFIT:  # a per-head checkpoint keeps its rate table (or is distilled): none
+            self._normalise("refit", default_refit(keeps_rate_table=True, distilled=self.distill))
+        self._check_serve_rates()
         choices = {
             "objective": (self.objective, OBJECTIVES),
             "allocation": (self.allocation, ALLOCATIONS),
@@ -168,7 +203,7 @@ class Plan:
             raise InvalidArgumentError(f"`fisher_shrink` must be in [0, 1], got {self.fisher_shrink!r}")
         if not self.refit_ridge >= 0:
             raise InvalidArgumentError(f"`refit_ridge` must be >= 0, got {self.refit_ridge!r}")
-        if not 0 < self.distill_epochs <= 100:
+        if self.distill_epochs is not None and not 0 < self.distill_epochs <= 100:
             raise InvalidArgumentError(f"`distill_epochs` must be in (0, 100], got {self.distill_epochs!r}")
         if not 0 < self.distill_lr < 1:
             raise InvalidArgumentError(f"`distill_lr` must be in (0, 1), got {self.distill_lr!r}")
@@ -205,6 +240,56 @@ class Plan:
                     f"`kv_bits_budget` must be in (0, 16] bits per cached element, got {self.kv_bits_budget!r}"
                 )
             self._normalise("kv_bits_budget", float(self.kv_bits_budget))
+
+    def _check_serve_rates(self) -> None:
+        """serve_rates become the rate grid (and, served by distill, the nested distillation's rates): exactly these
+        rates are served. Runs before the grid and distill_rates are checked, on the values it sets."""
+        if self.serve_rates_by is not None and not self.serve_rates:
+            raise InvalidArgumentError("`serve_rates_by` says how `serve_rates` are served; add `serve_rates`")
+        if not self.serve_rates:
+            return
+        rates = tuple(sorted({round(validate_rate(r, "every `serve_rates` entry"), 4) for r in self.serve_rates}))
+        self._normalise("serve_rates", rates)
+        by = self.serve_rates_by or ("distill" if self.distill else "table")
+        if by not in SERVE_RATES_BY:
+            raise InvalidArgumentError(f"`serve_rates_by` must be one of {', '.join(SERVE_RATES_BY)}, got {by!r}")
+        if by == "refit":
+            raise InvalidArgumentError(
+                "`serve_rates_by=refit` refits o_proj at each rate of an MLA export (export-mla); compress's `refit` "
+                "fits the compiled rate alone: use `serve_rates_by=table` or distill"
+            )
+        if by == "table" and (self.distill or self.refit != "none"):
+            raise InvalidArgumentError(
+                "`serve_rates_by=table`: a `refit` or single-rate `distill` fits the compiled ranks alone, and the "
+                "checkpoint would serve its compiled rate only; use `serve_rates_by=distill`"
+            )
+        if self.has_quality_budget():
+            raise InvalidArgumentError(
+                "`serve_rates` names the rates the checkpoint serves; a quality budget chooses its rate at the end"
+            )
+        if round(self.target_rate, 4) not in rates:
+            raise InvalidArgumentError(
+                f"`target_rate={self.target_rate:g}` is not one of `serve_rates` "
+                f"({', '.join(f'{r:g}' for r in rates)}): the compiled rate is always served"
+            )
+        grid = tuple(sorted({round(float(r), 4) for r in self.rate_grid}))
+        if grid not in (DEFAULT_RATE_GRID, rates):
+            raise InvalidArgumentError("`serve_rates` and `rate_grid` both name the table's rates; give one")
+        self._normalise("rate_grid", rates)
+        if by == "distill":
+            if self.distill_rates and tuple(sorted(round(float(r), 4) for r in self.distill_rates)) != rates:
+                raise InvalidArgumentError("`serve_rates` and `distill_rates` both name the nested rates; give one")
+            if len(rates) < 2:
+                raise InvalidArgumentError("`serve_rates_by=distill` trains at least two rates together")
+            self._normalise("distill_rates", rates)
+        self._normalise("serve_rates_by", by)
+
+    @property
+    def epochs(self) -> float:
+        """The distillation's passes: as asked, else default_distill_epochs."""
+        if self.distill_epochs is not None:
+            return self.distill_epochs
+        return default_distill_epochs(nested=bool(self.distill_rates))
 
     def _check_distill_rates(self) -> None:
         if not self.distill_rates:

@@ -78,12 +78,25 @@ def load(name_or_path, rate: float | None = None, **kwargs):
     return model_class.from_pretrained(directory, rate=rate, trust_remote_code=False, **kwargs)
 
 
+# load()'s keywords for per-head checkpoints' caches (runtime/modeling/families.py), which an MLA export has none of.
+PER_HEAD_KEYWORDS = ("kv_codec", "recent_window", "important", "evict", "token_policy")
+
+
 def load_mla(directory: Path, config: dict, rate: float | None = None, **kwargs):
     """A kvrewrite MLA export: stock DeepseekV3ForCausalLM, loaded strictly, with absorbed attention; at a rate of its
     rate table (--allocation sensitivity or --refit-rates), every layer narrowed to that rate's latent width and,
     where the export refitted o_proj for that rate (--refit-rates), that rate's o_proj read from its side file."""
     from transformers import DeepseekV3ForCausalLM
 
+    per_head = [name for name in PER_HEAD_KEYWORDS if name in kwargs]
+    if per_head:  # refused before any file is read, not handed to transformers' from_pretrained
+        from kvrewrite.errors import InvalidArgumentError
+
+        raise InvalidArgumentError(
+            f"{', '.join(f'{name}=' for name in per_head)}: {directory} is an MLA export; its cache is the latent "
+            "(kvrewrite.runtime.mla), and the token tiers, codecs and budget policy are the per-head checkpoints' "
+            "(kvrewrite compress); load it without them"
+        )
     verify_mla_files(directory)
     check_mla_marker(config, str(directory / "config.json"))
     if rate is not None and not config[MLA_MARKER].get(RATE_TABLE_KEY):

@@ -75,16 +75,20 @@ def export_mla(source: str, plan: MLAPlan) -> MLAExport:
     # Every trained or refitted rate's widths (uniform) or mean width (allocated), from the config alone.
     values = 2 * geometry.num_key_value_heads * geometry.head_dim
     if statistics.distill_rates:
-        check_rate_latents(statistics.distill_rates, values, widths.qk_rope_head_dim, "--distill-rates")
+        named = "--serve-rates" if plan.serve_by == "distill" else "--distill-rates"
+        check_rate_latents(statistics.distill_rates, values, widths.qk_rope_head_dim, named)
     uniform_rates = None
-    if plan.refit_rates and plan.allocation == "uniform":
+    if plan.per_rate_refits and plan.allocation == "uniform":
         from kvrewrite.compile.mla.rate_refit import uniform_rate_widths
 
         uniform_rates = uniform_rate_widths(
-            plan.refit_rates, values, widths.qk_rope_head_dim, widths.kv_lora_rank, geometry.num_layers
+            plan.per_rate_refits, values, widths.qk_rope_head_dim, widths.kv_lora_rank, geometry.num_layers
         )
-    elif plan.refit_rates:
-        check_rate_latents(plan.refit_rates, values, widths.qk_rope_head_dim, "--refit-rates")
+    elif plan.per_rate_refits:
+        named = "--serve-rates" if plan.serve_by == "refit" else "--refit-rates"
+        check_rate_latents(plan.per_rate_refits, values, widths.qk_rope_head_dim, named)
+    elif plan.serve_by == "table":
+        check_rate_latents(plan.serve_rates, values, widths.qk_rope_head_dim, "--serve-rates")
     prepare_output(plan.output, statistics)  # leftovers of interrupted exports, then a safe, writable location
 
     prepared = prepare_source(statistics, position_free_queries=plan.position_free_queries)
@@ -100,7 +104,7 @@ def export_mla(source: str, plan: MLAPlan) -> MLAExport:
             "MLA form at full width, then sensitivity probes", 2 * ctx.geometry.num_layers, statistics.progress
         ) as bar:
             probed = probe_full_form(prepared, progress=bar.advance, **weighting)
-        allocated = allocated_at_share(prepared, probed, plan.kv_share)
+        allocated = allocated_at_share(prepared, probed, plan.kv_share, rates=plan.table_rates)
         layers, allocation_record = allocated.layers, allocation_report(allocated.sensitivity, allocated.allocation)
         # Narrower rates are prefixes of one removal order. A single-rate distillation trains the exported widths
         # only, so its export serves those alone; a nested one (distill_rates) keeps the rates it trained (below).
@@ -114,7 +118,9 @@ def export_mla(source: str, plan: MLAPlan) -> MLAExport:
         """refit_rates: o_proj refitted at every named rate (uniform widths, or the served table's rows)."""
         from kvrewrite.compile.mla.rate_refit import refit_mla_at_rates, served_refit_table
 
-        table = uniform_rates if plan.allocation == "uniform" else served_refit_table(plan.refit_rates, served_rates)
+        table = (
+            uniform_rates if plan.allocation == "uniform" else served_refit_table(plan.per_rate_refits, served_rates)
+        )
         rated = refit_mla_at_rates(
             prepared,
             layers,
@@ -131,7 +137,7 @@ def export_mla(source: str, plan: MLAPlan) -> MLAExport:
         )
         return rated, bound
 
-    if plan.refit_rates and not statistics.distill:
+    if plan.per_rate_refits and not statistics.distill:
         rated, norms = refit_each_rate(layers, served_rates, norms)
         layers, rate_o_proj, served_rates = rated.layers, rated.rate_o_proj, rated.rate_table
         provenance = {"refit": rated.provenance()}
@@ -172,7 +178,7 @@ def export_mla(source: str, plan: MLAPlan) -> MLAExport:
         layers, norms = distilled.layers, distilled.max_square_norms
         provenance.update(distill_provenance(distilled, statistics))
         served_rates = nested.get("rate_table")  # exactly the rates trained (none beside the export's own: single-rate)
-        if plan.refit_rates:  # nested: each named rate's o_proj refitted on the trained weights
+        if plan.per_rate_refits:  # nested: each named rate's o_proj refitted on the trained weights
             rated, norms = refit_each_rate(layers, served_rates, norms)
             layers, rate_o_proj, served_rates = rated.layers, rated.rate_o_proj, rated.rate_table
             provenance["refit"] = {**rated.provenance(), "after": "distill"}

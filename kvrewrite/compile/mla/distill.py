@@ -116,7 +116,7 @@ def distill_mla_layers(
     layers = [balance_latent_gauge(layer) for layer in layers]
     student = mla_reference_model(teacher, layers, trainable=True)
     settings = DistillSettings(
-        epochs=plan.distill_epochs, learning_rate=plan.distill_lr, batch_windows=plan.batch_size, seed=plan.seed
+        epochs=plan.epochs, learning_rate=plan.distill_lr, batch_windows=plan.batch_size, seed=plan.seed
     )
     mix = nested_mla_rate_mix(student, rate_table, named_rates) if rate_table else None
     try:
@@ -143,7 +143,7 @@ def measured_latent_norm_errors(result: MLADistillResult, neutralisers: list, ep
 def distill_provenance(result: MLADistillResult, plan) -> dict:
     """What the checkpoint's kvrewrite_mla marker records of its distillation (stock loaders ignore it)."""
     report = result.report
-    entry = {"tokens": plan.distill_tokens, "epochs": plan.distill_epochs, "learning_rate": plan.distill_lr}
+    entry = {"tokens": plan.distill_tokens, "epochs": plan.epochs, "learning_rate": plan.distill_lr}
     if report is None:
         return {"distill": {**entry, "trained": False, "why": "the form is exact at these widths"}}
     record = {

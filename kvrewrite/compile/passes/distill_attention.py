@@ -88,7 +88,7 @@ class DistillAttention:
         original = ctx.original_model().to(device)
         student = whole_compressed_model(ctx.folded, ctx.spec, sliced=False).to(device)
         settings = DistillSettings(
-            epochs=plan.distill_epochs, learning_rate=plan.distill_lr, batch_windows=plan.batch_size, seed=plan.seed
+            epochs=plan.epochs, learning_rate=plan.distill_lr, batch_windows=plan.batch_size, seed=plan.seed
         )
         trained_rates = (
             tuple(sorted({*plan.nested_distill_rates(), ctx.target_rate})) if plan.distill_rates else (ctx.target_rate,)
@@ -138,7 +138,7 @@ class DistillAttention:
         results["report.distill"] = {
             "tokens": report.train_tokens,
             "validation_tokens": report.validation_tokens,
-            "epochs": plan.distill_epochs,
+            "epochs": plan.epochs,
             "learning_rate": plan.distill_lr,
             "batch_windows": settings.batch_windows,
             "steps": report.steps,
