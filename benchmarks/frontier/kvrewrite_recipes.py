@@ -90,17 +90,36 @@ RECIPES: dict[str, dict[str, Any]] = {
 }
 
 
+def _reconstruction_prefill(directory: str):
+    """The context prefilled and scored by its reconstruction (kvrewrite.runtime.tiers.reconstruction)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from kvrewrite.runtime.tiers.reconstruction import REPEAT_INSTRUCTION, prefill_scored_by_reconstruction
+
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    repeat = torch.tensor(tokenizer(REPEAT_INSTRUCTION, add_special_tokens=False)["input_ids"])
+
+    def prefill(model: Any, ids: Any, cache: Any) -> tuple[Any, Any]:
+        return prefill_scored_by_reconstruction(model, cache, ids, repeat), cache
+
+    return prefill
+
+
 def _method(name: str, directory: str, options: dict[str, Any]) -> Method:
+    load_options = {k: v for k, v in options.items() if k != "prefill"}
+
     def load(_original_path: str) -> Any:
         import kvrewrite
 
-        return kvrewrite.load(directory, **options).eval()
+        return kvrewrite.load(directory, **load_options).eval()
 
     return Method(
         name,
         "kvrewrite",
         new_cache=lambda model: model.make_kv_cache(),
         load=load,
+        prefill=_reconstruction_prefill(directory) if options.get("prefill") == "reconstruction" else None,
         settings={"checkpoint": directory, **{k: v for k, v in options.items()}},
     )
 

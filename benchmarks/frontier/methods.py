@@ -30,6 +30,9 @@ class Method:
     # Bytes share the method claims when its real tensors do not shrink (ThinK zeroes key channels in place);
     # reported next to the measured share, never instead of it.
     nominal_share: float | None = None
+    # Prefills a context itself: (model, ids [1, S], cache) -> (last position's logits, cache); None: the harness
+    # feeds it in prefill_chunk pieces.
+    prefill: Callable[[Any, Any, Any], tuple[Any, Any]] | None = None
     # Free-form settings recorded in the results (compression ratio, nbits, ...).
     settings: dict[str, Any] = field(default_factory=dict)
 

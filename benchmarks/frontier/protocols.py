@@ -37,6 +37,8 @@ def _forward(model: Any, ids: torch.Tensor, cache: Any, start: int, keep_logits:
 
 def _prefill(model: Any, method: Method, ids: torch.Tensor, cache: Any) -> tuple[torch.Tensor, Any]:
     """Feeds the context; returns the last position's logits and the cache."""
+    if method.prefill is not None:
+        return method.prefill(model, ids, cache)
     step = method.prefill_chunk or ids.shape[1]
     logits = None
     for start in range(0, ids.shape[1], step):

@@ -137,6 +137,13 @@ def tiered_attention(module, query: torch.Tensor, layer, attention_mask: torch.T
     log_denominator = None
     if want_denominator:
         log_denominator = torch.full((batch, q_len), float("-inf"), dtype=torch.float32, device=device)
+    reduce_max = layer.evidence_reduce == "max"
+
+    def gathered(acc: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        """Evidence of one KV group's probabilities p [B, G, T, S] added to (or max-ed into) acc [B, S]."""
+        weighted = p.float() * query_weights
+        return torch.maximum(acc, weighted.amax(dim=(1, 2))) if reduce_max else acc + weighted.sum(dim=(1, 2))
+
     outputs = []
     for g in range(module.num_kv_heads):
         q = heads[:, g * group : (g + 1) * group]  # [B, G, T, d]
@@ -161,10 +168,10 @@ def tiered_attention(module, query: torch.Tensor, layer, attention_mask: torch.T
         for i, (t, p) in enumerate(zip(tiers, pieces[:-1])):
             out = out + F.pad(p @ t.value_block(g), (0, d - t.value_ranks[g]))
             if want_stored:
-                received[i] += (p.float() * query_weights).sum(dim=(1, 2))
+                received[i] = gathered(received[i], p)
         p_recent = pieces[-1]
         if want_recent:
-            received_recent += (p_recent.float() * query_weights).sum(dim=(1, 2))
+            received_recent = gathered(received_recent, p_recent)
         if any_beyond:
             rv = beyond_v_ranks[g]
             out = out + (p_recent * full) @ v_recent + F.pad((p_recent * ~full) @ v_recent[..., :rv], (0, d - rv))

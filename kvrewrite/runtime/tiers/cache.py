@@ -38,12 +38,14 @@ class RecentWindowLayer(BatchFirstLayer):
     computes only the evidence named in `wanted_evidence` ("recent": attention each recent token received,
     "stored": the same per stored tier, "denominator": each new token's log softmax denominator), handing it to
     `add_scores(recent, stored, denominators)` with None for what was not wanted. `observed_queries`: how many of
-    the forward's last queries count (None: all).
+    the forward's last queries count (None: all); `evidence_reduce`: "sum" of the attention a token received over
+    heads and observed queries, or its "max".
     """
 
     window_description = "full-rank window"
     wanted_evidence: tuple[str, ...] = ()
     observed_queries: int | None = None
+    evidence_reduce: str = "sum"
 
     def __init__(self, window: int, head_dim: int, storage_dtype: torch.dtype = STORAGE_DTYPE):
         super().__init__()

@@ -243,7 +243,7 @@ class EvictingLayer(RecentWindowLayer):
         self.keep, self.group_size = keep, group_size
         self.side_bits = side_bits(bits)
         quantized = any(b is not None for b in self.side_bits.values())
-        self.observed_queries = observed_queries
+        self.observed_queries = self._policy_observed_queries = observed_queries
         # With bits: each head's kept block is turned by rotations[width] before quantizing (see the module docstring).
         floor_quantized = floor is not None and floor[2] is not None
         if (quantized or floor_quantized) and rotations is None:
@@ -263,6 +263,11 @@ class EvictingLayer(RecentWindowLayer):
         # One forward's evidence, handed over by attention and consumed by settle(); never held between forwards.
         self._received_recent: torch.Tensor | None = None
         self._received_kept: torch.Tensor | None = None
+        # Holding (tiers/reconstruction.py): settle() moves nothing while a context is scored as a whole; the max
+        # attention its first `_collect_length` tokens receive is collected across forwards.
+        self.holding = False
+        self._collect_length = 0
+        self._collected: torch.Tensor | None = None
 
     wanted_evidence = ("recent", "stored")
 
@@ -306,8 +311,42 @@ class EvictingLayer(RecentWindowLayer):
         self._received_recent = received
         self._received_kept = received_stored[0] if received_stored else None
 
+    def hold(self) -> None:
+        """Keep every token in the recent window until release(): forwards add tokens, settle() moves none."""
+        if self.is_initialized and self.kept_positions is not None and self.kept_positions.shape[-1]:
+            raise InvalidArgumentError(
+                "hold() needs a cache whose tokens are all in the recent window (a new sequence)"
+            )
+        self.holding = True
+
+    def collect(self, length: int) -> None:
+        """From now until release(), collect the max attention (over heads and every query) the first `length`
+        tokens receive."""
+        self._collect_length, self._collected = length, None
+        self.evidence_reduce, self.observed_queries = "max", None
+
+    def release(self) -> None:
+        """Stop holding: settle once, with the collected scores deciding which tokens the kept tier keeps."""
+        scores = self._collected
+        self.evidence_reduce, self.observed_queries = "sum", self._policy_observed_queries
+        self.holding, self._collect_length, self._collected = False, 0, None
+        if not self.is_initialized:
+            return
+        n = self.keys.shape[-2]
+        if scores is not None and scores.shape[-1] >= n:
+            self._received_recent = scores[:, :n]
+            self._received_kept = scores.new_zeros((scores.shape[0], 0))
+        self.settle()
+
     def settle(self) -> None:
         """Move tokens older than the window into the kept tier, then evict down to the budget by this forward's scores."""
+        if self.holding:
+            received = self._received_recent
+            if self._collect_length and received is not None:
+                received = received[:, : self._collect_length]
+                self._collected = received if self._collected is None else torch.maximum(self._collected, received)
+            self._received_recent = self._received_kept = None
+            return
         beyond = self.keys.shape[-2] - self.window
         kept_scores = self._received_kept
         if beyond > 0:
@@ -344,10 +383,11 @@ class EvictingLayer(RecentWindowLayer):
         if scores is None or scores.shape[-1] != self.kept_positions.shape[-1]:
             # No evidence for every kept token (e.g. tokens settled outside attention): keep the newest.
             scores = self.kept_positions.float()
-        order = scores.argsort(dim=-1, descending=True, stable=True)
-        chosen = order[:, :budget].sort(dim=-1).values  # kept in cache order
+        top = scores.topk(budget, dim=-1).indices
+        chosen = top.sort(dim=-1).values  # kept in cache order
         if self.floor_key_ranks is not None:
-            self._demote(order[:, budget:].sort(dim=-1).values)
+            stays = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, top, True)
+            self._demote((~stays).nonzero()[:, 1].view(scores.shape[0], -1))  # the rest, in cache order
         self.kept_positions = self.kept_positions.gather(1, chosen)
         self.kept_keys = _select(self.kept_keys, chosen)
         self.kept_values = _select(self.kept_values, chosen)

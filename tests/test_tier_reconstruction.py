@@ -1,0 +1,83 @@
+"""Prefill scored by reconstruction (kvrewrite.runtime.tiers.reconstruction) against a dense reference: the kept
+tokens must be the top of the max attention, over heads and repeat queries, recomputed directly from the layers'
+projected queries and keys of the context and its teacher-forced repeat."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_tiers import RATE, compiled  # noqa: F401  (compiled: the fixture)
+from tiny_models import random_windows
+
+import kvrewrite
+from kvrewrite.errors import InvalidArgumentError
+from kvrewrite.runtime.modeling.attention import CompressedAttention
+from kvrewrite.runtime.tiers.build import make_tiered_cache
+from kvrewrite.runtime.tiers.reconstruction import prefill_scored_by_reconstruction
+
+
+def test_kept_tokens_are_the_ones_the_repeat_attends_to_most(compiled):
+    window, length, keep = 4, 24, 0.3
+    tokens = random_windows(n=2, length=length + 3, seed=41)
+    context, repeat = tokens[:, :length], tokens[0, length:]
+    floor = {"key": 2, "value": 2, "bits": None}
+    model = kvrewrite.load(
+        compiled["freq"], rate=RATE, recent_window=window, kv_codec="none", evict={"keep": keep, "floor": floor}
+    ).eval()
+    captured: dict[int, list] = {}
+    original_project = CompressedAttention.project
+
+    def project(self, hidden_states, position_embeddings=None):
+        out = original_project(self, hidden_states, position_embeddings)
+        captured.setdefault(self.layer_idx, []).append(out)
+        return out
+
+    CompressedAttention.project = project
+    try:
+        cache = make_tiered_cache(model, model.tier_policy, storage_dtype=torch.float32)
+        with torch.no_grad():
+            last = prefill_scored_by_reconstruction(model, cache, context, repeat)
+    finally:
+        CompressedAttention.project = original_project
+    with torch.no_grad():  # the returned logits are a plain prefill's
+        plain = model(context, past_key_values=make_tiered_cache(model, model.tier_policy, torch.float32)).logits
+    torch.testing.assert_close(last, plain[:, -1], rtol=1e-4, atol=1e-4)
+
+    key_ranks, _ = model.compression_spec.ranks_for_rate(RATE)
+    attn = model.compressed_attentions()[0]
+    d, group = attn.head_dim, attn.group_size
+    beyond = length - window
+    budget = round(keep * beyond)
+    total = 2 * length + 3
+    for layer, layer_cache in enumerate(cache.layers):
+        (q0, k0, _), (q1, k1, _) = captured[layer]  # the context forward, then the repeat's
+        key = torch.cat([k0, k1], dim=1)  # freq keys: packed latents, already position-encoded
+        received = torch.zeros(2, length)
+        for h in range(attn.num_heads):
+            g = h // group
+            q = q1[..., h * d : (h + 1) * d]
+            k = key[..., g * d : (g + 1) * d]
+            full = q @ k.transpose(-1, -2)
+            cut = q[..., : key_ranks[layer][g]] @ k[..., : key_ranks[layer][g]].transpose(-1, -2)
+            t, j = torch.arange(length, total)[:, None], torch.arange(total)[None]
+            logits = torch.where(t - j <= window, full, cut) * attn.scaling
+            probs = torch.softmax(logits.masked_fill(j > t, float("-inf")), dim=-1)
+            received = torch.maximum(received, probs[..., :length].amax(dim=1))
+        for row in range(2):
+            # The kept tokens are a top `budget` of the reference scores (ties broken either way).
+            kept = layer_cache.kept_positions[row].long()
+            demoted = layer_cache.floor_positions[row].long()
+            assert len(kept) == budget and set(kept.tolist()) | set(demoted.tolist()) == set(range(beyond))
+            scores = received[row, :beyond]
+            assert scores[kept].min() >= scores[demoted].max() - 1e-6
+            assert float(scores[kept].sum()) == pytest.approx(float(scores.topk(budget).values.sum()), rel=1e-5)
+        assert layer_cache.keys.shape[-2] == window and layer_cache.get_seq_length() == length
+        assert not layer_cache.holding and layer_cache.evidence_reduce == "sum"
+
+
+def test_reconstruction_prefill_needs_an_evicting_cache(compiled):
+    model = kvrewrite.load(compiled["freq"], rate=RATE, recent_window=4, kv_codec="none").eval()
+    cache = make_tiered_cache(model, model.tier_policy)
+    tokens = random_windows(n=1, length=10, seed=42)
+    with pytest.raises(InvalidArgumentError, match="evicting cache"):
+        prefill_scored_by_reconstruction(model, cache, tokens, tokens[0, :2])
