@@ -87,6 +87,32 @@ RECIPES: dict[str, dict[str, Any]] = {
         "kv_codec": "none",
         "evict": {"keep": 0.26, "bits": (8, 4)},
     },
+    "kvrewrite-W16-evict0.125-k8v4": {
+        "rate": 0.0,
+        "recent_window": 16,
+        "kv_codec": "none",
+        "evict": {"keep": 0.125, "bits": (8, 4)},
+    },
+    # The same re-scored eviction, with the context's kept tokens chosen by its reconstruction
+    # (kvrewrite.runtime.tiers.reconstruction) instead of by the newest queries at each prefill chunk.
+    **{
+        f"kvrewrite-W16-evict{keep:g}-k8v4-rec": {
+            "rate": 0.0,
+            "recent_window": 16,
+            "kv_codec": "none",
+            "evict": {"keep": keep, "bits": (8, 4)},
+            "prefill": "reconstruction",
+        }
+        for keep in (0.57, 0.26, 0.125)
+    },
+    # Evicted tokens keep 8 key and 8 value dims per head at 4 bits instead of leaving (kvrewrite.runtime.tiers.floor).
+    "kvrewrite-W16-evict0.2-k8v4-floor8-rec": {
+        "rate": 0.0,
+        "recent_window": 16,
+        "kv_codec": "none",
+        "evict": {"keep": 0.2, "bits": (8, 4), "floor": {"key": 8, "value": 8, "bits": 4}},
+        "prefill": "reconstruction",
+    },
 }
 
 

@@ -117,7 +117,24 @@ def cmd_eval(args: argparse.Namespace) -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     shared = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     results: list[dict[str, Any]] = []
-    header = {"provenance": _provenance(), "inputs": meta, "chunk": args.chunk, "protocols": args.protocols}
+    header = {
+        "provenance": _provenance(),
+        "inputs": meta,
+        "chunk": args.chunk,
+        "protocols": args.protocols,
+        "selection": {"windows": args.windows, "passkey_prompts": args.passkey_prompts, "regimes": args.regimes},
+    }
+    if args.reference:
+        # The original's rows from an earlier partial of the same inputs and env, instead of running it again.
+        earlier = json.loads(Path(args.reference).read_text())
+        selection = {"windows": args.windows, "passkey_prompts": args.passkey_prompts, "regimes": args.regimes}
+        same = (earlier["inputs"], earlier["chunk"], earlier["protocols"], earlier.get("selection", selection))
+        if same != (meta, args.chunk, args.protocols, selection):
+            raise SystemExit(f"{args.reference} was run on other inputs or another chunk; run the original here")
+        results.append(next(r for r in earlier["results"] if r["family"] == "original"))
+        results[0]["reference_from"] = args.reference
+        methods = [m for m in methods if m.family != "original"]
+        header["reference"] = args.reference
 
     def save() -> None:
         # Written after every method, so a long run that dies keeps what it finished.
@@ -247,6 +264,12 @@ def main(argv: list[str] | None = None) -> None:
     e.add_argument("--chunk", type=int, default=64, help="continuation fed C tokens at a time (KIVI-style decoding)")
     e.add_argument("--threads", type=int, default=1, help="torch threads (1: the machine is shared)")
     e.add_argument("--inputs", default=str(INPUTS))
+    e.add_argument(
+        "--reference",
+        default=None,
+        metavar="PARTIAL.json",
+        help="take the original's results from this partial (same inputs, same env) instead of running it",
+    )
     e.add_argument("--model", default=None, help="original model path (default: the one the inputs were built for)")
     e.add_argument("-o", "--output", required=True)
     e.set_defaults(func=cmd_eval)

@@ -152,7 +152,7 @@ def tiered_attention(module, query: torch.Tensor, layer, attention_mask: torch.T
             scores(q, t.key_block(g), g, t.key_ranks[g], tier_rope[i] if latent else None) for i, t in enumerate(tiers)
         ]
         s_recent = scores(q, k_recent, g, d, recent_rope if latent else None)
-        if any_beyond:
+        if any_beyond and beyond_k_ranks[g] < d:  # at full rank beyond the window too, nothing to cut
             s_old = scores(q, k_recent, g, beyond_k_ranks[g], recent_rope if latent else None)
             s_recent = torch.where(full, s_recent, s_old)
         parts.append(s_recent)
@@ -172,7 +172,7 @@ def tiered_attention(module, query: torch.Tensor, layer, attention_mask: torch.T
         p_recent = pieces[-1]
         if want_recent:
             received_recent = gathered(received_recent, p_recent)
-        if any_beyond:
+        if any_beyond and beyond_v_ranks[g] < d:
             rv = beyond_v_ranks[g]
             out = out + (p_recent * full) @ v_recent + F.pad((p_recent * ~full) @ v_recent[..., :rv], (0, d - rv))
         else:
