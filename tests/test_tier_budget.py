@@ -18,6 +18,7 @@ from kvrewrite.io.checkpoint_io import CHECKSUM_FILE
 from kvrewrite.publish.evaluation import cache_tensor_bytes, continuation_nll
 from kvrewrite.runtime.tiers import EvictionPolicy
 from kvrewrite.runtime.tiers.eviction import eviction_policy_for_rate
+from kvrewrite.runtime.tiers.reconstruction import prefill_scored_by_reconstruction
 
 
 @pytest.fixture(scope="module")
@@ -29,20 +30,22 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "window,rate,bits,keep,context",
+    "window,rate,bits,keep,context,floor",
     [
-        (4, 0.5, None, 0.5, 40),
-        (2, 0.0, 4, 0.3, 57),
-        (8, 0.5, 8, 0.9, 8),
-        (3, 0.5, 2, 0.0, 30),
-        (3, 0.0, (8, 4), 0.6, 33),
-        (2, 0.5, (None, 2), 0.5, 20),
+        (4, 0.5, None, 0.5, 40, None),
+        (2, 0.0, 4, 0.3, 57, None),
+        (8, 0.5, 8, 0.9, 8, None),
+        (3, 0.5, 2, 0.0, 30, None),
+        (3, 0.0, (8, 4), 0.6, 33, None),
+        (2, 0.5, (None, 2), 0.5, 20, None),
+        (3, 0.0, (8, 4), 0.3, 41, {"key": 4, "value": 2, "bits": 4}),
+        (2, 0.5, None, 0.2, 30, {"key": 3, "value": 0, "bits": 2}),
+        (4, 0.0, 4, 0.5, 25, {"key": 2, "value": 2, "bits": None}),
     ],
 )
-def test_formula_equals_the_bytes_the_cache_holds(checkpoint, window, rate, bits, keep, context):
-    model = kvrewrite.load(
-        checkpoint, rate=rate, recent_window=window, kv_codec="none", evict={"keep": keep, "bits": bits}
-    ).eval()
+def test_formula_equals_the_bytes_the_cache_holds(checkpoint, window, rate, bits, keep, context, floor):
+    evict = {"keep": keep, "bits": bits, **({"floor": floor} if floor else {})}
+    model = kvrewrite.load(checkpoint, rate=rate, recent_window=window, kv_codec="none", evict=evict).eval()
     cache = model.make_kv_cache()
     tokens = random_windows(n=1, length=context, seed=9)
     with torch.no_grad():
@@ -90,6 +93,8 @@ def test_budget_command_records_the_best_split_and_load_uses_it(checkpoint):
         (c.window, c.rate, c.bits, c.keep) for c in fitting
     ]
     assert len(measured) >= 4 and all(c.bytes_share <= 0.3 for c in measured)
+    # Both ways of choosing a prompt's kept tokens are measured, at the same splits.
+    assert {c.prefill_score for c in measured} == {"newest", "reconstruction"}
     for c in measured:  # measured at the budget for the windows' length: the bytes really held agree
         assert c.measured_share <= 0.3 + 1e-9 and c.measured_share == pytest.approx(c.bytes_share, abs=0.02)
     assert winner.nll == min(c.nll for c in measured)
@@ -110,7 +115,13 @@ def test_budget_command_records_the_best_split_and_load_uses_it(checkpoint):
     from kvrewrite.io.calibration_data import calibration_token_sequences
 
     windows = calibration_token_sequences("wiki", AutoTokenizer.from_pretrained(checkpoint), 32, 32, seed=1)
-    nll, count, _ = continuation_nll(model, windows, 16, model.make_kv_cache, chunk=64)
+    prefill = None
+    if chosen.prefill_score == "reconstruction":
+
+        def prefill(model, cache, ids):
+            return prefill_scored_by_reconstruction(model, cache, ids, model.repeat_instruction_ids)
+
+    nll, count, _ = continuation_nll(model, windows, 16, model.make_kv_cache, chunk=64, prefill=prefill)
     if chosen.keep == winner.keep:  # the recorded policy is the measured one: its NLL reproduces
         assert nll / count == pytest.approx(chosen.nll, rel=1e-6)
     # An edited policy file is caught by the checksums.

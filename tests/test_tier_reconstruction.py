@@ -81,3 +81,54 @@ def test_reconstruction_prefill_needs_an_evicting_cache(compiled):
     tokens = random_windows(n=1, length=10, seed=42)
     with pytest.raises(InvalidArgumentError, match="evicting cache"):
         prefill_scored_by_reconstruction(model, cache, tokens, tokens[0, :2])
+
+
+def test_generate_prefills_the_prompt_scored_by_reconstruction(compiled):
+    """generate() with prefill_score='reconstruction' equals a greedy loop written out by hand over a cache
+    prefilled by prefill_scored_by_reconstruction."""
+    evict = {"keep": 0.3, "bits": (8, 4), "prefill_score": "reconstruction"}
+    model = kvrewrite.load(compiled["latent"], rate=RATE, recent_window=4, kv_codec="none", evict=evict).eval()
+    prompt = random_windows(n=1, length=30, seed=43)
+    out = model.generate(prompt, max_new_tokens=6, do_sample=False)
+
+    cache = model.make_kv_cache()
+    tokens = prompt
+    with torch.no_grad():
+        prefill_scored_by_reconstruction(model, cache, prompt[:, :-1], model.repeat_instruction_ids)
+        step = prompt[:, -1:]
+        for _ in range(6):
+            logits = model(step, past_key_values=cache, use_cache=True).logits
+            step = logits[:, -1:].argmax(-1)
+            tokens = torch.cat([tokens, step], dim=1)
+    assert torch.equal(out, tokens)
+    # The prompt's kept tokens were chosen by the repeat, not as plain re-scored eviction chooses them.
+    plain = kvrewrite.load(
+        compiled["latent"], rate=RATE, recent_window=4, kv_codec="none", evict={**evict, "prefill_score": "newest"}
+    ).eval()
+    plain_cache = plain.make_kv_cache()
+    with torch.no_grad():
+        plain(prompt[:, :-1], past_key_values=plain_cache, use_cache=True)
+        scored = model.make_kv_cache()
+        prefill_scored_by_reconstruction(model, scored, prompt[:, :-1], model.repeat_instruction_ids)
+    assert any(
+        a.kept_positions.tolist() != b.kept_positions.tolist() for a, b in zip(scored.layers, plain_cache.layers)
+    )
+
+
+def test_bad_prefill_scores_are_refused(compiled):
+    with pytest.raises(InvalidArgumentError, match="prefill_score"):
+        kvrewrite.load(
+            compiled["freq"], rate=RATE, recent_window=4, kv_codec="none", evict={"keep": 0.5, "prefill_score": "x"}
+        )
+    model = kvrewrite.load(
+        compiled["freq"],
+        rate=RATE,
+        recent_window=4,
+        kv_codec="none",
+        evict={"keep": 0.5, "prefill_score": "reconstruction"},
+    ).eval()
+    prompts = random_windows(n=2, length=12, seed=44)
+    mask = torch.ones_like(prompts)
+    mask[0, :3] = 0
+    with pytest.raises(InvalidArgumentError, match="unpadded"):
+        model.generate(prompts, attention_mask=mask, max_new_tokens=2)

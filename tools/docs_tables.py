@@ -550,6 +550,15 @@ def frontier_table(frontier: dict) -> Table:
     return Table(markdown_table(frontier["results"]))
 
 
+@renderer("retrieval")
+def retrieval_frontier_table(frontier: dict) -> Table:
+    """Perplexity and passkey retrieval per prompt length, every method beside the original."""
+    from benchmarks.frontier.report import retrieval_table
+
+    text, derived = retrieval_table(frontier["results"])
+    return Table(text, derived)
+
+
 # ---- docs/reliability.md -------------------------------------------------------------------------------------
 
 

@@ -9,6 +9,8 @@ from pathlib import Path
 
 from kvrewrite.compile.token_budget import (
     DEFAULT_BITS,
+    DEFAULT_FLOORS,
+    DEFAULT_PREFILL_SCORES,
     DEFAULT_RATES,
     DEFAULT_WINDOWS,
     Candidate,
@@ -35,6 +37,8 @@ def split_budget(
     recent_windows=DEFAULT_WINDOWS,
     rates=DEFAULT_RATES,
     bits_options=DEFAULT_BITS,
+    prefill_scores=DEFAULT_PREFILL_SCORES,
+    floors=DEFAULT_FLOORS,
     progress: bool = True,
     write: bool = True,
 ) -> dict:
@@ -64,7 +68,7 @@ def split_budget(
     spec, tables = model.compression_spec, read_codec_tables(directory)
     # Every split is measured at the budget on the windows it is measured on (bytes at `length` tokens), so the
     # ranking compares equal bytes; the winner's keep share is then solved again for `context` tokens.
-    found = candidates(spec, budget, length, recent_windows, rates, bits_options)
+    found = candidates(spec, budget, length, recent_windows, rates, bits_options, prefill_scores, floors)
     tokenizer = load_tokenizer(directory)
     token_windows = calibration_token_sequences(calibration, tokenizer, windows * length, length, seed=seed)
     scored_from = length // 2
@@ -74,6 +78,10 @@ def split_budget(
         enable_tiers(
             model, spec, options["rate"], options["recent_window"], options["kv_codec"], tables, evict=options["evict"]
         )
+        if candidate.prefill_score == "reconstruction" and not hasattr(model, "repeat_instruction_ids"):
+            from kvrewrite.runtime.tiers.reconstruction import repeat_instruction_ids
+
+            model.repeat_instruction_ids = repeat_instruction_ids(directory)
         return model
 
     with progress_bar("measuring budget splits", len(found) + 1, progress) as bar:
@@ -84,7 +92,9 @@ def split_budget(
             with_policy, found, token_windows, scored_from, fp16_bytes(spec, 1), progress=lambda _c: bar.advance()
         )
     winner = best(measured)
-    chosen = solve_keep(spec, budget, context, winner.window, winner.rate, winner.bits)
+    chosen = solve_keep(
+        spec, budget, context, winner.window, winner.rate, winner.bits, winner.prefill_score, winner.floor
+    )
     chosen = Candidate(**{**asdict(chosen), "nll": winner.nll, "measured_share": winner.measured_share})
     path = None
     if write:

@@ -1,7 +1,9 @@
 """A KV byte budget split across window, ranks, bits and eviction, by measured quality on calibration text.
 
 `candidates` enumerates re-scored eviction policies (kvrewrite.runtime.tiers.eviction) over one checkpoint: a
-full-rank window W, the kept tokens' rate (a point of the checkpoint's rate table) and bits. For each, `solve_keep`
+full-rank window W, the kept tokens' rate (a point of the checkpoint's rate table) and bits, how a prompt's kept
+tokens are chosen (re-scored as they come, or by the prompt's reconstruction: runtime.tiers.reconstruction) and
+whether evicted tokens keep a floor of dims (runtime.tiers.floor). For each, `solve_keep`
 solves the share of tokens kept beyond the window that fills the budget at the stated context length (from the bytes
 formula `held_bytes`, the one the cache's tensors are tested against); `measure` measures continuation NLL on
 calibration windows fed in chunks, as decoding reads the cache, and `best` takes the candidate with the lowest NLL.
@@ -21,12 +23,16 @@ import torch
 
 from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.runtime.tiers.eviction import EvictionPolicy, eviction_policy_for_rate, kept_token_bytes, side_bits
+from kvrewrite.runtime.tiers.floor import floor_token_bytes
 from kvrewrite.runtime.tiers.token_policy_file import TOKEN_POLICY_FILE
 from kvrewrite.spec import rate_key
 
 DEFAULT_WINDOWS = (16, 64)
 DEFAULT_RATES = (0.0, 0.3, 0.5)
 DEFAULT_BITS = (None, 8, (8, 4), 4)  # (8, 4): keys at 8 bits, values at 4
+DEFAULT_PREFILL_SCORES = ("newest", "reconstruction")
+DEFAULT_FLOORS = (0,)  # floor dims per head (keys and values, 4 bits); 0: evicted tokens leave
+FLOOR_BITS = 4
 MEASURE_CHUNK = 64  # tokens per forward while scoring: the cache quantizes and evicts between forwards
 
 
@@ -41,19 +47,27 @@ class Candidate:
     bytes_share: float  # of the fp16 cache at the budget's context length, from the formula
     nll: float | None = None  # mean NLL per scored calibration token
     measured_share: float | None = None  # held bytes per token on the calibration windows, of fp16
+    prefill_score: str = "newest"  # how a prompt's kept tokens are chosen (EvictionPolicy.prefill_score)
+    floor: int = 0  # key and value dims per head an evicted token keeps at FLOOR_BITS; 0: it leaves
+
+    def evict_options(self) -> dict:
+        evict = {"keep": self.keep, "bits": list(self.bits) if isinstance(self.bits, tuple) else self.bits}
+        if self.prefill_score != "newest":
+            evict["prefill_score"] = self.prefill_score
+        if self.floor:
+            evict["floor"] = {"key": self.floor, "value": self.floor, "bits": FLOOR_BITS}
+        return evict
 
     def load_options(self) -> dict:
-        return {
-            "rate": self.rate,
-            "recent_window": self.window,
-            "kv_codec": "none",
-            "evict": {"keep": self.keep, "bits": list(self.bits) if isinstance(self.bits, tuple) else self.bits},
-        }
+        return {"rate": self.rate, "recent_window": self.window, "kv_codec": "none", "evict": self.evict_options()}
 
     def label(self) -> str:
         sides = side_bits(self.bits)
         bits = "fp16" if self.bits is None else f"k{sides['key'] or 16}v{sides['value'] or 16}"
-        return f"W={self.window} p={self.rate:g} {bits} keep={self.keep:.3f}"
+        extra = (" rec" if self.prefill_score == "reconstruction" else "") + (
+            f" floor{self.floor}" if self.floor else ""
+        )
+        return f"W={self.window} p={self.rate:g} {bits} keep={self.keep:.3f}{extra}"
 
 
 def held_bytes(policy: EvictionPolicy, spec, context: int) -> int:
@@ -62,9 +76,18 @@ def held_bytes(policy: EvictionPolicy, spec, context: int) -> int:
     full = 2 * 2 * spec.head_dim * spec.num_key_value_heads
     total = 0
     sides = policy.side_bits
-    for key_ranks, value_ranks, keep in zip(policy.kept_key_ranks, policy.kept_value_ranks, policy.keep):
+    floor = policy.floor
+    for i, (key_ranks, value_ranks, keep) in enumerate(
+        zip(policy.kept_key_ranks, policy.kept_value_ranks, policy.keep)
+    ):
         n_recent = min(policy.window, context)
         n_kept = round(keep * (context - n_recent))
+        if floor is not None:  # every token beyond the window and not kept is demoted, with its statistics once
+            n_floor = context - n_recent - n_kept
+            fk, fv = floor.key_ranks[i], floor.value_ranks[i]
+            total += n_floor * floor_token_bytes(fk, fv, floor.bits, policy.group_size)
+            if n_floor and floor.bits is not None:
+                total += 2 * 2 * (sum(fk) + sum(fv))
         per_kept = (
             sum(
                 kept_token_bytes(sum(r), sides[side], policy.group_size)
@@ -77,8 +100,11 @@ def held_bytes(policy: EvictionPolicy, spec, context: int) -> int:
             total += sum(
                 2 * 2 * sum(r) for side, r in (("key", key_ranks), ("value", value_ranks)) if sides[side] is not None
             )
-    if any(b is not None for b in sides.values()):  # built with the cache, shared by its layers
+    floor_coded = floor is not None and floor.bits is not None
+    if any(b is not None for b in sides.values()) or floor_coded:  # built with the cache, shared by its layers
         widths = {r for ranks in policy.kept_key_ranks + policy.kept_value_ranks for r in ranks if r}
+        if floor_coded:
+            widths |= {r for ranks in floor.key_ranks + floor.value_ranks for r in ranks if r}
         total += sum(4 * r * r for r in widths)
     return total
 
@@ -88,13 +114,17 @@ def fp16_bytes(spec, context: int) -> int:
     return 2 * spec.baseline_elements_per_token * context
 
 
-def solve_keep(spec, budget: float, context: int, window: int, rate: float, bits) -> Candidate | None:
+def solve_keep(
+    spec, budget: float, context: int, window: int, rate: float, bits, prefill_score: str = "newest", floor: int = 0
+) -> Candidate | None:
     """The largest keep share (to 1/1000) whose bytes at `context` stay within `budget` x fp16; None if even keep = 0
-    exceeds it (the window alone is over budget)."""
+    exceeds it (the window, or the window and the floor, alone are over budget)."""
     total = fp16_bytes(spec, context)
+    floor_options = {"key": floor, "value": floor, "bits": FLOOR_BITS} if floor else None
 
     def held(keep: float) -> int:
-        return held_bytes(eviction_policy_for_rate(spec, rate, window, keep, bits=bits), spec, context)
+        policy = eviction_policy_for_rate(spec, rate, window, keep, bits=bits, floor=floor_options)
+        return held_bytes(policy, spec, context)
 
     if held(0.0) > budget * total:
         return None
@@ -105,11 +135,21 @@ def solve_keep(spec, budget: float, context: int, window: int, rate: float, bits
             low = mid
         else:
             high = mid - 1
-    return Candidate(window, rate, bits, low / 1000, held(low / 1000) / total)
+    found = Candidate(
+        window, rate, bits, low / 1000, held(low / 1000) / total, prefill_score=prefill_score, floor=floor
+    )
+    return found
 
 
 def candidates(
-    spec, budget: float, context: int, windows=DEFAULT_WINDOWS, rates=DEFAULT_RATES, bits_options=DEFAULT_BITS
+    spec,
+    budget: float,
+    context: int,
+    windows=DEFAULT_WINDOWS,
+    rates=DEFAULT_RATES,
+    bits_options=DEFAULT_BITS,
+    prefill_scores=DEFAULT_PREFILL_SCORES,
+    floors=DEFAULT_FLOORS,
 ) -> list[Candidate]:
     if not 0 < budget <= 1:
         raise InvalidArgumentError(f"kv budget must be a share of the fp16 cache in (0, 1], got {budget}")
@@ -121,9 +161,11 @@ def candidates(
             if rate_key(rate) not in spec.rate_table:  # only rates the checkpoint serves
                 continue
             for bits in bits_options:
-                found = solve_keep(spec, budget, context, window, rate, bits)
-                if found is not None:
-                    out.append(found)
+                for prefill_score in prefill_scores:
+                    for floor in floors:
+                        found = solve_keep(spec, budget, context, window, rate, bits, prefill_score, floor)
+                        if found is not None:
+                            out.append(found)
     if not out:
         raise InvalidArgumentError(
             f"no split fits {budget:.1%} of the fp16 cache at {context} tokens: even the smallest window "
@@ -147,7 +189,16 @@ def measure(
     measured = []
     for candidate in found:
         model = with_policy(candidate)
-        nll, count, held = continuation_nll(model, windows, context, model.make_kv_cache, chunk=MEASURE_CHUNK)
+        prefill = None
+        if candidate.prefill_score == "reconstruction":
+            from kvrewrite.runtime.tiers.reconstruction import prefill_scored_by_reconstruction
+
+            def prefill(model, cache, ids):
+                return prefill_scored_by_reconstruction(model, cache, ids, model.repeat_instruction_ids)
+
+        nll, count, held = continuation_nll(
+            model, windows, context, model.make_kv_cache, chunk=MEASURE_CHUNK, prefill=prefill
+        )
         measured.append(Candidate(**{**asdict(candidate), "nll": nll / count, "measured_share": held / fp16_per_token}))
         if progress is not None:
             progress(measured[-1])

@@ -270,24 +270,29 @@ def perplexity_and_agreement_many(
 
 
 def continuation_nll(
-    model: torch.nn.Module, windows: torch.Tensor, context: int, make_cache, chunk: int | None = None
+    model: torch.nn.Module, windows: torch.Tensor, context: int, make_cache, chunk: int | None = None, prefill=None
 ) -> tuple[float, int, float]:
     """Summed NLL of each window's tokens after `context`, their count, and cache bytes held per token (after the
     window, mean over windows): the window is fed through `make_cache()`'s cache `chunk` tokens at a time (one
-    forward without), so a cache that codes or evicts between forwards is read as decoding would read it."""
+    forward without), so a cache that codes or evicts between forwards is read as decoding would read it.
+
+    prefill(model, cache, ids [1, context]) -> the last context position's logits [1, vocab]: how the context goes
+    in (default: fed like the rest)."""
     total, count, held = 0.0, 0, []
     for window in windows:
         ids = window[None]
         cache = make_cache()
         step = chunk or ids.shape[1]
         with torch.no_grad():
-            logits = torch.cat(
-                [
-                    model(ids[:, s : s + step], past_key_values=cache, use_cache=True).logits
-                    for s in range(0, ids.shape[1], step)
-                ],
-                dim=1,
-            )[0, context - 1 : -1].float()
+            pieces, first = [], 0
+            if prefill is not None:
+                pieces.append(prefill(model, cache, ids[:, :context])[:, None])
+                first = context
+            pieces += [
+                model(ids[:, s : s + step], past_key_values=cache, use_cache=True).logits
+                for s in range(first, ids.shape[1], step)
+            ]
+            logits = torch.cat(pieces, dim=1)[0, (context - 1 if prefill is None else 0) : -1].float()
         targets = ids[0, context:]
         total += torch.nn.functional.cross_entropy(logits, targets, reduction="sum").item()
         count += targets.numel()

@@ -99,6 +99,21 @@ def compressed_family(adapter: ArchitectureAdapter) -> tuple[type, type]:
                 return in_place_cache(self.config)
             return make_codec_cache(self.kv_codec, *self._layer_ranks(), self.kv_codec_tables)
 
+        def generate(self, inputs=None, *args, **kwargs):
+            """transformers' generate; with an eviction policy whose prefill_score is "reconstruction", the prompt
+            (but its last token) is first prefilled and scored by its reconstruction (runtime.tiers.reconstruction)."""
+            policy = self.tier_policy
+            if (
+                getattr(policy, "prefill_score", "newest") == "reconstruction"
+                and kwargs.get("past_key_values") is None
+                and inputs is not None
+                and inputs.shape[-1] > 1
+            ):
+                from kvrewrite.runtime.tiers.reconstruction import prefill_for_generate
+
+                kwargs["past_key_values"] = prefill_for_generate(self, inputs, kwargs.get("attention_mask"))
+            return super().generate(inputs, *args, **kwargs)
+
         def _prepare_cache_for_generation(
             self,
             generation_config,
@@ -210,7 +225,13 @@ def compressed_family(adapter: ArchitectureAdapter) -> tuple[type, type]:
             if recent_window is not None:
                 from kvrewrite.runtime.tiers.build import enable_tiers
 
-                enable_tiers(model, spec, rate, recent_window, kv_codec, read_codec_tables(directory), important, evict)
+                policy = enable_tiers(
+                    model, spec, rate, recent_window, kv_codec, read_codec_tables(directory), important, evict
+                )
+                if getattr(policy, "prefill_score", "newest") == "reconstruction":
+                    from kvrewrite.runtime.tiers.reconstruction import repeat_instruction_ids
+
+                    model.repeat_instruction_ids = repeat_instruction_ids(directory)
                 return (model, info) if want_info else model
             if rate is not None:
                 key_ranks, value_ranks = spec.ranks_for_rate(rate)

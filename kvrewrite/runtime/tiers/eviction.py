@@ -39,6 +39,7 @@ from kvrewrite.runtime.tiers.floor import DEFAULT_FLOOR_BITS, FloorPolicy, floor
 
 DEFAULT_OBSERVED_QUERIES = 64  # scoring queries per forward: a 64-token chunk, or the last 64 of a long prefill
 DEFAULT_GROUP_SIZE = 64  # channels per (scale, minimum) pair, as transformers' QuantizedCache defaults
+PREFILL_SCORES = ("newest", "reconstruction")
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,9 @@ class EvictionPolicy:
     group_size: int = DEFAULT_GROUP_SIZE
     observed_queries: int = DEFAULT_OBSERVED_QUERIES
     floor: FloorPolicy | None = None  # what an evicted token keeps (None: it is dropped); see tiers/floor.py
+    # How generate() chooses a prompt's kept tokens: "newest" (re-scored at every prefill forward, like any later
+    # one) or "reconstruction" (the whole prompt scored by how much repeating it needs each token; tiers/reconstruction.py).
+    prefill_score: str = "newest"
 
     def __post_init__(self) -> None:
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 0:
@@ -69,6 +73,10 @@ class EvictionPolicy:
             )
         if self.group_size < 1 or self.observed_queries < 1:
             raise InvalidArgumentError("evict: group_size and observed_queries must be >= 1")
+        if self.prefill_score not in PREFILL_SCORES:
+            raise InvalidArgumentError(
+                f"evict: prefill_score must be one of {', '.join(PREFILL_SCORES)}, got {self.prefill_score!r}"
+            )
         if self.floor is not None and len(self.floor.key_ranks) != len(self.keep):
             raise InvalidArgumentError(f"evict: the floor needs ranks for every layer ({len(self.keep)})")
 
@@ -136,6 +144,7 @@ def eviction_policy_for_rate(
     group_size: int = DEFAULT_GROUP_SIZE,
     observed_queries: int = DEFAULT_OBSERVED_QUERIES,
     floor: dict | None = None,
+    prefill_score: str = "newest",
 ) -> EvictionPolicy:
     """Kept tokens at the ranks of `rate` in the checkpoint's rate table (kvrewrite.spec.CompressionSpec).
 
@@ -162,6 +171,7 @@ def eviction_policy_for_rate(
         group_size=group_size,
         observed_queries=observed_queries,
         floor=floor_tier,
+        prefill_score=prefill_score,
     )
 
 

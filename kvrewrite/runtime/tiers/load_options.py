@@ -62,6 +62,10 @@ def check_cache_keywords(kv_codec, recent_window, important, evict) -> None:
                 f"evict= bits must be None (float16) or one of {SUPPORTED_BITS}, or a "
                 f"(key, value) pair of them, got {bits!r}"
             )
+        if evict.get("prefill_score", "newest") not in ("newest", "reconstruction"):
+            raise InvalidArgumentError(
+                f"evict= prefill_score must be 'newest' or 'reconstruction', got {evict['prefill_score']!r}"
+            )
         floor = evict.get("floor")
         if floor is not None:
             _check_floor(floor)

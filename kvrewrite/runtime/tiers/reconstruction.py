@@ -69,3 +69,29 @@ def prefill_scored_by_reconstruction(
         for layer in layers:
             layer.release()
     return logits[:, -1]
+
+
+def repeat_instruction_ids(directory) -> torch.Tensor:
+    """REPEAT_INSTRUCTION in the checkpoint's own tokenizer (read once, at load)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(directory))
+    except (OSError, ValueError) as exc:
+        raise InvalidArgumentError(
+            f"evict= prefill_score='reconstruction' needs the checkpoint's tokenizer to word its repeat instruction; "
+            f"none could be read from {directory}: {exc}"
+        ) from exc
+    return torch.tensor(tokenizer(REPEAT_INSTRUCTION, add_special_tokens=False)["input_ids"], dtype=torch.long)
+
+
+def prefill_for_generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
+    """The cache generate() continues from: every prompt token but the last, prefilled and scored by reconstruction."""
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise InvalidArgumentError(
+            "evict= prefill_score='reconstruction' takes unpadded prompts (one prompt, or prompts of one length)"
+        )
+    cache = model.make_kv_cache()
+    with torch.no_grad():
+        prefill_scored_by_reconstruction(model, cache, input_ids[:, :-1], model.repeat_instruction_ids)
+    return cache
