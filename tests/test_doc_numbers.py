@@ -31,7 +31,7 @@ def test_every_results_page_cites_its_result_files():
 
 def _copy_with(tmp_path: Path, doc: str, old: str, new: str) -> Path:
     """The repo's doc and results under tmp_path, with one edit in the doc."""
-    (tmp_path / "docs").mkdir()
+    (tmp_path / doc).parent.mkdir(parents=True)
     shutil.copytree(doc_numbers.ROOT / "benchmarks" / "results", tmp_path / "benchmarks" / "results")
     text = (doc_numbers.ROOT / doc).read_text(encoding="utf-8")
     assert text.count(old) == 1
@@ -42,16 +42,16 @@ def _copy_with(tmp_path: Path, doc: str, old: str, new: str) -> Path:
 def test_a_number_edited_by_hand_fails(tmp_path):
     # One figure of the frontier table changed to a plausible value that no field of that row holds.
     row = "| `kvrewrite-W16-evict0.26-k8v4` | kvrewrite | 12.3% | +3.2% |"
-    edited = _copy_with(tmp_path, "docs/frontier.md", row, row.replace("+3.2%", "+3.9%"))
+    edited = _copy_with(tmp_path, "docs/results/frontier.md", row, row.replace("+3.2%", "+3.9%"))
     problems = [
         p for passage in doc_numbers.passages_at(edited, tmp_path) for p in doc_numbers.unsourced(passage, tmp_path)
     ]
-    assert len(problems) == 1 and "+3.9%" in problems[0] and "docs/frontier.md" in problems[0]
+    assert len(problems) == 1 and "+3.9%" in problems[0] and "docs/results/frontier.md" in problems[0]
 
 
 def test_a_row_naming_no_record_and_a_missing_file_fail(tmp_path):
     row = "| `kvrewrite-W16-evict0.26-k8v4` |"
-    edited = _copy_with(tmp_path, "docs/frontier.md", row, "| `kvrewrite-W16-evict0.27-k8v4` |")
+    edited = _copy_with(tmp_path, "docs/results/frontier.md", row, "| `kvrewrite-W16-evict0.27-k8v4` |")
     problems = [
         p for passage in doc_numbers.passages_at(edited, tmp_path) for p in doc_numbers.unsourced(passage, tmp_path)
     ]

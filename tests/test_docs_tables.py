@@ -13,7 +13,7 @@ MAIN_TABLES = {
     "README.md": {"readme-headline"},
     "docs/results/quality.md": {"demo", "allocation", "issue3", "key-modes"},
     "docs/results/codecs.md": {"codecs"},
-    "docs/frontier.md": {"frontier"},
+    "docs/results/frontier.md": {"frontier"},
 }
 
 
