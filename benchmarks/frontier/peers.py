@@ -11,8 +11,8 @@ from typing import Any
 
 from .methods import Method
 
-# Fractions of the sequence a press evicts: keep ~50%, ~25%, ~12.5% of the tokens.
-PRESS_RATIOS = (0.5, 0.75, 0.875)
+# Fractions of the sequence a press evicts: keep ~50%, ~25%, ~12.5%, ~6.25% of the tokens.
+PRESS_RATIOS = (0.5, 0.75, 0.875, 0.9375)
 PRESSES = ("streaming_llm", "expected_attention", "snapkv", "tova", "knorm")
 
 
