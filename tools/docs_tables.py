@@ -73,7 +73,7 @@ def readme_headline(demo: dict, distill: dict) -> Table:
     rows = [
         ("`compress -p 0.3 --refit output --refit-tokens 32768` ([refit](docs/refit.md))", runs["wiki | refit p=0.3"]),
         (
-            "`compress -p 0.5 --refit output --refit-tokens 32768 --distill` ([distill](docs/distill.md); checkpoint "
+            "`compress -p 0.5 --refit output --refit-tokens 32768 --distill --distill-epochs 2` ([distill](docs/distill.md); checkpoint "
             "from an earlier version of the distill pass)",
             runs["wiki | refit+distill p=0.5"],
         ),
@@ -555,8 +555,7 @@ def retrieval_frontier_table(frontier: dict) -> Table:
     """Perplexity and passkey retrieval per prompt length, every method beside the original."""
     from benchmarks.frontier.report import retrieval_table
 
-    text, derived = retrieval_table(frontier["results"])
-    return Table(text, derived)
+    return Table(retrieval_table(frontier["results"]))
 
 
 # ---- docs/reliability.md -------------------------------------------------------------------------------------

@@ -91,6 +91,25 @@ def add_deltas(results: list[dict[str, Any]]) -> None:
             c["delta_ppl_pct"] = 100.0 * (c["ppl"] / base - 1.0)
 
 
+def add_retrieval_summary(results: list[dict[str, Any]]) -> None:
+    """Per method: passkey accuracy per prompt length and variant ("1024", "2048/multi", ...), and its accuracy as a
+    share of the original's on the same prompts (`of_original`)."""
+    reference = next((r for r in results if r["family"] == "original" and "passkey" in r), None)
+    base = reference["passkey"]["accuracy"] if reference else None
+    for r in results:
+        pk = r.get("passkey")
+        if pk is None:
+            continue
+        groups: dict[str, list[bool]] = {}
+        for item in pk["items"]:
+            variant = item.get("variant", "single")
+            groups.setdefault(str(item["length"]) + ("" if variant == "single" else f"/{variant}"), []).append(
+                item["correct"]
+            )
+        pk["by_length"] = {k: sum(v) / len(v) for k, v in sorted(groups.items())}
+        pk["of_original"] = pk["accuracy"] / base if base else None
+
+
 def free(model: Any) -> None:
     del model
     gc.collect()

@@ -138,22 +138,18 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _accuracy(items: list[dict[str, Any]]) -> float | None:
-    return sum(i["correct"] for i in items) / len(items) if items else None
-
-
-def retrieval_table(results: list[dict[str, Any]]) -> tuple[str, tuple[float, ...]]:
+def retrieval_table(results: list[dict[str, Any]]) -> str:
     """Perplexity and retrieval side by side: passkey accuracy per prompt length and overall, and as a share of the
-    original's. Returns the Markdown and the values it derives (accuracies per length, shares of the original)."""
+    original's (the fields `run.py merge` adds: evaluate.add_retrieval_summary)."""
     pct = lambda v: "—" if v is None else f"{100 * v:.1f}%"  # noqa: E731
     acc = lambda v: "—" if v is None else f"{100 * v:.0f}%"  # noqa: E731
-    original = next((r for r in results if r["family"] == "original"), None)
-    base = original["passkey"]["accuracy"] if original and "passkey" in original else None
-    lengths = sorted({i["length"] for r in results for i in r.get("passkey", {}).get("items", [])})
+    groups = sorted(
+        {g for r in results for g in r.get("passkey", {}).get("by_length", {})}, key=lambda g: int(g.split("/")[0])
+    )
     header = ["method", "family", "bytes 512–1K", "Δppl 512–1K", "bytes 2K–4K", "Δppl 2K–4K", "bytes passkey"]
-    header += [f"passkey {n // 1024}K" for n in lengths] + ["passkey", "of the original's"]
+    header += [f"passkey {int(g.split('/')[0]) // 1024}K" + (f" {g.split('/')[1]}" if "/" in g else "") for g in groups]
+    header += ["passkey", "of the original's"]
     lines = ["| " + " | ".join(header) + " |", "|---|---|" + "---:|" * (len(header) - 2)]
-    derived: list[float] = []
     for r in results:
         cells = [f"`{r['name']}`" + (" (failed)" if "error" in r else ""), r["family"]]
         for regime in REGIME_LABELS:
@@ -161,13 +157,9 @@ def retrieval_table(results: list[dict[str, Any]]) -> tuple[str, tuple[float, ..
             cells += [pct(_share(r, regime)), "—" if c is None else f"{c['delta_ppl_pct']:+.1f}%"]
         pk = r.get("passkey")
         cells.append(pct(_share(r, "passkey")))
-        for n in lengths:
-            a = _accuracy([i for i in (pk or {}).get("items", []) if i["length"] == n])
-            derived += [] if a is None else [a]
-            cells.append(acc(a))
+        for g in groups:
+            cells.append(acc((pk or {}).get("by_length", {}).get(g)))
         cells.append("—" if pk is None else acc(pk["accuracy"]))
-        share = None if pk is None or not base else pk["accuracy"] / base
-        derived += [] if share is None else [share]
-        cells.append(acc(share))
+        cells.append(acc((pk or {}).get("of_original")))
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines), tuple(derived)
+    return "\n".join(lines)

@@ -26,7 +26,7 @@ if __package__ in (None, ""):  # run as a script: make the package importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     __package__ = "benchmarks.frontier"
 
-from .evaluate import _work, add_deltas, free, run_method  # noqa: E402
+from .evaluate import _work, add_deltas, add_retrieval_summary, free, run_method  # noqa: E402
 from .inputs import REGIMES, load_inputs, passkey_prompts, save_inputs, wiki_windows  # noqa: E402
 from .registry import resolve  # noqa: E402
 from .report import markdown_table, print_table, write_plot  # noqa: E402
@@ -205,6 +205,7 @@ def cmd_merge(args: argparse.Namespace) -> None:
             r["name"],
         )
     )
+    add_retrieval_summary(results)
     merged = {
         "provenance": _provenance(),
         "inputs": parts[0]["inputs"],

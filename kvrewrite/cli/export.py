@@ -239,7 +239,7 @@ def _print_export(console: Console, model: str, plan, result) -> None:
 
 def _print_rate_refits(console: Console, rated) -> None:
     table = Table(
-        title="o_proj refitted per rate (--refit-rates): relative error of the attention output, mean over layers"
+        title="o_proj refitted per rate (--serve-rates-by refit): relative error of the attention output, mean over layers"
     )
     for column in ("rate", "mean latent width", "before", "after", "stored in"):
         table.add_column(column, justify="right")
