@@ -2,9 +2,11 @@
 real cache tensors, the FP8 cache, the continuation protocol and the passkey prompt builder."""
 
 import math
+import re
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import LlamaForCausalLM
 
@@ -52,3 +54,42 @@ def test_passkey_prompts_have_the_asked_length_and_the_key():
     prompts = passkey_prompts(tok, [256], [0.1, 0.9], 1, seed=0, filler="classic")
     assert [len(p.context_ids) + len(p.question_ids) for p in prompts] == [256, 256]
     assert passkey_correct(" 12345. The", "12345") and not passkey_correct(" 1234", "12345")
+
+
+def test_retrieval_summary_is_per_length_and_against_the_original_on_the_same_prompts():
+    from benchmarks.frontier.evaluate import add_retrieval_summary
+
+    def items(correct, lengths):
+        return [
+            {"length": n, "depth": 0.5, "key": str(k), "correct": c} for k, (c, n) in enumerate(zip(correct, lengths))
+        ]
+
+    lengths = [1024, 1024, 2048, 2048]
+    original = {"family": "original", "passkey": {"accuracy": 0.75, "items": items([1, 1, 1, 0], lengths)}}
+    full = {"family": "kvrewrite", "passkey": {"accuracy": 0.5, "items": items([1, 0, 1, 0], lengths)}}
+    subset = {"family": "kvrewrite", "passkey": {"accuracy": 0.5, "items": items([1, 0], lengths[:2])}}
+    add_retrieval_summary([original, full, subset])
+    assert full["passkey"]["by_length"] == {"1024": 0.5, "2048": 0.5}
+    assert full["passkey"]["of_original"] == pytest.approx(0.5 / 0.75)
+    assert subset["passkey"]["by_length"] == {"1024": 0.5}
+    assert subset["passkey"]["of_original"] == pytest.approx(0.5)  # the original got both 1K prompts
+
+
+class _Characters:
+    """One token per character: prompts decode back to their exact text."""
+
+    def __call__(self, text: str, add_special_tokens: bool = False) -> dict:
+        return {"input_ids": [ord(c) for c in text]}
+
+
+def test_multi_key_prompts_plant_four_coloured_keys_and_ask_for_one():
+    prompts = passkey_prompts(_Characters(), [2048], [0.1, 0.5, 0.9], 1, seed=3, filler="classic", variant="multi")
+    for p in prompts:
+        context, question = "".join(map(chr, p.context_ids)), "".join(map(chr, p.question_ids))
+        assert len(p.context_ids) + len(p.question_ids) == 2048 and p.variant == "multi"
+        planted = re.findall(r"The (\w+) pass key is (\d{5})\.", context)
+        assert sorted(c for c, _ in planted) == ["blue", "gold", "green", "red"]
+        asked = re.search(r"What is the (\w+) pass key\?", question).group(1)
+        assert dict(planted)[asked] == p.key and len({k for _, k in planted}) == 4
+        where = context.index(f"The {asked} pass key is") / len(context)
+        assert abs(where - p.depth) < 0.1  # the asked key sits at the asked depth

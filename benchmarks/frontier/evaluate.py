@@ -95,7 +95,8 @@ def add_retrieval_summary(results: list[dict[str, Any]]) -> None:
     """Per method: passkey accuracy per prompt length and variant ("1024", "2048/multi", ...), and its accuracy as a
     share of the original's on the same prompts (`of_original`)."""
     reference = next((r for r in results if r["family"] == "original" and "passkey" in r), None)
-    base = reference["passkey"]["accuracy"] if reference else None
+    prompt = lambda i: (i["length"], i["depth"], i["key"], i.get("variant", "single"))  # noqa: E731
+    original = {prompt(i): i["correct"] for i in reference["passkey"]["items"]} if reference else {}
     for r in results:
         pk = r.get("passkey")
         if pk is None:
@@ -107,6 +108,9 @@ def add_retrieval_summary(results: list[dict[str, Any]]) -> None:
                 item["correct"]
             )
         pk["by_length"] = {k: sum(v) / len(v) for k, v in sorted(groups.items())}
+        # Against the original on the same prompts (a method may have run on a subset of them).
+        same = [original[prompt(i)] for i in pk["items"] if prompt(i) in original]
+        base = sum(same) / len(same) if len(same) == len(pk["items"]) else None
         pk["of_original"] = pk["accuracy"] / base if base else None
 
 

@@ -148,7 +148,7 @@ def retrieval_table(results: list[dict[str, Any]]) -> str:
     )
     header = ["method", "family", "bytes 512–1K", "Δppl 512–1K", "bytes 2K–4K", "Δppl 2K–4K", "bytes passkey"]
     header += [f"passkey {int(g.split('/')[0]) // 1024}K" + (f" {g.split('/')[1]}" if "/" in g else "") for g in groups]
-    header += ["passkey", "of the original's"]
+    header += ["passkey (prompts)", "of the original's"]
     lines = ["| " + " | ".join(header) + " |", "|---|---|" + "---:|" * (len(header) - 2)]
     for r in results:
         cells = [f"`{r['name']}`" + (" (failed)" if "error" in r else ""), r["family"]]
@@ -159,7 +159,7 @@ def retrieval_table(results: list[dict[str, Any]]) -> str:
         cells.append(pct(_share(r, "passkey")))
         for g in groups:
             cells.append(acc((pk or {}).get("by_length", {}).get(g)))
-        cells.append("—" if pk is None else acc(pk["accuracy"]))
+        cells.append("—" if pk is None else f"{acc(pk['accuracy'])} ({pk['n']})")
         cells.append(acc((pk or {}).get("of_original")))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
