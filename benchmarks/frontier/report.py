@@ -117,6 +117,16 @@ def write_plot(results: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def _name_and_continuation_cells(r: dict[str, Any]) -> list[str]:
+    """A Markdown row's first cells: the method, its family, then bytes and Δppl per continuation regime."""
+    pct = lambda v: "—" if v is None else f"{100 * v:.1f}%"  # noqa: E731
+    cells = [f"`{r['name']}`" + (" (failed)" if "error" in r else ""), r["family"]]
+    for regime in REGIME_LABELS:
+        c = r.get("continuation", {}).get(regime)
+        cells += [pct(_share(r, regime)), "—" if c is None else f"{c['delta_ppl_pct']:+.1f}%"]
+    return cells
+
+
 def markdown_table(results: list[dict[str, Any]]) -> str:
     """The summary table as Markdown (pasted into docs/frontier.md from the committed JSON)."""
     pct = lambda v: "—" if v is None else f"{100 * v:.1f}%"  # noqa: E731
@@ -125,10 +135,7 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
-        cells = [f"`{r['name']}`" + (" (failed)" if "error" in r else ""), r["family"]]
-        for regime in REGIME_LABELS:
-            c = r.get("continuation", {}).get(regime)
-            cells += [pct(_share(r, regime)), "—" if c is None else f"{c['delta_ppl_pct']:+.1f}%"]
+        cells = _name_and_continuation_cells(r)
         pk = r.get("passkey")
         cells += [
             pct(_share(r, "passkey")),
@@ -151,10 +158,7 @@ def retrieval_table(results: list[dict[str, Any]]) -> str:
     header += ["passkey (prompts)", "of the original's"]
     lines = ["| " + " | ".join(header) + " |", "|---|---|" + "---:|" * (len(header) - 2)]
     for r in results:
-        cells = [f"`{r['name']}`" + (" (failed)" if "error" in r else ""), r["family"]]
-        for regime in REGIME_LABELS:
-            c = r.get("continuation", {}).get(regime)
-            cells += [pct(_share(r, regime)), "—" if c is None else f"{c['delta_ppl_pct']:+.1f}%"]
+        cells = _name_and_continuation_cells(r)
         pk = r.get("passkey")
         cells.append(pct(_share(r, "passkey")))
         for g in groups:
