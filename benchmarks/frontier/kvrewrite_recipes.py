@@ -123,7 +123,7 @@ def _reconstruction_prefill(directory: str):
 
     from kvrewrite.runtime.tiers.reconstruction import REPEAT_INSTRUCTION, prefill_scored_by_reconstruction
 
-    tokenizer = AutoTokenizer.from_pretrained(directory)
+    tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=False)
     repeat = torch.tensor(tokenizer(REPEAT_INSTRUCTION, add_special_tokens=False)["input_ids"])
 
     def prefill(model: Any, ids: Any, cache: Any) -> tuple[Any, Any]:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from kvrewrite.errors import InvalidArgumentError
-from kvrewrite.runtime.codecs.packing import SUPPORTED_BITS
+from kvrewrite.runtime.codecs.packing import SUPPORTED_BITS, packed_length
 
 DEFAULT_FLOOR_BITS = 4
 
@@ -89,7 +89,10 @@ def floor_token_bytes(
 ) -> int:
     """Bytes one demoted token holds in one layer: both sides' floor latents (the formula the stored tensors must
     match) and its int32 cache index."""
-    from kvrewrite.runtime.tiers.eviction import kept_token_bytes
 
-    sides = [sum(r) for r in (key_ranks, value_ranks) if sum(r)]
-    return sum(kept_token_bytes(c, bits, group_size) for c in sides) + 4
+    def side(channels: int) -> int:  # codes and a float16 scale and minimum per group, or float16 numbers
+        if not channels:
+            return 0
+        return 2 * channels if bits is None else packed_length(channels, bits) + 2 * 2 * -(-channels // group_size)
+
+    return side(sum(key_ranks)) + side(sum(value_ranks)) + 4

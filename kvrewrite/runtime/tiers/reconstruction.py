@@ -76,7 +76,7 @@ def repeat_instruction_ids(directory) -> torch.Tensor:
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(directory))
+        tokenizer = AutoTokenizer.from_pretrained(str(directory), trust_remote_code=False)
     except (OSError, ValueError) as exc:
         raise InvalidArgumentError(
             f"evict= prefill_score='reconstruction' needs the checkpoint's tokenizer to word its repeat instruction; "
