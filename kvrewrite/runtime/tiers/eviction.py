@@ -35,7 +35,13 @@ from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.runtime.codecs.kivi import kivi_decode, kivi_encode
 from kvrewrite.runtime.codecs.packing import META_DTYPE, SUPPORTED_BITS, packed_length
 from kvrewrite.runtime.tiers.cache import POSITION_DTYPE, STORAGE_DTYPE, RecentWindowLayer
-from kvrewrite.runtime.tiers.floor import DEFAULT_FLOOR_BITS, FloorPolicy, floor_columns, floor_policy
+from kvrewrite.runtime.tiers.floor import (
+    DEFAULT_FLOOR_BITS,
+    FloorPolicy,
+    coded_token_bytes,
+    floor_columns,
+    floor_policy,
+)
 
 DEFAULT_OBSERVED_QUERIES = 64  # scoring queries per forward: a 64-token chunk, or the last 64 of a long prefill
 DEFAULT_GROUP_SIZE = 64  # channels per (scale, minimum) pair, as transformers' QuantizedCache defaults
@@ -220,12 +226,7 @@ def decode_tokens(
     return kivi_decode(coded, "value", bits, group_size, 1, channels).squeeze(2).unsqueeze(1).to(dtype)
 
 
-def kept_token_bytes(channels: int, bits: int | None, group_size: int) -> int:
-    """Bytes one kept token's latents of one side occupy (float16 without bits): the formula the stored tensors must
-    match."""
-    if bits is None:
-        return 2 * channels
-    return packed_length(channels, bits) + 2 * 2 * -(-channels // group_size)
+kept_token_bytes = coded_token_bytes  # one kept token's latents of one side: the formula the stored tensors match
 
 
 class EvictingLayer(RecentWindowLayer):
@@ -429,7 +430,7 @@ class EvictingLayer(RecentWindowLayer):
                     self.floor_stats.update(_channel_stats(moved[side], side))
         for side, ranks in (("key", self.floor_key_ranks), ("value", self.floor_value_ranks)):
             coded = encode_tokens(
-                self._to_floor_space(moved[side], side, ranks),
+                self._to_code_space(moved[side], side, floor=True),
                 self._floor_side_bits(ranks),
                 self.group_size,
                 self.storage_dtype,
@@ -442,43 +443,32 @@ class EvictingLayer(RecentWindowLayer):
         """A side the floor keeps no dim of holds an empty float16 run (nothing to quantize)."""
         return self.floor_bits if sum(ranks) else None
 
-    def _to_floor_space(self, x: torch.Tensor, side: str, ranks: tuple[int, ...]) -> torch.Tensor:
-        if self.floor_bits is None:
+    def _to_code_space(self, x: torch.Tensor, side: str, floor: bool = False) -> torch.Tensor:
+        """[B, S, C] latents of the kept tier (or the floor) -> what is quantized per token: centred and scaled per
+        channel by that tier's statistics, each head's block turned."""
+        stats, ranks = self._code_space(side, floor)
+        if stats is None:
             return x
-        stats = self.floor_stats
-        return self._turn(
-            (x.float() - stats[side + "_mean"].float()[:, None]) / stats[side + "_rms"].float()[:, None], ranks
-        )
+        return self._turn((x.float() - stats[0]) / stats[1], ranks)
 
-    def _from_floor_space(self, y: torch.Tensor, side: str, ranks: tuple[int, ...]) -> torch.Tensor:
-        if self.floor_bits is None or self.floor_stats is None:
+    def _from_code_space(self, y: torch.Tensor, side: str, floor: bool = False) -> torch.Tensor:
+        stats, ranks = self._code_space(side, floor)
+        if stats is None:
             return y
-        stats = self.floor_stats
-        return (
-            self._turn(y, ranks, inverse=True) * stats[side + "_rms"].float()[:, None]
-            + stats[side + "_mean"].float()[:, None]
-        )
+        return self._turn(y, ranks, inverse=True) * stats[1] + stats[0]
 
-    def _to_code_space(self, x: torch.Tensor, side: str) -> torch.Tensor:
-        """[B, S, C] kept latents -> what is quantized per token: centred and scaled per channel, each head's block turned."""
-        if self.side_bits[side] is None:
-            return x
-        mean = self.channel_stats[side + "_mean"].float()[:, None, :]
-        return self._turn(
-            (x.float() - mean) / self.channel_stats[side + "_rms"].float()[:, None, :], self._kept_ranks(side)
-        )
-
-    def _from_code_space(self, y: torch.Tensor, side: str) -> torch.Tensor:
-        if self.side_bits[side] is None or self.channel_stats is None:  # nothing kept yet: nothing to turn back
-            return y
-        x = self._turn(y, self._kept_ranks(side), inverse=True)
-        return (
-            x * self.channel_stats[side + "_rms"].float()[:, None, :]
-            + self.channel_stats[side + "_mean"].float()[:, None, :]
-        )
-
-    def _kept_ranks(self, side: str) -> tuple[int, ...]:
-        return self.kept_key_ranks if side == "key" else self.kept_value_ranks
+    def _code_space(self, side: str, floor: bool) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, tuple[int, ...]]:
+        """(mean, rms) [B, 1, C] of a tier's side and its head widths; no statistics where the side is not quantized
+        or nothing has been stored yet (then there is nothing to turn)."""
+        if floor:
+            ranks = self.floor_key_ranks if side == "key" else self.floor_value_ranks
+            stats = self.floor_stats if self.floor_bits is not None else None
+        else:
+            ranks = self.kept_key_ranks if side == "key" else self.kept_value_ranks
+            stats = self.channel_stats if self.side_bits[side] is not None else None
+        if stats is None:
+            return None, ranks
+        return (stats[side + "_mean"].float()[:, None], stats[side + "_rms"].float()[:, None]), ranks
 
     def _turn(self, x: torch.Tensor, ranks: tuple[int, ...], inverse: bool = False) -> torch.Tensor:
         """Turn every head's block (widths `ranks`) of packed latents [..., C] by its width's rotation (or back)."""
@@ -510,7 +500,7 @@ class EvictingLayer(RecentWindowLayer):
             for side, ranks in (("key", self.floor_key_ranks), ("value", self.floor_value_ranks)):
                 coded = self.floor_keys if side == "key" else self.floor_values
                 y = decode_tokens(coded, sum(ranks), self._floor_side_bits(ranks), self.group_size, torch.float32)[:, 0]
-                floor.append(self._from_floor_space(y, side, ranks).unsqueeze(1).to(dtype))
+                floor.append(self._from_code_space(y, side, floor=True).unsqueeze(1).to(dtype))
             tiers.append(StoredTier(*floor, self.floor_key_ranks, self.floor_value_ranks, self.floor_positions))
         return tiers
 

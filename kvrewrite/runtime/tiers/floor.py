@@ -84,15 +84,18 @@ def floor_columns(kept_ranks: tuple[int, ...], floor_ranks: tuple[int, ...], dev
     return torch.tensor(columns, dtype=torch.long, device=device)
 
 
+def coded_token_bytes(channels: int, bits: int | None, group_size: int) -> int:
+    """Bytes one token's `channels` latents occupy when coded per token: packed codes and a float16 scale and minimum
+    per group of `group_size` channels, or float16 numbers without bits (the kept tier's formula too)."""
+    if bits is None:
+        return 2 * channels
+    return packed_length(channels, bits) + 2 * 2 * -(-channels // group_size)
+
+
 def floor_token_bytes(
     key_ranks: tuple[int, ...], value_ranks: tuple[int, ...], bits: int | None, group_size: int
 ) -> int:
     """Bytes one demoted token holds in one layer: both sides' floor latents (the formula the stored tensors must
     match) and its int32 cache index."""
-
-    def side(channels: int) -> int:  # codes and a float16 scale and minimum per group, or float16 numbers
-        if not channels:
-            return 0
-        return 2 * channels if bits is None else packed_length(channels, bits) + 2 * 2 * -(-channels // group_size)
-
-    return side(sum(key_ranks)) + side(sum(value_ranks)) + 4
+    sides = [sum(r) for r in (key_ranks, value_ranks) if sum(r)]  # a side of width 0 holds nothing
+    return sum(coded_token_bytes(c, bits, group_size) for c in sides) + 4
