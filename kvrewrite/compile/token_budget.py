@@ -135,10 +135,7 @@ def solve_keep(
             low = mid
         else:
             high = mid - 1
-    found = Candidate(
-        window, rate, bits, low / 1000, held(low / 1000) / total, prefill_score=prefill_score, floor=floor
-    )
-    return found
+    return Candidate(window, rate, bits, low / 1000, held(low / 1000) / total, prefill_score=prefill_score, floor=floor)
 
 
 def candidates(

@@ -5,8 +5,9 @@ Re-scored eviction keeps what the newest queries read. Over a long context those
 that only a later question needs (a pass key) is evicted before the question arrives. Here the context is first
 held whole (every token in the recent window at full rank); then the model is fed a repeat instruction and the
 context again, teacher-forced, and every context token is scored by the most attention any head gave it while the
-model reproduced the context. A token the copy cannot do without (a random number, a name said once) scores high;
-filler the model can predict, or copy from any of its repeats, scores low. The repeat is then cut off the cache,
+model reproduced the context. The aim: a token the copy cannot do without (a random number, a name said once)
+outscores filler the model can predict or copy from any of its repeats (measured on passkey prompts in
+docs/results/frontier.md). The repeat is then cut off the cache,
 and each layer settles once: the kept tier keeps its budget of the highest-scored tokens, the rest go to the floor
 (or are dropped without one). Later tokens are re-scored by the newest queries as usual.
 
