@@ -16,13 +16,20 @@ from kvrewrite.runtime.tiers.build import make_tiered_cache
 from kvrewrite.runtime.tiers.reconstruction import prefill_scored_by_reconstruction
 
 
-def test_kept_tokens_are_the_ones_the_repeat_attends_to_most(compiled):
+@pytest.mark.parametrize("share", [1.0, 0.5])
+def test_kept_tokens_are_the_ones_the_repeat_attends_to_most(compiled, share):
+    """share 1: the kept tokens are the top of the repeat's max attention; share 0.5: half the budget is that top,
+    the rest the tokens the context's own queries read most (summed over heads) among the others."""
     window, length, keep = 4, 24, 0.3
     tokens = random_windows(n=2, length=length + 3, seed=41)
     context, repeat = tokens[:, :length], tokens[0, length:]
     floor = {"key": 2, "value": 2, "bits": None}
     model = kvrewrite.load(
-        compiled["freq"], rate=RATE, recent_window=window, kv_codec="none", evict={"keep": keep, "floor": floor}
+        compiled["freq"],
+        rate=RATE,
+        recent_window=window,
+        kv_codec="none",
+        evict={"keep": keep, "floor": floor, "reconstruction_share": share},
     ).eval()
     captured: dict[int, list] = {}
     original_project = CompressedAttention.project
@@ -52,25 +59,32 @@ def test_kept_tokens_are_the_ones_the_repeat_attends_to_most(compiled):
     for layer, layer_cache in enumerate(cache.layers):
         (q0, k0, _), (q1, k1, _) = captured[layer]  # the context forward, then the repeat's
         key = torch.cat([k0, k1], dim=1)  # freq keys: packed latents, already position-encoded
-        received = torch.zeros(2, length)
+        received, read = torch.zeros(2, length), torch.zeros(2, length)
         for h in range(attn.num_heads):
             g = h // group
-            q = q1[..., h * d : (h + 1) * d]
-            k = key[..., g * d : (g + 1) * d]
-            full = q @ k.transpose(-1, -2)
-            cut = q[..., : key_ranks[layer][g]] @ k[..., : key_ranks[layer][g]].transpose(-1, -2)
-            t, j = torch.arange(length, total)[:, None], torch.arange(total)[None]
-            logits = torch.where(t - j <= window, full, cut) * attn.scaling
-            probs = torch.softmax(logits.masked_fill(j > t, float("-inf")), dim=-1)
-            received = torch.maximum(received, probs[..., :length].amax(dim=1))
+            for queries, keys, first in ((q1, key, length), (q0, k0, 0)):  # the repeat's, then the context's
+                q = queries[..., h * d : (h + 1) * d]
+                k = keys[..., g * d : (g + 1) * d]
+                full = q @ k.transpose(-1, -2)
+                cut = q[..., : key_ranks[layer][g]] @ k[..., : key_ranks[layer][g]].transpose(-1, -2)
+                t, j = torch.arange(first, first + q.shape[1])[:, None], torch.arange(k.shape[1])[None]
+                logits = torch.where(t - j <= window, full, cut) * attn.scaling
+                probs = torch.softmax(logits.masked_fill(j > t, float("-inf")), dim=-1)[..., :length]
+                if first:
+                    received = torch.maximum(received, probs.amax(dim=1))
+                else:  # every context query is observed (fewer than observed_queries)
+                    read = read + probs.sum(dim=1)
+        chosen = round(share * budget)
         for row in range(2):
-            # The kept tokens are a top `budget` of the reference scores (ties broken either way).
             kept = layer_cache.kept_positions[row].long()
             demoted = layer_cache.floor_positions[row].long()
             assert len(kept) == budget and set(kept.tolist()) | set(demoted.tolist()) == set(range(beyond))
-            scores = received[row, :beyond]
-            assert scores[kept].min() >= scores[demoted].max() - 1e-6
-            assert float(scores[kept].sum()) == pytest.approx(float(scores.topk(budget).values.sum()), rel=1e-5)
+            # The kept tokens: the reconstruction's top `chosen`, then the context's most read among the rest.
+            first = set(received[row, :beyond].topk(chosen).indices.tolist())
+            rest = read[row, :beyond].clone()
+            rest[list(first)] = float("-inf")
+            expected = first | set(rest.topk(budget - chosen).indices.tolist())
+            assert set(kept.tolist()) == expected
         assert layer_cache.keys.shape[-2] == window and layer_cache.get_seq_length() == length
         assert not layer_cache.holding and layer_cache.evidence_reduce == "sum"
 
@@ -120,6 +134,15 @@ def test_bad_prefill_scores_are_refused(compiled):
         kvrewrite.load(
             compiled["freq"], rate=RATE, recent_window=4, kv_codec="none", evict={"keep": 0.5, "prefill_score": "x"}
         )
+    for share in (1.5, -0.1, "half", True):
+        with pytest.raises(InvalidArgumentError, match="reconstruction_share"):
+            kvrewrite.load(
+                compiled["freq"],
+                rate=RATE,
+                recent_window=4,
+                kv_codec="none",
+                evict={"keep": 0.5, "prefill_score": "reconstruction", "reconstruction_share": share},
+            )
     model = kvrewrite.load(
         compiled["freq"],
         rate=RATE,

@@ -105,6 +105,18 @@ RECIPES: dict[str, dict[str, Any]] = {
         }
         for keep in (0.57, 0.26, 0.125)
     },
+    # A share of the context's kept budget chosen by its reconstruction, the rest by the context's newest queries.
+    **{
+        f"kvrewrite-W16-evict{keep:g}-k8v4-rec{share:g}": {
+            "rate": 0.0,
+            "recent_window": 16,
+            "kv_codec": "none",
+            "evict": {"keep": keep, "bits": (8, 4), "reconstruction_share": share},
+            "prefill": "reconstruction",
+        }
+        for keep in (0.57, 0.26, 0.125)
+        for share in (0.25, 0.5)
+    },
     # Evicted tokens keep 8 key and 8 value dims per head at 4 bits instead of leaving (kvrewrite.runtime.tiers.floor).
     "kvrewrite-W16-evict0.2-k8v4-floor8-rec": {
         "rate": 0.0,

@@ -9,7 +9,7 @@ from kvrewrite.runtime.tiers.cache import STORAGE_DTYPE, TieredCache
 from kvrewrite.runtime.tiers.eviction import EvictionPolicy, eviction_policy_for_rate
 from kvrewrite.runtime.tiers.policy import TierPolicy, tier_policy_for_rate
 
-EVICT_OPTIONS = ("keep", "bits", "group_size", "observed_queries", "floor", "prefill_score")
+EVICT_OPTIONS = ("keep", "bits", "group_size", "observed_queries", "floor", "prefill_score", "reconstruction_share")
 
 
 def enable_tiers(

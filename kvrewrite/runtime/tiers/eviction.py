@@ -64,6 +64,9 @@ class EvictionPolicy:
     # How generate() chooses a prompt's kept tokens: "newest" (re-scored at every prefill forward, like any later
     # one) or "reconstruction" (the whole prompt scored by how much repeating it needs each token; tiers/reconstruction.py).
     prefill_score: str = "newest"
+    # With prefill_score "reconstruction": the share of a prompt's kept budget its reconstruction chooses; the rest
+    # goes to the tokens the prompt's own last queries read most (what "newest" keeps of a one-chunk prompt).
+    reconstruction_share: float = 1.0
 
     def __post_init__(self) -> None:
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 0:
@@ -82,6 +85,10 @@ class EvictionPolicy:
         if self.prefill_score not in PREFILL_SCORES:
             raise InvalidArgumentError(
                 f"evict: prefill_score must be one of {', '.join(PREFILL_SCORES)}, got {self.prefill_score!r}"
+            )
+        if not 0 <= self.reconstruction_share <= 1:
+            raise InvalidArgumentError(
+                f"evict: reconstruction_share must lie in [0, 1], got {self.reconstruction_share!r}"
             )
         if self.floor is not None and len(self.floor.key_ranks) != len(self.keep):
             raise InvalidArgumentError(f"evict: the floor needs ranks for every layer ({len(self.keep)})")
@@ -129,6 +136,7 @@ class EvictionPolicy:
                 floor=None
                 if self.floor is None
                 else (self.floor.key_ranks[i], self.floor.value_ranks[i], self.floor.bits),
+                reconstruction_share=self.reconstruction_share,
             )
             for i in range(self.num_layers)
         ]
@@ -151,6 +159,7 @@ def eviction_policy_for_rate(
     observed_queries: int = DEFAULT_OBSERVED_QUERIES,
     floor: dict | None = None,
     prefill_score: str = "newest",
+    reconstruction_share: float = 1.0,
 ) -> EvictionPolicy:
     """Kept tokens at the ranks of `rate` in the checkpoint's rate table (kvrewrite.spec.CompressionSpec).
 
@@ -178,6 +187,7 @@ def eviction_policy_for_rate(
         observed_queries=observed_queries,
         floor=floor_tier,
         prefill_score=prefill_score,
+        reconstruction_share=reconstruction_share,
     )
 
 
@@ -248,6 +258,7 @@ class EvictingLayer(RecentWindowLayer):
         storage_dtype: torch.dtype = STORAGE_DTYPE,
         rotations: dict[int, torch.Tensor] | None = None,
         floor: tuple[tuple[int, ...], tuple[int, ...], int | None] | None = None,
+        reconstruction_share: float = 1.0,
     ):
         super().__init__(window, head_dim, storage_dtype)
         self.kept_key_ranks, self.kept_value_ranks = tuple(kept_key_ranks), tuple(kept_value_ranks)
@@ -279,6 +290,8 @@ class EvictingLayer(RecentWindowLayer):
         self.holding = False
         self._collect_length = 0
         self._collected: torch.Tensor | None = None
+        self.reconstruction_share = reconstruction_share
+        self._held_newest: torch.Tensor | None = None  # while held, before collect(): the last forward's evidence
 
     wanted_evidence = ("recent", "stored")
 
@@ -338,21 +351,39 @@ class EvictingLayer(RecentWindowLayer):
 
     def release(self) -> None:
         """Stop holding: settle once, with the collected scores deciding which tokens the kept tier keeps."""
-        scores = self._collected
+        scores, newest = self._collected, self._held_newest
         self.evidence_reduce, self.observed_queries = "sum", self._policy_observed_queries
-        self.holding, self._collect_length, self._collected = False, 0, None
+        self.holding, self._collect_length, self._collected, self._held_newest = False, 0, None, None
         if not self.is_initialized:
             return
         n = self.keys.shape[-2]
         if scores is not None and scores.shape[-1] >= n:
-            self._received_recent = scores[:, :n]
+            scores = scores[:, :n]
+            if self.reconstruction_share < 1 and newest is not None and newest.shape[-1] >= n:
+                scores = self._mixed_scores(scores, newest[:, :n])
+            self._received_recent = scores
             self._received_kept = scores.new_zeros((scores.shape[0], 0))
         self.settle()
+
+    def _mixed_scores(self, reconstruction: torch.Tensor, newest: torch.Tensor) -> torch.Tensor:
+        """[B, n] scores whose top budget is the reconstruction_share of the budget the reconstruction ranks
+        highest, then the tokens the prompt's last queries read most among the rest (the settle's budget)."""
+        beyond = reconstruction.shape[-1] - self.window
+        if beyond <= 0:
+            return reconstruction
+        chosen = round(self.reconstruction_share * round(self.keep * beyond))
+        ranked = newest[:, :beyond].argsort(dim=-1).argsort(dim=-1).float() / beyond  # [0, 1): read least to most
+        if chosen:
+            first = reconstruction[:, :beyond].topk(chosen, dim=-1).indices
+            ranked = ranked.scatter(1, first, 2.0)  # above any newest rank: these stay first
+        return torch.cat([ranked, reconstruction[:, beyond:]], dim=-1)
 
     def settle(self) -> None:
         """Move tokens older than the window into the kept tier, then evict down to the budget by this forward's scores."""
         if self.holding:
             received = self._received_recent
+            if not self._collect_length and received is not None:
+                self._held_newest = received  # the context's own newest queries, kept for a mixed prefill choice
             if self._collect_length and received is not None:
                 received = received[:, : self._collect_length]
                 self._collected = received if self._collected is None else torch.maximum(self._collected, received)

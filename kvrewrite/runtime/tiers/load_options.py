@@ -66,6 +66,9 @@ def check_cache_keywords(kv_codec, recent_window, important, evict) -> None:
             raise InvalidArgumentError(
                 f"evict= prefill_score must be 'newest' or 'reconstruction', got {evict['prefill_score']!r}"
             )
+        share = evict.get("reconstruction_share", 1.0)
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
+            raise InvalidArgumentError(f"evict= reconstruction_share must be a number in [0, 1], got {share!r}")
         floor = evict.get("floor")
         if floor is not None:
             _check_floor(floor)
