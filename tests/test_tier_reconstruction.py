@@ -55,7 +55,6 @@ def test_kept_tokens_are_the_ones_the_repeat_attends_to_most(compiled, share):
     d, group = attn.head_dim, attn.group_size
     beyond = length - window
     budget = round(keep * beyond)
-    total = 2 * length + 3
     for layer, layer_cache in enumerate(cache.layers):
         (q0, k0, _), (q1, k1, _) = captured[layer]  # the context forward, then the repeat's
         key = torch.cat([k0, k1], dim=1)  # freq keys: packed latents, already position-encoded
