@@ -95,6 +95,9 @@ def test_budget_command_records_the_best_split_and_load_uses_it(checkpoint):
     assert len(measured) >= 4 and all(c.bytes_share <= 0.3 for c in measured)
     # Both ways of choosing a prompt's kept tokens are measured, at the same splits.
     assert {c.prefill_score for c in measured} == {"newest", "reconstruction"}
+    # A reconstruction split is measured whole and with a quarter of the prompt's budget chosen by it.
+    assert {c.reconstruction_share for c in measured if c.prefill_score == "reconstruction"} == {1.0, 0.25}
+    assert all(c.reconstruction_share == 1.0 for c in measured if c.prefill_score == "newest")
     for c in measured:  # measured at the budget for the windows' length: the bytes really held agree
         assert c.measured_share <= 0.3 + 1e-9 and c.measured_share == pytest.approx(c.bytes_share, abs=0.02)
     assert winner.nll == min(c.nll for c in measured)
@@ -107,6 +110,8 @@ def test_budget_command_records_the_best_split_and_load_uses_it(checkpoint):
     model = kvrewrite.load(checkpoint).eval()
     assert isinstance(model.tier_policy, EvictionPolicy)
     assert model.tier_policy.window == chosen.window and model.tier_policy.bits == chosen.bits
+    assert model.tier_policy.prefill_score == chosen.prefill_score
+    assert model.tier_policy.reconstruction_share == chosen.reconstruction_share
     assert kvrewrite.load(checkpoint, token_policy=False).tier_policy is None
     assert kvrewrite.load(checkpoint, rate=0.5).tier_policy is None
     # The recorded NLL is what the chosen model gives on the same calibration windows, measured again.

@@ -93,7 +93,15 @@ def split_budget(
         )
     winner = best(measured)
     chosen = solve_keep(
-        spec, budget, context, winner.window, winner.rate, winner.bits, winner.prefill_score, winner.floor
+        spec,
+        budget,
+        context,
+        winner.window,
+        winner.rate,
+        winner.bits,
+        winner.prefill_score,
+        winner.floor,
+        winner.reconstruction_share,
     )
     chosen = Candidate(**{**asdict(chosen), "nll": winner.nll, "measured_share": winner.measured_share})
     path = None

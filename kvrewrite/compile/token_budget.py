@@ -31,6 +31,8 @@ DEFAULT_WINDOWS = (16, 64)
 DEFAULT_RATES = (0.0, 0.3, 0.5)
 DEFAULT_BITS = (None, 8, (8, 4), 4)  # (8, 4): keys at 8 bits, values at 4
 DEFAULT_PREFILL_SCORES = ("newest", "reconstruction")
+# With "reconstruction": the shares of a prompt's kept budget its reconstruction chooses (EvictionPolicy).
+DEFAULT_RECONSTRUCTION_SHARES = (1.0, 0.25)
 DEFAULT_FLOORS = (0,)  # floor dims per head (keys and values, 4 bits); 0: evicted tokens leave
 FLOOR_BITS = 4
 MEASURE_CHUNK = 64  # tokens per forward while scoring: the cache quantizes and evicts between forwards
@@ -49,11 +51,14 @@ class Candidate:
     measured_share: float | None = None  # held bytes per token on the calibration windows, of fp16
     prefill_score: str = "newest"  # how a prompt's kept tokens are chosen (EvictionPolicy.prefill_score)
     floor: int = 0  # key and value dims per head an evicted token keeps at FLOOR_BITS; 0: it leaves
+    reconstruction_share: float = 1.0  # with prefill_score "reconstruction" (EvictionPolicy.reconstruction_share)
 
     def evict_options(self) -> dict:
         evict = {"keep": self.keep, "bits": list(self.bits) if isinstance(self.bits, tuple) else self.bits}
         if self.prefill_score != "newest":
             evict["prefill_score"] = self.prefill_score
+            if self.reconstruction_share < 1:
+                evict["reconstruction_share"] = self.reconstruction_share
         if self.floor:
             evict["floor"] = {"key": self.floor, "value": self.floor, "bits": FLOOR_BITS}
         return evict
@@ -64,9 +69,8 @@ class Candidate:
     def label(self) -> str:
         sides = side_bits(self.bits)
         bits = "fp16" if self.bits is None else f"k{sides['key'] or 16}v{sides['value'] or 16}"
-        extra = (" rec" if self.prefill_score == "reconstruction" else "") + (
-            f" floor{self.floor}" if self.floor else ""
-        )
+        rec = " rec" + (f"{self.reconstruction_share:g}" if self.reconstruction_share < 1 else "")
+        extra = (rec if self.prefill_score == "reconstruction" else "") + (f" floor{self.floor}" if self.floor else "")
         return f"W={self.window} p={self.rate:g} {bits} keep={self.keep:.3f}{extra}"
 
 
@@ -115,7 +119,15 @@ def fp16_bytes(spec, context: int) -> int:
 
 
 def solve_keep(
-    spec, budget: float, context: int, window: int, rate: float, bits, prefill_score: str = "newest", floor: int = 0
+    spec,
+    budget: float,
+    context: int,
+    window: int,
+    rate: float,
+    bits,
+    prefill_score: str = "newest",
+    floor: int = 0,
+    reconstruction_share: float = 1.0,
 ) -> Candidate | None:
     """The largest keep share (to 1/1000) whose bytes at `context` stay within `budget` x fp16; None if even keep = 0
     exceeds it (the window, or the window and the floor, alone are over budget)."""
@@ -135,7 +147,16 @@ def solve_keep(
             low = mid
         else:
             high = mid - 1
-    return Candidate(window, rate, bits, low / 1000, held(low / 1000) / total, prefill_score=prefill_score, floor=floor)
+    return Candidate(
+        window,
+        rate,
+        bits,
+        low / 1000,
+        held(low / 1000) / total,
+        prefill_score=prefill_score,
+        floor=floor,
+        reconstruction_share=reconstruction_share,
+    )
 
 
 def candidates(
@@ -147,6 +168,7 @@ def candidates(
     bits_options=DEFAULT_BITS,
     prefill_scores=DEFAULT_PREFILL_SCORES,
     floors=DEFAULT_FLOORS,
+    reconstruction_shares=DEFAULT_RECONSTRUCTION_SHARES,
 ) -> list[Candidate]:
     if not 0 < budget <= 1:
         raise InvalidArgumentError(f"kv budget must be a share of the fp16 cache in (0, 1], got {budget}")
@@ -159,10 +181,12 @@ def candidates(
                 continue
             for bits in bits_options:
                 for prefill_score in prefill_scores:
+                    shares = reconstruction_shares if prefill_score == "reconstruction" else (1.0,)
                     for floor in floors:
-                        found = solve_keep(spec, budget, context, window, rate, bits, prefill_score, floor)
-                        if found is not None:
-                            out.append(found)
+                        for share in shares:
+                            found = solve_keep(spec, budget, context, window, rate, bits, prefill_score, floor, share)
+                            if found is not None:
+                                out.append(found)
     if not out:
         raise InvalidArgumentError(
             f"no split fits {budget:.1%} of the fp16 cache at {context} tokens: even the smallest window "
