@@ -35,6 +35,11 @@ def config_differences(a, b, path: str = "") -> list[str]:
     return [] if a == b else [path]
 
 
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes: bit for bit, so -0.0 and 0.0 (equal as numbers) differ."""
+    return tensor.contiguous().flatten().view(torch.uint8)
+
+
 def compare_files(before: Path, after: Path) -> dict:
     names = sorted(str(p.relative_to(before)) for p in before.rglob("*") if p.is_file())  # side files included
     other = sorted(str(p.relative_to(after)) for p in after.rglob("*") if p.is_file())
@@ -48,7 +53,10 @@ def compare_files(before: Path, after: Path) -> dict:
             different += [
                 f"{name}:{key}"
                 for key in sorted(set(a) | set(b))
-                if key not in a or key not in b or a[key].dtype != b[key].dtype or not torch.equal(a[key], b[key])
+                if key not in a
+                or key not in b
+                or a[key].dtype != b[key].dtype
+                or not torch.equal(bits(a[key]), bits(b[key]))
             ]
         elif name.endswith(".json"):
             config += [
