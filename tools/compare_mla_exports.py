@@ -2,10 +2,13 @@
 by kvrewrite's runtime (at the export's widths and at every rate of its table) on held-out text.
 
     python tools/compare_mla_exports.py --pair NAME BEFORE_DIR AFTER_DIR [--pair ...] [--setting NAME FLAGS ...] \
-        --json OUT --before-commit C1 --after-commit C2 --command-before "..." --command-after "..."
+        [--measured NAME BEFORE_JSON AFTER_JSON ...] --json OUT --before-commit C1 --after-commit C2 \
+        --command-before "..." --command-after "..."
 
-Used to show that a refactor of the MLA compiler (`kvrewrite export-mla` as `kvrewrite.export_mla(source, MLAPlan)`)
-writes the same checkpoints: benchmarks/results/mla_export_api_equivalence.json.
+Used to show that a refactor of the MLA compiler writes the same checkpoints: `kvrewrite export-mla` as
+`kvrewrite.export_mla(source, MLAPlan)` (benchmarks/results/mla_export_api_equivalence.json, mla_api_identity.json),
+and export_mla's steps as passes (mla_pass_refactor_identity.json, with tools/mla_export_variants.py, whose
+NAME.measured.json files --measured compares: every figure export_mla returned).
 """
 
 from __future__ import annotations
@@ -32,6 +35,11 @@ def config_differences(a, b, path: str = "") -> list[str]:
     return [] if a == b else [path]
 
 
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes: bit for bit, so -0.0 and 0.0 (equal as numbers) differ."""
+    return tensor.contiguous().flatten().view(torch.uint8)
+
+
 def compare_files(before: Path, after: Path) -> dict:
     names = sorted(str(p.relative_to(before)) for p in before.rglob("*") if p.is_file())  # side files included
     other = sorted(str(p.relative_to(after)) for p in after.rglob("*") if p.is_file())
@@ -45,7 +53,10 @@ def compare_files(before: Path, after: Path) -> dict:
             different += [
                 f"{name}:{key}"
                 for key in sorted(set(a) | set(b))
-                if key not in a or key not in b or a[key].dtype != b[key].dtype or not torch.equal(a[key], b[key])
+                if key not in a
+                or key not in b
+                or a[key].dtype != b[key].dtype
+                or not torch.equal(bits(a[key]), bits(b[key]))
             ]
         elif name.endswith(".json"):
             config += [
@@ -86,6 +97,20 @@ def logits_difference(before: Path, after: Path, windows: torch.Tensor) -> dict:
     return result
 
 
+def measured_difference(before: Path, after: Path) -> dict:
+    """Two records of what export_mla measured (tools/mla_export_variants.py): the key paths where they differ, and
+    the after's verification figures."""
+    a, b = json.loads(before.read_text()), json.loads(after.read_text())
+    errors = b.get("latent_norm_errors")
+    return {
+        "measured_values_different": config_differences(a, b),
+        "full_width_diff": b["full_width_diff"],
+        "export_diff": b["export_diff"],
+        "rate_diffs": b["rate_diffs"],
+        "max_latent_norm_error": None if errors is None else max(errors),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pair", nargs=3, action="append", metavar=("NAME", "BEFORE", "AFTER"), required=True)
@@ -96,6 +121,14 @@ def main() -> None:
         default=[],
         metavar=("NAME", "FLAGS"),
         help="the export-mla flags a pair was exported with, recorded with it",
+    )
+    parser.add_argument(
+        "--measured",
+        nargs=3,
+        action="append",
+        default=[],
+        metavar=("NAME", "BEFORE_JSON", "AFTER_JSON"),
+        help="what export_mla measured for a pair, before and after (tools/mla_export_variants.py)",
     )
     parser.add_argument("--json", type=Path, required=True)
     parser.add_argument("--windows", type=int, default=2)
@@ -123,6 +156,9 @@ def main() -> None:
             "rate_table_after": sorted(table_keys(after)),
             "max_abs_logit_difference": logits_difference(before, after, windows),
         }
+        measured = {m[0]: m[1:] for m in args.measured}
+        if name in measured:
+            pairs[name]["export_mla_measured"] = measured_difference(*map(Path, measured[name]))
         print(
             name,
             json.dumps(pairs[name]["max_abs_logit_difference"]),
@@ -130,6 +166,8 @@ def main() -> None:
             pairs[name]["tensors_different"],
             "json values different:",
             pairs[name]["json_values_different"],
+            "measured different:",
+            pairs[name].get("export_mla_measured", {}).get("measured_values_different"),
         )
     record = {
         "what": args.what
