@@ -26,7 +26,7 @@ def enable_tiers(
 
     kv_codec: "compiled" (the checkpoint's codec, if any), None / "none", or a codec for the aged tier.
     important: token-adaptive dims, {"rate": r_i, "share": g (or one per layer), "score": "attention" |
-        "denominator", "pool": tokens classified together, "evict_rest": drop the others}; see kvrewrite.runtime.tiers.policy.
+        "denominator", "pool": tokens classified together}; see kvrewrite.runtime.tiers.policy.
     evict: re-scored eviction, {"keep": share beyond the window (or one per layer), "bits": None | 8 | 4 | 2,
         "group_size": channels per scale, "observed_queries": scoring queries per forward, "floor": {"key": dims,
         "value": dims, "bits": ...} kept by an evicted token instead of dropping it}; the kept tokens hold `rate`'s
@@ -51,17 +51,23 @@ def enable_tiers(
         return policy
     options = {}
     if important:
-        unknown = set(important) - {"rate", "share", "score", "pool", "evict_rest"}
+        if (
+            "evict_rest" in important
+        ):  # one eviction: re-scored eviction measured better at both budgets (results/frontier.md)
+            raise InvalidArgumentError(
+                "important= evict_rest was replaced by re-scored eviction: pass evict={'keep': share} (and "
+                "kv_codec='none') instead of important={..., 'evict_rest': True}; see docs/tiers.md"
+            )
+        unknown = set(important) - {"rate", "share", "score", "pool"}
         if unknown or "rate" not in important or "share" not in important:
             raise InvalidArgumentError(
-                f"important= takes rate, share and optionally score, pool and evict_rest; got {sorted(important)}"
+                f"important= takes rate, share and optionally score and pool; got {sorted(important)}"
             )
         options = dict(
             important_rate=important["rate"],
             important_share=important["share"],
             score=important.get("score", "attention"),
             pool=important.get("pool", 64),
-            evict_rest=bool(important.get("evict_rest", False)),
         )
     policy = tier_policy_for_rate(spec, rate, window, codec, **options)
     _aged_tier_codecs(policy, tables)  # a codec that cannot serve the aged ranks fails now, not at the first forward
