@@ -12,10 +12,13 @@ A per-head checkpoint with `latent`, `freq`, `post-rope` or `folded` keys honour
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvrewrite.errors import InvalidArgumentError
-from kvrewrite.runtime.cache_policy import CachePolicy
-from kvrewrite.runtime.codecs.config import CodecConfig
+
+if TYPE_CHECKING:  # cache_policy checks an explicit codec's form here: a runtime import back would close a circle
+    from kvrewrite.runtime.cache_policy import CachePolicy
+    from kvrewrite.runtime.codecs.config import CodecConfig
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,9 @@ them with AutoConfig / AutoModelForCausalLM.
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import TYPE_CHECKING
+
 from huggingface_hub.dataclasses import strict
 
 from kvrewrite.adapters import all_adapters
@@ -16,6 +19,9 @@ from kvrewrite.errors import CorruptCheckpointError
 from kvrewrite.runtime.codecs.config import CodecConfig, parse_codec
 from kvrewrite.runtime.modeling.attention import PACKED_ATTENTION, CompressedAttention
 from kvrewrite.spec import CompressionSpec
+
+if TYPE_CHECKING:
+    from kvrewrite.runtime.cache_policy import CachePolicy
 
 
 def compressed_family(adapter: ArchitectureAdapter) -> tuple[type, type]:
@@ -155,7 +161,7 @@ def compressed_family(adapter: ArchitectureAdapter) -> tuple[type, type]:
             recent_window: int | None = None,
             important: dict | None = None,
             evict: dict | None = None,
-            policy=None,
+            policy: CachePolicy | None = None,
             token_policy: bool = True,
             **kwargs,
         ):
@@ -207,7 +213,7 @@ def compressed_family(adapter: ArchitectureAdapter) -> tuple[type, type]:
             model.apply_cache_policy(policy, directory)
             return (model, info) if want_info else model
 
-        def apply_cache_policy(self, policy, directory) -> None:
+        def apply_cache_policy(self, policy: CachePolicy, directory: Path) -> None:
             """Build the cache `policy` asks for (refusing, naming field and form, what this checkpoint cannot honour)."""
             from kvrewrite.runtime.codecs.checkpoint import read_codec_tables
 
