@@ -192,7 +192,7 @@ class CachePolicy:
     rate: a point of the checkpoint's rate table (None: the rate it was compiled for); with a recent window, the
         rate of the tokens beyond it.
     recent_window: tokens each query reads at full rank (runtime.tiers); None: every token at `rate`'s ranks.
-    kv_codec: "compiled" (the checkpoint's own codec, if any), "none", or a codec such as "int4" ([codecs]).
+    kv_codec: "compiled" (the checkpoint's own codec, if any), "none", or a codec such as "int4" (docs/codecs.md).
     important: token-adaptive dims (`ImportantTokens`, or its dict); needs recent_window.
     evict: re-scored eviction (`Eviction`, or its dict); needs recent_window.
     """
