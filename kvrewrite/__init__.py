@@ -21,13 +21,18 @@ from kvrewrite.runtime.load import register as _register  # noqa: E402
 
 _register()
 
+from kvrewrite.runtime.cache_policy import CachePolicy, Eviction, Floor, ImportantTokens  # noqa: E402
 from kvrewrite.runtime.load import load  # noqa: E402
 from kvrewrite.spec import CompressionSpec  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = [
+    "CachePolicy",
     "CompileResult",
     "CompressionSpec",
+    "Eviction",
+    "Floor",
+    "ImportantTokens",
     "MLAExport",
     "MLAPlan",
     "Plan",

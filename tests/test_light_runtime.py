@@ -36,6 +36,7 @@ import kvrewrite
 # The rest of the runtime, imported whole: token tiers, KV codecs, kernels, the old Llama stub's module.
 import kvrewrite.runtime.codecs, kvrewrite.runtime.codecs.checkpoint, kvrewrite.runtime.kernels, kvrewrite.modeling.llama
 import kvrewrite.runtime.tiers, kvrewrite.runtime.tiers.attention, kvrewrite.runtime.tiers.token_policy_file, kvrewrite.runtime.tiers.build, kvrewrite.runtime.tiers.eviction, kvrewrite.runtime.cache_bytes
+import kvrewrite.runtime.cache_policy, kvrewrite.runtime.cache_forms
 from transformers import AutoModelForCausalLM
 
 tokens = torch.load({tokens!r})

@@ -244,6 +244,19 @@ def test_load_refuses_the_per_head_cache_keywords_on_an_export_naming_them(tmp_p
     assert str(refused.value).startswith(named + ":")
 
 
+def test_load_refuses_a_policy_whose_fields_an_export_cannot_honour(tmp_path):
+    """The same refusal for a CachePolicy passed whole: every field but rate is named; rate reaches the rate table."""
+    from kvrewrite.errors import InvalidArgumentError
+
+    save_export(tmp_path)
+    policy = kvrewrite.CachePolicy(rate=0.5, recent_window=16, kv_codec="int4")
+    with pytest.raises(InvalidArgumentError, match="is an MLA export") as refused:
+        kvrewrite.load(tmp_path, policy=policy)
+    assert str(refused.value).startswith("recent_window=, kv_codec=:")
+    with pytest.raises(CorruptCheckpointError, match="no rate table"):
+        kvrewrite.load(tmp_path, policy=kvrewrite.CachePolicy(rate=0.5))
+
+
 def test_plain_deepseek_checkpoint_is_not_taken_for_an_export(tmp_path):
     torch.manual_seed(0)
     DeepseekV3ForCausalLM(tiny_config()).save_pretrained(tmp_path)

@@ -55,3 +55,29 @@ def test_cached_decoding_matches_one_shot_on_real_model(compiled):
         prefix = model(tokens[:, :40], past_key_values=cache, use_cache=True).logits
         steps = [model(tokens[:, t : t + 1], past_key_values=cache, use_cache=True).logits for t in range(40, 48)]
     assert (torch.cat([prefix, *steps], dim=1) - one_shot).abs().max().item() < 1e-3
+
+
+def test_a_policy_gives_the_same_logits_passed_whole_or_as_keywords(compiled):
+    """load(dir, **keywords) and load(dir, policy=CachePolicy(**keywords)) build one cache: the same logits to the bit,
+    on a prompt fed in chunks so that eviction (with bits and a floor) really drops and codes tokens."""
+    _, contexts = compiled
+    directory = contexts["optimal-latent"].output_dir
+    keywords = {
+        "rate": 0.0,
+        "recent_window": 16,
+        "kv_codec": "none",
+        "evict": {"keep": 0.26, "bits": (8, 4), "floor": {"key": 4, "value": 4, "bits": 4}},
+    }
+    tokens = contexts["optimal-latent"].calibration_tokens[:1, :96]
+    logits = []
+    for model in (
+        kvrewrite.load(directory, **keywords),
+        kvrewrite.load(directory, policy=kvrewrite.CachePolicy(**keywords)),
+    ):
+        cache = model.make_kv_cache()
+        with torch.no_grad():
+            logits.append(
+                torch.cat([model(tokens[:, s : s + 32], past_key_values=cache).logits for s in range(0, 96, 32)], 1)
+            )
+        assert len(cache.layers[0].kept_positions[0]) < 96 - 16  # tokens were evicted
+    assert torch.equal(logits[0], logits[1])

@@ -16,6 +16,7 @@ from kvrewrite.compile.token_budget import fp16_bytes, held_bytes, solve_keep
 from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.io.checkpoint_io import CHECKSUM_FILE
 from kvrewrite.publish.evaluation import cache_tensor_bytes, continuation_nll
+from kvrewrite.runtime.cache_policy import CachePolicy
 from kvrewrite.runtime.tiers import EvictionPolicy
 from kvrewrite.runtime.tiers.eviction import eviction_policy_for_rate
 from kvrewrite.runtime.tiers.reconstruction import prefill_scored_by_reconstruction
@@ -104,10 +105,12 @@ def test_budget_command_records_the_best_split_and_load_uses_it(checkpoint):
     assert (chosen.window, chosen.rate, chosen.bits) == (winner.window, winner.rate, winner.bits)
     assert chosen.keep >= winner.keep and chosen.bytes_share <= 0.3  # re-solved for 48 tokens: the window weighs less
     record = json.loads((checkpoint / "token_policy.json").read_text())
-    assert record["load"] == chosen.load_options()
+    assert record["policy"] == chosen.policy().to_dict()
+    assert CachePolicy.from_dict(record["policy"]) == chosen.policy()
     assert "token_policy.json" in json.loads((checkpoint / CHECKSUM_FILE).read_text())
     # load(DIR) now uses the split; an explicit rate, or token_policy=False, does not.
     model = kvrewrite.load(checkpoint).eval()
+    assert model.cache_policy == chosen.policy()
     assert isinstance(model.tier_policy, EvictionPolicy)
     assert model.tier_policy.window == chosen.window and model.tier_policy.bits == chosen.bits
     assert model.tier_policy.prefill_score == chosen.prefill_score
@@ -130,7 +133,7 @@ def test_budget_command_records_the_best_split_and_load_uses_it(checkpoint):
     if chosen.keep == winner.keep:  # the recorded policy is the measured one: its NLL reproduces
         assert nll / count == pytest.approx(chosen.nll, rel=1e-6)
     # An edited policy file is caught by the checksums.
-    (checkpoint / "token_policy.json").write_text(json.dumps({**record, "load": {**record["load"], "rate": 0.0}}))
+    (checkpoint / "token_policy.json").write_text(json.dumps({**record, "policy": {**record["policy"], "rate": 0.0}}))
     with pytest.raises(kvrewrite.errors.CorruptCheckpointError):
         kvrewrite.load(checkpoint)
     (checkpoint / "token_policy.json").unlink()

@@ -244,8 +244,8 @@ def test_eval_reports_tiered_rows_with_bytes_measured_at_the_window_length(compi
 IMPORTANT_RATE, SHARE, POOL = 0.25, 0.25, 8
 
 
-def adaptive_model(directory, window: int, score: str = "attention", evict_rest: bool = False):
-    important = {"rate": IMPORTANT_RATE, "share": SHARE, "score": score, "pool": POOL, "evict_rest": evict_rest}
+def adaptive_model(directory, window: int, score: str = "attention"):
+    important = {"rate": IMPORTANT_RATE, "share": SHARE, "score": score, "pool": POOL}
     return kvrewrite.load(directory, rate=RATE, recent_window=window, important=important).eval()
 
 
@@ -380,43 +380,11 @@ def test_crop_works_within_the_window_only(compiled):
         cache.crop(10)
 
 
-@pytest.mark.parametrize("mode", ["latent", "freq"])
-def test_evicting_the_unimportant_tokens_equals_dense_reference(compiled, mode):
-    """evict_rest: after classification the non-important tokens are gone from the cache and from attention."""
-    window, length = 4, 4 + 2 * POOL + 3
-    tokens = random_windows(n=1, length=length + 1, seed=11)
-    model = adaptive_model(compiled[mode], window, evict_rest=True)
-    prefill, step, cache = prefill_then_step(model, tokens, length)
-    spec = model.compression_spec
-    imp_k, imp_v = spec.ranks_for_rate(IMPORTANT_RATE)
-    d = model.compressed_attentions()[0].head_dim
-    kept = [set(layer.important_positions[0].tolist()) for layer in cache.layers]
-    for layer in cache.layers:
-        assert layer.aged_keys.shape[-2] == 0 and layer.aged_positions.numel() == 0
-        assert len(layer.important_positions[0]) == 2 * round(SHARE * POOL)
-
-    masks = window_masks(imp_k, imp_v, d, window)
-
-    def dropped(layer: int, t: int) -> torch.Tensor:
-        out = torch.zeros(t + 1, dtype=torch.bool)
-        if t == length:  # classified after the prefill: the first 2 pools, minus the kept tokens
-            for j in range(2 * POOL):
-                out[j] = j not in kept[layer]
-        return out
-
-    reference = dense_reference_logits(compiled[mode], tokens, window, masks=masks, dropped=dropped)
-    torch.testing.assert_close(prefill, reference[:, :length], rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(step, reference[:, length:], rtol=1e-4, atol=1e-4)
-    assert cache_tensor_bytes(cache) < cache_tensor_bytes(make_filled(model, tokens[:, :length]))
-
-
-def make_filled(model, tokens):
-    """The same model's tiered cache without eviction, filled with the same tokens (for the bytes comparison)."""
-    keep_all = adaptive_model(model.config._name_or_path, 4)
-    cache = make_tiered_cache(keep_all, keep_all.tier_policy, torch.float32)
-    with torch.no_grad():
-        keep_all(tokens, past_key_values=cache, use_cache=True)
-    return cache
+def test_frozen_score_eviction_is_refused_pointing_to_rescored_eviction(compiled):
+    """One eviction: important= evict_rest (each pool's unimportant tokens dropped) is gone; asking for it names evict=."""
+    important = {"rate": 0.0, "share": 0.2, "evict_rest": True}
+    with pytest.raises(InvalidArgumentError, match=r"evict_rest was replaced by re-scored eviction: pass evict="):
+        kvrewrite.load(compiled["latent"], rate=0.0, recent_window=4, important=important)
 
 
 def test_folded_keys_of_a_no_rope_family_equal_dense_reference(tmp_path):

@@ -30,23 +30,8 @@ RECIPES: dict[str, dict[str, Any]] = {
     # beside transformers' QuantizedCache.
     "kvrewrite-p0-W64-int4": {"rate": 0.0, "recent_window": 64, "kv_codec": "int4"},
     "kvrewrite-p0-W64-int2": {"rate": 0.0, "recent_window": 64, "kv_codec": "int2"},
-    # Eviction over the latent cache: beyond the window, only the most-attended share g of each 64-token pool stays
-    # (at full dims, or at p = 0.5's), the rest is dropped.
-    "kvrewrite-W64-keep0.2": {
-        "rate": 0.0,
-        "recent_window": 64,
-        "important": {"rate": 0.0, "share": 0.2, "evict_rest": True},
-    },
-    "kvrewrite-W64-keep0.1": {
-        "rate": 0.0,
-        "recent_window": 64,
-        "important": {"rate": 0.0, "share": 0.1, "evict_rest": True},
-    },
-    "kvrewrite-W64-keep0.4-p0.5": {
-        "rate": 0.5,
-        "recent_window": 64,
-        "important": {"rate": 0.5, "share": 0.4, "evict_rest": True},
-    },
+    # The frozen-score eviction recipes (kvrewrite-W64-keep0.2, -keep0.1, -keep0.4-p0.5; parts kvrewrite5-7) left
+    # with their option, important={..., "evict_rest": True}: re-scored eviction below replaced it.
     # Re-scored eviction (kvrewrite.runtime.tiers.eviction): beyond a full-rank window of W tokens only the share g that the
     # newest queries attend to most stays, re-scored at every forward, quantized per token to 4 bits (centred,
     # scaled and turned) at full dims, or at p = 0.3's.

@@ -168,13 +168,13 @@ def summary_table(results: list[dict], prompt_tokens: int, new_tokens: int) -> T
 def run(directory: Path, prompt: str, nproc: int, rate, new_tokens: int, threads: int, console) -> dict:
     from kvrewrite.io.tokenizer_loading import load_tokenizer
     from kvrewrite.runtime.sequence_parallel import run_processes
-    from kvrewrite.runtime.tiers.token_policy_file import read_token_policy
+    from kvrewrite.runtime.tiers.token_policy_file import read_cache_policy
 
     spec = check_options(directory, nproc, rate, new_tokens, threads)
     tokenizer = load_tokenizer(directory)
     input_ids = tokenizer(prompt, return_tensors="pt").input_ids
     heads = check_before_start(directory, nproc, input_ids.shape[1], spec)
-    if rate is None and read_token_policy(directory) is not None:
+    if rate is None and read_cache_policy(directory) is not None:
         console.print(
             "note: the token policy recorded by `kvrewrite budget` is not used: the sequence-parallel prefill "
             f"runs the plain cache at the compiled rate {spec['target_rate']:g} (--rate picks another)"

@@ -74,10 +74,7 @@ def split_budget(
     scored_from = length // 2
 
     def with_policy(candidate: Candidate):
-        options = candidate.load_options()
-        enable_tiers(
-            model, spec, options["rate"], options["recent_window"], options["kv_codec"], tables, evict=options["evict"]
-        )
+        enable_tiers(model, spec, candidate.policy(), tables, str(directory))
         if candidate.prefill_score == "reconstruction" and not hasattr(model, "repeat_instruction_ids"):
             from kvrewrite.runtime.tiers.reconstruction import repeat_instruction_ids
 

@@ -7,8 +7,8 @@ whether evicted tokens keep a floor of dims (runtime.tiers.floor). For each, `so
 solves the share of tokens kept beyond the window that fills the budget at the stated context length (from the bytes
 formula `held_bytes`, the one the cache's tensors are tested against); `measure` measures continuation NLL on
 calibration windows fed in chunks, as decoding reads the cache, and `best` takes the candidate with the lowest NLL.
-`write_token_policy` records it in the checkpoint (token_policy.json, added to the checksums), and kvrewrite.load
-uses it when no rate, window or token policy is asked for. The search over a checkpoint that strings these together
+`write_token_policy` records its CachePolicy in the checkpoint (token_policy.json, added to the checksums), and
+kvrewrite.load uses it when no cache policy is asked for. The search over a checkpoint that strings these together
 is `split_budget` (kvrewrite.compile.budget_search, behind `kvrewrite budget`).
 """
 
@@ -22,9 +22,10 @@ from typing import Callable
 import torch
 
 from kvrewrite.errors import InvalidArgumentError
+from kvrewrite.runtime.cache_policy import CachePolicy, Eviction, Floor
 from kvrewrite.runtime.tiers.eviction import EvictionPolicy, eviction_policy_for_rate, kept_token_bytes, side_bits
 from kvrewrite.runtime.tiers.floor import floor_token_bytes
-from kvrewrite.runtime.tiers.token_policy_file import TOKEN_POLICY_FILE
+from kvrewrite.runtime.tiers.token_policy_file import TOKEN_POLICY_FILE, policy_record
 from kvrewrite.spec import rate_key
 
 DEFAULT_WINDOWS = (16, 64)
@@ -53,18 +54,16 @@ class Candidate:
     floor: int = 0  # key and value dims per head an evicted token keeps at FLOOR_BITS; 0: it leaves
     reconstruction_share: float = 1.0  # with prefill_score "reconstruction" (EvictionPolicy.reconstruction_share)
 
-    def evict_options(self) -> dict:
-        evict = {"keep": self.keep, "bits": list(self.bits) if isinstance(self.bits, tuple) else self.bits}
-        if self.prefill_score != "newest":
-            evict["prefill_score"] = self.prefill_score
-            if self.reconstruction_share < 1:
-                evict["reconstruction_share"] = self.reconstruction_share
-        if self.floor:
-            evict["floor"] = {"key": self.floor, "value": self.floor, "bits": FLOOR_BITS}
-        return evict
-
-    def load_options(self) -> dict:
-        return {"rate": self.rate, "recent_window": self.window, "kv_codec": "none", "evict": self.evict_options()}
+    def policy(self) -> CachePolicy:
+        """The cache policy load() builds this split with."""
+        evict = Eviction(
+            keep=self.keep,
+            bits=self.bits,
+            prefill_score=self.prefill_score,
+            reconstruction_share=self.reconstruction_share if self.prefill_score == "reconstruction" else 1.0,
+            floor=Floor(key=self.floor, value=self.floor, bits=FLOOR_BITS) if self.floor else None,
+        )
+        return CachePolicy(rate=self.rate, recent_window=self.window, kv_codec="none", evict=evict)
 
     def label(self) -> str:
         sides = side_bits(self.bits)
@@ -246,7 +245,7 @@ def write_token_policy(
     record = {
         "kv_budget": budget,
         "context": context,
-        "load": chosen.load_options(),
+        **policy_record(chosen.policy()),
         "chosen": asdict(chosen),
         "candidates": [asdict(c) for c in measured],
         "calibration": calibration,

@@ -10,6 +10,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
 from kvrewrite.errors import CorruptCheckpointError
+from kvrewrite.runtime.cache_policy import CachePolicy, requested_policy
 from kvrewrite.runtime.checkpoint_files import (
     checkpoint_directory,
     ensure_complete_load,
@@ -48,17 +49,16 @@ def register() -> None:
         AutoModelForCausalLM.register(config_class, model_class, exist_ok=True)
 
 
-def load(name_or_path, rate: float | None = None, **kwargs):
-    """Load a compressed checkpoint, optionally at another rate of its rate table.
+def load(name_or_path, rate: float | None = None, *, policy: CachePolicy | None = None, **kwargs):
+    """Load a compressed checkpoint with a cache policy: `policy=` (a kvrewrite.CachePolicy), or its fields as
+    keywords (rate=, recent_window=, kv_codec=, important=, evict=); neither: the policy `kvrewrite budget` recorded
+    in the checkpoint, if any (token_policy=False ignores it), else the compiled rate and codec.
 
     An MLA export (a stock DeepSeek-V3 checkpoint with the `kvrewrite_mla` marker) loads as the stock model with
     its attention swapped for the absorbed one (runtime.mla).
     """
-    from kvrewrite.runtime.tiers.load_options import check_cache_keywords
-
-    check_cache_keywords(
-        kwargs.get("kv_codec"), kwargs.get("recent_window"), kwargs.get("important"), kwargs.get("evict")
-    )  # a wrong type named before any file is read
+    keywords = {name: kwargs.pop(name) for name in CACHE_KEYWORDS if name in kwargs}
+    requested = requested_policy(policy, rate=rate, **keywords)  # a wrong type named before any file is read
     directory = checkpoint_directory(name_or_path, kwargs.get("revision"))
     config_file = directory / "config.json"
     try:
@@ -67,7 +67,7 @@ def load(name_or_path, rate: float | None = None, **kwargs):
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CorruptCheckpointError(f"{config_file}: unreadable or has no model_type ({exc})") from exc
     if is_mla_checkpoint(config):
-        return load_mla(directory, config, rate=rate, **kwargs)
+        return load_mla(directory, config, requested, **kwargs)
     model_class = COMPRESSED_MODEL_CLASSES.get(model_type)
     if model_class is None:
         raise CorruptCheckpointError(
@@ -75,28 +75,26 @@ def load(name_or_path, rate: float | None = None, **kwargs):
             f"known types: {', '.join(COMPRESSED_MODEL_CLASSES)}"
         )
     refuse_remote_code(kwargs)
-    return model_class.from_pretrained(directory, rate=rate, trust_remote_code=False, **kwargs)
+    return model_class.from_pretrained(directory, policy=requested, trust_remote_code=False, **kwargs)
 
 
-# load()'s keywords for per-head checkpoints' caches (runtime/modeling/families.py), which an MLA export has none of.
-PER_HEAD_KEYWORDS = ("kv_codec", "recent_window", "important", "evict", "token_policy")
+# CachePolicy's fields besides rate, as load() keywords (rate is load's second positional argument).
+CACHE_KEYWORDS = ("recent_window", "kv_codec", "important", "evict")
 
 
-def load_mla(directory: Path, config: dict, rate: float | None = None, **kwargs):
+def load_mla(directory: Path, config: dict, policy: CachePolicy | None = None, **kwargs):
     """A kvrewrite MLA export: stock DeepseekV3ForCausalLM, loaded strictly, with absorbed attention; at a rate of its
     rate table (--allocation sensitivity or --refit-rates), every layer narrowed to that rate's latent width and,
     where the export refitted o_proj for that rate (--refit-rates), that rate's o_proj read from its side file."""
     from transformers import DeepseekV3ForCausalLM
 
-    per_head = [name for name in PER_HEAD_KEYWORDS if name in kwargs]
-    if per_head:  # refused before any file is read, not handed to transformers' from_pretrained
-        from kvrewrite.errors import InvalidArgumentError
+    from kvrewrite.runtime.cache_forms import MLA_EXPORT
 
-        raise InvalidArgumentError(
-            f"{', '.join(f'{name}=' for name in per_head)}: {directory} is an MLA export; its cache is the latent "
-            "(kvrewrite.runtime.mla), and the token tiers, codecs and budget policy are the per-head checkpoints' "
-            "(kvrewrite compress); load it without them"
-        )
+    policy = policy or CachePolicy()
+    # Refused before any file is read, not handed to transformers' from_pretrained; token_policy= (a load flag for
+    # the recorded policy, which an export never has) with them.
+    MLA_EXPORT.check(policy, str(directory), also=("token_policy",) if "token_policy" in kwargs else ())
+    rate = policy.rate
     verify_mla_files(directory)
     check_mla_marker(config, str(directory / "config.json"))
     if rate is not None and not config[MLA_MARKER].get(RATE_TABLE_KEY):

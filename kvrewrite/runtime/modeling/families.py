@@ -8,6 +8,9 @@ them with AutoConfig / AutoModelForCausalLM.
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import TYPE_CHECKING
+
 from huggingface_hub.dataclasses import strict
 
 from kvrewrite.adapters import all_adapters
@@ -16,6 +19,9 @@ from kvrewrite.errors import CorruptCheckpointError
 from kvrewrite.runtime.codecs.config import CodecConfig, parse_codec
 from kvrewrite.runtime.modeling.attention import PACKED_ATTENTION, CompressedAttention
 from kvrewrite.spec import CompressionSpec
+
+if TYPE_CHECKING:
+    from kvrewrite.runtime.cache_policy import CachePolicy
 
 
 def compressed_family(adapter: ArchitectureAdapter) -> tuple[type, type]:
@@ -46,6 +52,8 @@ def compressed_family(adapter: ArchitectureAdapter) -> tuple[type, type]:
             self.kv_codec_tables: dict = {}
             # Token tiers (kvrewrite.runtime.tiers): set by load(recent_window=...); the model then stays at full rank.
             self.tier_policy = None
+            # What load() built the cache with (runtime.cache_policy.CachePolicy); None until from_pretrained sets it.
+            self.cache_policy = None
             self.post_init()
 
         def forward(self, *args, past_key_values=None, **kwargs):
@@ -153,11 +161,13 @@ def compressed_family(adapter: ArchitectureAdapter) -> tuple[type, type]:
             recent_window: int | None = None,
             important: dict | None = None,
             evict: dict | None = None,
+            policy: CachePolicy | None = None,
             token_policy: bool = True,
             **kwargs,
         ):
-            """Load a kvrewrite checkpoint strictly (a missing or mis-shaped weight raises) and slice its ranks.
+            """Load a kvrewrite checkpoint strictly (a missing or mis-shaped weight raises) and build its cache policy.
 
+            policy: a kvrewrite.CachePolicy (runtime.cache_policy); or its fields as the keywords below, not both.
             rate: another point of the checkpoint's rate table; default: the rate it was compiled for.
             kv_codec: "compiled" (default: the codec recorded in the checkpoint), "none", or a codec such as "int4" or
                 "gear:bits=4"; codecs with trained tables (csr, tada's searched bits) use the checkpoint's tables.
@@ -170,8 +180,9 @@ def compressed_family(adapter: ArchitectureAdapter) -> tuple[type, type]:
                 of tokens that the newest queries attend to most stay cached, at `rate`'s ranks, quantized per token
                 to `bits` (default: float16); see kvrewrite.runtime.tiers.eviction.
             token_policy: when the checkpoint holds a budget split (token_policy.json, written by `kvrewrite budget`)
-                and none of rate, recent_window, important, evict or kv_codec is given, load with it. False: ignore it.
+                and no policy is asked for (neither policy= nor any of its keywords), load with it. False: ignore it.
             """
+            from kvrewrite.runtime.cache_policy import CachePolicy, requested_policy
             from kvrewrite.runtime.checkpoint_files import (
                 checkpoint_directory,
                 ensure_complete_load,
@@ -179,37 +190,17 @@ def compressed_family(adapter: ArchitectureAdapter) -> tuple[type, type]:
                 verify_checkpoint_files,
             )
 
-            if (
-                important is not None or evict is not None
-            ) and recent_window is None:  # refused before any weight is read
-                from kvrewrite.errors import InvalidArgumentError
-
-                what = "important= (token-adaptive dims)" if important is not None else "evict= (re-scored eviction)"
-                raise InvalidArgumentError(f"{what} needs recent_window= (kvrewrite.runtime.tiers)")
-            from kvrewrite.runtime.tiers.load_options import check_cache_keywords
-
-            check_cache_keywords(kv_codec, recent_window, important, evict)  # types, before any file is read
+            requested = requested_policy(  # types and combinations, before any file is read
+                policy, rate=rate, kv_codec=kv_codec, recent_window=recent_window, important=important, evict=evict
+            )
             directory = checkpoint_directory(pretrained_model_name_or_path, kwargs.get("revision"))
             if verify_checksums:
                 verify_checkpoint_files(directory)
-            if (
-                token_policy
-                and rate is None
-                and recent_window is None
-                and important is None
-                and evict is None
-                and kv_codec == "compiled"
-            ):
-                from kvrewrite.runtime.tiers.token_policy_file import read_token_policy
+            if requested is None and token_policy:
+                from kvrewrite.runtime.tiers.token_policy_file import read_cache_policy
 
-                recorded = read_token_policy(directory)
-                if recorded is not None:  # the budget split `kvrewrite budget` measured and recorded
-                    rate, recent_window, kv_codec, evict = (
-                        recorded["rate"],
-                        recorded["recent_window"],
-                        recorded["kv_codec"],
-                        recorded["evict"],
-                    )
+                requested = read_cache_policy(directory)  # the budget split `kvrewrite budget` measured and recorded
+            policy = requested or CachePolicy()
             want_info = kwargs.pop("output_loading_info", False)
             # A mis-shaped tensor is reported by ensure_complete_load (naming file and tensor), not raised by
             # transformers as a bare RuntimeError; the half-loaded model is discarded either way.
@@ -219,28 +210,30 @@ def compressed_family(adapter: ArchitectureAdapter) -> tuple[type, type]:
                 directory, *args, output_loading_info=True, trust_remote_code=False, **kwargs
             )
             ensure_complete_load(info, directory)
+            model.apply_cache_policy(policy, directory)
+            return (model, info) if want_info else model
+
+        def apply_cache_policy(self, policy: CachePolicy, directory: Path) -> None:
+            """Build the cache `policy` asks for (refusing, naming field and form, what this checkpoint cannot honour)."""
             from kvrewrite.runtime.codecs.checkpoint import read_codec_tables
 
-            spec = model.compression_spec
-            if recent_window is not None:
+            spec = self.compression_spec
+            if policy.tiered:
                 from kvrewrite.runtime.tiers.build import enable_tiers
 
-                policy = enable_tiers(
-                    model, spec, rate, recent_window, kv_codec, read_codec_tables(directory), important, evict
-                )
-                if getattr(policy, "prefill_score", "newest") == "reconstruction":
+                tiers = enable_tiers(self, spec, policy, read_codec_tables(directory), str(directory))
+                if getattr(tiers, "prefill_score", "newest") == "reconstruction":
                     from kvrewrite.runtime.tiers.reconstruction import repeat_instruction_ids
 
-                    model.repeat_instruction_ids = repeat_instruction_ids(directory)
-                return (model, info) if want_info else model
-            if rate is not None:
-                key_ranks, value_ranks = spec.ranks_for_rate(rate)
-                spec = spec.with_ranks(key_ranks, value_ranks, rate)
-            model.set_ranks([layer.key_ranks for layer in spec.layers], [layer.value_ranks for layer in spec.layers])
-            model.config.kvrewrite = spec.to_dict()
-            chosen = model.kv_codec if kv_codec == "compiled" else kv_codec
-            model.set_kv_codec(chosen, read_codec_tables(directory))
-            return (model, info) if want_info else model
+                    self.repeat_instruction_ids = repeat_instruction_ids(directory)
+            else:
+                if policy.rate is not None:
+                    key_ranks, value_ranks = spec.ranks_for_rate(policy.rate)
+                    spec = spec.with_ranks(key_ranks, value_ranks, policy.rate)
+                self.set_ranks([layer.key_ranks for layer in spec.layers], [layer.value_ranks for layer in spec.layers])
+                self.config.kvrewrite = spec.to_dict()
+                self.set_kv_codec(policy.codec(self.kv_codec), read_codec_tables(directory))
+            self.cache_policy = policy
 
     for cls, suffix in ((Config, "Config"), (ForCausalLM, "ForCausalLM")):
         cls.__name__ = cls.__qualname__ = f"KVRewrite{adapter.family}{suffix}"

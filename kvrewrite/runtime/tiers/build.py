@@ -4,87 +4,60 @@ from __future__ import annotations
 
 import torch
 
-from kvrewrite.errors import InvalidArgumentError
+from kvrewrite.runtime.cache_policy import CachePolicy
 from kvrewrite.runtime.tiers.cache import STORAGE_DTYPE, TieredCache
 from kvrewrite.runtime.tiers.eviction import EvictionPolicy, eviction_policy_for_rate
 from kvrewrite.runtime.tiers.policy import TierPolicy, tier_policy_for_rate
 
-EVICT_OPTIONS = ("keep", "bits", "group_size", "observed_queries", "floor", "prefill_score", "reconstruction_share")
-
 
 def enable_tiers(
-    model,
-    spec,
-    rate: float | None,
-    window: int,
-    kv_codec,
-    tables: dict,
-    important: dict | None = None,
-    evict: dict | None = None,
+    model, spec, policy: CachePolicy, tables: dict, subject: str = "the checkpoint"
 ) -> TierPolicy | EvictionPolicy:
-    """Keep `model` at full rank and make it cache through a TieredCache with aged tokens at `rate`'s ranks.
-
-    kv_codec: "compiled" (the checkpoint's codec, if any), None / "none", or a codec for the aged tier.
-    important: token-adaptive dims, {"rate": r_i, "share": g (or one per layer), "score": "attention" |
-        "denominator", "pool": tokens classified together, "evict_rest": drop the others}; see kvrewrite.runtime.tiers.policy.
-    evict: re-scored eviction, {"keep": share beyond the window (or one per layer), "bits": None | 8 | 4 | 2,
-        "group_size": channels per scale, "observed_queries": scoring queries per forward, "floor": {"key": dims,
-        "value": dims, "bits": ...} kept by an evicted token instead of dropping it}; the kept tokens hold `rate`'s
-        ranks. See kvrewrite.runtime.tiers.eviction and kvrewrite.runtime.tiers.floor.
-    """
-    from kvrewrite.runtime.codecs.config import parse_codec
+    """Keep `model` at full rank and make it cache through a TieredCache built for `policy` (which has a recent
+    window): older tokens at the policy's rate's ranks, coded by its codec, or its important tokens, or its eviction.
+    What the checkpoint cannot honour is refused first, naming `subject`."""
+    from kvrewrite.runtime.cache_forms import check_per_head
     from kvrewrite.runtime.tiers.attention import check_full_rank
 
+    check_per_head(model, policy, subject)
     for attention in model.compressed_attentions():
         check_full_rank(attention)
-    if model.kvrewrite_adapter.features(model.config).sliding_layers:
-        raise InvalidArgumentError(
-            f"{model.kvrewrite_adapter.family} has sliding-window layers; a tiered cache (recent window) does not support them yet"
-        )
-    codec = model.kv_codec if kv_codec == "compiled" else kv_codec
-    codec = parse_codec(codec) if isinstance(codec, str) or codec is None else codec
-    rate = spec.target_rate if rate is None else rate
-    if evict is not None:
-        policy = _eviction_policy(spec, rate, window, codec, important, evict)
-        model.kv_codec, model.kv_codec_tables = None, dict(tables)
-        model.tier_policy = policy
-        return policy
-    options = {}
-    if important:
-        unknown = set(important) - {"rate", "share", "score", "pool", "evict_rest"}
-        if unknown or "rate" not in important or "share" not in important:
-            raise InvalidArgumentError(
-                f"important= takes rate, share and optionally score, pool and evict_rest; got {sorted(important)}"
+    codec = policy.codec(model.kv_codec)
+    rate = spec.target_rate if policy.rate is None else policy.rate
+    if policy.evict is not None:
+        tiers = _eviction_policy(spec, rate, policy)
+    else:
+        options = {}
+        if policy.important is not None:
+            important = policy.important
+            options = dict(
+                important_rate=important.rate,
+                important_share=important.share,
+                score=important.score,
+                pool=important.pool,
             )
-        options = dict(
-            important_rate=important["rate"],
-            important_share=important["share"],
-            score=important.get("score", "attention"),
-            pool=important.get("pool", 64),
-            evict_rest=bool(important.get("evict_rest", False)),
-        )
-    policy = tier_policy_for_rate(spec, rate, window, codec, **options)
-    _aged_tier_codecs(policy, tables)  # a codec that cannot serve the aged ranks fails now, not at the first forward
+        tiers = tier_policy_for_rate(spec, rate, policy.recent_window, codec, **options)
+        _aged_tier_codecs(tiers, tables)  # a codec that cannot serve the aged ranks fails now, not at the first forward
     model.kv_codec, model.kv_codec_tables = None, dict(tables)
-    model.tier_policy = policy
-    return policy
+    model.tier_policy = tiers
+    return tiers
 
 
-def _eviction_policy(spec, rate: float, window: int, codec, important: dict | None, evict: dict) -> EvictionPolicy:
-    if important is not None:
-        raise InvalidArgumentError("evict= and important= are two token policies; choose one")
-    if codec is not None:
-        raise InvalidArgumentError(
-            f"evict= quantizes kept tokens per token (evict={{'bits': 4}}); it takes no block codec, got {codec.describe()} "
-            "(pass kv_codec='none')"
-        )
-    unknown = set(evict) - set(EVICT_OPTIONS)
-    if unknown or "keep" not in evict:
-        raise InvalidArgumentError(
-            f"evict= takes keep and optionally {', '.join(EVICT_OPTIONS[1:])}; got {sorted(evict)}"
-        )
-    options = {k: evict[k] for k in EVICT_OPTIONS[1:] if k in evict}
-    return eviction_policy_for_rate(spec, rate, window, evict["keep"], **options)
+def _eviction_policy(spec, rate: float, policy: CachePolicy) -> EvictionPolicy:
+    evict = policy.evict
+    floor = None if evict.floor is None else evict.floor.to_dict()
+    return eviction_policy_for_rate(
+        spec,
+        rate,
+        policy.recent_window,
+        evict.keep,
+        bits=evict.bits,
+        group_size=evict.group_size,
+        observed_queries=evict.observed_queries,
+        floor=floor,
+        prefill_score=evict.prefill_score,
+        reconstruction_share=evict.reconstruction_share,
+    )
 
 
 def _aged_tier_codecs(policy: TierPolicy | EvictionPolicy, tables: dict) -> list | None:

@@ -106,7 +106,6 @@ class TieredLayer(RecentWindowLayer):
         important_share: float | None = None,
         score: str = "attention",
         pool: int = 64,
-        evict_rest: bool = False,
     ):
         super().__init__(window, head_dim, storage_dtype)
         self.aged_key_ranks, self.aged_value_ranks = tuple(aged_key_ranks), tuple(aged_value_ranks)
@@ -117,7 +116,6 @@ class TieredLayer(RecentWindowLayer):
         self.important_share = important_share
         self.score = score
         self.pool = pool if self.adaptive else 0
-        self.evict_rest = evict_rest  # classified tokens not kept as important are dropped, not aged
         # Token-adaptive dims score recent tokens by the attention they receive, or by their own denominators.
         if self.adaptive:
             self.wanted_evidence = ("recent",) if score == "attention" else ("denominator",)
@@ -232,8 +230,6 @@ class TieredLayer(RecentWindowLayer):
         self.important_values = torch.cat([self.important_values, take(tokens_v, imp_idx, iv)], dim=-2)
         pos = positions.to(POSITION_DTYPE)[None].expand(batch, moving)
         self.important_positions = torch.cat([self.important_positions, pos.gather(1, imp_idx)], dim=-1)
-        if self.evict_rest:
-            return
         self.aged_keys = torch.cat([self.aged_keys, take(tokens_k, aged_idx, ak)], dim=-2)
         self.aged_values = torch.cat([self.aged_values, take(tokens_v, aged_idx, av)], dim=-2)
         self.aged_positions = torch.cat([self.aged_positions, pos.gather(1, aged_idx)], dim=-1)
@@ -257,19 +253,16 @@ class TieredLayer(RecentWindowLayer):
         aged_k, aged_v = self.aged_latents(dtype)
         if not self.adaptive:  # the aged tier holds cache indices 0..S_aged-1 in order
             return [StoredTier(aged_k, aged_v, self.aged_key_ranks, self.aged_value_ranks, None)]
-        tiers = []
-        if not self.evict_rest:  # evicted tokens are gone: not a zero-score key, no key at all
-            tiers.append(StoredTier(aged_k, aged_v, self.aged_key_ranks, self.aged_value_ranks, self.aged_positions))
-        tiers.append(
+        return [
+            StoredTier(aged_k, aged_v, self.aged_key_ranks, self.aged_value_ranks, self.aged_positions),
             StoredTier(
                 self.important_keys.to(dtype),
                 self.important_values.to(dtype),
                 self.important_key_ranks,
                 self.important_value_ranks,
                 self.important_positions,
-            )
-        )
-        return tiers
+            ),
+        ]
 
     def aged_latents(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The aged tier as packed [B, 1, S_aged, sum ranks] keys and values (coded blocks decoded, then staging)."""

@@ -6,8 +6,7 @@ kept tier: its latent is cut to the kept ranks (a prefix of every head's importa
 forward the layer keeps `keep` x (tokens seen beyond the window) of them: those that received the most attention
 from that forward's last `observed_queries` queries, summed over heads. Scores are not accumulated: every kept
 token is re-scored by the newest queries each time, TOVA's rule (one query per generation step), so a token that
-matters later survives and one that stopped mattering goes, unlike a score frozen when the token left the window
-(kvrewrite.runtime.tiers.policy's `evict_rest`).
+matters later survives and one that stopped mattering goes, unlike a score frozen when the token left the window.
 
 With `bits`, kept tokens are quantized per token (asymmetric min/max over groups of `group_size` channels), so one
 token's numbers never depend on another's and evicting a token is a gather, never a re-quantization. Per-token

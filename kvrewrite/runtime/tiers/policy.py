@@ -10,8 +10,8 @@ Token-adaptive dims (ZDC §5.2): with `important_share`, tokens that leave the w
 tokens (read at the important ranks); when the pool is full, the share g_l of them with the highest importance
 score keep the layer's `important` ranks and the rest drop to the aged ranks. Scores: "attention" (mean
 attention the token received while in the window, summed over heads) or "denominator" (ZDC's: the token's own
-softmax denominator as a query, summed over heads). With `evict_rest`, the tokens not kept as important are
-dropped from the cache altogether (a score-based eviction, like H2O/TOVA, over the latent cache).
+softmax denominator as a query, summed over heads). Dropping tokens is re-scored eviction's
+(kvrewrite.runtime.tiers.eviction), the one eviction.
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ class TierPolicy:
     important_share: tuple[float, ...] | None = None  # g_l per layer
     score: str = "attention"
     pool: int = 64
-    evict_rest: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 0:
@@ -63,8 +62,6 @@ class TierPolicy:
                     a > b for a, b in zip(self.aged_value_ranks[i], self.important_value_ranks[i])
                 ):
                     raise InvalidArgumentError(f"layer {i}: important ranks must be at least the aged ranks")
-        elif self.evict_rest:
-            raise InvalidArgumentError("evict_rest needs an important share (the tokens it keeps)")
 
     @property
     def adaptive(self) -> bool:
@@ -95,7 +92,6 @@ class TierPolicy:
                     important_share=self.important_share[i],
                     score=self.score,
                     pool=self.pool,
-                    evict_rest=self.evict_rest,
                 )
             layers.append(
                 TieredLayer(
@@ -121,7 +117,6 @@ def tier_policy_for_rate(
     important_share: float | list[float] | None = None,
     score: str = "attention",
     pool: int = 64,
-    evict_rest: bool = False,
 ) -> TierPolicy:
     """Aged tokens at the ranks of `rate` in the checkpoint's rate table (kvrewrite.spec.CompressionSpec); with
     important_rate and important_share (one g for every layer, or one per layer), important tokens at that rate's."""
@@ -140,7 +135,6 @@ def tier_policy_for_rate(
             important_share=tuple(float(g) for g in shares),
             score=score,
             pool=pool,
-            evict_rest=evict_rest,
         )
     return TierPolicy(
         window=window,
