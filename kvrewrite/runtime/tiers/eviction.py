@@ -291,7 +291,6 @@ class EvictingLayer(RecentWindowLayer):
         self._collected: torch.Tensor | None = None
         self.reconstruction_share = reconstruction_share
         self._held_newest: torch.Tensor | None = None  # while held, before collect(): the last forward's evidence
-        self._held_alive: torch.Tensor | None = None  # while held: what re-scored eviction would have kept so far
 
     wanted_evidence = ("recent", "stored")
 
@@ -341,7 +340,7 @@ class EvictingLayer(RecentWindowLayer):
             raise InvalidArgumentError(
                 "hold() needs a cache whose tokens are all in the recent window (a new sequence)"
             )
-        self.holding, self._held_alive = True, None
+        self.holding = True
 
     def collect(self, length: int) -> None:
         """From now until release(), collect the max attention (over heads and every query) the first `length`
@@ -354,7 +353,6 @@ class EvictingLayer(RecentWindowLayer):
         scores, newest = self._collected, self._held_newest
         self.evidence_reduce, self.observed_queries = "sum", self._policy_observed_queries
         self.holding, self._collect_length, self._collected, self._held_newest = False, 0, None, None
-        self._held_alive = None
         if not self.is_initialized:
             return
         n = self.keys.shape[-2]
@@ -365,25 +363,6 @@ class EvictingLayer(RecentWindowLayer):
             self._received_recent = scores
             self._received_kept = scores.new_zeros((scores.shape[0], 0))
         self.settle()
-
-    def _progressive_newest(self, received: torch.Tensor) -> torch.Tensor:
-        """While held: the tokens re-scored eviction would still keep after this forward (its top budget beyond
-        the window among those it kept after the last one, by this forward's evidence [B, n]); the others rank below
-        them, in the order of their evidence (a mixed choice may need some of them when the reconstruction's share
-        took kept ones).
-        So a prompt fed in several chunks is chosen as its plain prefill would choose it, without evicting yet."""
-        n = received.shape[-1]
-        alive = self._held_alive
-        grown = received.new_ones((received.shape[0], n - (0 if alive is None else alive.shape[-1])), dtype=torch.bool)
-        alive = grown if alive is None else torch.cat([alive, grown], dim=-1)
-        beyond = n - self.window
-        if beyond > 0:
-            budget = round(self.keep * beyond)
-            candidates = received[:, :beyond].masked_fill(~alive[:, :beyond], float("-inf"))
-            stays = torch.zeros_like(alive[:, :beyond]).scatter_(1, candidates.topk(budget, dim=-1).indices, True)
-            alive = torch.cat([alive[:, :beyond] & stays, alive[:, beyond:]], dim=-1)
-        self._held_alive = alive
-        return torch.where(alive, received, received - received.amax(dim=-1, keepdim=True) - 1)
 
     def _mixed_scores(self, reconstruction: torch.Tensor, newest: torch.Tensor) -> torch.Tensor:
         """[B, n] scores whose top budget is the reconstruction_share of the budget the reconstruction ranks
@@ -403,7 +382,7 @@ class EvictingLayer(RecentWindowLayer):
         if self.holding:
             received = self._received_recent
             if not self._collect_length and received is not None:
-                self._held_newest = self._progressive_newest(received)  # for a mixed prefill choice (release)
+                self._held_newest = received  # the context's own newest queries, kept for a mixed prefill choice
             if self._collect_length and received is not None:
                 received = received[:, : self._collect_length]
                 self._collected = received if self._collected is None else torch.maximum(self._collected, received)
