@@ -59,7 +59,12 @@ def write_plot(results: list[dict[str, Any]], path: Path) -> None:
     # Series: a press kind across ratios is one line; every other method is one point.
     series: dict[str, list[dict[str, Any]]] = {}
     for r in results:
-        series.setdefault(r["settings"].get("press", r["name"]) if r["family"] == "peer" else r["name"], []).append(r)
+        # A press on codes is its own line (tova+fp8), not a point of the press alone.
+        press = r["settings"].get("press")
+        line = (
+            r["name"] if press is None else press + (f"+{r['settings']['codec']}" if "codec" in r["settings"] else "")
+        )
+        series.setdefault(line if r["family"] == "peer" else r["name"], []).append(r)
     colors = plt.get_cmap("tab20").colors
     color_of = {name: colors[i % len(colors)] for i, name in enumerate(series)}
 
