@@ -371,11 +371,11 @@ class EvictingLayer(RecentWindowLayer):
         if beyond <= 0:
             return reconstruction
         chosen = round(self.reconstruction_share * round(self.keep * beyond))
-        ranked = newest[:, :beyond].argsort(dim=-1).argsort(dim=-1).float() / beyond  # [0, 1): read least to most
-        if chosen:
+        scores = newest[:, :beyond]
+        if chosen:  # the reconstruction's top above any attention: the settle's top budget takes them first
             first = reconstruction[:, :beyond].topk(chosen, dim=-1).indices
-            ranked = ranked.scatter(1, first, 2.0)  # above any newest rank: these stay first
-        return torch.cat([ranked, reconstruction[:, beyond:]], dim=-1)
+            scores = scores.scatter(1, first, float("inf"))
+        return torch.cat([scores, reconstruction[:, beyond:]], dim=-1)
 
     def settle(self) -> None:
         """Move tokens older than the window into the kept tier, then evict down to the budget by this forward's scores."""
