@@ -2,9 +2,10 @@
 
 Calibrating on the model's own output needs no dataset and matches the distribution the model will actually see
 at inference. Generation runs on the model's device, in its dtype, many texts per forward with a static KV cache
-(static_decoding.py); each text is seeded on its own, so the batch size changes the speed, never the text. The
-texts are cached as JSON under ``cache_dir()/calibration/`` keyed by a fingerprint of the model, the dtype it
-generated in, the tokenizer, seed, size, prompts and sampling settings.
+(static_decoding.py; on a CPU in bfloat16 the linear layers read oneDNN-packed weights, packed_linears.py). Each
+text is seeded on its own, so the batch size changes the speed, never the text. The texts are cached as JSON under
+``cache_dir()/calibration/`` keyed by a fingerprint of the model, the dtype it generated in, the tokenizer, seed,
+size, prompts and sampling settings.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from rich.text import Text
 
 from kvrewrite.errors import CalibrationError, InvalidArgumentError
 from kvrewrite.io.atomic_files import atomic_write_text
+from kvrewrite.io.calibration_data.packed_linears import packed_cpu_linears
 from kvrewrite.io.calibration_data.static_decoding import SamplingSettings, decode_batch
 from kvrewrite.io.sources import cache_dir
 
@@ -231,7 +233,7 @@ def _generate(
     )
     start = time.perf_counter()
     try:
-        with progress, torch.inference_mode():
+        with progress, packed_cpu_linears(model, rows_per_batch), torch.inference_mode():
             task = progress.add_task("generate", total=n_tokens, tokens_per_s=0.0)
 
             def on_step(live_rows: int) -> None:

@@ -1,0 +1,99 @@
+"""CPU linears on oneDNN-packed weights: the same outputs as torch's row-major linear, and the model back intact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from kvrewrite.io.calibration_data.packed_linears import can_pack, packed_cpu_linears
+from kvrewrite.io.calibration_data.static_decoding import SamplingSettings, decode_batch
+
+pytestmark = pytest.mark.skipif(not can_pack(), reason="this torch/CPU has no oneDNN bfloat16 linear")
+
+
+def _model(tied: bool) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=320,
+        hidden_size=96,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tied,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
+    return LlamaForCausalLM(config).eval().to(torch.bfloat16)
+
+
+def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_packed_logits_equal_row_major_and_weights_come_back(tied: bool) -> None:
+    model = _model(tied)
+    before = _snapshot(model)
+    ids = torch.randint(3, 320, (5, 11))
+    with torch.no_grad():
+        reference = model(ids).logits.float()
+    with packed_cpu_linears(model, rows=5) as packed:
+        # q, k, v, o, gate, up, down per layer, and the lm_head unless it is the embedding's matrix.
+        assert packed == 2 * 7 + (0 if tied else 1)
+        released = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight.numel() == 0]
+        assert len(released) == packed, "row-major weights are released while packed copies are used"
+        with torch.no_grad():
+            logits = model(ids).logits.float()
+    # Both are oneDNN bfloat16 products accumulated in float32: equal up to the order of the sums.
+    torch.testing.assert_close(logits, reference, rtol=2e-2, atol=2e-2)
+    after = _snapshot(model)
+    assert before.keys() == after.keys()
+    for name in before:
+        assert torch.equal(before[name], after[name]), name
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    if tied:
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_restored_after_an_error_and_usable_by_autograd() -> None:
+    model = _model(tied=False)
+    before = _snapshot(model)
+    with pytest.raises(KeyboardInterrupt):
+        with packed_cpu_linears(model, rows=3):
+            raise KeyboardInterrupt
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]), name
+    # The rebuilt weights are ordinary leaves: a backward pass reaches them.
+    model.model.layers[0].self_attn.q_proj.weight.requires_grad_(True)
+    model(torch.randint(3, 320, (1, 6))).logits.float().sum().backward()
+    assert model.model.layers[0].self_attn.q_proj.weight.grad is not None
+
+
+def test_refused_inside_inference_mode_and_skips_float32() -> None:
+    model = _model(tied=False)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="inference_mode"):
+        with packed_cpu_linears(model, rows=3):
+            pass
+    with packed_cpu_linears(model.float(), rows=3) as packed:
+        assert packed == 0
+
+
+def test_sampled_tokens_match_row_major_decoding() -> None:
+    model = _model(tied=False)
+    settings = SamplingSettings(temperature=0.8, top_p=0.95, top_k=50, repetition_penalty=1.1)
+    prompts = [[1, 5, 9, 11], [1, 7], [1, 30, 31, 32, 33, 34]]
+
+    def decode() -> list[list[int]]:
+        with torch.inference_mode():
+            rows = decode_batch(
+                model, prompts, [0, 1, 2], seed=7, settings=settings, max_new_tokens=12, eos_ids=[2], pad_id=2
+            )
+        return [r.tokens for r in rows]
+
+    reference = decode()
+    with packed_cpu_linears(model, rows=len(prompts)):
+        packed = decode()
+    assert packed == reference
