@@ -110,7 +110,7 @@ PLAN_OPTIONS: tuple[PlanOption, ...] = (
         "auto only: a mode of runtime cost c (latent 1, post-rope 0.1, freq/crosshead 0) must have (1 + W c) times less measured KL to be chosen.",
     ),
     PlanOption("calibration", "wiki, synthetic, or a path to a text file / directory of .txt files."),
-    PlanOption("calib_tokens", "Calibration tokens the statistics are collected on (ZACK needs at least 16K)."),
+    PlanOption("calib_tokens", "Calibration tokens (ZACK needs at least 16K)."),
     PlanOption("seq_len", "Calibration window length."),
     PlanOption("batch_size", "Calibration windows per forward pass (and per --distill optimiser step)."),
     PlanOption("reduce", "none or kmeans (ZDC §5.1 pruning + k-means reducer)."),
