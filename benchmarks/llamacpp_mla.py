@@ -2,7 +2,7 @@
 convert_hf_to_gguf.py and measured against the original converted the same way, in the same run.
 
     make bench-llamacpp-env                                  # .venv-llamacpp: llama-cpp-python built from its sdist
-    OMP_NUM_THREADS=1 .venv/bin/kvrewrite export-mla smollm2-135m --kv-share 0.5 --dtype float32 --refit none -o /tmp/smollm2-mla-50
+    OMP_NUM_THREADS=1 .venv/bin/kvrewrite export-mla smollm2-135m --kv-share 0.5 --dtype float32 --calib-tokens 16384 --verify-tokens 128 --refit none -o /tmp/smollm2-mla-50
     OMP_NUM_THREADS=1 .venv-llamacpp/bin/python benchmarks/llamacpp_mla.py --export /tmp/smollm2-mla-50
 
 What it does (writes benchmarks/results/llamacpp_mla.json):
@@ -333,7 +333,7 @@ def main() -> None:
     ).stdout.strip()
     document = {
         "command": (
-            "OMP_NUM_THREADS=1 .venv/bin/kvrewrite export-mla smollm2-135m --kv-share 0.5 --dtype float32 --refit none -o "
+            "OMP_NUM_THREADS=1 .venv/bin/kvrewrite export-mla smollm2-135m --kv-share 0.5 --dtype float32 --calib-tokens 16384 --verify-tokens 128 --refit none -o "
             f"{args.export} && OMP_NUM_THREADS=1 .venv-llamacpp/bin/python benchmarks/llamacpp_mla.py "
             + " ".join(sys.argv[1:])
         ),

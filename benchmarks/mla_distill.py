@@ -89,6 +89,8 @@ def main() -> None:
         "float32",
         "--calib-tokens",
         str(args.calib_tokens),
+        "--verify-tokens",
+        "128",  # export-mla's default when the committed results ran (now 512: checks only, not the weights)
         "--refit",
         args.refit,
     ]

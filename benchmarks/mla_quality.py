@@ -9,7 +9,7 @@ and loaded in stock transformers (AutoModelForCausalLM, DeepseekV3ForCausalLM), 
 same held-out windows. Extra rows isolate the costs: the original with rms_norm_eps 1e-6 (what the export sets so the
 engines agree), and our maths with a full latent at d_r = head_dim (only the RoPE dropped from the other components).
 `--allocations sensitivity` adds, per share, the form with per-layer latent widths from measured sensitivity
-(`export-mla --allocation sensitivity`), exported zero-padded and scored in kvrewrite's runtime (`kvrewrite.load`),
+(`export-mla --layer-widths sensitivity`), exported zero-padded and scored in kvrewrite's runtime (`kvrewrite.load`),
 which caches each layer's true width. Writes benchmarks/results/mla_quality.json (or --out).
 """
 

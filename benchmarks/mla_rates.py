@@ -1,4 +1,4 @@
-"""MLA exports with a rate table (`export-mla --allocation sensitivity`, optionally `--distill --distill-rates`), each
+"""MLA exports with a rate table (`export-mla --layer-widths sensitivity`, optionally `--distill --distill-rates`), each
 loaded at several rates of its table by kvrewrite's runtime, against the original: held-out wiki and news, 512-token
 windows and (optionally) continuation positions, one file per export serving every rate.
 

@@ -321,3 +321,78 @@ def test_errors_name_the_running_commands_own_options_as_flags():
     result = CliRunner().invoke(probe, ["--new-tokens", "3"])
     assert result.exit_code == 0, result.output
     assert seen["new_tokens"] == "--new-tokens"
+
+
+def command_params(name: str) -> dict:
+    import typer.main
+
+    return {p.name: p for p in typer.main.get_command(app).commands[name].params}
+
+
+# Flags both compile commands take: one meaning and one default (issue 37; docs/cli.md's shared table).
+SHARED_FLAGS = ("--calib-tokens", "--distill-tokens", "--dtype", "--verify-tokens", "--refit", "--distill-epochs")
+
+
+@pytest.mark.parametrize("flag", SHARED_FLAGS)
+def test_shared_flags_have_one_default_in_both_commands(flag):
+    import dataclasses
+
+    from kvrewrite.compile.mla.plan import MLAPlan
+
+    def by_flag(params: dict):
+        return next(p for p in params.values() if flag in p.opts)
+
+    compress, export = by_flag(command_params("compress")), by_flag(command_params("export-mla"))
+    assert compress.default == export.default, (flag, compress.default, export.default)
+    # And the plans behind them agree (the commands' defaults are the plans', never restated).
+    field = flag.removeprefix("--").replace("-", "_")
+    plan = {f.name: f.default for f in dataclasses.fields(Plan)}
+    mla = {f.name: f.default for f in dataclasses.fields(MLAPlan)}
+    mla_default = "auto" if field == "refit" and mla[field] is None else mla[field]  # MLAPlan: None means auto
+    assert plan[field] == mla_default, (field, plan[field], mla[field])
+    assert {
+        "--calib-tokens": 32768,
+        "--distill-tokens": None,
+        "--dtype": "auto",
+        "--verify-tokens": 512,
+        "--refit": "auto",
+        "--distill-epochs": None,
+    }[flag] == compress.default
+
+
+def test_export_mla_takes_layer_widths_and_refuses_allocation(tmp_path):
+    """export-mla's latent widths across layers are --layer-widths: --allocation is compress's (a rank-allocation
+    algorithm), so export-mla refuses it naming the new flag, before anything is loaded."""
+    params = command_params("export-mla")
+    widths = next(p for p in params.values() if "--layer-widths" in p.opts)
+    assert widths.default == "uniform" and "--allocation" not in widths.opts
+    assert all(p.hidden for p in params.values() if "--allocation" in p.opts)
+    result = runner.invoke(
+        app, ["export-mla", "no-such-model", "-o", str(tmp_path / "out"), "--allocation", "sensitivity"]
+    )
+    assert result.exit_code == 2
+    assert "--layer-widths sensitivity" in flat(result.output) and not (tmp_path / "out").exists()
+    # The library's `allocation` is printed as the command's flag.
+    from kvrewrite.cli.export import _flags
+
+    assert _flags()["allocation"] == "--layer-widths"
+
+
+def test_dtype_auto_is_the_sources_when_float32_or_bfloat16():
+    assert Plan(model="x").dtype == "auto"
+    for declared, resolved in (
+        ({"torch_dtype": "bfloat16"}, torch.bfloat16),
+        ({"dtype": "float32"}, torch.float32),
+        ({"dtype": "float16"}, torch.float32),  # float16: float32
+        ({}, torch.float32),  # undeclared: float32
+    ):
+        assert Plan(model="x").compute_dtype(declared) == resolved, declared
+    # An explicit dtype is the dtype, whatever the source's.
+    assert Plan(model="x", dtype="bf16").compute_dtype({"dtype": "float32"}) == torch.bfloat16
+    assert Plan(model="x", dtype="float32").compute_dtype({"dtype": "bfloat16"}) == torch.float32
+
+
+def test_distill_tokens_default_to_every_calibration_token():
+    plan = Plan(model="x", distill=True)
+    assert plan.distill_tokens is None and plan.distill_token_count(4096) == 4096
+    assert Plan(model="x", distill=True, distill_tokens=1024).distill_token_count(4096) == 1024

@@ -218,6 +218,22 @@ def test_bfloat16_compile_on_cpu(tmp_path):
     assert (compressed - original).abs().max().item() < 0.1
 
 
+@pytest.mark.parametrize(("source", "written"), [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32)])
+def test_dtype_auto_computes_and_writes_in_the_sources_dtype(tmp_path, source, written):
+    """No --dtype: auto, the source's dtype where it is float32 or bfloat16 (a bfloat16 source compiles and is written
+    in bfloat16), else float32 (float16); the report records the dtype used."""
+    src = write_random_llama(tmp_path / "src", sharded_config(layers=2), dtype=source)
+    ctx = compile_source(src, tmp_path / "out", target_rate=0.0, allocation="greedy")
+    name = str(written).removeprefix("torch.")
+    assert ctx.plan.dtype == "auto" and ctx.verification["compute_dtype"] == name
+    assert ctx.verification["full_rank_max_abs_logit_diff"] < 1e-6  # float64, whatever the compute dtype
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), framework="pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {written}
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == name
+    report = json.loads((tmp_path / "out" / "compress_report.json").read_text())
+    assert report["verification"]["compute_dtype"] == name
+
+
 def test_device_and_dtype_options_are_validated():
     assert Plan(model="x", dtype="fp32").dtype == "float32"
     with pytest.raises(InvalidArgumentError, match="`dtype`"):

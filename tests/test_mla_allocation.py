@@ -165,7 +165,7 @@ def test_the_cli_allocates_per_layer_widths(tmp_path):
             str(src),
             "--kv-share",
             "0.5",
-            "--allocation",
+            "--layer-widths",
             "sensitivity",
             "-o",
             str(out),
@@ -186,9 +186,9 @@ def test_the_cli_allocates_per_layer_widths(tmp_path):
     assert set(marker["rate_table"]) >= {"0.50", "0.60"}
 
     refused = CliRunner().invoke(
-        app, ["export-mla", str(src), "--kv-lora-rank", "16", "--allocation", "sensitivity", "-o", str(tmp_path / "no")]
+        app, ["export-mla", str(src), "--kv-lora-rank", "16", "--layer-widths", "sensitivity", "-o", str(tmp_path / "no")]
     )
-    assert refused.exit_code == 2 and "--allocation sensitivity" in refused.output and not (tmp_path / "no").exists()
+    assert refused.exit_code == 2 and "--layer-widths sensitivity" in refused.output and not (tmp_path / "no").exists()
 
 
 def test_one_allocated_export_serves_narrower_rates_as_exports_made_for_them(deep, tmp_path):
@@ -221,10 +221,10 @@ def test_one_allocated_export_serves_narrower_rates_as_exports_made_for_them(dee
 @pytest.mark.parametrize(
     "extra, says",
     [
-        (["--distill-rates", "0.5,0.6"], "add --distill and --allocation sensitivity"),
-        (["--distill", "--distill-rates", "0.5,0.6"], "add --distill and --allocation sensitivity"),
-        (["--distill", "--allocation", "sensitivity", "--distill-rates", "0.3,0.6"], "--kv-share 0.7"),
-        (["--distill", "--allocation", "sensitivity", "--distill-rates", "0.5,0.9"], "leaves a mean latent of"),
+        (["--distill-rates", "0.5,0.6"], "add --distill and --layer-widths sensitivity"),
+        (["--distill", "--distill-rates", "0.5,0.6"], "add --distill and --layer-widths sensitivity"),
+        (["--distill", "--layer-widths", "sensitivity", "--distill-rates", "0.3,0.6"], "--kv-share 0.7"),
+        (["--distill", "--layer-widths", "sensitivity", "--distill-rates", "0.5,0.9"], "leaves a mean latent of"),
     ],
 )
 def test_nested_mla_distillation_settings_that_cannot_work_are_refused_before_any_work(tmp_path, extra, says):

@@ -235,7 +235,7 @@ def test_the_cli_distills_and_names_bad_options(tmp_path):
 
 
 def test_nested_distillation_lowers_kl_at_every_rate_of_one_allocated_export(tmp_path):
-    """--distill-rates on an --allocation sensitivity export: one training over every rate of its table; the file
+    """--distill-rates on a --layer-widths sensitivity export: one training over every rate of its table; the file
     loaded at each trained rate (kvrewrite.load(dir, rate=p)) has lower KL on unseen text than the same export before
     training at that rate, and the marker keeps exactly the trained rates."""
     import kvrewrite

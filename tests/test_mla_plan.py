@@ -31,6 +31,7 @@ from tests.tiny_models import random_windows, save_tiny_llama
         ({"dtype": "int8"}, "`dtype` must be one of"),
         ({"key_weight": -1.0}, "`key_weight=-1.0`: the key side's weight"),
         ({"verify_tokens": 0}, "`verify_tokens=0`: the checks at the end"),
+        ({"verify_tokens": 1024, "calib_tokens": 512}, "`verify_tokens=1024` is more than `calib_tokens=512`"),
         ({"kv_share": 0.0}, "`kv_share` must be in (0, 1]"),
         ({"distill": True, "distill_tokens": 4096, "calib_tokens": 1024}, "more than `calib_tokens=1024`"),
         ({"distill": True, "distill_epochs": 0}, "`distill_epochs` must be in (0, 100]"),
@@ -109,3 +110,16 @@ def test_export_mla_writes_a_checkpoint_exact_where_the_form_is(tmp_path):
         assert (exported - original(tokens).logits).abs().max() < 1e-4
     with pytest.raises(InvalidArgumentError, match="exists"):  # the plan's overwrite=False is honoured
         kvrewrite.export_mla(str(src), plan)
+
+
+def test_the_checks_at_the_end_run_on_the_stated_number_of_calibration_tokens():
+    """--verify-tokens N: the first N calibration tokens, as one sequence, whether N is within the first window or
+    longer than one (the windows in order), never silently fewer."""
+    from kvrewrite.compile.mla.passes.verify_export import verify_tokens
+
+    windows = torch.arange(12).reshape(3, 4)
+    assert verify_tokens(windows, 3).tolist() == [[0, 1, 2]]
+    assert verify_tokens(windows, 10).tolist() == [list(range(10))]
+    plan = MLAPlan(output="x")
+    assert (plan.calib_tokens, plan.verify_tokens, plan.dtype) == (32768, 512, "auto")
+    assert plan.statistics_plan("m").dtype == "float32"  # the statistics: float32 whatever the weights' dtype

@@ -157,7 +157,7 @@ def test_rates_are_parsed_and_checked():
 
 
 def test_the_cli_serves_an_allocated_tables_refitted_rates(tmp_path):
-    result, out = _cli(tmp_path, "--kv-share", "0.7", "--allocation", "sensitivity", "--refit-rates", "0.3,0.5")
+    result, out = _cli(tmp_path, "--kv-share", "0.7", "--layer-widths", "sensitivity", "--refit-rates", "0.3,0.5")
     assert result.exit_code == 0, result.output
     marker = json.loads((out / "config.json").read_text())["kvrewrite_mla"]
     assert set(marker["rate_table"]) == {"0.30", "0.50"} and marker["rate_o_proj"] == ["0.50"]
@@ -176,7 +176,7 @@ def test_after_a_nested_distillation_each_rate_is_refitted_on_the_trained_weight
         tmp_path,
         "--kv-share",
         "0.7",
-        "--allocation",
+        "--layer-widths",
         "sensitivity",
         "--distill",
         "--distill-rates",
@@ -202,7 +202,7 @@ def test_after_a_nested_distillation_each_rate_is_refitted_on_the_trained_weight
         tmp_path / "free",
         "--kv-share",
         "0.7",
-        "--allocation",
+        "--layer-widths",
         "sensitivity",
         "--calib-tokens",
         "1024",
@@ -224,7 +224,7 @@ def test_after_a_nested_distillation_each_rate_is_refitted_on_the_trained_weight
             (
                 "--kv-share",
                 "0.7",
-                "--allocation",
+                "--layer-widths",
                 "sensitivity",
                 "--distill",
                 "--distill-rates",
@@ -236,13 +236,13 @@ def test_after_a_nested_distillation_each_rate_is_refitted_on_the_trained_weight
         ),
         (("--kv-lora-rank", "20", "--refit-rates", "0.3,0.5"), "does not combine"),
         (
-            ("--kv-share", "0.7", "--refit-rates", "0.3,0.52", "--allocation", "sensitivity"),
+            ("--kv-share", "0.7", "--refit-rates", "0.3,0.52", "--layer-widths", "sensitivity"),
             "not on the rate table's grid",
         ),
         (("--kv-share", "0.7", "--refit-rates", "0.3,0.5,0.8"), "leaves a latent of"),
         (("--kv-share", "0.7", "--refit-rates", "0.3"), "at least two distinct rates"),
         (("--kv-share", "0.7", "--refit-rates", "0.3,0.35,0.351"), "in hundredths"),
-        (("--kv-share", "0.7", "--allocation", "sensitivity", "--refit-rates", "0.3,0.7"), "leaves a mean latent of 3"),
+        (("--kv-share", "0.7", "--layer-widths", "sensitivity", "--refit-rates", "0.3,0.7"), "leaves a mean latent of 3"),
     ],
 )
 def test_what_does_not_combine_is_refused_before_any_work(tmp_path, monkeypatch, extra, message):

@@ -154,7 +154,7 @@ def _cli(tmp_path, *extra):
 
 
 def test_the_cli_refits_an_allocated_export_and_drops_the_rates_it_was_not_fitted_for(tmp_path):
-    result, out = _cli(tmp_path, "--kv-share", "0.7", "--allocation", "sensitivity", "--refit", "output-local")
+    result, out = _cli(tmp_path, "--kv-share", "0.7", "--layer-widths", "sensitivity", "--refit", "output-local")
     assert result.exit_code == 0, result.output
     marker = json.loads((out / "config.json").read_text())["kvrewrite_mla"]
     assert marker["refit"]["method"] == "output-local" and marker["refit"]["tokens"] == 512
@@ -196,7 +196,7 @@ def test_a_refit_before_distill_leaves_the_latent_norm_pass_to_the_distillation(
                 "output",
                 "--kv-share",
                 "0.7",
-                "--allocation",
+                "--layer-widths",
                 "sensitivity",
                 "--distill",
                 "--distill-rates",
@@ -224,7 +224,7 @@ def test_the_default_refits_a_uniform_export_and_leaves_an_allocated_one_its_rat
     uniform, out = _cli(tmp_path / "uniform", "--kv-share", "0.5")
     assert uniform.exit_code == 0, uniform.output
     assert json.loads((out / "config.json").read_text())["kvrewrite_mla"]["refit"]["method"] == "output-local"
-    allocated, out = _cli(tmp_path / "allocated", "--kv-share", "0.7", "--allocation", "sensitivity")
+    allocated, out = _cli(tmp_path / "allocated", "--kv-share", "0.7", "--layer-widths", "sensitivity")
     assert allocated.exit_code == 0, allocated.output
     marker = json.loads((out / "config.json").read_text())["kvrewrite_mla"]
     assert "refit" not in marker and "0.30" in marker["rate_table"]

@@ -59,8 +59,8 @@ def test_compress_serves_the_rates_of_a_nested_distillation_by_distill(tmp_path)
 
 
 def test_export_mla_serves_exactly_the_rates_named_from_its_rate_table(tmp_path):
-    """--allocation sensitivity: served by its table (the default there); --kv-share is 1 - the smallest rate."""
-    result, out = export_mla_cli(tmp_path, "--allocation", "sensitivity", "--serve-rates", "0.3,0.5")
+    """--layer-widths sensitivity: served by its table (the default there); --kv-share is 1 - the smallest rate."""
+    result, out = export_mla_cli(tmp_path, "--layer-widths", "sensitivity", "--serve-rates", "0.3,0.5")
     assert result.exit_code == 0, result.output
     marker = json.loads((out / "config.json").read_text())["kvrewrite_mla"]
     assert sorted(marker["rate_table"]) == ["0.30", "0.50"] and "rate_o_proj" not in marker

@@ -94,7 +94,7 @@ def readme_headline(demo: dict, distill: dict) -> Table:
 DEMO_CONFIGURATIONS = {
     "zack-faithful": "ZACK-faithful (`--objective zack --allocation eps --rope-mode post-rope`)",
     "kvrewrite-optimal": "kvrewrite default (`--objective optimal --allocation sensitivity --rope-mode latent`)",
-    "mla-allocated": "MLA form (`export-mla --kv-share 0.7 --allocation sensitivity`, its rate table; kvrewrite's runtime)",
+    "mla-allocated": "MLA form (`export-mla --kv-share 0.7 --layer-widths sensitivity`, its rate table; kvrewrite's runtime)",
 }
 
 

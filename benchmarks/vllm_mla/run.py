@@ -152,7 +152,12 @@ def export_large(source: Path, output: Path, calibration: Path, calib_tokens: in
         return
     device = "cuda" if torch.cuda.is_available() else "cpu"
     plan = Plan(
-        model=str(source), calibration=str(calibration), calib_tokens=calib_tokens, device=device, progress=True
+        model=str(source),
+        calibration=str(calibration),
+        calib_tokens=calib_tokens,
+        device=device,
+        dtype="float32",  # the statistics in float32, as export-mla's (compress's default is now the source's)
+        progress=True,
     )
     # Serving speed and cache size do not depend on how the position-free queries are scored (only q_proj's
     # values change), and random weights have no attention pattern worth measuring: unrotated.

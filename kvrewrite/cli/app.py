@@ -87,6 +87,21 @@ def _fail(exc: Exception) -> None:
     raise typer.Exit(code=2)
 
 
+def _dtype_shown(plan) -> str:
+    """The dtype a compile of `plan` runs in: `dtype=auto` resolved where the source is already on disk."""
+    from kvrewrite.compile.passes.pipeline import local_config
+    from kvrewrite.compile.plan import AUTO_DTYPE
+    from kvrewrite.io.sources import local_source_dir
+
+    if plan.dtype != AUTO_DTYPE:
+        return plan.dtype
+    source = local_source_dir(plan.model)
+    config = local_config(source)
+    if config is None:
+        return "auto (the source's when float32 or bfloat16, else float32; known once the source is loaded)"
+    return f"{str(plan.compute_dtype(config)).removeprefix('torch.')} (auto: the source's)"
+
+
 def compress(
     model: str, dry_run: bool, push_to_hub: str | None, hub_private: bool, kv_budget: str | None, **plan_options
 ) -> None:
@@ -109,7 +124,7 @@ def compress(
             console.print(table)
             console.print(
                 f"key mode: {plan.key_mode()} (for a plain RoPE model; the family may force another, docs/adapters.md), objective: {plan.objective}, allocation: {plan.allocation}, "
-                f"calibration: {plan.calibration} ({plan.calib_tokens} tokens), device: {plan.device}, dtype: {plan.dtype}"
+                f"calibration: {plan.calibration} ({plan.calib_tokens} tokens), device: {plan.device}, dtype: {_dtype_shown(plan)}"
             )
             if plan.has_quality_budget():
                 console.print(

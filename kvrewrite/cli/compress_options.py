@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional
 
 import typer
 
+from kvrewrite.cli.shared_options import AUTO_DTYPE_MEANING, DISTILL_TOKENS_MEANING, VERIFY_TOKENS_MEANING
 from kvrewrite.compile.plan import Plan
 from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.runtime.codecs import codec_names
@@ -171,9 +172,7 @@ PLAN_OPTIONS: tuple[PlanOption, ...] = (
         "distill",
         "Train the attention weights at the compiled ranks against the original model's next-token distribution (zero runtime cost; the checkpoint serves its compiled rate only; docs/distill.md).",
     ),
-    PlanOption(
-        "distill_tokens", "Calibration tokens the distillation trains on (1/16 of them held back for validation)."
-    ),
+    PlanOption("distill_tokens", f"With --distill: {DISTILL_TOKENS_MEANING}."),
     PlanOption(
         "distill_epochs",
         "Passes over the distillation tokens; the best epoch on the validation windows is kept (default 8, with --distill-rates 2; as export-mla's).",
@@ -196,9 +195,15 @@ PLAN_OPTIONS: tuple[PlanOption, ...] = (
     ),
     PlanOption("revision", "Hub revision of the source model."),
     PlanOption("device", "Where decoder layers run: cpu or cuda (statistics are float64 on the CPU either way)."),
-    PlanOption("dtype", "Compute and output dtype: float32 (fp32) or bfloat16 (bf16)."),
+    PlanOption(
+        "dtype",
+        f"Compute and output dtype: auto ({AUTO_DTYPE_MEANING}; the compress report records the one used), float32 (fp32) or bfloat16 (bf16).",
+    ),
     PlanOption("max_shard_size", "Largest output shard; shards are written as they fill."),
-    PlanOption("verify_tokens", "Calibration tokens the verify pass runs (float64, layer by layer)."),
+    PlanOption(
+        "verify_tokens",
+        f"{VERIFY_TOKENS_MEANING}: max |Δlogit| of the full-rank rewrite against the original (float64, layer by layer), and the compiled ranks' KL and top-1 against the original; in windows of up to 256 tokens, whole windows, at least one.",
+    ),
     PlanOption(
         "verify_tolerance",
         "Largest full-rank float64 logit difference the compile accepts (deep models with sharp attention amplify float64 rounding).",

@@ -5,6 +5,7 @@ is `kvrewrite.export_mla` (compile/mla/api.py); this file parses text and prints
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -13,9 +14,13 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from kvrewrite.compile.mla.plan import DISTILL_LR
+from kvrewrite.cli.shared_options import AUTO_DTYPE_MEANING, DISTILL_TOKENS_MEANING, VERIFY_TOKENS_MEANING
+from kvrewrite.compile.mla.plan import DISTILL_LR, MLAPlan
 from kvrewrite.compile.plan import DISTILL_EPOCHS, NESTED_DISTILL_EPOCHS, SERVE_RATES_BY
 from kvrewrite.errors import InvalidArgumentError, KVRewriteError
+
+# export-mla's defaults are MLAPlan's, never restated here (both commands' shared flags: tests/test_cli_and_errors.py).
+MLA_DEFAULTS = {field.name: field.default for field in dataclasses.fields(MLAPlan)}
 
 
 def _rates(text: str | None, option: str) -> tuple[float, ...]:
@@ -41,6 +46,7 @@ def _flags() -> dict[str, str]:
         if isinstance(parameter.default, OptionInfo):
             long = [d for d in parameter.default.param_decls or () if d.startswith("--")]
             flags[name] = max(long, key=len) if long else "--" + name.replace("_", "-")
+    flags.pop("old_allocation", None)
     return flags
 
 
@@ -65,15 +71,18 @@ def export_mla_command(
         help="With --kv-lora-rank: the shared RoPE key's width d_r, head_dim (default) or head_dim / s, s dividing head_dim / 2 (every s-th frequency keeps its rotation).",
     ),
     allocation: str = typer.Option(
-        "uniform",
-        "--allocation",
-        help="Latent widths across layers: uniform (every engine caches the share) or sensitivity (per-layer widths from measured KL at the same total; exported zero-padded to the widest layer, so only kvrewrite's runtime caches the share; docs/serving.md).",
+        MLA_DEFAULTS["allocation"],
+        "--layer-widths",
+        help="Latent widths across layers: uniform (every engine caches the share) or sensitivity (per-layer widths from measured KL at the same total; exported zero-padded to the widest layer, so only kvrewrite's runtime caches the share; docs/serving.md). Not compress's --allocation (a rank-allocation algorithm).",
     ),
-    calib_tokens: int = typer.Option(16384, "--calib-tokens", help="Calibration tokens (wiki)."),
+    old_allocation: str | None = typer.Option(None, "--allocation", hidden=True),
+    calib_tokens: int = typer.Option(
+        MLA_DEFAULTS["calib_tokens"], "--calib-tokens", help="Calibration tokens the statistics are collected on."
+    ),
     calibration: str = typer.Option("wiki", help="Calibration source: wiki, synthetic or a text file."),
     dtype: str = typer.Option(
-        "auto",
-        help="Weights dtype: auto (the source's), bfloat16 or float32 (float16 cannot hold the neutralised latent).",
+        MLA_DEFAULTS["dtype"],
+        help=f"Weights dtype: auto ({AUTO_DTYPE_MEANING}), bfloat16 or float32 (float16 cannot hold the neutralised latent).",
     ),
     position_free_queries: str = typer.Option(
         "expected-rotation",
@@ -86,13 +95,15 @@ def export_mla_command(
         help="Weight of the key side against the value side in the latent's objective (default 0.25, chosen on calibration text).",
     ),
     verify_tokens: int = typer.Option(
-        128, "--verify-tokens", help="Tokens of one calibration window for the checks at the end."
+        MLA_DEFAULTS["verify_tokens"],
+        "--verify-tokens",
+        help=f"{VERIFY_TOKENS_MEANING}: max |Δlogit| of the full-width MLA form against the original, and of the written checkpoint (stock transformers) and each refitted rate against our maths; one sequence, the calibration windows in order, at most --calib-tokens.",
     ),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
     refit: str = typer.Option(
         "auto",
         "--refit",
-        help="Least-squares refit of every o_proj at the exported widths, layer by layer (closed form, no run-time cost): output-local (against the original layer on the form's own inputs), output (against the original model's attention outputs) or none. auto (the default, as compress's): output-local for a uniform export or per-rate refits, none with --allocation sensitivity (it keeps its rate table; a refitted export serves its exported widths only) or --distill (docs/serving.md).",
+        help="Least-squares refit of every o_proj at the exported widths, layer by layer (closed form, no run-time cost): output-local (against the original layer on the form's own inputs), output (against the original model's attention outputs) or none. auto (the default, as compress's): output-local for a uniform export or per-rate refits, none with --layer-widths sensitivity (it keeps its rate table; a refitted export serves its exported widths only) or --distill (docs/serving.md).",
     ),
     refit_tokens: int | None = typer.Option(
         None, "--refit-tokens", help="With --refit: calibration tokens the least squares read (default 16384)."
@@ -105,7 +116,7 @@ def export_mla_command(
     distill_tokens: int | None = typer.Option(
         None,
         "--distill-tokens",
-        help="With --distill: calibration tokens it trains on, 1/16 of them held back for validation (default: every calibration token).",
+        help=f"With --distill: {DISTILL_TOKENS_MEANING}.",
     ),
     distill_epochs: float | None = typer.Option(
         None,
@@ -118,12 +129,12 @@ def export_mla_command(
     distill_rates: str | None = typer.Option(
         None,
         "--distill-rates",
-        help="With --distill and --allocation sensitivity: A,B trains every rate of the rate table from A to B together (nested over the latent widths; one file serves them all). A must be 1 - --kv-share.",
+        help="With --distill and --layer-widths sensitivity: A,B trains every rate of the rate table from A to B together (nested over the latent widths; one file serves them all). A must be 1 - --kv-share.",
     ),
     refit_rates: str | None = typer.Option(
         None,
         "--refit-rates",
-        help="A,B,...: one file serving these rates, o_proj refitted at each on its own (the stock weights hold A's, the others a side file kvrewrite.load(dir, rate=p) reads; no run-time cost). A must be 1 - --kv-share; widths uniform, or the rate table's with --allocation sensitivity. With --distill --distill-rates, each rate is refitted after the nested training. --refit auto is output-local (docs/serving.md). Same as --serve-rates A,B,... --serve-rates-by refit.",
+        help="A,B,...: one file serving these rates, o_proj refitted at each on its own (the stock weights hold A's, the others a side file kvrewrite.load(dir, rate=p) reads; no run-time cost). A must be 1 - --kv-share; widths uniform, or the rate table's with --layer-widths sensitivity. With --distill --distill-rates, each rate is refitted after the nested training. --refit auto is output-local (docs/serving.md). Same as --serve-rates A,B,... --serve-rates-by refit.",
     ),
     serve_rates: str | None = typer.Option(
         None,
@@ -133,7 +144,7 @@ def export_mla_command(
     serve_rates_by: str | None = typer.Option(
         None,
         "--serve-rates-by",
-        help=f"How --serve-rates are served: {', '.join(SERVE_RATES_BY)}. table: the rate table of an --allocation sensitivity export (closed form; its default); distill: a nested --distill trains exactly them (the default with --distill); refit: o_proj refitted at each (the default for a uniform export).",
+        help=f"How --serve-rates are served: {', '.join(SERVE_RATES_BY)}. table: the rate table of a --layer-widths sensitivity export (closed form; its default); distill: a nested --distill trains exactly them (the default with --distill); refit: o_proj refitted at each (the default for a uniform export).",
     ),
 ) -> None:
     """Compute a multi-head latent (MLA) form from calibration statistics and write it as a stock DeepSeek-V3 checkpoint."""
@@ -142,9 +153,13 @@ def export_mla_command(
     console = Console() if sys.stdout.isatty() else Console(width=140)
     try:
         from kvrewrite.compile.mla.api import export_mla
-        from kvrewrite.compile.mla.plan import MLAPlan
         from kvrewrite.compile.mla.rate_refit import parse_refit_rates
 
+        if old_allocation is not None:
+            raise InvalidArgumentError(
+                f"export-mla's --allocation is now --layer-widths (--layer-widths {old_allocation}): the latent widths "
+                "across layers, uniform or sensitivity; compress's --allocation is a rank-allocation algorithm"
+            )
         served = _rates(serve_rates, "--serve-rates")
         if kv_share is None:  # the widest served rate is the export's own
             kv_share = round(1 - min(served), 4) if served else 0.5

@@ -47,7 +47,7 @@ def key_probe_kl(
     plan, geo, d = ctx.plan, ctx.geometry, ctx.geometry.head_dim
     full_keys, full_values = full_rank_ranks(ctx, transforms)
     spec = build_spec(ctx, full_keys, full_values, transforms=transforms)
-    rewritten = FoldedWeights(ctx.source, transforms, geo).streamed(spec, plan.compute_dtype(), plan.device)
+    rewritten = FoldedWeights(ctx.source, transforms, geo).streamed(spec, plan.compute_dtype(ctx.config), plan.device)
     layer_probes = [
         {"key": (probe_key_rank(t.key.mode, geo.num_key_value_heads, d), full_values[idx])}
         for idx, t in enumerate(transforms)
@@ -59,7 +59,7 @@ def key_probe_kl(
 def choose_key_modes(ctx, candidates: dict[str, list], cost_weight: float) -> tuple[list[str], dict]:
     """The chosen mode per layer, and a report of every probe. candidates: mode -> LayerTransforms per layer."""
     tokens = ctx.calibration_tokens[:PROBE_WINDOWS, :PROBE_TOKENS]
-    original = ctx.source.streamed(ctx.plan.compute_dtype(), ctx.plan.device)
+    original = ctx.source.streamed(ctx.plan.compute_dtype(ctx.config), ctx.plan.device)
     reference = None
     kl = {}
     num_layers = ctx.geometry.num_layers

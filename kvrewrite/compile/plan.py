@@ -21,7 +21,11 @@ ROPE_MODES = ("default", "auto")  # and every registered key mode (kvrewrite.key
 # --prefer for --rope-mode auto: every key mode, or only those whose runtime does not grow with context.
 PREFER = ("quality", "zero-overhead")
 REDUCERS = ("none", "kmeans")
-DTYPES = ("float32", "bfloat16")
+# auto (the default of both compress and export-mla, one rule: source_dtype): the source checkpoint's dtype where it
+# is float32 or bfloat16, else float32 (float16 cannot hold an MLA export's neutralised latent, and compress computes
+# in float32 or bfloat16 only).
+AUTO_DTYPE = "auto"
+DTYPES = (AUTO_DTYPE, "float32", "bfloat16")
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16"}
 DEVICES = ("cpu", "cuda")
 VALUE_METRICS = ("output", "fisher")
@@ -51,6 +55,19 @@ SERVE_RATES_BY = ("table", "distill", "refit")
 # helped in 16 of 18 cells, benchmarks/results/long_context_nested_4ep.json, at twice the compile time).
 DISTILL_EPOCHS = 8.0
 NESTED_DISTILL_EPOCHS = 2.0
+
+
+def source_dtype(config) -> torch.dtype:
+    """What `dtype=auto` means, in both compilers (AUTO_DTYPE): the source's dtype (its config's `dtype`, or the older
+    `torch_dtype`) where it is float32 or bfloat16, else float32. config: a transformers config or config.json's dict
+    (None: float32)."""
+    if isinstance(config, dict):
+        name = config.get("dtype") or config.get("torch_dtype")
+    else:
+        name = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(name, torch.dtype):
+        name = str(name).removeprefix("torch.")
+    return getattr(torch, name) if name in ("bfloat16", "float32") else torch.float32
 
 
 def default_refit(keeps_rate_table: bool, distilled: bool) -> str:
@@ -104,7 +121,7 @@ class Plan:
     # original model's next-token distribution on distill_tokens calibration tokens (1/16 held back for
     # validation). A distilled checkpoint serves its compiled rate only.
     distill: bool = False
-    distill_tokens: int = 32768
+    distill_tokens: int | None = None  # None: every calibration token (as export-mla's)
     distill_epochs: float | None = None  # None: default_distill_epochs (8, or 2 nested)
     distill_lr: float = 1e-5
     # Nested distillation: instead of the compiled rate alone, train one set of weights for every rate of the rate
@@ -123,9 +140,10 @@ class Plan:
     budget_tokens: int = 4096
     verify_tolerance: float = 1e-4
     verify_tokens: int = 512
-    # Where layers run and in which dtype they compute and are written out (Grams are float64 regardless).
+    # Where layers run and in which dtype they compute and are written out (Grams are float64 regardless); auto: the
+    # source's (source_dtype), resolved once its config is read (compute_dtype).
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = AUTO_DTYPE
     max_shard_size: str = "1GB"
     revision: str | None = None
     seed: int = 0
@@ -191,6 +209,8 @@ class Plan:
             "distill_tokens",
             "verify_tokens",
         ):
+            if name == "distill_tokens" and self.distill_tokens is None:  # every calibration token
+                continue
             if int(getattr(self, name)) < 1:
                 raise InvalidArgumentError(f"`{name}` must be a positive integer, got {getattr(self, name)!r}")
         for name in ("max_ppl_increase", "max_kl"):
@@ -334,8 +354,16 @@ class Plan:
             needs.append(("sklearn", KMEANS))
         return tuple(needs)
 
-    def compute_dtype(self) -> torch.dtype:
+    def compute_dtype(self, config) -> torch.dtype:
+        """The dtype layers compute in and the checkpoint is written in: as asked, or with `dtype=auto` the source's
+        (source_dtype; config: the source's transformers config or config.json's dict)."""
+        if self.dtype == AUTO_DTYPE:
+            return source_dtype(config)
         return {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.dtype]
+
+    def distill_token_count(self, calibration_tokens: int) -> int:
+        """The tokens a distillation trains on (1/16 held back): as asked, else every calibration token."""
+        return calibration_tokens if self.distill_tokens is None else int(self.distill_tokens)
 
     def has_quality_budget(self) -> bool:
         return self.max_ppl_increase is not None or self.max_kl is not None

@@ -84,7 +84,7 @@ CACHE_KEYWORDS = ("recent_window", "kv_codec", "important", "evict")
 
 def load_mla(directory: Path, config: dict, policy: CachePolicy | None = None, **kwargs):
     """A kvrewrite MLA export: stock DeepseekV3ForCausalLM, loaded strictly, with absorbed attention; at a rate of its
-    rate table (--allocation sensitivity or --refit-rates), every layer narrowed to that rate's latent width and,
+    rate table (--layer-widths sensitivity or --refit-rates), every layer narrowed to that rate's latent width and,
     where the export refitted o_proj for that rate (--refit-rates), that rate's o_proj read from its side file."""
     from transformers import DeepseekV3ForCausalLM
 
@@ -100,7 +100,7 @@ def load_mla(directory: Path, config: dict, policy: CachePolicy | None = None, *
     if rate is not None and not config[MLA_MARKER].get(RATE_TABLE_KEY):
         raise CorruptCheckpointError(
             f"{directory} is an MLA export: its latent width is fixed at export time and it has no rate table "
-            f"(got rate={rate}); load it without rate, or export with --allocation sensitivity or --refit-rates"
+            f"(got rate={rate}); load it without rate, or export with --layer-widths sensitivity or --refit-rates"
         )
     kwargs.pop("output_loading_info", None)
     refuse_remote_code(kwargs)

@@ -9,7 +9,7 @@
 - kv_a_layernorm neutralised (method/latent_norm.py). transformers builds that norm with eps 1e-6 whatever the config
   says, while llama.cpp and vLLM use config.rms_norm_eps: the config's rms_norm_eps is set to 1e-6 so all three agree;
   that also moves the model's other RMSNorms from the source eps to 1e-6 (its effect is measured by the caller).
-- Per-layer latent widths (`export-mla --allocation sensitivity`): every layer is zero-padded to the widest one,
+- Per-layer latent widths (`export-mla --layer-widths sensitivity`): every layer is zero-padded to the widest one,
   whose width is the config's kv_lora_rank, and the marker lists the true widths (`kv_lora_ranks`). Stock engines run
   the padded form (same outputs, padded cache); kvrewrite's runtime drops the zero rows and caches the true widths.
 - `--refit-rates`: every narrower served rate's own o_proj in `kvrewrite_rates/o_proj.safetensors`, which no engine

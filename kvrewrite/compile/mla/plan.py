@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvrewrite.compile.plan import (
+    AUTO_DTYPE,
     AUTO_REFIT,
     DEFAULT_RATE_GRID,
     REFITS,
@@ -27,6 +28,9 @@ from kvrewrite.compile.plan import (
 from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.spec import rate_key
 
+# `allocation` (the command line's --layer-widths: compress's --allocation is a rank-allocation algorithm, another
+# concept): the latent widths across layers, uniform (every engine caches the share) or sensitivity (per-layer widths
+# exported zero-padded; only kvrewrite's runtime caches the share).
 ALLOCATIONS = ("uniform", "sensitivity")
 # How the position-free part scores the components whose rotation is dropped (method/mla.py): by the expected
 # rotation over the distances each head attends to, attention sink left out (compile/rope_response.py; the default:
@@ -34,9 +38,10 @@ ALLOCATIONS = ("uniform", "sensitivity")
 # unrotated (source).
 POSITION_FREE_QUERIES = ("expected-rotation", "source")
 DEFAULT_POSITION_FREE_QUERIES = "expected-rotation"
-# Weights dtype: auto (the source's where it holds the neutralised latent, else float32) or one named dtype
-# (float16 is refused when the export is written: it cannot hold the neutralised latent).
-DTYPES = {"auto": None, "bfloat16": "bfloat16", "float32": "float32", "float16": "float16"}
+# Weights dtype: auto (compress's rule, compile/plan.py source_dtype: the source's where it is bfloat16 or float32,
+# which hold the neutralised latent, else float32) or one named dtype (float16 is refused when the export is written:
+# it cannot hold the neutralised latent).
+DTYPES = {AUTO_DTYPE: None, "bfloat16": "bfloat16", "float32": "float32", "float16": "float16"}
 # The distillation's learning rate, compress's (the MLA form's factors are balanced to the source projections' scale
 # before training, compile/mla/distill.py); its epochs and the refit default follow the rules both compilers share
 # (compile/plan.py: default_distill_epochs, default_refit).
@@ -51,11 +56,11 @@ class MLAPlan:
     qk_rope_head_dim: int | None = None  # with kv_lora_rank: the shared RoPE key's width (default head_dim)
     allocation: str = "uniform"  # latent widths across layers: uniform, or sensitivity (measured KL per layer)
     calibration: str = "wiki"
-    calib_tokens: int = 16384
-    dtype: str = "auto"
+    calib_tokens: int = 32768  # compress's (ZACK needs at least 16K)
+    dtype: str = AUTO_DTYPE
     position_free_queries: str = DEFAULT_POSITION_FREE_QUERIES
     key_weight: float | None = None  # key side against value side in the latent's objective (None: the default)
-    verify_tokens: int = 128
+    verify_tokens: int = 512  # compress's: the checks at the end run on the first this many calibration tokens
     overwrite: bool = False
     refit: str | None = None  # none, output or output-local; None or auto: default_refit for this form (refit_method)
     refit_tokens: int | None = None  # None: the per-head Plan's default
@@ -117,6 +122,11 @@ class MLAPlan:
             raise InvalidArgumentError(
                 f"`verify_tokens={self.verify_tokens}`: the checks at the end compare logits on "
                 "at least 1 calibration token"
+            )
+        if self.verify_tokens > self.calib_tokens:
+            raise InvalidArgumentError(
+                f"`verify_tokens={self.verify_tokens}` is more than `calib_tokens={self.calib_tokens}`: the checks "
+                "at the end run on the first calibration tokens; lower `verify_tokens` or raise `calib_tokens`"
             )
         if not 0 < self.kv_share <= 1:
             raise InvalidArgumentError(f"`kv_share` must be in (0, 1], got {self.kv_share}")
@@ -275,6 +285,9 @@ class MLAPlan:
             options["refit_tokens"] = self.refit_tokens
         return Plan(
             model=model,
+            # The statistics are computed in float32 whatever the export's weights dtype (`dtype` is the written
+            # checkpoint's alone, passes/write_checkpoint.py).
+            dtype="float32",
             calibration=self.calibration,
             calib_tokens=self.calib_tokens,
             output=self.output,

@@ -13,7 +13,7 @@ def generation_model(ctx: CompileContext):
     from kvrewrite.io.source_model import load_whole_model
 
     plan = ctx.plan
-    return load_whole_model(ctx.source.directory, plan.compute_dtype(), plan.device)
+    return load_whole_model(ctx.source.directory, plan.compute_dtype(ctx.config), plan.device)
 
 
 class BuildCalibration:

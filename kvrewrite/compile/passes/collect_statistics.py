@@ -27,7 +27,7 @@ class CollectStatistics:
     def run(self, ctx: CompileContext) -> dict:
         plan = ctx.plan
         statistics = collect_statistics(
-            ctx.source.streamed(plan.compute_dtype(), plan.device),
+            ctx.source.streamed(plan.compute_dtype(ctx.config), plan.device),
             ctx.calibration_tokens,
             batch_size=plan.batch_size,
             reduce=plan.reduce,

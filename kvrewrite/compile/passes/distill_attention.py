@@ -84,7 +84,9 @@ class DistillAttention:
         if not plan.distill:
             return {}
         device = torch.device(plan.device)
-        train, validation = split_distill_windows(ctx.calibration_tokens, plan.distill_tokens)
+        train, validation = split_distill_windows(
+            ctx.calibration_tokens, plan.distill_token_count(ctx.calibration_tokens.numel())
+        )
         original = ctx.original_model().to(device)
         student = whole_compressed_model(ctx.folded, ctx.spec, sliced=False).to(device)
         settings = DistillSettings(

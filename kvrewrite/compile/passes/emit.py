@@ -114,7 +114,7 @@ class Emit:
     def run(self, ctx: CompileContext) -> dict:
         plan, spec = ctx.plan, ctx.spec
         out = output_dir_for(plan)  # the directory run_pipeline checked before any work
-        dtype = plan.compute_dtype()
+        dtype = plan.compute_dtype(ctx.config)
         with atomic_output_dir(out, overwrite=plan.overwrite) as tmp:
             # Layer by layer: each layer is folded, cast and buffered; a shard is written whenever it is full.
             writer = ShardWriter(tmp, {"kvrewrite_spec": spec.to_json()}, parse_size(plan.max_shard_size))

@@ -32,7 +32,7 @@ class FitKVCodec:
             return {"codec_tables": {}, "spec": dataclasses.replace(ctx.spec, kv_codec=None)}
         plan, spec = ctx.plan, ctx.spec
         # The compiled model, layer-streamed from the folded weights, each layer sliced to its compiled ranks.
-        streamed = ctx.folded.streamed(spec, plan.compute_dtype(), plan.device)
+        streamed = ctx.folded.streamed(spec, plan.compute_dtype(ctx.config), plan.device)
         key_ranks = [layer.key_ranks for layer in spec.layers]
         value_ranks = [layer.value_ranks for layer in spec.layers]
         latents = collect_latents_streamed(

@@ -78,8 +78,8 @@ class MeasureSensitivity:
                     )
             layer_probes.append(probes_here)
         kls = probe_kls(
-            ctx.source.streamed(plan.compute_dtype(), plan.device),
-            folded.streamed(spec, plan.compute_dtype(), plan.device),
+            ctx.source.streamed(plan.compute_dtype(ctx.config), plan.device),
+            folded.streamed(spec, plan.compute_dtype(ctx.config), plan.device),
             layer_probes,
             tokens,
             plan.progress,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import resource
 import time
 import warnings
@@ -73,8 +74,17 @@ def prepare_output(out: Path, plan: Plan) -> None:
     for note in recover_leftovers(out):
         warnings.warn(note, KVRewriteWarning, stacklevel=2)
     source = local_source_dir(plan.model)
-    need = estimated_output_bytes(source, plan.compute_dtype()) if source is not None else None
+    need = estimated_output_bytes(source, plan.compute_dtype(local_config(source))) if source is not None else None
     check_output_location(out, source=source, overwrite=plan.overwrite, need_bytes=need)
+
+
+def local_config(source: Path | None) -> dict | None:
+    """config.json of a source already on disk, as a dict, for what is decided before it is loaded (`dtype=auto`'s
+    dtype); None where it is not on disk or not readable (load_checkpoint reports why, naming the file)."""
+    try:
+        return json.loads((Path(source) / "config.json").read_text(encoding="utf-8")) if source is not None else None
+    except (OSError, ValueError):
+        return None
 
 
 def compile_variants(

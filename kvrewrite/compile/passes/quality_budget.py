@@ -82,10 +82,10 @@ def largest_rate_within_budget(ctx: CompileContext, rank_solver: Callable) -> tu
     full_keys = [full_key_ranks(t.key.mode, geo.num_key_value_heads, d) for t in ctx.transforms]
     # The full-rank rewrite, folded layer by layer as each probe runs (fold_weights makes the checkpoint's own).
     model = FoldedWeights(ctx.source, ctx.transforms, geo).streamed(
-        build_spec(ctx, full_keys, full_values), plan.compute_dtype(), plan.device
+        build_spec(ctx, full_keys, full_values), plan.compute_dtype(ctx.config), plan.device
     )
     batches = list(ctx.budget_tokens.split(EVAL_BATCH))
-    reference = streamed_log_probs(ctx.source.streamed(plan.compute_dtype(), plan.device), batches)
+    reference = streamed_log_probs(ctx.source.streamed(plan.compute_dtype(ctx.config), plan.device), batches)
     base_nll = sum(float(-r.gather(-1, b[:, 1:, None]).sum()) for r, b in zip(reference, batches)) / sum(
         b[:, 1:].numel() for b in batches
     )

@@ -99,7 +99,7 @@ def sequential_statistics(
     """(statistics, transforms) with layer i's measured on the output of layers 0..i-1 rewritten with their new
     transforms and truncated to key_ranks / value_ranks. One layer of each model holds weights at a time."""
     plan, geo = ctx.plan, ctx.geometry
-    dtype = plan.compute_dtype()
+    dtype = plan.compute_dtype(ctx.config)
     original = ctx.source.streamed(dtype, plan.device)
     sink = GramAccumulator(geo.num_layers, geo.num_key_value_heads, geo.num_attention_heads, geo.head_dim)
     metrics = ctx.output_metric or [None] * geo.num_layers

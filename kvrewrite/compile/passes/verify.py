@@ -52,7 +52,7 @@ class Verify:
     def run(self, ctx: CompileContext) -> dict:
         plan, adapter, spec = ctx.plan, ctx.adapter, ctx.spec
         tokens = verification_tokens(ctx.calibration_tokens, plan.verify_tokens)
-        compute = plan.compute_dtype()
+        compute = plan.compute_dtype(ctx.config)
         reference = ctx.source.streamed(compute, plan.device)
         exact_reference = ctx.source.streamed(torch.float64, plan.device)
         exact_full = ctx.folded.streamed(spec, torch.float64, plan.device)
@@ -92,7 +92,7 @@ class Verify:
             "full_rank_max_abs_logit_diff": max_diff,
             "full_rank_layer_max_abs_hidden_diff": layer_full_diff,
             "verify_dtype": "float64",
-            "compute_dtype": plan.dtype,
+            "compute_dtype": str(compute).removeprefix("torch."),  # resolved: `dtype=auto` is the source's
             # The stock model's own rounding noise, for context: compute dtype vs float64 logits.
             "original_compute_dtype_vs_fp64_max_abs_logit_diff": (ref_logits.double() - exact_logits)
             .abs()

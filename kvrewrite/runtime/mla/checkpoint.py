@@ -90,7 +90,7 @@ def widths_at_rate(config, rate: float, where: str) -> list[int]:
         have = ", ".join(table) if table else "none"
         raise CorruptCheckpointError(
             f"{where} is an MLA export with no rate {rate_key(rate)} in its rate table (rates: {have}); "
-            "load it without rate, or export with --allocation sensitivity at a larger --kv-share, or with --refit-rates"
+            "load it without rate, or export with --layer-widths sensitivity at a larger --kv-share, or with --refit-rates"
         )
     return table[rate_key(rate)]
 

@@ -11,6 +11,7 @@ import torch
 from kvrewrite.compile.mla.export import export_at_share
 from kvrewrite.compile.mla.passes.context import MLAContext
 from kvrewrite.compile.mla.plan import DTYPES
+from kvrewrite.compile.plan import source_dtype
 
 
 class WriteCheckpoint:
@@ -38,11 +39,3 @@ class WriteCheckpoint:
             rate_o_proj=None if ctx.rate_refit is None else ctx.rate_refit.rate_o_proj,
         )
         return {"summary": summary}
-
-
-def source_dtype(config) -> torch.dtype:
-    """The source's dtype where it can hold the neutralised latent (bfloat16, float32); else float32."""
-    name = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    if isinstance(name, torch.dtype):
-        return name
-    return getattr(torch, str(name)) if name in ("bfloat16", "float32") else torch.float32
