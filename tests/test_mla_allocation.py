@@ -186,7 +186,8 @@ def test_the_cli_allocates_per_layer_widths(tmp_path):
     assert set(marker["rate_table"]) >= {"0.50", "0.60"}
 
     refused = CliRunner().invoke(
-        app, ["export-mla", str(src), "--kv-lora-rank", "16", "--layer-widths", "sensitivity", "-o", str(tmp_path / "no")]
+        app,
+        ["export-mla", str(src), "--kv-lora-rank", "16", "--layer-widths", "sensitivity", "-o", str(tmp_path / "no")],
     )
     assert refused.exit_code == 2 and "--layer-widths sensitivity" in refused.output and not (tmp_path / "no").exists()
 

@@ -242,7 +242,10 @@ def test_after_a_nested_distillation_each_rate_is_refitted_on_the_trained_weight
         (("--kv-share", "0.7", "--refit-rates", "0.3,0.5,0.8"), "leaves a latent of"),
         (("--kv-share", "0.7", "--refit-rates", "0.3"), "at least two distinct rates"),
         (("--kv-share", "0.7", "--refit-rates", "0.3,0.35,0.351"), "in hundredths"),
-        (("--kv-share", "0.7", "--layer-widths", "sensitivity", "--refit-rates", "0.3,0.7"), "leaves a mean latent of 3"),
+        (
+            ("--kv-share", "0.7", "--layer-widths", "sensitivity", "--refit-rates", "0.3,0.7"),
+            "leaves a mean latent of 3",
+        ),
     ],
 )
 def test_what_does_not_combine_is_refused_before_any_work(tmp_path, monkeypatch, extra, message):
