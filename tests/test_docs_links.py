@@ -65,3 +65,13 @@ def test_the_link_check_finds_a_broken_anchor_and_a_missing_file(tmp_path):
         "b.md: a.md#model-sources-kvrewritesources (no such heading)",
         "b.md: c.md (no such file)",
     ]
+
+
+GUIDE_LINES = 300  # a guide says what a feature does and links to its measured tables, which live in results/
+
+
+def test_every_guide_is_under_the_line_limit():
+    guides = sorted(DOCS.glob("*.md"))  # docs/results/ holds the rendered tables, not guides
+    assert guides, "no guides found"
+    long = {p.name: n for p in guides if (n := len(p.read_text(encoding="utf-8").splitlines())) >= GUIDE_LINES}
+    assert long == {}, f"guides of {GUIDE_LINES} lines or more: {long}"
