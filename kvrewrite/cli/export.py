@@ -52,100 +52,133 @@ def _flags() -> dict[str, str]:
 
 def export_mla_command(
     model: str = typer.Argument(..., help="Hub id, local directory, or 'smollm2-135m' (bundled)."),
-    output: Path = typer.Option(
-        ..., "--output", "-o", help="Directory for the DeepSeek-V3 checkpoint (written atomically)."
-    ),
     kv_share: float | None = typer.Option(
         None,
         "--kv-share",
         help="Cached values per token and layer, as a share of the source's K+V: (r + d_r) / (2 n_kv d). Default 0.5, or with --serve-rates 1 - the smallest.",
+        rich_help_panel="Form",
     ),
     kv_lora_rank: int | None = typer.Option(
         None,
         "--kv-lora-rank",
         help="Exact latent width r instead of --kv-share (engines with fixed cached widths: vLLM's MLA kernels take r + d_r = 512 + 64).",
+        rich_help_panel="Form",
     ),
     qk_rope_head_dim: int | None = typer.Option(
         None,
         "--qk-rope-head-dim",
         help="With --kv-lora-rank: the shared RoPE key's width d_r, head_dim (default) or head_dim / s, s dividing head_dim / 2 (every s-th frequency keeps its rotation).",
+        rich_help_panel="Form",
     ),
     allocation: str = typer.Option(
         MLA_DEFAULTS["allocation"],
         "--layer-widths",
         help="Latent widths across layers: uniform (every engine caches the share) or sensitivity (per-layer widths from measured KL at the same total; exported zero-padded to the widest layer, so only kvrewrite's runtime caches the share; docs/serving.md). Not compress's --allocation (a rank-allocation algorithm).",
-    ),
-    old_allocation: str | None = typer.Option(None, "--allocation", hidden=True),
-    calib_tokens: int = typer.Option(
-        MLA_DEFAULTS["calib_tokens"], "--calib-tokens", help="Calibration tokens the statistics are collected on."
-    ),
-    calibration: str = typer.Option("wiki", help="Calibration source: wiki, synthetic or a text file."),
-    dtype: str = typer.Option(
-        MLA_DEFAULTS["dtype"],
-        help=f"Weights dtype: auto ({AUTO_DTYPE_MEANING}), bfloat16 or float32 (float16 cannot hold the neutralised latent).",
+        rich_help_panel="Form",
     ),
     position_free_queries: str = typer.Option(
         "expected-rotation",
         "--position-free-queries",
         help="How the latent's key part scores the RoPE components whose rotation is dropped: expected-rotation (the default: turned by each head's expected rotation over the distances its attention covers, attention sink left out, measured on calibration text and folded into q_proj) or source (the head's query unrotated). docs/serving.md has both measured.",
+        rich_help_panel="Form",
     ),
     key_weight: float | None = typer.Option(
         None,
         "--key-weight",
         help="Weight of the key side against the value side in the latent's objective (default 0.25, chosen on calibration text).",
+        rich_help_panel="Form",
     ),
-    verify_tokens: int = typer.Option(
-        MLA_DEFAULTS["verify_tokens"],
-        "--verify-tokens",
-        help=f"{VERIFY_TOKENS_MEANING}: max |Δlogit| of the full-width MLA form against the original, and of the written checkpoint (stock transformers) and each refitted rate against our maths; one sequence, the calibration windows in order, at most --calib-tokens.",
+    calib_tokens: int = typer.Option(
+        MLA_DEFAULTS["calib_tokens"],
+        "--calib-tokens",
+        help="Calibration tokens the statistics are collected on.",
+        rich_help_panel="Calibration",
     ),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
-    refit: str = typer.Option(
-        "auto",
-        "--refit",
-        help="Least-squares refit of every o_proj at the exported widths, layer by layer (closed form, no run-time cost): output-local (against the original layer on the form's own inputs), output (against the original model's attention outputs) or none. auto (the default, as compress's): output-local for a uniform export or per-rate refits, none with --layer-widths sensitivity (it keeps its rate table; a refitted export serves its exported widths only) or --distill (docs/serving.md).",
-    ),
-    refit_tokens: int | None = typer.Option(
-        None, "--refit-tokens", help="With --refit: calibration tokens the least squares read (default 16384)."
-    ),
-    distill: bool = typer.Option(
-        False,
-        "--distill",
-        help="Train the MLA form's attention weights at its widths against the original model's next-token distribution (no run-time cost; docs/distill.md).",
-    ),
-    distill_tokens: int | None = typer.Option(
-        None,
-        "--distill-tokens",
-        help=f"With --distill: {DISTILL_TOKENS_MEANING}.",
-    ),
-    distill_epochs: float | None = typer.Option(
-        None,
-        "--distill-epochs",
-        help=f"With --distill: passes over the distillation tokens; the best epoch on the validation windows is kept (default {DISTILL_EPOCHS:g}, with --distill-rates {NESTED_DISTILL_EPOCHS:g}).",
-    ),
-    distill_lr: float | None = typer.Option(
-        None, "--distill-lr", help=f"With --distill: Adam learning rate, cosine decay (default {DISTILL_LR:g})."
-    ),
-    distill_rates: str | None = typer.Option(
-        None,
-        "--distill-rates",
-        help="With --distill and --layer-widths sensitivity: A,B trains every rate of the rate table from A to B together (nested over the latent widths; one file serves them all). A must be 1 - --kv-share.",
+    calibration: str = typer.Option(
+        "wiki", help="Calibration source: wiki, synthetic or a text file.", rich_help_panel="Calibration"
     ),
     refit_rates: str | None = typer.Option(
         None,
         "--refit-rates",
         help="A,B,...: one file serving these rates, o_proj refitted at each on its own (the stock weights hold A's, the others a side file kvrewrite.load(dir, rate=p) reads; no run-time cost). A must be 1 - --kv-share; widths uniform, or the rate table's with --layer-widths sensitivity. With --distill --distill-rates, each rate is refitted after the nested training. --refit auto is output-local (docs/serving.md). Same as --serve-rates A,B,... --serve-rates-by refit.",
+        rich_help_panel="Rates served",
     ),
     serve_rates: str | None = typer.Option(
         None,
         "--serve-rates",
         help="The rates the file serves, exactly, e.g. 0.3,0.5,0.7 (the same option as compress's); the smallest is the export's own, so --kv-share defaults to 1 - it. Served as --serve-rates-by says.",
+        rich_help_panel="Rates served",
     ),
     serve_rates_by: str | None = typer.Option(
         None,
         "--serve-rates-by",
         help=f"How --serve-rates are served: {', '.join(SERVE_RATES_BY)}. table: the rate table of a --layer-widths sensitivity export (closed form; its default); distill: a nested --distill trains exactly them (the default with --distill); refit: o_proj refitted at each (the default for a uniform export).",
+        rich_help_panel="Rates served",
     ),
+    refit: str = typer.Option(
+        "auto",
+        "--refit",
+        help="Least-squares refit of every o_proj at the exported widths, layer by layer (closed form, no run-time cost): output-local (against the original layer on the form's own inputs), output (against the original model's attention outputs) or none. auto (the default, as compress's): output-local for a uniform export or per-rate refits, none with --layer-widths sensitivity (it keeps its rate table; a refitted export serves its exported widths only) or --distill (docs/serving.md).",
+        rich_help_panel="Refit and distillation",
+    ),
+    refit_tokens: int | None = typer.Option(
+        None,
+        "--refit-tokens",
+        help="With --refit: calibration tokens the least squares read (default 16384).",
+        rich_help_panel="Refit and distillation",
+    ),
+    distill: bool = typer.Option(
+        False,
+        "--distill",
+        help="Train the MLA form's attention weights at its widths against the original model's next-token distribution (no run-time cost; docs/distill.md).",
+        rich_help_panel="Refit and distillation",
+    ),
+    distill_tokens: int | None = typer.Option(
+        None,
+        "--distill-tokens",
+        help=f"With --distill: {DISTILL_TOKENS_MEANING}.",
+        rich_help_panel="Refit and distillation",
+    ),
+    distill_epochs: float | None = typer.Option(
+        None,
+        "--distill-epochs",
+        help=f"With --distill: passes over the distillation tokens; the best epoch on the validation windows is kept (default {DISTILL_EPOCHS:g}, with --distill-rates {NESTED_DISTILL_EPOCHS:g}).",
+        rich_help_panel="Refit and distillation",
+    ),
+    distill_lr: float | None = typer.Option(
+        None,
+        "--distill-lr",
+        help=f"With --distill: Adam learning rate, cosine decay (default {DISTILL_LR:g}).",
+        rich_help_panel="Refit and distillation",
+    ),
+    distill_rates: str | None = typer.Option(
+        None,
+        "--distill-rates",
+        help="With --distill and --layer-widths sensitivity: A,B trains every rate of the rate table from A to B together (nested over the latent widths; one file serves them all). A must be 1 - --kv-share.",
+        rich_help_panel="Refit and distillation",
+    ),
+    output: Path = typer.Option(
+        ...,
+        "--output",
+        "-o",
+        help="Directory for the DeepSeek-V3 checkpoint (written atomically).",
+        rich_help_panel="Output",
+    ),
+    verify_tokens: int = typer.Option(
+        MLA_DEFAULTS["verify_tokens"],
+        "--verify-tokens",
+        help=f"{VERIFY_TOKENS_MEANING}: max |Δlogit| of the full-width MLA form against the original, and of the written checkpoint (stock transformers) and each refitted rate against our maths; one sequence, the calibration windows in order, at most --calib-tokens.",
+        rich_help_panel="Output",
+    ),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="Replace an existing output directory.", rich_help_panel="Output"
+    ),
+    dtype: str = typer.Option(
+        MLA_DEFAULTS["dtype"],
+        help=f"Weights dtype: auto ({AUTO_DTYPE_MEANING}), bfloat16 or float32 (float16 cannot hold the neutralised latent).",
+        rich_help_panel="Source and hardware",
+    ),
+    old_allocation: str | None = typer.Option(None, "--allocation", hidden=True),
 ) -> None:
     """Compute a multi-head latent (MLA) form from calibration statistics and write it as a stock DeepSeek-V3 checkpoint."""
     from kvrewrite.cli.compress_options import cli_message
