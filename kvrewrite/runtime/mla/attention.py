@@ -21,6 +21,7 @@ from torch import nn
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_pos_emb, apply_rotary_pos_emb_interleave
 
 from kvrewrite.errors import CorruptCheckpointError
+from kvrewrite.runtime.kernels.cpu_decode_mla import mla_block_decode
 from kvrewrite.runtime.kernels.dispatch import resolve_backend
 from kvrewrite.runtime.kernels.reference import boolean_mask, softmax_dtype
 from kvrewrite.runtime.mla.latent_cache import cache_latent_rows
@@ -171,6 +172,10 @@ class AbsorbedMLAAttention(nn.Module):
             latent_out = mla_flash_decode(queries, keys, keep, None, self.scaling, self.kv_lora_rank)
             return torch.einsum("bhr,hvr->bhv", latent_out, w_uv)[:, None]
         queries = queries * self.scaling  # on the T*H query rows, not on the T*H*S scores
+        if q_len == 1 and rows.device.type == "cpu":
+            # CPU decode: the rows read once, block by block (kernels.cpu_decode_mla); same masking as below.
+            latent_out = mla_block_decode(queries, keys, allowed[:, 0, 0], self.kv_lora_rank)
+            return torch.einsum("bhr,hvr->bhv", latent_out, w_uv)[:, None]
         scores = torch.bmm(queries, keys.transpose(1, 2)).view(batch, q_len, heads, kv_len)
         scores = scores.to(softmax_dtype(scores.dtype))
         # Always masked (no test of whether any slot is masked: that would be a host sync, and data-dependent control
