@@ -10,6 +10,7 @@ from transformers import StaticCache
 import kvrewrite.runtime.mla.attention as mla_attention
 from kvrewrite.runtime.kernels import cpu_decode_mla
 from kvrewrite.runtime.kernels.cpu_decode_mla import MIN_BLOCK_SLOTS, block_slots, mla_block_decode
+from kvrewrite.runtime.kernels.reference import boolean_mask
 
 RANK, ROPE, HEADS = 24, 8, 4
 # bf16: the scores are rounded to bf16 by the GEMM, as on the dense path (whose worst error on these inputs is as
@@ -146,11 +147,12 @@ def test_greedy_generate_is_token_for_token_what_the_dense_path_gives(tiny_block
     torch.testing.assert_close(torch.stack(after.logits), torch.stack(before.logits), atol=2e-5, rtol=1e-5)
 
 
-def test_static_cache_decode_equals_one_shot(tiny_blocks):
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_static_cache_decode_equals_one_shot(tiny_blocks, attn):
     """A StaticCache's unfilled slots (masked) sit in the blocks past the filled ones. Eager: its mask spans the
-    static capacity (with "sdpa" transformers passes no mask here, and boolean_mask's causal default then lets the
-    unfilled slots in, on the dense path as on this one)."""
-    config = tiny_config(attn="eager")
+    static capacity; sdpa: transformers passes no mask for the prefill into the empty cache, meaning SDPA's top-left
+    causal alignment, which keeps the unfilled slots out."""
+    config = tiny_config(attn=attn)
     _, ours = stock_and_ours(config)
     x = ids(batch=2, length=16)
     with torch.no_grad():
@@ -162,3 +164,17 @@ def test_static_cache_decode_equals_one_shot(tiny_blocks):
             steps.append(ours(x[:, t : t + 1], past_key_values=cache, use_cache=True, cache_position=position).logits)
     assert tiny_blocks
     torch.testing.assert_close(torch.cat(steps, dim=1), one_shot, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("q_len, kv_len", [(1, 9), (5, 5), (4, 11)])
+def test_a_missing_mask_means_what_sdpa_is_causal_computes(q_len, kv_len):
+    """transformers leaves the mask out where it relies on SDPA's `is_causal` (top-left aligned; off for one query):
+    boolean_mask(None) must let through exactly what SDPA attends to."""
+    g = torch.Generator().manual_seed(0)
+    query = torch.randn(1, 1, q_len, 8, generator=g, dtype=torch.float64)
+    keys = torch.randn(1, 1, kv_len, 8, generator=g, dtype=torch.float64)
+    values = torch.randn(1, 1, kv_len, 8, generator=g, dtype=torch.float64)
+    want = torch.nn.functional.scaled_dot_product_attention(query, keys, values, is_causal=q_len > 1)
+    allowed = boolean_mask(None, q_len, kv_len, query.device)
+    got = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=allowed)
+    torch.testing.assert_close(got, want)

@@ -49,12 +49,23 @@ def softmax_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def causal_mask(q_len: int, kv_len: int, offset: int, device) -> torch.Tensor:
+    """[1, 1, T, S]: query i (at cache index offset + i) may attend keys 0 .. offset + i."""
+    rows = torch.arange(q_len, device=device)[:, None] + offset
+    return (torch.arange(kv_len, device=device)[None, :] <= rows)[None, None]
+
+
 def boolean_mask(attention_mask: torch.Tensor | None, q_len: int, kv_len: int, device) -> torch.Tensor:
-    """True where a query may attend; accepts HF's bool or additive float masks, or None (causal)."""
+    """True where a query may attend; accepts HF's bool or additive float masks, or None as transformers means it.
+
+    transformers leaves the mask out (sdpa) only where SDPA's own causal flag gives the same: one query (it reads
+    every key), as many queries as keys, or a prefill into an empty StaticCache, whose unfilled slots past the
+    queries the top-left alignment of SDPA's `is_causal` hides. So a missing mask is causal aligned top-left for
+    several queries: query i reads keys 0 .. i (aligning bottom-right would let a StaticCache prefill read its
+    unfilled slots).
+    """
     if attention_mask is None:
-        offset = kv_len - q_len
-        rows = torch.arange(q_len, device=device)[:, None] + offset
-        return (torch.arange(kv_len, device=device)[None, :] <= rows)[None, None]
+        return causal_mask(q_len, kv_len, kv_len - 1 if q_len == 1 else 0, device)
     if attention_mask.dtype == torch.bool:
         return attention_mask[..., :kv_len]
     return attention_mask[..., :kv_len] > torch.finfo(attention_mask.dtype).min / 2

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kvrewrite.runtime.kernels.reference import boolean_mask, grouped_attention
+from kvrewrite.runtime.kernels.reference import causal_mask, grouped_attention
 from kvrewrite.runtime.sequence_parallel.collectives import CountingCollectives
 from kvrewrite.runtime.sequence_parallel.plan import RankShare
 
@@ -26,7 +26,7 @@ def causal_attention(
     outputs = []
     for start in range(0, length, chunk):
         stop = min(length, start + chunk)
-        allowed = boolean_mask(None, stop - start, stop, query.device)
+        allowed = causal_mask(stop - start, stop, start, query.device)  # rows start..stop-1 of the prompt
         outputs.append(
             grouped_attention(query[:, :, start:stop], key[:, :, :stop], value[:, :, :stop], allowed, scaling)
         )
