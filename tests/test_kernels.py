@@ -194,13 +194,16 @@ def test_float64_attention_stays_float64(ranks, route):
 @pytest.mark.parametrize("ranks", [RANK_MIXES[0], RANK_MIXES[2], RANK_MIXES[3]], ids=["equal", "mixed", "rank0-value"])
 @pytest.mark.parametrize("q_len", [1, 3])
 def test_column_decode_without_padding_matches_reference(ranks, q_len):
-    """No padding, causal only (mask None or HF's boolean mask): at q_len 1 nothing is masked and the route
-    skips the additive mask; at q_len 3 the causal part still needs it."""
+    """No padding, causal only (HF's boolean mask, or None): at q_len 1 nothing is masked and the route skips the
+    additive mask; at q_len 3 the causal part still needs it. None means what transformers means by it, SDPA's
+    is_causal: top-left aligned for several queries (a prefill into an empty StaticCache), every key for one."""
     layout = PackedLayout(*ranks)
     query, key, value, _ = _inputs(layout, 2, q_len, 11, torch.float32)
     causal = torch.ones(2, 1, q_len, 11, dtype=torch.bool).tril(11 - q_len)
+    top_left = torch.ones(2, 1, q_len, 11, dtype=torch.bool).tril(0 if q_len > 1 else 10)
     stored_key = packed_view(to_storage(key[:, 0].contiguous(), COLUMNS).contiguous())
     stored_value = packed_view(to_storage(value[:, 0].contiguous(), COLUMNS).contiguous())
     runner = BucketedAttention(layout)
-    for mask in (None, causal):
-        _compare(runner(query, stored_key, stored_value, mask, 0.3), query, key, value, causal, layout, torch.float32)
+    for mask, meaning in ((None, top_left), (causal, causal)):
+        out = runner(query, stored_key, stored_value, mask, 0.3)
+        _compare(out, query, key, value, meaning, layout, torch.float32)
