@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from kvrewrite.runtime.kernels.flash_decode_heads import HeadTables, head_columns, head_tables, layout_plan
-from kvrewrite.runtime.kernels.flash_decode_packed import tile_columns, tile_window
+from kvrewrite.runtime.kernels.flash_decode_packed import column_tiles, tile_window
 from kvrewrite.runtime.kernels.flash_decode_splits import (
     LOG2E,
     NEG_INF,
@@ -236,10 +236,9 @@ def latent_flash_decode(
     plan = latent_plan(layout, head_dim, batch, s_cap, key_latents.element_size(), device, splits)
     tables = _tables(layout, plan, str(device))
     output = torch.empty(batch, layout.output_offsets[-1], device=device, dtype=query.dtype)
-    k_align, k_window, block_r = tile_columns(layout.key_offsets, key_latents)
-    v_align, v_window, block_dv = tile_columns(layout.value_offsets, values)
-    half = pow2(head_dim // 2)
-    ws = plan_workspace(plan, batch, len(layout.key_ranks) * g, block_dv, device)
+    tiles = column_tiles(layout, key_latents, values)
+    block_r, half = tiles.block_k, pow2(head_dim // 2)
+    ws = plan_workspace(plan, batch, len(layout.key_ranks) * g, tiles.block_v, device)
     partials, partial_strides = workspace_arguments(ws, output)
     mask = mask_argument(allowed)
     kv_len_t, has_kv_len = kv_len_argument(kv_len, mask)
@@ -275,15 +274,12 @@ def latent_flash_decode(
         BLOCK_G=pow2(g),
         BLOCK_N=plan.block_n,
         BLOCK_R=block_r,
-        BLOCK_DV=block_dv,
+        BLOCK_DV=tiles.block_v,
         HALF=half,
         HAS_KV_LEN=has_kv_len,
         PARTIAL=plan.partial,
         UPCAST=interpreter_upcast(query.dtype),
-        K_ALIGN=k_align,
-        V_ALIGN=v_align,
-        K_WINDOW=k_window,
-        V_WINDOW=v_window,
+        **tiles.constexprs,
         SAME_HALVES=rope_halves_equal,
         # Two [rk, d / 2] up-projection tiles stay in registers for the walk: wide heads get more warps.
         num_warps=8 if block_r * half >= 64 * 64 else 4,

@@ -17,6 +17,7 @@ programs launch heaviest first. Nothing here syncs with the host or allocates by
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -194,6 +195,22 @@ def tile_columns(offsets: list[int], rows: torch.Tensor) -> tuple[int, bool, int
     return align, False, pow2(max(ranks))
 
 
+@dataclass(frozen=True)
+class ColumnTiles:
+    """tile_columns for the key and the value columns: the tile widths and the K_/V_ALIGN, K_/V_WINDOW constexprs
+    of the kernels that load through tile_window (packed, latent)."""
+
+    block_k: int
+    block_v: int
+    constexprs: dict[str, int | bool]
+
+
+def column_tiles(layout: PackedLayout, keys: torch.Tensor, values: torch.Tensor) -> ColumnTiles:
+    k_align, k_window, block_k = tile_columns(layout.key_offsets, keys)
+    v_align, v_window, block_v = tile_columns(layout.value_offsets, values)
+    return ColumnTiles(block_k, block_v, dict(K_ALIGN=k_align, V_ALIGN=v_align, K_WINDOW=k_window, V_WINDOW=v_window))
+
+
 def packed_plan(
     layout: PackedLayout,
     batch: int,
@@ -235,9 +252,8 @@ def packed_flash_decode(
     plan = packed_plan(layout, batch, s_cap, keys.element_size(), device, splits)
     tables = _tables(layout, plan, str(device))
     output = torch.empty(batch, layout.output_offsets[-1], device=device, dtype=query.dtype)
-    k_align, k_window, block_dk = tile_columns(layout.key_offsets, keys)
-    v_align, v_window, block_dv = tile_columns(layout.value_offsets, values)
-    ws = plan_workspace(plan, batch, len(layout.key_ranks) * g, block_dv, device)
+    tiles = column_tiles(layout, keys, values)
+    ws = plan_workspace(plan, batch, len(layout.key_ranks) * g, tiles.block_v, device)
     partials, partial_strides = workspace_arguments(ws, output)
     mask = mask_argument(allowed)
     kv_len_t, has_kv_len = kv_len_argument(kv_len, mask)
@@ -264,15 +280,12 @@ def packed_flash_decode(
         GROUP=g,
         BLOCK_G=pow2(g),
         BLOCK_N=plan.block_n,
-        BLOCK_DK=block_dk,
-        BLOCK_DV=block_dv,
+        BLOCK_DK=tiles.block_k,
+        BLOCK_DV=tiles.block_v,
         HAS_KV_LEN=has_kv_len,
         PARTIAL=plan.partial,
         UPCAST=interpreter_upcast(query.dtype),
-        K_ALIGN=k_align,
-        V_ALIGN=v_align,
-        K_WINDOW=k_window,
-        V_WINDOW=v_window,
+        **tiles.constexprs,
         num_warps=NUM_WARPS,
         num_stages=NUM_STAGES,
     )
