@@ -23,19 +23,29 @@ import triton
 import triton.language as tl
 
 from kvrewrite.runtime.codecs.readout import QuantizedBlocks
-from kvrewrite.runtime.kernels.flash_decode_packed import head_costs
+from kvrewrite.runtime.kernels.flash_decode_heads import (
+    HeadTables,
+    head_columns,
+    head_costs,
+    head_tables,
+    heaviest_head,
+)
 from kvrewrite.runtime.kernels.flash_decode_splits import (
     LOG2E,
     NEG_INF,
     SplitPlan,
     column_alignment,
-    int_table,
+    interpreter_upcast,
     interpreting,
     mask_argument,
     merge_splits,
+    online_softmax_tile,
     plan_splits,
+    plan_workspace,
     pow2,
-    workspace,
+    program_task,
+    store_head_split,
+    workspace_arguments,
 )
 from kvrewrite.runtime.kernels.reference import PackedLayout
 
@@ -46,7 +56,7 @@ WINDOW_TILE = 16
 
 
 @triton.jit
-def _unpack(ptr, idx, ok, BITS: tl.constexpr):
+def unpack_codes(ptr, idx, ok, BITS: tl.constexpr):
     """Codes number idx of a packed row (8 // BITS per byte, lowest bits first) as float32."""
     PER: tl.constexpr = 8 // BITS
     byte = tl.load(ptr + idx // PER, mask=ok, other=0).to(tl.int32)
@@ -64,18 +74,16 @@ def _code_tile(
         pair = tl.arange(0, BLOCK_D // 2)
         byte = tl.load(ptr + first // 2 + pair[None, :], mask=(2 * pair < rank)[None, :], other=0).to(tl.int32)
         return tl.reshape(tl.join(byte & 15, byte >> 4), [BLOCK_T, BLOCK_D]).to(tl.float32)
-    return _unpack(ptr, first + dims[None, :], (dims < rank)[None, :], BITS)
+    return unpack_codes(ptr, first + dims[None, :], (dims < rank)[None, :], BITS)
 
 
 @triton.jit
 def _online_step(m_i, l_i, acc, q, k, v, slot_ok, qk_scale, DOT: tl.constexpr):
+    """Scores of the dequantised key tile k (log2 units), then the online softmax over the values v (zeroed where
+    no slot is allowed, as the other kernels do)."""
     s = tl.dot(q, tl.trans(k.to(DOT))) * qk_scale
-    s = tl.where(slot_ok[None, :], s, NEG_INF)
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.where(slot_ok[None, :], tl.exp2(s - m_new[:, None]), 0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(DOT), tl.where(slot_ok[:, None], v, 0.0).to(DOT))
-    return m_new, l_i * alpha + tl.sum(p, 1), acc
+    v = tl.where(slot_ok[:, None], v, 0.0).to(DOT)
+    return online_softmax_tile(s, slot_ok, v, m_i, l_i, acc)
 
 
 @triton.jit(do_not_specialize=["n_cap", "w_cap"])
@@ -147,10 +155,7 @@ def _coded_split_kernel(
     K_ALIGN: tl.constexpr,
     V_ALIGN: tl.constexpr,
 ):
-    task = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
-    h = tl.load(tasks_ptr + 2 * task)
-    split = tl.load(tasks_ptr + 2 * task + 1)
+    b, h, split = program_task(tasks_ptr)
     # Ranks and column offsets are multiples of K_ALIGN / V_ALIGN codes (the host checked): written so the compiler
     # knows it and issues wide loads of the packed codes.
     rk = tl.load(k_rank_ptr + h) // K_ALIGN * K_ALIGN
@@ -228,19 +233,11 @@ def _coded_split_kernel(
             vw_ptr + b * s_vwb + w[:, None] * s_vwt + v_cols[None, :], mask=live[:, None] & v_in[None, :], other=0.0
         ).to(tl.float32)
         m_i, l_i, acc = _online_step(m_i, l_i, acc, q, k, v, slot_ok, qk_scale, DOT)
-    hq = h * GROUP + member
-    if PARTIAL:
-        tl.store(
-            acc_ptr + b * s_ab + hq[:, None] * s_ah + split * s_as + dv[None, :],
-            acc,
-            mask=row_ok[:, None] & v_in[None, :],
-        )
-        tl.store(m_ptr + b * s_lb + hq * s_lh + split, m_i, mask=row_ok)
-        tl.store(l_ptr + b * s_lb + hq * s_lh + split, l_i, mask=row_ok)
-    else:
-        out = tl.where(l_i[:, None] > 0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
-        o_cols = tl.load(o_off_ptr + h) + member[:, None] * rv + dv[None, :]
-        tl.store(o_ptr + b * s_ob + o_cols, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & v_in[None, :])
+    o_cols = tl.load(o_off_ptr + h) + member[:, None] * rv + dv[None, :]
+    store_head_split(
+        acc, m_i, l_i, h * GROUP + member, row_ok, dv, v_in, b, split,
+        acc_ptr, m_ptr, l_ptr, s_ab, s_ah, s_as, s_lb, s_lh, o_ptr, o_cols, s_ob, PARTIAL,
+    )  # fmt: skip
 
 
 def _byte_pairs(bits: int, offsets: list[int]) -> bool:
@@ -258,42 +255,19 @@ def coded_plan(
 ) -> SplitPlan:
     """Splits of the coded blocks (a chunk is a whole number of blocks: plan_splits' key block is one coded block)."""
     g = blocks.block_tokens
-    costs = head_costs(layout)
-    h = costs.index(max(costs))
+    h = heaviest_head(layout)
     coded_bytes = max(1, n_cap * g * (layout.key_ranks[h] + layout.value_ranks[h]) * blocks.bits // 8)
     share = 2 * layout.group_size * (layout.value_ranks[h] + 2) * 4 / coded_bytes
-    return plan_splits(costs, batch, max(1, n_cap) * g, g, device, splits, PROGRAMS_PER_SM, share)
+    return plan_splits(head_costs(layout), batch, max(1, n_cap) * g, g, device, splits, PROGRAMS_PER_SM, share)
 
 
 @functools.lru_cache(maxsize=64)
-def _tables(layout: PackedLayout, plan: SplitPlan, device: str) -> dict[str, torch.Tensor]:
-    g = layout.group_size
-    per_query = range(len(layout.key_ranks) * g)
-    tasks = plan.tasks(head_costs(layout))
-    block = plan.block_n
-    return {
-        "tasks": int_table(tuple(x for t in tasks for x in t), device),
-        "heads": torch.stack(
-            [
-                int_table(tuple(v), device)
-                for v in (
-                    layout.query_offsets[:-1],
-                    layout.key_offsets[:-1],
-                    layout.value_offsets[:-1],
-                    layout.output_offsets[:-1],
-                    layout.key_ranks,
-                    layout.value_ranks,
-                    tuple(c // block for c in plan.chunks),
-                    plan.splits,
-                )
-            ]
-        ),
-        "out_offsets": int_table(
-            tuple(layout.output_offsets[h // g] + (h % g) * layout.value_ranks[h // g] for h in per_query), device
-        ),
-        "out_widths": int_table(tuple(layout.value_ranks[h // g] for h in per_query), device),
-        "split_counts": int_table(tuple(plan.splits[h // g] for h in per_query), device),
-    }
+def _tables(layout: PackedLayout, plan: SplitPlan, device: str) -> HeadTables:
+    """The per-head rows in _coded_split_kernel's argument order: query offsets, head_columns, coded blocks per
+    split, split counts (the last split of a head walks the window)."""
+    blocks_per_split = tuple(c // plan.block_n for c in plan.chunks)
+    rows = (layout.query_offsets[:-1], *head_columns(layout), blocks_per_split, plan.splits)
+    return head_tables(layout, plan, device, rows)
 
 
 def supports_block_tokens(block_tokens: int) -> bool:
@@ -329,14 +303,13 @@ def coded_flash_decode(
     batch, n_cap = keys["codes"].shape[:2]
     device = query.device
     group = layout.group_size
-    n_query_heads = len(layout.key_ranks) * group
     query = query if query.stride(-1) == 1 else query.contiguous()
     plan = coded_plan(layout, blocks, batch, n_cap, device, splits)
     tables = _tables(layout, plan, str(device))
     output = torch.empty(batch, layout.output_offsets[-1], device=device, dtype=query.dtype)
     block_dv = pow2(max(layout.value_ranks))
-    ws = workspace(batch, n_query_heads, plan.max_splits, block_dv, device) if plan.partial else None
-    acc, m, l = (ws.acc, ws.running_max, ws.normaliser) if ws else (output, output, output)
+    ws = plan_workspace(plan, batch, len(layout.key_ranks) * group, block_dv, device)
+    partials, partial_strides = workspace_arguments(ws, output)
     mask = mask_argument(allowed)
     has_counts = n_coded is not None
     if has_counts != (window_len is not None):
@@ -344,12 +317,11 @@ def coded_flash_decode(
     counts = (n_coded.reshape(1), window_len.reshape(1)) if has_counts else (mask, mask)
     kc, ks, kl = (keys[n] for n in ("codes", "scale", "low"))
     vc, vs, vl = (values[n] for n in ("codes", "scale", "low"))
-    n_tasks = tables["tasks"].numel() // 2
-    _coded_split_kernel[(n_tasks, batch)](
+    _coded_split_kernel[(tables.n_tasks, batch)](
         query,
         mask,
         *counts,
-        tables["tasks"],
+        tables.tasks,
         kc,
         ks,
         kl,
@@ -358,11 +330,9 @@ def coded_flash_decode(
         vl,
         key_window,
         value_window,
-        *tables["heads"].unbind(0),
+        *tables.heads,
         output,
-        acc,
-        m,
-        l,
+        *partials,
         n_cap,
         key_window.shape[1],
         key_window.shape[-1],
@@ -384,11 +354,7 @@ def coded_flash_decode(
         value_window.stride(0),
         value_window.stride(1),
         output.stride(0),
-        acc.stride(0) if ws else 0,
-        acc.stride(1) if ws else 0,
-        acc.stride(2) if ws else 0,
-        m.stride(0) if ws else 0,
-        m.stride(1) if ws else 0,
+        *partial_strides,
         GROUP=group,
         BLOCK_G=pow2(group),
         BLOCK_T=g,
@@ -399,7 +365,7 @@ def coded_flash_decode(
         VALUE_GROUP=blocks.value_group,
         HAS_COUNTS=has_counts,
         PARTIAL=plan.partial,
-        UPCAST=query.dtype != torch.float32 and interpreting(),
+        UPCAST=interpreter_upcast(query.dtype),
         K_PAIRS=_byte_pairs(blocks.bits, layout.key_offsets),
         V_PAIRS=_byte_pairs(blocks.bits, layout.value_offsets),
         K_ALIGN=column_alignment(layout.key_offsets, blocks.bits / 8),
@@ -408,7 +374,5 @@ def coded_flash_decode(
         num_stages=NUM_STAGES,
     )
     if ws:
-        merge_splits(
-            ws, output, tables["out_offsets"], tables["out_widths"], tables["split_counts"], max(layout.value_ranks)
-        )
+        merge_splits(ws, output, *tables.merge, max(layout.value_ranks))
     return output

@@ -20,22 +20,24 @@ import torch
 import triton
 import triton.language as tl
 
-from kvrewrite.runtime.kernels.flash_decode_packed import head_costs, partial_share, tile_columns, tile_window
+from kvrewrite.runtime.kernels.flash_decode_heads import HeadTables, head_columns, head_tables, layout_plan
+from kvrewrite.runtime.kernels.flash_decode_packed import column_tiles, tile_window
 from kvrewrite.runtime.kernels.flash_decode_splits import (
     LOG2E,
     NEG_INF,
     SplitPlan,
     decode_tile,
-    int_table,
-    interpreting,
+    interpreter_upcast,
     kv_len_argument,
     mask_argument,
     merge_splits,
     online_softmax_tile,
-    plan_splits,
+    plan_workspace,
     pow2,
+    program_task,
+    split_slots,
     store_head_split,
-    workspace,
+    workspace_arguments,
 )
 from kvrewrite.runtime.kernels.reference import PackedLayout
 
@@ -100,19 +102,11 @@ def _latent_split_kernel(
     V_WINDOW: tl.constexpr,
     SAME_HALVES: tl.constexpr,
 ):
-    task = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
-    h = tl.load(tasks_ptr + 2 * task)
-    split = tl.load(tasks_ptr + 2 * task + 1)
+    b, h, split = program_task(tasks_ptr)
     # Which latent / value columns a tile loads (aligned, or a window around the head: flash_decode_packed).
     k_first, k_shift, k_span, rk = tile_window(tl.load(k_off_ptr + h), tl.load(k_rank_ptr + h), K_ALIGN, K_WINDOW)
     v_first, v_shift, v_span, rv = tile_window(tl.load(v_off_ptr + h), tl.load(v_rank_ptr + h), V_ALIGN, V_WINDOW)
-    chunk = tl.load(chunk_ptr + h)
-    kv_len = s_cap
-    if HAS_KV_LEN:
-        kv_len = tl.minimum(tl.load(kv_len_ptr).to(tl.int32), s_cap)
-    start = split * chunk
-    stop = tl.minimum(start + chunk, kv_len)
+    start, stop = split_slots(split, tl.load(chunk_ptr + h), kv_len_ptr, s_cap, HAS_KV_LEN)
 
     member = tl.arange(0, BLOCK_G)
     row_ok = member < GROUP
@@ -198,44 +192,14 @@ def latent_plan(
 ) -> SplitPlan:
     # The block height follows the widest register tile, the rebuilt keys [BLOCK_N, head_dim].
     block_n = decode_tile(max(head_dim, max(layout.value_ranks)), element_bytes)
-    return plan_splits(
-        head_costs(layout),
-        batch,
-        s_cap,
-        block_n,
-        device,
-        splits,
-        PROGRAMS_PER_SM,
-        partial_share(layout, s_cap, element_bytes),
-    )
+    return layout_plan(layout, batch, s_cap, block_n, element_bytes, device, splits, PROGRAMS_PER_SM)
 
 
 @functools.lru_cache(maxsize=64)
-def _tables(layout: PackedLayout, plan: SplitPlan, device: str) -> dict[str, torch.Tensor]:
-    g = layout.group_size
-    per_query = range(len(layout.key_ranks) * g)
-    tasks = plan.tasks(head_costs(layout))
-    return {
-        "tasks": int_table(tuple(x for t in tasks for x in t), device),
-        "heads": torch.stack(
-            [
-                int_table(tuple(v), device)
-                for v in (
-                    layout.key_offsets[:-1],
-                    layout.value_offsets[:-1],
-                    layout.output_offsets[:-1],
-                    layout.key_ranks,
-                    layout.value_ranks,
-                    plan.chunks,
-                )
-            ]
-        ),
-        "out_offsets": int_table(
-            tuple(layout.output_offsets[h // g] + (h % g) * layout.value_ranks[h // g] for h in per_query), device
-        ),
-        "out_widths": int_table(tuple(layout.value_ranks[h // g] for h in per_query), device),
-        "split_counts": int_table(tuple(plan.splits[h // g] for h in per_query), device),
-    }
+def _tables(layout: PackedLayout, plan: SplitPlan, device: str) -> HeadTables:
+    """The per-head rows in _latent_split_kernel's argument order: head_columns, chunks (no query offsets: the
+    rotated queries are full head width)."""
+    return head_tables(layout, plan, device, (*head_columns(layout), plan.chunks))
 
 
 def latent_flash_decode(
@@ -267,35 +231,30 @@ def latent_flash_decode(
         raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
     device = query_rotated.device
     g = layout.group_size
-    n_query_heads = len(layout.key_ranks) * g
     query = query_rotated if query_rotated.stride(-1) == 1 else query_rotated.contiguous()
     k_up, cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (k_up, cos, sin))
     plan = latent_plan(layout, head_dim, batch, s_cap, key_latents.element_size(), device, splits)
     tables = _tables(layout, plan, str(device))
     output = torch.empty(batch, layout.output_offsets[-1], device=device, dtype=query.dtype)
-    k_align, k_window, block_r = tile_columns(layout.key_offsets, key_latents)
-    v_align, v_window, block_dv = tile_columns(layout.value_offsets, values)
-    half = pow2(head_dim // 2)
-    ws = workspace(batch, n_query_heads, plan.max_splits, block_dv, device) if plan.partial else None
-    acc, m, l = (ws.acc, ws.running_max, ws.normaliser) if ws else (output, output, output)
+    tiles = column_tiles(layout, key_latents, values)
+    block_r, half = tiles.block_k, pow2(head_dim // 2)
+    ws = plan_workspace(plan, batch, len(layout.key_ranks) * g, tiles.block_v, device)
+    partials, partial_strides = workspace_arguments(ws, output)
     mask = mask_argument(allowed)
     kv_len_t, has_kv_len = kv_len_argument(kv_len, mask)
-    n_tasks = tables["tasks"].numel() // 2
-    _latent_split_kernel[(n_tasks, batch)](
+    _latent_split_kernel[(tables.n_tasks, batch)](
         query,
         key_latents,
         values,
         mask,
         kv_len_t,
-        tables["tasks"],
+        tables.tasks,
         k_up,
         cos,
         sin,
-        *tables["heads"].unbind(0),
+        *tables.heads,
         output,
-        acc,
-        m,
-        l,
+        *partials,
         s_cap,
         head_dim // 2,
         scaling * LOG2E,
@@ -310,31 +269,22 @@ def latent_flash_decode(
         cos.stride(-2),
         sin.stride(-2),
         output.stride(0),
-        acc.stride(0) if ws else 0,
-        acc.stride(1) if ws else 0,
-        acc.stride(2) if ws else 0,
-        m.stride(0) if ws else 0,
-        m.stride(1) if ws else 0,
+        *partial_strides,
         GROUP=g,
         BLOCK_G=pow2(g),
         BLOCK_N=plan.block_n,
         BLOCK_R=block_r,
-        BLOCK_DV=block_dv,
+        BLOCK_DV=tiles.block_v,
         HALF=half,
         HAS_KV_LEN=has_kv_len,
         PARTIAL=plan.partial,
-        UPCAST=query.dtype != torch.float32 and interpreting(),
-        K_ALIGN=k_align,
-        V_ALIGN=v_align,
-        K_WINDOW=k_window,
-        V_WINDOW=v_window,
+        UPCAST=interpreter_upcast(query.dtype),
+        **tiles.constexprs,
         SAME_HALVES=rope_halves_equal,
         # Two [rk, d / 2] up-projection tiles stay in registers for the walk: wide heads get more warps.
         num_warps=8 if block_r * half >= 64 * 64 else 4,
         num_stages=NUM_STAGES,
     )
     if ws:
-        merge_splits(
-            ws, output, tables["out_offsets"], tables["out_widths"], tables["split_counts"], max(layout.value_ranks)
-        )
+        merge_splits(ws, output, *tables.merge, max(layout.value_ranks))
     return output

@@ -25,13 +25,18 @@ from kvrewrite.runtime.kernels.flash_decode_splits import (
     NEG_INF,
     SplitPlan,
     int_table,
+    interpreter_upcast,
     interpreting,
     kv_len_argument,
     mask_argument,
     merge_splits,
+    online_softmax_tile,
     plan_splits,
+    plan_workspace,
     pow2,
-    workspace,
+    split_slots,
+    store_head_split,
+    workspace_arguments,
 )
 
 # Sized by compiling for sm_90 here (benchmarks/flash_decode_resources.py; no GPU timing yet). At r = 512 a [32, 512]
@@ -83,11 +88,7 @@ def _mla_split_kernel(
     head_block = tl.program_id(0)
     split = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
-    kv_len = s_cap
-    if HAS_KV_LEN:
-        kv_len = tl.minimum(tl.load(kv_len_ptr).to(tl.int32), s_cap)
-    start = split * chunk
-    stop = tl.minimum(start + chunk, kv_len)
+    start, stop = split_slots(split, chunk, kv_len_ptr, s_cap, HAS_KV_LEN)
 
     hq = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = hq < heads
@@ -122,28 +123,12 @@ def _mla_split_kernel(
             c = c.to(tl.float32)
             pe = pe.to(tl.float32)
         s = (tl.dot(q_lat, tl.trans(c)) + tl.dot(q_pe, tl.trans(pe))) * qk_scale  # [H, N], log2 units
-        s = tl.where(slot_ok[None, :], s, NEG_INF)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.where(slot_ok[None, :], tl.exp2(s - m_new[:, None]), 0.0)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)  # the value sum from the same latent tile
-        m_i = m_new
-    if PARTIAL:
-        tl.store(
-            acc_ptr + b * s_ab + hq[:, None] * s_ah + split * s_as + dr[None, :],
-            acc,
-            mask=h_ok[:, None] & r_in[None, :],
-        )
-        tl.store(m_ptr + b * s_lb + hq * s_lh + split, m_i, mask=h_ok)
-        tl.store(l_ptr + b * s_lb + hq * s_lh + split, l_i, mask=h_ok)
-    else:
-        out = tl.where(l_i[:, None] > 0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
-        tl.store(
-            o_ptr + b * s_ob + hq[:, None] * s_oh + dr[None, :],
-            out.to(o_ptr.dtype.element_ty),
-            mask=h_ok[:, None] & r_in[None, :],
-        )
+        m_i, l_i, acc = online_softmax_tile(s, slot_ok, c, m_i, l_i, acc)  # values: the same latent tile
+    o_cols = hq[:, None] * s_oh + dr[None, :]
+    store_head_split(
+        acc, m_i, l_i, hq, h_ok, dr, r_in, b, split,
+        acc_ptr, m_ptr, l_ptr, s_ab, s_ah, s_as, s_lb, s_lh, o_ptr, o_cols, s_ob, PARTIAL,
+    )  # fmt: skip
 
 
 def mla_tile(rank: int) -> int:
@@ -206,8 +191,8 @@ def mla_flash_decode(
     plan = mla_plan(batch, heads, rank, rope_dim, s_cap, rows.element_size(), device, splits)
     output = torch.empty(batch, heads, rank, device=device, dtype=q_rows.dtype)
     block_r = pow2(rank)
-    ws = workspace(batch, heads, plan.max_splits, block_r, device) if plan.partial else None
-    acc, m, l = (ws.acc, ws.running_max, ws.normaliser) if ws else (output, output, output)
+    ws = plan_workspace(plan, batch, heads, block_r, device)
+    partials, partial_strides = workspace_arguments(ws, output)
     mask = mask_argument(allowed)
     kv_len_t, has_kv_len = kv_len_argument(kv_len, mask)
     _mla_split_kernel[(head_blocks, plan.max_splits, batch)](
@@ -216,9 +201,7 @@ def mla_flash_decode(
         mask,
         kv_len_t,
         output,
-        acc,
-        m,
-        l,
+        *partials,
         s_cap,
         heads,
         rank,
@@ -232,18 +215,14 @@ def mla_flash_decode(
         mask.stride(0),
         output.stride(0),
         output.stride(1),
-        acc.stride(0) if ws else 0,
-        acc.stride(1) if ws else 0,
-        acc.stride(2) if ws else 0,
-        m.stride(0) if ws else 0,
-        m.stride(1) if ws else 0,
+        *partial_strides,
         BLOCK_H=block_h,
         BLOCK_N=plan.block_n,
         BLOCK_R=block_r,
         BLOCK_PE=pow2(rope_dim),
         HAS_KV_LEN=has_kv_len,
         PARTIAL=plan.partial,
-        UPCAST=q_rows.dtype != torch.float32 and interpreting(),
+        UPCAST=interpreter_upcast(q_rows.dtype),
         num_warps=NUM_WARPS,
         num_stages=NUM_STAGES,
     )

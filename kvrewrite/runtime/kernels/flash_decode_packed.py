@@ -17,30 +17,37 @@ programs launch heaviest first. Nothing here syncs with the host or allocates by
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from kvrewrite.runtime.kernels.flash_decode_heads import (
+    HeadTables,
+    head_columns,
+    head_tables,
+    layout_plan,
+)
 from kvrewrite.runtime.kernels.flash_decode_splits import (
     LOG2E,
     NEG_INF,
     SplitPlan,
     column_alignment,
     decode_tile,
-    int_table,
-    interpreting,
+    interpreter_upcast,
     kv_len_argument,
     mask_argument,
     merge_splits,
     online_softmax_tile,
-    plan_splits,
+    plan_workspace,
     pow2,
+    program_task,
+    split_slots,
     store_head_split,
-    workspace,
+    workspace_arguments,
 )
 from kvrewrite.runtime.kernels.reference import PackedLayout
-from kvrewrite.runtime.kernels.scheduling import head_work
 
 NUM_WARPS = 4
 NUM_STAGES = 3  # key/value tiles in flight per program (software pipelining of the block loop)
@@ -116,16 +123,8 @@ def _packed_split_kernel(
     K_WINDOW: tl.constexpr,
     V_WINDOW: tl.constexpr,
 ):
-    task = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
-    h = tl.load(tasks_ptr + 2 * task)
-    split = tl.load(tasks_ptr + 2 * task + 1)
-    chunk = tl.load(chunk_ptr + h)
-    kv_len = s_cap
-    if HAS_KV_LEN:
-        kv_len = tl.minimum(tl.load(kv_len_ptr).to(tl.int32), s_cap)
-    start = split * chunk
-    stop = tl.minimum(start + chunk, kv_len)
+    b, h, split = program_task(tasks_ptr)
+    start, stop = split_slots(split, tl.load(chunk_ptr + h), kv_len_ptr, s_cap, HAS_KV_LEN)
     k_first, k_shift, k_span, rk = tile_window(tl.load(k_off_ptr + h), tl.load(k_rank_ptr + h), K_ALIGN, K_WINDOW)
     v_first, v_shift, v_span, rv = tile_window(tl.load(v_off_ptr + h), tl.load(v_rank_ptr + h), V_ALIGN, V_WINDOW)
 
@@ -172,20 +171,6 @@ def _packed_split_kernel(
     )  # fmt: skip
 
 
-def head_costs(layout: PackedLayout) -> tuple[int, ...]:
-    """Per-token work of each KV head: the bytes it reads and the multiply-adds it does both scale with rk + rv + 1."""
-    return tuple(head_work(rk, rv) for rk, rv in zip(layout.key_ranks, layout.value_ranks))
-
-
-def partial_share(layout: PackedLayout, s_cap: int, element_bytes: int) -> float:
-    """A split's partial (G rows of rv + 2 fp32, written and read back) over what an unsplit program of the heaviest
-    head reads (S_cap slots of rk + rv elements)."""
-    costs = head_costs(layout)
-    h = costs.index(max(costs))
-    rk, rv = layout.key_ranks[h], layout.value_ranks[h]
-    return 2 * layout.group_size * (rv + 2) * 4 / max(1, s_cap * (rk + rv) * element_bytes)
-
-
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
@@ -210,6 +195,22 @@ def tile_columns(offsets: list[int], rows: torch.Tensor) -> tuple[int, bool, int
     return align, False, pow2(max(ranks))
 
 
+@dataclass(frozen=True)
+class ColumnTiles:
+    """tile_columns for the key and the value columns: the tile widths and the K_/V_ALIGN, K_/V_WINDOW constexprs
+    of the kernels that load through tile_window (packed, latent)."""
+
+    block_k: int
+    block_v: int
+    constexprs: dict[str, int | bool]
+
+
+def column_tiles(layout: PackedLayout, keys: torch.Tensor, values: torch.Tensor) -> ColumnTiles:
+    k_align, k_window, block_k = tile_columns(layout.key_offsets, keys)
+    v_align, v_window, block_v = tile_columns(layout.value_offsets, values)
+    return ColumnTiles(block_k, block_v, dict(K_ALIGN=k_align, V_ALIGN=v_align, K_WINDOW=k_window, V_WINDOW=v_window))
+
+
 def packed_plan(
     layout: PackedLayout,
     batch: int,
@@ -219,46 +220,13 @@ def packed_plan(
     splits: int | None = None,
 ) -> SplitPlan:
     block_n = decode_tile(max(max(layout.key_ranks), max(layout.value_ranks)), element_bytes)
-    return plan_splits(
-        head_costs(layout),
-        batch,
-        s_cap,
-        block_n,
-        device,
-        splits,
-        PROGRAMS_PER_SM,
-        partial_share(layout, s_cap, element_bytes),
-    )
+    return layout_plan(layout, batch, s_cap, block_n, element_bytes, device, splits, PROGRAMS_PER_SM)
 
 
 @functools.lru_cache(maxsize=64)
-def _tables(layout: PackedLayout, plan: SplitPlan, device: str) -> dict[str, torch.Tensor]:
-    """Everything per head the launch reads, as device tables built once per (layout, plan, device)."""
-    g = layout.group_size
-    per_query = range(len(layout.key_ranks) * g)
-    tasks = plan.tasks(head_costs(layout))
-    return {
-        "tasks": int_table(tuple(x for t in tasks for x in t), device),
-        "heads": torch.stack(
-            [
-                int_table(tuple(v), device)
-                for v in (
-                    layout.query_offsets[:-1],
-                    layout.key_offsets[:-1],
-                    layout.value_offsets[:-1],
-                    layout.output_offsets[:-1],
-                    layout.key_ranks,
-                    layout.value_ranks,
-                    plan.chunks,
-                )
-            ]
-        ),
-        "out_offsets": int_table(
-            tuple(layout.output_offsets[h // g] + (h % g) * layout.value_ranks[h // g] for h in per_query), device
-        ),
-        "out_widths": int_table(tuple(layout.value_ranks[h // g] for h in per_query), device),
-        "split_counts": int_table(tuple(plan.splits[h // g] for h in per_query), device),
-    }
+def _tables(layout: PackedLayout, plan: SplitPlan, device: str) -> HeadTables:
+    """The per-head rows in _packed_split_kernel's argument order: query offsets, head_columns, chunks."""
+    return head_tables(layout, plan, device, (layout.query_offsets[:-1], *head_columns(layout), plan.chunks))
 
 
 def packed_flash_decode(
@@ -280,30 +248,25 @@ def packed_flash_decode(
     batch, s_cap = keys.shape[0], keys.shape[1]
     device = query.device
     g = layout.group_size
-    n_query_heads = len(layout.key_ranks) * g
     query = query if query.stride(-1) == 1 else query.contiguous()
     plan = packed_plan(layout, batch, s_cap, keys.element_size(), device, splits)
     tables = _tables(layout, plan, str(device))
     output = torch.empty(batch, layout.output_offsets[-1], device=device, dtype=query.dtype)
-    k_align, k_window, block_dk = tile_columns(layout.key_offsets, keys)
-    v_align, v_window, block_dv = tile_columns(layout.value_offsets, values)
-    ws = workspace(batch, n_query_heads, plan.max_splits, block_dv, device) if plan.partial else None
-    acc, m, l = (ws.acc, ws.running_max, ws.normaliser) if ws else (output, output, output)
+    tiles = column_tiles(layout, keys, values)
+    ws = plan_workspace(plan, batch, len(layout.key_ranks) * g, tiles.block_v, device)
+    partials, partial_strides = workspace_arguments(ws, output)
     mask = mask_argument(allowed)
     kv_len_t, has_kv_len = kv_len_argument(kv_len, mask)
-    n_tasks = tables["tasks"].numel() // 2
-    _packed_split_kernel[(n_tasks, batch)](
+    _packed_split_kernel[(tables.n_tasks, batch)](
         query,
         keys,
         values,
         mask,
         kv_len_t,
-        tables["tasks"],
-        *tables["heads"].unbind(0),
+        tables.tasks,
+        *tables.heads,
         output,
-        acc,
-        m,
-        l,
+        *partials,
         s_cap,
         scaling * LOG2E,
         query.stride(0),
@@ -313,28 +276,19 @@ def packed_flash_decode(
         values.stride(1),
         mask.stride(0),
         output.stride(0),
-        acc.stride(0) if ws else 0,
-        acc.stride(1) if ws else 0,
-        acc.stride(2) if ws else 0,
-        m.stride(0) if ws else 0,
-        m.stride(1) if ws else 0,
+        *partial_strides,
         GROUP=g,
         BLOCK_G=pow2(g),
         BLOCK_N=plan.block_n,
-        BLOCK_DK=block_dk,
-        BLOCK_DV=block_dv,
+        BLOCK_DK=tiles.block_k,
+        BLOCK_DV=tiles.block_v,
         HAS_KV_LEN=has_kv_len,
         PARTIAL=plan.partial,
-        UPCAST=query.dtype != torch.float32 and interpreting(),
-        K_ALIGN=k_align,
-        V_ALIGN=v_align,
-        K_WINDOW=k_window,
-        V_WINDOW=v_window,
+        UPCAST=interpreter_upcast(query.dtype),
+        **tiles.constexprs,
         num_warps=NUM_WARPS,
         num_stages=NUM_STAGES,
     )
     if ws:
-        merge_splits(
-            ws, output, tables["out_offsets"], tables["out_widths"], tables["split_counts"], max(layout.value_ranks)
-        )
+        merge_splits(ws, output, *tables.merge, max(layout.value_ranks))
     return output

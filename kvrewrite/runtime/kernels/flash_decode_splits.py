@@ -181,6 +181,50 @@ def workspace(batch: int, heads: int, splits: int, width: int, device: torch.dev
     return Workspace(acc, stats[0], stats[1])
 
 
+def plan_workspace(plan: SplitPlan, batch: int, heads: int, width: int, device: torch.device) -> Workspace | None:
+    """The workspace of a launch by this plan, or None when no head is split (the kernel then writes the output)."""
+    return workspace(batch, heads, plan.max_splits, width, device) if plan.partial else None
+
+
+def workspace_arguments(
+    ws: Workspace | None, output: torch.Tensor
+) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], tuple[int, ...]]:
+    """The split kernels' workspace arguments: the (acc, running max, normaliser) pointers and their strides
+    (s_ab, s_ah, s_as, s_lb, s_lh). Without a workspace (PARTIAL=False, nothing is written there) the output stands
+    in for the pointers and the strides are 0."""
+    if ws is None:
+        return (output, output, output), (0,) * 5
+    acc, m = ws.acc, ws.running_max
+    return (acc, m, ws.normaliser), (acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1))
+
+
+def interpreter_upcast(dtype: torch.dtype) -> bool:
+    """The kernels' UPCAST: under the CPU interpreter, which computes bf16 / fp16 dots wrongly, tiles are widened to
+    fp32 before each dot; compiled kernels keep the narrow dtype."""
+    return dtype != torch.float32 and interpreting()
+
+
+@triton.jit
+def program_task(tasks_ptr):
+    """This program's request b (grid axis 1) and its (KV head, split) task (grid axis 0: SplitPlan.tasks order)."""
+    task = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    h = tl.load(tasks_ptr + 2 * task)
+    split = tl.load(tasks_ptr + 2 * task + 1)
+    return b, h, split
+
+
+@triton.jit
+def split_slots(split, chunk, kv_len_ptr, s_cap, HAS_KV_LEN: tl.constexpr):
+    """The slots [start, stop) split `split` walks: its chunk, cut at the live length (loaded from device memory, so
+    a replayed CUDA graph sees it grow; without HAS_KV_LEN every slot up to S_cap is live)."""
+    kv_len = s_cap
+    if HAS_KV_LEN:
+        kv_len = tl.minimum(tl.load(kv_len_ptr).to(tl.int32), s_cap)
+    start = split * chunk
+    return start, tl.minimum(start + chunk, kv_len)
+
+
 @triton.jit
 def online_softmax_tile(s, slot_ok, v, m_i, l_i, acc):
     """One key tile of a split's online softmax: scores s [G, N] (log2 units) of the slots slot_ok [N] allows, values

@@ -17,20 +17,16 @@ The kernels run on CUDA; their tests run them on CPU tensors under TRITON_INTERP
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from kvrewrite.runtime.kernels.cache_layout import ROWS
 from kvrewrite.runtime.kernels.flash_decode_packed import packed_flash_decode
+from kvrewrite.runtime.kernels.flash_decode_splits import NEG_INF, interpreter_upcast, pow2
 from kvrewrite.runtime.kernels.reference import PackedLayout, boolean_mask
 from kvrewrite.runtime.kernels.scheduling import head_work, lpt_decode_schedule, prefill_tasks
 
-NEG_INF = tl.constexpr(
-    -1.0e30
-)  # a constexpr: compiled kernels read no plain globals; finite: a fully masked block must not turn the running max into -inf - -inf = nan
 INTERPRETER_WORKERS = 4
 
 
@@ -209,14 +205,6 @@ def _prefill_kernel(
         tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & (dims[None, :] < rv))
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _pow2(n: int, floor: int = 16) -> int:
-    return max(floor, triton.next_power_of_2(max(n, 1)))
-
-
 class TritonPackedAttention:
     """Per-layer runner with the rank tables on the device and cached decode schedules."""
 
@@ -295,12 +283,12 @@ class TritonPackedAttention:
         mask = allowed.expand(batch, 1, q_len, kv_len)[:, 0].to(torch.int8).contiguous()  # [B, T, S]
         output = torch.empty(batch, q_len, lay.output_offsets[-1], device=query.device, dtype=query.dtype)
         tables = self._rank_tables(query.device)
-        block_d = _pow2(max(max(lay.key_ranks, default=1), max(lay.value_ranks, default=1)))
-        block_g = _pow2(g, floor=1)
+        block_d = pow2(max(max(lay.key_ranks, default=1), max(lay.value_ranks, default=1)))
+        block_g = pow2(g, floor=1)
         common = (*tables.unbind(0),)
         # Triton's CPU interpreter computes tl.dot on bf16 tiles wrongly (it reads them as integers), so
         # under the interpreter tiles are widened to fp32 before each dot; loads and stores stay bf16.
-        upcast = query.dtype != torch.float32 and _interpreting()
+        upcast = interpreter_upcast(query.dtype)
         if q_len == 1:
             tasks, starts, workers = self._decode_schedule(batch, kv_len, query.device)
             _decode_kernel[(workers,)](

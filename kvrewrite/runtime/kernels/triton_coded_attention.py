@@ -24,27 +24,17 @@ The kernel runs on CUDA; its tests run it on CPU tensors under TRITON_INTERPRET=
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from kvrewrite.runtime.codecs.readout import CodedReadout
+from kvrewrite.runtime.kernels.flash_decode_coded import unpack_codes
+from kvrewrite.runtime.kernels.flash_decode_splits import NEG_INF, interpreting, pow2
 from kvrewrite.runtime.kernels.reference import PackedLayout, boolean_mask
 
 MIN_BLOCKS_PER_SPLIT = 4
-NEG_INF = tl.constexpr(
-    -1.0e30
-)  # a constexpr: compiled kernels read no plain globals; finite, as in triton_attention: a fully masked tile must not make the running max -inf
-
-
-@triton.jit
-def _unpack(ptr, idx, ok, BITS: tl.constexpr):
-    """Codes number idx of a packed row (8 // BITS per byte, lowest bits first) as float32."""
-    PER: tl.constexpr = 8 // BITS
-    byte = tl.load(ptr + idx // PER, mask=ok, other=0).to(tl.int32)
-    return ((byte >> ((idx % PER) * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
 
 
 @triton.jit
@@ -204,7 +194,7 @@ def _coded_attention_kernel(
         n_ok = tok < BLOCK_T
         # Keys: one (scale, min) per channel per block; codes token-major over the block's [G, C] grid.
         kidx = tok[:, None] * key_channels + k_cols[None, :]
-        codes = _unpack(kc_ptr + b * s_kcb + blk * s_kcn, kidx, k_ok, BITS)
+        codes = unpack_codes(kc_ptr + b * s_kcb + blk * s_kcn, kidx, k_ok, BITS)
         kmeta = b * s_ksb + blk * s_ksn + k_cols
         scale = tl.load(ks_ptr + kmeta, mask=dims < rk, other=0.0).to(tl.float32)
         low = tl.load(kl_ptr + kmeta, mask=dims < rk, other=0.0).to(tl.float32)
@@ -212,7 +202,7 @@ def _coded_attention_kernel(
         s = _scores(q1, q2, k, up_base, cos_ptr, sin_ptr, n, n_ok, dims, rk, head_d, BLOCK_D, HALF, LATENT) * scaling
         # Values: one (scale, min) per token per group of VALUE_GROUP packed channels.
         vidx = tok[:, None] * value_channels + v_cols[None, :]
-        vcodes = _unpack(vc_ptr + b * s_vcb + blk * s_vcn, vidx, v_ok, BITS)
+        vcodes = unpack_codes(vc_ptr + b * s_vcb + blk * s_vcn, vidx, v_ok, BITS)
         vmeta = b * s_vsb + blk * s_vsn + tok[:, None] * s_vst + (v_cols // VALUE_GROUP)[None, :]
         vscale = tl.load(vs_ptr + vmeta, mask=v_ok, other=0.0).to(tl.float32)
         vlow = tl.load(vl_ptr + vmeta, mask=v_ok, other=0.0).to(tl.float32)
@@ -258,19 +248,11 @@ def _coded_attention_kernel(
         tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & v_ok)
 
 
-def _pow2(n: int, floor: int = 16) -> int:
-    return max(floor, triton.next_power_of_2(max(n, 1)))
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def supports(readout: CodedReadout) -> bool:
     """Whether the kernel can tile this store: a coded block is one key tile, so G must be a power of two (and at
     least 16 where tl.dot runs on real hardware)."""
     g = readout.layout.block_tokens
-    return g & (g - 1) == 0 and (g >= 16 or _interpreting())
+    return g & (g - 1) == 0 and (g >= 16 or interpreting())
 
 
 def split_count(programs: int, blocks: int, device: torch.device) -> int:
@@ -345,10 +327,10 @@ def triton_coded_attention(
     dummy = torch.zeros(1, device=device, dtype=torch.float32)
     up = k_up.float().contiguous() if latent else dummy
     cos, sin = (rope[0].float().contiguous(), rope[1].float().contiguous()) if latent else (dummy, dummy)
-    block_d = _pow2(max(max(layout.key_ranks), max(layout.value_ranks)))
-    block_g = _pow2(group, floor=1)
+    block_d = pow2(max(max(layout.key_ranks), max(layout.value_ranks)))
+    block_g = pow2(group, floor=1)
     # Tile rows = BLOCK_M positions x BLOCK_G members, at least 16 (tl.dot's minimum on the GPU; spare rows masked).
-    block_m = max(16 // block_g, min(_pow2(q_len, floor=1), 64 // block_g), 1)
+    block_m = max(16 // block_g, min(pow2(q_len, floor=1), 64 // block_g), 1)
     row_blocks = -(-q_len // block_m)
     programs = batch * n_kv * row_blocks
     splits = max(1, min(splits or split_count(programs, blocks, device), max(blocks, 1)))
@@ -418,7 +400,7 @@ def triton_coded_attention(
         BLOCK_T=g,
         BLOCK_W=16,
         BLOCK_D=block_d,
-        HALF=_pow2(head_d // 2) if latent else 16,
+        HALF=pow2(head_d // 2) if latent else 16,
         BITS=readout.layout.bits,
         VALUE_GROUP=readout.layout.value_group,
         LATENT=latent,
