@@ -13,6 +13,7 @@ the ratios, with command, commit, machine and date:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -92,6 +93,12 @@ def baseline_generator(commit: str) -> types.ModuleType:
     return module
 
 
+@contextlib.contextmanager
+def _row_major_linears(model, rows):
+    """Stands in for packed_cpu_linears: nothing packed (the decoder as it ran before the packing)."""
+    yield 0
+
+
 def timed(generate, tokenizer) -> dict:
     start = time.perf_counter()
     texts = generate()
@@ -119,6 +126,11 @@ def main() -> None:
         "--skip-float32",
         action="store_true",
         help="leave out the static-cache decoder in float32 (the slowest new run; the compile runs in bfloat16)",
+    )
+    parser.add_argument(
+        "--unpacked",
+        action="store_true",
+        help="also run the bfloat16 decoder with the linears left row-major (what the oneDNN packing gains)",
     )
     parser.add_argument("--note", default="", help="what else ran on the machine")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "synthetic_calibration_cpu.json")
@@ -154,6 +166,17 @@ def main() -> None:
         lambda: synthetic._generate(model, tokenizer, args.tokens, 0, new_settings, args.batch_size), tokenizer
     )
     print("static-cache decoder, bfloat16:", runs["static_cache_bfloat16"])
+    if args.unpacked:
+        packing = synthetic.packed_cpu_linears
+        synthetic.packed_cpu_linears = _row_major_linears
+        try:
+            runs["static_cache_bfloat16_unpacked"] = timed(
+                lambda: synthetic._generate(model, tokenizer, args.tokens, 0, new_settings, args.batch_size),
+                tokenizer,
+            )
+        finally:
+            synthetic.packed_cpu_linears = packing
+        print("static-cache decoder, bfloat16, row-major linears:", runs["static_cache_bfloat16_unpacked"])
     base = runs["generate_float32"]["tokens_per_s"]
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "")
     record = {
