@@ -110,6 +110,20 @@ RECIPES: dict[str, dict[str, Any]] = {
         "evict": {"keep": 0.2, "bits": (8, 4), "floor": {"key": 8, "value": 8, "bits": 4}},
         "prefill": "reconstruction",
     },
+    # The same floor, with a quarter of the prompt's kept budget chosen by its reconstruction and the rest by the
+    # context's own last queries (reconstruction_share).
+    "kvrewrite-W16-evict0.2-k8v4-floor8-rec0.25": {
+        "rate": 0.0,
+        "recent_window": 16,
+        "kv_codec": "none",
+        "evict": {
+            "keep": 0.2,
+            "bits": (8, 4),
+            "floor": {"key": 8, "value": 8, "bits": 4},
+            "reconstruction_share": 0.25,
+        },
+        "prefill": "reconstruction",
+    },
 }
 
 
