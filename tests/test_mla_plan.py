@@ -112,14 +112,27 @@ def test_export_mla_writes_a_checkpoint_exact_where_the_form_is(tmp_path):
         kvrewrite.export_mla(str(src), plan)
 
 
-def test_the_checks_at_the_end_run_on_the_stated_number_of_calibration_tokens():
-    """--verify-tokens N: the first N calibration tokens, as one sequence, whether N is within the first window or
-    longer than one (the windows in order), never silently fewer."""
-    from kvrewrite.compile.mla.passes.verify_export import verify_tokens
+def test_the_checks_at_the_end_run_on_the_tokens_compress_checks_on(monkeypatch):
+    """--verify-tokens N means one thing in both commands: the first calibration windows, each cut to 256 tokens, about
+    N tokens in all (at least one window)."""
+    from types import SimpleNamespace
 
-    windows = torch.arange(12).reshape(3, 4)
-    assert verify_tokens(windows, 3).tolist() == [[0, 1, 2]]
-    assert verify_tokens(windows, 10).tolist() == [list(range(10))]
+    from kvrewrite.compile.mla.passes import verify_export
+
+    seen = []
+    monkeypatch.setattr(verify_export, "full_width_max_logit_diff", lambda prepared, tokens: seen.append(tokens) or 0.0)
+    monkeypatch.setattr(verify_export, "export_matches_maths", lambda prepared, layers, out, tokens: 0.0)
+    windows = torch.arange(3 * 512).reshape(3, 512)
+    for count, rows in ((600, 2), (100, 1), (5000, 3)):
+        ctx = SimpleNamespace(
+            prepared=SimpleNamespace(ctx=SimpleNamespace(calibration_tokens=windows)),
+            plan=SimpleNamespace(output="x", verify_tokens=count),
+            layers=None,
+            rate_refit=None,
+            distilled=None,
+        )
+        verify_export.VerifyExport().run(ctx)
+        assert torch.equal(seen[-1], windows[:rows, :256]), count
     plan = MLAPlan(output="x")
     assert (plan.calib_tokens, plan.verify_tokens, plan.dtype) == (32768, 512, "auto")
     assert plan.statistics_plan("m").dtype == "float32"  # the statistics: float32 whatever the weights' dtype

@@ -167,7 +167,7 @@ def export_mla_command(
     verify_tokens: int = typer.Option(
         MLA_DEFAULTS["verify_tokens"],
         "--verify-tokens",
-        help=f"{VERIFY_TOKENS_MEANING}: max |Δlogit| of the full-width MLA form against the original, and of the written checkpoint (stock transformers) and each refitted rate against our maths; one sequence, the calibration windows in order, at most --calib-tokens.",
+        help=f"{VERIFY_TOKENS_MEANING}: max |Δlogit| of the full-width MLA form against the original, and of the written checkpoint (stock transformers) and each refitted rate against our maths; the first calibration windows, up to 256 tokens each, as compress's checks.",
         rich_help_panel="Output",
     ),
     overwrite: bool = typer.Option(

@@ -1,5 +1,6 @@
-"""Pass `verify`: the checks against our maths on the first plan.verify_tokens calibration tokens, as one sequence
-(the calibration windows in order; MLAPlan refuses more than `calib_tokens`).
+"""Pass `verify`: the checks against our maths on about plan.verify_tokens calibration tokens, chosen as compress's
+checks choose theirs (compiled_rank.verification_tokens: the first windows, cut to 256 tokens each), so the shared
+--verify-tokens means one thing in both commands.
 
 The full-width form (every RoPE component, full latent) against the original (exactness of the maths); the written
 checkpoint in stock transformers against our maths at its widths; every narrower refitted rate loaded by
@@ -8,8 +9,7 @@ the trained latent's measured mean square."""
 
 from __future__ import annotations
 
-import torch
-
+from kvrewrite.compile.compiled_rank import verification_tokens
 from kvrewrite.compile.mla.deepseek_v3_export import TRANSFORMERS_LATENT_NORM_EPS
 from kvrewrite.compile.mla.distill import measured_latent_norm_errors
 from kvrewrite.compile.mla.export import export_matches_maths, full_width_max_logit_diff
@@ -25,7 +25,7 @@ class VerifyExport:
 
     def run(self, ctx: MLAContext) -> dict:
         prepared, output = ctx.prepared, ctx.plan.output
-        tokens = verify_tokens(prepared.ctx.calibration_tokens, ctx.plan.verify_tokens)
+        tokens = verification_tokens(prepared.ctx.calibration_tokens, ctx.plan.verify_tokens)
         rated, distilled = ctx.rate_refit, ctx.distilled
         return {
             "full_width_diff": full_width_max_logit_diff(prepared, tokens),
@@ -37,10 +37,3 @@ class VerifyExport:
             if distilled is not None and distilled.report is not None
             else None,
         }
-
-
-def verify_tokens(windows: torch.Tensor, count: int) -> torch.Tensor:
-    """The first `count` calibration tokens as one sequence [1, count]: the first window's prefix, or the windows in
-    order where `count` is longer than one. Fewer only where the calibration holds fewer (MLAPlan refuses a count above
-    `calib_tokens`, and the calibration holds at least that many)."""
-    return windows.reshape(1, -1)[:, :count]
