@@ -60,7 +60,7 @@ class MLAPlan:
     dtype: str = AUTO_DTYPE
     position_free_queries: str = DEFAULT_POSITION_FREE_QUERIES
     key_weight: float | None = None  # key side against value side in the latent's objective (None: the default)
-    verify_tokens: int = 512  # compress's: the checks at the end run on the first this many calibration tokens
+    verify_tokens: int = 512  # compress's: the checks at the end run on about this many calibration tokens
     overwrite: bool = False
     refit: str | None = None  # none, output or output-local; None or auto: default_refit for this form (refit_method)
     refit_tokens: int | None = None  # None: the per-head Plan's default

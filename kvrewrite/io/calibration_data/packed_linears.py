@@ -1,8 +1,9 @@
 """Linear layers with their weights prepacked for oneDNN while a CPU model generates text in bfloat16.
 
 A decode step on a CPU is almost all matrix products of a few dozen rows against every weight matrix. oneDNN reads a
-weight faster in its own blocked layout than in torch's row-major one (at 21 rows, 4096 x 14336 in bfloat16, one
-thread: 12.6 ms against 17.8 ms), and it returns the same numbers. So for the length of the generation each CPU
+weight faster in its own blocked layout than in torch's row-major one, and it returns the same numbers (the
+generator's speed with and without: benchmarks/results/synthetic_calibration_cpu_8l.json, `--unpacked`; the tests
+compare logits and sampled tokens). So for the length of the generation each CPU
 bfloat16 ``nn.Linear`` computes from a packed copy of its weight; the row-major weight is released meanwhile, so host
 memory does not double, and it is rebuilt from the packed copy (exactly: the reorder is a permutation) on the way out,
 also on an error or Ctrl-C. Anything else (CUDA, float32, a weight shared with another module, meta tensors, a

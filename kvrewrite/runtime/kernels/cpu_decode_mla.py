@@ -4,12 +4,13 @@ The plain form (scores = queries @ rows^T over the whole cache, softmax, probs @
 row twice, and at 8K tokens x batch 8 a layer's rows (50 MB in fp32) do not fit the last-level cache, so both reads
 come from DRAM. Here the rows go by blocks of slots, across the batch: a block's scores for every head and its
 latent value sum both run while the block is cache-resident, and a running max / normaliser per head merges the
-blocks (flash-decoding, as kernels.flash_decode_mla does on CUDA). Measured on one core (AMD EPYC, MKL sgemm):
+blocks (flash-decoding, as kernels.flash_decode_mla does on CUDA). Two choices were timed on this project's CPU
+(one core, MKL sgemm) while building it; the end-to-end figure is benchmarks/results/gpu_decode_cpu_8k_mla.json:
 
-- MKL's small-M GEMM (M = heads) streams its operand from DRAM at about half its cache-hot rate, so each block is
-  first touched by a plain reduction (.sum(), which streams at full bandwidth) and the GEMMs then run cache-hot;
-- blocks of about 2 MB (across the batch) run fastest: larger ones fall out of the cache shared with the other
-  cores, smaller ones pay more in per-op overhead (about a dozen torch ops per block).
+- a small-M GEMM (M = heads) reads a cold operand slower than a plain reduction streams it, so each block is first
+  touched by one (.sum()) and the GEMMs then run on cache-resident rows;
+- blocks of about 2 MB across the batch: larger ones fall out of the cache shared with the other cores, smaller
+  ones pay more in per-op overhead (about a dozen torch ops per block).
 """
 
 from __future__ import annotations
