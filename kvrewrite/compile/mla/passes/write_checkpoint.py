@@ -23,7 +23,7 @@ class WriteCheckpoint:
     def run(self, ctx: MLAContext) -> dict:
         plan = ctx.plan
         chosen = getattr(torch, DTYPES[plan.dtype]) if DTYPES[plan.dtype] else source_dtype(ctx.prepared.ctx.config)
-        # The marker's sections in the order exports have always written them (config.json stays byte-identical):
+        # The marker's sections in the order exports wrote them before the export became passes:
         # refit, distill, the position-free queries, then how the widths were placed.
         marker = {key: value for key, value in ctx.report.items() if key != "allocation"}
         marker["position_free_queries"] = plan.position_free_queries
