@@ -102,6 +102,20 @@ RECIPES: dict[str, dict[str, Any]] = {
         for keep in (0.57, 0.26, 0.125)
         for share in (0.25, 0.5)
     },
+    # No token ever leaves: every token beyond the window at 4 bits per number (keep 1), the bytes brought to a
+    # quarter by the rate's ranks (p = 0.2) or by evicting the least-read 20% of the tokens.
+    "kvrewrite-W16-p0.2-all-k4v4": {
+        "rate": 0.2,
+        "recent_window": 16,
+        "kv_codec": "none",
+        "evict": {"keep": 1.0, "bits": 4},
+    },
+    "kvrewrite-W16-evict0.8-k4v4": {
+        "rate": 0.0,
+        "recent_window": 16,
+        "kv_codec": "none",
+        "evict": {"keep": 0.8, "bits": 4},
+    },
     # Evicted tokens keep 8 key and 8 value dims per head at 4 bits instead of leaving (kvrewrite.runtime.tiers.floor).
     "kvrewrite-W16-evict0.2-k8v4-floor8-rec": {
         "rate": 0.0,
