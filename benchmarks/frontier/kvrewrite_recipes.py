@@ -116,6 +116,22 @@ RECIPES: dict[str, dict[str, Any]] = {
         "kv_codec": "none",
         "evict": {"keep": 0.8, "bits": 4},
     },
+    # Reconstruction-chosen tokens at more bits per number and fewer tokens, at a quarter of the bytes: whether
+    # the 2K prompts' misses come from the 4-bit values or from the tokens evicted.
+    "kvrewrite-W16-evict0.44-k8v8-rec": {
+        "rate": 0.0,
+        "recent_window": 16,
+        "kv_codec": "none",
+        "evict": {"keep": 0.44, "bits": 8},
+        "prefill": "reconstruction",
+    },
+    "kvrewrite-W16-evict0.23-fp16-rec": {
+        "rate": 0.0,
+        "recent_window": 16,
+        "kv_codec": "none",
+        "evict": {"keep": 0.23, "bits": None},
+        "prefill": "reconstruction",
+    },
     # Evicted tokens keep 8 key and 8 value dims per head at 4 bits instead of leaving (kvrewrite.runtime.tiers.floor).
     "kvrewrite-W16-evict0.2-k8v4-floor8-rec": {
         "rate": 0.0,
