@@ -105,7 +105,7 @@ def _checked_widths(plan: MLAPlan, statistics) -> tuple[MLAWidths, dict[str, lis
         named = "--serve-rates" if plan.serve_by == "distill" else "--distill-rates"
         check_rate_latents(statistics.distill_rates, values, widths.qk_rope_head_dim, named)
     uniform_rates = None
-    if plan.per_rate_refits and plan.allocation == "uniform":
+    if plan.per_rate_refits and plan.layer_widths == "uniform":
         from kvrewrite.compile.mla.rate_refit import uniform_rate_widths
 
         uniform_rates = uniform_rate_widths(
