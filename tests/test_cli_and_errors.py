@@ -179,11 +179,12 @@ def test_new_compress_options_reach_the_plan(monkeypatch):
     """Options that used to be library-only (k-means, rate grid, Fisher, probe windows, refit ridge) reach the Plan."""
     seen = {}
 
-    def capture(plan, passes, on_pass=None):
+    def capture(plan, passes=None, on_pass=None):
         seen["plan"] = plan
         raise InvalidArgumentError("stop")
 
-    monkeypatch.setattr("kvrewrite.compile.passes.pipeline.run_pipeline", capture)
+    # The command runs kvrewrite.compress, which hands its plan to run_pipeline: stopped there, before any work.
+    monkeypatch.setattr("kvrewrite.compile.api.run_pipeline", capture)
     monkeypatch.setattr("kvrewrite.cli.app.require_compile_extra", lambda *a, **k: None)
     result = runner.invoke(
         app,
@@ -372,10 +373,16 @@ def test_export_mla_takes_layer_widths_and_refuses_allocation(tmp_path):
     )
     assert result.exit_code == 2
     assert "--layer-widths sensitivity" in flat(result.output) and not (tmp_path / "out").exists()
-    # The library's `allocation` is printed as the command's flag.
+    # The plan's field is `layer_widths`, and its message is printed as the command's flag, before anything is loaded.
     from kvrewrite.cli.export import _flags
 
-    assert _flags()["allocation"] == "--layer-widths"
+    assert _flags()["layer_widths"] == "--layer-widths" and "allocation" not in _flags()
+    result = runner.invoke(
+        app, ["export-mla", "no-such-model", "-o", str(tmp_path / "out"), "--layer-widths", "greedy"]
+    )
+    assert result.exit_code == 2
+    assert "--layer-widths must be uniform or sensitivity, got 'greedy'" in flat(result.output)
+    assert not (tmp_path / "out").exists()
 
 
 def test_dtype_auto_is_the_sources_when_float32_or_bfloat16():
