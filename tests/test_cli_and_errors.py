@@ -361,6 +361,30 @@ def test_shared_flags_have_one_default_in_both_commands(flag):
     }[flag] == compress.default
 
 
+def test_every_flag_both_commands_take_has_one_default(tmp_path):
+    """Not only the table's: every flag compress and export-mla both take has compress's default in export-mla too,
+    shown the same, or None (or an empty list) there that MLAPlan resolves to compress's Plan default."""
+    import dataclasses
+
+    from kvrewrite.compile.mla.plan import MLAPlan
+
+    def by_flag(name: str) -> dict:
+        return {o: p for p in command_params(name).values() if not p.hidden for o in p.opts if o.startswith("--")}
+
+    compress, export = by_flag("compress"), by_flag("export-mla")
+    shared = sorted(set(compress) & set(export))
+    assert set(SHARED_FLAGS) | {"--serve-rates", "--serve-rates-by", "--distill-lr", "--refit-tokens"} <= set(shared)
+    plan = {f.name: f.default for f in dataclasses.fields(Plan)}
+    # What export-mla's plan hands the statistics, refit and distillation passes when nothing is given.
+    resolved = MLAPlan(output=tmp_path / "out", distill=True).statistics_plan("m")
+    for flag in shared:
+        a, b = compress[flag].default, export[flag].default
+        if a == b or {a, b} == {"", None}:  # '' (compress) and None (export-mla): no rates
+            continue
+        field = compress[flag].name
+        assert b is None and getattr(resolved, field) == plan[field] == a, (flag, a, b)
+
+
 def test_export_mla_takes_layer_widths_and_refuses_allocation(tmp_path):
     """export-mla's latent widths across layers are --layer-widths: --allocation is compress's (a rank-allocation
     algorithm), so export-mla refuses it naming the new flag, before anything is loaded."""
