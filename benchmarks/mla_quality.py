@@ -1,16 +1,17 @@
 """MLA form exported as DeepSeek-V3, on SmolLM2-135M: held-out wiki perplexity at 30/50/70% of the K+V values, training-free.
 
     OMP_NUM_THREADS=1 python benchmarks/mla_quality.py [--calib-tokens 16384 --eval-tokens 8192]
-    OMP_NUM_THREADS=1 python benchmarks/mla_quality.py --allocations uniform,sensitivity \
+    OMP_NUM_THREADS=1 python benchmarks/mla_quality.py --layer-widths uniform,sensitivity \
         --out benchmarks/results/mla_quality_allocated.json
 
 Statistics once (16K wiki calibration tokens, as `kvrewrite demo`), then per share: the MLA form, exported (float32)
 and loaded in stock transformers (AutoModelForCausalLM, DeepseekV3ForCausalLM), scored against the original on the
 same held-out windows. Extra rows isolate the costs: the original with rms_norm_eps 1e-6 (what the export sets so the
 engines agree), and our maths with a full latent at d_r = head_dim (only the RoPE dropped from the other components).
-`--allocations sensitivity` adds, per share, the form with per-layer latent widths from measured sensitivity
+`--layer-widths sensitivity` adds, per share, the form with per-layer latent widths from measured sensitivity
 (`export-mla --layer-widths sensitivity`), exported zero-padded and scored in kvrewrite's runtime (`kvrewrite.load`),
-which caches each layer's true width. Writes benchmarks/results/mla_quality.json (or --out).
+which caches each layer's true width. Writes benchmarks/results/mla_quality.json (or --out). `--allocations` is the
+same option under the name the recorded runs used (mla_quality_allocated.json's command).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from pathlib import Path
 import torch
 
 # A sweep with ablation rows, not one export: statistics and sensitivity probes are collected once and shared by
-# every share and allocation (kvrewrite.export_mla would recollect both per export), the rows isolate the RoPE drop
+# every share and layer widths (kvrewrite.export_mla would recollect both per export), the rows isolate the RoPE drop
 # and rms_norm_eps, and it scores the training-free form (refit none), so it calls the export's parts directly.
 from kvrewrite.compile.mla.export import (
     allocated_at_share,
@@ -40,7 +41,7 @@ from kvrewrite.compile.mla.export import (
     probe_full_form,
 )
 from kvrewrite.compile.mla.form import MLAWidths, compute_mla_layers, mla_reference_model
-from kvrewrite.compile.mla.plan import POSITION_FREE_QUERIES
+from kvrewrite.compile.mla.plan import LAYER_WIDTHS, POSITION_FREE_QUERIES
 from kvrewrite.compile.plan import Plan
 from kvrewrite.io.calibration_data import evaluation_token_sequences
 from kvrewrite.method.mla import DEFAULT_KEY_WEIGHT, full_latent_rank
@@ -55,7 +56,13 @@ def main() -> None:
     parser.add_argument("--calib-tokens", type=int, default=16384)
     parser.add_argument("--eval-tokens", type=int, default=8192)
     parser.add_argument("--key-weight", type=float, default=DEFAULT_KEY_WEIGHT)
-    parser.add_argument("--allocations", default="uniform", help="uniform and/or sensitivity, comma-separated")
+    parser.add_argument(
+        "--layer-widths",
+        "--allocations",  # the name the recorded runs used
+        dest="layer_widths",
+        default="uniform",
+        help="export-mla's --layer-widths to score: uniform and/or sensitivity, comma-separated",
+    )
     parser.add_argument(
         "--probe-windows", type=int, default=None, help="sensitivity probes' windows (default: the plan's)"
     )
@@ -80,9 +87,9 @@ def main() -> None:
     parser.add_argument("--shares", default=",".join(str(s) for s in SHARES))
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
-    allocations = args.allocations.split(",")
-    if not set(allocations) <= {"uniform", "sensitivity"}:
-        parser.error(f"--allocations: uniform and/or sensitivity, got {args.allocations}")
+    layer_widths = args.layer_widths.split(",")
+    if not set(layer_widths) <= set(LAYER_WIDTHS):
+        parser.error(f"--layer-widths: uniform and/or sensitivity, got {args.layer_widths}")
     started = time.perf_counter()
     plan = Plan(model="smollm2-135m", calibration="wiki", calib_tokens=args.calib_tokens, progress=False)
     prepared = prepare_source(plan, position_free_queries=args.position_free_queries)
@@ -121,7 +128,7 @@ def main() -> None:
             probe_windows=args.probe_windows,
             rope_frequency_stride=args.rope_frequency_stride,
         )
-        if "sensitivity" in allocations
+        if "sensitivity" in layer_widths
         else None
     )
     for share in (float(s) for s in args.shares.split(",")):
@@ -146,7 +153,7 @@ def main() -> None:
                 "probe_tokens": form.sensitivity.probe_tokens,
                 "full_width_probe_kl": form.sensitivity.full_width_kl,
             }
-        if "uniform" not in allocations:
+        if "uniform" not in layer_widths:
             continue
         widths, layers = mla_layers_at_share(prepared, share, key_weight=args.key_weight)
         out = tmp / f"share{share}"

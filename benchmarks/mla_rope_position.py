@@ -33,8 +33,8 @@ from decode import run_provenance  # noqa: E402  (the provenance header every be
 # statistics and rotations (a full-latent row no MLAPlan writes), so it calls the form's parts, not export_mla.
 from kvrewrite.compile.mla.export import prepare_source  # noqa: E402
 from kvrewrite.compile.mla.form import MLAWidths, compute_mla_layers, mla_reference_model, widths_for_share  # noqa: E402
+from kvrewrite.compile.mla.rope_response import RESPONSE_TOKENS, measure_rope_response  # noqa: E402
 from kvrewrite.compile.plan import Plan  # noqa: E402
-from kvrewrite.compile.rope_response import RESPONSE_TOKENS, measure_rope_response  # noqa: E402
 from kvrewrite.io.calibration_data import calibration_token_sequences, evaluation_token_sequences  # noqa: E402
 from kvrewrite.method.mla import full_latent_rank  # noqa: E402
 from kvrewrite.publish.continuation_eval import PositionRange, continuation_quality  # noqa: E402

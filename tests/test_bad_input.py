@@ -113,6 +113,17 @@ def test_target_rate_outside_unit_interval(rate):
     fails_with(["compress", "smollm2-135m", "--target-rate", rate], "[0, 1)", rate)
 
 
+def test_compress_of_a_plan_takes_no_other_options(tmp_path):
+    """kvrewrite.compress(plan) compiles the plan as it stands (the command line's call): an option given beside it
+    would be silently dropped, so it is refused before anything is read or written."""
+    plan = Plan(model="smollm2-135m", output=tmp_path / "out", target_rate=0.3, progress=False)
+    with pytest.raises(ValueError, match="set output, target_rate in the Plan instead"):
+        kvrewrite.compress(plan, target_rate=0.5, output=tmp_path / "other")
+    with pytest.raises(ValueError, match="set calib_tokens in the Plan instead"):
+        kvrewrite.compress(plan, calib_tokens=1024)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "other").exists()
+
+
 def test_rate_the_rank_floor_cannot_reach(source, calib_text, tmp_path):
     # head_dim is 16: a floor of 12 per head keeps at least 75% of the cache, so removing 50% is impossible.
     fails_with(

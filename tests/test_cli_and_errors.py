@@ -179,11 +179,12 @@ def test_new_compress_options_reach_the_plan(monkeypatch):
     """Options that used to be library-only (k-means, rate grid, Fisher, probe windows, refit ridge) reach the Plan."""
     seen = {}
 
-    def capture(plan, passes, on_pass=None):
+    def capture(plan, passes=None, on_pass=None):
         seen["plan"] = plan
         raise InvalidArgumentError("stop")
 
-    monkeypatch.setattr("kvrewrite.compile.passes.pipeline.run_pipeline", capture)
+    # The command runs kvrewrite.compress, which hands its plan to run_pipeline: stopped there, before any work.
+    monkeypatch.setattr("kvrewrite.compile.api.run_pipeline", capture)
     monkeypatch.setattr("kvrewrite.cli.app.require_compile_extra", lambda *a, **k: None)
     result = runner.invoke(
         app,
@@ -360,6 +361,30 @@ def test_shared_flags_have_one_default_in_both_commands(flag):
     }[flag] == compress.default
 
 
+def test_every_flag_both_commands_take_has_one_default(tmp_path):
+    """Not only the table's: every flag compress and export-mla both take has compress's default in export-mla too,
+    shown the same, or None (or an empty list) there that MLAPlan resolves to compress's Plan default."""
+    import dataclasses
+
+    from kvrewrite.compile.mla.plan import MLAPlan
+
+    def by_flag(name: str) -> dict:
+        return {o: p for p in command_params(name).values() if not p.hidden for o in p.opts if o.startswith("--")}
+
+    compress, export = by_flag("compress"), by_flag("export-mla")
+    shared = sorted(set(compress) & set(export))
+    assert set(SHARED_FLAGS) | {"--serve-rates", "--serve-rates-by", "--distill-lr", "--refit-tokens"} <= set(shared)
+    plan = {f.name: f.default for f in dataclasses.fields(Plan)}
+    # What export-mla's plan hands the statistics, refit and distillation passes when nothing is given.
+    resolved = MLAPlan(output=tmp_path / "out", distill=True).statistics_plan("m")
+    for flag in shared:
+        a, b = compress[flag].default, export[flag].default
+        if a == b or {a, b} == {"", None}:  # '' (compress) and None (export-mla): no rates
+            continue
+        field = compress[flag].name
+        assert b is None and getattr(resolved, field) == plan[field] == a, (flag, a, b)
+
+
 def test_export_mla_takes_layer_widths_and_refuses_allocation(tmp_path):
     """export-mla's latent widths across layers are --layer-widths: --allocation is compress's (a rank-allocation
     algorithm), so export-mla refuses it naming the new flag, before anything is loaded."""
@@ -372,10 +397,16 @@ def test_export_mla_takes_layer_widths_and_refuses_allocation(tmp_path):
     )
     assert result.exit_code == 2
     assert "--layer-widths sensitivity" in flat(result.output) and not (tmp_path / "out").exists()
-    # The library's `allocation` is printed as the command's flag.
+    # The plan's field is `layer_widths`, and its message is printed as the command's flag, before anything is loaded.
     from kvrewrite.cli.export import _flags
 
-    assert _flags()["allocation"] == "--layer-widths"
+    assert _flags()["layer_widths"] == "--layer-widths" and "allocation" not in _flags()
+    result = runner.invoke(
+        app, ["export-mla", "no-such-model", "-o", str(tmp_path / "out"), "--layer-widths", "greedy"]
+    )
+    assert result.exit_code == 2
+    assert "--layer-widths must be uniform or sensitivity, got 'greedy'" in flat(result.output)
+    assert not (tmp_path / "out").exists()
 
 
 def test_dtype_auto_is_the_sources_when_float32_or_bfloat16():

@@ -111,6 +111,28 @@ def test_the_cli_import_reader_sees_known_imports():
     assert ("tests/test_hub.py", "kvrewrite.cli.app", ("app",)) in found
 
 
+def _names_imported(folder: Path) -> set[tuple[str, str, str]]:
+    """(file, module, name) for every `from module import name` under folder, lazy imports included."""
+    import ast
+
+    found = set()
+    for path in sorted(folder.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                found |= {(path.name, node.module, alias.name) for alias in node.names}
+    return found
+
+
+def test_the_command_line_runs_both_compilers_through_their_apis():
+    """`compress` and `export-mla` call kvrewrite.compress and kvrewrite.export_mla: no file of kvrewrite/cli/ runs
+    the pipelines itself (their runners are the APIs' insides)."""
+    found = _names_imported(Path(__file__).resolve().parent.parent / "kvrewrite" / "cli")
+    assert ("app.py", "kvrewrite.compile.api", "compress") in found
+    assert ("export.py", "kvrewrite.compile.mla.api", "export_mla") in found
+    runners = {"run_pipeline", "run_pass", "run_mla_export", "run_mla_passes"}
+    assert sorted(entry for entry in found if entry[2] in runners) == []
+
+
 def test_published_checkpoint_stub_paths_still_import():
     """Checkpoints on the Hub carry a modeling_kvrewrite.py stub that imports kvrewrite.modeling.families (format-1
     ones: kvrewrite.modeling.llama); the layout may move, those paths must keep giving the registered classes."""

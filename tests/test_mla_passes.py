@@ -72,7 +72,7 @@ def test_the_pipeline_declarations_are_consistent():
             },
         ),
         (
-            {"kv_share": 0.7, "allocation": "sensitivity", "serve_rates": (0.3, 0.5)},  # the table, training-free
+            {"kv_share": 0.7, "layer_widths": "sensitivity", "serve_rates": (0.3, 0.5)},  # the table, training-free
             {
                 "layers": "form > allocate",
                 "norms": "form",
@@ -94,7 +94,7 @@ def test_the_pipeline_declarations_are_consistent():
         (
             {
                 "kv_share": 0.7,
-                "allocation": "sensitivity",
+                "layer_widths": "sensitivity",
                 "distill": True,
                 "distill_rates": (0.3, 0.5),
                 "distill_epochs": 1,

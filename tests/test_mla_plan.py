@@ -20,8 +20,8 @@ from tests.tiny_models import random_windows, save_tiny_llama
     "options, message",
     [
         ({"distill_tokens": 512}, "`distill_tokens` only apply with `distill`"),
-        ({"distill_rates": (0.5, 0.6)}, "add `distill` and `allocation=sensitivity`"),
-        ({"distill": True, "allocation": "sensitivity", "distill_rates": (0.3, 0.6)}, "export at `kv_share=0.7`"),
+        ({"distill_rates": (0.5, 0.6)}, "add `distill` and `layer_widths=sensitivity`"),
+        ({"distill": True, "layer_widths": "sensitivity", "distill_rates": (0.3, 0.6)}, "export at `kv_share=0.7`"),
         ({"refit_rates": (0.3, 0.5)}, "export at `kv_share=0.7`"),
         ({"kv_share": 0.7, "refit_rates": (0.3, 0.5), "distill": True}, "does not combine"),
         ({"kv_share": 0.7, "refit_rates": (0.3, 0.351)}, "in hundredths"),
@@ -37,16 +37,22 @@ from tests.tiny_models import random_windows, save_tiny_llama
         ({"distill": True, "distill_epochs": 0}, "`distill_epochs` must be in (0, 100]"),
         ({"qk_rope_head_dim": 8}, "`qk_rope_head_dim` needs `kv_lora_rank`"),
         ({"position_free_queries": "rotated"}, "`position_free_queries` must be one of"),
-        ({"allocation": "greedy"}, "`allocation` must be uniform or sensitivity"),
-        ({"allocation": "sensitivity", "kv_lora_rank": 16}, "`kv_lora_rank` gives every layer one exact width"),
+        ({"layer_widths": "greedy"}, "`layer_widths` must be uniform or sensitivity"),
+        ({"layer_widths": "sensitivity", "kv_lora_rank": 16}, "`kv_lora_rank` gives every layer one exact width"),
         (
-            {"kv_share": 0.7, "allocation": "distill", "distill": True, "distill_rates": (0.3, 0.5), "refit": "output"},
-            "add `distill` and `allocation=sensitivity`",
+            {
+                "kv_share": 0.7,
+                "layer_widths": "distill",
+                "distill": True,
+                "distill_rates": (0.3, 0.5),
+                "refit": "output",
+            },
+            "add `distill` and `layer_widths=sensitivity`",
         ),
         (
             {
                 "kv_share": 0.7,
-                "allocation": "sensitivity",
+                "layer_widths": "sensitivity",
                 "distill": True,
                 "distill_rates": (0.3, 0.5),
                 "refit": "output",
@@ -65,16 +71,16 @@ def test_defaults_are_resolved_for_the_form_and_replace_validates_again(tmp_path
     uniform = MLAPlan(output=tmp_path / "out")
     assert uniform.refit is None and uniform.refit_method == "output-local"
     assert uniform.statistics_plan("m").refit == "output-local" and not uniform.statistics_plan("m").distill
-    allocated = dataclasses.replace(uniform, allocation="sensitivity")
+    allocated = dataclasses.replace(uniform, layer_widths="sensitivity")
     assert allocated.refit_method == "none"  # it keeps its rate table
     assert dataclasses.replace(uniform, distill=True).refit_method == "none"
     single = dataclasses.replace(uniform, distill=True).statistics_plan("m")
     assert (single.distill_epochs, single.distill_tokens) == (DISTILL_EPOCHS, uniform.calib_tokens)
     nested = MLAPlan(
-        output=tmp_path / "out", kv_share=0.7, allocation="sensitivity", distill=True, distill_rates=(0.5, 0.3)
+        output=tmp_path / "out", kv_share=0.7, layer_widths="sensitivity", distill=True, distill_rates=(0.5, 0.3)
     ).statistics_plan("m")
     assert (nested.distill_epochs, nested.distill_rates, nested.target_rate) == (NESTED_DISTILL_EPOCHS, (0.3, 0.5), 0.3)
-    rated = MLAPlan(output=tmp_path / "out", kv_share=0.7, refit_rates=(0.5, 0.3), allocation="sensitivity")
+    rated = MLAPlan(output=tmp_path / "out", kv_share=0.7, refit_rates=(0.5, 0.3), layer_widths="sensitivity")
     assert rated.refit_rates == (0.3, 0.5) and rated.refit_method == "output-local"
     assert rated.statistics_plan("m").refit == "none"  # the refits run per rate, not once
     with pytest.raises(InvalidArgumentError, match="export at `kv_share=0.7`"):

@@ -1,4 +1,4 @@
-"""The MLA form's position-free queries scored by each head's expected rotation (compile/rope_response.py), checked
+"""The MLA form's position-free queries scored by each head's expected rotation (compile/mla/rope_response.py), checked
 against a dense computation of the source's rotated scores."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvrewrite.compile.mla.form import MLAWidths, compute_mla_layers, source_scaling
-from kvrewrite.compile.rope_response import (
+from kvrewrite.compile.mla.rope_response import (
     attention_by_distance,
     expected_rotation,
     measure_rope_response,

@@ -104,7 +104,7 @@ def test_compress_refuses_serve_rates_it_cannot_serve(options, message):
         ({"kv_share": 0.7, "serve_rates": (0.3, 0.5), "serve_rates_by": "prefix"}, "must be one of"),
         ({"kv_share": 0.7, "serve_rates": (0.3, 0.5), "refit": "none"}, "`serve_rates` refits o_proj at each rate"),
         (
-            {"kv_share": 0.7, "allocation": "sensitivity", "serve_rates": (0.3, 0.5), "refit": "output"},
+            {"kv_share": 0.7, "layer_widths": "sensitivity", "serve_rates": (0.3, 0.5), "refit": "output"},
             "would not serve the narrower rates",
         ),
     ],
@@ -117,12 +117,12 @@ def test_export_mla_refuses_serve_rates_it_cannot_serve(tmp_path, options, messa
 
 def test_serve_rates_map_onto_each_way_of_serving(tmp_path):
     nested = MLAPlan(
-        output=tmp_path / "out", kv_share=0.7, allocation="sensitivity", distill=True, serve_rates=(0.5, 0.3)
+        output=tmp_path / "out", kv_share=0.7, layer_widths="sensitivity", distill=True, serve_rates=(0.5, 0.3)
     )
     assert nested.serve_by == "distill" and nested.nested_rates == (0.3, 0.5)
     statistics = nested.statistics_plan("m")
     assert statistics.nested_distill_rates() == (0.3, 0.5) and statistics.epochs == NESTED_DISTILL_EPOCHS
-    table = MLAPlan(output=tmp_path / "out", kv_share=0.7, allocation="sensitivity", serve_rates=(0.3, 0.7))
+    table = MLAPlan(output=tmp_path / "out", kv_share=0.7, layer_widths="sensitivity", serve_rates=(0.3, 0.7))
     assert table.serve_by == "table" and table.table_rates == (0.3, 0.7) and table.refit_method == "none"
     compress = Plan(model="m", target_rate=0.5, serve_rates=(0.7, 0.5, 0.3), distill=True)
     assert compress.serve_rates_by == "distill" and compress.nested_distill_rates() == (0.3, 0.5, 0.7)
@@ -133,7 +133,7 @@ def test_refit_and_distill_epochs_have_one_default_in_both_compilers(tmp_path):
     distilled, output-local where it serves its widths alone; distill epochs 8, or 2 nested, in both."""
     assert Plan(model="m").refit == "none" and Plan(model="m", refit="auto", distill=True).refit == "none"
     assert MLAPlan(output=tmp_path / "o", refit="auto").refit_method == "output-local"
-    assert MLAPlan(output=tmp_path / "o", allocation="sensitivity").refit_method == "none"
+    assert MLAPlan(output=tmp_path / "o", layer_widths="sensitivity").refit_method == "none"
     assert Plan(model="m", distill=True).epochs == DISTILL_EPOCHS == 8.0
     assert Plan(model="m", distill=True, distill_rates=(0.3, 0.5), target_rate=0.3).epochs == NESTED_DISTILL_EPOCHS
     assert MLAPlan(output=tmp_path / "o", distill=True).statistics_plan("m").epochs == DISTILL_EPOCHS

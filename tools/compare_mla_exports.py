@@ -97,10 +97,19 @@ def logits_difference(before: Path, after: Path, windows: torch.Tensor) -> dict:
     return result
 
 
+def _renamed_settings(record: dict) -> dict:
+    """A measured record with its settings under MLAPlan's current field names: records written before the latent
+    widths across layers were `layer_widths` name them `allocation`, the same setting."""
+    settings = dict(record.get("settings") or {})
+    if "allocation" in settings:
+        settings.setdefault("layer_widths", settings.pop("allocation"))
+    return {**record, "settings": settings} if "settings" in record else record
+
+
 def measured_difference(before: Path, after: Path) -> dict:
     """Two records of what export_mla measured (tools/mla_export_variants.py): the key paths where they differ, and
     the after's verification figures."""
-    a, b = json.loads(before.read_text()), json.loads(after.read_text())
+    a, b = (_renamed_settings(json.loads(path.read_text())) for path in (before, after))
     errors = b.get("latent_norm_errors")
     return {
         "measured_values_different": config_differences(a, b),

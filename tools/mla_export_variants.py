@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 COMMON = {"calibration": "wiki", "calib_tokens": 2048, "dtype": "float32", "verify_tokens": 64, "progress": False}
 VARIANTS = {
     "uniform_refit": {"kv_share": 0.5, "refit": "output-local", "refit_tokens": 1024},
-    "sensitivity_table": {"kv_share": 0.7, "allocation": "sensitivity", "serve_rates": (0.3, 0.5)},
+    "sensitivity_table": {"kv_share": 0.7, "layer_widths": "sensitivity", "serve_rates": (0.3, 0.5)},
     "refit_rates": {"kv_share": 0.7, "serve_rates": (0.3, 0.5), "serve_rates_by": "refit", "refit_tokens": 1024},
     "refit_then_distill": {
         "kv_share": 0.5,
@@ -36,7 +36,7 @@ VARIANTS = {
     },
     "nested_distill_refit_rates": {
         "kv_share": 0.7,
-        "allocation": "sensitivity",
+        "layer_widths": "sensitivity",
         "distill": True,
         "distill_rates": (0.3, 0.5),
         "distill_epochs": 1,

@@ -107,7 +107,8 @@ def compress(
 ) -> None:
     """Compile MODEL into a checkpoint whose KV cache keeps (1 - target_rate) of its elements."""
     from kvrewrite.cli.tables import ranks_table, summary_table
-    from kvrewrite.compile.passes.pipeline import default_pipeline, describe, run_pipeline
+    from kvrewrite.compile.api import compress as compile_plan
+    from kvrewrite.compile.passes.pipeline import default_pipeline, describe
     from kvrewrite.compile.plan import Plan
 
     try:
@@ -135,29 +136,28 @@ def compress(
         for module, feature in plan.optional_packages():  # before any work, not mid-run at the first missing import
             require_package(module, feature)
         counter = iter(range(1, len(passes) + 1))
-        ctx = run_pipeline(
+        result = compile_plan(  # kvrewrite.compress, running default_pipeline()
             plan,
-            passes,
             on_pass=lambda p: console.print(f"[cyan][{next(counter)}/{len(passes)}][/] {p.name}: {p.description}"),
         )
     except (KVRewriteError, ValueError) as exc:
         _fail(exc)
-    report = {**ctx.report, "verification": ctx.verification}
+    report = result.report
     if "quality_budget" in report:
         chosen = report["quality_budget"]["chosen"]
         console.print(
             f"quality budget: rate {chosen['rate']:.2f} is the largest within budget on held-back calibration text "
             f"(ppl {chosen['ppl_increase']:+.1%}, KL {chosen['kl_mean']:.4f})"
         )
-    console.print(summary_table(ctx.spec, report))
-    console.print(ranks_table(ctx.spec))
-    console.print(f"[bold green]wrote[/] {ctx.output_dir}")
+    console.print(summary_table(result.spec, report))
+    console.print(ranks_table(result.spec))
+    console.print(f"[bold green]wrote[/] {result.output_dir}")
     if budget_share is not None:
         _split_and_report(
-            ctx.output_dir, budget_share, context=4096, windows=2, length=1024, calibration="wiki", write=True
+            result.output_dir, budget_share, context=4096, windows=2, length=1024, calibration="wiki", write=True
         )
     if push_to_hub:
-        _push(ctx.output_dir, push_to_hub, private=hub_private)
+        _push(result.output_dir, push_to_hub, private=hub_private)
 
 
 # The command's options: the Plan's (generated from the Plan and cli/compress_options.py), then its own.

@@ -120,7 +120,7 @@ def _export_mla(calib_tokens: int, rates: list[float], output: Path, console: Co
     plan = MLAPlan(
         output=output,
         kv_share=1 - min(rates),
-        allocation="sensitivity",
+        layer_widths="sensitivity",
         serve_rates=tuple(rates),
         serve_rates_by="table",
         calibration="wiki",

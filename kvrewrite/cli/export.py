@@ -70,8 +70,8 @@ def export_mla_command(
         help="With --kv-lora-rank: the shared RoPE key's width d_r, head_dim (default) or head_dim / s, s dividing head_dim / 2 (every s-th frequency keeps its rotation).",
         rich_help_panel="Form",
     ),
-    allocation: str = typer.Option(
-        MLA_DEFAULTS["allocation"],
+    layer_widths: str = typer.Option(
+        MLA_DEFAULTS["layer_widths"],
         "--layer-widths",
         help="Latent widths across layers: uniform (every engine caches the share) or sensitivity (per-layer widths from measured KL at the same total; exported zero-padded to the widest layer, so only kvrewrite's runtime caches the share; docs/serving.md). Not compress's --allocation (a rank-allocation algorithm).",
         rich_help_panel="Form",
@@ -201,7 +201,7 @@ def export_mla_command(
             kv_share=kv_share,
             kv_lora_rank=kv_lora_rank,
             qk_rope_head_dim=qk_rope_head_dim,
-            allocation=allocation,
+            layer_widths=layer_widths,
             calibration=calibration,
             calib_tokens=calib_tokens,
             dtype=dtype,
@@ -241,7 +241,7 @@ def _print_export(console: Console, model: str, plan, result) -> None:
     mean_cached = sum(layer.cached_values_per_token for layer in layers) / len(layers)
     table = Table(
         title=f"MLA form of {model}: {mean_cached:g} of {source_values} K+V values per token and layer"
-        + (" (mean over layers)" if plan.allocation == "sensitivity" else "")
+        + (" (mean over layers)" if plan.layer_widths == "sensitivity" else "")
     )
     for column in (
         "layer",

@@ -21,7 +21,7 @@ Position-free part: what the kept components do not carry of head g's key, r_g =
 is scored WITHOUT rotation (qk_nope_head_dim = head_dim) against q_nope_h = D_h q_h. D_h is the identity when no
 rope_response is given (the source query: the rotation simply dropped, exact at distance 0 only), or, per frequency
 pair, the head's expected rotation over the distances it attends to (position_free_query_maps; measured by
-compile/rope_response.py): the least-squares fixed stand-in for the rotation. Either way this is the one
+compile/mla/rope_response.py): the least-squares fixed stand-in for the rotation. Either way this is the one
 approximation besides the latent's width. With rope_components = n_kv the residual is zero and the form is exact
 (the full-width test).
 

@@ -102,18 +102,18 @@ def _checked_widths(plan: MLAPlan, statistics) -> tuple[MLAWidths, dict[str, lis
     )
     values = 2 * geometry.num_key_value_heads * geometry.head_dim
     if statistics.distill_rates:
-        named = "--serve-rates" if plan.serve_by == "distill" else "--distill-rates"
+        named = "`serve_rates`" if plan.serve_by == "distill" else "`distill_rates`"
         check_rate_latents(statistics.distill_rates, values, widths.qk_rope_head_dim, named)
     uniform_rates = None
-    if plan.per_rate_refits and plan.allocation == "uniform":
+    if plan.per_rate_refits and plan.layer_widths == "uniform":
         from kvrewrite.compile.mla.rate_refit import uniform_rate_widths
 
         uniform_rates = uniform_rate_widths(
             plan.per_rate_refits, values, widths.qk_rope_head_dim, widths.kv_lora_rank, geometry.num_layers
         )
     elif plan.per_rate_refits:
-        named = "--serve-rates" if plan.serve_by == "refit" else "--refit-rates"
+        named = "`serve_rates`" if plan.serve_by == "refit" else "`refit_rates`"
         check_rate_latents(plan.per_rate_refits, values, widths.qk_rope_head_dim, named)
     elif plan.serve_by == "table":
-        check_rate_latents(plan.serve_rates, values, widths.qk_rope_head_dim, "--serve-rates")
+        check_rate_latents(plan.serve_rates, values, widths.qk_rope_head_dim, "`serve_rates`")
     return widths, uniform_rates

@@ -27,11 +27,11 @@ from kvrewrite.compile.mla.form import (
     widths_for_share,
 )
 from kvrewrite.compile.mla.plan import DEFAULT_POSITION_FREE_QUERIES, check_position_free_queries
+from kvrewrite.compile.mla.rope_response import measure_rope_response
 from kvrewrite.compile.passes.context import CompileContext
 from kvrewrite.compile.passes.load_checkpoint import load_config
 from kvrewrite.compile.passes.pipeline import statistics_passes
 from kvrewrite.compile.plan import DEFAULT_RATE_GRID, Plan
-from kvrewrite.compile.rope_response import measure_rope_response
 from kvrewrite.io.sources import resolve_model_source
 from kvrewrite.method.mla import DEFAULT_KEY_WEIGHT, MLALayer, full_latent_rank, truncate_latent
 

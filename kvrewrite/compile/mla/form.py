@@ -170,7 +170,7 @@ def compute_mla_layers(
 ) -> list[MLALayer]:
     """Every layer's MLA weights at the given uniform widths (float64).
 
-    rope_response: [layers, heads, head_dim / 2] expected rotations (compile/rope_response.py) that the position-free
+    rope_response: [layers, heads, head_dim / 2] expected rotations (compile/mla/rope_response.py) that the position-free
     queries are scored with; None scores them with the source queries as they are (rotation dropped)."""
     layers = []
     scaling = source_scaling(ctx.adapter, ctx.config, ctx.geometry)

@@ -28,12 +28,12 @@ from kvrewrite.compile.plan import (
 from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.spec import rate_key
 
-# `allocation` (the command line's --layer-widths: compress's --allocation is a rank-allocation algorithm, another
-# concept): the latent widths across layers, uniform (every engine caches the share) or sensitivity (per-layer widths
-# exported zero-padded; only kvrewrite's runtime caches the share).
-ALLOCATIONS = ("uniform", "sensitivity")
+# `layer_widths` (the command line's --layer-widths; not compress's `allocation`, a rank-allocation algorithm): the
+# latent widths across layers, uniform (every engine caches the share) or sensitivity (per-layer widths placed by
+# measured KL, compile/mla/allocation.py, exported zero-padded; only kvrewrite's runtime caches the share).
+LAYER_WIDTHS = ("uniform", "sensitivity")
 # How the position-free part scores the components whose rotation is dropped (method/mla.py): by the expected
-# rotation over the distances each head attends to, attention sink left out (compile/rope_response.py; the default:
+# rotation over the distances each head attends to, attention sink left out (compile/mla/rope_response.py; the default:
 # better than unrotated in the uniform form on both held-out texts at 512 tokens and at 2K-4K, docs/serving.md), or
 # unrotated (source).
 POSITION_FREE_QUERIES = ("expected-rotation", "source")
@@ -54,7 +54,7 @@ class MLAPlan:
     kv_share: float = 0.5  # cached values per token and layer, as a share of the source's K+V: (r + d_r) / (2 n_kv d)
     kv_lora_rank: int | None = None  # exact latent width r instead of kv_share
     qk_rope_head_dim: int | None = None  # with kv_lora_rank: the shared RoPE key's width (default head_dim)
-    allocation: str = "uniform"  # latent widths across layers: uniform, or sensitivity (measured KL per layer)
+    layer_widths: str = "uniform"  # latent widths across layers: uniform, or sensitivity (measured KL per layer)
     calibration: str = "wiki"
     calib_tokens: int = 32768  # compress's (ZACK needs at least 16K)
     dtype: str = AUTO_DTYPE
@@ -140,21 +140,21 @@ class MLAPlan:
         if self.qk_rope_head_dim is not None and self.kv_lora_rank is None:
             raise InvalidArgumentError("`qk_rope_head_dim` needs `kv_lora_rank` (exact widths)")
         check_position_free_queries(self.position_free_queries, "`position_free_queries`")
-        if self.allocation not in ALLOCATIONS:
-            raise InvalidArgumentError(f"`allocation` must be uniform or sensitivity, got {self.allocation!r}")
-        if self.allocation == "sensitivity" and self.kv_lora_rank is not None:
+        if self.layer_widths not in LAYER_WIDTHS:
+            raise InvalidArgumentError(f"`layer_widths` must be uniform or sensitivity, got {self.layer_widths!r}")
+        if self.layer_widths == "sensitivity" and self.kv_lora_rank is not None:
             raise InvalidArgumentError(
-                "`kv_lora_rank` gives every layer one exact width; `allocation=sensitivity` "
+                "`kv_lora_rank` gives every layer one exact width; `layer_widths=sensitivity` "
                 "places widths per layer at a `kv_share`"
             )
 
     def _check_distill_rates(self) -> None:
         """A nested distillation trains the rate table of a sensitivity-allocated export from its own rate on."""
         named = self._rates_named("distill")
-        if not self.distill or self.allocation != "sensitivity" or self.kv_lora_rank is not None:
+        if not self.distill or self.layer_widths != "sensitivity" or self.kv_lora_rank is not None:
             raise InvalidArgumentError(
-                f"{named} trains the rate table of an `allocation=sensitivity` export at "
-                "a `kv_share`; add `distill` and `allocation=sensitivity`"
+                f"{named} trains the rate table of an `layer_widths=sensitivity` export at "
+                "a `kv_share`; add `distill` and `layer_widths=sensitivity`"
             )
         first = self.nested_rates[0]
         if round(1 - self.kv_share, 4) != round(first, 4):
@@ -185,7 +185,7 @@ class MLAPlan:
                 "the widest rate, so every refitted rate is a prefix of the exported widths"
             )
         grid = {rate_key(r) for r in self.table_rates}
-        if self.allocation == "sensitivity" and (off := [f"{r:g}" for r in rates if rate_key(r) not in grid]):
+        if self.layer_widths == "sensitivity" and (off := [f"{r:g}" for r in rates if rate_key(r) not in grid]):
             raise InvalidArgumentError(f"{named} {', '.join(off)} are not on the rate table's grid (steps of 0.05)")
 
     def _check_serve_rates(self) -> None:
@@ -214,9 +214,9 @@ class MLAPlan:
                 f"`serve_rates` starts at {self.serve_rates[0]:g}: export at `kv_share={1 - self.serve_rates[0]:g}`, "
                 "the widest rate, so every served rate is a prefix of the exported widths"
             )
-        if by == "table" and (self.allocation != "sensitivity" or self.kv_lora_rank is not None):
+        if by == "table" and (self.layer_widths != "sensitivity" or self.kv_lora_rank is not None):
             raise InvalidArgumentError(
-                "`serve_rates_by=table` keeps the rate table of an `allocation=sensitivity` export; a uniform export "
+                "`serve_rates_by=table` keeps the rate table of an `layer_widths=sensitivity` export; a uniform export "
                 "has none (`serve_rates_by=refit` serves several rates from it)"
             )
         if by == "table" and (self.distill or self.refit not in (None, AUTO_REFIT, "none")):
@@ -230,7 +230,7 @@ class MLAPlan:
         """How serve_rates are served: as asked, else default_serve_rates_by for this form; None without serve_rates."""
         if not self.serve_rates:
             return None
-        return self.serve_rates_by or default_serve_rates_by(self.allocation, self.distill)
+        return self.serve_rates_by or default_serve_rates_by(self.layer_widths, self.distill)
 
     @property
     def table_rates(self) -> tuple[float, ...]:
@@ -260,7 +260,7 @@ class MLAPlan:
             return self.refit
         if self.per_rate_refits:
             return default_refit(keeps_rate_table=False, distilled=False)
-        return default_refit(keeps_rate_table=self.allocation == "sensitivity", distilled=self.distill)
+        return default_refit(keeps_rate_table=self.layer_widths == "sensitivity", distilled=self.distill)
 
     def statistics_plan(self, model: str) -> Plan:
         """The per-head Plan the statistics, refit and distillation passes read: calibration, the single-rate refit
@@ -297,12 +297,12 @@ class MLAPlan:
         )
 
 
-def default_serve_rates_by(allocation: str, distill: bool) -> str:
+def default_serve_rates_by(layer_widths: str, distill: bool) -> str:
     """A distilled export trains its served rates together (nested); an allocated one keeps its rate table (no
     extra cost); a uniform one has no table, so each rate gets its own refitted o_proj."""
     if distill:
         return "distill"
-    return "table" if allocation == "sensitivity" else "refit"
+    return "table" if layer_widths == "sensitivity" else "refit"
 
 
 def check_serve_rates(given) -> tuple[float, ...]:

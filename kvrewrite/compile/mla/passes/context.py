@@ -37,7 +37,7 @@ class MLAContext:
     # per layer, the largest attention input ||x||^2 for the latent-norm bound; None: the original's on calibration
     norms: list[float] | None = None
     served_rates: dict[str, list[int]] | None = None  # the rate table kvrewrite.load(dir, rate=p) serves
-    probed: ProbedForm | None = None  # (allocation=sensitivity) the full-width form and its measured sensitivity
+    probed: ProbedForm | None = None  # (layer_widths=sensitivity) the full-width form and its measured sensitivity
     # refit_output
     refit: MLARefitResult | None = None
     # distill

@@ -1,4 +1,4 @@
-"""Pass `form`: the MLA form of every layer from the statistics, at the uniform widths, or (allocation=sensitivity)
+"""Pass `form`: the MLA form of every layer from the statistics, at the uniform widths, or (layer_widths=sensitivity)
 at full latent width with each layer's measured sensitivity to narrowing, which `allocate` reads.
 
 It starts the three fields that describe what the export holds: the layers, the latent-norm bound's inputs (None:
@@ -22,7 +22,7 @@ class FormLayers:
         plan, prepared = ctx.plan, ctx.prepared
         geometry, progress = prepared.ctx.geometry, prepared.ctx.plan.progress
         weighting = {} if plan.key_weight is None else {"key_weight": plan.key_weight}
-        if plan.allocation == "sensitivity":
+        if plan.layer_widths == "sensitivity":
             with progress_bar(
                 "MLA form at full width, then sensitivity probes", 2 * geometry.num_layers, progress
             ) as bar:

@@ -21,7 +21,7 @@ from kvrewrite.compile.passes.base import run_pass
 def mla_passes() -> list:
     return [
         FormLayers(),  # statistics -> the MLA form per layer (uniform widths, or full width and sensitivity probes)
-        AllocateWidths(),  # (allocation=sensitivity) per-layer latent widths by measured KL, the served rate table
+        AllocateWidths(),  # (layer_widths=sensitivity) per-layer latent widths by measured KL, the served rate table
         RefitOutput(),  # (refit, one rate) o_proj refitted by least squares at the exported widths
         DistillForm(),  # (distill) the form trained against the original, at one rate or nested over the table
         RefitRates(),  # (refit_rates) o_proj refitted at each served rate, on the trained form where there is one

@@ -23,7 +23,7 @@ class RefitRates:
             return {}
         table = (
             ctx.uniform_rates
-            if plan.allocation == "uniform"
+            if plan.layer_widths == "uniform"
             else served_refit_table(plan.per_rate_refits, ctx.served_rates)
         )
         rated = refit_mla_at_rates(

@@ -2,7 +2,8 @@
 table, the narrower rates' refitted o_proj and the kvrewrite_mla marker (compile/mla/deepseek_v3_export.py).
 
 The marker records the source, the refit and distillation sections the passes reported, which position-free queries
-the form used and how the widths were placed (report.allocation)."""
+the form used and how the widths were placed (report.allocation: the `allocate` pass's record, written only with
+layer_widths=sensitivity; the section keeps the name exports have always written, so markers on disk read one way)."""
 
 from __future__ import annotations
 
