@@ -203,6 +203,8 @@ def test_new_compress_options_reach_the_plan(monkeypatch):
             "0.1",
             "--probe-windows",
             "3",
+            "--refit",
+            "output",
             "--refit-ridge",
             "0.01",
             "--probe-rates",
@@ -230,6 +232,34 @@ def test_cli_errors_name_flags_where_the_library_names_parameters(args, flag):
     result = runner.invoke(app, ["compress", "smollm2-135m", *args, "--dry-run"])
     assert result.exit_code == 2
     assert flag in flat(result.output) and "`" not in flat(result.output)
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--distill-lr", "3e-4"], "--distill-lr only apply with --distill"),
+        (["--distill-epochs", "2", "--distill-tokens", "4096"], "--distill-tokens, --distill-epochs only apply"),
+        (["--refit-tokens", "4096"], "--refit-tokens only apply with --refit output or output-local"),
+        (["--refit", "none", "--refit-ridge", "0.1"], "--refit-ridge only apply with --refit"),
+    ],
+)
+def test_tuning_options_without_their_step_are_refused(args, message):
+    """A tuning flag given without the option that turns its step on would be silently ignored; export-mla refuses
+    the same combinations."""
+    result = runner.invoke(app, ["compress", "smollm2-135m", *args, "--dry-run"])
+    assert result.exit_code == 2
+    assert message in flat(result.output)
+
+
+def test_tuning_options_with_their_step_are_accepted():
+    result = runner.invoke(
+        app, ["compress", "smollm2-135m", "--distill", "--distill-lr", "3e-4", "--distill-epochs", "2", "--dry-run"]
+    )
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(
+        app, ["compress", "smollm2-135m", "--refit", "output", "--refit-tokens", "4096", "--dry-run"]
+    )
+    assert result.exit_code == 0, result.output
 
 
 def test_cli_message_maps_parameters_to_flags():

@@ -102,8 +102,38 @@ def _dtype_shown(plan) -> str:
     return f"{str(plan.compute_dtype(config)).removeprefix('torch.')} (auto: the source's)"
 
 
+# Options that only tune a step another option turns on; given without it, they would be silently ignored (export-mla
+# refuses the same through MLAPlan, whose fields default to None; the Plan's carry their default values instead).
+TUNING_OPTIONS = {
+    "distill": ("distill_tokens", "distill_epochs", "distill_lr"),
+    "refit": ("refit_tokens", "refit_ridge"),
+}
+
+
+def _refuse_options_without_their_switch(ctx: typer.Context, values: dict) -> None:
+    """Refuse --distill-lr and the like given on the command line without the option that turns their step on."""
+    typed = {
+        name
+        for names in TUNING_OPTIONS.values()
+        for name in names
+        if getattr(ctx.get_parameter_source(name), "name", None) == "COMMANDLINE"
+    }
+    step_on = {"distill": bool(values.get("distill")), "refit": values.get("refit") not in ("none", "auto")}
+    for switch, names in TUNING_OPTIONS.items():
+        given = [PLAN_FLAGS[name] for name in names if name in typed]
+        if given and not step_on[switch]:
+            needs = "--distill" if switch == "distill" else "--refit output or output-local"
+            raise InvalidArgumentError(f"{', '.join(given)} only apply with {needs}")
+
+
 def compress(
-    model: str, dry_run: bool, push_to_hub: str | None, hub_private: bool, kv_budget: str | None, **plan_options
+    ctx: typer.Context,
+    model: str,
+    dry_run: bool,
+    push_to_hub: str | None,
+    hub_private: bool,
+    kv_budget: str | None,
+    **plan_options,
 ) -> None:
     """Compile MODEL into a checkpoint whose KV cache keeps (1 - target_rate) of its elements."""
     from kvrewrite.cli.tables import ranks_table, summary_table
@@ -112,6 +142,7 @@ def compress(
     from kvrewrite.compile.plan import Plan
 
     try:
+        _refuse_options_without_their_switch(ctx, plan_options)
         plan = Plan(model=model, **plan_arguments(plan_options))
         passes = default_pipeline()
         budget_share = _budget_share(kv_budget) if kv_budget is not None else None  # refused now, not after the compile
@@ -165,6 +196,7 @@ app.command()(
     with_signature(
         compress,
         [
+            inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context),
             inspect.Parameter(
                 "model",
                 inspect.Parameter.POSITIONAL_OR_KEYWORD,
