@@ -63,6 +63,17 @@ class LatentMode(KeyMode):
         slice_linear_rows(attn.k_proj, attn.key_ranks, key_ranks)  # queries stay whole: rotated at attention time
 
     def rebuild_keys(
-        self, attn: nn.Module, latent: torch.Tensor, g: int, cos: torch.Tensor, sin: torch.Tensor
+        self,
+        attn: nn.Module,
+        latent: torch.Tensor,
+        g: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        latent_map: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        return attn._apply_rope(latent @ attn.k_up[g, : latent.shape[-1]], cos, sin)
+        up = attn.k_up[g, : latent.shape[-1]]
+        if latent_map is None:
+            return attn._apply_rope(latent @ up, cos, sin)
+        # The cached code y reads as latent y @ matrix + offset (per batch row): fold the map into k_up once.
+        matrix, offset = latent_map
+        return attn._apply_rope(latent @ (matrix @ up)[:, None] + (offset @ up)[:, None, None], cos, sin)
