@@ -238,7 +238,7 @@ def filled_cache(model, form: str, batch: int, context: int, capacity: int, devi
             )
         return cache
     if form == "evict":  # a one-chunk prefill: the context enters the window, settle keeps the budget's tokens
-        cache = make_tiered_cache(model, model.tier_policy)
+        cache = make_tiered_cache(model, model.tier_policy, capacity=capacity)  # sized as generate() sizes it
         c = cfg.num_key_value_heads * cfg.head_dim
         for layer in cache.layers:
             layer.update(rand(batch, 1, context, c), rand(batch, 1, context, c))
