@@ -80,11 +80,13 @@ def assert_same_kept(ours, reference) -> None:
                 assert torch.equal(a[name], b[name]), name
 
 
-def step_through(model, tokens: torch.Tensor, caches, prefill: int, mask=None, check=None):
-    """Prefill `prefill` tokens in one forward, then one token per forward, through every cache; `check` after each."""
+def step_through(model, tokens: torch.Tensor, caches, prefill: int, mask=None, check=None, chunk: int = 1):
+    """Prefill `prefill` tokens in one forward, then `chunk` tokens per forward, through every cache; `check` after
+    each forward."""
     logits = [[] for _ in caches]
+    n = tokens.shape[1]
     with torch.no_grad():
-        for start, stop in [(0, prefill)] + [(t, t + 1) for t in range(prefill, tokens.shape[1])]:
+        for start, stop in [(0, prefill)] + [(t, min(t + chunk, n)) for t in range(prefill, n, chunk)]:
             for i, cache in enumerate(caches):
                 extra = {} if mask is None else {"attention_mask": mask[:, :stop]}
                 out = model(tokens[:, start:stop], past_key_values=cache, use_cache=True, **extra)
@@ -95,12 +97,12 @@ def step_through(model, tokens: torch.Tensor, caches, prefill: int, mask=None, c
 
 
 # ---- the store against the cache-ordered one ------------------------------------------------------------------
-@pytest.mark.parametrize("mode", ["latent", "freq"])
-def test_decode_keeps_the_same_tokens_and_codes_as_the_cache_ordered_store(compiled, mode):
+@pytest.mark.parametrize("mode,chunk", [("latent", 1), ("freq", 1), ("latent", 5)])
+def test_decode_keeps_the_same_tokens_and_codes_as_the_cache_ordered_store(compiled, mode, chunk):
     model = evicting_model(compiled[mode], 4, 0.5, bits=BITS, observed=8)
     tokens = random_windows(n=2, length=48, seed=41)
     ours, reference = cache_pair(model, capacity=64)
-    out, expected = step_through(model, tokens, (ours, reference), prefill=20, check=assert_same_kept)
+    out, expected = step_through(model, tokens, (ours, reference), prefill=20, check=assert_same_kept, chunk=chunk)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
     # The point of the store: rows out of cache order after in-place replacement, in buffers allocated once.
     assert any(not bool((layer.kept_positions.diff(dim=-1) > 0).all()) for layer in ours.layers)
