@@ -21,9 +21,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvrewrite.adapters.base import ArchitectureAdapter
 from kvrewrite.errors import InvalidArgumentError
+from kvrewrite.key_modes.latent import pair_order
 from kvrewrite.runtime.kernels.reference import boolean_mask, softmax_dtype
-from kvrewrite.runtime.kernels.rope_table import rope_table
+from kvrewrite.runtime.kernels.rope_table import rope_phases, rope_table
 
 
 def check_full_rank(module) -> None:
@@ -109,6 +111,21 @@ def _mapped(stored: torch.Tensor, ranks: tuple[int, ...], maps) -> torch.Tensor:
     return torch.cat(blocks, dim=-1)
 
 
+def _rotate_half_rope(module) -> bool:
+    """Whether the module rotates by the base adapter's rotate_half over the whole head (the paired-key path's
+    assumption); an adapter with its own apply_rope is read through rebuild_keys."""
+    return getattr(module._apply_rope, "__func__", None) is ArchitectureAdapter.apply_rope
+
+
+def _grouped(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [B, G, T, X] @ b [B, 1, X, Y] -> [B, G, T, Y], the G query heads of a KV group stacked as rows of one product:
+    broadcasting b over G would copy it G times (a KV group's whole key or value block, per step)."""
+    batch, heads, rows, width = a.shape
+    if heads == 1 or b.shape[1] != 1:
+        return a @ b
+    return (a.reshape(batch, 1, heads * rows, width) @ b).view(batch, heads, rows, -1)
+
+
 def _gather_columns(allowed: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     batch, n = positions.shape
     expanded = allowed.expand(batch, -1, -1, -1)
@@ -156,18 +173,30 @@ def tiered_attention(module, query: torch.Tensor, layer, attention_mask: torch.T
             return cos_table[positions], sin_table[positions]
 
         heads = module._apply_rope(heads, *rope_at(q_pos[None].expand(batch, q_len)))
-        tier_rope = [rope_at(p) for p in tier_positions]
         recent_rope = rope_at(recent_pos[None].expand(batch, n_recent))
+        paired = _rotate_half_rope(module)
+        if paired:  # stored keys rotated as complex pairs: one pass over them instead of rotate_half's several
+            phases = rope_phases(module._rotary[0], query, kv_len)
+            tier_rope = [phases[p][:, None] for p in tier_positions]  # [B, 1, S_t, d / 2]
+            order = pair_order(d, device)
+        else:
+            tier_rope = [rope_at(p) for p in tier_positions]
 
-    def scores(q: torch.Tensor, latents: torch.Tensor, g: int, rank: int, rope, key_map=None) -> torch.Tensor:
+    def scores(
+        q: torch.Tensor, latents: torch.Tensor, g: int, rank: int, rope, key_map=None, stored: bool = False
+    ) -> torch.Tensor:
+        if latent and stored and paired:
+            keys = module.mode.rotated_key_pairs(module, latents[..., :rank], g, rope, latent_map=key_map)
+            return _grouped(q[..., order], keys.transpose(-1, -2))  # the query's dims in the keys' pair order
         if latent:
             keys = module.mode.rebuild_keys(module, latents[..., :rank], g, *rope, latent_map=key_map)
-            return q @ keys.transpose(-1, -2)
+            return _grouped(q, keys.transpose(-1, -2))
         q = q[..., :rank]
         if key_map is None:
-            return q @ latents[..., :rank].transpose(-1, -2)
+            return _grouped(q, latents[..., :rank].transpose(-1, -2))
         matrix, offset = key_map  # the latent is y @ matrix + offset: the map moves onto the query
-        return (q @ matrix.transpose(-1, -2)[:, None]) @ latents.transpose(-1, -2) + q @ offset[:, None, :, None]
+        mapped = _grouped(q, matrix.transpose(-1, -2)[:, None])
+        return _grouped(mapped, latents.transpose(-1, -2)) + _grouped(q, offset[:, None, :, None])
 
     wanted = layer.wanted_evidence  # only what the layer's policy reads is computed (this is the decode path)
     want_recent, want_stored, want_denominator = ("recent" in wanted), ("stored" in wanted), ("denominator" in wanted)
@@ -192,7 +221,7 @@ def tiered_attention(module, query: torch.Tensor, layer, attention_mask: torch.T
         q = heads[:, g * group : (g + 1) * group]  # [B, G, T, d]
         k_recent, v_recent = recent_k[..., g * d : (g + 1) * d], recent_v[..., g * d : (g + 1) * d]
         parts = [
-            scores(q, t.key_block(g), g, t.key_ranks[g], tier_rope[i] if latent else None, t.key_map(g))
+            scores(q, t.key_block(g), g, t.key_ranks[g], tier_rope[i] if latent else None, t.key_map(g), stored=True)
             for i, t in enumerate(tiers)
         ]
         s_recent = scores(q, k_recent, g, d, recent_rope if latent else None)
@@ -210,11 +239,11 @@ def tiered_attention(module, query: torch.Tensor, layer, attention_mask: torch.T
         pieces = probs.split([t.length for t in tiers] + [n_recent], dim=-1)
         out = torch.zeros(batch, group, q_len, d, dtype=dtype, device=device)
         for i, (t, p) in enumerate(zip(tiers, pieces[:-1])):
-            read = p @ t.value_block(g)
+            read = _grouped(p, t.value_block(g))
             value_map = t.value_map(g)
             if value_map is not None:  # sum p x = (sum p y) matrix + offset sum p
                 matrix, offset = value_map
-                read = read @ matrix[:, None] + p.sum(dim=-1, keepdim=True) * offset[:, None, None]
+                read = _grouped(read, matrix[:, None]) + p.sum(dim=-1, keepdim=True) * offset[:, None, None]
             out = out + F.pad(read, (0, d - t.value_ranks[g]))
             if want_stored:
                 received[i] = gathered(received[i], p)
@@ -223,9 +252,13 @@ def tiered_attention(module, query: torch.Tensor, layer, attention_mask: torch.T
             received_recent = gathered(received_recent, p_recent)
         if any_beyond and beyond_v_ranks[g] < d:
             rv = beyond_v_ranks[g]
-            out = out + (p_recent * full) @ v_recent + F.pad((p_recent * ~full) @ v_recent[..., :rv], (0, d - rv))
+            out = (
+                out
+                + _grouped(p_recent * full, v_recent)
+                + F.pad(_grouped(p_recent * ~full, v_recent[..., :rv]), (0, d - rv))
+            )
         else:
-            out = out + p_recent @ v_recent
+            out = out + _grouped(p_recent, v_recent)
         outputs.append(out.transpose(1, 2).reshape(batch, q_len, group * d))
     if wanted:
         layer.add_scores(received_recent, received, log_denominator)
