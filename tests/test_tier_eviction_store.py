@@ -22,7 +22,13 @@ from kvrewrite.runtime.cache_bytes import cache_tensor_bytes
 from kvrewrite.runtime.codecs.packing import packed_length
 from kvrewrite.runtime.tiers.attention import tiered_attention
 from kvrewrite.runtime.tiers.build import make_tiered_cache
-from kvrewrite.runtime.tiers.eviction import EvictingLayer, _top_mask
+from kvrewrite.runtime.tiers.eviction import (
+    EvictingLayer,
+    _top_mask,
+    decode_head_blocks,
+    decode_tokens,
+    encode_tokens,
+)
 from kvrewrite.runtime.tiers.kept_store import take_rows
 
 BITS = (8, 4)
@@ -254,6 +260,20 @@ def test_without_a_capacity_decoding_holds_exactly_the_kept_rows(compiled):
     step_through(model, tokens, (cache,), prefill=12, check=formula)
 
 
+@pytest.mark.parametrize("bits", [8, 4, 2, None])
+@pytest.mark.parametrize("ranks,group", [((16, 16, 32), 16), ((5, 11, 0, 16), 8)])
+def test_head_blocks_are_the_heads_columns_of_the_decoded_store(bits, ranks, group):
+    gen = torch.Generator().manual_seed(51)
+    x = torch.randn(2, 7, sum(ranks), generator=gen)
+    stored = encode_tokens(x, bits, group)
+    whole = decode_tokens(stored, sum(ranks), bits, group, torch.float32)
+    blocks = decode_head_blocks(stored, ranks, bits, group, torch.float32)
+    start = 0
+    for r, block in zip(ranks, blocks):
+        assert torch.equal(block, whole[..., start : start + r])
+        start += r
+
+
 # ---- one decode step against a dense float64 softmax -----------------------------------------------------------
 def _codes(stored: dict[str, torch.Tensor], bits: int, channels: int) -> torch.Tensor:
     packed = stored["codes"].long()
@@ -293,10 +313,16 @@ def _rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> t
     return x * cos + rotated * sin
 
 
-@pytest.mark.parametrize("mode", ["latent", "freq"])
-def test_a_decode_step_reads_exactly_the_kept_tokens_as_a_dense_softmax(compiled, mode):
+@pytest.mark.parametrize(
+    "mode,rate,group",
+    # RATE's ranks split the channel groups (each head's block decoded from the whole store); at rate 0 with a group
+    # per head, every head's block is decoded on its own.
+    [("latent", RATE, 64), ("freq", RATE, 64), ("latent", 0.0, 16), ("freq", 0.0, 16)],
+)
+def test_a_decode_step_reads_exactly_the_kept_tokens_as_a_dense_softmax(compiled, mode, rate, group):
     window = 4
-    model = evicting_model(compiled[mode], window, 0.5, bits=BITS, observed=8)
+    evict = {"keep": 0.5, "bits": list(BITS), "observed_queries": 8, "group_size": group}
+    model = kvrewrite.load(compiled[mode], rate=rate, recent_window=window, kv_codec="none", evict=evict).eval()
     tokens = random_windows(n=2, length=36, seed=50)
     cache = make_tiered_cache(model, model.tier_policy, storage_dtype=torch.float32, capacity=48)
     step_through(model, tokens, (cache,), prefill=16)

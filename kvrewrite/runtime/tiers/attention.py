@@ -54,8 +54,9 @@ class StoredTier:
     (sum p y) matrix + offset sum p), so the stored tokens are never turned back one by one.
     """
 
-    stored_keys: torch.Tensor  # [B, 1, S_t, sum key ranks]
-    stored_values: torch.Tensor  # [B, 1, S_t, sum value ranks]
+    # [B, 1, S_t, sum key ranks], or one [B, 1, S_t, r_g] block per KV head
+    stored_keys: torch.Tensor | list[torch.Tensor]
+    stored_values: torch.Tensor | list[torch.Tensor]
     key_ranks: tuple[int, ...]
     value_ranks: tuple[int, ...]
     positions: torch.Tensor | None  # [B, S_t] cache indices; None: indices 0..S_t-1 in order
@@ -64,7 +65,8 @@ class StoredTier:
 
     @property
     def length(self) -> int:
-        return self.stored_keys.shape[-2]
+        first = self.stored_keys[0] if isinstance(self.stored_keys, list) else self.stored_keys
+        return first.shape[-2]
 
     @property
     def keys(self) -> torch.Tensor:
@@ -77,12 +79,10 @@ class StoredTier:
 
     def key_block(self, g: int) -> torch.Tensor:
         """KV head g's stored key block (a code of its latent where key_map(g) is not None)."""
-        start = sum(self.key_ranks[:g])
-        return self.stored_keys[..., start : start + self.key_ranks[g]]
+        return _block(self.stored_keys, self.key_ranks, g)
 
     def value_block(self, g: int) -> torch.Tensor:
-        start = sum(self.value_ranks[:g])
-        return self.stored_values[..., start : start + self.value_ranks[g]]
+        return _block(self.stored_values, self.value_ranks, g)
 
     def key_map(self, g: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         return None if self.key_maps is None else self.key_maps[g]
@@ -97,17 +97,24 @@ class StoredTier:
         return torch.arange(n, device=device)[None].expand(batch, n)
 
 
-def _mapped(stored: torch.Tensor, ranks: tuple[int, ...], maps) -> torch.Tensor:
-    if maps is None:
+def _block(stored: torch.Tensor | list[torch.Tensor], ranks: tuple[int, ...], g: int) -> torch.Tensor:
+    if isinstance(stored, list):
+        return stored[g]
+    start = sum(ranks[:g])
+    return stored[..., start : start + ranks[g]]
+
+
+def _mapped(stored: torch.Tensor | list[torch.Tensor], ranks: tuple[int, ...], maps) -> torch.Tensor:
+    if maps is None and not isinstance(stored, list):
         return stored
-    blocks, start = [], 0
-    for r, head_map in zip(ranks, maps):
-        block = stored[..., start : start + r]
+    blocks = []
+    for g in range(len(ranks)):
+        block = _block(stored, ranks, g)
+        head_map = None if maps is None else maps[g]
         if head_map is not None:
             matrix, offset = head_map
             block = block @ matrix[:, None] + offset[:, None, None]
         blocks.append(block)
-        start += r
     return torch.cat(blocks, dim=-1)
 
 

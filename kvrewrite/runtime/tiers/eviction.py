@@ -249,10 +249,38 @@ def decode_tokens(
     # kivi_decode's arithmetic (codes x scale + minimum, in float32) on whole groups: no per-channel copy of the
     # scales, and in place.
     batch, n = scale.shape[:2]
-    decoded = unpack_bits(stored["codes"], bits, channels).float()
+    decoded = unpack_bits(stored["codes"], bits, channels).to(torch.float32, memory_format=torch.contiguous_format)
     grouped = decoded.view(batch, n, groups, group_size)
     grouped.mul_(scale.float().unsqueeze(-1)).add_(low.float().unsqueeze(-1))
     return decoded.unsqueeze(1).to(dtype)
+
+
+def decode_head_blocks(
+    stored: dict[str, torch.Tensor], ranks: tuple[int, ...], bits: int | None, group_size: int, dtype: torch.dtype
+) -> list[torch.Tensor]:
+    """decode_tokens, one contiguous [B, 1, S, r] block per head (widths `ranks`): what attention multiplies, with
+    no copy of a head's columns out of the whole store, and in allocations of one head's size (on a CPU, one
+    allocation of a whole 8K-token store costs more than decoding it)."""
+    starts = [sum(ranks[:g]) for g in range(len(ranks))]
+    aligned = bits is not None and all(
+        start % group_size == 0 and r % group_size == 0 and start * bits % 8 == 0 for start, r in zip(starts, ranks)
+    )
+    if bits is not None and not aligned:  # heads that split a group: decode the whole store once, then cut it
+        whole = decode_tokens(stored, sum(ranks), bits, group_size, dtype)
+        return [whole[..., start : start + r].contiguous() for start, r in zip(starts, ranks)]
+    blocks = []
+    for start, r in zip(starts, ranks):
+        if bits is None:
+            blocks.append(stored["latents"][..., start : start + r].to(dtype).unsqueeze(1))
+            continue
+        first, last = start // group_size, (start + r) // group_size
+        coded = {
+            "codes": stored["codes"][..., start * bits // 8 : (start + r) * bits // 8],
+            "scale": stored["scale"][..., first:last],
+            "low": stored["low"][..., first:last],
+        }
+        blocks.append(decode_tokens(coded, r, bits, group_size, dtype))
+    return blocks
 
 
 kept_token_bytes = coded_token_bytes  # one kept token's latents of one side: the formula the stored tensors match
@@ -617,7 +645,7 @@ class EvictingLayer(RecentWindowLayer):
                 ranks = self._code_space(side, floor)[1]
                 bits = self._floor_side_bits(ranks) if floor else self.side_bits[side]
                 coded = getattr(self, f"{prefix}_{side}s")
-                read[side] = decode_tokens(coded, sum(ranks), bits, self.group_size, dtype)
+                read[side] = decode_head_blocks(coded, ranks, bits, self.group_size, dtype)
                 read[side + "_ranks"], read[side + "_maps"] = ranks, self._head_maps(side, floor, dtype)
             tiers.append(
                 StoredTier(
