@@ -43,7 +43,7 @@ def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
         return packed[..., :n]
     mask = (1 << bits) - 1
     # One shift by a number per code slot: shifting by a broadcast tensor of shifts is several times slower on a CPU.
-    codes = torch.stack([(packed >> shift) & mask for shift in range(0, 8, bits)], dim=-1)
+    codes = torch.stack([(packed >> shift if shift else packed) & mask for shift in range(0, 8, bits)], dim=-1)
     return codes.flatten(-2)[..., :n]
 
 

@@ -249,7 +249,8 @@ def decode_tokens(
     # kivi_decode's arithmetic (codes x scale + minimum, in float32) on whole groups: no per-channel copy of the
     # scales, and in place.
     batch, n = scale.shape[:2]
-    decoded = unpack_bits(stored["codes"], bits, channels).to(torch.float32, memory_format=torch.contiguous_format)
+    # .float() of a strided slice writes a dense result directly (asking for contiguous_format is ten times slower)
+    decoded = unpack_bits(stored["codes"], bits, channels).float().contiguous()
     grouped = decoded.view(batch, n, groups, group_size)
     grouped.mul_(scale.float().unsqueeze(-1)).add_(low.float().unsqueeze(-1))
     return decoded.unsqueeze(1).to(dtype)
