@@ -237,10 +237,14 @@ def test_without_a_capacity_decoding_holds_exactly_the_kept_rows(compiled):
     model = evicting_model(compiled["latent"], window, keep, bits=BITS, observed=8)
     tokens = random_windows(n=2, length=40, seed=49)
     cache = model.make_kv_cache()
+    reference = make_tiered_cache(model, model.tier_policy)  # the store kept in order, concatenated every settle
+    for layer in reference.layers:
+        layer.__class__ = CacheOrderedLayer
     key_ranks = cache.layers[0].kept_key_ranks
     d = model.compressed_attentions()[0].head_dim
 
-    def formula(cache, *_):
+    def formula(cache, ordered):
+        assert cache_tensor_bytes(cache) == cache_tensor_bytes(ordered)
         total = 0
         for layer in cache.layers:
             n_recent, n_kept = layer.keys.shape[-2], layer.kept_positions.shape[-1]
@@ -257,7 +261,7 @@ def test_without_a_capacity_decoding_holds_exactly_the_kept_rows(compiled):
         total += sum(4 * r * r for r in widths)
         assert cache_tensor_bytes(cache) == total
 
-    step_through(model, tokens, (cache,), prefill=12, check=formula)
+    step_through(model, tokens, (cache, reference), prefill=12, check=formula)
 
 
 @pytest.mark.parametrize("bits", [8, 4, 2, None])

@@ -9,7 +9,7 @@ token is re-scored by the newest queries each time, TOVA's rule (one query per g
 matters later survives and one that stopped mattering goes, unlike a score frozen when the token left the window.
 
 With `bits`, kept tokens are quantized per token (asymmetric min/max over groups of `group_size` channels), so one
-token's numbers never depend on another's and evicting a token is a gather, never a re-quantization. Per-token
+token's numbers never depend on another's and evicting a token never re-quantizes the others. Per-token
 ranges alone do badly on these latents: their channels carry offsets and magnitudes that differ by orders of
 magnitude (importance order). So before quantizing, each channel is centred and scaled by its mean and rms over
 the tokens in the window at the first settle (stored per layer and batch row, float16), and each head's block is
