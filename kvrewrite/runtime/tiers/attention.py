@@ -124,6 +124,13 @@ def _rotate_half_rope(module) -> bool:
     return getattr(module._apply_rope, "__func__", None) is ArchitectureAdapter.apply_rope
 
 
+def _phases_at(phases: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """phases [L, h] (complex) at positions [B, S] -> [B, 1, S, h]: an index_select of the real pairs (indexing a
+    complex table directly is several times slower on a CPU)."""
+    pairs = torch.view_as_real(phases).flatten(1).index_select(0, positions.flatten())
+    return torch.view_as_complex(pairs.view(*positions.shape, phases.shape[-1], 2)).unsqueeze(1)
+
+
 def _grouped(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a [B, G, T, X] @ b [B, 1, X, Y] -> [B, G, T, Y], the G query heads of a KV group stacked as rows of one product:
     broadcasting b over G would copy it G times (a KV group's whole key or value block, per step)."""
@@ -184,7 +191,7 @@ def tiered_attention(module, query: torch.Tensor, layer, attention_mask: torch.T
         paired = _rotate_half_rope(module)
         if paired:  # stored keys rotated as complex pairs: one pass over them instead of rotate_half's several
             phases = rope_phases(module._rotary[0], query, kv_len)
-            tier_rope = [phases[p][:, None] for p in tier_positions]  # [B, 1, S_t, d / 2]
+            tier_rope = [_phases_at(phases, p) for p in tier_positions]  # [B, 1, S_t, d / 2]
             order = pair_order(d, device)
         else:
             tier_rope = [rope_at(p) for p in tier_positions]
