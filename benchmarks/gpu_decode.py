@@ -19,7 +19,11 @@ Forms (`--forms`):
 - freq / post-rope / latent: kvrewrite per-head forms at p = 0.5 (key and value rank half the head dim on every KV
   head), on the cache kvrewrite's generate() builds (runtime.inplace_cache, sized for the run);
 - mla: DeepseekV3 with kvrewrite's absorbed attention (runtime.mla), latent + RoPE widths per shape;
-- int4: the per-head `freq` form at full rank (p = 0) with the int4 codec (KIVI blocks read in place).
+- int4: the per-head `freq` form at full rank (p = 0) with the int4 codec (KIVI blocks read in place);
+- evict: the frontier's re-scored eviction recipe at about a quarter of the original's bytes
+  (`kvrewrite-W16-evict0.57-k8v4`, benchmarks/frontier/kvrewrite_recipes.py: the `latent` form at full rank, a
+  16-token full-rank window, beyond it 57% of the tokens kept with 8-bit keys and 4-bit values); its cache is
+  filled through the layer's update and settle, the kept tokens chosen by random scores.
 Attention time is the wall time of each form's attention call (stock: the sdpa function; per-head: the packed or
 latent attention; mla: the absorbed attention), CUDA events on a GPU; its bandwidth is the bytes of the filled
 cache that call must read over that time.
@@ -66,8 +70,10 @@ SHAPES = {
         mla=(128, 64),
     ),
 }
-FORMS = ("stock-static", "stock-compiled", "stock-dynamic", "freq", "post-rope", "latent", "mla", "int4")
+FORMS = ("stock-static", "stock-compiled", "stock-dynamic", "freq", "post-rope", "latent", "mla", "int4", "evict")
 PER_HEAD_RATE = 0.5
+# The frontier's best recipe at about 25% of the original's bytes (fp16 counting, as the frontier counts them).
+EVICT_RECIPE = {"name": "kvrewrite-W16-evict0.57-k8v4", "window": 16, "keep": 0.57, "bits": (8, 4)}
 GPU_CONFIGS = "1x32768,16x8192,64x8192,8x32768"
 # Nominal memory bandwidth (bytes/s) of the parts the lent machines have, for the "share of peak" column.
 PEAK_BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}
@@ -160,7 +166,7 @@ def build_model(form: str, shape: dict, layers: int, device: torch.device, dtype
                 )
                 mla._attn_implementation = "sdpa"
                 return absorb_attention(DeepseekV3ForCausalLM(mla)).eval()
-            spec = per_head_spec(config, "freq" if form == "int4" else form)
+            spec = per_head_spec(config, {"int4": "freq", "evict": "latent"}.get(form, form))
             config_class, model_class = COMPRESSED_FAMILIES["kvrewrite_llama"]
             fields = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "transformers_version")}
             model = model_class(config_class(**fields, kvrewrite=spec.to_dict())).eval()
@@ -170,12 +176,29 @@ def build_model(form: str, shape: dict, layers: int, device: torch.device, dtype
         model.set_kv_codec("int4")
         return model
     d, n_kv = config.head_dim, config.num_key_value_heads
-    rank = int(round(d * (1 - PER_HEAD_RATE)))
-    model.set_ranks([[rank] * n_kv] * layers, [[rank] * n_kv] * layers)
-    if form == "latent":  # a well-conditioned up-projection, so rebuilt keys have realistic magnitudes
+    if form == "evict":  # full rank (the recipe's rate 0), the eviction policy in place of cut ranks
+        model.tier_policy = evict_policy(n_kv, d, layers)
+    else:
+        rank = int(round(d * (1 - PER_HEAD_RATE)))
+        model.set_ranks([[rank] * n_kv] * layers, [[rank] * n_kv] * layers)
+    if form in ("latent", "evict"):  # a well-conditioned up-projection, so rebuilt keys have realistic magnitudes
         for attn in model.compressed_attentions():
             torch.nn.init.orthogonal_(attn.k_up.data.view(-1, d))
     return model
+
+
+def evict_policy(n_kv: int, d: int, layers: int):
+    """EVICT_RECIPE as the EvictionPolicy load() builds for it (rate 0: every head's kept ranks are full)."""
+    from kvrewrite.runtime.tiers.eviction import EvictionPolicy
+
+    full = ((d,) * n_kv,) * layers
+    return EvictionPolicy(
+        window=EVICT_RECIPE["window"],
+        kept_key_ranks=full,
+        kept_value_ranks=full,
+        keep=(EVICT_RECIPE["keep"],) * layers,
+        bits=EVICT_RECIPE["bits"],
+    )
 
 
 # ---- caches -------------------------------------------------------------------------------------------------------
@@ -186,6 +209,7 @@ def filled_cache(model, form: str, batch: int, context: int, capacity: int, devi
     from kvrewrite.runtime.inplace_cache import in_place_cache, in_place_layer
     from kvrewrite.runtime.kernels.cache_layout import to_storage
     from kvrewrite.runtime.mla.latent_cache import cache_latent_rows
+    from kvrewrite.runtime.tiers.build import make_tiered_cache
 
     cfg = model.config
     g = torch.Generator(device=device).manual_seed(0)
@@ -213,6 +237,15 @@ def filled_cache(model, form: str, batch: int, context: int, capacity: int, devi
                 rand(batch, 1, context, sum(attn.key_ranks)), rand(batch, 1, context, sum(attn.value_ranks)), i
             )
         return cache
+    if form == "evict":  # a one-chunk prefill: the context enters the window, settle keeps the budget's tokens
+        cache = make_tiered_cache(model, model.tier_policy, capacity=capacity)  # sized as generate() sizes it
+        c = cfg.num_key_value_heads * cfg.head_dim
+        for layer in cache.layers:
+            layer.update(rand(batch, 1, context, c), rand(batch, 1, context, c))
+            scores = torch.rand(batch, context, generator=g, device=device)
+            layer.add_scores(scores, [scores.new_zeros(batch, 0)], None)
+            layer.settle()
+        return cache
     cache = in_place_cache(cfg, capacity=capacity)  # what kvrewrite's generate() builds
     for i, attn in enumerate(model.compressed_attentions()):
         order = attn.cache_order(cache, device)
@@ -232,7 +265,7 @@ def filled_bytes(model, form: str, batch: int, context: int, dtype) -> int:
         per_token = 2 * cfg.num_key_value_heads * cfg.head_dim * cfg.num_hidden_layers
     elif form == "mla":
         per_token = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * cfg.num_hidden_layers
-    elif form == "int4":  # 4-bit codes plus the per-block scales: measured on a filled cache by the caller
+    elif form in ("int4", "evict"):  # codes plus their scales: measured on a filled cache by the caller
         return -1
     else:
         per_token = model.kv_elements_per_token()
@@ -304,6 +337,10 @@ def attention_timers(form: str, watch: Stopwatch):
         return [patched(CompressedAttention, "_latent_attention", method)]
     if form == "int4":
         return [patched(CompressedAttention, "attend_coded", method)]
+    if form == "evict":  # the tiered attention reads the kept store (TieredCache.attend imports it per call)
+        from kvrewrite.runtime.tiers import attention as tiered
+
+        return [patched(tiered, "tiered_attention", method)]
     return [patched(ALL_ATTENTION_FUNCTIONS._global_mapping, PACKED_ATTENTION, method)]
 
 
@@ -363,7 +400,11 @@ def measure_config(runs: dict, batch: int, context: int, args, device, dtype) ->
             "context": context,
             "cache_bytes_read": held if must_read < 0 else must_read,
             "cache_bytes_held": held,
+            # floats at 2 bytes each, as the frontier counts (a CPU run holds stock's cache in fp32)
+            "cache_bytes_held_fp16": cache_tensor_bytes(caches[form], float_bytes=2),
         }
+        if form == "evict":
+            rows[form]["policy"] = {**EVICT_RECIPE, "bits": list(EVICT_RECIPE["bits"])}
         times[form] = ([], [])
     g = torch.Generator(device=device).manual_seed(1)
     vocab = next(iter(runs.values())).model.config.vocab_size
@@ -415,6 +456,9 @@ def add_ratios(results: dict) -> None:
                     continue
                 row[name] = round(row["tokens_per_s"] / ref["tokens_per_s"], 3)
                 row["cache_share"] = round(row["cache_bytes_read"] / base_bytes[(row["batch"], row["context"])], 3)
+                held_fp16 = ref.get("cache_bytes_held_fp16")
+                if held_fp16 and "cache_bytes_held_fp16" in row:
+                    row["cache_share_fp16"] = round(row["cache_bytes_held_fp16"] / held_fp16, 3)
 
 
 def add_peak_shares(record: dict) -> None:

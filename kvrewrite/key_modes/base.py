@@ -130,9 +130,17 @@ class KeyMode(ABC):
         return query, key
 
     def rebuild_keys(
-        self, attn: nn.Module, latent: torch.Tensor, g: int, cos: torch.Tensor, sin: torch.Tensor
+        self,
+        attn: nn.Module,
+        latent: torch.Tensor,
+        g: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        latent_map: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """KV head g's rotated keys [B, 1, S, d] from its cached latent [B, 1, S, r] (modes with rebuilds_keys)."""
+        """KV head g's rotated keys [B, 1, S, d] from its cached latent [B, 1, S, r] (modes with rebuilds_keys);
+        latent_map (matrix [B, r, r], offset [B, r]): the cache holds a code y of the latent, latent = y @ matrix +
+        offset."""
         raise NotImplementedError(f"key mode {self.name!r} caches its keys; nothing to rebuild")
 
     @property

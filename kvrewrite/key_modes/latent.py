@@ -18,6 +18,12 @@ from kvrewrite.method.key_transforms import latent_key_basis
 from kvrewrite.method.statistics import LayerStatistics
 
 
+def pair_order(head_dim: int, device: torch.device) -> torch.Tensor:
+    """Head dims with each rotate_half rotary pair (j, j + d / 2) side by side, at 2j and 2j + 1."""
+    half = torch.arange(head_dim // 2, device=device)
+    return torch.stack([half, half + head_dim // 2], dim=-1).flatten()
+
+
 @dataclass(frozen=True, eq=False)
 class LatentKeyTransform(KeyTransform):
     down: torch.Tensor  # [n_kv, d, d] folded into k_proj
@@ -63,6 +69,41 @@ class LatentMode(KeyMode):
         slice_linear_rows(attn.k_proj, attn.key_ranks, key_ranks)  # queries stay whole: rotated at attention time
 
     def rebuild_keys(
-        self, attn: nn.Module, latent: torch.Tensor, g: int, cos: torch.Tensor, sin: torch.Tensor
+        self,
+        attn: nn.Module,
+        latent: torch.Tensor,
+        g: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        latent_map: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        return attn._apply_rope(latent @ attn.k_up[g, : latent.shape[-1]], cos, sin)
+        up = attn.k_up[g, : latent.shape[-1]]
+        if latent_map is None:
+            return attn._apply_rope(latent @ up, cos, sin)
+        # The cached code y reads as latent y @ matrix + offset (per batch row): fold the map into k_up once.
+        matrix, offset = latent_map
+        return attn._apply_rope(latent @ (matrix @ up)[:, None] + (offset @ up)[:, None, None], cos, sin)
+
+    def rotated_key_pairs(
+        self,
+        attn: nn.Module,
+        latent: torch.Tensor,
+        g: int,
+        phases: torch.Tensor,
+        latent_map: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """rebuild_keys under rotate_half RoPE, with each rotary pair's dims side by side (pair_order; read them
+        against queries in that order): latent [B, 1, S, r] -> keys [B, 1, S, d], each pair multiplied by
+        its position's phase (`phases` [B, 1, S, d / 2], complex) in one pass, and the map's offset added in the
+        product."""
+        up = attn.k_up[g, : latent.shape[-1]]
+        up = up[:, pair_order(up.shape[-1], up.device)]
+        batch, _, n, _ = latent.shape
+        if latent_map is None:
+            keys = latent @ up
+        else:
+            matrix, offset = latent_map
+            keys = torch.baddbmm((offset @ up)[:, None], latent[:, 0], matrix @ up).unsqueeze(1)
+        d = up.shape[-1]
+        pairs = torch.view_as_complex(keys.float().reshape(batch, 1, n, d // 2, 2)) * phases
+        return torch.view_as_real(pairs).reshape(batch, 1, n, d).to(keys.dtype)

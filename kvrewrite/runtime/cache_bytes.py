@@ -55,8 +55,11 @@ def _held_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return total
 
 
-def cache_tensor_bytes(cache: Any) -> int:
-    """Total bytes of the tensors held by a transformers Cache (its layers and any tensors it holds itself)."""
+def cache_tensor_bytes(cache: Any, float_bytes: int | None = None) -> int:
+    """Total bytes of the tensors held by a transformers Cache (its layers and any tensors it holds itself).
+
+    float_bytes: count floating-point tensors at this many bytes per number (2: as if a float32 cache were held in
+    float16, the frontier's counting); None counts every tensor as it is."""
     tensors: list[torch.Tensor] = []
     layers = getattr(cache, "layers", None)
     if layers is not None:
@@ -70,4 +73,11 @@ def cache_tensor_bytes(cache: Any) -> int:
             tensors.extend(v for v in items if isinstance(v, torch.Tensor))
     else:
         raise KVRewriteError(f"cannot measure a cache of type {type(cache).__name__}; expected a transformers Cache")
-    return _held_bytes(tensors)
+    if float_bytes is None:
+        return _held_bytes(tensors)
+    total = 0
+    for dtype in {t.dtype for t in tensors}:
+        held = _held_bytes([t for t in tensors if t.dtype == dtype])
+        # Merged spans of one dtype are whole numbers of elements, so rescaling keeps views counted once.
+        total += held // dtype.itemsize * float_bytes if dtype.is_floating_point else held
+    return total

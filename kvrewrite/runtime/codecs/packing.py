@@ -41,9 +41,9 @@ def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """Inverse of pack_bits: uint8 [..., m] -> uint8 codes [..., n]."""
     if bits == 8:
         return packed[..., :n]
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
     mask = (1 << bits) - 1
-    codes = (packed.unsqueeze(-1) >> shifts) & mask
+    # One shift by a number per code slot: shifting by a broadcast tensor of shifts is several times slower on a CPU.
+    codes = torch.stack([(packed >> shift if shift else packed) & mask for shift in range(0, 8, bits)], dim=-1)
     return codes.flatten(-2)[..., :n]
 
 

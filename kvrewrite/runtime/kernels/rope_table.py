@@ -41,3 +41,17 @@ def rope_table(
         held = _computed(rotary, like, -(-length // GROW) * GROW, transposed)
         tables[key] = held
     return held
+
+
+def rope_phases(rotary: nn.Module, like: torch.Tensor, length: int) -> torch.Tensor:
+    """complex64 [>= length, d / 2] on `like`'s device: for cache position p and rotary pair j, cos + i sin of its
+    angle (times the rotary's attention scaling). Under rotate_half, dims (j, j + d / 2) of a head form pair j, and
+    rotating a key is multiplying that pair, read as one complex number, by its phase: one pass over the keys."""
+    cos, sin = rope_table(rotary, like.new_empty(0, dtype=torch.float32), length, transposed=False)
+    tables = rotary.__dict__.setdefault("_kvrewrite_rope_phases", {})
+    held = tables.get(like.device)
+    if held is None or held[0] is not cos:  # a table that grew, or one computed per call
+        half = cos.shape[-1] // 2
+        held = (cos, torch.complex(cos[:, :half], sin[:, :half]))
+        tables[like.device] = held
+    return held[1]

@@ -93,18 +93,20 @@ def compressed_family(adapter: ArchitectureAdapter) -> tuple[type, type]:
             attns = self.compressed_attentions()
             return [a.key_ranks for a in attns], [a.value_ranks for a in attns]
 
-        def make_kv_cache(self):
+        def make_kv_cache(self, capacity: int | None = None):
             """The cache this model generates with: a TieredCache with a tier policy, a CodecCache when a codec is
-            set, else a cache that appends in place (runtime.inplace_cache)."""
+            set, else a cache that appends in place (runtime.inplace_cache). `capacity`: the longest sequence it
+            will hold, where the caller knows it (generate() does); an evicting cache then allocates its stores
+            once, without one they hold exactly what they keep."""
             from kvrewrite.runtime.codecs import make_codec_cache
             from kvrewrite.runtime.inplace_cache import in_place_cache
 
             if self.tier_policy is not None:
                 from kvrewrite.runtime.tiers.build import make_tiered_cache
 
-                return make_tiered_cache(self, self.tier_policy)
+                return make_tiered_cache(self, self.tier_policy, capacity=capacity)
             if self.kv_codec is None:
-                return in_place_cache(self.config)
+                return in_place_cache(self.config, capacity=capacity)
             return make_codec_cache(self.kv_codec, *self._layer_ranks(), self.kv_codec_tables)
 
         def generate(self, inputs=None, *args, **kwargs):
@@ -139,7 +141,10 @@ def compressed_family(adapter: ArchitectureAdapter) -> tuple[type, type]:
                 and generation_config.use_cache is not False
                 and generation_config.cache_implementation is None
             ):
-                if self.kv_codec is not None or self.tier_policy is not None:
+                if self.tier_policy is not None:
+                    model_kwargs["past_key_values"] = self.make_kv_cache(capacity=max_cache_length)
+                    return
+                if self.kv_codec is not None:
                     model_kwargs["past_key_values"] = self.make_kv_cache()
                     return
                 from kvrewrite.runtime.inplace_cache import in_place_cache

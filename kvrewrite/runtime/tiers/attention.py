@@ -21,8 +21,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvrewrite.adapters.base import ArchitectureAdapter
 from kvrewrite.errors import InvalidArgumentError
+from kvrewrite.key_modes.latent import pair_order
 from kvrewrite.runtime.kernels.reference import boolean_mask, softmax_dtype
+from kvrewrite.runtime.kernels.rope_table import rope_phases, rope_table
 
 
 def check_full_rank(module) -> None:
@@ -45,27 +48,96 @@ class StoredTier:
     """One stored tier as attention reads it: packed latents, per-KV-head ranks and each token's cache index.
 
     A tiered cache layer returns its stored tiers (everything but the recent window) from `stored_tiers(dtype)`.
+    With maps, a head's stored block y is not its latent but a linear code of it (the eviction tier's centred,
+    scaled and turned space): latent = y @ matrix + offset, per batch row ([B, r, r], [B, r]). Attention then
+    moves the map onto the query and the weighted value sum (q.x = (q matrix^T).y + q.offset; sum p x =
+    (sum p y) matrix + offset sum p), so the stored tokens are never turned back one by one.
     """
 
-    keys: torch.Tensor  # [B, 1, S_t, sum key ranks]
-    values: torch.Tensor  # [B, 1, S_t, sum value ranks]
+    # [B, 1, S_t, sum key ranks], or one [B, 1, S_t, r_g] block per KV head
+    stored_keys: torch.Tensor | list[torch.Tensor]
+    stored_values: torch.Tensor | list[torch.Tensor]
     key_ranks: tuple[int, ...]
     value_ranks: tuple[int, ...]
     positions: torch.Tensor | None  # [B, S_t] cache indices; None: indices 0..S_t-1 in order
+    key_maps: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None  # per KV head; None: stored as is
+    value_maps: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None
+
+    @property
+    def length(self) -> int:
+        first = self.stored_keys[0] if isinstance(self.stored_keys, list) else self.stored_keys
+        return first.shape[-2]
+
+    @property
+    def keys(self) -> torch.Tensor:
+        """The key latents [B, 1, S_t, sum key ranks] (maps applied)."""
+        return _mapped(self.stored_keys, self.key_ranks, self.key_maps)
+
+    @property
+    def values(self) -> torch.Tensor:
+        return _mapped(self.stored_values, self.value_ranks, self.value_maps)
 
     def key_block(self, g: int) -> torch.Tensor:
-        start = sum(self.key_ranks[:g])
-        return self.keys[..., start : start + self.key_ranks[g]]
+        """KV head g's stored key block (a code of its latent where key_map(g) is not None)."""
+        return _block(self.stored_keys, self.key_ranks, g)
 
     def value_block(self, g: int) -> torch.Tensor:
-        start = sum(self.value_ranks[:g])
-        return self.values[..., start : start + self.value_ranks[g]]
+        return _block(self.stored_values, self.value_ranks, g)
+
+    def key_map(self, g: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return None if self.key_maps is None else self.key_maps[g]
+
+    def value_map(self, g: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return None if self.value_maps is None else self.value_maps[g]
 
     def cache_indices(self, batch: int, device: torch.device) -> torch.Tensor:
         if self.positions is not None:
             return self.positions.long()
-        n = self.keys.shape[-2]
+        n = self.length
         return torch.arange(n, device=device)[None].expand(batch, n)
+
+
+def _block(stored: torch.Tensor | list[torch.Tensor], ranks: tuple[int, ...], g: int) -> torch.Tensor:
+    if isinstance(stored, list):
+        return stored[g]
+    start = sum(ranks[:g])
+    return stored[..., start : start + ranks[g]]
+
+
+def _mapped(stored: torch.Tensor | list[torch.Tensor], ranks: tuple[int, ...], maps) -> torch.Tensor:
+    if maps is None and not isinstance(stored, list):
+        return stored
+    blocks = []
+    for g in range(len(ranks)):
+        block = _block(stored, ranks, g)
+        head_map = None if maps is None else maps[g]
+        if head_map is not None:
+            matrix, offset = head_map
+            block = block @ matrix[:, None] + offset[:, None, None]
+        blocks.append(block)
+    return torch.cat(blocks, dim=-1)
+
+
+def _rotate_half_rope(module) -> bool:
+    """Whether the module rotates by the base adapter's rotate_half over the whole head (the paired-key path's
+    assumption); an adapter with its own apply_rope is read through rebuild_keys."""
+    return getattr(module._apply_rope, "__func__", None) is ArchitectureAdapter.apply_rope
+
+
+def _phases_at(phases: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """phases [L, h] (complex) at positions [B, S] -> [B, 1, S, h]: an index_select of the real pairs (indexing a
+    complex table directly is several times slower on a CPU)."""
+    pairs = torch.view_as_real(phases).flatten(1).index_select(0, positions.flatten())
+    return torch.view_as_complex(pairs.view(*positions.shape, phases.shape[-1], 2)).unsqueeze(1)
+
+
+def _grouped(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [B, G, T, X] @ b [B, 1, X, Y] -> [B, G, T, Y], the G query heads of a KV group stacked as rows of one product:
+    broadcasting b over G would copy it G times (a KV group's whole key or value block, per step)."""
+    batch, heads, rows, width = a.shape
+    if heads == 1 or b.shape[1] != 1:
+        return a @ b
+    return (a.reshape(batch, 1, heads * rows, width) @ b).view(batch, heads, rows, -1)
 
 
 def _gather_columns(allowed: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -107,31 +179,45 @@ def tiered_attention(module, query: torch.Tensor, layer, attention_mask: torch.T
     heads = query.view(batch, q_len, module.num_heads, d).transpose(1, 2)  # [B, H, T, d]
     latent = module.mode.rebuilds_keys
     if latent:
-        # Positions are cache indices, as in CompressedAttention._latent_attention (padding-consistent offsets).
-        cos, sin = module._rotary[0](query, torch.arange(kv_len, device=device)[None].expand(batch, kv_len))
-        heads = module._apply_rope(heads, cos[:, kv_len - q_len :], sin[:, kv_len - q_len :])
+        # Positions are cache indices, as in CompressedAttention._latent_attention (padding-consistent offsets); the
+        # rotary table is shared by the layers, and read only at the positions a tier holds.
+        cos_table, sin_table = rope_table(module._rotary[0], query, kv_len, transposed=False)  # [>= kv_len, d]
 
         def rope_at(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            index = positions[..., None].expand(-1, -1, cos.shape[-1])
-            return cos.gather(1, index), sin.gather(1, index)
+            return cos_table[positions], sin_table[positions]
 
-        tier_rope = [rope_at(p) for p in tier_positions]
+        heads = module._apply_rope(heads, *rope_at(q_pos[None].expand(batch, q_len)))
         recent_rope = rope_at(recent_pos[None].expand(batch, n_recent))
+        paired = _rotate_half_rope(module)
+        if paired:  # stored keys rotated as complex pairs: one pass over them instead of rotate_half's several
+            phases = rope_phases(module._rotary[0], query, kv_len)
+            tier_rope = [_phases_at(phases, p) for p in tier_positions]  # [B, 1, S_t, d / 2]
+            order = pair_order(d, device)
+        else:
+            tier_rope = [rope_at(p) for p in tier_positions]
 
-    def scores(q: torch.Tensor, latents: torch.Tensor, g: int, rank: int, rope) -> torch.Tensor:
+    def scores(
+        q: torch.Tensor, latents: torch.Tensor, g: int, rank: int, rope, key_map=None, stored: bool = False
+    ) -> torch.Tensor:
+        if latent and stored and paired:
+            keys = module.mode.rotated_key_pairs(module, latents[..., :rank], g, rope, latent_map=key_map)
+            return _grouped(q[..., order], keys.transpose(-1, -2))  # the query's dims in the keys' pair order
         if latent:
-            keys = module.mode.rebuild_keys(module, latents[..., :rank], g, *rope)
-            return q @ keys.transpose(-1, -2)
-        return q[..., :rank] @ latents[..., :rank].transpose(-1, -2)
+            keys = module.mode.rebuild_keys(module, latents[..., :rank], g, *rope, latent_map=key_map)
+            return _grouped(q, keys.transpose(-1, -2))
+        q = q[..., :rank]
+        if key_map is None:
+            return _grouped(q, latents[..., :rank].transpose(-1, -2))
+        matrix, offset = key_map  # the latent is y @ matrix + offset: the map moves onto the query
+        mapped = _grouped(q, matrix.transpose(-1, -2)[:, None])
+        return _grouped(mapped, latents.transpose(-1, -2)) + _grouped(q, offset[:, None, :, None])
 
     wanted = layer.wanted_evidence  # only what the layer's policy reads is computed (this is the decode path)
     want_recent, want_stored, want_denominator = ("recent" in wanted), ("stored" in wanted), ("denominator" in wanted)
     if want_recent or want_stored:
         query_weights = _scored_queries(layer, allowed, q_len)[:, None, :, None]  # [B, 1, T, 1]
     received = (
-        [torch.zeros(batch, t.keys.shape[-2], dtype=torch.float32, device=device) for t in tiers]
-        if want_stored
-        else None
+        [torch.zeros(batch, t.length, dtype=torch.float32, device=device) for t in tiers] if want_stored else None
     )
     received_recent = torch.zeros(batch, n_recent, dtype=torch.float32, device=device) if want_recent else None
     log_denominator = None
@@ -149,7 +235,8 @@ def tiered_attention(module, query: torch.Tensor, layer, attention_mask: torch.T
         q = heads[:, g * group : (g + 1) * group]  # [B, G, T, d]
         k_recent, v_recent = recent_k[..., g * d : (g + 1) * d], recent_v[..., g * d : (g + 1) * d]
         parts = [
-            scores(q, t.key_block(g), g, t.key_ranks[g], tier_rope[i] if latent else None) for i, t in enumerate(tiers)
+            scores(q, t.key_block(g), g, t.key_ranks[g], tier_rope[i] if latent else None, t.key_map(g), stored=True)
+            for i, t in enumerate(tiers)
         ]
         s_recent = scores(q, k_recent, g, d, recent_rope if latent else None)
         if any_beyond and beyond_k_ranks[g] < d:  # at full rank beyond the window too, nothing to cut
@@ -163,10 +250,15 @@ def tiered_attention(module, query: torch.Tensor, layer, attention_mask: torch.T
         if want_denominator:
             log_denominator = torch.logaddexp(log_denominator, torch.logsumexp(logits.float(), dim=-1).logsumexp(dim=1))
         probs = torch.softmax(logits, dim=-1).to(dtype)
-        pieces = probs.split([t.keys.shape[-2] for t in tiers] + [n_recent], dim=-1)
+        pieces = probs.split([t.length for t in tiers] + [n_recent], dim=-1)
         out = torch.zeros(batch, group, q_len, d, dtype=dtype, device=device)
         for i, (t, p) in enumerate(zip(tiers, pieces[:-1])):
-            out = out + F.pad(p @ t.value_block(g), (0, d - t.value_ranks[g]))
+            read = _grouped(p, t.value_block(g))
+            value_map = t.value_map(g)
+            if value_map is not None:  # sum p x = (sum p y) matrix + offset sum p
+                matrix, offset = value_map
+                read = _grouped(read, matrix[:, None]) + p.sum(dim=-1, keepdim=True) * offset[:, None, None]
+            out = out + F.pad(read, (0, d - t.value_ranks[g]))
             if want_stored:
                 received[i] = gathered(received[i], p)
         p_recent = pieces[-1]
@@ -174,9 +266,13 @@ def tiered_attention(module, query: torch.Tensor, layer, attention_mask: torch.T
             received_recent = gathered(received_recent, p_recent)
         if any_beyond and beyond_v_ranks[g] < d:
             rv = beyond_v_ranks[g]
-            out = out + (p_recent * full) @ v_recent + F.pad((p_recent * ~full) @ v_recent[..., :rv], (0, d - rv))
+            out = (
+                out
+                + _grouped(p_recent * full, v_recent)
+                + F.pad(_grouped(p_recent * ~full, v_recent[..., :rv]), (0, d - rv))
+            )
         else:
-            out = out + p_recent @ v_recent
+            out = out + _grouped(p_recent, v_recent)
         outputs.append(out.transpose(1, 2).reshape(batch, q_len, group * d))
     if wanted:
         layer.add_scores(received_recent, received, log_denominator)

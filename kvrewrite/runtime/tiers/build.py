@@ -72,8 +72,12 @@ def _aged_tier_codecs(policy: TierPolicy | EvictionPolicy, tables: dict) -> list
 
 
 def make_tiered_cache(
-    model, policy: TierPolicy | EvictionPolicy, storage_dtype: torch.dtype = STORAGE_DTYPE
+    model,
+    policy: TierPolicy | EvictionPolicy,
+    storage_dtype: torch.dtype = STORAGE_DTYPE,
+    capacity: int | None = None,
 ) -> TieredCache:
-    """The TieredCache a tiered model attends through (its aged-tier codecs built for the aged ranks)."""
+    """The TieredCache a tiered model attends through (its aged-tier codecs built for the aged ranks); `capacity`:
+    the longest sequence it will hold, where known (an evicting cache then allocates its stores once)."""
     head_dim = model.compressed_attentions()[0].head_dim
-    return TieredCache(policy, head_dim, _aged_tier_codecs(policy, model.kv_codec_tables), storage_dtype)
+    return TieredCache(policy, head_dim, _aged_tier_codecs(policy, model.kv_codec_tables), storage_dtype, capacity)

@@ -305,10 +305,16 @@ class TieredCache(Cache):
     is_tiered = True
 
     def __init__(
-        self, policy, head_dim: int, layer_codecs: list | None = None, storage_dtype: torch.dtype = STORAGE_DTYPE
+        self,
+        policy,
+        head_dim: int,
+        layer_codecs: list | None = None,
+        storage_dtype: torch.dtype = STORAGE_DTYPE,
+        capacity: int | None = None,
     ):
-        # The policy builds its own layers (TierPolicy: TieredLayer; EvictionPolicy: EvictingLayer).
-        super().__init__(layers=policy.make_layers(head_dim, layer_codecs, storage_dtype))
+        # The policy builds its own layers (TierPolicy: TieredLayer; EvictionPolicy: EvictingLayer); `capacity`, the
+        # longest sequence the cache will hold where the caller knows it (generate()), sizes their buffers.
+        super().__init__(layers=policy.make_layers(head_dim, layer_codecs, storage_dtype, capacity))
         self.policy = policy
 
     def attend(

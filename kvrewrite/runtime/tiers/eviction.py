@@ -9,7 +9,7 @@ token is re-scored by the newest queries each time, TOVA's rule (one query per g
 matters later survives and one that stopped mattering goes, unlike a score frozen when the token left the window.
 
 With `bits`, kept tokens are quantized per token (asymmetric min/max over groups of `group_size` channels), so one
-token's numbers never depend on another's and evicting a token is a gather, never a re-quantization. Per-token
+token's numbers never depend on another's and evicting a token never re-quantizes the others. Per-token
 ranges alone do badly on these latents: their channels carry offsets and magnitudes that differ by orders of
 magnitude (importance order). So before quantizing, each channel is centred and scaled by its mean and rms over
 the tokens in the window at the first settle (stored per layer and batch row, float16), and each head's block is
@@ -19,8 +19,14 @@ block: per-token 4-bit ranges lose the small channels (worst channel error > 90%
 keeps every channel under 25%. Keys still need more bits than values when coded per token: on the frontier
 benchmark (docs/frontier.md) 4-bit keys cost 4.4 points of 2K-4K perplexity more than 8-bit keys at equal bytes.
 
-The kept tier interleaves positions, so it stores each token's cache index (int32). Everything held is a tensor
-attribute of the layer (the rotations are shared by the layers of a cache), so
+The kept tier interleaves positions, so it stores each token's cache index (int32), and its rows are in no order:
+a token that enters it takes the row an evicted token frees (tiers/kept_store.py), so a decode step writes the rows
+that change and never copies the whole store. Attention reads the stored codes as they are coded: the centring,
+scaling and turning are moved onto the query side (the key latent is x = (y R^T) rms + mean per head, so
+q.x = (q M^T).y + q.mean with M = R^T diag(rms), and latent keys fold M into k_up) and onto the weighted value sum
+(sum p x = (sum p y) M + mean sum p), instead of being undone on every stored token at every forward.
+
+Everything held is a tensor attribute of the layer (the rotations are shared by the layers of a cache), so
 kvrewrite.runtime.cache_bytes.cache_tensor_bytes measures it.
 """
 
@@ -32,7 +38,7 @@ import torch
 
 from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.runtime.codecs.kivi import kivi_decode, kivi_encode
-from kvrewrite.runtime.codecs.packing import META_DTYPE, SUPPORTED_BITS, packed_length
+from kvrewrite.runtime.codecs.packing import META_DTYPE, SUPPORTED_BITS, packed_length, unpack_bits
 from kvrewrite.runtime.tiers.cache import POSITION_DTYPE, STORAGE_DTYPE, RecentWindowLayer
 from kvrewrite.runtime.tiers.floor import (
     DEFAULT_FLOOR_BITS,
@@ -41,6 +47,7 @@ from kvrewrite.runtime.tiers.floor import (
     floor_columns,
     floor_policy,
 )
+from kvrewrite.runtime.tiers.kept_store import capacity_rows, joined_rows, reserve_rows, take_rows, write_rows
 
 DEFAULT_OBSERVED_QUERIES = 64  # scoring queries per forward: a 64-token chunk, or the last 64 of a long prefill
 DEFAULT_GROUP_SIZE = 64  # channels per (scale, minimum) pair, as transformers' QuantizedCache defaults
@@ -111,7 +118,9 @@ class EvictionPolicy:
         """{"key": bits, "value": bits} (None: float16)."""
         return side_bits(self.bits)
 
-    def make_layers(self, head_dim: int, layer_codecs: list | None, storage_dtype) -> list:
+    def make_layers(self, head_dim: int, layer_codecs: list | None, storage_dtype, capacity: int | None = None) -> list:
+        """One EvictingLayer per decoder layer; `capacity`: the longest sequence the cache will hold (None: unknown,
+        the stores then hold exactly their rows)."""
         if layer_codecs is not None:
             raise InvalidArgumentError("an eviction policy quantizes per token itself; it takes no block codec")
         widths = [r for ranks in self.kept_key_ranks + self.kept_value_ranks for r in ranks]
@@ -136,6 +145,7 @@ class EvictionPolicy:
                 if self.floor is None
                 else (self.floor.key_ranks[i], self.floor.value_ranks[i], self.floor.bits),
                 reconstruction_share=self.reconstruction_share,
+                capacity=capacity,
             )
             for i in range(self.num_layers)
         ]
@@ -231,8 +241,47 @@ def decode_tokens(
     """Inverse of encode_tokens -> [B, 1, S, C]."""
     if bits is None:
         return stored["latents"].to(dtype).unsqueeze(1)
-    coded = {"codes": stored["codes"], "scale": stored["scale"].unsqueeze(2), "low": stored["low"].unsqueeze(2)}
-    return kivi_decode(coded, "value", bits, group_size, 1, channels).squeeze(2).unsqueeze(1).to(dtype)
+    scale, low = stored["scale"], stored["low"]
+    groups = scale.shape[-1]
+    if groups * group_size != channels:  # a last group shorter than the others
+        coded = {"codes": stored["codes"], "scale": scale.unsqueeze(2), "low": low.unsqueeze(2)}
+        return kivi_decode(coded, "value", bits, group_size, 1, channels).squeeze(2).unsqueeze(1).to(dtype)
+    # kivi_decode's arithmetic (codes x scale + minimum, in float32) on whole groups: no per-channel copy of the
+    # scales, and in place.
+    batch, n = scale.shape[:2]
+    # .float() of a strided slice writes a dense result directly (asking for contiguous_format is ten times slower)
+    decoded = unpack_bits(stored["codes"], bits, channels).float().contiguous()
+    grouped = decoded.view(batch, n, groups, group_size)
+    grouped.mul_(scale.float().unsqueeze(-1)).add_(low.float().unsqueeze(-1))
+    return decoded.unsqueeze(1).to(dtype)
+
+
+def decode_head_blocks(
+    stored: dict[str, torch.Tensor], ranks: tuple[int, ...], bits: int | None, group_size: int, dtype: torch.dtype
+) -> list[torch.Tensor]:
+    """decode_tokens, one contiguous [B, 1, S, r] block per head (widths `ranks`): what attention multiplies, with
+    no copy of a head's columns out of the whole store, and in allocations of one head's size (on a CPU, one
+    allocation of a whole 8K-token store costs more than decoding it)."""
+    starts = [sum(ranks[:g]) for g in range(len(ranks))]
+    aligned = bits is not None and all(
+        start % group_size == 0 and r % group_size == 0 and start * bits % 8 == 0 for start, r in zip(starts, ranks)
+    )
+    if bits is not None and not aligned:  # heads that split a group: decode the whole store once, then cut it
+        whole = decode_tokens(stored, sum(ranks), bits, group_size, dtype)
+        return [whole[..., start : start + r].contiguous() for start, r in zip(starts, ranks)]
+    blocks = []
+    for start, r in zip(starts, ranks):
+        if bits is None:
+            blocks.append(stored["latents"][..., start : start + r].to(dtype).unsqueeze(1))
+            continue
+        first, last = start // group_size, (start + r) // group_size
+        coded = {
+            "codes": stored["codes"][..., start * bits // 8 : (start + r) * bits // 8],
+            "scale": stored["scale"][..., first:last],
+            "low": stored["low"][..., first:last],
+        }
+        blocks.append(decode_tokens(coded, r, bits, group_size, dtype))
+    return blocks
 
 
 kept_token_bytes = coded_token_bytes  # one kept token's latents of one side: the formula the stored tensors match
@@ -258,8 +307,11 @@ class EvictingLayer(RecentWindowLayer):
         rotations: dict[int, torch.Tensor] | None = None,
         floor: tuple[tuple[int, ...], tuple[int, ...], int | None] | None = None,
         reconstruction_share: float = 1.0,
+        capacity: int | None = None,
     ):
         super().__init__(window, head_dim, storage_dtype)
+        # The longest sequence this cache will hold (None: unknown); it sizes the stores' buffers (tiers/kept_store.py).
+        self.capacity = capacity
         self.kept_key_ranks, self.kept_value_ranks = tuple(kept_key_ranks), tuple(kept_value_ranks)
         self.keep, self.group_size = keep, group_size
         self.side_bits = side_bits(bits)
@@ -291,6 +343,9 @@ class EvictingLayer(RecentWindowLayer):
         self._collected: torch.Tensor | None = None
         self.reconstruction_share = reconstruction_share
         self._held_newest: torch.Tensor | None = None  # while held, before collect(): the last forward's evidence
+        # The buffers the kept tier and the floor are prefix views of, by flat name ("key.codes", "positions").
+        self.kept_buffers: dict[str, torch.Tensor] = {}
+        self.floor_buffers: dict[str, torch.Tensor] = {}
 
     wanted_evidence = ("recent", "stored")
 
@@ -301,6 +356,7 @@ class EvictingLayer(RecentWindowLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         batch = key_states.shape[0]
+        self.kept_buffers, self.floor_buffers = {}, {}
         self.keys = key_states.new_empty((batch, 1, 0, key_states.shape[-1]), dtype=self.storage_dtype)
         self.values = value_states.new_empty((batch, 1, 0, value_states.shape[-1]), dtype=self.storage_dtype)
         for side, ranks in (("key", self.kept_key_ranks), ("value", self.kept_value_ranks)):
@@ -389,7 +445,7 @@ class EvictingLayer(RecentWindowLayer):
             self._received_recent = self._received_kept = None
             return
         beyond = self.keys.shape[-2] - self.window
-        kept_scores = self._received_kept
+        kept_scores, moving, moving_scores = self._received_kept, None, None
         if beyond > 0:
             first = self.cumulative_length - self.keys.shape[-2]
             key_cols = self._columns(self.kept_key_ranks)
@@ -401,47 +457,105 @@ class EvictingLayer(RecentWindowLayer):
                         self.channel_stats.update(_channel_stats(store[:, 0].index_select(-1, cols), side))
             moving_k = self._to_code_space(self.keys[:, 0, :beyond].index_select(-1, key_cols), "key")
             moving_v = self._to_code_space(self.values[:, 0, :beyond].index_select(-1, value_cols), "value")
-            self.kept_keys = _append(
-                self.kept_keys, encode_tokens(moving_k, self.side_bits["key"], self.group_size, self.storage_dtype)
-            )
-            self.kept_values = _append(
-                self.kept_values, encode_tokens(moving_v, self.side_bits["value"], self.group_size, self.storage_dtype)
-            )
             batch = self.keys.shape[0]
             positions = torch.arange(first, first + beyond, device=self.keys.device, dtype=POSITION_DTYPE)
-            self.kept_positions = torch.cat([self.kept_positions, positions[None].expand(batch, beyond)], dim=-1)
+            moving = _flat(
+                encode_tokens(moving_k, self.side_bits["key"], self.group_size, self.storage_dtype),
+                encode_tokens(moving_v, self.side_bits["value"], self.group_size, self.storage_dtype),
+                positions[None].expand(batch, beyond),
+            )
+            if kept_scores is not None and self._received_recent is not None:
+                moving_scores = self._received_recent[:, :beyond]
             self.keys = self.keys[..., beyond:, :].contiguous()
             self.values = self.values[..., beyond:, :].contiguous()
-            if kept_scores is not None and self._received_recent is not None:
-                kept_scores = torch.cat([kept_scores, self._received_recent[:, :beyond]], dim=-1)
         self._received_recent = self._received_kept = None
         seen_beyond = self.cumulative_length - self.keys.shape[-2]
-        budget = round(self.keep * seen_beyond)
-        if self.kept_positions.shape[-1] > budget:
-            self._evict_to(budget, kept_scores)
+        self._admit(moving, kept_scores, moving_scores, round(self.keep * seen_beyond))
 
-    def _evict_to(self, budget: int, scores: torch.Tensor | None) -> None:
-        if scores is None or scores.shape[-1] != self.kept_positions.shape[-1]:
+    def _admit(
+        self,
+        moving: dict[str, torch.Tensor] | None,
+        kept_scores: torch.Tensor | None,
+        moving_scores: torch.Tensor | None,
+        budget: int,
+    ) -> None:
+        """The kept tier's top `budget` of its tokens and the `moving` ones (flat store of [B, n, ...]) stay: the
+        moving tokens that stay take the rows evicted tokens free, then rows past the end; only those are written."""
+        store = self._store("kept")
+        n_old = self.kept_positions.shape[-1]
+        n_new = 0 if moving is None else moving["positions"].shape[-1]
+        rows = n_old + n_new
+        if rows <= budget:  # nothing to evict: the moving tokens join at the end
+            if n_new:
+                slots = torch.arange(n_old, rows, device=moving["positions"].device)
+                self._write("kept", rows, slots[None].expand(moving["positions"].shape[0], n_new), moving)
+            return
+        positions = self.kept_positions if not n_new else torch.cat([self.kept_positions, moving["positions"]], -1)
+        scores = None
+        if kept_scores is not None and kept_scores.shape[-1] == n_old and (not n_new or moving_scores is not None):
+            scores = kept_scores if not n_new else torch.cat([kept_scores, moving_scores], dim=-1)
+        if scores is None:
             # No evidence for every kept token (e.g. tokens settled outside attention): keep the newest.
-            scores = self.kept_positions.float()
-        top = scores.topk(budget, dim=-1).indices
-        chosen = top.sort(dim=-1).values  # kept in cache order
+            scores = positions.float()
+        stays = _top_mask(scores, positions, budget)  # [B, rows], kept tier first, then the moving tokens
         if self.floor_key_ranks is not None:
-            stays = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, top, True)
-            self._demote((~stays).nonzero()[:, 1].view(scores.shape[0], -1))  # the rest, in cache order
-        self.kept_positions = self.kept_positions.gather(1, chosen)
-        self.kept_keys = _select(self.kept_keys, chosen)
-        self.kept_values = _select(self.kept_values, chosen)
+            evicted = _in_cache_order((~stays).nonzero()[:, 1].view(stays.shape[0], -1), positions)
+            self._demote(joined_rows(store, moving, evicted) if n_new else take_rows(store, evicted))
+        if budget < n_old:  # the budget shrank (it never does while keep is fixed): rebuild the store, in order
+            chosen = _in_cache_order(stays.nonzero()[:, 1].view(stays.shape[0], -1), positions)
+            self._set_store("kept", joined_rows(store, moving, chosen) if n_new else take_rows(store, chosen))
+            self.kept_buffers = {}
+            return
+        if not n_new:
+            return
+        old_evicted = ~stays[:, :n_old]
+        new_stays = stays[:, n_old:]
+        freed = old_evicted.sum(dim=-1, keepdim=True)  # [B, 1]: rows freed in the kept tier
+        order = new_stays.long().cumsum(dim=-1) - 1  # each staying moving token's rank among them
+        slots = n_old + order - freed  # past the end, once the freed rows are taken
+        most_freed = min(n_new, n_old)
+        if most_freed:
+            index = torch.arange(n_old, device=stays.device)
+            first_freed = torch.where(old_evicted, index, n_old).topk(most_freed, dim=-1, largest=False).values
+            from_freed = first_freed.gather(1, order.clamp(0, most_freed - 1))
+            slots = torch.where(order < freed, from_freed, slots)
+        self._write("kept", budget, slots, moving, new_stays)
 
-    def _demote(self, index: torch.Tensor) -> None:
-        """Move kept tokens `index` [B, n] to the floor: each head's first floor dims, coded per token."""
+    def _store(self, tier: str) -> dict[str, torch.Tensor]:
+        """The kept tier's (or the floor's) tensors as one flat store: "key.<name>", "value.<name>", "positions"."""
+        return _flat(getattr(self, f"{tier}_keys"), getattr(self, f"{tier}_values"), getattr(self, f"{tier}_positions"))
+
+    def _set_store(self, tier: str, store: dict[str, torch.Tensor]) -> None:
+        for side in ("key", "value"):
+            prefix = side + "."
+            setattr(self, f"{tier}_{side}s", {n[len(prefix) :]: t for n, t in store.items() if n.startswith(prefix)})
+        setattr(self, f"{tier}_positions", store["positions"])
+
+    def _write(
+        self,
+        tier: str,
+        rows: int,
+        slots: torch.Tensor,
+        new: dict[str, torch.Tensor],
+        chosen: torch.Tensor | None = None,
+    ) -> None:
+        """Grow the tier's store to `rows` rows (in place where its buffers have room) and write the new tokens
+        `chosen` (None: all) into their `slots`."""
+        capacity = capacity_rows(self.capacity, self.window, self.keep)[0 if tier == "kept" else 1]
+        store = reserve_rows(getattr(self, f"{tier}_buffers"), self._store(tier), rows, capacity)
+        write_rows(store, slots, new, chosen)
+        self._set_store(tier, store)
+
+    def _demote(self, evicted: dict[str, torch.Tensor]) -> None:
+        """Move evicted kept tokens (a flat store [B, n, ...] of them) to the floor: each head's first floor dims,
+        coded per token."""
         moved = {}
         for side, kept_ranks, floor_ranks in (
             ("key", self.kept_key_ranks, self.floor_key_ranks),
             ("value", self.kept_value_ranks, self.floor_value_ranks),
         ):
-            store = _select(self.kept_keys if side == "key" else self.kept_values, index)
-            latents = decode_tokens(store, sum(kept_ranks), self.side_bits[side], self.group_size, torch.float32)
+            coded = {n[len(side) + 1 :]: t for n, t in evicted.items() if n.startswith(side + ".")}
+            latents = decode_tokens(coded, sum(kept_ranks), self.side_bits[side], self.group_size, torch.float32)
             latents = self._from_code_space(latents[:, 0], side)
             moved[side] = latents.index_select(-1, floor_columns(kept_ranks, floor_ranks, latents.device))
         if self.floor_bits is not None and self.floor_stats is None:
@@ -458,16 +572,19 @@ class EvictingLayer(RecentWindowLayer):
                         self.floor_stats[side + stat] = self.channel_stats[side + stat].index_select(-1, columns)
                 else:
                     self.floor_stats.update(_channel_stats(moved[side], side))
-        for side, ranks in (("key", self.floor_key_ranks), ("value", self.floor_value_ranks)):
-            coded = encode_tokens(
+        coded = [
+            encode_tokens(
                 self._to_code_space(moved[side], side, floor=True),
                 self._floor_side_bits(ranks),
                 self.group_size,
                 self.storage_dtype,
             )
-            name = f"floor_{side}s"
-            setattr(self, name, _append(getattr(self, name), coded))
-        self.floor_positions = torch.cat([self.floor_positions, self.kept_positions.gather(1, index)], dim=-1)
+            for side, ranks in (("key", self.floor_key_ranks), ("value", self.floor_value_ranks))
+        ]
+        positions = evicted["positions"]
+        n_old, n_new = self.floor_positions.shape[-1], positions.shape[-1]
+        slots = torch.arange(n_old, n_old + n_new, device=positions.device)[None].expand(positions.shape[0], n_new)
+        self._write("floor", n_old + n_new, slots, _flat(*coded, positions))
 
     def _floor_side_bits(self, ranks: tuple[int, ...]) -> int | None:
         """A side the floor keeps no dim of holds an empty float16 run (nothing to quantize)."""
@@ -514,25 +631,53 @@ class EvictingLayer(RecentWindowLayer):
 
     # ---- reads ---------------------------------------------------------------------------------------------
     def stored_tiers(self, dtype: torch.dtype) -> list:
+        """The kept tier (and the floor) as attention reads them: the codes decoded to the code space they were
+        quantized in, with each head's map back to its latent (StoredTier.key_maps), which attention applies to the
+        query and to the weighted value sum instead of to every stored token."""
         from kvrewrite.runtime.tiers.attention import StoredTier
 
-        keys = decode_tokens(
-            self.kept_keys, sum(self.kept_key_ranks), self.side_bits["key"], self.group_size, torch.float32
-        )
-        values = decode_tokens(
-            self.kept_values, sum(self.kept_value_ranks), self.side_bits["value"], self.group_size, torch.float32
-        )
-        keys = self._from_code_space(keys[:, 0], "key").unsqueeze(1).to(dtype)
-        values = self._from_code_space(values[:, 0], "value").unsqueeze(1).to(dtype)
-        tiers = [StoredTier(keys, values, self.kept_key_ranks, self.kept_value_ranks, self.kept_positions)]
-        if self.floor_positions is not None and self.floor_positions.shape[-1]:
-            floor = []
-            for side, ranks in (("key", self.floor_key_ranks), ("value", self.floor_value_ranks)):
-                coded = self.floor_keys if side == "key" else self.floor_values
-                y = decode_tokens(coded, sum(ranks), self._floor_side_bits(ranks), self.group_size, torch.float32)[:, 0]
-                floor.append(self._from_code_space(y, side, floor=True).unsqueeze(1).to(dtype))
-            tiers.append(StoredTier(*floor, self.floor_key_ranks, self.floor_value_ranks, self.floor_positions))
+        tiers = []
+        for floor, prefix in ((False, "kept"), (True, "floor")):
+            positions = getattr(self, f"{prefix}_positions")
+            if floor and (positions is None or not positions.shape[-1]):
+                continue
+            read = {}
+            for side in ("key", "value"):
+                ranks = self._code_space(side, floor)[1]
+                bits = self._floor_side_bits(ranks) if floor else self.side_bits[side]
+                coded = getattr(self, f"{prefix}_{side}s")
+                read[side] = decode_head_blocks(coded, ranks, bits, self.group_size, dtype)
+                read[side + "_ranks"], read[side + "_maps"] = ranks, self._head_maps(side, floor, dtype)
+            tiers.append(
+                StoredTier(
+                    read["key"],
+                    read["value"],
+                    read["key_ranks"],
+                    read["value_ranks"],
+                    positions,
+                    read["key_maps"],
+                    read["value_maps"],
+                )
+            )
         return tiers
+
+    def _head_maps(self, side: str, floor: bool, dtype: torch.dtype) -> list | None:
+        """Per head, (matrix [B, r, r], offset [B, r]) such that its latent is code @ matrix + offset (the inverse of
+        _to_code_space: x = (y R^T) rms + mean, so matrix = R^T diag(rms)); None where the side is stored as is."""
+        stats, ranks = self._code_space(side, floor)
+        if stats is None:
+            return None
+        mean, rms = stats[0][:, 0], stats[1][:, 0]  # [B, C]
+        maps, start = [], 0
+        for r in ranks:
+            if not r:
+                maps.append(None)
+                continue
+            rotation = self.rotations[r].to(mean.device)
+            matrix = rotation.T[None] * rms[:, None, start : start + r]
+            maps.append((matrix.to(dtype), mean[:, start : start + r].to(dtype)))
+            start += r
+        return maps
 
     def reset(self) -> None:
         super().reset()
@@ -540,6 +685,12 @@ class EvictingLayer(RecentWindowLayer):
         self.kept_keys = self.kept_values = self.kept_positions = self.channel_stats = None
         self.floor_keys = self.floor_values = self.floor_positions = self.floor_stats = None
         self._received_recent = self._received_kept = None
+        self.kept_buffers, self.floor_buffers = {}, {}
+
+    def _map_batch(self, fn) -> None:
+        # Beam search, batch selection and offloading replace the stored tensors: the next write starts new buffers.
+        super()._map_batch(fn)
+        self.kept_buffers, self.floor_buffers = {}, {}
 
 
 def _channel_stats(x: torch.Tensor, side: str) -> dict[str, torch.Tensor]:
@@ -551,14 +702,33 @@ def _channel_stats(x: torch.Tensor, side: str) -> dict[str, torch.Tensor]:
     return {side + "_mean": mean.to(META_DTYPE), side + "_rms": rms.to(META_DTYPE)}
 
 
-def _append(store: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {name: torch.cat([store[name], new[name]], dim=1) for name in store}
+def _flat(keys: dict[str, torch.Tensor], values: dict[str, torch.Tensor], positions: torch.Tensor) -> dict:
+    """One tier's key and value stores and cache indices as a flat store (tiers/kept_store.py)."""
+    return {
+        **{f"key.{name}": t for name, t in keys.items()},
+        **{f"value.{name}": t for name, t in values.items()},
+        "positions": positions,
+    }
 
 
-def _select(store: dict[str, torch.Tensor], index: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Rows `index` [B, n] of every [B, S, ...] tensor."""
-    out = {}
-    for name, tensor in store.items():
-        expanded = index.view(*index.shape, *([1] * (tensor.dim() - 2))).expand(-1, -1, *tensor.shape[2:])
-        out[name] = tensor.gather(1, expanded)
-    return out
+def _top_mask(scores: torch.Tensor, positions: torch.Tensor, budget: int) -> torch.Tensor:
+    """[B, n] bool: the `budget` top-scored tokens of every row.
+
+    Rows are in no order, so where a tie at the threshold leaves the choice to topk's order, the top is taken over
+    the tokens in cache order, as when the store was kept in that order: the same tokens stay either way."""
+    stays = torch.zeros_like(scores, dtype=torch.bool)
+    if budget <= 0:
+        return stays
+    top = scores.topk(budget, dim=-1)
+    threshold = top.values[:, -1:]
+    tied = (scores == threshold).sum(dim=-1) > (top.values == threshold).sum(dim=-1)
+    index = top.indices
+    if bool(tied.any()):
+        order = positions.argsort(dim=-1)
+        index = order.gather(1, scores.gather(1, order).topk(budget, dim=-1).indices)
+    return stays.scatter_(1, index, True)
+
+
+def _in_cache_order(index: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Token indices [B, n] sorted by their cache indices `positions` [B, S]."""
+    return index.gather(1, positions.gather(1, index).argsort(dim=-1))

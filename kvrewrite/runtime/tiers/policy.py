@@ -77,8 +77,9 @@ class TierPolicy:
     def num_layers(self) -> int:
         return len(self.aged_key_ranks)
 
-    def make_layers(self, head_dim: int, layer_codecs: list | None, storage_dtype) -> list:
-        """One TieredLayer per decoder layer (layer_codecs: the aged tier's codec per layer, or None)."""
+    def make_layers(self, head_dim: int, layer_codecs: list | None, storage_dtype, capacity: int | None = None) -> list:
+        """One TieredLayer per decoder layer (layer_codecs: the aged tier's codec per layer, or None). `capacity` is
+        not used: the aged tiers still grow by concatenation."""
         from kvrewrite.runtime.tiers.cache import TieredLayer
 
         codecs = layer_codecs if layer_codecs is not None else [None] * self.num_layers
