@@ -38,9 +38,13 @@ def grown_capacity(needed: int, tokens_per_row: int = 1) -> int:
 
 
 def is_prefix_view(held: torch.Tensor, buffer: torch.Tensor, dim: int) -> bool:
-    """Whether `held` is buffer.narrow(dim, 0, n) for some n: same start, same strides, same other sizes."""
+    """Whether `held` is buffer.narrow(dim, 0, n) for some n: same start, same strides, same other sizes.
+
+    The start is compared as storage and offset: a view of no rows reports data_ptr() 0, yet it is the start of its
+    buffer (a tier emptied in place, then written again)."""
     return (
-        held.data_ptr() == buffer.data_ptr()
+        held.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+        and held.storage_offset() == buffer.storage_offset()
         and held.stride() == buffer.stride()
         and held.dtype == buffer.dtype
         and held.shape[:dim] + held.shape[dim + 1 :] == buffer.shape[:dim] + buffer.shape[dim + 1 :]
