@@ -199,7 +199,9 @@ KINDS = ["plain", "adaptive-attention", "adaptive-denominator", "int4"]
 
 # ---- every forward against the concatenating layer ------------------------------------------------------------
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("mode,chunk,capacity", [("latent", 1, 64), ("freq", 1, None), ("latent", 5, None)])
+@pytest.mark.parametrize(
+    "mode,chunk,capacity", [("latent", 1, 64), ("freq", 1, None), ("latent", 5, None), ("freq", 5, 64)]
+)
 def test_every_forward_holds_the_same_tiers_as_the_concatenating_layer(compiled, kind, mode, chunk, capacity):
     model = model_for(compiled, kind, mode)
     tokens = random_windows(n=2, length=52, seed=61)
