@@ -38,9 +38,13 @@ def grown_capacity(needed: int, tokens_per_row: int = 1) -> int:
 
 
 def is_prefix_view(held: torch.Tensor, buffer: torch.Tensor, dim: int) -> bool:
-    """Whether `held` is buffer.narrow(dim, 0, n) for some n: same start, same strides, same other sizes."""
+    """Whether `held` is buffer.narrow(dim, 0, n) for some n: same start, same strides, same other sizes.
+
+    The start is compared as storage and offset: a view of no rows reports data_ptr() 0, yet it is the start of its
+    buffer (a tier emptied in place, then written again)."""
     return (
-        held.data_ptr() == buffer.data_ptr()
+        held.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+        and held.storage_offset() == buffer.storage_offset()
         and held.stride() == buffer.stride()
         and held.dtype == buffer.dtype
         and held.shape[:dim] + held.shape[dim + 1 :] == buffer.shape[:dim] + buffer.shape[dim + 1 :]
@@ -54,12 +58,15 @@ def append_in_place(
     dim: int,
     capacity: int | None = None,
     tokens_per_row: int = 1,
+    grow: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(buffer, view): `held` followed by `new` along `dim`, as a prefix view of a buffer with room.
 
     Written in place when `held` is a prefix view of `buffer` (what this function returned, or a crop of it) and the
     rows fit; otherwise a new buffer of `capacity` rows (when they fit) or of grown_capacity rows is allocated and
-    `held` copied in once (after beam or batch selection replaced it, say).
+    `held` copied in once (after beam or batch selection replaced it, say). With grow=False and no capacity, the new
+    buffer has exactly the rows needed: the bytes held are those of a concatenation (a cache whose held bytes are
+    measured as they were, the frontier's), and the copy happens at every append that does not fit.
     """
     dim = dim % new.dim()
     length = held.shape[dim] if held is not None else 0
@@ -75,7 +82,8 @@ def append_in_place(
         if capacity is not None and needed <= capacity:
             rows = capacity
         else:
-            rows = grown_capacity(needed, tokens_per_row) if length else needed  # a first write: exactly its rows
+            grows = length > 0 and (grow or capacity is not None)  # else a first write or exact rows: just its rows
+            rows = grown_capacity(needed, tokens_per_row) if grows else needed
         buffer = new.new_empty(*new.shape[:dim], rows, *new.shape[dim + 1 :])
         if length:
             buffer.narrow(dim, 0, length).copy_(held)

@@ -42,13 +42,22 @@ def default_read_mode() -> str:
 
 
 def encode_append(
-    codec: LayerCodec, store: dict | None, staged: torch.Tensor, n_blocks: int, side: str, buffers: dict | None = None
+    codec: LayerCodec,
+    store: dict | None,
+    staged: torch.Tensor,
+    n_blocks: int,
+    side: str,
+    buffers: dict | None = None,
+    capacity: int | None = None,
+    grow: bool = True,
 ) -> dict:
     """Code the first n_blocks whole blocks of G tokens of `staged` [B, 1, S, C] and append them to `store`.
 
     With `buffers` (a dict the caller keeps, so the room is counted as held memory) every coded tensor is a prefix
     view of a buffer with room along the block dim: appending writes in place, and the store is copied only when it
-    outgrows its buffer (runtime.inplace_cache.append_in_place), not on every block."""
+    outgrows its buffer (runtime.inplace_cache.append_in_place), not on every block. `capacity` (in blocks) and
+    `grow` are append_in_place's: the most blocks the store will hold where known, and whether a store without one
+    grows in large steps (True) or holds exactly its blocks (False)."""
     batch, _, _, c = staged.shape
     g = codec.block_tokens
     blocks = staged[:, 0, : n_blocks * g].float().reshape(batch, n_blocks, g, c)
@@ -58,7 +67,7 @@ def encode_append(
     appended = {}
     for name, new in coded.items():
         buffers[name], appended[name] = append_in_place(
-            buffers.get(name), None if store is None else store[name], new, 1, tokens_per_row=g
+            buffers.get(name), None if store is None else store[name], new, 1, capacity, g, grow
         )
     return appended
 

@@ -96,8 +96,8 @@ def compressed_family(adapter: ArchitectureAdapter) -> tuple[type, type]:
         def make_kv_cache(self, capacity: int | None = None):
             """The cache this model generates with: a TieredCache with a tier policy, a CodecCache when a codec is
             set, else a cache that appends in place (runtime.inplace_cache). `capacity`: the longest sequence it
-            will hold, where the caller knows it (generate() does); an evicting cache then allocates its stores
-            once, without one they hold exactly what they keep."""
+            will hold, where the caller knows it (generate() does); a tiered or evicting cache then allocates its
+            stored tiers once, without one they hold exactly what they keep."""
             from kvrewrite.runtime.codecs import make_codec_cache
             from kvrewrite.runtime.inplace_cache import in_place_cache
 

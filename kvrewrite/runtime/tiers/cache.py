@@ -10,7 +10,15 @@ With token-adaptive dims (policy.adaptive), tokens beyond the window stay in the
 (important ranks) and the rest to the aged tier. Those two tiers interleave positions, so they keep each
 token's cache index (int32, counted as held bytes).
 
-Every stored tensor is an attribute of the layer, so kvrewrite.runtime.cache_bytes.cache_tensor_bytes measures what is held.
+The aged and important tiers, their positions and the coded blocks are prefix views of buffers along the token (or
+block) dim, and a settle writes the moving tokens' rows into the room after them (runtime.inplace_cache.append_in_place):
+nothing copies a whole tier per step. With a capacity (the longest sequence, as generate() knows it) each buffer is
+allocated once with the most rows its tier can hold; without one (a cache built by hand, the frontier's
+make_kv_cache()) a buffer holds exactly its rows, so the bytes held are those of the concatenation it replaces. The
+recent window (bounded by the window and the pool) and the staging run (under one block) are small and rebuilt.
+
+Every stored tensor, buffers included, is an attribute of the layer, so kvrewrite.runtime.cache_bytes.cache_tensor_bytes
+measures what is held.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from transformers.cache_utils import Cache
 
 from kvrewrite.runtime.batch_first_layer import BatchFirstLayer
 from kvrewrite.runtime.codecs.cache import encode_append
+from kvrewrite.runtime.inplace_cache import append_in_place, is_prefix_view
 
 STORAGE_DTYPE = torch.float16
 POSITION_DTYPE = torch.int32
@@ -106,6 +115,7 @@ class TieredLayer(RecentWindowLayer):
         important_share: float | None = None,
         score: str = "attention",
         pool: int = 64,
+        capacity: int | None = None,
     ):
         super().__init__(window, head_dim, storage_dtype)
         self.aged_key_ranks, self.aged_value_ranks = tuple(aged_key_ranks), tuple(aged_value_ranks)
@@ -130,6 +140,12 @@ class TieredLayer(RecentWindowLayer):
         self.aged_positions: torch.Tensor | None = None
         self.important_positions: torch.Tensor | None = None
         self.recent_scores: torch.Tensor | None = None
+        # The longest sequence this cache will hold (None: unknown), and the buffers the stored tiers are prefix views
+        # of: by attribute name, and the coded blocks' by the codec's tensor names (encode_append).
+        self.capacity = capacity
+        self.tier_buffers: dict[str, torch.Tensor] = {}
+        self.coded_key_buffers: dict[str, torch.Tensor] = {}
+        self.coded_value_buffers: dict[str, torch.Tensor] = {}
 
     @property
     def beyond_window_ranks(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -146,6 +162,7 @@ class TieredLayer(RecentWindowLayer):
             return key_states.new_empty((batch, 1, 0, width), dtype=self.storage_dtype)
 
         self.keys, self.values = empty(key_states.shape[-1]), empty(value_states.shape[-1])
+        self._clear_buffers()
         self.aged_keys, self.aged_values = empty(sum(self.aged_key_ranks)), empty(sum(self.aged_value_ranks))
         if self.adaptive:
             self.important_keys = empty(sum(self.important_key_ranks))
@@ -185,16 +202,14 @@ class TieredLayer(RecentWindowLayer):
         else:
             key_cols = self._columns(self.aged_key_ranks)
             value_cols = self._columns(self.aged_value_ranks)
-            self.aged_keys = torch.cat([self.aged_keys, self.keys[..., :moving, :].index_select(-1, key_cols)], dim=-2)
-            self.aged_values = torch.cat(
-                [self.aged_values, self.values[..., :moving, :].index_select(-1, value_cols)], dim=-2
+            self._append_aged(
+                self.keys[..., :moving, :].index_select(-1, key_cols),
+                self.values[..., :moving, :].index_select(-1, value_cols),
             )
         self.keys = self.keys[..., moving:, :].contiguous()
         self.values = self.values[..., moving:, :].contiguous()
         if self.adaptive:
             self.recent_scores = self.recent_scores[:, moving:].contiguous()
-        if self.codec is not None:
-            self._code_full_blocks()
 
     def _classify(self, moving: int) -> None:
         """Split the oldest `moving` recent tokens, pool by pool, into the important and aged tiers by score."""
@@ -226,23 +241,66 @@ class TieredLayer(RecentWindowLayer):
 
         ik, iv = self._columns(self.important_key_ranks), self._columns(self.important_value_ranks)
         ak, av = self._columns(self.aged_key_ranks), self._columns(self.aged_value_ranks)
-        self.important_keys = torch.cat([self.important_keys, take(tokens_k, imp_idx, ik)], dim=-2)
-        self.important_values = torch.cat([self.important_values, take(tokens_v, imp_idx, iv)], dim=-2)
+        important_rows, aged_rows = self._capacity_rows()[1:]
+        self._append("important_keys", take(tokens_k, imp_idx, ik), -2, important_rows)
+        self._append("important_values", take(tokens_v, imp_idx, iv), -2, important_rows)
         pos = positions.to(POSITION_DTYPE)[None].expand(batch, moving)
-        self.important_positions = torch.cat([self.important_positions, pos.gather(1, imp_idx)], dim=-1)
-        self.aged_keys = torch.cat([self.aged_keys, take(tokens_k, aged_idx, ak)], dim=-2)
-        self.aged_values = torch.cat([self.aged_values, take(tokens_v, aged_idx, av)], dim=-2)
-        self.aged_positions = torch.cat([self.aged_positions, pos.gather(1, aged_idx)], dim=-1)
+        self._append("important_positions", pos.gather(1, imp_idx), -1, important_rows)
+        self._append_aged(take(tokens_k, aged_idx, ak), take(tokens_v, aged_idx, av))
+        self._append("aged_positions", pos.gather(1, aged_idx), -1, aged_rows)
 
-    def _code_full_blocks(self) -> None:
-        g = self.codec.block_tokens
-        n_blocks = self.aged_keys.shape[-2] // g
-        if not n_blocks:
+    def _capacity_rows(self) -> tuple[int | None, int | None, int | None]:
+        """(tokens beyond the window, important rows, aged rows) a sequence of `capacity` tokens can bring (None
+        without a capacity). Token-adaptive tiers fill pool by pool: each full pool adds round(g x pool) important
+        tokens and the rest aged ones."""
+        if self.capacity is None:
+            return None, None, None
+        beyond = max(self.capacity - self.window, 0)
+        if not self.adaptive:
+            return beyond, 0, beyond
+        pools, per_pool = beyond // self.pool, round(self.important_share * self.pool)
+        return beyond, pools * per_pool, pools * (self.pool - per_pool)
+
+    def _append(self, name: str, rows: torch.Tensor, dim: int, capacity: int | None) -> None:
+        """Write `rows` after the tier `name` holds, in place in its buffer where there is room (exact rows without
+        a capacity, as a concatenation held)."""
+        self.tier_buffers[name], view = append_in_place(
+            self.tier_buffers.get(name), getattr(self, name), rows, dim, capacity, grow=False
+        )
+        setattr(self, name, view)
+
+    def _append_aged(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Append tokens [B, 1, n, sum aged ranks] to the aged tier. With a codec, the whole blocks of G among the
+        staging run followed by them are coded onto the coded store (in place in its buffers) and the rest, under
+        one block, is the new staging run."""
+        aged_rows = self._capacity_rows()[2]
+        if self.codec is None:
+            self._append("aged_keys", keys, -2, aged_rows)
+            self._append("aged_values", values, -2, aged_rows)
             return
-        self.coded_keys = encode_append(self.codec, self.coded_keys, self.aged_keys, n_blocks, "key")
-        self.coded_values = encode_append(self.codec, self.coded_values, self.aged_values, n_blocks, "value")
-        self.aged_keys = self.aged_keys[..., n_blocks * g :, :].contiguous()
-        self.aged_values = self.aged_values[..., n_blocks * g :, :].contiguous()
+        g = self.codec.block_tokens
+        staged = self.aged_keys.shape[-2]
+        n_blocks = (staged + keys.shape[-2]) // g
+        staging_rows = None if aged_rows is None else min(g - 1, aged_rows)
+        if not n_blocks:
+            self._append("aged_keys", keys, -2, staging_rows)
+            self._append("aged_values", values, -2, staging_rows)
+            return
+        block_rows = None if aged_rows is None else aged_rows // g
+        coded = n_blocks * g - staged  # how many of the new tokens complete the blocks
+        for side, name, new, store, buffers in (
+            ("key", "aged_keys", keys, "coded_keys", self.coded_key_buffers),
+            ("value", "aged_values", values, "coded_values", self.coded_value_buffers),
+        ):
+            blocks = new[..., :coded, :] if not staged else torch.cat([getattr(self, name), new[..., :coded, :]], -2)
+            coded_store = encode_append(
+                self.codec, getattr(self, store), blocks, n_blocks, side, buffers, block_rows, grow=False
+            )
+            setattr(self, store, coded_store)
+            # The rest starts the staging run again: at the start of its buffer where it has one, else exactly.
+            buffer = self.tier_buffers.get(name) if self.capacity is not None else None
+            setattr(self, name, new[..., :0, :] if buffer is None else buffer.narrow(-2, 0, 0))
+            self._append(name, new[..., coded:, :], -2, staging_rows)
         self.coded_length += n_blocks * g
 
     # ---- reads ---------------------------------------------------------------------------------------------
@@ -276,8 +334,43 @@ class TieredLayer(RecentWindowLayer):
             decoded.append(torch.cat([blocks.reshape(batch, 1, n * g, c).to(dtype), staged], dim=-2))
         return decoded[0], decoded[1]
 
+    # ---- batch and lifetime ----------------------------------------------------------------------------------
+    def _clear_buffers(self) -> None:
+        self.tier_buffers, self.coded_key_buffers, self.coded_value_buffers = {}, {}, {}
+
+    def _buffered(self):
+        """(tensor attribute or coded store name, tensor name within it or None, its token dim, its buffer dict)."""
+        for name in self.stored_tensor_names:
+            yield name, None, 1 if name.endswith("positions") or name == "recent_scores" else 2, self.tier_buffers
+        for name, buffers in (("coded_keys", self.coded_key_buffers), ("coded_values", self.coded_value_buffers)):
+            for key in getattr(self, name) or {}:
+                yield name, key, 1, buffers
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: each stored tensor's chosen rows, written back into its buffer where it is a view of one."""
+        if not self.is_initialized:
+            return
+        for name, key, dim, buffers in self._buffered():
+            held = getattr(self, name) if key is None else getattr(self, name)[key]
+            if held is None:
+                continue
+            chosen = held.index_select(0, beam_idx.to(held.device))
+            buffer = buffers.get(name if key is None else key)
+            if buffer is not None and is_prefix_view(held, buffer, dim) and chosen.shape == held.shape:
+                held.copy_(chosen)
+            elif key is None:
+                setattr(self, name, chosen)
+            else:
+                getattr(self, name)[key] = chosen
+
+    def _map_batch(self, fn) -> None:
+        # Batch expansion, selection and offloading replace the stored tensors: the next append starts new buffers.
+        super()._map_batch(fn)
+        self._clear_buffers()
+
     def reset(self) -> None:
         super().reset()
+        self._clear_buffers()
         self.coded_length = 0
         for name in (
             "aged_keys",

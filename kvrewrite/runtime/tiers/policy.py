@@ -78,8 +78,8 @@ class TierPolicy:
         return len(self.aged_key_ranks)
 
     def make_layers(self, head_dim: int, layer_codecs: list | None, storage_dtype, capacity: int | None = None) -> list:
-        """One TieredLayer per decoder layer (layer_codecs: the aged tier's codec per layer, or None). `capacity` is
-        not used: the aged tiers still grow by concatenation."""
+        """One TieredLayer per decoder layer (layer_codecs: the aged tier's codec per layer, or None). `capacity`: the
+        longest sequence the cache will hold (None: unknown); it sizes the stored tiers' buffers."""
         from kvrewrite.runtime.tiers.cache import TieredLayer
 
         codecs = layer_codecs if layer_codecs is not None else [None] * self.num_layers
@@ -102,6 +102,7 @@ class TierPolicy:
                     self.aged_value_ranks[i],
                     codecs[i],
                     storage_dtype,
+                    capacity=capacity,
                     **adaptive,
                 )
             )
