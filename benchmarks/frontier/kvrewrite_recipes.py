@@ -132,6 +132,15 @@ RECIPES: dict[str, dict[str, Any]] = {
         "evict": {"keep": 0.23, "bits": None},
         "prefill": "reconstruction",
     },
+    # What `kvrewrite compress smollm2-135m --kv-budget 0.125` chose (recipes_smollm2_eighth.json): 8-bit keys and
+    # values, a quarter of the prompt's kept budget chosen by its reconstruction.
+    "kvrewrite-W16-evict0.225-k8v8-rec0.25": {
+        "rate": 0.0,
+        "recent_window": 16,
+        "kv_codec": "none",
+        "evict": {"keep": 0.225, "bits": 8, "reconstruction_share": 0.25},
+        "prefill": "reconstruction",
+    },
     # Evicted tokens keep 8 key and 8 value dims per head at 4 bits instead of leaving (kvrewrite.runtime.tiers.floor).
     "kvrewrite-W16-evict0.2-k8v4-floor8-rec": {
         "rate": 0.0,
