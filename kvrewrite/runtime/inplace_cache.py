@@ -51,6 +51,44 @@ def is_prefix_view(held: torch.Tensor, buffer: torch.Tensor, dim: int) -> bool:
     )
 
 
+def reserve_in_place(
+    buffer: torch.Tensor | None,
+    held: torch.Tensor,
+    rows: int,
+    dim: int,
+    capacity: int | None = None,
+    tokens_per_row: int = 1,
+    grow: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(buffer, view): a prefix view of `rows` rows along `dim` whose first rows are `held`'s; the rows after them
+    are left for the caller to write.
+
+    In place when `held` is a prefix view of `buffer` (what this returned, or a crop of it) and the rows fit;
+    otherwise a new buffer of `capacity` rows (when they fit) or of grown_capacity rows is allocated and `held`
+    copied in once (after beam or batch selection replaced it, say). With grow=False and no capacity, the new buffer
+    has exactly `rows`: the bytes held are those of a concatenation (a cache whose held bytes are measured as they
+    were, the frontier's), and the copy happens at every append that does not fit.
+    """
+    dim = dim % held.dim()
+    length = held.shape[dim]
+    fits = (
+        buffer is not None
+        and buffer.shape[dim] >= rows
+        and buffer.device == held.device
+        and is_prefix_view(held, buffer, dim)
+    )
+    if not fits:
+        if capacity is not None and rows <= capacity:
+            size = capacity
+        else:
+            grows = length > 0 and (grow or capacity is not None)  # else a first write or exact rows: just its rows
+            size = grown_capacity(rows, tokens_per_row) if grows else rows
+        buffer = held.new_empty(*held.shape[:dim], size, *held.shape[dim + 1 :])
+        if length:
+            buffer.narrow(dim, 0, length).copy_(held)
+    return buffer, buffer.narrow(dim, 0, rows)
+
+
 def append_in_place(
     buffer: torch.Tensor | None,
     held: torch.Tensor | None,
@@ -60,35 +98,15 @@ def append_in_place(
     tokens_per_row: int = 1,
     grow: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(buffer, view): `held` followed by `new` along `dim`, as a prefix view of a buffer with room.
-
-    Written in place when `held` is a prefix view of `buffer` (what this function returned, or a crop of it) and the
-    rows fit; otherwise a new buffer of `capacity` rows (when they fit) or of grown_capacity rows is allocated and
-    `held` copied in once (after beam or batch selection replaced it, say). With grow=False and no capacity, the new
-    buffer has exactly the rows needed: the bytes held are those of a concatenation (a cache whose held bytes are
-    measured as they were, the frontier's), and the copy happens at every append that does not fit.
-    """
+    """(buffer, view): `held` followed by `new` along `dim`, as a prefix view of a buffer with room
+    (reserve_in_place, then `new` written after `held`'s rows)."""
     dim = dim % new.dim()
-    length = held.shape[dim] if held is not None else 0
-    needed = length + new.shape[dim]
-    fits = (
-        buffer is not None
-        and buffer.shape[dim] >= needed
-        and buffer.device == new.device
-        and buffer.shape[:dim] + buffer.shape[dim + 1 :] == new.shape[:dim] + new.shape[dim + 1 :]
-        and (held is None or is_prefix_view(held, buffer, dim))
-    )
-    if not fits:
-        if capacity is not None and needed <= capacity:
-            rows = capacity
-        else:
-            grows = length > 0 and (grow or capacity is not None)  # else a first write or exact rows: just its rows
-            rows = grown_capacity(needed, tokens_per_row) if grows else needed
-        buffer = new.new_empty(*new.shape[:dim], rows, *new.shape[dim + 1 :])
-        if length:
-            buffer.narrow(dim, 0, length).copy_(held)
-    buffer.narrow(dim, length, new.shape[dim]).copy_(new)
-    return buffer, buffer.narrow(dim, 0, needed)
+    if held is None:
+        held = new.narrow(dim, 0, 0)
+    length = held.shape[dim]
+    buffer, view = reserve_in_place(buffer, held, length + new.shape[dim], dim, capacity, tokens_per_row, grow)
+    view.narrow(dim, length, new.shape[dim]).copy_(new)
+    return buffer, view
 
 
 class InPlaceLayer(DynamicLayer):

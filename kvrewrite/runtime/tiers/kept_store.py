@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from kvrewrite.runtime.inplace_cache import grown_capacity, is_prefix_view
+from kvrewrite.runtime.inplace_cache import reserve_in_place
 
 TOKEN_DIM = 1
 
@@ -28,29 +28,11 @@ TOKEN_DIM = 1
 def reserve_rows(
     buffers: dict[str, torch.Tensor], held: dict[str, torch.Tensor], rows: int, capacity: int | None
 ) -> dict[str, torch.Tensor]:
-    """Views of `rows` rows for every tensor of `held`, its rows first: in place when they fit the buffer `held`
-    is a prefix view of, else in a new buffer (`capacity` rows when they fit, exactly `rows` without a capacity)
-    with `held` copied in once. `buffers` is updated; rows beyond `held`'s are left for the caller to write."""
+    """Views of `rows` rows for every tensor of `held`, its rows first (inplace_cache.reserve_in_place: exactly
+    `rows` without a capacity). `buffers` is updated; rows beyond `held`'s are left for the caller to write."""
     views = {}
     for name, tensor in held.items():
-        buffer = buffers.get(name)
-        fits = (
-            buffer is not None
-            and buffer.shape[TOKEN_DIM] >= rows
-            and buffer.device == tensor.device
-            and is_prefix_view(tensor, buffer, TOKEN_DIM)
-        )
-        if not fits:
-            length = tensor.shape[TOKEN_DIM]
-            if capacity is None:
-                size = rows
-            else:
-                size = capacity if rows <= capacity else grown_capacity(rows)
-            buffer = tensor.new_empty(*tensor.shape[:TOKEN_DIM], size, *tensor.shape[TOKEN_DIM + 1 :])
-            if length:
-                buffer.narrow(TOKEN_DIM, 0, length).copy_(tensor)
-            buffers[name] = buffer
-        views[name] = buffer.narrow(TOKEN_DIM, 0, rows)
+        buffers[name], views[name] = reserve_in_place(buffers.get(name), tensor, rows, TOKEN_DIM, capacity, grow=False)
     return views
 
 
