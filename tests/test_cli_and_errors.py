@@ -439,6 +439,21 @@ def test_export_mla_takes_layer_widths_and_refuses_allocation(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_export_mla_errors_from_the_source_config_name_its_flags(tmp_path):
+    """The widths a share leaves are checked by kvrewrite.export_mla once it has read the source's config; its message
+    names the MLAPlan field (`kv_share=0.05`), which the command line prints as its flag, and nothing is written."""
+    source = save_tiny_llama(tmp_path / "src")
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["export-mla", str(source), "-o", str(out), "--kv-share", "0.05"])
+    assert result.exit_code == 2
+    assert "--kv-share 0.05 keeps" in flat(result.output) and "`" not in flat(result.output)
+    result = runner.invoke(
+        app, ["export-mla", str(source), "-o", str(out), "--kv-lora-rank", "8", "--qk-rope-head-dim", "3"]
+    )
+    assert result.exit_code == 2
+    assert "--qk-rope-head-dim must be head_dim" in flat(result.output) and not out.exists()
+
+
 def test_dtype_auto_is_the_sources_when_float32_or_bfloat16():
     assert Plan(model="x").dtype == "auto"
     for declared, resolved in (

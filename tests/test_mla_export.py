@@ -178,7 +178,8 @@ def test_float16_export_is_refused_before_writing(gqa, tmp_path):
 
 
 def test_a_share_below_the_rope_key_is_refused(gqa):
-    with pytest.raises(InvalidArgumentError, match="--kv-share"):
+    # The library names the parameter; the command line prints it as its flag (test_cli_and_errors).
+    with pytest.raises(InvalidArgumentError, match="`kv_share=0.2` keeps 13 values per token, not more than the 16"):
         widths_for_share(gqa.ctx.geometry, 0.2)  # 12 of 64 values, below d_r = 16
 
 

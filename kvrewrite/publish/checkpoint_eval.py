@@ -183,8 +183,8 @@ def mla_models_at_rates(
 
 def refuse_compressed_baseline(checkpoint: Path, baseline_dir: Path, given: bool) -> None:
     """The baseline must be an original model: comparing a checkpoint with itself reports a perfect, false result."""
-    where = "--baseline" if given else "the source model recorded in its spec"
-    fix = "pass --baseline with the original (uncompressed) model"
+    where = "`baseline`" if given else "the source model recorded in its spec"
+    fix = "pass `baseline` with the original (uncompressed) model"
     if baseline_dir.resolve() == checkpoint.resolve():
         raise InvalidArgumentError(f"the baseline ({where}) is {checkpoint} itself; {fix}")
     try:

@@ -49,7 +49,7 @@ def parse_positions(text: str) -> tuple[PositionRange, ...]:
         match = re.fullmatch(r"\s*(\d+)\s*([kK]?)\s*", part)
         if match is None:
             raise InvalidArgumentError(
-                f"--positions {text!r}: {part!r} is not a whole number of tokens (e.g. 2048 or 2K)"
+                f"`positions` {text!r}: {part!r} is not a whole number of tokens (e.g. 2048 or 2K)"
             )
         return int(match.group(1)) * (1024 if match.group(2) else 1)
 
@@ -57,17 +57,17 @@ def parse_positions(text: str) -> tuple[PositionRange, ...]:
     for item in text.split(","):
         bounds = item.split("-")
         if len(bounds) != 2:
-            raise InvalidArgumentError(f"--positions {text!r}: expected ranges like 512-1024,2K-4K, got {item!r}")
+            raise InvalidArgumentError(f"`positions` {text!r}: expected ranges like 512-1024,2K-4K, got {item!r}")
         start, end = number(bounds[0]), number(bounds[1])
         if start < 1 or end <= start:
             raise InvalidArgumentError(
-                f"--positions {text!r}: {item!r} must satisfy 1 <= start < end (position 0 has no context to predict it)"
+                f"`positions` {text!r}: {item!r} must satisfy 1 <= start < end (position 0 has no context to predict it)"
             )
         ranges.append(PositionRange(start, end))
     ranges.sort(key=lambda r: r.start)
     for left, right in zip(ranges, ranges[1:]):
         if right.start < left.end:
-            raise InvalidArgumentError(f"--positions {text!r}: ranges {left.label} and {right.label} overlap")
+            raise InvalidArgumentError(f"`positions` {text!r}: ranges {left.label} and {right.label} overlap")
     return tuple(ranges)
 
 

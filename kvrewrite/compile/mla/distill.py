@@ -99,12 +99,12 @@ def distill_mla_layers(
     calibration = ctx.calibration_tokens
     if plan.distill_tokens > calibration.numel():
         raise InvalidArgumentError(
-            f"--distill-tokens {plan.distill_tokens} is more than the {calibration.numel()} calibration tokens it trains "
-            f"on; raise --calib-tokens to at least {plan.distill_tokens} or lower --distill-tokens"
+            f"`distill_tokens={plan.distill_tokens}` is more than the {calibration.numel()} calibration tokens it trains "
+            f"on; raise `calib_tokens` to at least {plan.distill_tokens} or lower `distill_tokens`"
         )
     if plan.distill_tokens < 2 * calibration.shape[1]:
         raise InvalidArgumentError(
-            f"--distill-tokens {plan.distill_tokens} is less than two {calibration.shape[1]}-token windows: nothing would "
+            f"`distill_tokens={plan.distill_tokens}` is less than two {calibration.shape[1]}-token windows: nothing would "
             "be left to validate on"
         )
     if form_is_exact(layers, ctx.geometry):  # trained, it could only drift by rounding noise

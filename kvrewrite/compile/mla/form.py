@@ -77,7 +77,7 @@ def widths_for_share(geometry, kv_share: float, rope_components: int = 1, rope_f
     r = min(round(kv_share * total) - d_r, full_latent_rank(geometry, rope_components, rope_frequency_stride))
     if r < 1:
         raise InvalidArgumentError(
-            f"--kv-share {kv_share} keeps {round(kv_share * total)} values per token, not more than the {d_r} of the "
+            f"`kv_share={kv_share}` keeps {round(kv_share * total)} values per token, not more than the {d_r} of the "
             f"shared RoPE key; choose a share above {(d_r + 1) / total:.3f}"
         )
     return MLAWidths(rope_components, d_r, r, (r + d_r) / total, rope_frequency_stride)
@@ -92,13 +92,13 @@ def widths_for_ranks(geometry, kv_lora_rank: int, qk_rope_head_dim: int | None =
     d_r = d if qk_rope_head_dim is None else qk_rope_head_dim
     if d_r < 2 or d_r > d or d % d_r or (d // 2) % (d // d_r):
         raise InvalidArgumentError(
-            f"--qk-rope-head-dim must be head_dim ({d}) divided by a divisor of head_dim / 2 ({d // 2}), got {d_r}"
+            f"`qk_rope_head_dim` must be head_dim ({d}) divided by a divisor of head_dim / 2 ({d // 2}), got {d_r}"
         )
     stride = d // d_r
     full = full_latent_rank(geometry, 1, stride)
     if not 1 <= kv_lora_rank <= full:
         raise InvalidArgumentError(
-            f"--kv-lora-rank must be within 1..{full} at qk_rope_head_dim {d_r}, got {kv_lora_rank}"
+            f"`kv_lora_rank` must be within 1..{full} at qk_rope_head_dim {d_r}, got {kv_lora_rank}"
         )
     total = 2 * geometry.num_key_value_heads * d
     return MLAWidths(1, d_r, kv_lora_rank, (kv_lora_rank + d_r) / total, stride)

@@ -60,7 +60,7 @@ class RateRefitResult:
         }
 
 
-def parse_refit_rates(text: str, option: str = "--refit-rates") -> tuple[float, ...]:
+def parse_refit_rates(text: str, option: str = "`refit_rates`") -> tuple[float, ...]:
     """'0.3,0.5,0.7' -> (0.3, 0.5, 0.7): distinct rates in [0, 1) in hundredths (the rate table's keys), sorted, at
     least two."""
     try:
@@ -93,7 +93,7 @@ def served_refit_table(rates: tuple[float, ...], served: dict[str, list[int]]) -
     missing = [rate_key(r) for r in rates if rate_key(r) not in served]
     if missing:
         raise InvalidArgumentError(
-            f"--refit-rates {', '.join(missing)} are not in the export's rate table ({', '.join(served)})"
+            f"`refit_rates` {', '.join(missing)} are not in the export's rate table ({', '.join(served)})"
         )
     return {rate_key(r): served[rate_key(r)] for r in rates}
 
@@ -112,7 +112,7 @@ def refit_mla_at_rates(
     exported = [layer.kv_lora_rank for layer in layers]
     widest = [key for key, widths in rate_table.items() if list(widths) == exported]
     if not widest:
-        raise InvalidArgumentError("the widest refitted rate must be the exported widths (export at --kv-share 1 - A)")
+        raise InvalidArgumentError("the widest refitted rate must be the exported widths (export at `kv_share` 1 - A)")
     refits = {
         key: refit_mla_output(
             prepared,
