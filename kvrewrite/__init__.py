@@ -2,7 +2,7 @@
 
 `import kvrewrite` registers the compressed model types with transformers, so
 `AutoModelForCausalLM.from_pretrained(compressed_dir)` just works. It loads only the runtime (torch and
-transformers); the compiler (`compress`, `Plan`, `CompileResult`; the MLA export `export_mla`, `MLAPlan`,
+transformers); the compiler (`compress`, `compress_variants`, `Plan`, `CompileResult`; the MLA export `export_mla`, `MLAPlan`,
 `MLAExport`) is imported on first use, so a user who only loads compressed checkpoints needs none of the `compile`
 extra (gensim, scikit-learn, matplotlib).
 See docs/architecture.md, "Runtime vs compiler imports".
@@ -29,6 +29,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CachePolicy",
     "CompileResult",
+    "CompiledVariants",
     "CompressionSpec",
     "Eviction",
     "Floor",
@@ -37,6 +38,7 @@ __all__ = [
     "MLAPlan",
     "Plan",
     "compress",
+    "compress_variants",
     "export_mla",
     "load",
     "__version__",
@@ -46,6 +48,8 @@ __all__ = [
 _LAZY = {
     "compress": "kvrewrite.compile.api",
     "CompileResult": "kvrewrite.compile.api",
+    "compress_variants": "kvrewrite.compile.api",
+    "CompiledVariants": "kvrewrite.compile.api",
     "Plan": "kvrewrite.compile.plan",
     "export_mla": "kvrewrite.compile.mla.api",
     "MLAExport": "kvrewrite.compile.mla.api",

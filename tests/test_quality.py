@@ -302,6 +302,34 @@ def test_sweep_compiles_codec_configs_at_every_rate(tiny, tmp_path):
     assert uncoded[0.3] > uncoded[0.5]
 
 
+def test_compress_variants_equals_compress_of_each_plan(tiny, tmp_path):
+    """kvrewrite.compress_variants shares the statistics between variants; every variant's checkpoint is the one
+    kvrewrite.compress writes for that variant's plan alone, tensor for tensor."""
+    from safetensors.torch import load_file
+
+    src, text = tiny
+    plan = Plan(model=str(src), target_rate=0.5, calibration=str(text), calib_tokens=1024, seq_len=64, progress=False)
+    variants = {"greedy": {"allocation": "greedy"}, "post": {"rope_mode": "post-rope", "target_rate": 0.3}}
+    seen = []
+    compiled = kvrewrite.compress_variants(plan, variants, tmp_path / "shared", on_pass=lambda v, s: seen.append(v))
+    assert seen.count("shared") == 3 and {"greedy", "post"} <= set(seen)  # statistics passes once, then each variant
+    assert compiled.statistics_report["calibration"]["tokens"] == compiled.calibration_tokens.numel() == 1024
+    for name, overrides in variants.items():
+        alone = kvrewrite.compress(Plan(**{**plan.__dict__, "output": tmp_path / "alone" / name, **overrides}))
+        shared = compiled.results[name]
+        assert shared.output_dir == tmp_path / "shared" / name and shared.spec == alone.spec
+        ours, reference = (
+            load_file(shared.output_dir / "model.safetensors"),
+            load_file(alone.output_dir / "model.safetensors"),
+        )
+        assert ours.keys() == reference.keys()
+        assert all(torch.equal(ours[k], reference[k]) for k in reference), name
+    assert compiled.original_model() is compiled.original_model()  # loaded once
+    with pytest.raises(InvalidArgumentError, match="no_such_field are not Plan fields"):
+        kvrewrite.compress_variants(plan, {"bad": {"no_such_field": 1}}, tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()
+
+
 def test_each_variant_compiles_its_own_key_mode(tiny, tmp_path):
     """Statistics are shared between variants, the key mode is not: each variant's --rope-mode decides it."""
     from kvrewrite.compile.passes.pipeline import compile_variants
