@@ -13,7 +13,7 @@ import platform
 import sys
 from pathlib import Path
 
-from kvrewrite.compile.passes.pipeline import compile_variants
+import kvrewrite
 from kvrewrite.compile.plan import Plan
 from kvrewrite.io.calibration_data import evaluation_token_sequences
 from kvrewrite.publish.evaluation import evaluate_many
@@ -38,9 +38,10 @@ def main() -> None:
         overwrite=True,
         progress=False,
     )
-    shared, compiled = compile_variants(plan, {a: {"allocation": a} for a in ALLOCATIONS}, args.out)
+    shared = kvrewrite.compress_variants(plan, {a: {"allocation": a} for a in ALLOCATIONS}, args.out)
+    compiled = shared.results
     compile_s = {a: ctx.report["variant_compile_s"] for a, ctx in compiled.items()}
-    calib_kl = {a: ctx.verification["compiled_rank"]["kl_mean"] for a, ctx in compiled.items()}
+    calib_kl = {a: ctx.report["verification"]["compiled_rank"]["kl_mean"] for a, ctx in compiled.items()}
 
     windows = evaluation_token_sequences(shared.tokenizer, args.eval_tokens, plan.seq_len)
     models = {f"{a} p={r}": load(args.out / a, rate=r) for a in ALLOCATIONS for r in RATES}

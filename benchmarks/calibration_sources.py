@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from kvrewrite.compile.passes.pipeline import compile_variants
+import kvrewrite
 from kvrewrite.compile.plan import Plan
 from kvrewrite.io.calibration_data import evaluation_token_sequences
 from kvrewrite.io.calibration_data.corpus import token_stream
@@ -73,7 +73,7 @@ def main() -> None:
         progress=False,
     )
     t0 = time.perf_counter()
-    shared, compiled = compile_variants(plan, {args.source: {}}, args.out)
+    shared = kvrewrite.compress_variants(plan, {args.source: {}}, args.out)
     compile_s = round(time.perf_counter() - t0, 1)
 
     held_out = {
@@ -83,7 +83,7 @@ def main() -> None:
     rows = {}
     for domain, windows in held_out.items():
         models = {f"p={r}": load(args.out / args.source, rate=r) for r in RATES}
-        for name, result in evaluate_many(models, windows, baseline=shared.model, progress=False).items():
+        for name, result in evaluate_many(models, windows, baseline=shared.original_model(), progress=False).items():
             row = result.as_dict()
             rows[f"{domain} {name}"] = row
             print(
@@ -105,7 +105,7 @@ def main() -> None:
     record["sources"][args.source] = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "machine": f"{platform.node()} {platform.machine()}, {platform.processor() or 'cpu'}; torch CPU, 2 shared cores",
-        "calibration_tokens": shared.report["calibration"]["tokens"],
+        "calibration_tokens": shared.statistics_report["calibration"]["tokens"],
         "compile_s": compile_s,
         "results": rows,
     }

@@ -54,7 +54,7 @@ MODELS = {
 
 def compile_checkpoints(root: Path, calib_tokens: int) -> None:
     """One p = 0.5 checkpoint per key mode (statistics shared); other rates come from its rate table."""
-    from kvrewrite.compile.passes.pipeline import compile_variants
+    import kvrewrite
     from kvrewrite.compile.plan import Plan
 
     modes = sorted({spec[0] for spec in MODELS.values() if spec})
@@ -69,7 +69,7 @@ def compile_checkpoints(root: Path, calib_tokens: int) -> None:
         overwrite=True,
         progress=False,
     )
-    compile_variants(plan, {m: {"rope_mode": m} for m in missing}, root)
+    kvrewrite.compress_variants(plan, {m: {"rope_mode": m} for m in missing}, root)
 
 
 def run_provenance(threads: int, note: str) -> dict:

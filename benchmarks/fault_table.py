@@ -52,6 +52,8 @@ def main() -> None:
         base = Path(tmp)
         source = save_tiny_llama(base / "src")
         ckpt = base / "ckpt"
+        # The tests' pipeline (fixed random calibration windows, tests/tiny_models.py), not kvrewrite.compress: the
+        # table's checkpoint is the one tests/test_faults.py builds, so the table shows what the tests check.
         run_pipeline(Plan(model=str(source), output=ckpt, progress=False), tiny_pipeline())
         for i, case in enumerate(CASES):
             root = base / f"case{i}"

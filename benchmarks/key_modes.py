@@ -19,8 +19,8 @@ import platform
 import sys
 from pathlib import Path
 
+import kvrewrite
 from kvrewrite.adapters.base import AttentionFeatures
-from kvrewrite.compile.passes.pipeline import compile_variants
 from kvrewrite.compile.plan import Plan
 from kvrewrite.io.calibration_data import evaluation_token_sequences
 from kvrewrite.key_modes import key_mode, key_mode_names
@@ -85,7 +85,8 @@ def main() -> None:
     else:
         names = (args.variants or "crosshead,auto,auto-zero-overhead").split(",")
         variants = {n: FULL_VARIANTS[n] for n in names}
-    shared, compiled = compile_variants(plan, variants, args.out / args.part)
+    shared = kvrewrite.compress_variants(plan, variants, args.out / args.part)
+    compiled = shared.results
     windows = evaluation_token_sequences(shared.tokenizer, args.eval_tokens, plan.seq_len)
 
     if args.part == "key-only":
@@ -93,7 +94,8 @@ def main() -> None:
     else:
         models = {f"{name} p={r}": load(args.out / args.part / name, rate=r) for name in variants for r in RATES}
     results = {
-        name: r.as_dict() for name, r in evaluate_many(models, windows, baseline=shared.model, progress=False).items()
+        name: r.as_dict()
+        for name, r in evaluate_many(models, windows, baseline=shared.original_model(), progress=False).items()
     }
     for name, r in results.items():
         print(
@@ -114,7 +116,9 @@ def main() -> None:
         "key_mode_choice": {
             n: ctx.report.get("key_mode_choice") for n, ctx in compiled.items() if "key_mode_choice" in ctx.report
         },
-        "calibration_kl_at_0.5": {n: ctx.verification["compiled_rank"]["kl_mean"] for n, ctx in compiled.items()},
+        "calibration_kl_at_0.5": {
+            n: ctx.report["verification"]["compiled_rank"]["kl_mean"] for n, ctx in compiled.items()
+        },
     }
     args.results.parent.mkdir(parents=True, exist_ok=True)
     args.results.write_text(json.dumps(record, indent=1))

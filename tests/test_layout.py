@@ -129,8 +129,19 @@ def test_the_command_line_runs_both_compilers_through_their_apis():
     found = _names_imported(Path(__file__).resolve().parent.parent / "kvrewrite" / "cli")
     assert ("app.py", "kvrewrite.compile.api", "compress") in found
     assert ("export.py", "kvrewrite.compile.mla.api", "export_mla") in found
-    runners = {"run_pipeline", "run_pass", "run_mla_export", "run_mla_passes"}
+    runners = {"run_pipeline", "run_pass", "run_mla_export", "run_mla_passes", "compile_variants"}
     assert sorted(entry for entry in found if entry[2] in runners) == []
+    assert ("demo.py", "kvrewrite.compile.api", "compress_variants") in found
+
+
+def test_benchmarks_compile_through_the_api():
+    """Benchmarks compile with kvrewrite.compress / compress_variants / export_mla, never the pipeline runners; the
+    one exception runs the tests' own fixed-calibration pipeline (fault_table.py, the checkpoint test_faults builds)."""
+    found = _names_imported(Path(__file__).resolve().parent.parent / "benchmarks")
+    runners = {"run_pipeline", "run_pass", "run_mla_export", "run_mla_passes", "compile_variants"}
+    assert sorted(entry for entry in found if entry[2] in runners) == [
+        ("fault_table.py", "kvrewrite.compile.passes.pipeline", "run_pipeline")
+    ]
 
 
 def test_published_checkpoint_stub_paths_still_import():

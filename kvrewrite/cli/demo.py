@@ -31,7 +31,7 @@ def run_demo(
     output: Path, rates: list[float], calib_tokens: int, eval_tokens: int, console: Console, mla: bool = False
 ) -> list[dict]:
     from kvrewrite.cli.tables import eval_table
-    from kvrewrite.compile.passes.pipeline import compile_variants
+    from kvrewrite.compile.api import compress_variants
     from kvrewrite.compile.plan import Plan
     from kvrewrite.io.calibration_data import evaluation_token_sequences
     from kvrewrite.publish.checkpoint_eval import result_rows
@@ -51,12 +51,11 @@ def run_demo(
     def on_pass(variant: str, step) -> None:
         console.print(f"[cyan]{variant}[/] {step.name}: {step.description}")
 
-    shared, compiled = compile_variants(plan, DEMO_CONFIGS, output, on_pass=on_pass)
-    compile_times = {name: ctx.report["variant_compile_s"] for name, ctx in compiled.items()}
-    for name, ctx in compiled.items():
-        console.print(
-            f"  {name}: full-rank max |Δlogit| = {ctx.verification['full_rank_max_abs_logit_diff']:.2e}, wrote {ctx.output_dir}"
-        )
+    compiled = compress_variants(plan, DEMO_CONFIGS, output, on_pass=on_pass)
+    compile_times = {name: result.report["variant_compile_s"] for name, result in compiled.results.items()}
+    for name, result in compiled.results.items():
+        exact = result.report["verification"]["full_rank_max_abs_logit_diff"]
+        console.print(f"  {name}: full-rank max |Δlogit| = {exact:.2e}, wrote {result.output_dir}")
     names = [DEFAULT_VARIANT]
     if mla:
         mla_started = time.perf_counter()
@@ -64,13 +63,13 @@ def run_demo(
         compile_times[MLA_VARIANT] = time.perf_counter() - mla_started
         names.append(MLA_VARIANT)
 
-    windows = evaluation_token_sequences(shared.tokenizer, eval_tokens, plan.seq_len)
+    windows = evaluation_token_sequences(compiled.tokenizer, eval_tokens, plan.seq_len)
     models, model_rates = {}, {}
     for name in names:
         for rate in rates:
             label = f"{name} p={rate:.2f}"
             models[label], model_rates[label] = load(output / name, rate=rate), rate
-    baseline = shared.original_model()
+    baseline = compiled.original_model()
     console.print(f"evaluating {len(models) + 1} variants and the original on {windows.numel()} held-out wiki tokens")
     # One window per forward: the [window, 512, 49K] float32 logits of a bigger batch would double the peak memory.
     results = evaluate_many(models, windows, baseline=baseline, batch_size=1)
@@ -89,9 +88,9 @@ def run_demo(
 
     summary = {
         "rows": rows,
-        "calibration_tokens": int(shared.calibration_tokens.numel()),
+        "calibration_tokens": int(compiled.calibration_tokens.numel()),
         "eval_tokens": int(windows.numel()),
-        "shared_pass_time_s": shared.report["timings_s"],
+        "shared_pass_time_s": compiled.statistics_report["timings_s"],
         "compile_time_s": compile_times,
         "total_time_s": time.perf_counter() - started,
         "configs": {
