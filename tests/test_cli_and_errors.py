@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from tiny_models import save_tiny_llama, tiny_pipeline, word_tokenizer
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 from typer.testing import CliRunner
 
+import kvrewrite
 from kvrewrite.cli.app import app
 from kvrewrite.compile.passes.context import CompileContext
 from kvrewrite.compile.passes.load_checkpoint import LoadCheckpoint
@@ -249,6 +251,23 @@ def test_tuning_options_without_their_step_are_refused(args, message):
     result = runner.invoke(app, ["compress", "smollm2-135m", *args, "--dry-run"])
     assert result.exit_code == 2
     assert message in flat(result.output)
+
+
+def test_the_api_refuses_tuning_fields_without_their_step(tmp_path):
+    """kvrewrite.compress refuses what the command line refuses, before any work: a field that only tunes a step the
+    plan does not run, set away from its default; at its default, or with the step on, it passes."""
+    for fields, message in (
+        ({"distill_lr": 3e-4}, "`distill_lr` only apply with `distill`"),
+        ({"refit_tokens": 4096, "refit_ridge": 0.1}, "`refit_tokens`, `refit_ridge` only apply with `refit=output`"),
+    ):
+        with pytest.raises(InvalidArgumentError, match=re.escape(message)):
+            kvrewrite.compress("no-such-model", output=tmp_path / "out", **fields)
+        with pytest.raises(InvalidArgumentError, match=re.escape(message)):
+            kvrewrite.compress_variants(Plan(model="no-such-model"), {"v": fields}, tmp_path / "variants")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "variants").exists()
+    Plan(model="x", distill=True, distill_lr=3e-4).refuse_idle_tuning()
+    Plan(model="x", refit="output", refit_tokens=4096).refuse_idle_tuning()
+    Plan(model="x", refit_tokens=Plan.__dataclass_fields__["refit_tokens"].default).refuse_idle_tuning()
 
 
 def test_tuning_options_with_their_step_are_accepted():

@@ -26,6 +26,7 @@ from kvrewrite.cli.compress_options import (
     with_signature,
 )
 from kvrewrite.cli.export import export_mla_command
+from kvrewrite.compile.plan import TUNING_FIELDS
 from kvrewrite.compile.sweep import NAMED_CONFIGS
 from kvrewrite.errors import InvalidArgumentError, KVRewriteError, KVRewriteWarning
 from kvrewrite.extras import PLOTS, WIKI_TEXT, require_compile_extra, require_package
@@ -102,12 +103,9 @@ def _dtype_shown(plan) -> str:
     return f"{str(plan.compute_dtype(config)).removeprefix('torch.')} (auto: the source's)"
 
 
-# Options that only tune a step another option turns on; given without it, they would be silently ignored (export-mla
-# refuses the same through MLAPlan, whose fields default to None; the Plan's carry their default values instead).
-TUNING_OPTIONS = {
-    "distill": ("distill_tokens", "distill_epochs", "distill_lr"),
-    "refit": ("refit_tokens", "refit_ridge"),
-}
+# Options that only tune a step another option turns on (TUNING_FIELDS); kvrewrite.compress refuses them set away from
+# their defaults without it, the command line also when typed at their default values.
+TUNING_OPTIONS = TUNING_FIELDS
 
 
 def _refuse_options_without_their_switch(ctx: typer.Context, values: dict) -> None:

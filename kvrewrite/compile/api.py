@@ -41,6 +41,7 @@ def compress(
     else:
         rate = {} if target_rate is None else {"target_rate": target_rate}
         plan = Plan(model=model, output=Path(output) if output else None, **rate, **options)
+    plan.refuse_idle_tuning()
     ctx = run_pipeline(plan, on_pass=on_pass)
     report = {**ctx.report, "verification": ctx.verification}
     return CompileResult(output_dir=ctx.output_dir, spec=ctx.spec, report=report)
@@ -86,7 +87,9 @@ def compress_variants(
         unknown = sorted(set(overrides) - fields)
         if unknown:
             raise InvalidArgumentError(f"variant {name!r}: {', '.join(unknown)} are not Plan fields")
-        for module, feature in dataclasses.replace(plan, **overrides).optional_packages():  # before any work
+        variant = dataclasses.replace(plan, **overrides)
+        variant.refuse_idle_tuning()
+        for module, feature in variant.optional_packages():  # before any work
             require_package(module, feature)
     shared, compiled = compile_variants(plan, variants, Path(output_root), on_pass=on_pass)
     results = {

@@ -5,6 +5,7 @@ flags (cli/compress_options.py, cli_message)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,6 +56,12 @@ SERVE_RATES_BY = ("table", "distill", "refit")
 # helped in 16 of 18 cells, benchmarks/results/long_context_nested_4ep.json, at twice the compile time).
 DISTILL_EPOCHS = 8.0
 NESTED_DISTILL_EPOCHS = 2.0
+# Fields that only tune a step another field turns on (the same in both compilers' plans): set without it they would
+# be ignored in silence, so kvrewrite.compress refuses them (Plan.refuse_idle_tuning; MLAPlan in its validation).
+TUNING_FIELDS = {
+    "distill": ("distill_tokens", "distill_epochs", "distill_lr"),
+    "refit": ("refit_tokens", "refit_ridge"),
+}
 
 
 def source_dtype(config) -> torch.dtype:
@@ -364,6 +371,18 @@ class Plan:
     def distill_token_count(self, calibration_tokens: int) -> int:
         """The tokens a distillation trains on (1/16 held back): as asked, else every calibration token."""
         return calibration_tokens if self.distill_tokens is None else int(self.distill_tokens)
+
+    def refuse_idle_tuning(self) -> None:
+        """Refuse a tuning field set away from its default for a step this plan does not run (`distill_lr` without
+        `distill`, `refit_tokens` with `refit=none`): it would be ignored in silence. Called by kvrewrite.compress, not
+        on every Plan: the MLA export's internal statistics plan carries its refit tokens to the per-rate refits."""
+        defaults = {f.name: f.default for f in dataclasses.fields(Plan)}
+        runs = {"distill": self.distill, "refit": self.refit != "none"}
+        needs = {"distill": "`distill`", "refit": "`refit=output` or output-local"}
+        for step, names in TUNING_FIELDS.items():
+            idle = [f"`{name}`" for name in names if getattr(self, name) != defaults[name]]
+            if idle and not runs[step]:
+                raise InvalidArgumentError(f"{', '.join(idle)} only apply with {needs[step]}")
 
     def has_quality_budget(self) -> bool:
         return self.max_ppl_increase is not None or self.max_kl is not None
