@@ -288,11 +288,11 @@ def test_exact_widths_that_do_not_fit_are_refused(gqa):
     from kvrewrite.compile.mla.form import widths_for_ranks
 
     geo = gqa.ctx.geometry
-    with pytest.raises(InvalidArgumentError, match="--qk-rope-head-dim"):
+    with pytest.raises(InvalidArgumentError, match="`qk_rope_head_dim` must be head_dim"):
         widths_for_ranks(geo, 8, 6)  # 16 / 6 is not an integer
-    with pytest.raises(InvalidArgumentError, match="--qk-rope-head-dim"):
+    with pytest.raises(InvalidArgumentError, match="`qk_rope_head_dim` must be head_dim"):
         widths_for_ranks(geo, 8, 32)  # wider than head_dim
-    with pytest.raises(InvalidArgumentError, match="--kv-lora-rank"):
+    with pytest.raises(InvalidArgumentError, match="`kv_lora_rank` must be within 1..56"):
         widths_for_ranks(geo, 64 - 8 + 1, 8)  # above the full latent at d_r = 8
 
 
