@@ -111,6 +111,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     windows, prompts, meta = load_inputs(Path(args.inputs))
     windows = {r: w[: args.windows] if args.windows else w for r, w in windows.items() if r in args.regimes}
+    if args.passkey_lengths:  # one length's prompts alone, to add it to a row run on the shorter ones
+        prompts = [p for p in prompts if p.length in args.passkey_lengths]
     prompts = prompts[: args.passkey_prompts] if args.passkey_prompts else prompts
     model_path = args.model or meta["model_path"]
     methods = resolve(args.methods, args.chunk, args.kvrewrite, args.method_module)
@@ -122,12 +124,22 @@ def cmd_eval(args: argparse.Namespace) -> None:
         "inputs": meta,
         "chunk": args.chunk,
         "protocols": args.protocols,
-        "selection": {"windows": args.windows, "passkey_prompts": args.passkey_prompts, "regimes": args.regimes},
+        "selection": {
+            "windows": args.windows,
+            "passkey_prompts": args.passkey_prompts,
+            "regimes": args.regimes,
+            **({"passkey_lengths": args.passkey_lengths} if args.passkey_lengths else {}),
+        },
     }
     if args.reference:
         # The original's rows from an earlier partial of the same inputs and env, instead of running it again.
         earlier = json.loads(Path(args.reference).read_text())
-        selection = {"windows": args.windows, "passkey_prompts": args.passkey_prompts, "regimes": args.regimes}
+        selection = {
+            "windows": args.windows,
+            "passkey_prompts": args.passkey_prompts,
+            "regimes": args.regimes,
+            **({"passkey_lengths": args.passkey_lengths} if args.passkey_lengths else {}),
+        }
         same = (earlier["inputs"], earlier["chunk"], earlier["protocols"], earlier.get("selection", selection))
         if same != (meta, args.chunk, args.protocols, selection):
             raise SystemExit(f"{args.reference} was run on other inputs or another chunk; run the original here")
@@ -262,6 +274,9 @@ def main(argv: list[str] | None = None) -> None:
     e.add_argument("--regimes", nargs="+", choices=list(REGIMES), default=list(REGIMES))
     e.add_argument("--windows", type=int, default=0, help="use only the first N windows per regime (0: all)")
     e.add_argument("--passkey-prompts", type=int, default=0, help="use only the first N passkey prompts (0: all)")
+    e.add_argument(
+        "--passkey-lengths", type=int, nargs="+", default=None, help="use only the prompts of these lengths (tokens)"
+    )
     e.add_argument("--chunk", type=int, default=64, help="continuation fed C tokens at a time (KIVI-style decoding)")
     e.add_argument("--threads", type=int, default=1, help="torch threads (1: the machine is shared)")
     e.add_argument("--inputs", default=str(INPUTS))
