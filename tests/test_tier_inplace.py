@@ -3,7 +3,7 @@ it was when every settle concatenated.
 
 `ConcatenatingLayer` below keeps that layer's writes verbatim: the aged tier, the important tier and both position
 arrays grown with a torch.cat over the whole tier, the codec's blocks coded from the aged tier and appended with a
-cat, no buffers. Every forward of a prefill and single-token or chunked decoding must leave both caches holding the
+cat, no buffers; what moves where is the layer's own. Every forward of a prefill and single-token or chunked decoding must leave both caches holding the
 same tiers (compared sorted by cache position), the same codes, and give the same logits; greedy generate() must
 agree token for token; plain tiers, token-adaptive ones (important share) and an int4-coded aged tier, with crop,
 reset and beam reorder. Without a capacity the bytes held equal the concatenating layer's at every step.
@@ -20,71 +20,27 @@ from kvrewrite.runtime.batch_first_layer import BatchFirstLayer
 from kvrewrite.runtime.cache_bytes import cache_tensor_bytes
 from kvrewrite.runtime.codecs.cache import encode_append
 from kvrewrite.runtime.tiers.build import make_tiered_cache
-from kvrewrite.runtime.tiers.cache import POSITION_DTYPE, TieredLayer
+from kvrewrite.runtime.tiers.cache import TieredLayer
 
 SMALL_BLOCKS = "int4:group_size=8"  # blocks of 8 tokens: several are coded within a short sequence
 
 
 class ConcatenatingLayer(TieredLayer):
-    """TieredLayer's writes before they were in place: every settle concatenates onto the whole tier."""
+    """TieredLayer with its writes as they were before they were in place: every append concatenates onto the whole
+    tier, and the codec's blocks are coded from the aged tier after the concatenation. Which tokens move where, and
+    when, is TieredLayer's own (settle, _classify): only the writes differ."""
 
     reorder_cache = BatchFirstLayer.reorder_cache
     _map_batch = BatchFirstLayer._map_batch
 
-    def settle(self) -> None:
-        beyond = self.keys.shape[-2] - self.window
-        moving = (beyond // self.pool) * self.pool if self.adaptive else beyond
-        if moving <= 0:
-            return
-        if self.adaptive:
-            self._classify(moving)
-        else:
-            key_cols = self._columns(self.aged_key_ranks)
-            value_cols = self._columns(self.aged_value_ranks)
-            self.aged_keys = torch.cat([self.aged_keys, self.keys[..., :moving, :].index_select(-1, key_cols)], dim=-2)
-            self.aged_values = torch.cat(
-                [self.aged_values, self.values[..., :moving, :].index_select(-1, value_cols)], dim=-2
-            )
-        self.keys = self.keys[..., moving:, :].contiguous()
-        self.values = self.values[..., moving:, :].contiguous()
-        if self.adaptive:
-            self.recent_scores = self.recent_scores[:, moving:].contiguous()
+    def _append(self, name: str, rows: torch.Tensor, dim: int, capacity: int | None) -> None:
+        setattr(self, name, torch.cat([getattr(self, name), rows], dim=dim))
+
+    def _append_aged(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.aged_keys = torch.cat([self.aged_keys, keys], dim=-2)
+        self.aged_values = torch.cat([self.aged_values, values], dim=-2)
         if self.codec is not None:
             self._code_full_blocks()
-
-    def _classify(self, moving: int) -> None:
-        batch = self.keys.shape[0]
-        first = self.cumulative_length - self.keys.shape[-2]
-        positions = torch.arange(first, first + moving, device=self.keys.device)
-        scores = self.recent_scores[:, :moving]
-        if self.score == "attention":
-            scores = scores / (self.cumulative_length - positions).to(scores.dtype)
-        n_important = round(self.important_share * self.pool)
-        pools = scores.view(batch, moving // self.pool, self.pool)
-        top = (
-            pools.topk(n_important, dim=-1).indices
-            if n_important
-            else pools.new_zeros((batch, moving // self.pool, 0), dtype=torch.long)
-        )
-        important = torch.zeros_like(pools, dtype=torch.bool).scatter_(-1, top, True).view(batch, moving)
-        order = torch.argsort((~important).to(torch.int8), dim=-1, stable=True)
-        n_imp = n_important * (moving // self.pool)
-        imp_idx, aged_idx = order[:, :n_imp], order[:, n_imp:]
-        tokens_k, tokens_v = self.keys[:, 0, :moving], self.values[:, 0, :moving]
-
-        def take(tokens: torch.Tensor, index: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-            picked = tokens.gather(1, index[..., None].expand(-1, -1, tokens.shape[-1]))
-            return picked.index_select(-1, cols).unsqueeze(1)
-
-        ik, iv = self._columns(self.important_key_ranks), self._columns(self.important_value_ranks)
-        ak, av = self._columns(self.aged_key_ranks), self._columns(self.aged_value_ranks)
-        self.important_keys = torch.cat([self.important_keys, take(tokens_k, imp_idx, ik)], dim=-2)
-        self.important_values = torch.cat([self.important_values, take(tokens_v, imp_idx, iv)], dim=-2)
-        pos = positions.to(POSITION_DTYPE)[None].expand(batch, moving)
-        self.important_positions = torch.cat([self.important_positions, pos.gather(1, imp_idx)], dim=-1)
-        self.aged_keys = torch.cat([self.aged_keys, take(tokens_k, aged_idx, ak)], dim=-2)
-        self.aged_values = torch.cat([self.aged_values, take(tokens_v, aged_idx, av)], dim=-2)
-        self.aged_positions = torch.cat([self.aged_positions, pos.gather(1, aged_idx)], dim=-1)
 
     def _code_full_blocks(self) -> None:
         g = self.codec.block_tokens
