@@ -103,25 +103,15 @@ def _dtype_shown(plan) -> str:
     return f"{str(plan.compute_dtype(config)).removeprefix('torch.')} (auto: the source's)"
 
 
-# Options that only tune a step another option turns on (TUNING_FIELDS); kvrewrite.compress refuses them set away from
-# their defaults without it, the command line also when typed at their default values.
-TUNING_OPTIONS = TUNING_FIELDS
-
-
-def _refuse_options_without_their_switch(ctx: typer.Context, values: dict) -> None:
-    """Refuse --distill-lr and the like given on the command line without the option that turns their step on."""
-    typed = {
+def _typed_tuning_flags(ctx: typer.Context) -> set[str]:
+    """The tuning options (TUNING_FIELDS) typed on the command line: the plan refuses them without their step even
+    at their default values."""
+    return {
         name
-        for names in TUNING_OPTIONS.values()
+        for names in TUNING_FIELDS.values()
         for name in names
         if getattr(ctx.get_parameter_source(name), "name", None) == "COMMANDLINE"
     }
-    step_on = {"distill": bool(values.get("distill")), "refit": values.get("refit") not in ("none", "auto")}
-    for switch, names in TUNING_OPTIONS.items():
-        given = [PLAN_FLAGS[name] for name in names if name in typed]
-        if given and not step_on[switch]:
-            needs = "--distill" if switch == "distill" else "--refit output or output-local"
-            raise InvalidArgumentError(f"{', '.join(given)} only apply with {needs}")
 
 
 def compress(
@@ -140,8 +130,8 @@ def compress(
     from kvrewrite.compile.plan import Plan
 
     try:
-        _refuse_options_without_their_switch(ctx, plan_options)
         plan = Plan(model=model, **plan_arguments(plan_options))
+        plan.refuse_idle_tuning(given=_typed_tuning_flags(ctx))
         passes = default_pipeline()
         budget_share = _budget_share(kv_budget) if kv_budget is not None else None  # refused now, not after the compile
         if dry_run:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Collection
 
 import torch
 
@@ -372,15 +373,17 @@ class Plan:
         """The tokens a distillation trains on (1/16 held back): as asked, else every calibration token."""
         return calibration_tokens if self.distill_tokens is None else int(self.distill_tokens)
 
-    def refuse_idle_tuning(self) -> None:
+    def refuse_idle_tuning(self, given: Collection[str] = ()) -> None:
         """Refuse a tuning field set away from its default for a step this plan does not run (`distill_lr` without
-        `distill`, `refit_tokens` with `refit=none`): it would be ignored in silence. Called by kvrewrite.compress, not
-        on every Plan: the MLA export's internal statistics plan carries its refit tokens to the per-rate refits."""
+        `distill`, `refit_tokens` with `refit=none`): it would be ignored in silence. `given`: fields the caller was
+        handed explicitly, refused even at their default value (the command line's typed flags). Called by
+        kvrewrite.compress and the command line, not on every Plan: the MLA export's internal statistics plan
+        carries its refit tokens to the per-rate refits."""
         defaults = {f.name: f.default for f in dataclasses.fields(Plan)}
         runs = {"distill": self.distill, "refit": self.refit != "none"}
         needs = {"distill": "`distill`", "refit": "`refit=output` or output-local"}
         for step, names in TUNING_FIELDS.items():
-            idle = [f"`{name}`" for name in names if getattr(self, name) != defaults[name]]
+            idle = [f"`{name}`" for name in names if name in given or getattr(self, name) != defaults[name]]
             if idle and not runs[step]:
                 raise InvalidArgumentError(f"{', '.join(idle)} only apply with {needs[step]}")
 
