@@ -52,12 +52,22 @@ class CompiledVariants:
     """What `compress_variants` compiled: one CompileResult per variant name, and the statistics they share."""
 
     results: dict[str, CompileResult]
-    # The shared passes' report sections (calibration tokens and text, their timings).
-    statistics_report: dict
-    # The source's tokenizer and the calibration windows the statistics ran on, for evaluating the variants.
-    tokenizer: Any
-    calibration_tokens: Any
     _statistics: CompileContext = dataclasses.field(repr=False, compare=False)
+
+    @property
+    def statistics_report(self) -> dict:
+        """The shared passes' report sections (calibration tokens and text, their timings)."""
+        return self._statistics.report
+
+    @property
+    def tokenizer(self) -> Any:
+        """The source's tokenizer, for evaluating the variants."""
+        return self._statistics.tokenizer
+
+    @property
+    def calibration_tokens(self) -> Any:
+        """The calibration windows the statistics ran on."""
+        return self._statistics.calibration_tokens
 
     def original_model(self):
         """The source model in fp32 (the evaluation baseline), loaded once and shared with the compile's own use."""
@@ -98,10 +108,4 @@ def compress_variants(
         )
         for name, ctx in compiled.items()
     }
-    return CompiledVariants(
-        results=results,
-        statistics_report=shared.report,
-        tokenizer=shared.tokenizer,
-        calibration_tokens=shared.calibration_tokens,
-        _statistics=shared,
-    )
+    return CompiledVariants(results=results, _statistics=shared)
