@@ -119,27 +119,22 @@ def cmd_eval(args: argparse.Namespace) -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     shared = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     results: list[dict[str, Any]] = []
+    selection = {
+        "windows": args.windows,
+        "passkey_prompts": args.passkey_prompts,
+        "regimes": args.regimes,
+        **({"passkey_lengths": args.passkey_lengths} if args.passkey_lengths else {}),
+    }
     header = {
         "provenance": _provenance(),
         "inputs": meta,
         "chunk": args.chunk,
         "protocols": args.protocols,
-        "selection": {
-            "windows": args.windows,
-            "passkey_prompts": args.passkey_prompts,
-            "regimes": args.regimes,
-            **({"passkey_lengths": args.passkey_lengths} if args.passkey_lengths else {}),
-        },
+        "selection": selection,
     }
     if args.reference:
         # The original's rows from an earlier partial of the same inputs and env, instead of running it again.
         earlier = json.loads(Path(args.reference).read_text())
-        selection = {
-            "windows": args.windows,
-            "passkey_prompts": args.passkey_prompts,
-            "regimes": args.regimes,
-            **({"passkey_lengths": args.passkey_lengths} if args.passkey_lengths else {}),
-        }
         same = (earlier["inputs"], earlier["chunk"], earlier["protocols"], earlier.get("selection", selection))
         if same != (meta, args.chunk, args.protocols, selection):
             raise SystemExit(f"{args.reference} was run on other inputs or another chunk; run the original here")
