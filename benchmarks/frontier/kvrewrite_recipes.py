@@ -141,6 +141,24 @@ RECIPES: dict[str, dict[str, Any]] = {
         "evict": {"keep": 0.225, "bits": 8, "reconstruction_share": 0.25},
         "prefill": "reconstruction",
     },
+    # The eighth's budget with more of it chosen by the reconstruction: where several keys compete for it.
+    **{
+        f"kvrewrite-W16-evict0.225-k8v8-rec{share:g}": {
+            "rate": 0.0,
+            "recent_window": 16,
+            "kv_codec": "none",
+            "evict": {"keep": 0.225, "bits": 8, "reconstruction_share": share},
+            "prefill": "reconstruction",
+        }
+        for share in (0.5, 0.75)
+    },
+    "kvrewrite-W16-evict0.225-k8v8-rec": {
+        "rate": 0.0,
+        "recent_window": 16,
+        "kv_codec": "none",
+        "evict": {"keep": 0.225, "bits": 8},
+        "prefill": "reconstruction",
+    },
     # Evicted tokens keep 8 key and 8 value dims per head at 4 bits instead of leaving (kvrewrite.runtime.tiers.floor).
     "kvrewrite-W16-evict0.2-k8v4-floor8-rec": {
         "rate": 0.0,
