@@ -167,3 +167,13 @@ def test_the_draw_follows_the_nucleus_distribution() -> None:
     sigma = (expected * (1 - expected) / n).sqrt()
     assert bool(((frequencies - expected).abs() <= 5 * sigma + 1e-12).all()), (frequencies, expected)
     assert expected[-1] == 0 and frequencies[-1] == 0  # outside the nucleus: never drawn
+
+
+def test_the_shared_prefix_leaves_every_prompt_a_token_of_its_own() -> None:
+    from kvrewrite.io.calibration_data.static_decoding import _shared_prefix_length
+
+    assert _shared_prefix_length([[5, 6, 7, 8], [5, 6, 9]]) == 2
+    assert _shared_prefix_length([[5, 6, 7], [5, 6, 7]]) == 2  # identical prompts: the last token is prefilled per row
+    assert _shared_prefix_length([[5, 6, 7]]) == 2
+    assert _shared_prefix_length([[5], [5, 6]]) == 0
+    assert _shared_prefix_length([[4, 6], [5, 6]]) == 0

@@ -103,6 +103,40 @@ def _accepts(model: Any, name: str) -> bool:
     return name in inspect.signature(type(model).forward).parameters
 
 
+def _shared_prefix_length(prompts: Sequence[Sequence[int]]) -> int:
+    """How many leading tokens all prompts share, leaving every prompt at least one token of its own to prefill
+    (the logits of a row's last prompt token draw its first new token)."""
+    first = prompts[0]
+    limit = min(len(p) for p in prompts) - 1
+    length = 0
+    while length < limit and all(p[length] == first[length] for p in prompts):
+        length += 1
+    return length
+
+
+def _prefill_shared_prefix(model: Any, prefix: list[int], cache: Any, rows: int, extra: dict[str, Any]) -> None:
+    """Runs ``prefix`` once, in one row, and writes its keys and values into cache slots [0, len) of every row."""
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    slots = torch.arange(len(prefix), device=device)
+    alone = DynamicCache()
+    model(
+        input_ids=torch.tensor([prefix], dtype=torch.long, device=device),
+        attention_mask=torch.ones((1, len(prefix)), dtype=torch.long, device=device),
+        position_ids=slots[None],
+        past_key_values=alone,
+        cache_position=slots,
+        use_cache=True,
+        **extra,
+    )
+    for index, layer in enumerate(alone.layers):
+        keys, values = layer.keys, layer.values
+        cache.update(
+            keys.expand(rows, *keys.shape[1:]), values.expand(rows, *values.shape[1:]), index, {"cache_position": slots}
+        )
+
+
 def decode_batch(
     model: Any,
     prompts: Sequence[Sequence[int]],
@@ -117,39 +151,47 @@ def decode_batch(
 ) -> list[DecodedRow]:
     """Generate up to ``max_new_tokens`` for every prompt at once, on ``model``'s device and in its dtype.
 
-    Prompts are left-padded to one width; every row gets its own positions (counted from its first real token) and
-    an attention mask that hides its padding, so a row computes what it would alone. Keys and values go to a
-    transformers ``StaticCache`` allocated once for prompt width + max_new_tokens positions and written in place.
-    Stops when every row has produced an end-of-sequence token. ``on_step(n)`` gets the rows still generating after
-    each step (for a progress bar).
+    The tokens every prompt starts with (a chat template's system turn: 24 of SmolLM2's 39-55) run once, in one
+    row, and their keys and values are copied into every row: the prefill then computes only what differs. The
+    rest of each prompt is left-padded to one width after that shared prefix; every row gets its own positions
+    (counted from its first real token) and an attention mask that hides its padding, so a row computes what it
+    would alone. Keys and values go to a transformers ``StaticCache`` allocated once for prompt width +
+    max_new_tokens positions and written in place. Stops when every row has produced an end-of-sequence token.
+    ``on_step(n)`` gets the rows still generating after each step (for a progress bar).
     """
     from transformers import StaticCache
 
     device = next(model.parameters()).device
     rows = len(prompts)
-    width = max(len(p) for p in prompts)
+    shared = _shared_prefix_length(prompts)
+    width = max(len(p) for p in prompts)  # cache slots of the prompts: the shared prefix, then each row's rest
     total = width + max_new_tokens
-    ids = torch.full((rows, width), pad_id, dtype=torch.long)
+    ids = torch.full((rows, width - shared), pad_id, dtype=torch.long)
     mask = torch.zeros((rows, total), dtype=torch.long)
+    mask[:, :shared] = 1
     # The tokens the repetition penalty looks at: a row's padding repeats its first prompt token, so only the row's
     # own tokens are penalised (a repeat is penalised once).
     history = torch.zeros((rows, total), dtype=torch.long)
     for r, prompt in enumerate(prompts):
-        ids[r, width - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
-        mask[r, width - len(prompt) : width] = 1
+        rest = torch.tensor(list(prompt[shared:]), dtype=torch.long)
+        ids[r, ids.shape[1] - len(rest) :] = rest
+        mask[r, width - len(rest) : width] = 1
         history[r, :width] = prompt[0]
-        history[r, width - len(prompt) : width] = ids[r, width - len(prompt) :]
+        history[r, :shared] = torch.tensor(list(prompt[:shared]), dtype=torch.long)
+        history[r, width - len(rest) : width] = rest
     ids, mask, history = ids.to(device), mask.to(device), history.to(device)
-    positions = (mask[:, :width].cumsum(-1) - 1).clamp(min=0)
+    positions = (mask[:, :width].cumsum(-1) - 1).clamp(min=0)[:, shared:]
     texts = torch.tensor(list(text_ids), dtype=torch.long, device=device)
     eos = torch.tensor(sorted(set(eos_ids)) or [-1], dtype=torch.long, device=device)
 
     cache = StaticCache(config=model.config, max_cache_len=total)
     extra = {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}
+    if shared:
+        _prefill_shared_prefix(model, list(prompts[0][:shared]), cache, rows, extra)
     generated = torch.empty((rows, max_new_tokens), dtype=torch.long, device=device)
     finished = torch.zeros(rows, dtype=torch.bool, device=device)
     step_tensor = torch.zeros(rows, dtype=torch.long, device=device)
-    inputs, length = ids, width
+    inputs, length = ids, width  # the first forward fills slots [shared, width)
     steps_done = 0
     for step in range(max_new_tokens):
         out = model(
