@@ -141,15 +141,17 @@ RECIPES: dict[str, dict[str, Any]] = {
         "evict": {"keep": 0.225, "bits": 8, "reconstruction_share": 0.25},
         "prefill": "reconstruction",
     },
-    # The eighth's budget with more of it chosen by the reconstruction: where several keys compete for it.
+    # The quarter's and the eighth's budgets with a share of them chosen by the reconstruction: where several keys
+    # compete for it.
     **{
-        f"kvrewrite-W16-evict0.225-k8v8-rec{share:g}": {
+        f"kvrewrite-W16-evict{keep:g}-k8v8-rec{share:g}": {
             "rate": 0.0,
             "recent_window": 16,
             "kv_codec": "none",
-            "evict": {"keep": 0.225, "bits": 8, "reconstruction_share": share},
+            "evict": {"keep": keep, "bits": 8, "reconstruction_share": share},
             "prefill": "reconstruction",
         }
+        for keep in (0.44, 0.225)
         for share in (0.5, 0.75)
     },
     "kvrewrite-W16-evict0.225-k8v8-rec": {
