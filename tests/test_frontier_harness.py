@@ -93,3 +93,64 @@ def test_multi_key_prompts_plant_four_coloured_keys_and_ask_for_one():
         assert dict(planted)[asked] == p.key and len({k for _, k in planted}) == 4
         where = context.index(f"The {asked} pass key is") / len(context)
         assert abs(where - p.depth) < 0.1  # the asked key sits at the asked depth
+
+
+def test_merge_adds_a_lengths_only_partial_to_the_row_and_replaces_a_full_rerun(tmp_path):
+    import json
+
+    from benchmarks.frontier.run import main
+
+    def item(length, correct):
+        return {"length": length, "depth": 0.5, "key": str(length), "variant": "single", "correct": correct}
+
+    def row(name, items, share, continuation=True):
+        r = {
+            "name": name,
+            "family": "original" if name == "original" else "kvrewrite",
+            "settings": {"keep": 0.2},
+            "passkey": {
+                "accuracy": sum(i["correct"] for i in items) / len(items),
+                "n": len(items),
+                "bytes_share": share,
+                "items": items,
+            },
+            "seconds": 10.0,
+        }
+        if continuation:
+            r["continuation"] = {"512-1K": {"ppl": 20.0, "bytes_share": share, "delta_ppl_pct": 0.0}}
+        return r
+
+    def partial(name, rows, selection):
+        path = tmp_path / name
+        meta = {"provenance": {"versions": {}, "command": name}, "inputs": {}, "chunk": 64, "selection": selection}
+        path.write_text(json.dumps({**meta, "results": rows}))
+        return str(path)
+
+    everything = [item(1024, True), item(2048, True), item(4096, False)]
+    short = partial(
+        "a.json",
+        [row("original", everything, 1.0), row("m", [item(1024, True), item(2048, False)], 0.2)],
+        {"windows": 0},
+    )
+    long = partial(
+        "b.json",
+        [row("original", [item(4096, False)], 1.0, False), row("m", [item(4096, True)], 0.1, False)],
+        {"windows": 0, "passkey_lengths": [4096]},
+    )
+    out = tmp_path / "merged.json"
+    merge = ["merge", "-o", str(out), "--plot", str(tmp_path / "p.png"), "--markdown", str(tmp_path / "t.md")]
+    main([*merge[:1], short, long, *merge[1:]])
+    merged = json.loads(out.read_text())
+    m = next(r for r in merged["results"] if r["name"] == "m")
+    assert m["passkey"]["n"] == 3 and m["passkey"]["accuracy"] == pytest.approx(2 / 3)
+    assert m["passkey"]["bytes_share"] == pytest.approx((0.2 * 2 + 0.1) / 3)
+    assert m["passkey"]["by_length"] == {"1024": 1.0, "2048": 0.0, "4096": 1.0}
+    assert m["passkey"]["of_original"] == pytest.approx((2 / 3) / (2 / 3))
+    assert m["continuation"]["512-1K"]["bytes_share"] == 0.2 and m["passkey_added_from"] == [long]
+    assert merged["superseded"] == []
+    # The same method run again on the same prompts replaces the row.
+    again = partial("c.json", [row("m", [item(1024, False)], 0.3)], {"windows": 0})
+    main([*merge[:1], short, again, *merge[1:]])
+    merged = json.loads(out.read_text())
+    assert next(r for r in merged["results"] if r["name"] == "m")["passkey"]["n"] == 1
+    assert [r["name"] for r in merged["superseded"]] == ["m"]

@@ -184,6 +184,40 @@ def cmd_eval(args: argparse.Namespace) -> None:
     print(f"wrote {args.output}")
 
 
+def _prompt_id(item: dict[str, Any]) -> tuple:
+    return item["length"], item["depth"], item["key"], item.get("variant", "single")
+
+
+def _adds_passkey_lengths(earlier: dict[str, Any], later: dict[str, Any], part: dict[str, Any]) -> bool:
+    """Whether `later` is the same method run on other prompt lengths only (`eval --passkey-lengths`), so its
+    prompts extend the earlier row instead of replacing it."""
+    if "passkey_lengths" not in part.get("selection", {}) or "continuation" in later or "passkey" not in earlier:
+        return False
+    if later["settings"] != earlier["settings"] or "passkey" not in later:
+        return False
+    seen = {_prompt_id(i) for i in earlier["passkey"]["items"]}
+    return not any(_prompt_id(i) in seen for i in later["passkey"]["items"])
+
+
+def _with_passkey_added(earlier: dict[str, Any], later: dict[str, Any]) -> dict[str, Any]:
+    """The earlier row with the later row's passkey prompts added: accuracy over all of them, bytes weighted by
+    prompts, seconds summed, and the partial each part came from."""
+    a, b = earlier["passkey"], later["passkey"]
+    items = a["items"] + b["items"]
+    passkey = {
+        "accuracy": sum(i["correct"] for i in items) / len(items),
+        "n": len(items),
+        "bytes_share": (a["bytes_share"] * a["n"] + b["bytes_share"] * b["n"]) / (a["n"] + b["n"]),
+        "items": items,
+    }
+    return {
+        **earlier,
+        "passkey": passkey,
+        "seconds": earlier.get("seconds", 0) + later.get("seconds", 0),
+        "passkey_added_from": [*earlier.get("passkey_added_from", []), later["partial"]],
+    }
+
+
 def cmd_merge(args: argparse.Namespace) -> None:
     parts = [json.loads(Path(p).read_text()) for p in args.partials]
     results: list[dict[str, Any]] = []
@@ -197,8 +231,11 @@ def cmd_merge(args: argparse.Namespace) -> None:
                 originals.append(r)
                 if any(o["family"] == "original" for o in results):
                     continue  # one original row; the others are kept under references
-            # A method run again in a later partial replaces the earlier row (kept under superseded).
             earlier = next((i for i, o in enumerate(results) if o["name"] == r["name"]), None)
+            if earlier is not None and _adds_passkey_lengths(results[earlier], r, part):
+                results[earlier] = _with_passkey_added(results[earlier], r)
+                continue
+            # A method run again in a later partial replaces the earlier row (kept under superseded).
             if earlier is not None:
                 superseded.append(results.pop(earlier))
             results.append(r)
