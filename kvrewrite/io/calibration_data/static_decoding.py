@@ -114,16 +114,15 @@ def _shared_prefix_length(prompts: Sequence[Sequence[int]]) -> int:
     return length
 
 
-def _prefill_shared_prefix(model: Any, prefix: list[int], cache: Any, rows: int, extra: dict[str, Any]) -> None:
-    """Runs ``prefix`` once, in one row, and writes its keys and values into cache slots [0, len) of every row."""
+def _prefill_shared_prefix(model: Any, prefix: torch.Tensor, cache: Any, rows: int, extra: dict[str, Any]) -> None:
+    """Runs ``prefix`` [len] once, in one row, and writes its keys and values into cache slots [0, len) of every row."""
     from transformers import DynamicCache
 
-    device = next(model.parameters()).device
-    slots = torch.arange(len(prefix), device=device)
+    slots = torch.arange(len(prefix), device=prefix.device)
     alone = DynamicCache()
     model(
-        input_ids=torch.tensor([prefix], dtype=torch.long, device=device),
-        attention_mask=torch.ones((1, len(prefix)), dtype=torch.long, device=device),
+        input_ids=prefix[None],
+        attention_mask=torch.ones_like(prefix)[None],
         position_ids=slots[None],
         past_key_values=alone,
         cache_position=slots,
@@ -151,7 +150,7 @@ def decode_batch(
 ) -> list[DecodedRow]:
     """Generate up to ``max_new_tokens`` for every prompt at once, on ``model``'s device and in its dtype.
 
-    The tokens every prompt starts with (a chat template's system turn: 24 of SmolLM2's 39-55) run once, in one
+    The tokens every prompt starts with (a chat template's system turn) run once, in one
     row, and their keys and values are copied into every row: the prefill then computes only what differs. The
     rest of each prompt is left-padded to one width after that shared prefix; every row gets its own positions
     (counted from its first real token) and an attention mask that hides its padding, so a row computes what it
@@ -169,6 +168,7 @@ def decode_batch(
     ids = torch.full((rows, width - shared), pad_id, dtype=torch.long)
     mask = torch.zeros((rows, total), dtype=torch.long)
     mask[:, :shared] = 1
+    prefix = torch.tensor(list(prompts[0][:shared]), dtype=torch.long)
     # The tokens the repetition penalty looks at: a row's padding repeats its first prompt token, so only the row's
     # own tokens are penalised (a repeat is penalised once).
     history = torch.zeros((rows, total), dtype=torch.long)
@@ -177,9 +177,9 @@ def decode_batch(
         ids[r, ids.shape[1] - len(rest) :] = rest
         mask[r, width - len(rest) : width] = 1
         history[r, :width] = prompt[0]
-        history[r, :shared] = torch.tensor(list(prompt[:shared]), dtype=torch.long)
         history[r, width - len(rest) : width] = rest
-    ids, mask, history = ids.to(device), mask.to(device), history.to(device)
+    history[:, :shared] = prefix
+    ids, mask, history, prefix = ids.to(device), mask.to(device), history.to(device), prefix.to(device)
     positions = (mask[:, :width].cumsum(-1) - 1).clamp(min=0)[:, shared:]
     texts = torch.tensor(list(text_ids), dtype=torch.long, device=device)
     eos = torch.tensor(sorted(set(eos_ids)) or [-1], dtype=torch.long, device=device)
@@ -187,7 +187,7 @@ def decode_batch(
     cache = StaticCache(config=model.config, max_cache_len=total)
     extra = {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}
     if shared:
-        _prefill_shared_prefix(model, list(prompts[0][:shared]), cache, rows, extra)
+        _prefill_shared_prefix(model, prefix, cache, rows, extra)
     generated = torch.empty((rows, max_new_tokens), dtype=torch.long, device=device)
     finished = torch.zeros(rows, dtype=torch.bool, device=device)
     step_tensor = torch.zeros(rows, dtype=torch.long, device=device)
