@@ -4,6 +4,7 @@ keep share it solves against the budget, and `kvrewrite budget` end to end on a 
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -83,9 +84,11 @@ def test_budget_command_records_the_best_split_and_load_uses_it(checkpoint):
         recent_windows=(2, 4),
         rates=(0.0, 0.5),
         bits_options=(None, 4),
+        perplexity_slack=0,  # perplexity alone (the planted-key ranking has its own test)
         progress=False,
     )
     measured, winner, chosen = result["candidates"], result["winner"], result["chosen"]
+    assert result["reference_keys"] is None and all(c.key_nll is None for c in measured)
     from kvrewrite.compile.token_budget import candidates
 
     spec = kvrewrite.load(checkpoint, token_policy=False).compression_spec
@@ -96,8 +99,8 @@ def test_budget_command_records_the_best_split_and_load_uses_it(checkpoint):
     assert len(measured) >= 4 and all(c.bytes_share <= 0.3 for c in measured)
     # Both ways of choosing a prompt's kept tokens are measured, at the same splits.
     assert {c.prefill_score for c in measured} == {"newest", "reconstruction"}
-    # A reconstruction split is measured whole and with a quarter of the prompt's budget chosen by it.
-    assert {c.reconstruction_share for c in measured if c.prefill_score == "reconstruction"} == {1.0, 0.25}
+    # A reconstruction split is measured whole and with a half and a quarter of the prompt's budget chosen by it.
+    assert {c.reconstruction_share for c in measured if c.prefill_score == "reconstruction"} == {1.0, 0.5, 0.25}
     assert all(c.reconstruction_share == 1.0 for c in measured if c.prefill_score == "newest")
     for c in measured:  # measured at the budget for the windows' length: the bytes really held agree
         assert c.measured_share <= 0.3 + 1e-9 and c.measured_share == pytest.approx(c.bytes_share, abs=0.02)
@@ -191,12 +194,55 @@ def test_budget_cli_dry_run_writes_its_json_and_leaves_the_checkpoint_alone(chec
     assert result.exit_code == 0, result.output
     record = json.loads(out.read_text())
     splits = record["splits"]
-    assert [(r["nll"], r["bytes_share"]) for r in splits] == sorted(
-        (r["nll"], r["bytes_share"]) for r in splits
-    )  # best first
+    # Planted keys were probed on the splits within 2% of the best perplexity, and only on those.
+    lowest = min(r["nll"] for r in splits)
+    assert {r["split"] for r in splits if r["key_nll"] is not None} == {
+        r["split"] for r in splits if math.exp(r["nll"] - lowest) <= 1.02 + 1e-9
+    }
+    assert record["reference_keys"]["probes"] == 4 and "--perplexity-slack 0.02" in record["command"]
+    ranked = [(math.inf if r["key_nll"] is None else r["key_nll"], r["nll"], r["bytes_share"]) for r in splits]
+    assert ranked == sorted(ranked)  # best first: keys, then perplexity, then bytes
     assert [r["chosen"] for r in splits] == [True] + [False] * (len(splits) - 1)
+    assert "planted keys: the full-rank cache answers" in result.output
     best = splits[0]
     assert (record["chosen"]["window"], record["chosen"]["rate"]) == (best["window"], best["rate"])
     assert record["chosen"]["bytes_share"] <= 0.5 and all(r["measured_share"] <= 0.5 + 1e-9 for r in splits)
     assert "--dry-run" in record["command"]
     assert not (checkpoint / "token_policy.json").exists() and (checkpoint / CHECKSUM_FILE).read_text() == sums_before
+
+
+def test_splits_within_the_perplexity_slack_are_ranked_by_planted_key_recall(checkpoint):
+    from kvrewrite.compile.budget_search import split_budget
+    from kvrewrite.compile.key_probes import key_probes, key_recall
+    from kvrewrite.compile.token_budget import MEASURE_CHUNK, Candidate, _prefill, choose
+    from kvrewrite.io.calibration_data import calibration_token_sequences
+    from kvrewrite.io.tokenizer_loading import load_tokenizer
+    from kvrewrite.runtime.tiers.reconstruction import repeat_instruction_ids
+
+    options = dict(context=512, windows=1, length=256, recent_windows=(2, 8), rates=(0.0,), bits_options=(None, 4))
+    result = split_budget(checkpoint, 0.4, perplexity_slack=0.5, probes=2, progress=False, write=False, **options)
+    measured, winner = result["candidates"], result["winner"]
+    lowest = min(c.nll for c in measured)
+    probed = [c for c in measured if c.key_nll is not None]
+    assert probed == [c for c in measured if math.exp(c.nll - lowest) <= 1.5 + 1e-9] and len(probed) >= 2
+    assert winner == min(probed, key=lambda c: (c.key_nll, c.nll, c.bytes_share))
+    # The recall is the probes read through the split's own cache, measured again from scratch; the full-rank cache's
+    # is the reference.
+    tokenizer = load_tokenizer(checkpoint)
+    windows = calibration_token_sequences("wiki", tokenizer, 2 * 256, 256, seed=2)
+    probes = key_probes(tokenizer, windows, seed=1)
+    full = kvrewrite.load(checkpoint, rate=0.0, kv_codec="none", token_policy=False).eval()
+    assert key_recall(full, probes, full.make_kv_cache, MEASURE_CHUNK) == result["reference_keys"]
+    for c in (winner, probed[-1]):
+        policy = c.policy()
+        model = kvrewrite.load(checkpoint, policy=policy, token_policy=False).eval()
+        model.repeat_instruction_ids = repeat_instruction_ids(checkpoint)
+        again = key_recall(model, probes, model.make_kv_cache, MEASURE_CHUNK, _prefill(c))
+        assert again.answer_nll == pytest.approx(c.key_nll, rel=1e-6) and again.answered == c.keys_answered
+    # choose(): the slack decides who may win; the keys decide among them.
+    a = Candidate(16, 0.0, 4, 0.3, 0.1, nll=1.00, key_nll=3.0)
+    b = Candidate(16, 0.0, 8, 0.2, 0.1, nll=1.01, key_nll=0.5)
+    c = Candidate(16, 0.0, 8, 0.1, 0.1, nll=1.20, key_nll=0.1)
+    assert choose([a, b, c], 0.0) == a and choose([a, b, c], 0.02) == b and choose([a, b, c], 0.5) == c
+    with pytest.raises(InvalidArgumentError, match="slack"):
+        choose([a, b, c], -0.1)

@@ -26,6 +26,7 @@ from kvrewrite.cli.compress_options import (
     with_signature,
 )
 from kvrewrite.cli.export import export_mla_command
+from kvrewrite.compile.budget_search import DEFAULT_PERPLEXITY_SLACK, DEFAULT_PROBES
 from kvrewrite.compile.plan import TUNING_FIELDS
 from kvrewrite.compile.sweep import NAMED_CONFIGS
 from kvrewrite.errors import InvalidArgumentError, KVRewriteError, KVRewriteWarning
@@ -173,7 +174,15 @@ def compress(
     console.print(f"[bold green]wrote[/] {result.output_dir}")
     if budget_share is not None:
         _split_and_report(
-            result.output_dir, budget_share, context=4096, windows=2, length=1024, calibration="wiki", write=True
+            result.output_dir,
+            budget_share,
+            context=4096,
+            windows=2,
+            length=1024,
+            calibration="wiki",
+            perplexity_slack=DEFAULT_PERPLEXITY_SLACK,
+            probes=DEFAULT_PROBES,
+            write=True,
         )
     if push_to_hub:
         _push(result.output_dir, push_to_hub, private=hub_private)
@@ -635,6 +644,16 @@ def budget(
     calibration: str = typer.Option(
         "wiki", help="wiki (the calibration split, never the held-out text), or a path to text."
     ),
+    perplexity_slack: float = typer.Option(
+        DEFAULT_PERPLEXITY_SLACK,
+        "--perplexity-slack",
+        help="Splits within this share of the best split's perplexity are ranked by how well they answer planted-key probes (0: perplexity alone, no probes).",
+    ),
+    key_probes: int = typer.Option(
+        DEFAULT_PROBES,
+        "--key-probes",
+        help="Planted-key probes (calibration windows of --length tokens, four labelled keys, one asked) per split.",
+    ),
     write: bool = typer.Option(
         True, "--write/--dry-run", help="Record the winner in DIR/token_policy.json (kvrewrite.load(DIR) then uses it)."
     ),
@@ -642,7 +661,8 @@ def budget(
         None, "--json", help="Also write every measured split and the chosen one as JSON here."
     ),
 ) -> None:
-    """Split a KV byte budget across full-rank window, kept ranks, bits and re-scored eviction by measured calibration NLL."""
+    """Split a KV byte budget across full-rank window, kept ranks, bits and re-scored eviction by measured calibration
+    NLL, and among the splits within --perplexity-slack of the best, by recall of planted keys."""
     from kvrewrite.io.output_safety import check_writable_file
 
     try:
@@ -665,6 +685,8 @@ def budget(
             f"--windows {windows}",
             f"--length {length}",
             f"--calibration {calibration}",
+            f"--perplexity-slack {perplexity_slack:g}",
+            f"--key-probes {key_probes}",
             "--write" if write else "--dry-run",
         ]
     )
@@ -675,6 +697,8 @@ def budget(
         windows=windows,
         length=length,
         calibration=calibration,
+        perplexity_slack=perplexity_slack,
+        probes=key_probes,
         write=write,
         json_out=json_out,
         command=command,
@@ -740,6 +764,7 @@ def _split_and_report(
                     **options,
                     "machine": platform.platform(),
                     "reference_nll": result["reference"],
+                    "reference_keys": None if result["reference_keys"] is None else asdict(result["reference_keys"]),
                     "splits": budget_rows(result),
                     "chosen": asdict(result["chosen"]),
                 },
@@ -755,6 +780,13 @@ def _split_and_report(
             f"tokens (Δppl vs the full-rank cache, {windows} calibration window(s))",
         )
     )
+    keys = result["reference_keys"]
+    if keys is not None:
+        console.print(
+            f"planted keys: the full-rank cache answers {keys.answered} of {keys.probes} (answer NLL "
+            f"{keys.answer_nll:.3f}); splits within {options['perplexity_slack']:.0%} of the best perplexity are "
+            "ranked by answer NLL"
+        )
     chosen = result["chosen"]
     console.print(
         f"chosen at {context} tokens: {chosen.label()} ({chosen.bytes_share:.3f} of fp16)"

@@ -141,12 +141,21 @@ def budget_table(rows: list[dict], title: str = "budget splits") -> Table:
         ("bytes (formula)", "right"),
         ("bytes (measured)", "right"),
         ("Δppl", "right"),
+        ("key NLL", "right"),
+        ("keys", "right"),
         ("chosen", "center"),
     ):
         table.add_column(name, justify=justify)
     for r in rows:
         measured = "" if r["measured_share"] is None else f"{r['measured_share']:.3f}"
+        probed = r.get("key_nll") is not None  # planted keys are probed only within the perplexity slack
         table.add_row(
-            r["split"], f"{r['bytes_share']:.3f}", measured, f"{r['delta_ppl']:+.2%}", "*" if r["chosen"] else ""
+            r["split"],
+            f"{r['bytes_share']:.3f}",
+            measured,
+            f"{r['delta_ppl']:+.2%}",
+            f"{r['key_nll']:.3f}" if probed else "",
+            f"{r['keys_answered']}/{r['key_probes']}" if probed else "",
+            "*" if r["chosen"] else "",
         )
     return table

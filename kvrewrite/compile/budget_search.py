@@ -1,6 +1,7 @@
 """The budget search behind `kvrewrite budget`: split a KV byte budget across window, ranks, bits and eviction by
 measured calibration quality, and record the winner in the checkpoint so `kvrewrite.load(DIR)` uses it
-(kvrewrite.compile.token_budget)."""
+(kvrewrite.compile.token_budget). Quality is calibration perplexity, and among the splits within a perplexity slack of
+the best, how well each answers planted-key probes (kvrewrite.compile.key_probes)."""
 
 from __future__ import annotations
 
@@ -14,15 +15,22 @@ from kvrewrite.compile.token_budget import (
     DEFAULT_RATES,
     DEFAULT_WINDOWS,
     Candidate,
-    best,
     candidates,
+    choose,
     fp16_bytes,
+    key_ranking,
     measure,
+    probe_keys,
     ranking,
     solve_keep,
+    within_slack,
     write_token_policy,
 )
 from kvrewrite.errors import CorruptCheckpointError, InvalidArgumentError
+
+# Splits within 2% of the best perplexity are ranked by planted-key recall, on 4 probes (docs/tiers.md).
+DEFAULT_PERPLEXITY_SLACK = 0.02
+DEFAULT_PROBES = 4
 
 
 def split_budget(
@@ -39,16 +47,22 @@ def split_budget(
     bits_options=DEFAULT_BITS,
     prefill_scores=DEFAULT_PREFILL_SCORES,
     floors=DEFAULT_FLOORS,
+    perplexity_slack: float = DEFAULT_PERPLEXITY_SLACK,
+    probes: int = DEFAULT_PROBES,
     progress: bool = True,
     write: bool = True,
 ) -> dict:
     """Measure every split of `budget` (a share of the fp16 cache) on `windows` calibration windows of `length` tokens
     (the first half is context, the second half scored) and record the best in the checkpoint.
 
+    The best: among the splits whose perplexity is within `perplexity_slack` of the lowest (1.02 x at 0.02), the one
+    that answers `probes` planted-key probes (calibration windows of `length` tokens with four labelled keys, one
+    asked) with the lowest answer NLL; with a slack of 0, the lowest perplexity (no probes are run).
     Each split is measured with its keep share solved for `length` tokens (equal bytes on the windows measured); the
     winner's (window, rate, bits) is recorded with the keep share solved for `context` tokens.
-    Returns {"reference": mean NLL of the full-rank cache, "candidates": [Candidate] (as measured), "winner": the best
-    of them, "chosen": the winner at `context`, "path"}.
+    Returns {"reference": mean NLL of the full-rank cache, "reference_keys": its KeyRecall (None without probes),
+    "candidates": [Candidate] (as measured; probed ones carry key_nll), "winner": the best of them, "chosen": the
+    winner at `context`, "path"}.
     """
     from kvrewrite.io.calibration_data import calibration_token_sequences
     from kvrewrite.io.tokenizer_loading import load_tokenizer
@@ -63,6 +77,10 @@ def split_budget(
         raise CorruptCheckpointError(f"{directory} has no config.json; is it a kvrewrite checkpoint?")
     if windows < 1 or length < 4:
         raise InvalidArgumentError(f"budget measurement needs >= 1 window of >= 4 tokens, got {windows} x {length}")
+    if perplexity_slack < 0 or (perplexity_slack > 0 and probes < 1):
+        raise InvalidArgumentError(
+            f"a perplexity slack ({perplexity_slack}) must be >= 0, and > 0 needs >= 1 key probe (got {probes})"
+        )
     # One full-rank model (load verifies the checksums) serves every split: a policy lives in the cache, not the weights.
     model = load(directory, rate=0.0, kv_codec="none", token_policy=False).eval()
     spec, tables = model.compression_spec, read_codec_tables(directory)
@@ -81,14 +99,33 @@ def split_budget(
             model.repeat_instruction_ids = repeat_instruction_ids(directory)
         return model
 
+    planted, reference_keys = [], None
+    if perplexity_slack > 0:
+        from kvrewrite.compile.key_probes import key_probes
+
+        # Other windows than the scored ones (seed + 1), each with four keys planted.
+        probe_windows = calibration_token_sequences(calibration, tokenizer, probes * length, length, seed=seed + 1)
+        planted = key_probes(tokenizer, probe_windows, seed=seed)
+
     with progress_bar("measuring budget splits", len(found) + 1, progress) as bar:
         nll, count, _ = continuation_nll(model, token_windows, scored_from, model.make_kv_cache)  # the full-rank cache
         reference = nll / count
+        if planted:  # what the full-rank cache answers: the most any split can
+            from kvrewrite.compile.key_probes import key_recall
+            from kvrewrite.compile.token_budget import MEASURE_CHUNK
+
+            reference_keys = key_recall(model, planted, model.make_kv_cache, MEASURE_CHUNK)
         bar.advance()
         measured = measure(
             with_policy, found, token_windows, scored_from, fp16_bytes(spec, 1), progress=lambda _c: bar.advance()
         )
-    winner = best(measured)
+    if perplexity_slack > 0:
+        shortlist = within_slack(measured, perplexity_slack)
+        with progress_bar("probing planted keys", len(shortlist), progress) as bar:
+            probed = probe_keys(with_policy, shortlist, planted, lambda _c: bar.advance())
+        by_split = {id(c): p for c, p in zip(shortlist, probed)}
+        measured = [by_split.get(id(c), c) for c in measured]
+    winner = choose(measured, perplexity_slack)
     chosen = solve_keep(
         spec,
         budget,
@@ -116,9 +153,20 @@ def split_budget(
                 "seed": seed,
                 "scored_from": scored_from,
                 "reference_nll": reference,
+                "perplexity_slack": perplexity_slack,
+                "key_probes": probes if reference_keys is not None else 0,
+                "reference_key_nll": None if reference_keys is None else reference_keys.answer_nll,
+                "reference_keys_answered": None if reference_keys is None else reference_keys.answered,
             },
         )
-    return {"reference": reference, "candidates": measured, "winner": winner, "chosen": chosen, "path": path}
+    return {
+        "reference": reference,
+        "reference_keys": reference_keys,
+        "candidates": measured,
+        "winner": winner,
+        "chosen": chosen,
+        "path": path,
+    }
 
 
 def budget_rows(result: dict) -> list[dict]:
@@ -126,12 +174,14 @@ def budget_rows(result: dict) -> list[dict]:
     import math
 
     rows = []
-    for c in sorted(result["candidates"], key=ranking):
+    probed = any(c.key_nll is not None for c in result["candidates"])
+    for c in sorted(result["candidates"], key=key_ranking if probed else ranking):
         rows.append(
             {
                 "split": c.label(),
                 **asdict(c),
                 "delta_ppl": math.exp(c.nll - result["reference"]) - 1,
+                "key_probes": None if result["reference_keys"] is None else result["reference_keys"].probes,
                 "chosen": c == result["winner"],
             }
         )

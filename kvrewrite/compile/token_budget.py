@@ -6,7 +6,9 @@ tokens are chosen (re-scored as they come, or by the prompt's reconstruction: ru
 whether evicted tokens keep a floor of dims (runtime.tiers.floor). For each, `solve_keep`
 solves the share of tokens kept beyond the window that fills the budget at the stated context length (from the bytes
 formula `held_bytes`, the one the cache's tensors are tested against); `measure` measures continuation NLL on
-calibration windows fed in chunks, as decoding reads the cache, and `best` takes the candidate with the lowest NLL.
+calibration windows fed in chunks, as decoding reads the cache, and `choose` takes the candidate with the lowest
+NLL, or, given a perplexity slack, the one among those within it of the best that answers planted-key probes best
+(kvrewrite.compile.key_probes: calibration perplexity cannot see a policy that drops what a later question asks).
 `write_token_policy` records its CachePolicy in the checkpoint (token_policy.json, added to the checksums), and
 kvrewrite.load uses it when no cache policy is asked for. The search over a checkpoint that strings these together
 is `split_budget` (kvrewrite.compile.budget_search, behind `kvrewrite budget`).
@@ -15,6 +17,7 @@ is `split_budget` (kvrewrite.compile.budget_search, behind `kvrewrite budget`).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -33,7 +36,8 @@ DEFAULT_RATES = (0.0, 0.3, 0.5)
 DEFAULT_BITS = (None, 8, (8, 4), 4)  # (8, 4): keys at 8 bits, values at 4
 DEFAULT_PREFILL_SCORES = ("newest", "reconstruction")
 # With "reconstruction": the shares of a prompt's kept budget its reconstruction chooses (EvictionPolicy).
-DEFAULT_RECONSTRUCTION_SHARES = (1.0, 0.25)
+# A half held several competing keys best at an eighth and a sixteenth (docs/results/frontier.md).
+DEFAULT_RECONSTRUCTION_SHARES = (1.0, 0.5, 0.25)
 DEFAULT_FLOORS = (0,)  # floor dims per head (keys and values, 4 bits); 0: evicted tokens leave
 FLOOR_BITS = 4
 MEASURE_CHUNK = 64  # tokens per forward while scoring: the cache quantizes and evicts between forwards
@@ -53,6 +57,8 @@ class Candidate:
     prefill_score: str = "newest"  # how a prompt's kept tokens are chosen (EvictionPolicy.prefill_score)
     floor: int = 0  # key and value dims per head an evicted token keeps at FLOOR_BITS; 0: it leaves
     reconstruction_share: float = 1.0  # with prefill_score "reconstruction" (EvictionPolicy.reconstruction_share)
+    key_nll: float | None = None  # mean NLL of the planted keys' answers (key_probes); None: not probed
+    keys_answered: int | None = None  # probes whose key greedy decoding writes exactly
 
     def policy(self) -> CachePolicy:
         """The cache policy load() builds this split with."""
@@ -194,6 +200,18 @@ def candidates(
     return out
 
 
+def _prefill(candidate: Candidate):
+    """How a prompt goes into the candidate's cache: scored by its reconstruction, or fed like the rest (None)."""
+    if candidate.prefill_score != "reconstruction":
+        return None
+    from kvrewrite.runtime.tiers.reconstruction import prefill_scored_by_reconstruction
+
+    def prefill(model, cache, ids):
+        return prefill_scored_by_reconstruction(model, cache, ids, model.repeat_instruction_ids)
+
+    return prefill
+
+
 def measure(
     with_policy: Callable[[Candidate], torch.nn.Module],
     found: list[Candidate],
@@ -209,15 +227,8 @@ def measure(
     measured = []
     for candidate in found:
         model = with_policy(candidate)
-        prefill = None
-        if candidate.prefill_score == "reconstruction":
-            from kvrewrite.runtime.tiers.reconstruction import prefill_scored_by_reconstruction
-
-            def prefill(model, cache, ids):
-                return prefill_scored_by_reconstruction(model, cache, ids, model.repeat_instruction_ids)
-
         nll, count, held = continuation_nll(
-            model, windows, context, model.make_kv_cache, chunk=MEASURE_CHUNK, prefill=prefill
+            model, windows, context, model.make_kv_cache, chunk=MEASURE_CHUNK, prefill=_prefill(candidate)
         )
         measured.append(Candidate(**{**asdict(candidate), "nll": nll / count, "measured_share": held / fp16_per_token}))
         if progress is not None:
@@ -225,13 +236,51 @@ def measure(
     return measured
 
 
+def within_slack(measured: list[Candidate], perplexity_slack: float) -> list[Candidate]:
+    """The candidates whose perplexity is at most (1 + perplexity_slack) x the best one's."""
+    if perplexity_slack < 0:
+        raise InvalidArgumentError(f"perplexity slack must be >= 0, got {perplexity_slack}")
+    floor = min(c.nll for c in measured)
+    return [c for c in measured if c.nll - floor <= math.log1p(perplexity_slack) + 1e-12]
+
+
+def probe_keys(
+    with_policy: Callable[[Candidate], torch.nn.Module],
+    shortlist: list[Candidate],
+    probes: list,
+    progress: Callable[[Candidate], None] | None = None,
+) -> list[Candidate]:
+    """Each candidate's recall of planted keys (kvrewrite.compile.key_probes), read through its policy."""
+    from kvrewrite.compile.key_probes import key_recall
+
+    probed = []
+    for candidate in shortlist:
+        model = with_policy(candidate)
+        recall = key_recall(model, probes, model.make_kv_cache, MEASURE_CHUNK, _prefill(candidate))
+        probed.append(
+            Candidate(**{**asdict(candidate), "key_nll": recall.answer_nll, "keys_answered": recall.answered})
+        )
+        if progress is not None:
+            progress(probed[-1])
+    return probed
+
+
 def ranking(candidate: Candidate) -> tuple[float, float]:
     """Lower is better: NLL, then bytes among equals."""
     return candidate.nll, candidate.bytes_share
 
 
-def best(measured: list[Candidate]) -> Candidate:
-    return min(measured, key=ranking)
+def key_ranking(candidate: Candidate) -> tuple[float, float, float]:
+    """Lower is better: the planted keys' answer NLL (unprobed last), then NLL, then bytes."""
+    return (math.inf if candidate.key_nll is None else candidate.key_nll, *ranking(candidate))
+
+
+def choose(measured: list[Candidate], perplexity_slack: float = 0.0) -> Candidate:
+    """The lowest-NLL candidate; with a slack, the probed candidate within it that answers the keys best."""
+    shortlist = within_slack(measured, perplexity_slack)
+    if perplexity_slack == 0 or not any(c.key_nll is not None for c in shortlist):
+        return min(measured, key=ranking)
+    return min(shortlist, key=key_ranking)
 
 
 def write_token_policy(
