@@ -782,10 +782,16 @@ def _split_and_report(
     )
     keys = result["reference_keys"]
     if keys is not None:
+        from kvrewrite.compile.token_budget import KEY_NLL_MARGIN
+
+        probed = [c for c in result["candidates"] if c.key_nll is not None]
+        holding = [c for c in probed if c.key_nll <= keys.answer_nll + KEY_NLL_MARGIN]
         console.print(
             f"planted keys: the full-rank cache answers {keys.answered} of {keys.probes} (answer NLL "
-            f"{keys.answer_nll:.3f}); splits within {options['perplexity_slack']:.0%} of the best perplexity are "
-            "ranked by answer NLL"
+            f"{keys.answer_nll:.3f}); {len(holding)} of the {len(probed)} splits within "
+            f"{options['perplexity_slack']:.0%} of the best perplexity hold them (answer NLL <= "
+            f"{keys.answer_nll + KEY_NLL_MARGIN:.3f})"
+            + ("; the lowest perplexity of those is chosen" if holding else "; the lowest perplexity is chosen")
         )
     chosen = result["chosen"]
     console.print(

@@ -143,6 +143,7 @@ def budget_table(rows: list[dict], title: str = "budget splits") -> Table:
         ("Δppl", "right"),
         ("key NLL", "right"),
         ("keys", "right"),
+        ("holds keys", "center"),
         ("chosen", "center"),
     ):
         table.add_column(name, justify=justify)
@@ -156,6 +157,7 @@ def budget_table(rows: list[dict], title: str = "budget splits") -> Table:
             f"{r['delta_ppl']:+.2%}",
             f"{r['key_nll']:.3f}" if probed else "",
             f"{r['keys_answered']}/{r['key_probes']}" if probed else "",
+            ("yes" if r["holds_keys"] else "no") if probed else "",
             "*" if r["chosen"] else "",
         )
     return table

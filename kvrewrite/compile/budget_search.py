@@ -18,7 +18,7 @@ from kvrewrite.compile.token_budget import (
     candidates,
     choose,
     fp16_bytes,
-    key_ranking,
+    holds_keys,
     measure,
     probe_keys,
     ranking,
@@ -28,7 +28,7 @@ from kvrewrite.compile.token_budget import (
 )
 from kvrewrite.errors import CorruptCheckpointError, InvalidArgumentError
 
-# Splits within 2% of the best perplexity are ranked by planted-key recall, on 4 probes (docs/tiers.md).
+# Splits within 2% of the best perplexity are probed for planted keys, 4 probes each (docs/budget.md).
 DEFAULT_PERPLEXITY_SLACK = 0.02
 DEFAULT_PROBES = 4
 
@@ -55,9 +55,10 @@ def split_budget(
     """Measure every split of `budget` (a share of the fp16 cache) on `windows` calibration windows of `length` tokens
     (the first half is context, the second half scored) and record the best in the checkpoint.
 
-    The best: among the splits whose perplexity is within `perplexity_slack` of the lowest (1.02 x at 0.02), the one
-    that answers `probes` planted-key probes (calibration windows of `length` tokens with four labelled keys, one
-    asked) with the lowest answer NLL; with a slack of 0, the lowest perplexity (no probes are run).
+    The best: the lowest perplexity, unless some split within `perplexity_slack` of it (1.02 x at 0.02) holds the
+    keys of `probes` planted-key probes (calibration windows of `length` tokens with four labelled keys, one asked:
+    token_budget.holds_keys) and it does not; then the lowest perplexity among those that do. With a slack of 0, no
+    probes are run.
     Each split is measured with its keep share solved for `length` tokens (equal bytes on the windows measured); the
     winner's (window, rate, bits) is recorded with the keep share solved for `context` tokens.
     Returns {"reference": mean NLL of the full-rank cache, "reference_keys": its KeyRecall (None without probes),
@@ -125,7 +126,7 @@ def split_budget(
             probed = probe_keys(with_policy, shortlist, planted, lambda _c: bar.advance())
         by_split = {id(c): p for c, p in zip(shortlist, probed)}
         measured = [by_split.get(id(c), c) for c in measured]
-    winner = choose(measured, perplexity_slack)
+    winner = choose(measured, perplexity_slack, None if reference_keys is None else reference_keys.answer_nll)
     chosen = solve_keep(
         spec,
         budget,
@@ -174,14 +175,15 @@ def budget_rows(result: dict) -> list[dict]:
     import math
 
     rows = []
-    probed = any(c.key_nll is not None for c in result["candidates"])
-    for c in sorted(result["candidates"], key=key_ranking if probed else ranking):
+    keys = result["reference_keys"]
+    for c in sorted(result["candidates"], key=ranking):
         rows.append(
             {
                 "split": c.label(),
                 **asdict(c),
                 "delta_ppl": math.exp(c.nll - result["reference"]) - 1,
-                "key_probes": None if result["reference_keys"] is None else result["reference_keys"].probes,
+                "key_probes": None if keys is None else keys.probes,
+                "holds_keys": None if keys is None or c.key_nll is None else holds_keys(c, keys.answer_nll),
                 "chosen": c == result["winner"],
             }
         )
