@@ -742,13 +742,17 @@ def _check_budget_checkpoint(directory: Path) -> None:
 def _split_and_report(
     directory: Path, share: float, json_out: Path | None = None, command: str = "", **options
 ) -> None:
+    import time
+
     from kvrewrite.cli.tables import budget_table
     from kvrewrite.compile.budget_search import budget_rows, split_budget
 
+    started = time.perf_counter()
     try:
         result = split_budget(directory, share, **options)
     except (KVRewriteError, ValueError) as exc:
         _fail(exc)
+    seconds = round(time.perf_counter() - started, 1)
     if json_out:
         import platform
         from dataclasses import asdict
@@ -763,6 +767,7 @@ def _split_and_report(
                     "kv_budget": share,
                     **options,
                     "machine": platform.platform(),
+                    "seconds": seconds,
                     "reference_nll": result["reference"],
                     "reference_keys": None if result["reference_keys"] is None else asdict(result["reference_keys"]),
                     "splits": budget_rows(result),

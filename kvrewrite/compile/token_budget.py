@@ -37,15 +37,13 @@ DEFAULT_RATES = (0.0, 0.3, 0.5)
 DEFAULT_BITS = (None, 8, (8, 4), 4)  # (8, 4): keys at 8 bits, values at 4
 DEFAULT_PREFILL_SCORES = ("newest", "reconstruction")
 # With "reconstruction": the shares of a prompt's kept budget its reconstruction chooses (EvictionPolicy).
-# A half held several competing keys best at an eighth and a sixteenth (docs/results/frontier.md).
+# A half found the most keys at a sixteenth, and of several competing keys at an eighth (docs/results/frontier.md).
 DEFAULT_RECONSTRUCTION_SHARES = (1.0, 0.5, 0.25)
 DEFAULT_FLOORS = (0,)  # floor dims per head (keys and values, 4 bits); 0: evicted tokens leave
 FLOOR_BITS = 4
 MEASURE_CHUNK = 64  # tokens per forward while scoring: the cache quantizes and evicts between forwards
 # A split holds the planted keys when its answers' mean NLL is at most this far (nats per answer token) above the
-# full-rank cache's. On the frontier's several-key passkey prompts (SmolLM2, an eighth and a quarter of the bytes),
-# splits within about 0.1 of the original answered about as many keys as it did, and splits 0.25 above it none of
-# the 1K and 2K prompts.
+# full-rank cache's: each answer token keeps at least exp(-0.15) = 86% of its probability there, on average.
 KEY_NLL_MARGIN = 0.15
 
 

@@ -1,0 +1,120 @@
+"""How close each method comes to the passkey, not only whether it finds it: the answer's teacher-forced NLL.
+
+    KVREWRITE_FRONTIER_CHECKPOINT=DIR python benchmarks/frontier/answer_nll.py \
+        --inputs benchmarks/results/frontier_inputs_multi.safetensors --max-length 2048 \
+        --recipes original,kvrewrite-W16-evict0.225-k8v8-rec0.5 -o RESULT.json
+
+Each passkey prompt of a saved input set is read as the harness's greedy decoding reads it (the context through
+the method's prefill, the question, then the key one token at a time, teacher-forced), with the budget search's
+own measure (kvrewrite.compile.key_probes.key_recall). A prompt counts as found when every answer token is the
+argmax, which is exactly when greedy decoding writes the key. The mean NLL separates methods that all miss, or all
+find, a handful of keys. `original` is the checkpoint at full rank with a plain cache. Extra recipes for a
+screening run can be given as JSON (`--extra '{"name": {load() keywords}}'`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.frontier.inputs import load_inputs  # noqa: E402
+from benchmarks.frontier.kvrewrite_recipes import RECIPES, _method  # noqa: E402
+from kvrewrite.compile.key_probes import KeyProbe, key_recall  # noqa: E402
+
+
+def _probe(prompt, tokenizer) -> KeyProbe:
+    answer = tokenizer(" " + prompt.key, add_special_tokens=False)["input_ids"]
+    return KeyProbe(tuple(prompt.context_ids), tuple(prompt.question_ids), tuple(answer), prompt.depth)
+
+
+def main() -> None:
+    from transformers import AutoTokenizer
+
+    import kvrewrite
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--inputs", type=Path, required=True, help="a saved input set (run.py inputs)")
+    parser.add_argument("--recipes", required=True, help="comma-separated: original and/or kvrewrite_recipes names")
+    parser.add_argument("--extra", default="{}", help="JSON {name: load() keywords} of recipes to screen")
+    parser.add_argument("--min-length", type=int, default=0)
+    parser.add_argument("--max-length", type=int, default=1 << 30)
+    parser.add_argument("--checkpoint", default=None, help="default: $KVREWRITE_FRONTIER_CHECKPOINT")
+    parser.add_argument("-o", "--out", type=Path, required=True)
+    args = parser.parse_args()
+    directory = args.checkpoint or os.environ.get("KVREWRITE_FRONTIER_CHECKPOINT")
+    if not directory:
+        raise SystemExit("give --checkpoint or set KVREWRITE_FRONTIER_CHECKPOINT")
+    recipes = {**RECIPES, **json.loads(args.extra)}
+    names = [n.strip() for n in args.recipes.split(",") if n.strip()]
+    unknown = [n for n in names if n != "original" and n not in recipes]
+    if unknown:
+        raise SystemExit(f"unknown recipes {unknown}")
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    _, prompts, _ = load_inputs(args.inputs)
+    prompts = [p for p in prompts if args.min_length <= p.length <= args.max_length]
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    results = []
+    for name in names:
+        started = time.perf_counter()
+        if name == "original":
+            model = kvrewrite.load(directory, rate=0.0, kv_codec="none", token_policy=False).eval()
+            make_cache, prefill = model.make_kv_cache, None
+        else:
+            method = _method(name, directory, recipes[name])
+            model = method.load(directory)
+            make_cache = model.make_kv_cache
+            prefill = None if method.prefill is None else (lambda m, cache, ids, f=method.prefill: f(m, ids, cache)[0])
+        rows = []
+        with torch.inference_mode():
+            for prompt in prompts:
+                # The harness prefills 512 tokens per forward (Method.prefill_chunk) unless the method prefills itself.
+                recall = key_recall(model, [_probe(prompt, tokenizer)], make_cache, 512, prefill)
+                rows.append(
+                    {
+                        "length": prompt.length,
+                        "depth": prompt.depth,
+                        "key": prompt.key,
+                        "answer_nll": recall.answer_nll,
+                        "found": bool(recall.answered),
+                    }
+                )
+        results.append(
+            {
+                "name": name,
+                "settings": recipes.get(name, {"cache": "full rank"}),
+                "answer_nll": sum(r["answer_nll"] for r in rows) / len(rows),
+                "found": sum(r["found"] for r in rows),
+                "prompts": len(rows),
+                "seconds": round(time.perf_counter() - started, 1),
+                "items": rows,
+            }
+        )
+        print(f"{name}: answer NLL {results[-1]['answer_nll']:.3f}, found {results[-1]['found']}/{len(rows)}")
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    record = {
+        "command": " ".join(["python", *sys.argv]),
+        "commit": commit,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{platform.platform()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} thread(s)",
+        "checkpoint": directory,
+        "inputs": str(args.inputs),
+        "results": results,
+    }
+    args.out.write_text(json.dumps(record, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
