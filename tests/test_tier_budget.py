@@ -210,7 +210,7 @@ def test_budget_cli_dry_run_writes_its_json_and_leaves_the_checkpoint_alone(chec
     assert "planted keys: the full-rank cache answers" in result.output
     assert (record["chosen"]["window"], record["chosen"]["rate"]) == (best["window"], best["rate"])
     assert record["chosen"]["bytes_share"] <= 0.5 and all(r["measured_share"] <= 0.5 + 1e-9 for r in splits)
-    assert "--dry-run" in record["command"] and record["seconds"] > 0
+    assert "--dry-run" in record["command"] and record["seconds"] > 0 and record["date"]
     assert not (checkpoint / "token_policy.json").exists() and (checkpoint / CHECKSUM_FILE).read_text() == sums_before
 
 

@@ -756,6 +756,7 @@ def _split_and_report(
     if json_out:
         import platform
         from dataclasses import asdict
+        from datetime import datetime, timezone
 
         from kvrewrite.io.atomic_files import atomic_write_text
 
@@ -767,6 +768,7 @@ def _split_and_report(
                     "kv_budget": share,
                     **options,
                     "machine": platform.platform(),
+                    "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                     "seconds": seconds,
                     "reference_nll": result["reference"],
                     "reference_keys": None if result["reference_keys"] is None else asdict(result["reference_keys"]),
