@@ -154,3 +154,23 @@ def test_merge_adds_a_lengths_only_partial_to_the_row_and_replaces_a_full_rerun(
     merged = json.loads(out.read_text())
     assert next(r for r in merged["results"] if r["name"] == "m")["passkey"]["n"] == 1
     assert [r["name"] for r in merged["superseded"]] == ["m"]
+
+
+@pytest.mark.parametrize("saved", ["frontier_inputs.safetensors", "frontier_inputs_multi.safetensors"])
+def test_prompts_rebuilt_with_the_budget_searchs_wording_equal_the_saved_inputs(saved):
+    """The passkey lines, question and intro now come from kvrewrite.compile.key_probes: the committed input sets,
+    built before that, are rebuilt token for token (so every committed passkey result stays comparable)."""
+    from transformers import AutoTokenizer
+
+    from benchmarks.frontier.inputs import load_inputs
+    from kvrewrite.io.sources import bundled_smollm2_path
+
+    _, prompts, meta = load_inputs(Path(__file__).resolve().parents[1] / "benchmarks" / "results" / saved)
+    spec = meta["passkey"]
+    tokenizer = AutoTokenizer.from_pretrained(bundled_smollm2_path())
+    rebuilt = passkey_prompts(
+        tokenizer, spec["lengths"], spec["depths"], spec["keys"], meta["seed"], meta["filler"], spec["variant"]
+    )
+    assert [(p.context_ids, p.question_ids, p.key, p.variant) for p in rebuilt] == [
+        (p.context_ids, p.question_ids, p.key, p.variant) for p in prompts
+    ]

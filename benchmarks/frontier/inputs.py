@@ -19,13 +19,6 @@ from safetensors.torch import save_file
 # (context, continuation) token counts of the two continuation regimes.
 REGIMES: dict[str, tuple[int, int]] = {"512-1K": (512, 512), "2K-4K": (2048, 2048)}
 
-PASSKEY_INTRO = (
-    "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
-    "I will quiz you about the important information there.\n\n"
-)
-PASSKEY_QUESTION = "\n\nWhat is the pass key? The pass key is"
-# The multi-key variant: one key per colour, planted at spread depths; the question names one colour.
-MULTI_KEY_COLOURS = ("red", "blue", "green", "gold")
 # The classic filler of the passkey test (Mohtashami & Jaggi 2023, LongLoRA).
 CLASSIC_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 
@@ -37,7 +30,7 @@ class PasskeyPrompt:
     key: str
     context_ids: list[int]  # intro + filler with the key line (prefilled like a context)
     question_ids: list[int]  # the question, fed after the context
-    variant: str = "single"  # "single": one key; "multi": MULTI_KEYS keys planted, the one at `depth` asked
+    variant: str = "single"  # "single": one key; "multi": four labelled keys planted, the one at `depth` asked
 
 
 def wiki_windows(tokenizer: Any, n_windows: int, length: int) -> torch.LongTensor:
@@ -59,18 +52,6 @@ def _wiki_sentences() -> list[str]:
     return [s.strip() + "." for s in text.split(". ") if 40 < len(s) < 300]
 
 
-def _needle(key: str, colour: str | None) -> str:
-    if colour is None:
-        return f" The pass key is {key}. Remember it. {key} is the pass key. "
-    return f" The {colour} pass key is {key}. Remember it. {key} is the {colour} pass key. "
-
-
-def _question(colour: str | None) -> str:
-    if colour is None:
-        return PASSKEY_QUESTION
-    return f"\n\nWhat is the {colour} pass key? The {colour} pass key is"
-
-
 def passkey_prompts(
     tokenizer: Any,
     lengths: list[int],
@@ -82,8 +63,11 @@ def passkey_prompts(
 ) -> list[PasskeyPrompt]:
     """One prompt per (length, depth, key); keys are random 5-digit numbers from a fixed seed.
 
-    variant "multi": one key per colour of MULTI_KEY_COLOURS, the asked one at `depth` and the others at depths
-    spread over the filler away from it; the question names the asked colour."""
+    variant "multi": one key per label of key_probes.LABELS, the asked one at `depth` and the others at depths
+    spread over the filler away from it; the question names the asked colour. The lines, question and intro are
+    the budget search's (kvrewrite.compile.key_probes), so both measure the same test."""
+    from kvrewrite.compile.key_probes import INTRO, LABELS, key_line, key_question
+
     rng = random.Random(seed)
     enc = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
     sentences = _wiki_sentences() if filler == "wiki" else None
@@ -92,18 +76,18 @@ def passkey_prompts(
         for depth in depths:
             for _ in range(n_keys):
                 key = str(rng.randrange(10000, 100000))
-                planted = [(depth, _needle(key, None))]
+                planted = [(depth, key_line(key))]
                 asked = None
                 if variant == "multi":
-                    colours = list(MULTI_KEY_COLOURS)
+                    colours = list(LABELS)
                     rng.shuffle(colours)
                     asked = colours[0]
                     others = [d for d in (0.05, 0.3, 0.55, 0.8, 0.95) if abs(d - depth) > 0.12][: len(colours) - 1]
-                    planted = [(depth, _needle(key, asked))] + [
-                        (d, _needle(str(rng.randrange(10000, 100000)), c)) for d, c in zip(others, colours[1:])
+                    planted = [(depth, key_line(key, asked))] + [
+                        (d, key_line(str(rng.randrange(10000, 100000)), c)) for d, c in zip(others, colours[1:])
                     ]
-                question = enc(_question(asked))
-                fixed = len(enc(PASSKEY_INTRO)) + sum(len(enc(n)) for _, n in planted) + len(question)
+                question = enc(key_question(asked))
+                fixed = len(enc(INTRO)) + sum(len(enc(n)) for _, n in planted) + len(question)
                 budget = length - fixed
                 if sentences is None:
                     pieces = [CLASSIC_FILLER] * (budget // len(enc(CLASSIC_FILLER)) + 1)
@@ -122,7 +106,7 @@ def passkey_prompts(
                 filler_ids = filler_ids[:budget]
                 # Each key line goes at a piece boundary near its depth.
                 cuts = sorted((min(bounds, key=lambda b, d=d: abs(b - d * budget)), n) for d, n in planted)
-                context, start = enc(PASSKEY_INTRO), 0
+                context, start = enc(INTRO), 0
                 for cut, needle in cuts:
                     context += filler_ids[start:cut] + enc(needle)
                     start = cut

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from kvrewrite.errors import InvalidArgumentError
 
 LABELS = ("red", "blue", "green", "gold")
+# The passkey test's wording (Mohtashami & Jaggi 2023); the frontier's passkey prompts use the same lines.
 INTRO = (
     "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
     "I will quiz you about the important information there.\n\n"
@@ -49,12 +50,16 @@ class KeyRecall:
     probes: int
 
 
-def _key_line(label: str, key: str) -> str:
-    return f" The {label} pass key is {key}. Remember it. {key} is the {label} pass key. "
+def key_line(key: str, label: str | None = None) -> str:
+    """The planted line: the key stated twice, named by `label` when several keys share a context."""
+    name = "pass key" if label is None else f"{label} pass key"
+    return f" The {name} is {key}. Remember it. {key} is the {name}. "
 
 
-def _question(label: str) -> str:
-    return f"\n\nWhat is the {label} pass key? The {label} pass key is"
+def key_question(label: str | None = None) -> str:
+    """The question after the context; the key is the next thing the model writes."""
+    name = "pass key" if label is None else f"{label} pass key"
+    return f"\n\nWhat is the {name}? The {name} is"
 
 
 def key_probes(tokenizer: Any, windows: torch.Tensor, seed: int = 0) -> list[KeyProbe]:
@@ -65,6 +70,7 @@ def key_probes(tokenizer: Any, windows: torch.Tensor, seed: int = 0) -> list[Key
     enc = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     rng = random.Random(seed)
     length = windows.shape[1]
+    intro = enc(INTRO)
     probes = []
     for i, window in enumerate(windows.tolist()):
         labels = list(LABELS)
@@ -72,9 +78,8 @@ def key_probes(tokenizer: Any, windows: torch.Tensor, seed: int = 0) -> list[Key
         keys = [str(rng.randrange(10000, 100000)) for _ in labels]
         depth = ASKED_DEPTHS[i % len(ASKED_DEPTHS)]
         others = sorted(OTHER_DEPTHS, key=lambda d, a=depth: -abs(d - a))[: len(labels) - 1]
-        lines = [(d, enc(_key_line(label, key))) for d, label, key in zip([depth, *others], labels, keys)]
-        question = enc(_question(labels[0]))
-        intro = enc(INTRO)
+        lines = [(d, enc(key_line(key, label))) for d, label, key in zip([depth, *others], labels, keys)]
+        question = enc(key_question(labels[0]))
         filler_length = length - len(intro) - len(question) - sum(len(ids) for _, ids in lines)
         if filler_length < length // 2:
             raise InvalidArgumentError(
@@ -124,4 +129,4 @@ def key_recall(
     return KeyRecall(nll / tokens, answered, len(probes))
 
 
-__all__ = ["KeyProbe", "KeyRecall", "LABELS", "key_probes", "key_recall"]
+__all__ = ["INTRO", "KeyProbe", "KeyRecall", "LABELS", "key_line", "key_probes", "key_question", "key_recall"]
