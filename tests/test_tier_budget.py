@@ -214,7 +214,7 @@ def test_budget_cli_dry_run_writes_its_json_and_leaves_the_checkpoint_alone(chec
     assert not (checkpoint / "token_policy.json").exists() and (checkpoint / CHECKSUM_FILE).read_text() == sums_before
 
 
-def test_splits_within_the_perplexity_slack_are_ranked_by_planted_key_recall(checkpoint):
+def test_the_budget_takes_the_lowest_perplexity_among_splits_in_the_slack_that_hold_planted_keys(checkpoint):
     from kvrewrite.compile.budget_search import split_budget
     from kvrewrite.compile.key_probes import key_probes, key_recall
     from kvrewrite.compile.token_budget import MEASURE_CHUNK, Candidate, _prefill, choose

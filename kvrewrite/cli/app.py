@@ -174,15 +174,7 @@ def compress(
     console.print(f"[bold green]wrote[/] {result.output_dir}")
     if budget_share is not None:
         _split_and_report(
-            result.output_dir,
-            budget_share,
-            context=4096,
-            windows=2,
-            length=1024,
-            calibration="wiki",
-            perplexity_slack=DEFAULT_PERPLEXITY_SLACK,
-            probes=DEFAULT_PROBES,
-            write=True,
+            result.output_dir, budget_share, context=4096, windows=2, length=1024, calibration="wiki", write=True
         )
     if push_to_hub:
         _push(result.output_dir, push_to_hub, private=hub_private)
@@ -647,7 +639,7 @@ def budget(
     perplexity_slack: float = typer.Option(
         DEFAULT_PERPLEXITY_SLACK,
         "--perplexity-slack",
-        help="Splits within this share of the best split's perplexity are ranked by how well they answer planted-key probes (0: perplexity alone, no probes).",
+        help="Splits within this share of the best split's perplexity are probed with planted keys; the lowest perplexity among those that hold them wins (0: perplexity alone, no probes).",
     ),
     key_probes: int = typer.Option(
         DEFAULT_PROBES,
@@ -662,7 +654,7 @@ def budget(
     ),
 ) -> None:
     """Split a KV byte budget across full-rank window, kept ranks, bits and re-scored eviction by measured calibration
-    NLL, and among the splits within --perplexity-slack of the best, by recall of planted keys."""
+    NLL, preferring the splits within --perplexity-slack of the best that still answer planted keys."""
     from kvrewrite.io.output_safety import check_writable_file
 
     try:
@@ -789,14 +781,14 @@ def _split_and_report(
     )
     keys = result["reference_keys"]
     if keys is not None:
-        from kvrewrite.compile.token_budget import KEY_NLL_MARGIN
+        from kvrewrite.compile.token_budget import KEY_NLL_MARGIN, holds_keys
 
         probed = [c for c in result["candidates"] if c.key_nll is not None]
-        holding = [c for c in probed if c.key_nll <= keys.answer_nll + KEY_NLL_MARGIN]
+        holding = [c for c in probed if holds_keys(c, keys.answer_nll)]
         console.print(
             f"planted keys: the full-rank cache answers {keys.answered} of {keys.probes} (answer NLL "
             f"{keys.answer_nll:.3f}); {len(holding)} of the {len(probed)} splits within "
-            f"{options['perplexity_slack']:.0%} of the best perplexity hold them (answer NLL <= "
+            f"{result['perplexity_slack']:.0%} of the best perplexity hold them (answer NLL <= "
             f"{keys.answer_nll + KEY_NLL_MARGIN:.3f})"
             + ("; the lowest perplexity of those is chosen" if holding else "; the lowest perplexity is chosen")
         )

@@ -14,6 +14,7 @@ from kvrewrite.compile.token_budget import (
     DEFAULT_PREFILL_SCORES,
     DEFAULT_RATES,
     DEFAULT_WINDOWS,
+    MEASURE_CHUNK,
     Candidate,
     candidates,
     choose,
@@ -62,7 +63,7 @@ def split_budget(
     Each split is measured with its keep share solved for `length` tokens (equal bytes on the windows measured); the
     winner's (window, rate, bits) is recorded with the keep share solved for `context` tokens.
     Returns {"reference": mean NLL of the full-rank cache, "reference_keys": its KeyRecall (None without probes),
-    "candidates": [Candidate] (as measured; probed ones carry key_nll), "winner": the best of them, "chosen": the
+    "perplexity_slack", "candidates": [Candidate] (as measured; probed ones carry key_nll), "winner": the best of them, "chosen": the
     winner at `context`, "path"}.
     """
     from kvrewrite.io.calibration_data import calibration_token_sequences
@@ -113,7 +114,6 @@ def split_budget(
         reference = nll / count
         if planted:  # what the full-rank cache answers: the most any split can
             from kvrewrite.compile.key_probes import key_recall
-            from kvrewrite.compile.token_budget import MEASURE_CHUNK
 
             reference_keys = key_recall(model, planted, model.make_kv_cache, MEASURE_CHUNK)
         bar.advance()
@@ -123,9 +123,8 @@ def split_budget(
     if perplexity_slack > 0:
         shortlist = within_slack(measured, perplexity_slack)
         with progress_bar("probing planted keys", len(shortlist), progress) as bar:
-            probed = probe_keys(with_policy, shortlist, planted, lambda _c: bar.advance())
-        by_split = {id(c): p for c, p in zip(shortlist, probed)}
-        measured = [by_split.get(id(c), c) for c in measured]
+            probed = dict(zip(shortlist, probe_keys(with_policy, shortlist, planted, lambda _c: bar.advance())))
+        measured = [probed.get(c, c) for c in measured]
     winner = choose(measured, perplexity_slack, None if reference_keys is None else reference_keys.answer_nll)
     chosen = solve_keep(
         spec,
@@ -163,6 +162,7 @@ def split_budget(
     return {
         "reference": reference,
         "reference_keys": reference_keys,
+        "perplexity_slack": perplexity_slack,
         "candidates": measured,
         "winner": winner,
         "chosen": chosen,

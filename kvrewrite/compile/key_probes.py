@@ -7,7 +7,7 @@ that evicts what the newest queries ignore loses a key line and barely moves the
 
 Each probe is read as greedy decoding reads it: the context through the policy's prefill, the question in one
 forward, then the answer one token at a time, teacher-forced. The answer's mean NLL is a smooth measure (a few
-probes rank policies), and a probe counts as answered exactly when every answer token is the argmax: then, and only
+probes tell policies apart), and a probe counts as answered exactly when every answer token is the argmax: then, and only
 then, greedy decoding writes the key.
 """
 

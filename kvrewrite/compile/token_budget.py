@@ -43,7 +43,8 @@ DEFAULT_FLOORS = (0,)  # floor dims per head (keys and values, 4 bits); 0: evict
 FLOOR_BITS = 4
 MEASURE_CHUNK = 64  # tokens per forward while scoring: the cache quantizes and evicts between forwards
 # A split holds the planted keys when its answers' mean NLL is at most this far (nats per answer token) above the
-# full-rank cache's: each answer token keeps at least exp(-0.15) = 86% of its probability there, on average.
+# full-rank cache's: the geometric mean of its answer tokens' probabilities is at least exp(-0.15) = 86% of that
+# cache's.
 KEY_NLL_MARGIN = 0.15
 
 
