@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+from kvrewrite.io.calibration_data import static_decoding
 from kvrewrite.io.calibration_data.static_decoding import (
     SamplingSettings,
     decode_batch,
@@ -78,7 +79,9 @@ def _generate_alone(model: Any, prompt: list[int], text_id: int, seed: int, max_
 
 
 @pytest.mark.real_model
-def test_batched_static_cache_decoding_matches_generate_one_text_at_a_time(smollm2_tokenizer: Any) -> None:
+def test_batched_static_cache_decoding_matches_generate_one_text_at_a_time(
+    smollm2_tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # float64 so that padding and batching cannot flip a draw through rounding: the comparison is token for token.
     model = _tiny_llama(torch.float64)
     prompts = [_prompt_ids(smollm2_tokenizer, p) for p in seed_prompts()[:5]]
@@ -91,10 +94,12 @@ def test_batched_static_cache_decoding_matches_generate_one_text_at_a_time(smoll
     reference = [_generate_alone(model, p, t, seed, max_new, eos) for p, t in zip(prompts, text_ids, strict=True)]
     assert len(reference[2]) == first < max_new
 
+    compactions = _count_calls(monkeypatch, static_decoding, "_keep_rows")
     with torch.inference_mode():
         batched = decode_batch(
             model, prompts, text_ids, seed=seed, settings=SAMPLING, max_new_tokens=max_new, eos_ids=[eos], pad_id=0
         )
+    assert compactions, "the row that ended must have left the batch"
     assert [row.tokens for row in batched] == reference
     assert [row.ended for row in batched] == [len(r) < max_new for r in reference]
     # The same texts in another order and batch: each row depends on its own text id only.
@@ -110,6 +115,58 @@ def test_batched_static_cache_decoding_matches_generate_one_text_at_a_time(smoll
             pad_id=0,
         )
     assert alone[0].tokens == reference[3]
+
+
+def _count_calls(monkeypatch: pytest.MonkeyPatch, module: Any, name: str) -> list[int]:
+    """Wraps ``module.name`` so that each call appends to the returned list (the function still runs)."""
+    calls: list[int] = []
+    real = getattr(module, name)
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+@pytest.mark.real_model
+def test_rows_past_the_wanted_tokens_stop_once_the_rows_before_them_have_ended(smollm2_tokenizer: Any) -> None:
+    model = _tiny_llama(torch.float64)
+    prompts = [_prompt_ids(smollm2_tokenizer, p) for p in seed_prompts()[:3]]
+    seed, max_new = 5, 24
+    free_run = _generate_alone(model, prompts[0], 7, seed, max_new, eos=-1 % 49152)
+    eos = free_run[max_new // 3]
+    first = free_run.index(eos)  # text 7 ends here; texts 8 and 9 would go on
+    reference = [_generate_alone(model, p, t, seed, max_new, eos) for p, t in zip(prompts, [7, 8, 9], strict=True)]
+    assert len(reference[0]) == first and min(len(r) for r in reference[1:]) > first
+
+    def run(wanted: int) -> tuple[list[Any], int]:
+        steps: list[int] = []
+        with torch.inference_mode():
+            rows = decode_batch(
+                model,
+                prompts,
+                [7, 8, 9],
+                seed=seed,
+                settings=SAMPLING,
+                max_new_tokens=max_new,
+                eos_ids=[eos],
+                pad_id=0,
+                on_step=steps.append,
+                kept_tokens=len,
+                tokens_wanted=wanted,
+            )
+        return rows, len(steps)
+
+    # Text 7 alone holds the tokens wanted: the other rows stop when it ends, and only it is returned.
+    rows, steps = run(first)
+    assert [row.tokens for row in rows] == reference[:1] and rows[0].ended
+    assert steps == first + 1
+    # One token more than text 7 holds: every row is needed, and each is what it would be alone.
+    rows, steps = run(first + 1)
+    assert [row.tokens for row in rows] == reference
+    assert steps == max(len(r) + 1 if len(r) < max_new else max_new for r in reference)
 
 
 @pytest.mark.real_model

@@ -136,6 +136,18 @@ def _prefill_shared_prefix(model: Any, prefix: torch.Tensor, cache: Any, rows: i
         )
 
 
+def _keep_rows(cache: Any, rows: torch.Tensor, length: int, config: Any) -> Any:
+    """A new static cache of the same size holding only ``rows`` of ``cache``'s first ``length`` slots."""
+    from transformers import StaticCache
+
+    kept = StaticCache(config=config, max_cache_len=cache.layers[0].max_cache_len)
+    slots = torch.arange(length, device=rows.device)
+    for index, layer in enumerate(cache.layers):
+        keys, values = layer.keys[rows, :, :length], layer.values[rows, :, :length]
+        kept.update(keys, values, index, {"cache_position": slots})
+    return kept
+
+
 def decode_batch(
     model: Any,
     prompts: Sequence[Sequence[int]],
@@ -147,6 +159,8 @@ def decode_batch(
     eos_ids: Sequence[int],
     pad_id: int,
     on_step: Callable[[int], None] | None = None,
+    kept_tokens: Callable[[list[int]], int] | None = None,
+    tokens_wanted: int | None = None,
 ) -> list[DecodedRow]:
     """Generate up to ``max_new_tokens`` for every prompt at once, on ``model``'s device and in its dtype.
 
@@ -157,6 +171,11 @@ def decode_batch(
     would alone. Keys and values go to a transformers ``StaticCache`` allocated once for prompt width +
     max_new_tokens positions and written in place. Stops when every row has produced an end-of-sequence token.
     ``on_step(n)`` gets the rows still generating after each step (for a progress bar).
+
+    Rows that have ended leave the batch (their cache rows are dropped once an eighth of the batch has ended), so
+    a step computes only rows still writing. With ``kept_tokens`` (how many tokens the caller keeps of an ended
+    row) and ``tokens_wanted``, a row also stops as soon as the rows before it have all ended and keep that many
+    tokens between them: the caller would drop its text. Only the rows before that cut are returned.
     """
     from transformers import StaticCache
 
@@ -188,11 +207,16 @@ def decode_batch(
     extra = {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}
     if shared:
         _prefill_shared_prefix(model, prefix, cache, rows, extra)
-    generated = torch.empty((rows, max_new_tokens), dtype=torch.long, device=device)
+    # Rows of the batch tensors below are the rows still in the batch; `batch_rows` maps them to prompt indices.
+    generated = torch.zeros((rows, max_new_tokens), dtype=torch.long, device=device)  # every prompt's tokens
+    written = torch.zeros(rows, dtype=torch.long, device=device)  # per prompt, up to and with its end-of-sequence
+    batch_rows = torch.arange(rows, device=device)
     finished = torch.zeros(rows, dtype=torch.bool, device=device)
     step_tensor = torch.zeros(rows, dtype=torch.long, device=device)
+    ended_tokens: dict[int, int] = {}  # prompt index -> tokens the caller keeps of it, for the ended rows
+    cut = rows  # prompts from `cut` on are not needed
     inputs, length = ids, width  # the first forward fills slots [shared, width)
-    steps_done = 0
+    eos_set = set(int(e) for e in eos_ids)
     for step in range(max_new_tokens):
         out = model(
             input_ids=inputs,
@@ -204,23 +228,49 @@ def decode_batch(
             **extra,
         )
         scores = penalise_repeats(out.logits[:, -1, :].float(), history[:, :length], settings.repetition_penalty)
-        token = sample_next_tokens(scores, settings, seed, texts, step_tensor.fill_(step))
-        generated[:, step] = token
-        steps_done = step + 1
-        live = int((~finished).sum())  # rows that produced a real token this step
-        finished |= torch.isin(token, eos)
+        token = sample_next_tokens(scores, settings, seed, texts, step_tensor[: len(texts)].fill_(step))
+        writing = ~finished  # an ended row still in the batch writes nothing of its own
+        live = int(writing.sum())  # rows that produced a real token this step
+        generated[batch_rows[writing], step] = token[writing]
+        written[batch_rows[writing]] = step + 1
+        ended_now = torch.isin(token, eos) & writing
+        finished |= ended_now
+        if kept_tokens is not None and tokens_wanted is not None and bool(ended_now.any()):
+            for r in batch_rows[ended_now].tolist():
+                ended_tokens[r] = kept_tokens(generated[r, : int(written[r]) - 1].tolist())
+            cut = _rows_needed(ended_tokens, tokens_wanted, cut)
         history[:, length] = token
         if on_step is not None:
             on_step(live)
-        if bool(finished.all()):
+        needed = ~finished & (batch_rows < cut)
+        if not bool(needed.any()):
             break
         mask[:, length] = 1
         length += 1
         positions = positions[:, -1:] + 1
         inputs = token[:, None]
+        dropped = len(batch_rows) - int(needed.sum())
+        if dropped and dropped * 8 >= len(batch_rows):  # a copy of the cache per eighth of the batch that ends
+            cache = _keep_rows(cache, needed.nonzero().squeeze(-1), length - 1, model.config)
+            batch_rows, mask, history = batch_rows[needed], mask[needed], history[needed]
+            positions, texts, inputs = positions[needed], texts[needed], inputs[needed]
+            finished = finished[needed]
     decoded = []
-    eos_set = set(int(e) for e in eos_ids)
-    for row in generated[:, :steps_done].tolist():
-        cut = next((i for i, t in enumerate(row) if t in eos_set), len(row))
-        decoded.append(DecodedRow(tokens=row[:cut], ended=cut < len(row)))
+    for r, count in enumerate(written[:cut].tolist()):
+        row = generated[r, :count].tolist()
+        end = next((i for i, t in enumerate(row) if t in eos_set), len(row))
+        decoded.append(DecodedRow(tokens=row[:end], ended=end < len(row)))
     return decoded
+
+
+def _rows_needed(ended_tokens: dict[int, int], tokens_wanted: int, cut: int) -> int:
+    """The first prompt index whose text the caller drops: every row before it has ended and they keep
+    ``tokens_wanted`` tokens between them (``cut`` when that is not yet known)."""
+    total = 0
+    for r in range(cut):
+        if r not in ended_tokens:
+            return cut
+        total += ended_tokens[r]
+        if total >= tokens_wanted:
+            return r + 1
+    return cut
