@@ -8,6 +8,9 @@ the headline command). Records tokens per second of each (kept tokens, counted a
 the ratios, with command, commit, machine and date:
 
     OMP_NUM_THREADS=1 python benchmarks/synthetic_calibration.py --shape llama3-8b --layers 1 --tokens 4096
+
+`--real-smollm2` runs the bundled SmolLM2-135M-Instruct instead: real texts end at different lengths, which random
+weights never do, so it measures what ended rows leaving the batch saves.
 """
 
 from __future__ import annotations
@@ -115,6 +118,12 @@ def timed(generate, tokenizer) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
+    parser.add_argument(
+        "--real-smollm2",
+        action="store_true",
+        help="the bundled SmolLM2-135M-Instruct's real weights instead of a random shape: its texts end at an "
+        "end-of-sequence token, as a real compile's do",
+    )
     parser.add_argument("--layers", type=int, default=8, help="decoder layers (default 8 of Llama-3-8B's 32)")
     parser.add_argument("--tokens", type=int, default=4096, help="calibration tokens each way generates")
     parser.add_argument("--max-new-tokens", type=int, default=synthetic.DEFAULT_SETTINGS.max_new_tokens)
@@ -143,15 +152,23 @@ def main() -> None:
     # The commit whose code runs: read before the minutes of generation, in which the tree may move on.
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     tokenizer = AutoTokenizer.from_pretrained(bundled_smollm2_path())
-    config = shape_config(args.shape, args.layers)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
+    if args.real_smollm2:
+        model = LlamaForCausalLM.from_pretrained(bundled_smollm2_path(), dtype=torch.float32).eval()
+        config = model.config
+        shape, weights = "smollm2-135m", "real (the bundled SmolLM2-135M-Instruct)"
+    else:
+        config = shape_config(args.shape, args.layers)
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config).eval()
+        shape, weights = args.shape, "random (LlamaForCausalLM init, seed 0)"
     parameters = sum(p.numel() for p in model.parameters())
     baseline = baseline_generator(args.baseline)
     old_settings = replace(baseline.DEFAULT_SETTINGS, max_new_tokens=args.max_new_tokens)
     new_settings = replace(synthetic.DEFAULT_SETTINGS, max_new_tokens=args.max_new_tokens)
     runs = {}
-    print(f"{args.shape} x {args.layers} layers, {parameters / 1e9:.2f}B parameters, {args.tokens} tokens each way")
+    print(
+        f"{shape} x {config.num_hidden_layers} layers, {parameters / 1e9:.2f}B parameters, {args.tokens} tokens each way"
+    )
     runs["generate_float32"] = timed(
         lambda: baseline._generate(model, tokenizer, args.tokens, 0, old_settings), tokenizer
     )
@@ -187,11 +204,11 @@ def main() -> None:
         "machine": f"{cpu}, {os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} torch thread(s), "
         f"no GPU; shared with other engineers' jobs ({args.note or 'load not controlled'}): ratios are same-run",
         "model": {
-            "shape": args.shape,
+            "shape": shape,
             "layers": config.num_hidden_layers,
             "parameters": parameters,
             "vocab_size": config.vocab_size,
-            "weights": "random (LlamaForCausalLM init, seed 0)",
+            "weights": weights,
         },
         "tokens_asked": args.tokens,
         "max_new_tokens": args.max_new_tokens,
