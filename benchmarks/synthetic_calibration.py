@@ -81,6 +81,9 @@ def shape_config(shape: str, layers: int | None):
     )
 
 
+PACKAGE = "kvrewrite/io/calibration_data"
+
+
 def baseline_generator(commit: str) -> types.ModuleType:
     """synthetic.py as it was at `commit`, loaded as a module of its own (it imports only unchanged helpers)."""
     source = subprocess.run(
@@ -93,6 +96,32 @@ def baseline_generator(commit: str) -> types.ModuleType:
     module = types.ModuleType("baseline_synthetic")
     sys.modules[module.__name__] = module
     exec(compile(source, f"{commit[:10]}:synthetic.py", "exec"), module.__dict__)
+    return module
+
+
+def decoder_at(commit: str) -> types.ModuleType:
+    """synthetic.py as it was at `commit`, with the static_decoding.py of that commit under it (the static-cache
+    decoder before a change, to time it in the same run as the decoder after it)."""
+
+    def source(path: str) -> str:
+        return subprocess.run(
+            ["git", "show", f"{commit}:{path}"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout
+
+    decoding = types.ModuleType("previous_static_decoding")
+    sys.modules[decoding.__name__] = decoding  # dataclasses look their module up there
+    exec(
+        compile(source(f"{PACKAGE}/static_decoding.py"), f"{commit[:10]}:static_decoding.py", "exec"), decoding.__dict__
+    )
+    name = "kvrewrite.io.calibration_data.static_decoding"
+    current = sys.modules[name]
+    module = types.ModuleType("previous_synthetic")
+    sys.modules[module.__name__] = module
+    sys.modules[name] = decoding  # what `from ...static_decoding import` binds while the old synthetic.py runs
+    try:
+        exec(compile(source(f"{PACKAGE}/synthetic.py"), f"{commit[:10]}:synthetic.py", "exec"), module.__dict__)
+    finally:
+        sys.modules[name] = current
     return module
 
 
@@ -141,6 +170,11 @@ def main() -> None:
         action="store_true",
         help="also run the bfloat16 decoder with the linears left row-major (what the oneDNN packing gains)",
     )
+    parser.add_argument(
+        "--previous",
+        default=None,
+        help="also time the bfloat16 static-cache decoder as it was at this commit (what a change gained)",
+    )
     parser.add_argument("--note", default="", help="what else ran on the machine")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "synthetic_calibration_cpu.json")
     args = parser.parse_args()
@@ -183,6 +217,12 @@ def main() -> None:
         lambda: synthetic._generate(model, tokenizer, args.tokens, 0, new_settings, args.batch_size), tokenizer
     )
     print("static-cache decoder, bfloat16:", runs["static_cache_bfloat16"])
+    if args.previous:
+        previous = decoder_at(args.previous)
+        runs["static_cache_bfloat16_previous"] = timed(
+            lambda: previous._generate(model, tokenizer, args.tokens, 0, new_settings, args.batch_size), tokenizer
+        )
+        print(f"static-cache decoder at {args.previous}, bfloat16:", runs["static_cache_bfloat16_previous"])
     if args.unpacked:
         packing = synthetic.packed_cpu_linears
         synthetic.packed_cpu_linears = _row_major_linears
@@ -200,6 +240,7 @@ def main() -> None:
         "command": " ".join([f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '')}", "python", *sys.argv]),
         "commit": commit,
         "baseline_commit": args.baseline,
+        "previous_commit": args.previous,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{cpu}, {os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} torch thread(s), "
         f"no GPU; shared with other engineers' jobs ({args.note or 'load not controlled'}): ratios are same-run",
