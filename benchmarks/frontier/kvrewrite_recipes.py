@@ -161,6 +161,15 @@ RECIPES: dict[str, dict[str, Any]] = {
         "evict": {"keep": 0.225, "bits": 8},
         "prefill": "reconstruction",
     },
+    # What `kvrewrite budget --kv-budget 0.25` chose with its planted-key probes (budget_smollm2_0.25.json): 4-bit
+    # keys and values on 82% of the tokens, half of the prompt's kept budget chosen by its reconstruction.
+    "kvrewrite-W16-evict0.821-k4v4-rec0.5": {
+        "rate": 0.0,
+        "recent_window": 16,
+        "kv_codec": "none",
+        "evict": {"keep": 0.821, "bits": 4, "reconstruction_share": 0.5},
+        "prefill": "reconstruction",
+    },
     # Evicted tokens keep 8 key and 8 value dims per head at 4 bits instead of leaving (kvrewrite.runtime.tiers.floor).
     "kvrewrite-W16-evict0.2-k8v4-floor8-rec": {
         "rate": 0.0,
