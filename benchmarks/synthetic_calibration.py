@@ -131,16 +131,34 @@ def _row_major_linears(model, rows):
     yield 0
 
 
-def timed(generate, tokenizer) -> dict:
-    start = time.perf_counter()
-    texts = generate()
-    seconds = time.perf_counter() - start
+def timed(generate, tokenizer, model) -> dict:
+    """Runs one generator; records its time, the tokens it kept, and the rows its forwards computed: the prefills'
+    rows, and the row-steps of its one-token decode steps (rows summed over steps, the work a CPU pays for)."""
+    prefill_rows, decode_row_steps = [], [0]
+
+    def count_rows(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None:
+            if ids.shape[1] == 1:
+                decode_row_steps[0] += ids.shape[0]
+            else:
+                prefill_rows.append(ids.shape[0])
+
+    hook = model.register_forward_pre_hook(count_rows, with_kwargs=True)
+    try:
+        start = time.perf_counter()
+        texts = generate()
+        seconds = time.perf_counter() - start
+    finally:
+        hook.remove()
     kept = sum(synthetic._count_tokens(tokenizer, t) for t in texts)
     return {
         "seconds": round(seconds, 1),
         "texts": len(texts),
         "kept_tokens": kept,
         "tokens_per_s": round(kept / seconds, 2),
+        "prefill_rows": prefill_rows,
+        "decode_row_steps": decode_row_steps[0],
     }
 
 
@@ -204,23 +222,27 @@ def main() -> None:
         f"{shape} x {config.num_hidden_layers} layers, {parameters / 1e9:.2f}B parameters, {args.tokens} tokens each way"
     )
     runs["generate_float32"] = timed(
-        lambda: baseline._generate(model, tokenizer, args.tokens, 0, old_settings), tokenizer
+        lambda: baseline._generate(model, tokenizer, args.tokens, 0, old_settings), tokenizer, model
     )
     print("previous generator (transformers generate, float32):", runs["generate_float32"])
     if not args.skip_float32:
         runs["static_cache_float32"] = timed(
-            lambda: synthetic._generate(model, tokenizer, args.tokens, 0, new_settings, args.batch_size), tokenizer
+            lambda: synthetic._generate(model, tokenizer, args.tokens, 0, new_settings, args.batch_size),
+            tokenizer,
+            model,
         )
         print("static-cache decoder, float32:", runs["static_cache_float32"])
     model = model.to(torch.bfloat16)
     runs["static_cache_bfloat16"] = timed(
-        lambda: synthetic._generate(model, tokenizer, args.tokens, 0, new_settings, args.batch_size), tokenizer
+        lambda: synthetic._generate(model, tokenizer, args.tokens, 0, new_settings, args.batch_size), tokenizer, model
     )
     print("static-cache decoder, bfloat16:", runs["static_cache_bfloat16"])
     if args.previous:
         previous = decoder_at(args.previous)
         runs["static_cache_bfloat16_previous"] = timed(
-            lambda: previous._generate(model, tokenizer, args.tokens, 0, new_settings, args.batch_size), tokenizer
+            lambda: previous._generate(model, tokenizer, args.tokens, 0, new_settings, args.batch_size),
+            tokenizer,
+            model,
         )
         print(f"static-cache decoder at {args.previous}, bfloat16:", runs["static_cache_bfloat16_previous"])
     if args.unpacked:
@@ -230,6 +252,7 @@ def main() -> None:
             runs["static_cache_bfloat16_unpacked"] = timed(
                 lambda: synthetic._generate(model, tokenizer, args.tokens, 0, new_settings, args.batch_size),
                 tokenizer,
+                model,
             )
         finally:
             synthetic.packed_cpu_linears = packing
