@@ -195,13 +195,6 @@ def _default_batch_size(device: torch.device) -> int:
     return 256 if device.type == "cuda" else 64
 
 
-def _spare_rows(device: torch.device) -> float:
-    """How many more rows than the estimate a batch runs. A GPU step costs about the same for a few rows more, and a
-    batch short of the target costs another pass of max_new_tokens steps: it runs 15% spare rows. A CPU step costs
-    in proportion to its rows, and rows that end early leave the batch: it runs the estimate."""
-    return 1.0 if device.type == "cpu" else 1.15
-
-
 def _row_text(tokenizer: Any, tokens: list[int], ended: bool) -> str:
     """The text one generated row contributes (a sentence cut off by max_new_tokens trimmed)."""
     text = tokenizer.decode(tokens, skip_special_tokens=True).strip()
@@ -231,7 +224,6 @@ def _generate(
         pad_id = eos_ids[0] if eos_ids else 0
     device = next(model.parameters()).device
     rows_per_batch = batch_size or _default_batch_size(device)
-    spare_rows = _spare_rows(device)
     sampling = SamplingSettings(settings.temperature, settings.top_p, settings.top_k, settings.repetition_penalty)
 
     texts: list[str] = []
@@ -264,7 +256,9 @@ def _generate(
             while total < n_tokens:
                 # Size the last batches to what is still missing: texts past the target are dropped. Only the
                 # speed depends on this; every text is the same in any batch.
-                wanted = math.ceil((n_tokens - total) / max(tokens_per_text, 1.0) * spare_rows)
+                # 15% spare rows: a batch that falls short costs another max_new_tokens steps, at a few rows a step
+                # that reads every weight as a full batch does.
+                wanted = math.ceil((n_tokens - total) / max(tokens_per_text, 1.0) * 1.15)
                 rows = max(1, min(rows_per_batch, wanted))
                 text_ids = list(range(next_text, next_text + rows))
                 next_text += rows
