@@ -178,6 +178,7 @@ def decode_batch(
     tokens between them: the caller would drop its text. Only the rows before that cut are returned.
     """
     from transformers import StaticCache
+    from transformers.cache_utils import StaticLayer
 
     device = next(model.parameters()).device
     rows = len(prompts)
@@ -204,6 +205,7 @@ def decode_batch(
     eos = torch.tensor(sorted(set(eos_ids)) or [-1], dtype=torch.long, device=device)
 
     cache = StaticCache(config=model.config, max_cache_len=total)
+    compactable = all(type(layer) is StaticLayer for layer in cache.layers)
     extra = {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}
     if shared:
         _prefill_shared_prefix(model, prefix, cache, rows, extra)
@@ -250,7 +252,9 @@ def decode_batch(
         positions = positions[:, -1:] + 1
         inputs = token[:, None]
         dropped = len(batch_rows) - int(needed.sum())
-        if dropped and dropped * 8 >= len(batch_rows):  # a copy of the cache per eighth of the batch that ends
+        # A copy of the cache per eighth of the batch that ends; full-length layers only (a sliding-window layer
+        # keeps its slots in another order).
+        if compactable and dropped and dropped * 8 >= len(batch_rows):
             cache = _keep_rows(cache, needed.nonzero().squeeze(-1), length - 1, model.config)
             batch_rows, mask, history = batch_rows[needed], mask[needed], history[needed]
             positions, texts, inputs = positions[needed], texts[needed], inputs[needed]
