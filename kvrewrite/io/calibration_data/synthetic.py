@@ -256,8 +256,8 @@ def _generate(
             while total < n_tokens:
                 # Size the last batches to what is still missing: texts past the target are dropped. Only the
                 # speed depends on this; every text is the same in any batch.
-                # 15% spare rows: a batch that falls short costs another max_new_tokens steps, at a few rows a step
-                # that reads every weight as a full batch does.
+                # 15% spare rows: a batch that falls short costs another batch of max_new_tokens steps, each of
+                # which reads every weight however few rows it runs.
                 wanted = math.ceil((n_tokens - total) / max(tokens_per_text, 1.0) * 1.15)
                 rows = max(1, min(rows_per_batch, wanted))
                 text_ids = list(range(next_text, next_text + rows))
