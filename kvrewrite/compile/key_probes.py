@@ -50,15 +50,19 @@ class KeyRecall:
     probes: int
 
 
+def _key_name(label: str | None) -> str:
+    return "pass key" if label is None else f"{label} pass key"
+
+
 def key_line(key: str, label: str | None = None) -> str:
     """The planted line: the key stated twice, named by `label` when several keys share a context."""
-    name = "pass key" if label is None else f"{label} pass key"
+    name = _key_name(label)
     return f" The {name} is {key}. Remember it. {key} is the {name}. "
 
 
 def key_question(label: str | None = None) -> str:
     """The question after the context; the key is the next thing the model writes."""
-    name = "pass key" if label is None else f"{label} pass key"
+    name = _key_name(label)
     return f"\n\nWhat is the {name}? The {name} is"
 
 

@@ -261,9 +261,9 @@ def decode_batch(
             finished = finished[needed]
     decoded = []
     for r, count in enumerate(written[:cut].tolist()):
-        row = generated[r, :count].tolist()
-        end = next((i for i, t in enumerate(row) if t in eos_set), len(row))
-        decoded.append(DecodedRow(tokens=row[:end], ended=end < len(row)))
+        row = generated[r, :count].tolist()  # a row writes nothing after its end-of-sequence token
+        ended = bool(row) and row[-1] in eos_set
+        decoded.append(DecodedRow(tokens=row[:-1] if ended else row, ended=ended))
     return decoded
 
 
