@@ -84,45 +84,34 @@ def shape_config(shape: str, layers: int | None):
 PACKAGE = "kvrewrite/io/calibration_data"
 
 
-def baseline_generator(commit: str) -> types.ModuleType:
-    """synthetic.py as it was at `commit`, loaded as a module of its own (it imports only unchanged helpers)."""
+def module_at(commit: str, filename: str, name: str) -> types.ModuleType:
+    """`PACKAGE/filename` as it was at `commit`, run as a module of its own registered as `name` (dataclasses look
+    their module up in sys.modules)."""
     source = subprocess.run(
-        ["git", "show", f"{commit}:kvrewrite/io/calibration_data/synthetic.py"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
+        ["git", "show", f"{commit}:{PACKAGE}/{filename}"], cwd=ROOT, capture_output=True, text=True, check=True
     ).stdout
-    module = types.ModuleType("baseline_synthetic")
-    sys.modules[module.__name__] = module
-    exec(compile(source, f"{commit[:10]}:synthetic.py", "exec"), module.__dict__)
+    module = types.ModuleType(name)
+    sys.modules[name] = module
+    exec(compile(source, f"{commit[:10]}:{filename}", "exec"), module.__dict__)
     return module
+
+
+def baseline_generator(commit: str) -> types.ModuleType:
+    """synthetic.py as it was at `commit` (it imports only unchanged helpers)."""
+    return module_at(commit, "synthetic.py", "baseline_synthetic")
 
 
 def decoder_at(commit: str) -> types.ModuleType:
     """synthetic.py as it was at `commit`, with the static_decoding.py of that commit under it (the static-cache
     decoder before a change, to time it in the same run as the decoder after it)."""
-
-    def source(path: str) -> str:
-        return subprocess.run(
-            ["git", "show", f"{commit}:{path}"], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout
-
-    decoding = types.ModuleType("previous_static_decoding")
-    sys.modules[decoding.__name__] = decoding  # dataclasses look their module up there
-    exec(
-        compile(source(f"{PACKAGE}/static_decoding.py"), f"{commit[:10]}:static_decoding.py", "exec"), decoding.__dict__
-    )
+    decoding = module_at(commit, "static_decoding.py", "previous_static_decoding")
     name = "kvrewrite.io.calibration_data.static_decoding"
     current = sys.modules[name]
-    module = types.ModuleType("previous_synthetic")
-    sys.modules[module.__name__] = module
     sys.modules[name] = decoding  # what `from ...static_decoding import` binds while the old synthetic.py runs
     try:
-        exec(compile(source(f"{PACKAGE}/synthetic.py"), f"{commit[:10]}:synthetic.py", "exec"), module.__dict__)
+        return module_at(commit, "synthetic.py", "previous_synthetic")
     finally:
         sys.modules[name] = current
-    return module
 
 
 @contextlib.contextmanager
