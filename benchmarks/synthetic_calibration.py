@@ -115,7 +115,7 @@ def decoder_at(commit: str) -> types.ModuleType:
 
 
 @contextlib.contextmanager
-def _row_major_linears(model, rows):
+def _row_major_linears(model, rows, plan=None):
     """Stands in for packed_cpu_linears: nothing packed (the decoder as it ran before the packing)."""
     yield 0
 

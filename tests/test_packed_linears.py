@@ -1,4 +1,5 @@
-"""CPU linears on oneDNN-packed weights: the same outputs as torch's row-major linear, and the model back intact."""
+"""CPU linears on oneDNN-packed weights: the outputs of torch's row-major linear (or of float32 products, where the
+plan widens bfloat16 weights), and the model back intact."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from kvrewrite.io.calibration_data.packed_linears import can_pack, packed_cpu_linears
+from kvrewrite.io.calibration_data import packed_linears
+from kvrewrite.io.calibration_data.packed_linears import PackingPlan, can_pack, choose_packing, packed_cpu_linears
 from kvrewrite.io.calibration_data.static_decoding import SamplingSettings, decode_batch
 
 pytestmark = pytest.mark.skipif(not can_pack(), reason="this torch/CPU has no oneDNN bfloat16 linear")
@@ -40,7 +42,7 @@ def test_packed_logits_equal_row_major_and_weights_come_back(tied: bool) -> None
     ids = torch.randint(3, 320, (5, 11))
     with torch.no_grad():
         reference = model(ids).logits.float()
-    with packed_cpu_linears(model, rows=5) as packed:
+    with packed_cpu_linears(model, rows=5, plan=choose_packing(model, widen=False)) as packed:
         # q, k, v, o, gate, up, down per layer, and the lm_head unless it is the embedding's matrix.
         assert packed == 2 * 7 + (0 if tied else 1)
         released = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight.numel() == 0]
@@ -72,13 +74,92 @@ def test_restored_after_an_error_and_usable_by_autograd() -> None:
     assert model.model.layers[0].self_attn.q_proj.weight.grad is not None
 
 
-def test_refused_inside_inference_mode_and_skips_float32() -> None:
+def test_refused_inside_inference_mode() -> None:
     model = _model(tied=False)
     with torch.inference_mode(), pytest.raises(RuntimeError, match="inference_mode"):
         with packed_cpu_linears(model, rows=3):
             pass
-    with packed_cpu_linears(model.float(), rows=3) as packed:
-        assert packed == 0
+
+
+def _float32_products(model: torch.nn.Module) -> None:
+    """The reference for widened packing, computed apart from oneDNN: each linear multiplies in float32 (torch's own
+    row-major product) and rounds its output to the weight's dtype."""
+
+    def forward(module: torch.nn.Linear):
+        def run(x: torch.Tensor) -> torch.Tensor:
+            bias = None if module.bias is None else module.bias.float()
+            return torch.nn.functional.linear(x.float(), module.weight.float(), bias).to(x.dtype)
+
+        return run
+
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.forward = forward(module)
+
+
+def test_widened_bfloat16_computes_float32_products_and_weights_come_back() -> None:
+    model = _model(tied=False)
+    before = _snapshot(model)
+    ids = torch.randint(3, 320, (5, 11))
+    plan = choose_packing(model, widen=True)
+    assert plan.widen and plan.arithmetic == "onednn-float32"
+    with packed_cpu_linears(model, rows=5, plan=plan) as packed:
+        assert packed == 2 * 7 + 1
+        with torch.no_grad():
+            logits = model(ids).logits.float()
+    after = _snapshot(model)
+    for name in before:  # bfloat16 -> float32 -> bfloat16 is exact
+        assert after[name].dtype == torch.bfloat16 and torch.equal(before[name], after[name]), name
+    with torch.no_grad():
+        row_major = model(ids).logits.float()
+        _float32_products(model)
+        reference = model(ids).logits.float()
+    # Same products as the float32 reference up to the order of the sums (a bfloat16 rounding step at most), and
+    # nearer to it than bfloat16 products are.
+    widened_error = (logits - reference).abs().max().item()
+    assert widened_error <= 0.02 * reference.abs().max().item()
+    assert widened_error <= (row_major - reference).abs().max().item()
+
+
+def test_float32_weights_are_packed_too() -> None:
+    model = _model(tied=False).float()
+    before = _snapshot(model)
+    ids = torch.randint(3, 320, (4, 9))
+    with torch.no_grad():
+        reference = model(ids).logits
+    plan = choose_packing(model)
+    assert plan.dtypes == (torch.float32,) and not plan.widen and plan.arithmetic == "onednn-float32"
+    with packed_cpu_linears(model, rows=4, plan=plan) as packed:
+        assert packed == 2 * 7 + 1
+        with torch.no_grad():
+            logits = model(ids).logits
+    torch.testing.assert_close(logits, reference, rtol=1e-5, atol=1e-5)
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]), name
+
+
+def test_widening_is_chosen_only_without_bfloat16_instructions_and_with_memory(monkeypatch) -> None:
+    model = _model(tied=False)
+    # The packable bfloat16 weights: widening adds 2 bytes for each of their numbers.
+    extra = 2 * sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    monkeypatch.setattr(packed_linears, "native_bfloat16", lambda: False)
+    monkeypatch.setattr(packed_linears, "_available_memory_bytes", lambda: 8 << 30)
+    assert choose_packing(model).widen
+    monkeypatch.setattr(packed_linears, "_available_memory_bytes", lambda: extra)  # no headroom left
+    assert not choose_packing(model).widen
+    monkeypatch.setattr(packed_linears, "_available_memory_bytes", lambda: None)  # unknown: not risked
+    assert not choose_packing(model).widen
+    monkeypatch.setattr(packed_linears, "_available_memory_bytes", lambda: 8 << 30)
+    monkeypatch.setattr(packed_linears, "native_bfloat16", lambda: True)
+    plan = choose_packing(model)
+    assert not plan.widen and plan.arithmetic is None  # bfloat16 products, as the row-major linear computes them
+
+
+def test_nothing_to_pack_gives_an_empty_plan() -> None:
+    with torch.device("meta"):
+        model = LlamaForCausalLM(_model(tied=False).config)
+    assert choose_packing(model) == PackingPlan()
+    assert choose_packing(object()) == PackingPlan()
 
 
 def test_sampled_tokens_match_row_major_decoding() -> None:
@@ -94,6 +175,6 @@ def test_sampled_tokens_match_row_major_decoding() -> None:
         return [r.tokens for r in rows]
 
     reference = decode()
-    with packed_cpu_linears(model, rows=len(prompts)):
+    with packed_cpu_linears(model, rows=len(prompts), plan=choose_packing(model, widen=False)):
         packed = decode()
     assert packed == reference

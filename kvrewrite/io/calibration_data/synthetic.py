@@ -2,10 +2,11 @@
 
 Calibrating on the model's own output needs no dataset and matches the distribution the model will actually see
 at inference. Generation runs on the model's device, in its dtype, many texts per forward with a static KV cache
-(static_decoding.py; on a CPU in bfloat16 the linear layers read oneDNN-packed weights, packed_linears.py). Each
-text is seeded on its own, so the batch size changes the speed, never the text. The texts are cached as JSON under
-``cache_dir()/calibration/`` keyed by a fingerprint of the model, the dtype it generated in, the tokenizer, seed,
-size, prompts and sampling settings.
+(static_decoding.py; on a CPU the linear layers read oneDNN-packed weights, and a bfloat16 model's products run in
+float32 where the CPU has no bfloat16 instructions: packed_linears.py). Each text is seeded on its own, so the batch
+size changes the speed, never the text. The texts are cached as JSON under ``cache_dir()/calibration/`` keyed by a
+fingerprint of the model, the dtype it generated in (and the linears' products where they are not torch's own), the
+tokenizer, seed, size, prompts and sampling settings.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from rich.text import Text
 
 from kvrewrite.errors import CalibrationError, InvalidArgumentError
 from kvrewrite.io.atomic_files import atomic_write_text
-from kvrewrite.io.calibration_data.packed_linears import packed_cpu_linears
+from kvrewrite.io.calibration_data.packed_linears import PackingPlan, choose_packing, packed_cpu_linears
 from kvrewrite.io.calibration_data.static_decoding import SamplingSettings, decode_batch
 from kvrewrite.io.sources import cache_dir
 
@@ -108,7 +109,9 @@ def _tokenizer_fingerprint(tokenizer: Any) -> str:
     return h.hexdigest()
 
 
-def _fingerprint(model: Any, tokenizer: Any, n_tokens: int, seed: int, settings: GenerationSettings) -> str:
+def _fingerprint(
+    model: Any, tokenizer: Any, n_tokens: int, seed: int, settings: GenerationSettings, linears: str | None = None
+) -> str:
     parts = {
         "format": _CACHE_FORMAT,
         "model": _model_fingerprint(model),
@@ -119,6 +122,8 @@ def _fingerprint(model: Any, tokenizer: Any, n_tokens: int, seed: int, settings:
         "prompts": hashlib.sha256(_prompt_bytes()).hexdigest(),
         "settings": asdict(settings),
     }
+    if linears is not None:  # products other than torch's own (packed_linears.PackingPlan.arithmetic)
+        parts["linears"] = linears
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
@@ -208,7 +213,13 @@ def _kept_count(tokenizer: Any, tokens: list[int]) -> int:
 
 
 def _generate(
-    model: Any, tokenizer: Any, n_tokens: int, seed: int, settings: GenerationSettings, batch_size: int | None = None
+    model: Any,
+    tokenizer: Any,
+    n_tokens: int,
+    seed: int,
+    settings: GenerationSettings,
+    batch_size: int | None = None,
+    packing: PackingPlan | None = None,
 ) -> list[str]:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -245,7 +256,7 @@ def _generate(
     )
     start = time.perf_counter()
     try:
-        with progress, packed_cpu_linears(model, rows_per_batch), torch.inference_mode():
+        with progress, packed_cpu_linears(model, rows_per_batch, packing), torch.inference_mode():
             task = progress.add_task("generate", total=n_tokens, tokens_per_s=0.0)
 
             def on_step(live_rows: int) -> None:
@@ -325,14 +336,15 @@ def synthetic_texts(
     if not isinstance(n_tokens, int) or n_tokens <= 0:
         raise InvalidArgumentError(f"n_tokens must be a positive integer, got {n_tokens!r}.")
 
-    fingerprint = _fingerprint(model, tokenizer, n_tokens, seed, settings)
+    packing = choose_packing(model)
+    fingerprint = _fingerprint(model, tokenizer, n_tokens, seed, settings, packing.arithmetic)
     path = synthetic_cache_path(fingerprint)
     cached = _read_cache(path, fingerprint)
     if cached is not None:
         return cached
 
     start = time.perf_counter()
-    texts = _generate(model, tokenizer, n_tokens, seed, settings, batch_size)
+    texts = _generate(model, tokenizer, n_tokens, seed, settings, batch_size, packing)
     payload = {
         "format": _CACHE_FORMAT,
         "fingerprint": fingerprint,
