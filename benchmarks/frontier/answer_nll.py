@@ -8,8 +8,10 @@ Each passkey prompt of a saved input set is read as the harness's greedy decodin
 the method's prefill, the question, then the key one token at a time, teacher-forced), with the budget search's
 own measure (kvrewrite.compile.key_probes.key_recall). A prompt counts as found when every answer token is the
 argmax, which is exactly when greedy decoding writes the key. The mean NLL separates methods that all miss, or all
-find, a handful of keys. `original` is the checkpoint at full rank with a plain cache. Extra recipes for a
-screening run can be given as JSON (`--extra '{"name": {load() keywords}}'`).
+find, a handful of keys. Each prompt also records the bytes its cache held at the end against the original's fp16
+cache of the tokens fed (`bytes_share`, read off the cache tensors as the frontier reads them). `original` is the
+checkpoint at full rank with a plain cache. Extra recipes for a screening run can be given as JSON
+(`--extra '{"name": {load() keywords}}'`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.frontier.cache_bytes import cache_bytes, fp16_bytes_per_token  # noqa: E402
 from benchmarks.frontier.inputs import load_inputs  # noqa: E402
 from benchmarks.frontier.kvrewrite_recipes import RECIPES, _method  # noqa: E402
 from kvrewrite.compile.key_probes import KeyProbe, key_recall  # noqa: E402
@@ -77,10 +80,21 @@ def main() -> None:
             make_cache = model.make_kv_cache
             prefill = None if method.prefill is None else (lambda m, cache, ids, f=method.prefill: f(m, ids, cache)[0])
         rows = []
+        caches = []
+
+        def fresh_cache(make=make_cache):
+            caches.append(make())
+            return caches[-1]
+
         with torch.inference_mode():
             for prompt in prompts:
                 # The harness prefills 512 tokens per forward (Method.prefill_chunk) unless the method prefills itself.
-                recall = key_recall(model, [_probe(prompt, tokenizer)], make_cache, 512, prefill)
+                probe = _probe(prompt, tokenizer)
+                recall = key_recall(model, [probe], fresh_cache, 512, prefill)
+                # Bytes held at the end against the original's fp16 cache of the tokens fed (the last answer token
+                # is scored, never fed), read off the cache tensors as the frontier reads them.
+                fed = len(probe.context_ids) + len(probe.question_ids) + len(probe.answer_ids) - 1
+                share = cache_bytes(caches.pop()) / (fp16_bytes_per_token(model.config) * fed)
                 rows.append(
                     {
                         "length": prompt.length,
@@ -88,6 +102,7 @@ def main() -> None:
                         "key": prompt.key,
                         "answer_nll": recall.answer_nll,
                         "found": bool(recall.answered),
+                        "bytes_share": round(share, 4),
                     }
                 )
         results.append(
@@ -95,13 +110,17 @@ def main() -> None:
                 "name": name,
                 "settings": recipes.get(name, {"cache": "full rank"}),
                 "answer_nll": sum(r["answer_nll"] for r in rows) / len(rows),
+                "bytes_share": round(sum(r["bytes_share"] for r in rows) / len(rows), 4),
                 "found": sum(r["found"] for r in rows),
                 "prompts": len(rows),
                 "seconds": round(time.perf_counter() - started, 1),
                 "items": rows,
             }
         )
-        print(f"{name}: answer NLL {results[-1]['answer_nll']:.3f}, found {results[-1]['found']}/{len(rows)}")
+        print(
+            f"{name}: answer NLL {results[-1]['answer_nll']:.3f}, found {results[-1]['found']}/{len(rows)}, "
+            f"{results[-1]['bytes_share']:.1%} of the fp16 bytes"
+        )
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     record = {
         "command": " ".join(["python", *sys.argv]),
