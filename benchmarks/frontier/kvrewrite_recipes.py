@@ -170,6 +170,15 @@ RECIPES: dict[str, dict[str, Any]] = {
         "evict": {"keep": 0.821, "bits": 4, "reconstruction_share": 0.5},
         "prefill": "reconstruction",
     },
+    # An eighth of the bytes spent on more tokens at fewer bits: 4-bit keys, 2-bit values on 52% of the tokens, every
+    # kept token chosen by the reconstruction (the wiki-filler screen, answer_nll_eighth_wiki.json).
+    "kvrewrite-W16-evict0.52-k4v2-rec": {
+        "rate": 0.0,
+        "recent_window": 16,
+        "kv_codec": "none",
+        "evict": {"keep": 0.52, "bits": (4, 2)},
+        "prefill": "reconstruction",
+    },
     # Evicted tokens keep 8 key and 8 value dims per head at 4 bits instead of leaving (kvrewrite.runtime.tiers.floor).
     "kvrewrite-W16-evict0.2-k8v4-floor8-rec": {
         "rate": 0.0,
