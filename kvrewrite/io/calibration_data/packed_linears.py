@@ -10,8 +10,9 @@ How a weight is packed depends on its dtype and on the CPU (`choose_packing`):
 
 - bfloat16 on a CPU that multiplies bfloat16 natively (AVX512-BF16 or AMX): packed as bfloat16. The products are
   oneDNN's bfloat16 ones, as the row-major linear computes them, so the text is the same.
-- bfloat16 on a CPU without (oneDNN emulates bfloat16 products there, several times slower than float32 ones on the
-  same packed weights; docs/results/compile.md): packed *widened* to float32, the activations cast to float32 and
+- bfloat16 on a CPU without (oneDNN emulates bfloat16 products there; on such a core the bfloat16 generator ran at
+  3.91 tokens/s packed as bfloat16 and 9.85 widened: benchmarks/results/synthetic_calibration_cpu_8l_xeon.json and
+  synthetic_calibration_cpu_8l_xeon_widened.json): packed *widened* to float32, the activations cast to float32 and
   the outputs back to bfloat16 at each linear. Host memory then holds the linears at 4 bytes a number instead of 2,
   so this is chosen only when that fits in the available memory, with room to spare; else bfloat16 packing.
 - float32: packed as float32.
@@ -120,19 +121,18 @@ def choose_packing(model: Any, widen: bool | None = None) -> PackingPlan:
     shared = _shared_weights(model)
     present = {m.weight.dtype for m in model.modules() if _packable(m, shared, supported)}
     dtypes = tuple(d for d in supported if d in present)  # on CUDA, or with nothing to pack: none
-    if torch.bfloat16 not in dtypes or not can_pack(torch.float32):
+    if torch.bfloat16 not in dtypes or torch.float32 not in supported:
         return PackingPlan(dtypes)
     if widen is None:
-        widen = not native_bfloat16() and _widening_fits(model, dtypes)
+        widen = not native_bfloat16() and _widening_fits(model, shared)
     return PackingPlan(dtypes, widen=bool(widen))
 
 
-def _widening_fits(model: torch.nn.Module, dtypes: tuple[torch.dtype, ...]) -> bool:
-    shared = _shared_weights(model)
+def _widening_fits(model: torch.nn.Module, shared: set[int]) -> bool:
     extra = sum(
         m.weight.numel() * 2  # float32's 4 bytes a number against the released bfloat16's 2
         for m in model.modules()
-        if _packable(m, shared, dtypes) and m.weight.dtype == torch.bfloat16
+        if _packable(m, shared, (torch.bfloat16,))
     )
     available = _available_memory_bytes()
     if available is None:
