@@ -23,8 +23,10 @@ demo: install
 	$(BIN)/kvrewrite demo
 
 # The tests, after formatting and lint ([tool.ruff] in pyproject.toml): a badly formatted tree fails `make test`.
+# One pytest-xdist worker per core (at most 4), each test module on one worker so that a module's fixtures are
+# built once; tests/conftest.py gives each worker its share of torch's threads.
 test: lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadscope
 
 lint: install
 	$(BIN)/ruff format --check .

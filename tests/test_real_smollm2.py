@@ -18,14 +18,23 @@ CONFIGS = {
     "optimal-latent": {"objective": "optimal", "allocation": "sensitivity", "rope_mode": "latent"},
 }
 # verification["compiled_rank"]["kl_mean"] as measured on this fixture (a script running the fixture's own
-# compile_variants(Plan(...), CONFIGS, tmp) and printing it): zack-faithful 0.884270, optimal-latent 0.169276
+# compile_variants(Plan(...), CONFIGS, tmp) and printing it): zack-faithful 0.991123, optimal-latent 0.209838
 # nats/token. The test allows 25% over that; a worse compile fails instead of passing under a flat 3 nats.
-MEASURED_KL = {"zack-faithful": 0.8843, "optimal-latent": 0.1693}
+MEASURED_KL = {"zack-faithful": 0.9911, "optimal-latent": 0.2098}
 
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
-    plan = Plan(model="smollm2-135m", target_rate=0.5, calibration="wiki", calib_tokens=2048, progress=False)
+    # One probe window and 256 verified tokens (defaults 2 and 512): the same passes at a quarter less test time.
+    plan = Plan(
+        model="smollm2-135m",
+        target_rate=0.5,
+        calibration="wiki",
+        calib_tokens=2048,
+        probe_windows=1,
+        verify_tokens=256,
+        progress=False,
+    )
     return compile_variants(plan, CONFIGS, tmp_path_factory.mktemp("smollm2"))
 
 
