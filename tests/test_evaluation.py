@@ -273,3 +273,52 @@ def test_evaluate_many_equals_separate_evaluations() -> None:
         assert got.top1_agreement == alone.top1_agreement
         assert got.baseline_perplexity == pytest.approx(alone.baseline_perplexity, rel=1e-9)
         assert got.kv_bytes_per_token == alone.kv_bytes_per_token
+
+
+class _RecordingLM(torch.nn.Module):
+    """A Llama that records the length of every forward's input (what the evaluation fed it)."""
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        super().__init__()
+        self.model, self.config, self.lengths = model, model.config, []
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.model.get_input_embeddings()
+
+    def forward(self, input_ids: torch.Tensor, **kwargs):
+        self.lengths.append(int(input_ids.shape[1]))
+        return self.model(input_ids=input_ids, **kwargs)
+
+
+def test_per_model_chunks_chunk_only_that_model_and_keep_its_numbers() -> None:
+    from kvrewrite.publish.evaluation import perplexity_and_agreement_many
+
+    base, a, b = (_RecordingLM(_model(seed)) for seed in (0, 1, 2))
+    tokens = _tokens()
+    stats = perplexity_and_agreement_many({"a": a, "b": b}, tokens, base, batch_size=5, progress=False, chunks={"b": 4})
+    assert base.lengths == [17] and a.lengths == [17]  # whole windows, the baseline once
+    assert b.lengths == [4, 4, 4, 4, 1]
+    # b's numbers against a dense reference: its chunked prefill through a DynamicCache, scored by hand.
+    with torch.no_grad():
+        cache = DynamicCache(config=b.config)
+        logits = torch.cat(
+            [b.model(tokens[:, s : s + 4], past_key_values=cache, use_cache=True).logits for s in range(0, 17, 4)], 1
+        )[:, :-1]
+        ref = F.log_softmax(base.model(tokens).logits[:, :-1], -1)
+    logp = F.log_softmax(logits, -1)
+    nll = -logp.gather(-1, tokens[:, 1:, None]).mean()
+    assert stats["b"].perplexity == pytest.approx(math.exp(float(nll)), rel=1e-5)
+    assert stats["b"].kl_mean == pytest.approx(float((ref.exp() * (ref - logp)).sum(-1).mean()), rel=1e-4, abs=1e-7)
+    assert stats["b"].top1_agreement == float((ref.argmax(-1) == logp.argmax(-1)).double().mean())
+    # Chunking an exact cache changes nothing: a and b alone, whole, give the same numbers.
+    whole = perplexity_and_agreement_many({"a": a, "b": b}, tokens, base, batch_size=5, progress=False)
+    assert stats["a"] == whole["a"]
+    assert stats["b"].perplexity == pytest.approx(whole["b"].perplexity, rel=1e-5)
+
+
+@pytest.mark.parametrize("chunks", [{"c": 4}, {"a": 0}])
+def test_per_model_chunks_refuse_unknown_models_and_bad_lengths(chunks: dict) -> None:
+    from kvrewrite.publish.evaluation import perplexity_and_agreement_many
+
+    with pytest.raises(InvalidArgumentError):
+        perplexity_and_agreement_many({"a": _model(1)}, _tokens(), _model(0), progress=False, chunks=chunks)

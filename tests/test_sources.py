@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvrewrite.errors import ModelSourceError
 from kvrewrite.io import sources
@@ -196,3 +197,43 @@ def test_bundled_smollm2_is_a_plain_llama_checkpoint() -> None:
     assert (path / "model.safetensors").is_file()
     assert (path / "tokenizer.json").is_file()
     assert resolve_model_source("smollm2-135m").path == path
+
+
+@pytest.mark.real_model
+def test_bundled_smollm2_weights_are_the_gguf_tensors_dequantized() -> None:
+    """The converted checkpoint against gguf's own reader and dequantizer, outside transformers (the value and MLP
+    projections, which the llama conversion does not permute, and the norms)."""
+    import gguf
+    from safetensors.torch import load_file
+
+    weights = load_file(str(bundled_smollm2_path() / "model.safetensors"))
+    reader = gguf.GGUFReader(sources._smollm2_gguf_dir() / sources._SMOLLM2_GGUF)
+    tensors = {t.name: t for t in reader.tensors}
+    names = {
+        "blk.0.attn_v.weight": "model.layers.0.self_attn.v_proj.weight",
+        "blk.17.ffn_down.weight": "model.layers.17.mlp.down_proj.weight",
+        "blk.29.ffn_gate.weight": "model.layers.29.mlp.gate_proj.weight",
+        "blk.5.attn_norm.weight": "model.layers.5.input_layernorm.weight",
+        "output_norm.weight": "model.norm.weight",
+    }
+    for gguf_name, hf_name in names.items():
+        tensor = tensors[gguf_name]
+        expected = torch.from_numpy(gguf.dequantize(tensor.data, tensor.tensor_type).copy()).float()
+        assert torch.equal(weights[hf_name], expected.reshape(weights[hf_name].shape)), hf_name
+
+
+def test_gguf_parsed_once_shares_one_reader_and_restores_gguf() -> None:
+    import gguf
+
+    from kvrewrite.io.gguf_parse_once import gguf_parsed_once
+
+    path = sources._smollm2_gguf_dir() / sources._SMOLLM2_GGUF
+    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with gguf_parsed_once():
+        first = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(str(path)) is first
+        arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == "llama")
+        assert gguf.get_tensor_name_map(arch, 30) is gguf.get_tensor_name_map(arch, 30)
+        assert gguf.get_tensor_name_map(arch, 30).get_name("model.layers.3.mlp.up_proj") == "blk.3.ffn_up"
+    assert gguf.GGUFReader is reader_class and gguf.get_tensor_name_map is name_map
+    assert isinstance(first, reader_class) and len(first.tensors) == 272

@@ -115,10 +115,13 @@ def _convert_smollm2(gguf_dir: Path, out_dir: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf_model = AutoModelForCausalLM.from_pretrained(
-        gguf_dir, gguf_file=_SMOLLM2_GGUF, dtype=torch.float32, trust_remote_code=False
-    )
-    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_SMOLLM2_GGUF, trust_remote_code=False)
+    from kvrewrite.io.gguf_parse_once import gguf_parsed_once
+
+    with gguf_parsed_once():  # transformers would parse the file three times
+        gguf_model = AutoModelForCausalLM.from_pretrained(
+            gguf_dir, gguf_file=_SMOLLM2_GGUF, dtype=torch.float32, trust_remote_code=False
+        )
+        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_SMOLLM2_GGUF, trust_remote_code=False)
 
     # transformers refuses save_pretrained on a GGUF-loaded model, so rebuild a plain model from a cleaned config:
     # the weights are already dequantized, and quantization_config must not leak into config.json (it would make

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -188,16 +188,26 @@ def perplexity_and_agreement_many(
     batch_size: int = 4,
     progress: bool = True,
     chunk: int | None = None,
+    chunks: Mapping[str, int | None] | None = None,
 ) -> dict[str, QualityStats]:
     """perplexity_and_agreement for several models in one pass: the baseline runs once per batch, not once per model.
 
     chunk: evaluate by chunked prefill through each model's cache (see _logits); the baseline uses the same protocol.
         None: default_chunk(), i.e. chunked exactly when some model has a KV codec.
+    chunks: per-model chunk lengths that override `chunk` (None: one forward), so that a model whose cache acts
+        between forwards is chunked while the others, and the baseline, run whole; `chunk`'s default then looks only
+        at the models not named here. Chunking never changes a model whose cache is exact (the original's logits
+        are the same either way), so the baseline runs once for all of them.
     """
+    overrides = dict(chunks or {})
+    unknown = sorted(set(overrides) - set(models))
+    if unknown:
+        raise InvalidArgumentError(f"chunks names models that are not evaluated: {', '.join(unknown)}")
     if chunk is None:
-        chunk = default_chunk((*models.values(), baseline))
-    if chunk is not None and chunk < 1:
-        raise InvalidArgumentError(f"chunk must be >= 1, got {chunk}")
+        chunk = default_chunk((*(m for name, m in models.items() if name not in overrides), baseline))
+    for value in (chunk, *overrides.values()):
+        if value is not None and value < 1:
+            raise InvalidArgumentError(f"chunk must be >= 1, got {value}")
     if batch_size < 1:
         raise InvalidArgumentError(f"batch size must be >= 1, got {batch_size}")
     if not models:
@@ -227,7 +237,7 @@ def perplexity_and_agreement_many(
                 base_nll_sum -= base_logp.gather(-1, targets.unsqueeze(-1)).double().sum()
             for name, model in models.items():
                 # Each model runs on its own device; sums live on the first model's device.
-                logits = _logits(model, batch.to(_model_device(model)), chunk)[:, :-1].to(device)
+                logits = _logits(model, batch.to(_model_device(model)), overrides.get(name, chunk))[:, :-1].to(device)
                 if base_logp is not None and base_logp.shape != logits.shape:
                     raise InvalidArgumentError(
                         f"baseline logits have shape {tuple(base_logp.shape)} but {name}'s have "
@@ -383,10 +393,12 @@ def evaluate_many(
     batch_size: int = 4,
     progress: bool = True,
     chunk: int | None = None,
+    chunks: Mapping[str, int | None] | None = None,
 ) -> dict[str, EvalResult]:
-    """evaluate() for several models sharing one pass over the data (and one baseline forward per batch)."""
+    """evaluate() for several models sharing one pass over the data (and one baseline forward per batch);
+    `chunk` and `chunks` as in perplexity_and_agreement_many."""
     stats = perplexity_and_agreement_many(
-        models, token_seqs, baseline, batch_size=batch_size, progress=progress, chunk=chunk
+        models, token_seqs, baseline, batch_size=batch_size, progress=progress, chunk=chunk, chunks=chunks
     )
     seq_len = int(token_seqs.shape[1])
     base_bytes = kv_cache_bytes_per_token(baseline, seq_len) if baseline is not None else None
