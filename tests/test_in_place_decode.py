@@ -188,9 +188,10 @@ def dense_latent_attention(queries, keys, values, allowed, scaling, key_ranks, v
     return torch.cat(outs, dim=-1)
 
 
+@pytest.mark.parametrize("paired", [True, False], ids=["pairs", "rotate-half"])
 @pytest.mark.parametrize("order", [COLUMNS, ROWS])
 @pytest.mark.parametrize("q_len", [1, 3])
-def test_tiled_latent_decode_equals_dense_rebuild(monkeypatch, order, q_len):
+def test_tiled_latent_decode_equals_dense_rebuild(monkeypatch, order, q_len, paired):
     monkeypatch.setattr(latent_decode, "TILE", 7)
     g = torch.Generator().manual_seed(1)
     batch, n_kv, group, d, kv_len = 2, 3, 2, 8, 23
@@ -207,7 +208,7 @@ def test_tiled_latent_decode_equals_dense_rebuild(monkeypatch, order, q_len):
     allowed[0, ..., :4] = False  # left padding
     allowed[1, :, :, kv_len - q_len + 1 :] = torch.ones(q_len, q_len - 1, dtype=torch.bool).tril()  # causal tail
     got = latent_decode_attention(
-        queries, keys, values, allowed, 0.3, key_ranks, value_ranks, up, cos.T.contiguous(), sin.T.contiguous()
+        queries, keys, values, allowed, 0.3, key_ranks, value_ranks, up, cos.T.contiguous(), sin.T.contiguous(), paired
     )
     want = dense_latent_attention(queries, keys, values, allowed, 0.3, key_ranks, value_ranks, up, cos, sin)
     assert (got - want).abs().max().item() < 1e-10

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvrewrite.adapters.base import ArchitectureAdapter
+
 GROW = 4096
 _LENGTH_DEPENDENT = ("dynamic", "longrope")
 
@@ -55,3 +57,10 @@ def rope_phases(rotary: nn.Module, like: torch.Tensor, length: int) -> torch.Ten
         held = (cos, torch.complex(cos[:, :half], sin[:, :half]))
         tables[like.device] = held
     return held[1]
+
+
+def rotates_half_pairs(module: nn.Module) -> bool:
+    """Whether the attention module rotates by the base adapter's rotate_half over the whole head, with HF's tables
+    (each rotary pair's angle in both halves): then dims (j, j + d / 2) rotate as one complex number, which
+    rope_phases and the paired key paths assume. An adapter with its own apply_rope takes the unpaired paths."""
+    return getattr(module._apply_rope, "__func__", None) is ArchitectureAdapter.apply_rope

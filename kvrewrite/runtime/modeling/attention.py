@@ -21,7 +21,7 @@ from kvrewrite.runtime.kernels.coded_attention import blockwise_coded_attention
 from kvrewrite.runtime.kernels.dispatch import PackedAttentionFn, build_attention, resolve_backend
 from kvrewrite.runtime.kernels.latent_decode import latent_decode_attention
 from kvrewrite.runtime.kernels.reference import PackedLayout, boolean_mask, grouped_attention, shared_key_attention
-from kvrewrite.runtime.kernels.rope_table import rope_table
+from kvrewrite.runtime.kernels.rope_table import rope_table, rotates_half_pairs
 from kvrewrite.spec import LayerSpec
 
 PACKED_ATTENTION = "kvrewrite_packed"
@@ -335,7 +335,17 @@ class CompressedAttention(nn.Module):
             cos_t, sin_t = rope_table(rotary, query, kv_len)  # [d, >= S] for the tiles
             allowed = boolean_mask(attention_mask, q_len, kv_len, query.device)
             return latent_decode_attention(
-                q, key_latent, value, allowed, self.scaling, self.key_ranks, self.value_ranks, self.k_up, cos_t, sin_t
+                q,
+                key_latent,
+                value,
+                allowed,
+                self.scaling,
+                self.key_ranks,
+                self.value_ranks,
+                self.k_up,
+                cos_t,
+                sin_t,
+                paired=rotates_half_pairs(self),
             )
         cos_k, sin_k = cos[None, :kv_len], sin[None, :kv_len]
         allowed = boolean_mask(attention_mask, q_len, kv_len, query.device)

@@ -21,11 +21,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvrewrite.adapters.base import ArchitectureAdapter
 from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.key_modes.latent import pair_order
 from kvrewrite.runtime.kernels.reference import boolean_mask, softmax_dtype
-from kvrewrite.runtime.kernels.rope_table import rope_phases, rope_table
+from kvrewrite.runtime.kernels.rope_table import rope_phases, rope_table, rotates_half_pairs
 
 
 def check_full_rank(module) -> None:
@@ -118,12 +117,6 @@ def _mapped(stored: torch.Tensor | list[torch.Tensor], ranks: tuple[int, ...], m
     return torch.cat(blocks, dim=-1)
 
 
-def _rotate_half_rope(module) -> bool:
-    """Whether the module rotates by the base adapter's rotate_half over the whole head (the paired-key path's
-    assumption); an adapter with its own apply_rope is read through rebuild_keys."""
-    return getattr(module._apply_rope, "__func__", None) is ArchitectureAdapter.apply_rope
-
-
 def _phases_at(phases: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """phases [L, h] (complex) at positions [B, S] -> [B, 1, S, h]: an index_select of the real pairs (indexing a
     complex table directly is several times slower on a CPU)."""
@@ -188,7 +181,7 @@ def tiered_attention(module, query: torch.Tensor, layer, attention_mask: torch.T
 
         heads = module._apply_rope(heads, *rope_at(q_pos[None].expand(batch, q_len)))
         recent_rope = rope_at(recent_pos[None].expand(batch, n_recent))
-        paired = _rotate_half_rope(module)
+        paired = rotates_half_pairs(module)
         if paired:  # stored keys rotated as complex pairs: one pass over them instead of rotate_half's several
             phases = rope_phases(module._rotary[0], query, kv_len)
             tier_rope = [_phases_at(phases, p) for p in tier_positions]  # [B, 1, S_t, d / 2]
