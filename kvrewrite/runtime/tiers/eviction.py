@@ -39,7 +39,7 @@ import torch
 from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.runtime.codecs.kivi import kivi_decode, kivi_encode
 from kvrewrite.runtime.codecs.packing import META_DTYPE, SUPPORTED_BITS, packed_length, unpack_bits
-from kvrewrite.runtime.tiers.cache import POSITION_DTYPE, STORAGE_DTYPE, RecentWindowLayer
+from kvrewrite.runtime.tiers.cache import POSITION_DTYPE, STORAGE_DTYPE, RecentWindowLayer, take_columns
 from kvrewrite.runtime.tiers.floor import (
     DEFAULT_FLOOR_BITS,
     FloorPolicy,
@@ -454,9 +454,9 @@ class EvictingLayer(RecentWindowLayer):
                 self.channel_stats = {}
                 for side, store, cols in (("key", self.keys, key_cols), ("value", self.values, value_cols)):
                     if self.side_bits[side] is not None:
-                        self.channel_stats.update(_channel_stats(store[:, 0].index_select(-1, cols), side))
-            moving_k = self._to_code_space(self.keys[:, 0, :beyond].index_select(-1, key_cols), "key")
-            moving_v = self._to_code_space(self.values[:, 0, :beyond].index_select(-1, value_cols), "value")
+                        self.channel_stats.update(_channel_stats(take_columns(store[:, 0], cols), side))
+            moving_k = self._to_code_space(take_columns(self.keys[:, 0, :beyond], key_cols), "key")
+            moving_v = self._to_code_space(take_columns(self.values[:, 0, :beyond], value_cols), "value")
             batch = self.keys.shape[0]
             positions = torch.arange(first, first + beyond, device=self.keys.device, dtype=POSITION_DTYPE)
             moving = _flat(
@@ -557,7 +557,7 @@ class EvictingLayer(RecentWindowLayer):
             coded = {n[len(side) + 1 :]: t for n, t in evicted.items() if n.startswith(side + ".")}
             latents = decode_tokens(coded, sum(kept_ranks), self.side_bits[side], self.group_size, torch.float32)
             latents = self._from_code_space(latents[:, 0], side)
-            moved[side] = latents.index_select(-1, floor_columns(kept_ranks, floor_ranks, latents.device))
+            moved[side] = take_columns(latents, floor_columns(kept_ranks, floor_ranks, latents.device))
         if self.floor_bits is not None and self.floor_stats is None:
             # The floor's per-channel centre and scale: the kept tier's (set over the window) where it has them,
             # else those of the first demoted tokens of the sequence.
