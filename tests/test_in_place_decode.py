@@ -208,7 +208,17 @@ def test_tiled_latent_decode_equals_dense_rebuild(monkeypatch, order, q_len, pai
     allowed[0, ..., :4] = False  # left padding
     allowed[1, :, :, kv_len - q_len + 1 :] = torch.ones(q_len, q_len - 1, dtype=torch.bool).tril()  # causal tail
     got = latent_decode_attention(
-        queries, keys, values, allowed, 0.3, key_ranks, value_ranks, up, cos.T.contiguous(), sin.T.contiguous(), paired
+        queries,
+        keys,
+        values,
+        allowed,
+        0.3,
+        key_ranks,
+        value_ranks,
+        up,
+        cos.T.contiguous(),
+        sin.T.contiguous(),
+        torch.complex(cos[:, : d // 2], sin[:, : d // 2]) if paired else None,
     )
     want = dense_latent_attention(queries, keys, values, allowed, 0.3, key_ranks, value_ranks, up, cos, sin)
     assert (got - want).abs().max().item() < 1e-10

@@ -13,10 +13,10 @@ copy the size of the original cache. Here, for a few query rows (decode):
 - only the scores [B, G*T, S] are kept (small: G*T rows, not d columns); one softmax over them, then one GEMM with
   the head's value block, as for the other forms.
 
-With `paired=False` (an adapter with its own apply_rope: none of the supported families) the same tiles have their
-keys rebuilt transposed and rotated by rotate_half in three passes. Both memory orders of kernels.cache_layout work:
-COLUMNS gives the latent block C_g^T as contiguous rows of S values (the order InPlaceLayer keeps on CPU), ROWS as a
-strided view (a StaticCache); neither is copied.
+Without phases (an adapter with its own apply_rope, none of the supported families; or bfloat16, which has no
+complex type) the same tiles have their keys rebuilt transposed and rotated by rotate_half in three passes. Both
+memory orders of kernels.cache_layout work: COLUMNS gives the latent block C_g^T as contiguous rows of S values (the
+order InPlaceLayer keeps on CPU), ROWS as a strided view (a StaticCache); neither is copied.
 """
 
 from __future__ import annotations
@@ -55,15 +55,15 @@ def latent_decode_attention(
     up: torch.Tensor,
     cos_t: torch.Tensor,
     sin_t: torch.Tensor,
-    paired: bool = True,
+    phases: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of rotated queries over latent keys, keys rebuilt tile by tile.
 
     queries [B, H, T, d] (already rotated at their positions), keys [B, 1, S, sum rk] and values [B, 1, S, sum rv]
     (logical packed views, any memory order), allowed [B|1, 1, T, S], up [n_kv, d, d] (rows: latent dims),
-    cos_t/sin_t [d, >= S] of cache positions 0.. -> o_proj's input [B, T, sum_g G * rv_g]. paired: the tables are
-    rotate_half's with each pair's angle in both halves (rope_table.rotates_half_pairs), so RoPE is a complex
-    multiply per pair.
+    cos_t/sin_t [d, >= S] of cache positions 0.. -> o_proj's input [B, T, sum_g G * rv_g]. phases: the same angles
+    as rope_table.rope_phases gives them (complex [>= S, d / 2]) where the module rotates rotary pairs
+    (rope_table.rotates_half_pairs): RoPE is then one complex multiply per pair; None: rotate_half on cos_t/sin_t.
     """
     batch, heads, q_len, d = queries.shape
     kv_len = keys.shape[-2]
@@ -73,11 +73,9 @@ def latent_decode_attention(
     outputs, key_start, value_start = [], 0, 0
     mask = ~allowed  # [B|1, 1, T, S]
     columns = is_column_major(values)
-    paired = paired and queries.dtype in (torch.float32, torch.float64)  # torch has no bfloat16 complex numbers
+    paired = phases is not None and queries.dtype in (torch.float32, torch.float64)  # no bfloat16 complex numbers
     if paired:
         order = pair_order(d, queries.device)
-        # [S, d / 2], each position's row contiguous (a tile's rows are read in order)
-        phases = torch.complex(cos_t[:half, :kv_len].T.contiguous(), sin_t[:half, :kv_len].T.contiguous())
         queries = queries[..., order]  # the scores read queries and keys in the same order
         tile_keys = queries.new_empty(batch * min(TILE, kv_len) * d)
     for g, (rk, rv) in enumerate(zip(key_ranks, value_ranks)):

@@ -21,7 +21,7 @@ from kvrewrite.runtime.kernels.coded_attention import blockwise_coded_attention
 from kvrewrite.runtime.kernels.dispatch import PackedAttentionFn, build_attention, resolve_backend
 from kvrewrite.runtime.kernels.latent_decode import latent_decode_attention
 from kvrewrite.runtime.kernels.reference import PackedLayout, boolean_mask, grouped_attention, shared_key_attention
-from kvrewrite.runtime.kernels.rope_table import rope_table, rotates_half_pairs
+from kvrewrite.runtime.kernels.rope_table import rope_phases, rope_table, rotates_half_pairs
 from kvrewrite.spec import LayerSpec
 
 PACKED_ATTENTION = "kvrewrite_packed"
@@ -345,7 +345,10 @@ class CompressedAttention(nn.Module):
                 self.k_up,
                 cos_t,
                 sin_t,
-                paired=rotates_half_pairs(self),
+                # rope_phases' table is float32: other dtypes keep their own cos/sin precision through rotate_half
+                phases=rope_phases(rotary, query, kv_len)
+                if rotates_half_pairs(self) and query.dtype == torch.float32
+                else None,
             )
         cos_k, sin_k = cos[None, :kv_len], sin[None, :kv_len]
         allowed = boolean_mask(attention_mask, q_len, kv_len, query.device)
