@@ -27,7 +27,8 @@ from kvrewrite.key_modes.latent import pair_order
 from kvrewrite.runtime.kernels.cache_layout import is_column_major
 from kvrewrite.runtime.kernels.reference import softmax_dtype
 
-TILE = 1024  # positions per tile (1024 ran faster than 256-4096 on a 2-core Xeon); the keys reuse one buffer
+# Positions per tile: the fastest of 256-4096 on a 2-core Xeon (benchmarks/results/cpu_decode_limits.json).
+TILE = 1024
 
 
 def latent_block_columns(keys: torch.Tensor, start: int, width: int) -> torch.Tensor:
@@ -107,7 +108,8 @@ def latent_decode_attention(
         scores = scores.view(batch, group, q_len, kv_len).masked_fill_(mask, torch.finfo(scores.dtype).min)
         probs = torch.softmax(scores, dim=-1).to(values.dtype).view(batch, group * q_len, kv_len)
         # probs @ V_g: the value block as a transposed operand in either memory order. With the block's contiguous
-        # [rv, S] rows (COLUMNS) as the left operand instead, MKL ran 3-7x slower on a 2-core Xeon (torch 2.13).
+        # [rv, S] rows (COLUMNS) as the left operand instead, MKL ran 5.5x slower on a 2-core Xeon (torch 2.13;
+        # benchmarks/results/cpu_decode_limits.json).
         if columns:
             block = latent_block_columns(values, value_start, rv).transpose(1, 2)  # [B, S, rv]
         else:  # token-major rows (a StaticCache): the block is row-major [S, rv]

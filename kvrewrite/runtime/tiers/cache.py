@@ -40,8 +40,9 @@ def prefix_columns(block_width: int, ranks: tuple[int, ...]) -> list[int]:
 
 
 def take_columns(x: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
-    """x[..., columns] as a new tensor. Not index_select(-1, ...): on a CPU that ran 5-8x slower on a prompt's
-    tokens ([8, 8K, 192] float32: 374 ms against 78 ms; one thread, torch 2.13), for the same values."""
+    """x[..., columns] as a new tensor. Not index_select(-1, ...): on a CPU that ran 5.3x slower on a prompt's
+    tokens ([8, 8176, 192] float32, one thread, torch 2.13: benchmarks/results/cpu_decode_limits.json), for the
+    same values."""
     return x[..., columns]
 
 
