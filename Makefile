@@ -13,8 +13,8 @@ install: $(STAMP)
 $(DEMO_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	# --no-compile: pip would byte-compile every module of every package (torch alone: 21 of its 28 s on 2 cores);
-	# Python compiles the modules a run imports, as it imports them.
+	# --no-compile: pip would byte-compile every module of every package; Python compiles the modules a run
+	# imports, as it imports them.
 	# The CPU wheel of torch 2.13.0 (an unpinned torch would pull GBs of CUDA packages).
 	$(BIN)/pip install --quiet --no-compile torch==2.13.0
 	# demo: gensim and matplotlib, what the demo uses of the compiler's extra (the runtime alone needs neither).
