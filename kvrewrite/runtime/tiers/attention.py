@@ -152,6 +152,10 @@ def _scored_queries(layer, allowed: torch.Tensor, q_len: int) -> torch.Tensor:
 def tiered_attention(module, query: torch.Tensor, layer, attention_mask: torch.Tensor | None) -> torch.Tensor:
     """query [B, T, H * d] (full rank, as the module projects it) -> o_proj's input [B, T, H * d]."""
     check_full_rank(module)
+    from kvrewrite.runtime.tiers.kept_decode import kept_decode_applies, kept_decode_attention
+
+    if kept_decode_applies(module, layer, query):  # a decode step the kept-tier kernels can read (CUDA)
+        return kept_decode_attention(module, query, layer, attention_mask)
     batch, q_len, _ = query.shape
     dtype, device = query.dtype, query.device
     d, group = module.head_dim, module.group_size

@@ -1,0 +1,138 @@
+"""The kept-tier decode kernels (runtime.tiers.kept_decode) against the torch tiered path, under TRITON_INTERPRET=1.
+
+A latent-key model with re-scored eviction is prefilled (the torch path: several queries per sequence), then decodes
+teacher-forced tokens one at a time, once with the kernels (KVREWRITE_ATTENTION=triton) and once with torch buckets:
+every step's logits agree, and so do the tokens each layer keeps, which the kernels' probabilities decide. Batch 2
+with request 1 left-padded; full rank and cut ranks; 8/4, 4/2 and 8/8 bits; one group per token and several.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton not installed")
+
+from test_tiers import compiled  # noqa: E402, F401  (compiled: the fixture)
+from tiny_models import random_windows  # noqa: E402
+
+import kvrewrite  # noqa: E402
+from kvrewrite.runtime.tiers import kept_decode  # noqa: E402
+
+PROMPT, STEPS, PAD = 29, 7, 3
+
+
+def _decode(model, prompt, forced, backend, monkeypatch) -> tuple[list[torch.Tensor], object, int]:
+    """Logits of the prefill's last token and of every forced step, the cache, and how many layer steps the
+    kept-tier kernels ran."""
+    monkeypatch.setenv("KVREWRITE_ATTENTION", backend)
+    calls = []
+    original = kept_decode.kept_decode_attention
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(kept_decode, "kept_decode_attention", counted)
+    mask = torch.ones(prompt.shape, dtype=torch.long)
+    mask[1, :PAD] = 0
+    cache = model.make_kv_cache()
+    logits = []
+    with torch.no_grad():
+        out = model(prompt, attention_mask=mask, past_key_values=cache, use_cache=True)
+        logits.append(out.logits[:, -1])
+        for step in range(forced.shape[1]):
+            mask = torch.cat([mask, torch.ones(mask.shape[0], 1, dtype=mask.dtype)], dim=1)
+            out = model(forced[:, step : step + 1], attention_mask=mask, past_key_values=cache, use_cache=True)
+            logits.append(out.logits[:, -1])
+    monkeypatch.setattr(kept_decode, "kept_decode_attention", original)
+    return logits, cache, len(calls)
+
+
+@pytest.mark.parametrize(
+    "rate, evict",
+    [
+        (0.0, {"keep": 0.5, "bits": (8, 4)}),  # the frontier's recipe form: full rank, 8-bit keys, 4-bit values
+        (0.5, {"keep": 0.4, "bits": (4, 2), "group_size": 8}),  # cut ranks, several groups per head
+        (0.0, {"keep": 0.3, "bits": 8, "observed_queries": 1}),
+    ],
+)
+def test_kept_tier_kernels_decode_as_the_torch_path(compiled, monkeypatch, rate, evict):
+    model = kvrewrite.load(compiled["latent"], rate=rate, recent_window=4, kv_codec="none", evict=evict).eval()
+    tokens = random_windows(n=2, length=PROMPT + STEPS, seed=51)
+    prompt, forced = tokens[:, :PROMPT], tokens[:, PROMPT:]
+    fast, fast_cache, kernel_steps = _decode(model, prompt, forced, "triton", monkeypatch)
+    slow, slow_cache, torch_steps = _decode(model, prompt, forced, "torch", monkeypatch)
+    layers = len(fast_cache.layers)
+    assert kernel_steps == STEPS * layers and torch_steps == 0  # every decode step of every layer, prefill none
+    for a, b in zip(fast, slow):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    for fast_layer, slow_layer in zip(fast_cache.layers, slow_cache.layers):
+        for row in range(2):
+            assert sorted(fast_layer.kept_positions[row].tolist()) == sorted(slow_layer.kept_positions[row].tolist())
+        assert fast_layer.kept_positions.shape[-1] > 0
+
+
+def test_the_kernels_are_not_used_where_they_do_not_apply(compiled, monkeypatch):
+    """A floor, keys that are not rebuilt (freq) and float16 kept tokens take the torch path."""
+    tokens = random_windows(n=2, length=PROMPT + 2, seed=52)
+    cases = [
+        ("latent", {"keep": 0.3, "bits": (8, 4), "floor": {"key": 2, "value": 2, "bits": 4}}),
+        ("freq", {"keep": 0.3, "bits": (8, 4)}),
+        ("latent", {"keep": 0.3, "bits": None}),
+    ]
+    for mode, evict in cases:
+        model = kvrewrite.load(compiled[mode], rate=0.0, recent_window=4, kv_codec="none", evict=evict).eval()
+        _, _, kernel_steps = _decode(model, tokens[:, :PROMPT], tokens[:, PROMPT:], "triton", monkeypatch)
+        assert kernel_steps == 0, (mode, evict)
+
+
+def _packed(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes [..., C] packed 8 // bits to a byte, lowest bits first (the kept tier's layout)."""
+    per = 8 // bits
+    grouped = codes.view(*codes.shape[:-1], -1, per).to(torch.int32)
+    return sum(grouped[..., k] << (bits * k) for k in range(per)).to(torch.uint8)
+
+
+@pytest.mark.parametrize("bits, group_size", [(8, 16), (4, 8), (2, 32)])
+def test_kernels_against_a_dense_reference(bits, group_size):
+    """Random codes, scales and positions in no order: logits and value sums against float64 torch."""
+    from kvrewrite.runtime.kernels.kept_tier_kernels import kept_key_logits, kept_value_sums
+
+    gen = torch.Generator().manual_seed(3)
+    batch, rows, d, ranks, group = 2, 37, 16, (16, 8, 8), 2
+    channels, heads, length = sum(ranks), group * len(ranks), 50
+    codes = torch.randint(0, 1 << bits, (batch, rows, channels), generator=gen, dtype=torch.uint8)
+    scale = (torch.rand(batch, rows, channels // group_size, generator=gen) * 0.1).half()
+    low = (torch.randn(batch, rows, channels // group_size, generator=gen) * 0.2).half()
+    coded = {"codes": _packed(codes, bits), "scale": scale, "low": low}
+    positions = torch.randperm(length, generator=gen)[:rows].int()[None].repeat(batch, 1)
+    positions[1] = positions[1].flip(0)
+    up = torch.randn(batch, len(ranks), max(ranks), d, generator=gen) * 0.3
+    shift = torch.randn(batch, len(ranks), d, generator=gen)
+    angles = torch.arange(length)[:, None] * (0.3 ** torch.arange(d // 2))[None]
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    queries = torch.randn(batch, heads, d, generator=gen)
+
+    latents = (codes.double() * scale.double().repeat_interleave(group_size, -1)) + low.double().repeat_interleave(
+        group_size, -1
+    )
+    expected = torch.empty(batch, heads, rows, dtype=torch.float64)
+    start = 0
+    for g, r in enumerate(ranks):
+        keys = latents[..., start : start + r] @ up[:, g, :r].double() + shift[:, g, None].double()  # [B, S, d]
+        c, s = cos[positions.long()].double(), sin[positions.long()].double()
+        rotated = keys * c + torch.cat([-keys[..., d // 2 :], keys[..., : d // 2]], -1) * s
+        expected[:, g * group : (g + 1) * group] = queries[:, g * group : (g + 1) * group].double() @ rotated.mT * 0.7
+        start += r
+    logits = kept_key_logits(queries, coded, positions, ranks, bits, group_size, up, shift, cos, sin, 0.7)
+    torch.testing.assert_close(logits.double(), expected, rtol=1e-5, atol=1e-4)
+
+    probs = torch.softmax(torch.randn(batch, heads, rows, generator=gen), -1)
+    sums = kept_value_sums(probs, coded, ranks, bits, group_size)
+    start = 0
+    for g, r in enumerate(ranks):
+        want = probs[:, g * group : (g + 1) * group].double() @ latents[..., start : start + r]
+        torch.testing.assert_close(sums[:, g * group : (g + 1) * group, :r].double(), want, rtol=1e-5, atol=1e-5)
+        assert not sums[:, g * group : (g + 1) * group, r:].any()
+        start += r
