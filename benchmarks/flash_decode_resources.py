@@ -37,6 +37,7 @@ from kvrewrite.runtime.kernels import (
     flash_decode_mla,
     flash_decode_packed,
     flash_decode_splits,
+    kept_tier_kernels,
 )
 from kvrewrite.runtime.kernels.flash_decode_packed import tile_columns
 from kvrewrite.runtime.kernels.flash_decode_splits import column_alignment, decode_tile, pow2
@@ -188,6 +189,40 @@ def packed_case(layout: PackedLayout, splits: int, row_multiple: int = 1) -> tup
     )
 
 
+def kept_tier_records() -> list[dict]:
+    """The eviction kept tier's two decode kernels at the frontier recipe's Llama-3-8B form: full rank (8 KV heads
+    x 128 columns a side, group 4), 8-bit keys and 4-bit values in groups of 64 channels, 4,670 kept rows of a
+    cache of 8,208 (57% of 8K)."""
+    cap, rows, channels, groups = 8208, 4670, 1024, 1024 // 64
+    shared = dict(codes_ptr=torch.uint8, scale_ptr=torch.float16, low_ptr=torch.float16, col_ptr=torch.int32)
+    shared.update(rank_ptr=torch.int32, n_rows=rows, rows_per_program=kept_tier_kernels.ROWS_PER_PROGRAM)
+    block = kept_tier_kernels.BLOCK_ROWS
+    consts = dict(GROUP=4, BLOCK_G=pow2(4), BLOCK_N=block, BLOCK_R=128, GROUP_SIZE=64)
+    key_args = dict(
+        shared,
+        q_ptr=torch.bfloat16, pos_ptr=torch.int32, up_ptr=torch.bfloat16, shift_ptr=torch.float32,
+        cos_ptr=torch.bfloat16, sin_ptr=torch.bfloat16, out_ptr=torch.float32, half_d=64, qk_scale=0.088,
+        s_qb=32 * 128, s_cb=cap * channels, s_cs=channels, s_gb=cap * groups, s_gs=groups, s_pb=cap,
+        s_ub=8 * 128 * 128, s_ug=128 * 128, s_ur=128, s_hb=8 * 128, s_hg=128, s_cos=128, s_sin=128,
+        s_ob=32 * rows, s_oh=rows,
+    )  # fmt: skip
+    value_args = dict(
+        shared,
+        p_ptr=torch.float32, out_ptr=torch.float32,
+        s_pb=32 * rows, s_ph=rows, s_cb=cap * channels // 2, s_cs=channels // 2, s_gb=cap * groups, s_gs=groups,
+        s_ob=32 * 5 * 128, s_oh=5 * 128, s_oc=128,
+    )  # fmt: skip
+    records = []
+    warps, stages = kept_tier_kernels.NUM_WARPS, kept_tier_kernels.NUM_STAGES
+    key_consts = dict(consts, HALF=64, BITS=8, UPCAST=False)
+    result = compile_sm90(kept_tier_kernels._kept_logits_kernel, key_args, key_consts, warps, stages)
+    records.append({"kernel": "kept tier logits k8 llama3-8b", "shape": {"rows": rows}, "BLOCK_N": block, **result})
+    value_consts = dict(consts, BITS=4, DOT_DTYPE=triton.language.bfloat16)
+    result = compile_sm90(kept_tier_kernels._kept_value_kernel, value_args, value_consts, warps, stages)
+    records.append({"kernel": "kept tier values v4 llama3-8b", "shape": {"rows": rows}, "BLOCK_N": block, **result})
+    return records
+
+
 def main() -> None:
     os.environ.pop("TRITON_INTERPRET", None)
     records = []
@@ -334,6 +369,7 @@ def main() -> None:
             **result,
         }
     )
+    records += kept_tier_records()
     merge_args = dict(
         acc_ptr=torch.float32,
         m_ptr=torch.float32,
