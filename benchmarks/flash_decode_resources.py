@@ -197,7 +197,7 @@ def kept_tier_records() -> list[dict]:
     shared = dict(codes_ptr=torch.uint8, scale_ptr=torch.float16, low_ptr=torch.float16, col_ptr=torch.int32)
     shared.update(rank_ptr=torch.int32, n_rows=rows, rows_per_program=kept_tier_kernels.ROWS_PER_PROGRAM)
     block = kept_tier_kernels.BLOCK_ROWS
-    consts = dict(GROUP=4, BLOCK_G=pow2(4), BLOCK_N=block, BLOCK_R=128, GROUP_SIZE=64)
+    consts = dict(GROUP=4, BLOCK_G=pow2(4), BLOCK_R=128, GROUP_SIZE=64)
     key_args = dict(
         shared,
         q_ptr=torch.bfloat16, pos_ptr=torch.int32, up_ptr=torch.bfloat16, shift_ptr=torch.float32,
@@ -214,12 +214,16 @@ def kept_tier_records() -> list[dict]:
     )  # fmt: skip
     records = []
     warps, stages = kept_tier_kernels.NUM_WARPS, kept_tier_kernels.NUM_STAGES
-    key_consts = dict(consts, HALF=64, BITS=8, UPCAST=False)
-    result = compile_sm90(kept_tier_kernels._kept_logits_kernel, key_args, key_consts, warps, stages)
-    records.append({"kernel": "kept tier logits k8 llama3-8b", "shape": {"rows": rows}, "BLOCK_N": block, **result})
-    value_consts = dict(consts, BITS=4, DOT_DTYPE=triton.language.bfloat16)
-    result = compile_sm90(kept_tier_kernels._kept_value_kernel, value_args, value_consts, warps, stages)
-    records.append({"kernel": "kept tier values v4 llama3-8b", "shape": {"rows": rows}, "BLOCK_N": block, **result})
+    for rows_per_block, note in ((block, ""), (2 * block, " (rejected)")):
+        sized = dict(consts, BLOCK_N=rows_per_block)
+        key_consts = dict(sized, HALF=64, BITS=8, UPCAST=False)
+        result = compile_sm90(kept_tier_kernels._kept_logits_kernel, key_args, key_consts, warps, stages)
+        name = f"kept tier logits k8 llama3-8b, {rows_per_block} rows{note}"
+        records.append({"kernel": name, "shape": {"rows": rows}, "BLOCK_N": rows_per_block, **result})
+        value_consts = dict(sized, BITS=4, DOT_DTYPE=triton.language.bfloat16)
+        result = compile_sm90(kept_tier_kernels._kept_value_kernel, value_args, value_consts, warps, stages)
+        name = f"kept tier values v4 llama3-8b, {rows_per_block} rows{note}"
+        records.append({"kernel": name, "shape": {"rows": rows}, "BLOCK_N": rows_per_block, **result})
     return records
 
 
