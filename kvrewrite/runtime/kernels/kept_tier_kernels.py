@@ -33,7 +33,7 @@ from kvrewrite.runtime.kernels.flash_decode_splits import interpreter_upcast, in
 ROWS_PER_PROGRAM = 1024
 # 32 rows a block, 8 warps: at the frontier recipe's Llama-3-8B form (full rank 128, 8-bit keys, 4-bit values) the
 # two kernels compile for sm_90 with 167 / 179 registers and no spills under triton 3.6 (two stages), 140 / 116
-# under 3.9; 64 rows spill under both (benchmarks/results/flash_decode_resources_sm90.json).
+# under 3.9; at 64 rows the logits kernel spills under both (benchmarks/results/flash_decode_resources_sm90*.json).
 BLOCK_ROWS = 32
 NUM_WARPS = 8
 NUM_STAGES = 2
