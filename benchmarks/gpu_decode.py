@@ -181,9 +181,13 @@ def build_model(form: str, shape: dict, layers: int, device: torch.device, dtype
     else:
         rank = int(round(d * (1 - PER_HEAD_RATE)))
         model.set_ranks([[rank] * n_kv] * layers, [[rank] * n_kv] * layers)
-    if form in ("latent", "evict"):  # a well-conditioned up-projection, so rebuilt keys have realistic magnitudes
-        for attn in model.compressed_attentions():
-            torch.nn.init.orthogonal_(attn.k_up.data.view(-1, d))
+    # The key mode's own parameters are allocated uninitialised (a checkpoint fills them): orthogonal maps, so rebuilt
+    # or projected keys have realistic magnitudes (and no garbage, NaN included, reaches the logits).
+    for attn in model.compressed_attentions():
+        for name in ("k_up", "q_map", "k_map"):
+            if hasattr(attn, name):
+                for block in getattr(attn, name).data:
+                    torch.nn.init.orthogonal_(block)
     return model
 
 
