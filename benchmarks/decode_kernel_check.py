@@ -1,0 +1,104 @@
+"""Every cache form's decode step through its kernels against the same step through torch ops, on one device.
+
+The kernel tests run on CPU under Triton's interpreter; this checks the kernels compiled for the device, end to end
+through each form's model, before anything is timed (the first step of benchmarks/gpu_decode_device.sh). For every
+form of benchmarks/gpu_decode.py but stock, two copies of the same random model (same seed) and of the same filled
+cache take one decode step: one with the backend the runtime picks on the device (`KVREWRITE_ATTENTION` unset: the
+Triton kernels on CUDA), one with `KVREWRITE_ATTENTION=torch`. The logits must agree within the dtype's tolerance.
+
+    python benchmarks/decode_kernel_check.py --out OUT.json                                # CUDA, Llama-3-8B shapes
+    TRITON_INTERPRET=1 python benchmarks/decode_kernel_check.py --device cpu --out OUT.json  # the check itself, on CPU
+
+Exits 1 if any form disagrees or fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from gpu_decode import FORMS, SHAPES, build_model, filled_cache, provenance  # noqa: E402
+
+TOLERANCE = {torch.bfloat16: 3e-2, torch.float16: 1e-2, torch.float32: 1e-3}  # relative L2 error of the logits
+
+
+@contextmanager
+def backend(name: str | None):
+    """KVREWRITE_ATTENTION for the block (None: unset, the runtime's own choice)."""
+    before = os.environ.get("KVREWRITE_ATTENTION")
+    if name is None:
+        os.environ.pop("KVREWRITE_ATTENTION", None)
+    else:
+        os.environ["KVREWRITE_ATTENTION"] = name
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("KVREWRITE_ATTENTION", None)
+        else:
+            os.environ["KVREWRITE_ATTENTION"] = before
+
+
+def one_step(form: str, shape: dict, layers: int, batch: int, context: int, device, dtype, chosen: str | None):
+    """Logits [B, vocab] (float32) of one decode step of a fresh model and cache under backend `chosen`."""
+    with backend(chosen), torch.inference_mode():
+        model = build_model(form, shape, layers, device, dtype)
+        cache = filled_cache(model, form, batch, context, context + 4, device, dtype)
+        ids = torch.randint(0, shape["vocab_size"], (batch, 1), generator=torch.Generator().manual_seed(2))
+        logits = model(input_ids=ids.to(device), past_key_values=cache, use_cache=True).logits[:, -1].float()
+    del model, cache
+    return logits
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--forms", default=",".join(f for f in FORMS if not f.startswith("stock")))
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        parser.error("on a CPU the kernels run under Triton's interpreter: set TRITON_INTERPRET=1")
+    # CUDA: Llama-3-8B's attention at a context that is not a multiple of any block; CPU (interpreter): tiny.
+    if device.type == "cuda":
+        name, layers, batch, context, dtype, fast = "llama3-8b", 2, 2, 1000, torch.bfloat16, None
+    else:
+        name, layers, batch, context, dtype, fast = "smollm2", 1, 2, 75, torch.float32, "triton"
+    shape = SHAPES[name]
+    forms = [f.strip() for f in args.forms.split(",") if f.strip()]
+    results, failed = {}, False
+    for form in forms:
+        try:
+            kernels = one_step(form, shape, layers, batch, context, device, dtype, fast)
+            plain = one_step(form, shape, layers, batch, context, device, dtype, "torch")
+            error = float((kernels - plain).norm() / plain.norm())
+            agree = float((kernels.argmax(-1) == plain.argmax(-1)).float().mean())
+            ok = bool(torch.isfinite(kernels).all()) and error <= TOLERANCE[dtype]
+            results[form] = {"relative_error": float(f"{error:.3g}"), "argmax_agreement": agree, "ok": ok}
+        except Exception as exc:  # a compile failure in one form must not hide the others'
+            results[form] = {"error": f"{type(exc).__name__}: {exc}"[:500], "ok": False}
+        failed |= not results[form]["ok"]
+        print(f"{form:10s} {results[form]}", flush=True)
+    record = {
+        **provenance(argparse.Namespace(shape=name, layers=layers, dtype=str(dtype), steps=1), device),
+        "batch": batch,
+        "context": context,
+        "tolerance": TOLERANCE[dtype],
+        "results": results,
+    }
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(record, indent=1) + "\n")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
