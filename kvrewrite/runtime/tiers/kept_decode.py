@@ -13,11 +13,18 @@ rotate_half, both sides coded, no floor) the kept tier's codes are read where th
 3. kernels.kept_tier_kernels.kept_value_sums sums probabilities times the dequantised value codes; the map moves
    onto that sum (sum p x = (sum p y) matrix + offset sum p), and the window's values are added.
 
+The maps (k_up with the key map folded in, the value map) are made once per sequence, at the first step after the
+statistics are set, and held on the layer as derived data, not cache content: [B, n_kv, r, d] in the model's dtype,
+about 16 MB a layer for Llama-3-8B at batch 64 (the cache's bytes do not count them). The window's keys and values
+are handled for all heads at once, so a step launches a few dozen small ops a layer besides the two kernels.
+
 Everything else (prefill chunks, a floor, keys that are not rebuilt, bits off, CPU) takes the torch path, which
 tests/test_kept_decode.py holds this path equal to.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -44,27 +51,58 @@ def kept_decode_applies(module, layer, query: torch.Tensor) -> bool:
     return resolve_backend(query.device) == "triton"
 
 
-def _folded_up(module, layer, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per KV head, k_up with the key code space's map folded in, [B, n_kv, R, d], and the map's offset through it,
-    [B, n_kv, d] (float32)."""
-    ranks = layer.kept_key_ranks
-    maps = layer._head_maps("key", False, torch.float32)
-    batch = layer.kept_positions.shape[0]
-    d = module.head_dim
-    up = torch.zeros(batch, len(ranks), max(ranks), d, dtype=torch.float32, device=module.k_up.device)
-    shift = torch.zeros(batch, len(ranks), d, dtype=torch.float32, device=module.k_up.device)
+@dataclass(frozen=True)
+class KernelMaps:
+    """An evicting layer's code-space maps as the kernels and the output need them, per KV head stacked and padded
+    with zeros to the widest rank: the up-projection with the key map folded in [B, n_kv, R, d] (kernel dtype) and
+    the key map's offset through it [B, n_kv, d]; the value map [B, n_kv, Rv, Rv] and offset [B, n_kv, Rv]."""
+
+    key_stats: torch.Tensor  # the statistics tensor they were made from: a new sequence (or beam) has new ones
+    up: torch.Tensor
+    shift: torch.Tensor
+    value_matrix: torch.Tensor
+    value_offset: torch.Tensor
+
+
+def _stacked_maps(layer, side: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The side's per-head (matrix, offset) maps, zero-padded to the widest rank: [B, n_kv, R, R], [B, n_kv, R]."""
+    ranks = layer.kept_key_ranks if side == "key" else layer.kept_value_ranks
+    maps = layer._head_maps(side, False, torch.float32)
+    batch, width = layer.kept_positions.shape[0], max(ranks)
+    device = layer.kept_positions.device
+    matrix = torch.zeros(batch, len(ranks), width, width, device=device)
+    offset = torch.zeros(batch, len(ranks), width, device=device)
     for g, r in enumerate(ranks):
-        if not r:
-            continue
-        head_up = module.k_up[g, :r].float()
         head_map = None if maps is None else maps[g]
-        if head_map is None:
-            up[:, g, :r] = head_up
-            continue
-        matrix, offset = head_map
-        up[:, g, :r] = matrix @ head_up
-        shift[:, g] = offset @ head_up
-    return up.to(dtype), shift
+        if head_map is None:  # stored as is
+            matrix[:, g, :r, :r] = torch.eye(r, device=device)
+        elif r:
+            matrix[:, g, :r, :r], offset[:, g, :r] = head_map
+    return matrix, offset
+
+
+def kernel_maps(module, layer, dtype: torch.dtype) -> KernelMaps:
+    """The layer's KernelMaps, made once per sequence: the statistics behind them are set at its first settle."""
+    key_stats = layer.channel_stats["key_mean"]
+    held = getattr(layer, "_kernel_maps", None)
+    if held is not None and held.key_stats is key_stats and held.up.dtype == dtype:
+        return held
+    ranks = layer.kept_key_ranks
+    width = max(ranks)
+    key_matrix, key_offset = _stacked_maps(layer, "key")
+    up_rows = torch.zeros(len(ranks), width, module.head_dim, device=key_matrix.device)  # k_up's first r rows per head
+    for g, r in enumerate(ranks):
+        up_rows[g, :r] = module.k_up[g, :r].float()
+    value_matrix, value_offset = _stacked_maps(layer, "value")
+    held = KernelMaps(
+        key_stats,
+        (key_matrix @ up_rows).to(dtype),  # latent = y @ matrix + offset, so y's key is y @ (matrix @ k_up) + ...
+        (key_offset.unsqueeze(-2) @ up_rows).squeeze(-2),
+        value_matrix,
+        value_offset,
+    )
+    layer._kernel_maps = held
+    return held
 
 
 def kept_decode_attention(module, query: torch.Tensor, layer, attention_mask: torch.Tensor | None) -> torch.Tensor:
@@ -78,37 +116,30 @@ def kept_decode_attention(module, query: torch.Tensor, layer, attention_mask: to
     heads_n = module.num_heads
     kv_len = layer.get_seq_length()
     allowed = boolean_mask(attention_mask, 1, kv_len, device)  # [B|1, 1, 1, kv_len]
-    recent_k, recent_v = layer.keys.to(dtype), layer.values.to(dtype)
+    recent_k, recent_v = layer.keys.to(dtype), layer.values.to(dtype)  # [B, 1, W, n_kv * d]
     n_recent = recent_k.shape[-2]
     recent_pos = torch.arange(kv_len - n_recent, kv_len, device=device)
     positions = layer.kept_positions  # [B, S]
     cos_table, sin_table = rope_table(module._rotary[0], query, kv_len, transposed=False)  # [>= kv_len, d]
     q_pos = torch.full((batch, 1), kv_len - 1, device=device)
     heads = module._apply_rope(query.view(batch, 1, heads_n, d).transpose(1, 2), cos_table[q_pos], sin_table[q_pos])
+    queries = heads[:, :, 0]  # [B, H, d], rotated
 
     # 1. The kept keys, in the kernel.
-    kernel_dtype = dtype if dtype in (torch.float16, torch.bfloat16, torch.float32) else torch.float32
-    up, shift = _folded_up(module, layer, kernel_dtype)
+    kernel_dtype = dtype if dtype in (torch.float16, torch.bfloat16) else torch.float32
+    maps = kernel_maps(module, layer, kernel_dtype)
     kept_logits = kept_key_logits(
-        heads[:, :, 0].to(kernel_dtype),
-        layer.kept_keys,
-        positions,
-        layer.kept_key_ranks,
-        layer.side_bits["key"],
-        layer.group_size,
-        up,
-        shift,
-        cos_table,
-        sin_table,
-        module.scaling,
-    )
-    # 2. The window in torch, one softmax over both, the evidence.
-    rope_recent = (cos_table[recent_pos][None].expand(batch, -1, -1), sin_table[recent_pos][None].expand(batch, -1, -1))
-    recent_logits = []
-    for g in range(n_kv):
-        keys = module.mode.rebuild_keys(module, recent_k[..., g * d : (g + 1) * d], g, *rope_recent)  # [B, 1, W, d]
-        recent_logits.append(heads[:, g * group : (g + 1) * group, 0] @ keys[:, 0].transpose(-1, -2))
-    logits = torch.cat([kept_logits, torch.cat(recent_logits, dim=1).float() * module.scaling], dim=-1)
+        queries.to(kernel_dtype), layer.kept_keys, positions, layer.kept_key_ranks, layer.side_bits["key"],
+        layer.group_size, maps.up, maps.shift, cos_table, sin_table, module.scaling,
+    )  # fmt: skip
+    # 2. The window's keys rebuilt and rotated for all heads at once, one softmax over both, the evidence.
+    recent_latents = recent_k[:, 0].view(batch, n_recent, n_kv, d)
+    recent_keys = torch.einsum("bwgr,grd->bgwd", recent_latents, module.k_up.to(dtype))  # [B, n_kv, W, d]
+    rope_recent = [t[recent_pos][None].expand(batch, -1, -1) for t in (cos_table, sin_table)]
+    recent_keys = module._apply_rope(recent_keys, *rope_recent)
+    grouped = queries.view(batch, n_kv, group, d)
+    recent_logits = (grouped @ recent_keys.transpose(-1, -2)).reshape(batch, heads_n, n_recent)
+    logits = torch.cat([kept_logits, recent_logits.float() * module.scaling], dim=-1)
     row_allowed = allowed[:, 0, 0].expand(batch, -1)  # [B, kv_len]
     mask = torch.cat([row_allowed.gather(1, positions.long()), row_allowed[:, kv_len - n_recent :]], dim=-1)
     probs = torch.softmax(logits.masked_fill(~mask[:, None], torch.finfo(torch.float32).min), dim=-1)  # [B, H, S+W]
@@ -128,22 +159,15 @@ def kept_decode_attention(module, query: torch.Tensor, layer, attention_mask: to
             [evidence(kept_probs)] if "stored" in wanted else None,
             None,
         )
-    # 3. Values: the kept tier's code-space sums, mapped back, and the window's.
+    # 3. Values: the kept tier's code-space sums with the map moved onto them, and the window's.
     sums = kept_value_sums(
         kept_probs.contiguous(), layer.kept_values, layer.kept_value_ranks, layer.side_bits["value"],
         layer.group_size, kernel_dtype,
     )  # fmt: skip
-    value_maps = layer._head_maps("value", False, torch.float32)
-    outputs = []
-    for g, r in enumerate(layer.kept_value_ranks):
-        rows = slice(g * group, (g + 1) * group)
-        read = sums[:, rows, :r]  # [B, G, r]
-        head_map = None if value_maps is None else value_maps[g]
-        if head_map is not None and r:
-            matrix, offset = head_map
-            read = read @ matrix + kept_probs[:, rows].sum(dim=-1, keepdim=True) * offset[:, None]
-        out = (
-            F.pad(read, (0, d - r)).to(dtype) + recent_probs[:, rows].to(dtype) @ recent_v[:, 0, :, g * d : (g + 1) * d]
-        )
-        outputs.append(out)  # [B, G, d]
-    return torch.cat(outputs, dim=1).reshape(batch, 1, heads_n * d)
+    width = sums.shape[-1]
+    kept_out = sums.view(batch, n_kv, group, width) @ maps.value_matrix  # sum p x = (sum p y) matrix + offset sum p
+    kept_out = kept_out + kept_probs.sum(dim=-1).view(batch, n_kv, group, 1) * maps.value_offset[:, :, None]
+    recent_values = recent_v[:, 0].view(batch, n_recent, n_kv, d).transpose(1, 2)  # [B, n_kv, W, d]
+    recent_out = recent_probs.view(batch, n_kv, group, n_recent).to(dtype) @ recent_values
+    out = F.pad(kept_out, (0, d - width)).to(dtype) + recent_out  # [B, n_kv, G, d]
+    return out.reshape(batch, 1, heads_n * d)
