@@ -200,17 +200,20 @@ def kept_tier_records() -> list[dict]:
     consts = dict(GROUP=4, BLOCK_G=pow2(4), BLOCK_R=128, GROUP_SIZE=64)
     key_args = dict(
         shared,
-        q_ptr=torch.bfloat16, pos_ptr=torch.int32, up_ptr=torch.bfloat16, shift_ptr=torch.float32,
-        cos_ptr=torch.bfloat16, sin_ptr=torch.bfloat16, out_ptr=torch.float32, half_d=64, qk_scale=0.088,
-        s_qb=32 * 128, s_cb=cap * channels, s_cs=channels, s_gb=cap * groups, s_gs=groups, s_pb=cap,
+        q_ptr=torch.bfloat16, pos_ptr=torch.int32, mask_ptr=torch.int8, up_ptr=torch.bfloat16,
+        shift_ptr=torch.float32, cos_ptr=torch.bfloat16, sin_ptr=torch.bfloat16, out_ptr=torch.float32,
+        m_ptr=torch.float32, l_ptr=torch.float32, half_d=64, qk_scale=0.088,
+        s_qb=32 * 128, s_cb=cap * channels, s_cs=channels, s_gb=cap * groups, s_gs=groups, s_pb=cap, s_mb=cap,
         s_ub=8 * 128 * 128, s_ug=128 * 128, s_ur=128, s_hb=8 * 128, s_hg=128, s_cos=128, s_sin=128,
-        s_ob=32 * rows, s_oh=rows,
+        s_ob=32 * rows, s_oh=rows, s_lb=32 * 5, s_lh=5,
     )  # fmt: skip
     value_args = dict(
         shared,
-        p_ptr=torch.float32, out_ptr=torch.float32,
-        s_pb=32 * rows, s_ph=rows, s_cb=cap * channels // 2, s_cs=channels // 2, s_gb=cap * groups, s_gs=groups,
-        s_ob=32 * 5 * 128, s_oh=5 * 128, s_oc=128,
+        logits_ptr=torch.float32, lse_ptr=torch.float32, pos_ptr=torch.int32, mask_ptr=torch.int8,
+        weight_ptr=torch.float32, out_ptr=torch.float32, evidence_ptr=torch.float32,
+        s_pb=32 * rows, s_ph=rows, s_eb=32, s_xb=cap, s_mb=cap, s_wb=1, s_cb=cap * channels // 2,
+        s_cs=channels // 2, s_gb=cap * groups, s_gs=groups, s_ob=32 * 5 * 128, s_oh=5 * 128, s_oc=128,
+        s_vb=8 * rows, s_vg=rows,
     )  # fmt: skip
     records = []
     warps, stages = kept_tier_kernels.NUM_WARPS, kept_tier_kernels.NUM_STAGES
@@ -220,7 +223,7 @@ def kept_tier_records() -> list[dict]:
         result = compile_sm90(kept_tier_kernels._kept_logits_kernel, key_args, key_consts, warps, stages)
         name = f"kept tier logits k8 llama3-8b, {rows_per_block} rows{note}"
         records.append({"kernel": name, "shape": {"rows": rows}, "BLOCK_N": rows_per_block, **result})
-        value_consts = dict(sized, BITS=4, DOT_DTYPE=triton.language.bfloat16)
+        value_consts = dict(sized, BITS=4, DOT_DTYPE=triton.language.bfloat16, EVIDENCE_MAX=False)
         result = compile_sm90(kept_tier_kernels._kept_value_kernel, value_args, value_consts, warps, stages)
         name = f"kept tier values v4 llama3-8b, {rows_per_block} rows{note}"
         records.append({"kernel": name, "shape": {"rows": rows}, "BLOCK_N": rows_per_block, **result})

@@ -94,11 +94,14 @@ def _packed(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return sum(grouped[..., k] << (bits * k) for k in range(per)).to(torch.uint8)
 
 
-@pytest.mark.parametrize("bits, group_size", [(8, 16), (4, 8), (2, 32)])
-def test_kernels_against_a_dense_reference(bits, group_size):
-    """Random codes, scales and positions in no order: logits and value sums against float64 torch."""
-    from kvrewrite.runtime.kernels.kept_tier_kernels import kept_key_logits, kept_value_sums
+@pytest.mark.parametrize("bits, group_size, rows_per_program", [(8, 16, 1024), (4, 8, 16), (2, 32, 16)])
+def test_kernels_against_a_dense_reference(monkeypatch, bits, group_size, rows_per_program):
+    """Random codes, scales and positions in no order, some positions not allowed, one chunk of rows per program or
+    several: logits, softmax statistics, value sums and evidence against float64 torch."""
+    from kvrewrite.runtime.kernels import kept_tier_kernels
+    from kvrewrite.runtime.kernels.kept_tier_kernels import kept_key_logits, kept_weighted_values
 
+    monkeypatch.setattr(kept_tier_kernels, "ROWS_PER_PROGRAM", rows_per_program)
     gen = torch.Generator().manual_seed(3)
     batch, rows, d, ranks, group = 2, 37, 16, (16, 8, 8), 2
     channels, heads, length = sum(ranks), group * len(ranks), 50
@@ -108,6 +111,7 @@ def test_kernels_against_a_dense_reference(bits, group_size):
     coded = {"codes": _packed(codes, bits), "scale": scale, "low": low}
     positions = torch.randperm(length, generator=gen)[:rows].int()[None].repeat(batch, 1)
     positions[1] = positions[1].flip(0)
+    allowed = torch.rand(batch, length, generator=gen) > 0.2
     up = torch.randn(batch, len(ranks), max(ranks), d, generator=gen) * 0.3
     shift = torch.randn(batch, len(ranks), d, generator=gen)
     angles = torch.arange(length)[:, None] * (0.3 ** torch.arange(d // 2))[None]
@@ -125,14 +129,31 @@ def test_kernels_against_a_dense_reference(bits, group_size):
         rotated = keys * c + torch.cat([-keys[..., d // 2 :], keys[..., : d // 2]], -1) * s
         expected[:, g * group : (g + 1) * group] = queries[:, g * group : (g + 1) * group].double() @ rotated.mT * 0.7
         start += r
-    logits = kept_key_logits(queries, coded, positions, ranks, bits, group_size, up, shift, cos, sin, 0.7)
+    logits, maxima, sums = kept_key_logits(
+        queries, coded, positions, allowed, ranks, bits, group_size, up, shift, cos, sin, 0.7
+    )
     torch.testing.assert_close(logits.double(), expected, rtol=1e-5, atol=1e-4)
+    kept_allowed = allowed.gather(1, positions.long())[:, None]  # [B, 1, S]
+    masked = expected.masked_fill(~kept_allowed, float("-inf"))
+    assert maxima.shape[-1] == -(-rows // rows_per_program)
+    lse_kept = (maxima.double() + sums.double().log()).logsumexp(-1)
+    torch.testing.assert_close(lse_kept, masked.logsumexp(-1), rtol=1e-5, atol=1e-4)
 
-    probs = torch.softmax(torch.randn(batch, heads, rows, generator=gen), -1)
-    sums = kept_value_sums(probs, coded, ranks, bits, group_size)
-    start = 0
-    for g, r in enumerate(ranks):
-        want = probs[:, g * group : (g + 1) * group].double() @ latents[..., start : start + r]
-        torch.testing.assert_close(sums[:, g * group : (g + 1) * group, :r].double(), want, rtol=1e-5, atol=1e-5)
-        assert not sums[:, g * group : (g + 1) * group, r:].any()
-        start += r
+    lse = masked.logsumexp(-1) + 0.3  # as if the window held the rest of the weight
+    weights = torch.tensor([1.0, 0.5])
+    for evidence_max in (False, True):
+        values, evidence = kept_weighted_values(
+            logits, lse.float(), positions, allowed, weights, coded, ranks, bits, group_size, evidence_max=evidence_max
+        )
+        probs = (masked - lse[..., None]).exp()  # [B, H, S], 0 where not allowed
+        start = 0
+        for g, r in enumerate(ranks):
+            block = probs[:, g * group : (g + 1) * group]
+            want = block @ latents[..., start : start + r]
+            torch.testing.assert_close(values[:, g * group : (g + 1) * group, :r].double(), want, rtol=1e-4, atol=1e-4)
+            assert not values[:, g * group : (g + 1) * group, r:].any()
+            reduced = block.amax(dim=1) if evidence_max else block.sum(dim=1)
+            torch.testing.assert_close(
+                evidence[:, g].double(), reduced * weights[:, None].double(), rtol=1e-5, atol=1e-6
+            )
+            start += r

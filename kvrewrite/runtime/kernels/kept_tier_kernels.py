@@ -9,14 +9,17 @@ after every forward), so the step runs in two passes over the store, each readin
   the code space's map folded in ([r, d] as two halves, plus the map's offset through it) and the group's rotated
   queries, and per block of rows dequantises the codes (code x scale + minimum), rebuilds the pre-RoPE keys with two
   tl.dot, rotates them at the rows' cache positions (HF's rotate_half, the tables' first half) and writes the
-  group's scaled logits [B, H, S]. Keys exist only as a register tile.
-- the softmax over the kept logits and the recent window's, and the evidence, run in torch on [B, H, S] numbers
-  (a few bytes per token and head, against the codes' hundreds);
-- `kept_value_sums`: a program owns one (request, KV head, chunk) and sums probabilities times the dequantised value
-  codes into a partial [B, H, chunks, r]; the caller adds the chunks and maps the code-space sum back.
+  group's scaled logits [B, H, S], with the chunk's softmax statistics over the allowed rows (max, sum of exp).
+  Keys exist only as a register tile.
+- the caller joins the chunks' statistics with the recent window's logits into the log of the softmax's
+  denominator per head, lse [B, H] (a few numbers per request);
+- `kept_weighted_values`: a program owns one (request, KV head, chunk), turns the logits into probabilities
+  exp(logit - lse) in registers, writes the evidence of its query heads per row, and sums probabilities times the
+  dequantised value codes into a partial [B, H, chunks, r]; the caller adds the chunks and maps the sum back.
 
-Chunks of ROWS_PER_PROGRAM rows keep each program's up-projection load small against the codes it reads, and leave
-enough programs for one request at long contexts.
+Beyond the codes, a kept token costs a float32 logit per query head, written once and read once. Chunks of
+ROWS_PER_PROGRAM rows keep each program's up-projection load small against the codes it reads, and leave enough
+programs for one request at long contexts.
 """
 
 from __future__ import annotations
@@ -28,12 +31,18 @@ import triton
 import triton.language as tl
 
 from kvrewrite.runtime.kernels.flash_decode_coded import unpack_codes
-from kvrewrite.runtime.kernels.flash_decode_splits import interpreter_upcast, interpreting, pow2
+from kvrewrite.runtime.kernels.flash_decode_splits import (
+    NEG_INF,
+    interpreter_upcast,
+    interpreting,
+    mask_argument,
+    pow2,
+)
 
 ROWS_PER_PROGRAM = 1024
-# 32 rows a block, 8 warps: at the frontier recipe's Llama-3-8B form (full rank 128, 8-bit keys, 4-bit values) the
-# two kernels compile for sm_90 with 167 / 179 registers and no spills under triton 3.6 (two stages), 140 / 116
-# under 3.9; at 64 rows the logits kernel spills under both (benchmarks/results/flash_decode_resources_sm90*.json).
+# 32 rows a block, 8 warps, two stages: at the frontier recipe's Llama-3-8B form (full rank 128, 8-bit keys, 4-bit
+# values) the two kernels compile for sm_90 with 209 / 183 registers and no spills under triton 3.6, 139 / 113 under
+# 3.9; at 64 rows the logits kernel spills under both (benchmarks/results/flash_decode_resources_sm90*.json).
 BLOCK_ROWS = 32
 NUM_WARPS = 8
 NUM_STAGES = 2
@@ -60,15 +69,17 @@ def _dequantised_tile(
 
 @triton.jit
 def _kept_logits_kernel(
-    q_ptr, codes_ptr, scale_ptr, low_ptr, pos_ptr, up_ptr, shift_ptr, cos_ptr, sin_ptr, col_ptr, rank_ptr, out_ptr,
+    q_ptr, codes_ptr, scale_ptr, low_ptr, pos_ptr, mask_ptr, up_ptr, shift_ptr, cos_ptr, sin_ptr, col_ptr, rank_ptr,
+    out_ptr, m_ptr, l_ptr,
     n_rows, rows_per_program, half_d, qk_scale,
-    s_qb, s_cb, s_cs, s_gb, s_gs, s_pb, s_ub, s_ug, s_ur, s_hb, s_hg, s_cos, s_sin, s_ob, s_oh,
+    s_qb, s_cb, s_cs, s_gb, s_gs, s_pb, s_mb, s_ub, s_ug, s_ur, s_hb, s_hg, s_cos, s_sin, s_ob, s_oh, s_lb, s_lh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, HALF: tl.constexpr,
     BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
-    start = tl.program_id(2) * rows_per_program
+    chunk = tl.program_id(2)
+    start = chunk * rows_per_program
     stop = tl.minimum(start + rows_per_program, n_rows)
     col0 = tl.load(col_ptr + g)
     rank = tl.load(rank_ptr + g)
@@ -94,6 +105,8 @@ def _kept_logits_kernel(
         q2 = q2.to(tl.float32)
         up1 = up1.to(tl.float32)
         up2 = up2.to(tl.float32)
+    m_i = tl.full([BLOCK_G], NEG_INF, tl.float32)  # this chunk's running max and sum of exp per head
+    l_i = tl.zeros([BLOCK_G], tl.float32)
     for n0 in range(start, stop, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         live = n < stop
@@ -109,18 +122,29 @@ def _kept_logits_kernel(
         sin = tl.load(sin_ptr + position[:, None] * s_sin + half[None, :], mask=rope_ok, other=0.0).to(tl.float32)
         r1 = k1 * cos - k2 * sin  # rotate_half(k) = (-k2, k1)
         r2 = k2 * cos + k1 * sin
-        s = tl.dot(q1, tl.trans(r1.to(q1.dtype))) + tl.dot(q2, tl.trans(r2.to(q2.dtype)))
-        out = out_ptr + b * s_ob + heads[:, None] * s_oh + n[None, :]
-        tl.store(out, s * qk_scale, mask=row_ok[:, None] & live[None, :])
+        s = (tl.dot(q1, tl.trans(r1.to(q1.dtype))) + tl.dot(q2, tl.trans(r2.to(q2.dtype)))) * qk_scale
+        tl.store(out_ptr + b * s_ob + heads[:, None] * s_oh + n[None, :], s, mask=row_ok[:, None] & live[None, :])
+        # The softmax statistics over the allowed rows (a left-padded request's pads are kept rows too).
+        allowed = live & (tl.load(mask_ptr + b * s_mb + position, mask=live, other=0) != 0)
+        s = tl.where(allowed[None, :], s, NEG_INF)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        rescale = tl.where(m_new == NEG_INF, 0.0, tl.exp(m_i - m_new))
+        p = tl.where(allowed[None, :], tl.exp(s - m_new[:, None]), 0.0)
+        l_i = l_i * rescale + tl.sum(p, axis=1)
+        m_i = m_new
+    stats = b * s_lb + heads * s_lh + chunk
+    tl.store(m_ptr + stats, m_i, mask=row_ok)
+    tl.store(l_ptr + stats, l_i, mask=row_ok)
 
 
 @triton.jit
 def _kept_value_kernel(
-    p_ptr, codes_ptr, scale_ptr, low_ptr, col_ptr, rank_ptr, out_ptr,
+    logits_ptr, lse_ptr, pos_ptr, mask_ptr, weight_ptr, codes_ptr, scale_ptr, low_ptr, col_ptr, rank_ptr,
+    out_ptr, evidence_ptr,
     n_rows, rows_per_program,
-    s_pb, s_ph, s_cb, s_cs, s_gb, s_gs, s_ob, s_oh, s_oc,
+    s_pb, s_ph, s_eb, s_xb, s_mb, s_wb, s_cb, s_cs, s_gb, s_gs, s_ob, s_oh, s_oc, s_vb, s_vg,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, DOT_DTYPE: tl.constexpr, EVIDENCE_MAX: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
@@ -133,13 +157,22 @@ def _kept_value_kernel(
     row_ok = member < GROUP
     heads = g * GROUP + member
     dr = tl.arange(0, BLOCK_R)
+    lse = tl.load(lse_ptr + b * s_eb + heads, mask=row_ok, other=0.0)
+    weight = tl.load(weight_ptr + b * s_wb)  # the query's weight in the evidence (0: a row that reads no key)
     acc = tl.zeros([BLOCK_G, BLOCK_R], tl.float32)
     for n0 in range(start, stop, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         live = n < stop
-        p = tl.load(
-            p_ptr + b * s_pb + heads[:, None] * s_ph + n[None, :], mask=row_ok[:, None] & live[None, :], other=0.0
-        )
+        position = tl.load(pos_ptr + b * s_xb + n, mask=live, other=0).to(tl.int64)
+        allowed = live & (tl.load(mask_ptr + b * s_mb + position, mask=live, other=0) != 0)
+        ok = row_ok[:, None] & allowed[None, :]
+        s = tl.load(logits_ptr + b * s_pb + heads[:, None] * s_ph + n[None, :], mask=ok, other=0.0)
+        p = tl.where(ok, tl.exp(s - lse[:, None]), 0.0)  # the probabilities of one softmax over kept and window
+        if EVIDENCE_MAX:
+            evidence = tl.max(p, axis=0) * weight
+        else:
+            evidence = tl.sum(p, axis=0) * weight
+        tl.store(evidence_ptr + b * s_vb + g * s_vg + n, evidence, mask=live)
         y = _dequantised_tile(
             codes_ptr, scale_ptr, low_ptr, b, n, live, col0, rank, s_cb, s_cs, s_gb, s_gs, BLOCK_R, BITS, GROUP_SIZE
         )
@@ -168,6 +201,7 @@ def kept_key_logits(
     queries: torch.Tensor,
     coded: dict[str, torch.Tensor],
     positions: torch.Tensor,
+    allowed: torch.Tensor,
     ranks: tuple[int, ...],
     bits: int,
     group_size: int,
@@ -176,65 +210,83 @@ def kept_key_logits(
     cos: torch.Tensor,
     sin: torch.Tensor,
     scaling: float,
-) -> torch.Tensor:
-    """Scaled logits [B, H, S] of the rotated decode queries [B, H, d] against the kept tier's keys.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Scaled logits [B, H, S] of the rotated decode queries [B, H, d] against the kept tier's keys, and per head
+    and chunk of rows the softmax statistics of the allowed ones: max and sum of exp(logit - max), [B, H, chunks]
+    (max -inf and sum 0 where a chunk has none).
 
     coded: the key store {"codes" [B, S, bytes] uint8, "scale", "low" [B, S, groups]} (unit last stride);
-    positions [B, S] cache indices; ranks: each KV head's columns in the store (packed in order); up [B, n_kv, R, d]:
-    each head's up-projection with the code space's map folded in (rows: code dims; R >= max rank), shift
-    [B, n_kv, d]: the map's offset through it; cos / sin [>= positions, d] (HF's tables, halves equal)."""
+    positions [B, S] cache indices; allowed [B, >= positions] bool / int8 by cache index; ranks: each KV head's
+    columns in the store (packed in order); up [B, n_kv, R, d]: each head's up-projection with the code space's map
+    folded in (rows: code dims; R >= max rank), shift [B, n_kv, d]: the map's offset through it; cos / sin
+    [>= positions, d] (HF's tables, halves equal)."""
     batch, heads, head_dim = queries.shape
     n_kv, n_rows = len(ranks), positions.shape[-1]
+    chunks = max(1, triton.cdiv(n_rows, ROWS_PER_PROGRAM))
     logits = torch.empty(batch, heads, n_rows, dtype=torch.float32, device=queries.device)
+    maxima = torch.full((batch, heads, chunks), float("-inf"), dtype=torch.float32, device=queries.device)
+    sums = torch.zeros(batch, heads, chunks, dtype=torch.float32, device=queries.device)
     if n_rows == 0:
-        return logits
+        return logits, maxima, sums
     columns, widths = _head_columns(ranks, queries.device)
     queries, up, shift = queries.contiguous(), up.contiguous(), shift.contiguous()
     cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (cos, sin))
+    mask = mask_argument(allowed)
     codes, scale, low = coded["codes"], coded["scale"], coded["low"]
     group = heads // n_kv
-    chunks = triton.cdiv(n_rows, ROWS_PER_PROGRAM)
     _kept_logits_kernel[(batch, n_kv, chunks)](
-        queries, codes, scale, low, positions, up, shift, cos, sin, columns, widths, logits,
+        queries, codes, scale, low, positions, mask, up, shift, cos, sin, columns, widths, logits, maxima, sums,
         n_rows, ROWS_PER_PROGRAM, head_dim // 2, scaling,
         queries.stride(0), codes.stride(0), codes.stride(1), scale.stride(0), scale.stride(1), positions.stride(0),
-        up.stride(0), up.stride(1), up.stride(2), shift.stride(0), shift.stride(1), cos.stride(0), sin.stride(0),
-        logits.stride(0), logits.stride(1),
+        mask.stride(0), up.stride(0), up.stride(1), up.stride(2), shift.stride(0), shift.stride(1), cos.stride(0),
+        sin.stride(0), logits.stride(0), logits.stride(1), maxima.stride(0), maxima.stride(1),
         GROUP=group, BLOCK_G=pow2(group), BLOCK_N=_block_rows(), BLOCK_R=pow2(max(ranks)), HALF=pow2(head_dim // 2),
         BITS=bits, GROUP_SIZE=group_size, UPCAST=interpreter_upcast(queries.dtype), num_warps=NUM_WARPS,
         num_stages=NUM_STAGES,
     )  # fmt: skip
-    return logits
+    return logits, maxima, sums
 
 
-def kept_value_sums(
-    probs: torch.Tensor,
+def kept_weighted_values(
+    logits: torch.Tensor,
+    lse: torch.Tensor,
+    positions: torch.Tensor,
+    allowed: torch.Tensor,
+    weights: torch.Tensor,
     coded: dict[str, torch.Tensor],
     ranks: tuple[int, ...],
     bits: int,
     group_size: int,
     dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
-    """Per head, the probabilities [B, H, S] (float32) times the dequantised value codes of its KV head, the
-    products in `dtype`: [B, H, R] float32 code-space sums (R = max rank; columns past a head's rank are zero)."""
-    batch, heads, n_rows = probs.shape
+    evidence_max: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kept rows' probabilities exp(logit - lse) (lse [B, H]: the log of the softmax's whole denominator, kept
+    rows and window), zero where not allowed, times the dequantised value codes of each head's KV head, the products
+    in `dtype`: [B, H, R] float32 code-space sums (R = max rank; columns past a head's rank are zero); and the
+    evidence per KV head group, the probabilities summed (or with evidence_max, max-ed) over its query heads times
+    the request's weight [B]: [B, n_kv, S] float32."""
+    batch, heads, n_rows = logits.shape
     n_kv = len(ranks)
     width = max(ranks)
+    evidence = torch.zeros(batch, n_kv, n_rows, dtype=torch.float32, device=logits.device)
     if n_rows == 0:
-        return probs.new_zeros(batch, heads, width)
-    columns, widths = _head_columns(ranks, probs.device)
-    probs = probs if probs.stride(-1) == 1 else probs.contiguous()
+        return logits.new_zeros(batch, heads, width), evidence
+    columns, widths = _head_columns(ranks, logits.device)
+    mask = mask_argument(allowed)
+    weights = weights.float().expand(batch)
+    lse = lse.contiguous()
     codes, scale, low = coded["codes"], coded["scale"], coded["low"]
     chunks = triton.cdiv(n_rows, ROWS_PER_PROGRAM)
-    partial = torch.zeros(batch, heads, chunks, width, dtype=torch.float32, device=probs.device)
+    partial = torch.zeros(batch, heads, chunks, width, dtype=torch.float32, device=logits.device)
     group = heads // n_kv
     _kept_value_kernel[(batch, n_kv, chunks)](
-        probs, codes, scale, low, columns, widths, partial,
+        logits, lse, positions, mask, weights, codes, scale, low, columns, widths, partial, evidence,
         n_rows, ROWS_PER_PROGRAM,
-        probs.stride(0), probs.stride(1), codes.stride(0), codes.stride(1), scale.stride(0), scale.stride(1),
-        partial.stride(0), partial.stride(1), partial.stride(2),
+        logits.stride(0), logits.stride(1), lse.stride(0), positions.stride(0), mask.stride(0), weights.stride(0),
+        codes.stride(0), codes.stride(1), scale.stride(0), scale.stride(1),
+        partial.stride(0), partial.stride(1), partial.stride(2), evidence.stride(0), evidence.stride(1),
         GROUP=group, BLOCK_G=pow2(group), BLOCK_N=_block_rows(), BLOCK_R=pow2(width),
         BITS=bits, GROUP_SIZE=group_size, DOT_DTYPE=_DOT_DTYPES[torch.float32 if interpreting() else dtype],
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        EVIDENCE_MAX=evidence_max, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )  # fmt: skip
-    return partial.sum(dim=2)
+    return partial.sum(dim=2), evidence

@@ -6,12 +6,17 @@ rotate_half, both sides coded, no floor) the kept tier's codes are read where th
 
 1. kernels.kept_tier_kernels.kept_key_logits scores the rotated queries against the kept keys, each rebuilt from
    its codes in registers through the head's up-projection with the code space's map folded in
-   (latent = y @ matrix + offset, so key = RoPE(y @ (matrix @ k_up) + offset @ k_up));
-2. the recent window (at most window + 1 full-rank tokens) is scored in torch, and one softmax runs over both; the
-   evidence the policy re-scores its tokens by is summed (or max-ed) over heads from these probabilities, as the
-   torch path does;
-3. kernels.kept_tier_kernels.kept_value_sums sums probabilities times the dequantised value codes; the map moves
-   onto that sum (sum p x = (sum p y) matrix + offset sum p), and the window's values are added.
+   (latent = y @ matrix + offset, so key = RoPE(y @ (matrix @ k_up) + offset @ k_up)), writes the logits and, per
+   chunk of rows, their softmax statistics (max, sum of exp);
+2. the recent window (at most window + 1 full-rank tokens) is scored in torch; the statistics and the window give
+   the log of the one softmax's denominator per head;
+3. kernels.kept_tier_kernels.kept_weighted_values turns the kept logits into probabilities in registers, sums
+   them times the dequantised value codes, and writes the evidence the policy re-scores its tokens by (summed, or
+   max-ed, over each group's heads; torch adds the groups), as the torch path computes it;
+4. the map moves onto the value sum (sum p x = (sum p y) matrix + offset sum p), and the window's values are added.
+
+Beyond the codes, a step moves a few numbers per kept token and query head (the logits, written once and read
+once), not the several passes a softmax in torch would make over them.
 
 The maps (k_up with the key map folded in, the value map) are made once per sequence, at the first step after the
 statistics are set, and held on the layer as derived data, not cache content: [B, n_kv, r, d] in the model's dtype,
@@ -107,7 +112,7 @@ def kernel_maps(module, layer, dtype: torch.dtype) -> KernelMaps:
 
 def kept_decode_attention(module, query: torch.Tensor, layer, attention_mask: torch.Tensor | None) -> torch.Tensor:
     """query [B, 1, H * d] (full rank, as the module projects it) -> o_proj's input [B, 1, H * d]."""
-    from kvrewrite.runtime.kernels.kept_tier_kernels import kept_key_logits, kept_value_sums
+    from kvrewrite.runtime.kernels.kept_tier_kernels import kept_key_logits, kept_weighted_values
     from kvrewrite.runtime.tiers.attention import _scored_queries
 
     batch = query.shape[0]
@@ -125,48 +130,47 @@ def kept_decode_attention(module, query: torch.Tensor, layer, attention_mask: to
     heads = module._apply_rope(query.view(batch, 1, heads_n, d).transpose(1, 2), cos_table[q_pos], sin_table[q_pos])
     queries = heads[:, :, 0]  # [B, H, d], rotated
 
-    # 1. The kept keys, in the kernel.
+    # 1. The kept keys, in the kernel: logits and, per chunk of rows, their softmax statistics.
     kernel_dtype = dtype if dtype in (torch.float16, torch.bfloat16) else torch.float32
     maps = kernel_maps(module, layer, kernel_dtype)
-    kept_logits = kept_key_logits(
-        queries.to(kernel_dtype), layer.kept_keys, positions, layer.kept_key_ranks, layer.side_bits["key"],
-        layer.group_size, maps.up, maps.shift, cos_table, sin_table, module.scaling,
+    row_allowed = allowed[:, 0, 0].expand(batch, -1)  # [B, kv_len], by cache index
+    kept_logits, maxima, sums = kept_key_logits(
+        queries.to(kernel_dtype), layer.kept_keys, positions, row_allowed, layer.kept_key_ranks,
+        layer.side_bits["key"], layer.group_size, maps.up, maps.shift, cos_table, sin_table, module.scaling,
     )  # fmt: skip
-    # 2. The window's keys rebuilt and rotated for all heads at once, one softmax over both, the evidence.
+    # 2. The window's keys rebuilt and rotated for all heads at once; the log of the softmax's denominator over the
+    # kept rows (from the kernel's statistics) and the window; the window's probabilities.
     recent_latents = recent_k[:, 0].view(batch, n_recent, n_kv, d)
     recent_keys = torch.einsum("bwgr,grd->bgwd", recent_latents, module.k_up.to(dtype))  # [B, n_kv, W, d]
     rope_recent = [t[recent_pos][None].expand(batch, -1, -1) for t in (cos_table, sin_table)]
     recent_keys = module._apply_rope(recent_keys, *rope_recent)
     grouped = queries.view(batch, n_kv, group, d)
-    recent_logits = (grouped @ recent_keys.transpose(-1, -2)).reshape(batch, heads_n, n_recent)
-    logits = torch.cat([kept_logits, recent_logits.float() * module.scaling], dim=-1)
-    row_allowed = allowed[:, 0, 0].expand(batch, -1)  # [B, kv_len]
-    mask = torch.cat([row_allowed.gather(1, positions.long()), row_allowed[:, kv_len - n_recent :]], dim=-1)
-    probs = torch.softmax(logits.masked_fill(~mask[:, None], torch.finfo(torch.float32).min), dim=-1)  # [B, H, S+W]
-    n_kept = positions.shape[-1]
-    kept_probs, recent_probs = probs[..., :n_kept], probs[..., n_kept:]
+    recent_logits = (grouped @ recent_keys.transpose(-1, -2)).reshape(batch, heads_n, n_recent).float()
+    recent_allowed = row_allowed[:, kv_len - n_recent :]
+    recent_logits = (recent_logits * module.scaling).masked_fill(~recent_allowed[:, None], float("-inf"))
+    kept_log_mass = maxima + sums.log()  # [B, H, chunks]; an empty chunk: -inf
+    lse = torch.logsumexp(torch.cat([kept_log_mass, recent_logits], dim=-1), dim=-1)  # [B, H]
+    recent_probs = (recent_logits - lse[..., None]).exp()
+    kept_mass = (kept_log_mass - lse[..., None]).exp().sum(dim=-1)  # [B, H]: the kept rows' share of the weight
+    # 3. The kept rows' probabilities times their value codes, and their evidence, in the second kernel.
     wanted = layer.wanted_evidence
+    weights = _scored_queries(layer, allowed, 1)[:, 0]  # [B|1]: 0 for a request that reads no key
+    reduce_max = layer.evidence_reduce == "max"
+    value_sums, kept_evidence = kept_weighted_values(
+        kept_logits, lse, positions, row_allowed, weights, layer.kept_values, layer.kept_value_ranks,
+        layer.side_bits["value"], layer.group_size, kernel_dtype, evidence_max=reduce_max,
+    )  # fmt: skip
     if wanted:
-        weights = _scored_queries(layer, allowed, 1)[:, 0, None, None]  # [B|1, 1, 1]
-        reduce_max = layer.evidence_reduce == "max"
-
-        def evidence(p: torch.Tensor) -> torch.Tensor:
-            weighted = p * weights
-            return weighted.amax(dim=1) if reduce_max else weighted.sum(dim=1)
-
+        weighted_recent = recent_probs * weights[:, None, None]
         layer.add_scores(
-            evidence(recent_probs) if "recent" in wanted else None,
-            [evidence(kept_probs)] if "stored" in wanted else None,
+            (weighted_recent.amax(dim=1) if reduce_max else weighted_recent.sum(dim=1)) if "recent" in wanted else None,
+            [kept_evidence.amax(dim=1) if reduce_max else kept_evidence.sum(dim=1)] if "stored" in wanted else None,
             None,
         )
-    # 3. Values: the kept tier's code-space sums with the map moved onto them, and the window's.
-    sums = kept_value_sums(
-        kept_probs.contiguous(), layer.kept_values, layer.kept_value_ranks, layer.side_bits["value"],
-        layer.group_size, kernel_dtype,
-    )  # fmt: skip
-    width = sums.shape[-1]
-    kept_out = sums.view(batch, n_kv, group, width) @ maps.value_matrix  # sum p x = (sum p y) matrix + offset sum p
-    kept_out = kept_out + kept_probs.sum(dim=-1).view(batch, n_kv, group, 1) * maps.value_offset[:, :, None]
+    # 4. The output: the kept tier's code-space sums with the map moved onto them, and the window's values.
+    width = value_sums.shape[-1]
+    kept_out = value_sums.view(batch, n_kv, group, width) @ maps.value_matrix  # sum p x = (sum p y) M + offset sum p
+    kept_out = kept_out + kept_mass.view(batch, n_kv, group, 1) * maps.value_offset[:, :, None]
     recent_values = recent_v[:, 0].view(batch, n_recent, n_kv, d).transpose(1, 2)  # [B, n_kv, W, d]
     recent_out = recent_probs.view(batch, n_kv, group, n_recent).to(dtype) @ recent_values
     out = F.pad(kept_out, (0, d - width)).to(dtype) + recent_out  # [B, n_kv, G, d]
