@@ -25,6 +25,7 @@ from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.key_modes.latent import pair_order
 from kvrewrite.runtime.kernels.reference import boolean_mask, softmax_dtype
 from kvrewrite.runtime.kernels.rope_table import rope_phases, rope_table, rotates_half_pairs
+from kvrewrite.runtime.tiers.evidence import scored_queries
 
 
 def check_full_rank(module) -> None:
@@ -139,16 +140,6 @@ def _gather_columns(allowed: torch.Tensor, positions: torch.Tensor) -> torch.Ten
     return expanded.gather(-1, positions[:, None, None, :].expand(batch, 1, allowed.shape[-2], n))
 
 
-def _scored_queries(layer, allowed: torch.Tensor, q_len: int) -> torch.Tensor:
-    """[B, T] weight of each query in the importance evidence: the layer's last `observed_queries` (all when None)
-    that can read any key (a left-padding row reads none and would spread a uniform, meaningless softmax)."""
-    weights = allowed.any(dim=-1)[:, 0].float()  # [B or 1, T]
-    observed = layer.observed_queries
-    if observed is not None and observed < q_len:
-        weights = weights * (torch.arange(q_len, device=allowed.device) >= q_len - observed)
-    return weights
-
-
 def tiered_attention(module, query: torch.Tensor, layer, attention_mask: torch.Tensor | None) -> torch.Tensor:
     """query [B, T, H * d] (full rank, as the module projects it) -> o_proj's input [B, T, H * d]."""
     check_full_rank(module)
@@ -212,7 +203,7 @@ def tiered_attention(module, query: torch.Tensor, layer, attention_mask: torch.T
     wanted = layer.wanted_evidence  # only what the layer's policy reads is computed (this is the decode path)
     want_recent, want_stored, want_denominator = ("recent" in wanted), ("stored" in wanted), ("denominator" in wanted)
     if want_recent or want_stored:
-        query_weights = _scored_queries(layer, allowed, q_len)[:, None, :, None]  # [B, 1, T, 1]
+        query_weights = scored_queries(layer, allowed, q_len)[:, None, :, None]  # [B, 1, T, 1]
     received = (
         [torch.zeros(batch, t.length, dtype=torch.float32, device=device) for t in tiers] if want_stored else None
     )

@@ -37,13 +37,15 @@ import torch.nn.functional as F
 from kvrewrite.runtime.kernels.dispatch import resolve_backend
 from kvrewrite.runtime.kernels.reference import boolean_mask
 from kvrewrite.runtime.kernels.rope_table import rope_table, rotates_half_pairs
-from kvrewrite.runtime.tiers.eviction import EvictingLayer
+from kvrewrite.runtime.tiers.evidence import scored_queries
 
 
 def kept_decode_applies(module, layer, query: torch.Tensor) -> bool:
     """Whether this step runs on the kept-tier kernels: one query per sequence on a layer they can read, with the
     triton backend chosen for the device (kernels.dispatch)."""
-    if query.shape[1] != 1 or not isinstance(layer, EvictingLayer):
+    # An evicting layer (tiers/eviction.py), recognised by its kept tier: importing the class here would close an
+    # import circle through tiers/cache.py.
+    if query.shape[1] != 1 or getattr(layer, "kept_key_ranks", None) is None or not hasattr(layer, "side_bits"):
         return False
     if not (module.mode.rebuilds_keys and rotates_half_pairs(module)):
         return False
@@ -113,7 +115,6 @@ def kernel_maps(module, layer, dtype: torch.dtype) -> KernelMaps:
 def kept_decode_attention(module, query: torch.Tensor, layer, attention_mask: torch.Tensor | None) -> torch.Tensor:
     """query [B, 1, H * d] (full rank, as the module projects it) -> o_proj's input [B, 1, H * d]."""
     from kvrewrite.runtime.kernels.kept_tier_kernels import kept_key_logits, kept_weighted_values
-    from kvrewrite.runtime.tiers.attention import _scored_queries
 
     batch = query.shape[0]
     dtype, device = query.dtype, query.device
@@ -154,7 +155,7 @@ def kept_decode_attention(module, query: torch.Tensor, layer, attention_mask: to
     kept_mass = (kept_log_mass - lse[..., None]).exp().sum(dim=-1)  # [B, H]: the kept rows' share of the weight
     # 3. The kept rows' probabilities times their value codes, and their evidence, in the second kernel.
     wanted = layer.wanted_evidence
-    weights = _scored_queries(layer, allowed, 1)[:, 0]  # [B|1]: 0 for a request that reads no key
+    weights = scored_queries(layer, allowed, 1)[:, 0]  # [B|1]: 0 for a request that reads no key
     reduce_max = layer.evidence_reduce == "max"
     value_sums, kept_evidence = kept_weighted_values(
         kept_logits, lse, positions, row_allowed, weights, layer.kept_values, layer.kept_value_ranks,
