@@ -68,6 +68,18 @@ def _dequantised_tile(
 
 
 @triton.jit
+def _program_rows(col_ptr, rank_ptr, n_rows, rows_per_program):
+    """This program's request b, KV head g and chunk of rows [start, stop), and the head's first column and rank in
+    the packed store (grid: requests, KV heads, chunks)."""
+    b = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    chunk = tl.program_id(2)
+    start = chunk * rows_per_program
+    stop = tl.minimum(start + rows_per_program, n_rows)
+    return b, g, chunk, start, stop, tl.load(col_ptr + g), tl.load(rank_ptr + g)
+
+
+@triton.jit
 def _kept_logits_kernel(
     q_ptr, codes_ptr, scale_ptr, low_ptr, pos_ptr, mask_ptr, up_ptr, shift_ptr, cos_ptr, sin_ptr, col_ptr, rank_ptr,
     out_ptr, m_ptr, l_ptr,
@@ -76,13 +88,7 @@ def _kept_logits_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, HALF: tl.constexpr,
     BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
-    b = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1)
-    chunk = tl.program_id(2)
-    start = chunk * rows_per_program
-    stop = tl.minimum(start + rows_per_program, n_rows)
-    col0 = tl.load(col_ptr + g)
-    rank = tl.load(rank_ptr + g)
+    b, g, chunk, start, stop, col0, rank = _program_rows(col_ptr, rank_ptr, n_rows, rows_per_program)
     member = tl.arange(0, BLOCK_G)
     row_ok = member < GROUP
     half = tl.arange(0, HALF)
@@ -146,13 +152,7 @@ def _kept_value_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, DOT_DTYPE: tl.constexpr, EVIDENCE_MAX: tl.constexpr,
 ):  # fmt: skip
-    b = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1)
-    chunk = tl.program_id(2)
-    start = chunk * rows_per_program
-    stop = tl.minimum(start + rows_per_program, n_rows)
-    col0 = tl.load(col_ptr + g)
-    rank = tl.load(rank_ptr + g)
+    b, g, chunk, start, stop, col0, rank = _program_rows(col_ptr, rank_ptr, n_rows, rows_per_program)
     member = tl.arange(0, BLOCK_G)
     row_ok = member < GROUP
     heads = g * GROUP + member
