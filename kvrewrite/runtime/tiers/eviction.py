@@ -346,6 +346,9 @@ class EvictingLayer(RecentWindowLayer):
         # The buffers the kept tier and the floor are prefix views of, by flat name ("key.codes", "positions").
         self.kept_buffers: dict[str, torch.Tensor] = {}
         self.floor_buffers: dict[str, torch.Tensor] = {}
+        # Derived from the channel statistics and k_up by the CUDA decode path (tiers/kept_decode.py), once per
+        # sequence; not cache content, so not a stored tensor, and dropped wherever the statistics change.
+        self.kernel_maps = None
 
     wanted_evidence = ("recent", "stored")
 
@@ -647,7 +650,7 @@ class EvictingLayer(RecentWindowLayer):
                 bits = self._floor_side_bits(ranks) if floor else self.side_bits[side]
                 coded = getattr(self, f"{prefix}_{side}s")
                 read[side] = decode_head_blocks(coded, ranks, bits, self.group_size, dtype)
-                read[side + "_ranks"], read[side + "_maps"] = ranks, self._head_maps(side, floor, dtype)
+                read[side + "_ranks"], read[side + "_maps"] = ranks, self.head_maps(side, floor, dtype)
             tiers.append(
                 StoredTier(
                     read["key"],
@@ -661,7 +664,7 @@ class EvictingLayer(RecentWindowLayer):
             )
         return tiers
 
-    def _head_maps(self, side: str, floor: bool, dtype: torch.dtype) -> list | None:
+    def head_maps(self, side: str, floor: bool, dtype: torch.dtype) -> list | None:
         """Per head, (matrix [B, r, r], offset [B, r]) such that its latent is code @ matrix + offset (the inverse of
         _to_code_space: x = (y R^T) rms + mean, so matrix = R^T diag(rms)); None where the side is stored as is."""
         stats, ranks = self._code_space(side, floor)
@@ -686,11 +689,14 @@ class EvictingLayer(RecentWindowLayer):
         self.floor_keys = self.floor_values = self.floor_positions = self.floor_stats = None
         self._received_recent = self._received_kept = None
         self.kept_buffers, self.floor_buffers = {}, {}
+        self.kernel_maps = None
 
     def _map_batch(self, fn) -> None:
-        # Beam search, batch selection and offloading replace the stored tensors: the next write starts new buffers.
+        # Beam search, batch selection and offloading replace the stored tensors: the next write starts new buffers,
+        # and the maps derived from the statistics are made again from the new rows.
         super()._map_batch(fn)
         self.kept_buffers, self.floor_buffers = {}, {}
+        self.kernel_maps = None
 
 
 def _channel_stats(x: torch.Tensor, side: str) -> dict[str, torch.Tensor]:

@@ -53,7 +53,7 @@ def kept_decode_applies(module, layer, query: torch.Tensor) -> bool:
         return False
     if layer.floor_positions is not None and layer.floor_positions.shape[-1]:
         return False
-    if any(bits is None for bits in layer.side_bits.values()) or "denominator" in layer.wanted_evidence:
+    if any(bits is None for bits in layer.side_bits.values()):
         return False
     return resolve_backend(query.device) == "triton"
 
@@ -64,7 +64,6 @@ class KernelMaps:
     with zeros to the widest rank: the up-projection with the key map folded in [B, n_kv, R, d] (kernel dtype) and
     the key map's offset through it [B, n_kv, d]; the value map [B, n_kv, Rv, Rv] and offset [B, n_kv, Rv]."""
 
-    key_stats: torch.Tensor  # the statistics tensor they were made from: a new sequence (or beam) has new ones
     up: torch.Tensor
     shift: torch.Tensor
     value_matrix: torch.Tensor
@@ -74,7 +73,7 @@ class KernelMaps:
 def _stacked_maps(layer, side: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The side's per-head (matrix, offset) maps, zero-padded to the widest rank: [B, n_kv, R, R], [B, n_kv, R]."""
     ranks = layer.kept_key_ranks if side == "key" else layer.kept_value_ranks
-    maps = layer._head_maps(side, False, torch.float32)
+    maps = layer.head_maps(side, False, torch.float32)
     batch, width = layer.kept_positions.shape[0], max(ranks)
     device = layer.kept_positions.device
     matrix = torch.zeros(batch, len(ranks), width, width, device=device)
@@ -89,10 +88,10 @@ def _stacked_maps(layer, side: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def kernel_maps(module, layer, dtype: torch.dtype) -> KernelMaps:
-    """The layer's KernelMaps, made once per sequence: the statistics behind them are set at its first settle."""
-    key_stats = layer.channel_stats["key_mean"]
-    held = getattr(layer, "_kernel_maps", None)
-    if held is not None and held.key_stats is key_stats and held.up.dtype == dtype:
+    """The layer's KernelMaps, made once per sequence: the statistics behind them are set at its first settle, and
+    the layer drops the maps on reset and on every batch reorder (EvictingLayer.kernel_maps)."""
+    held = layer.kernel_maps
+    if held is not None and held.up.dtype == dtype:
         return held
     ranks = layer.kept_key_ranks
     width = max(ranks)
@@ -102,13 +101,12 @@ def kernel_maps(module, layer, dtype: torch.dtype) -> KernelMaps:
         up_rows[g, :r] = module.k_up[g, :r].float()
     value_matrix, value_offset = _stacked_maps(layer, "value")
     held = KernelMaps(
-        key_stats,
         (key_matrix @ up_rows).to(dtype),  # latent = y @ matrix + offset, so y's key is y @ (matrix @ k_up) + ...
         (key_offset.unsqueeze(-2) @ up_rows).squeeze(-2),
         value_matrix,
         value_offset,
     )
-    layer._kernel_maps = held
+    layer.kernel_maps = held
     return held
 
 
@@ -153,21 +151,20 @@ def kept_decode_attention(module, query: torch.Tensor, layer, attention_mask: to
     lse = torch.logsumexp(torch.cat([kept_log_mass, recent_logits], dim=-1), dim=-1)  # [B, H]
     recent_probs = (recent_logits - lse[..., None]).exp()
     kept_mass = (kept_log_mass - lse[..., None]).exp().sum(dim=-1)  # [B, H]: the kept rows' share of the weight
-    # 3. The kept rows' probabilities times their value codes, and their evidence, in the second kernel.
-    wanted = layer.wanted_evidence
+    # 3. The kept rows' probabilities times their value codes, and their evidence, in the second kernel. An evicting
+    # layer re-scores both tiers (its wanted_evidence): the window's evidence comes from its probabilities here.
     weights = scored_queries(layer, allowed, 1)[:, 0]  # [B|1]: 0 for a request that reads no key
     reduce_max = layer.evidence_reduce == "max"
     value_sums, kept_evidence = kept_weighted_values(
         kept_logits, lse, positions, row_allowed, weights, layer.kept_values, layer.kept_value_ranks,
         layer.side_bits["value"], layer.group_size, kernel_dtype, evidence_max=reduce_max,
     )  # fmt: skip
-    if wanted:
-        weighted_recent = recent_probs * weights[:, None, None]
-        layer.add_scores(
-            (weighted_recent.amax(dim=1) if reduce_max else weighted_recent.sum(dim=1)) if "recent" in wanted else None,
-            [kept_evidence.amax(dim=1) if reduce_max else kept_evidence.sum(dim=1)] if "stored" in wanted else None,
-            None,
-        )
+    weighted_recent = recent_probs * weights[:, None, None]
+    layer.add_scores(
+        weighted_recent.amax(dim=1) if reduce_max else weighted_recent.sum(dim=1),
+        [kept_evidence.amax(dim=1) if reduce_max else kept_evidence.sum(dim=1)],
+        None,
+    )
     # 4. The output: the kept tier's code-space sums with the map moved onto them, and the window's values.
     width = value_sums.shape[-1]
     kept_out = value_sums.view(batch, n_kv, group, width) @ maps.value_matrix  # sum p x = (sum p y) M + offset sum p
