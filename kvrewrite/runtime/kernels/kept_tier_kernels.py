@@ -222,12 +222,14 @@ def kept_key_logits(
     [>= positions, d] (HF's tables, halves equal)."""
     batch, heads, head_dim = queries.shape
     n_kv, n_rows = len(ranks), positions.shape[-1]
-    chunks = max(1, triton.cdiv(n_rows, ROWS_PER_PROGRAM))
     logits = torch.empty(batch, heads, n_rows, dtype=torch.float32, device=queries.device)
-    maxima = torch.full((batch, heads, chunks), float("-inf"), dtype=torch.float32, device=queries.device)
-    sums = torch.zeros(batch, heads, chunks, dtype=torch.float32, device=queries.device)
     if n_rows == 0:
-        return logits, maxima, sums
+        empty = torch.full((batch, heads, 1), float("-inf"), dtype=torch.float32, device=queries.device)
+        return logits, empty, torch.zeros_like(empty)
+    chunks = triton.cdiv(n_rows, ROWS_PER_PROGRAM)
+    # Every program writes its chunk's statistics: nothing to fill first.
+    maxima = torch.empty(batch, heads, chunks, dtype=torch.float32, device=queries.device)
+    sums = torch.empty_like(maxima)
     columns, widths = _head_columns(ranks, queries.device)
     queries, up, shift = queries.contiguous(), up.contiguous(), shift.contiguous()
     cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (cos, sin))
@@ -268,7 +270,7 @@ def kept_weighted_values(
     batch, heads, n_rows = logits.shape
     n_kv = len(ranks)
     width = max(ranks)
-    evidence = torch.zeros(batch, n_kv, n_rows, dtype=torch.float32, device=logits.device)
+    evidence = torch.empty(batch, n_kv, n_rows, dtype=torch.float32, device=logits.device)  # every row written
     if n_rows == 0:
         return logits.new_zeros(batch, heads, width), evidence
     columns, widths = _head_columns(ranks, logits.device)
@@ -277,6 +279,7 @@ def kept_weighted_values(
     lse = lse.contiguous()
     codes, scale, low = coded["codes"], coded["scale"], coded["low"]
     chunks = triton.cdiv(n_rows, ROWS_PER_PROGRAM)
+    # Zeros: a head narrower than the widest leaves its columns past its rank unwritten.
     partial = torch.zeros(batch, heads, chunks, width, dtype=torch.float32, device=logits.device)
     group = heads // n_kv
     _kept_value_kernel[(batch, n_kv, chunks)](
