@@ -17,7 +17,7 @@ from test_tiers import compiled  # noqa: E402, F401  (compiled: the fixture)
 from tiny_models import random_windows  # noqa: E402
 
 import kvrewrite  # noqa: E402
-from kvrewrite.runtime.tiers import kept_decode  # noqa: E402
+from kvrewrite.runtime.tiers import attention as tiered  # noqa: E402  (where tiered_attention finds the kernel path)
 
 PROMPT, STEPS, PAD = 29, 7, 3
 
@@ -27,13 +27,13 @@ def _decode(model, prompt, forced, backend, monkeypatch) -> tuple[list[torch.Ten
     kept-tier kernels ran."""
     monkeypatch.setenv("KVREWRITE_ATTENTION", backend)
     calls = []
-    original = kept_decode.kept_decode_attention
+    original = tiered.kept_decode_attention
 
     def counted(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(kept_decode, "kept_decode_attention", counted)
+    monkeypatch.setattr(tiered, "kept_decode_attention", counted)
     mask = torch.ones(prompt.shape, dtype=torch.long)
     mask[1, :PAD] = 0
     cache = model.make_kv_cache()
@@ -45,7 +45,7 @@ def _decode(model, prompt, forced, backend, monkeypatch) -> tuple[list[torch.Ten
             mask = torch.cat([mask, torch.ones(mask.shape[0], 1, dtype=mask.dtype)], dim=1)
             out = model(forced[:, step : step + 1], attention_mask=mask, past_key_values=cache, use_cache=True)
             logits.append(out.logits[:, -1])
-    monkeypatch.setattr(kept_decode, "kept_decode_attention", original)
+    monkeypatch.setattr(tiered, "kept_decode_attention", original)
     return logits, cache, len(calls)
 
 

@@ -26,6 +26,7 @@ from kvrewrite.key_modes.latent import pair_order
 from kvrewrite.runtime.kernels.reference import boolean_mask, softmax_dtype
 from kvrewrite.runtime.kernels.rope_table import rope_phases, rope_table, rotates_half_pairs
 from kvrewrite.runtime.tiers.evidence import scored_queries
+from kvrewrite.runtime.tiers.kept_decode import kept_decode_applies, kept_decode_attention
 
 
 def check_full_rank(module) -> None:
@@ -143,8 +144,6 @@ def _gather_columns(allowed: torch.Tensor, positions: torch.Tensor) -> torch.Ten
 def tiered_attention(module, query: torch.Tensor, layer, attention_mask: torch.Tensor | None) -> torch.Tensor:
     """query [B, T, H * d] (full rank, as the module projects it) -> o_proj's input [B, T, H * d]."""
     check_full_rank(module)
-    from kvrewrite.runtime.tiers.kept_decode import kept_decode_applies, kept_decode_attention
-
     if kept_decode_applies(module, layer, query):  # a decode step the kept-tier kernels can read (CUDA)
         return kept_decode_attention(module, query, layer, attention_mask)
     batch, q_len, _ = query.shape
