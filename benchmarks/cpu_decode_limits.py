@@ -35,11 +35,19 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from gpu_decode import PER_HEAD_RATE, SHAPES  # noqa: E402
 
 from kvrewrite.runtime.kernels import latent_decode  # noqa: E402
 
-LAYERS, BATCH, CONTEXT, HEADS, KV_HEADS, HEAD_DIM, RANK = 30, 8, 8192, 9, 3, 64, 32
-MLA_WIDTH = 128 + 64
+# The CPU decode benchmark's configuration (gpu_decode.py --shape smollm2 --layers 30 --configs 8x8192), its shapes
+# taken from gpu_decode's table.
+LAYERS, BATCH, CONTEXT = 30, 8, 8192
+_SHAPE = SHAPES["smollm2"]
+HEADS, KV_HEADS, HEAD_DIM = _SHAPE["num_attention_heads"], _SHAPE["num_key_value_heads"], _SHAPE["head_dim"]
+RANK = int(round(HEAD_DIM * (1 - PER_HEAD_RATE)))
+MLA_WIDTH = sum(_SHAPE["mla"])
 
 
 def median_ms(fn, repeats: int) -> float:
