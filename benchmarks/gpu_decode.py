@@ -20,6 +20,8 @@ Forms (`--forms`):
   head), on the cache kvrewrite's generate() builds (runtime.inplace_cache, sized for the run);
 - mla: DeepseekV3 with kvrewrite's absorbed attention (runtime.mla), latent + RoPE widths per shape;
 - int4: the per-head `freq` form at full rank (p = 0) with the int4 codec (KIVI blocks read in place);
+- int4-compiled (only when named in --forms): the same on its static codec cache (runtime.codecs.static_cache)
+  under torch.compile, mode reduce-overhead on CUDA, as generate(cache_implementation="static") compiles it;
 - evict: the frontier's re-scored eviction recipe at about a quarter of the original's bytes
   (`kvrewrite-W16-evict0.57-k8v4`, benchmarks/frontier/kvrewrite_recipes.py: the `latent` form at full rank, a
   16-token full-rank window, beyond it 57% of the tokens kept with 8-bit keys and 4-bit values); its cache is
@@ -71,6 +73,7 @@ SHAPES = {
     ),
 }
 FORMS = ("stock-static", "stock-compiled", "stock-dynamic", "freq", "post-rope", "latent", "mla", "int4", "evict")
+OPT_IN_FORMS = ("int4-compiled",)  # compiled per configuration: minutes a default device run cannot spare
 PER_HEAD_RATE = 0.5
 # The frontier's best recipe at about 25% of the original's bytes (fp16 counting, as the frontier counts them).
 EVICT_RECIPE = {"name": "kvrewrite-W16-evict0.57-k8v4", "window": 16, "keep": 0.57, "bits": (8, 4)}
@@ -166,13 +169,13 @@ def build_model(form: str, shape: dict, layers: int, device: torch.device, dtype
                 )
                 mla._attn_implementation = "sdpa"
                 return absorb_attention(DeepseekV3ForCausalLM(mla)).eval()
-            spec = per_head_spec(config, {"int4": "freq", "evict": "latent"}.get(form, form))
+            spec = per_head_spec(config, {"int4": "freq", "int4-compiled": "freq", "evict": "latent"}.get(form, form))
             config_class, model_class = COMPRESSED_FAMILIES["kvrewrite_llama"]
             fields = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "transformers_version")}
             model = model_class(config_class(**fields, kvrewrite=spec.to_dict())).eval()
     finally:
         torch.set_default_dtype(previous)
-    if form == "int4":  # full-rank latents, coded
+    if form in ("int4", "int4-compiled"):  # full-rank latents, coded
         model.set_kv_codec("int4")
         return model
     d, n_kv = config.head_dim, config.num_key_value_heads
@@ -234,8 +237,8 @@ def filled_cache(model, form: str, batch: int, context: int, capacity: int, devi
             cache.layers[i].capacity = capacity  # as generate() sizes it
             cache_latent_rows(cache, i, rand(batch, 1, context, cfg.kv_lora_rank + cfg.qk_rope_head_dim))
         return cache
-    if form == "int4":  # the codec cache generate() builds; the prefill's blocks coded as it codes them
-        cache = model.make_kv_cache()
+    if form in ("int4", "int4-compiled"):  # the codec cache generate() builds; the prefill coded as it codes it
+        cache = model.make_kv_cache() if form == "int4" else model.make_static_kv_cache(capacity)
         for i, attn in enumerate(model.compressed_attentions()):
             cache.update_coded(
                 rand(batch, 1, context, sum(attn.key_ranks)), rand(batch, 1, context, sum(attn.value_ranks)), i
@@ -269,7 +272,7 @@ def filled_bytes(model, form: str, batch: int, context: int, dtype) -> int:
         per_token = 2 * cfg.num_key_value_heads * cfg.head_dim * cfg.num_hidden_layers
     elif form == "mla":
         per_token = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * cfg.num_hidden_layers
-    elif form in ("int4", "evict"):  # codes plus their scales: measured on a filled cache by the caller
+    elif form in ("int4", "int4-compiled", "evict"):  # codes and scales: measured on a filled cache by the caller
         return -1
     else:
         per_token = model.kv_elements_per_token()
@@ -370,10 +373,10 @@ class FormRun:
     def __init__(self, form: str, model, device):
         self.form, self.model, self.device = form, model, device
         self.forward = model.forward
-        if form == "stock-compiled":
+        if form.endswith("-compiled"):
             mode = "reduce-overhead" if device.type == "cuda" else "default"
             self.forward = torch.compile(model.forward, mode=mode, fullgraph=True)
-        self.watch = None if form == "stock-compiled" else Stopwatch(device)
+        self.watch = None if form.endswith("-compiled") else Stopwatch(device)
 
     def step(self, cache, ids) -> tuple[float, float | None]:
         with torch.inference_mode(), ExitStack() as stack:
@@ -412,7 +415,7 @@ def measure_config(runs: dict, batch: int, context: int, args, device, dtype) ->
         times[form] = ([], [])
     g = torch.Generator(device=device).manual_seed(1)
     vocab = next(iter(runs.values())).model.config.vocab_size
-    warmup = args.warmup + (3 if "stock-compiled" in runs else 0)  # CUDA graphs record on the first calls
+    warmup = args.warmup + (3 if any(f.endswith("-compiled") for f in runs) else 0)  # CUDA graphs record first
     for step in range(warmup + args.steps):
         ids = torch.randint(0, vocab, (batch, 1), generator=g, device=device)
         for form in list(times):
@@ -542,9 +545,9 @@ def main() -> None:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     configs = parse_configs(args.configs or (GPU_CONFIGS if device.type == "cuda" else "8x8192"))
     forms = [f.strip() for f in args.forms.split(",") if f.strip()]
-    unknown = sorted(set(forms) - set(FORMS))
+    unknown = sorted(set(forms) - set(FORMS + OPT_IN_FORMS))
     if unknown:
-        parser.error(f"unknown forms {unknown}; choose from {', '.join(FORMS)}")
+        parser.error(f"unknown forms {unknown}; choose from {', '.join(FORMS + OPT_IN_FORMS)}")
     shape = SHAPES[args.shape]
     record = {
         **provenance(args, device),

@@ -21,3 +21,11 @@ python benchmarks/decode_kernel_check.py --out "$OUT/kernel_check.json" > "$OUT/
 python -m pytest -q tests/test_flash_decode.py tests/test_flash_decode_coded.py -k "captured" \
     > "$OUT/tests.txt" 2>&1 || echo "CUDA graph tests failed: see tests.txt"
 timeout 420 python benchmarks/gpu_decode.py --out "$OUT/gpu_decode.json" 2>&1 | tee "$OUT/gpu_decode.log"
+# Last, as it compiles a whole (tiny) model: generate() capturing the int4 static codec cache's decode steps in CUDA
+# graphs by itself, against its eager steps.
+timeout 150 python -m pytest -q tests/test_static_codec_cache.py -k "captured" > "$OUT/tests_static_codec.txt" 2>&1 \
+    || echo "static codec capture test failed: see tests_static_codec.txt"
+# If time is left: the int4 form under CUDA graphs (its static codec cache) beside compiled stock, at one size.
+timeout 150 python benchmarks/gpu_decode.py --forms stock-static,stock-compiled,int4,int4-compiled --configs 64x8192 \
+    --out "$OUT/gpu_decode_int4_compiled.json" > "$OUT/gpu_decode_int4_compiled.log" 2>&1 \
+    || echo "int4-compiled run failed or ran out of time: see gpu_decode_int4_compiled.log"

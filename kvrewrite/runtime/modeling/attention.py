@@ -15,12 +15,19 @@ from kvrewrite.errors import CorruptCheckpointError
 from kvrewrite.key_modes import allowed_key_modes, key_mode
 from kvrewrite.key_modes.rows import block_prefix_rows, slice_linear_rows
 from kvrewrite.runtime.codecs.readout import CodedReadout
+from kvrewrite.runtime.codecs.static_cache import CountedReadout
 from kvrewrite.runtime.inplace_cache import InPlaceLayer, in_place_layer
 from kvrewrite.runtime.kernels.cache_layout import COLUMNS, ROWS, packed_view, to_storage
 from kvrewrite.runtime.kernels.coded_attention import blockwise_coded_attention
 from kvrewrite.runtime.kernels.dispatch import PackedAttentionFn, build_attention, resolve_backend
 from kvrewrite.runtime.kernels.latent_decode import latent_decode_attention
-from kvrewrite.runtime.kernels.reference import PackedLayout, boolean_mask, grouped_attention, shared_key_attention
+from kvrewrite.runtime.kernels.reference import (
+    PackedLayout,
+    boolean_mask,
+    grouped_attention,
+    packed_attention,
+    shared_key_attention,
+)
 from kvrewrite.runtime.kernels.rope_table import rope_phases, rope_table, rotates_half_pairs
 from kvrewrite.spec import LayerSpec
 
@@ -173,13 +180,17 @@ class CompressedAttention(nn.Module):
         output, _ = attend(self, query, key, value, attention_mask, scaling=self.scaling, dropout=0.0, **kwargs)
         return output
 
-    def attend_coded(self, query: torch.Tensor, readout: CodedReadout, attention_mask, past_len: int) -> torch.Tensor:
+    def attend_coded(
+        self, query: torch.Tensor, readout: CodedReadout | CountedReadout, attention_mask, past_len: int
+    ) -> torch.Tensor:
         """attend() over a codec cache's coded blocks and float16 window (codecs.readout), dequantised chunk by
         chunk inside the attention (kernels.coded_attention) -> o_proj's input [B, T, Osum].
 
         Each chunk is scored for all query heads at once ([B, H, T, n]) and multiplied with all packed value
         columns; each head then keeps its own KV head's columns.
         """
+        if isinstance(readout, CountedReadout):
+            return self._attend_counted(query, readout, attention_mask, past_len)
         batch, q_len, _ = query.shape
         if not self.mode.shared_key_block and resolve_backend(query.device) == "triton":
             from kvrewrite.runtime.kernels import triton_coded_attention as triton_coded
@@ -245,6 +256,44 @@ class CompressedAttention(nn.Module):
             ],
             dim=-1,
         )
+
+    def _attend_counted(self, query: torch.Tensor, readout: CountedReadout, attention_mask, past_len) -> torch.Tensor:
+        """A decode step over a static codec cache (codecs.static_cache): static shapes, the live counts read on the
+        device. On CUDA the flash-decoding kernel reads the coded blocks in place up to the counts; elsewhere (CPU,
+        and latent keys, which no counted kernel rebuilds yet) the whole store is decoded into the cache's slots,
+        the slots past the counts masked, and attend() runs as on any static cache."""
+        from kvrewrite.runtime.kernels import flash_decode_coded
+
+        batch, q_len, _ = query.shape
+        allowed = boolean_mask(attention_mask, q_len, readout.positions, query.device)
+        if (
+            not self.mode.rebuilds_keys
+            and not self.mode.shared_key_block
+            and q_len == 1
+            and resolve_backend(query.device) == "triton"
+            and flash_decode_coded.supports_block_tokens(readout.layout.block_tokens)
+        ):
+            keep = allowed.expand(batch, 1, 1, readout.positions)[:, 0, 0]
+            return flash_decode_coded.coded_flash_decode(
+                query[:, 0],
+                readout.layout,
+                readout.keys,
+                readout.values,
+                readout.key_window[:, 0],
+                readout.value_window[:, 0],
+                keep,
+                readout.n_coded,
+                readout.window_len,
+                self.scaling,
+                self.layout,
+            )[:, None]
+        allowed = allowed & readout.live()
+        key, value = readout.dense("key", query.dtype), readout.dense("value", query.dtype)
+        if self.mode.rebuilds_keys or self.mode.shared_key_block:
+            return self.attend(query, key, value, allowed, past_len)
+        # Per KV head over the decoded slots: the packed runner reads storage offsets, which a trace of tensors
+        # made inside the step cannot give.
+        return packed_attention(query, key, value, allowed, self.scaling, self.layout)
 
     def _triton_coded(
         self, triton_coded, query: torch.Tensor, readout: CodedReadout, attention_mask, past_len: int

@@ -1,0 +1,277 @@
+"""A codec cache with fixed storage and its lengths on the device: a decode step CUDA graphs can capture.
+
+`generate(..., cache_implementation="static")` on a checkpoint with an in-place codec (`int4`, `int2`) builds a
+StaticCodecCache instead of transformers' StaticCache (which would hold the latents uncoded). Each layer holds, for
+a capacity of `max_cache_len` tokens:
+
+- the coded store: every tensor of KIVI's `QuantizedBlocks` with room for ceil(max_cache_len / G) blocks plus one
+  scratch block (below);
+- the float16 window [B, 1, residual + G, C] for keys and for values;
+- `n_coded` and `window_len`, 0-dim int64 tensors on the device.
+
+It codes the same blocks as the CodecCache (codecs.cache): once the window holds `residual + G` tokens, its oldest G
+are coded. A decode step (one token) does this without reading a length on the host, so it has one shape and no
+branch: first the block that came due in the step before is coded (every step codes the window's first G tokens and
+writes them to block `n_coded` when due, else to the scratch block; the window shifts by G only when due), then the
+new token is written at `window_len`. Attention then reads a `CountedReadout`: the whole buffers and the two counts,
+which the flash-decoding kernel (kernels.flash_decode_coded) loads from device memory, so a replayed graph reads
+what the cache holds now. Coding the due block at the start of the next step rather than at the end of this one
+reads the same tokens at the same precision as the CodecCache: what a step attends to is the store coded by earlier
+steps and the window with this step's token.
+
+A prefill (several tokens; transformers runs it uncompiled) reads the two lengths on the host, attends over the
+store and the window it stages (a CodedReadout, as the CodecCache's), and codes its overflow at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kvrewrite.errors import InvalidArgumentError
+from kvrewrite.runtime.codecs.base import LayerCodec
+from kvrewrite.runtime.codecs.kivi import kivi_decode
+from kvrewrite.runtime.codecs.readout import CodedReadout, QuantizedBlocks
+
+RESIDUAL_DTYPE = torch.float16
+SIDES = ("key", "value")
+
+
+@dataclass(frozen=True)
+class CountedReadout:
+    """One layer's static codec cache as a decode step reads it: whole buffers and the live counts on the device.
+
+    Token positions (what the attention mask of `positions` slots is indexed by): block i holds positions
+    i * G .. i * G + G - 1 for i < n_coded, window token w is at position n_coded * G + w for w < window_len."""
+
+    layout: QuantizedBlocks
+    keys: dict[str, torch.Tensor]  # [B, n_cap + 1, ...] coded key blocks (the last: scratch, never live)
+    values: dict[str, torch.Tensor]
+    key_window: torch.Tensor  # [B, 1, W_cap, sum key ranks] float16
+    value_window: torch.Tensor  # [B, 1, W_cap, sum value ranks] float16
+    n_coded: torch.Tensor  # 0-dim int64
+    window_len: torch.Tensor  # 0-dim int64
+    positions: int  # the cache's capacity in tokens: the attention mask's length
+
+    def live(self) -> torch.Tensor:
+        """[positions] bool: the slots that hold a token now."""
+        held = self.n_coded * self.layout.block_tokens + self.window_len
+        return torch.arange(self.positions, device=self.n_coded.device) < held
+
+    def dense(self, side: str, dtype: torch.dtype) -> torch.Tensor:
+        """[B, 1, positions, C]: every block decoded and the window written at its positions (slots past the live
+        ones hold stale or zero numbers, finite; attention masks them with live()). One static shape, no host sync:
+        the reference the attention falls back to where no kernel reads the blocks in place."""
+        store, window = (self.keys, self.key_window) if side == "key" else (self.values, self.value_window)
+        window = window[:, 0]
+        batch, w_cap, c = window.shape
+        g = self.layout.block_tokens
+        blocks = kivi_decode(store, side, self.layout.bits, self.layout.value_group, g, c)  # [B, n_cap + 1, G, C]
+        n_cap = blocks.shape[1] - 1
+        flat = blocks.reshape(batch, -1, c).to(dtype)
+        room = max(n_cap * g + w_cap, self.positions) - flat.shape[1]
+        if room > 0:
+            flat = torch.cat([flat, flat.new_zeros(batch, room, c)], dim=1)
+        at = self.n_coded * g + torch.arange(w_cap, device=flat.device)
+        flat = flat.index_copy(1, at, window.to(dtype))
+        return flat[:, None, : self.positions]
+
+
+class StaticCodecLayer(CacheLayerMixin):
+    """One decoder layer's coded store and window in buffers allocated once (see the module docstring)."""
+
+    is_compileable = True
+    is_sliding = False
+
+    def __init__(self, codec: LayerCodec, residual: int, max_cache_len: int):
+        super().__init__()
+        layout = codec.fused_layout()
+        if layout is None:
+            raise InvalidArgumentError(
+                f"a static codec cache needs a codec attention reads in place (int4, int2); "
+                f"{type(codec).__name__} is decoded whole for every forward: use the default cache"
+            )
+        if max_cache_len < 1:
+            raise InvalidArgumentError(f"max_cache_len must be a positive number of tokens, got {max_cache_len}")
+        self.codec, self.layout = codec, layout
+        self.residual_length, self.max_cache_len = residual, max_cache_len
+        g = layout.block_tokens
+        self.block_capacity = -(-max_cache_len // g)  # blocks that can be live; one scratch block follows them
+        self.window_capacity = residual + g
+        self.cumulative_length = torch.tensor(0, dtype=torch.long)
+        self.n_coded = torch.tensor(0, dtype=torch.long)
+        self.window_len = torch.tensor(0, dtype=torch.long)
+        self.coded_keys: dict[str, torch.Tensor] = {}
+        self.coded_values: dict[str, torch.Tensor] = {}
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        batch = key_states.shape[0]
+        g = self.layout.block_tokens
+        for side, states in zip(SIDES, (key_states, value_states)):
+            c = states.shape[-1]
+            window = torch.zeros(batch, 1, self.window_capacity, c, dtype=RESIDUAL_DTYPE, device=self.device)
+            # The store's tensor shapes are the codec's: read off one coded block of zeros.
+            shapes = self.codec.encode(torch.zeros(batch, 1, g, c, device=self.device), side)
+            store = {
+                name: torch.zeros(batch, self.block_capacity + 1, *t.shape[2:], dtype=t.dtype, device=self.device)
+                for name, t in shapes.items()
+            }
+            if side == "key":
+                self.keys, self.coded_keys = window, store
+            else:
+                self.values, self.coded_values = window, store
+        for name in ("cumulative_length", "n_coded", "window_len"):
+            setattr(self, name, getattr(self, name).to(self.device))
+        if not torch.compiler.is_compiling():  # fixed addresses: CUDA graphs replay on these buffers
+            for t in self._buffers():
+                torch._dynamo.mark_static_address(t)
+        self.is_initialized = True
+
+    def _buffers(self) -> list[torch.Tensor]:
+        return [
+            self.keys,
+            self.values,
+            *self.coded_keys.values(),
+            *self.coded_values.values(),
+            self.cumulative_length,
+            self.n_coded,
+            self.window_len,
+        ]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        raise InvalidArgumentError("a StaticCodecLayer is read in place: attention calls update_coded()")
+
+    def update_coded(self, key_states: torch.Tensor, value_states: torch.Tensor) -> CodedReadout | CountedReadout:
+        """Write the new tokens ([B, 1, T, C]) and return what attention reads: a CountedReadout for one token
+        (static shapes, no host sync), a CodedReadout for a prefill."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if key_states.shape[0] != self.keys.shape[0]:
+            raise InvalidArgumentError(
+                f"this static codec cache holds batches of {self.keys.shape[0]}, got {key_states.shape[0]} sequences"
+            )
+        self._code_due_block()
+        if key_states.shape[-2] == 1:
+            at = self.window_len.reshape(1)
+            self.keys.index_copy_(2, at, key_states.to(RESIDUAL_DTYPE))
+            self.values.index_copy_(2, at, value_states.to(RESIDUAL_DTYPE))
+            self.window_len.add_(1)
+            self.cumulative_length.add_(1)
+            return CountedReadout(
+                self.layout,
+                self.coded_keys,
+                self.coded_values,
+                self.keys,
+                self.values,
+                self.n_coded,
+                self.window_len,
+                self.max_cache_len,
+            )
+        return self._prefill(key_states, value_states)
+
+    def _code_due_block(self) -> None:
+        """Code the window's first G tokens into block n_coded if they are due (the window holds residual + G),
+        else into the scratch block; shift the window and move the counts only when due. No branch on the device."""
+        g = self.layout.block_tokens
+        due = self.window_len >= self.residual_length + g
+        slot = torch.where(due, self.n_coded, self.block_capacity).reshape(1)
+        for side, window, store in (("key", self.keys, self.coded_keys), ("value", self.values, self.coded_values)):
+            batch, _, _, c = window.shape
+            coded = self.codec.encode(window[:, 0, :g].float().reshape(batch, 1, g, c), side)
+            for name, t in coded.items():
+                store[name].index_copy_(1, slot, t.to(store[name].dtype))
+            window.copy_(torch.where(due, window.roll(-g, dims=2), window))
+        self.n_coded.add_(due.long())
+        self.window_len.sub_(due.long() * g)
+
+    def _prefill(self, key_states: torch.Tensor, value_states: torch.Tensor) -> CodedReadout:
+        """Several tokens: attend over the store and the staged window (host-side lengths), then code the blocks
+        beyond `residual` at once, as CodecLayer does."""
+        n, w, t = int(self.n_coded), int(self.window_len), key_states.shape[-2]
+        if n * self.layout.block_tokens + w + t > self.max_cache_len:
+            raise InvalidArgumentError(
+                f"this static codec cache holds {self.max_cache_len} tokens; it holds {int(self.cumulative_length)} "
+                f"and {t} more do not fit (pass a larger max_cache_len)"
+            )
+        staged = [
+            torch.cat([window[:, :, :w], states.to(RESIDUAL_DTYPE)], dim=-2)
+            for window, states in ((self.keys, key_states), (self.values, value_states))
+        ]
+        readout = CodedReadout(
+            self.layout,
+            {name: s[:, :n] for name, s in self.coded_keys.items()} if n else None,
+            {name: s[:, :n] for name, s in self.coded_values.items()} if n else None,
+            *staged,
+        )
+        g = self.layout.block_tokens
+        blocks = max(0, w + t - self.residual_length) // g
+        for side, window, store, rows in zip(
+            SIDES, (self.keys, self.values), (self.coded_keys, self.coded_values), staged
+        ):
+            batch, _, _, c = rows.shape
+            if blocks:
+                coded = self.codec.encode(rows[:, 0, : blocks * g].float().reshape(batch, blocks, g, c), side)
+                for name, tensor in coded.items():
+                    store[name][:, n : n + blocks].copy_(tensor)  # past the readout's views: they stay as read
+            kept = rows[:, :, blocks * g :]
+            window[:, :, : kept.shape[-2]].copy_(kept)
+        self.n_coded.fill_(n + blocks)
+        self.window_len.fill_(w + t - blocks * g)
+        self.cumulative_length.add_(t)
+        return readout
+
+    def get_seq_length(self) -> torch.Tensor | int:
+        return self.cumulative_length if self.is_initialized else 0
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.max_cache_len, 0
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def reset(self) -> None:
+        if self.is_initialized:
+            for t in self._buffers():
+                t.zero_()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: every batch-first buffer reordered in place (its address stays what a graph captured)."""
+        if self.is_initialized:
+            for t in self._buffers()[:-3]:
+                t.copy_(t.index_select(0, beam_idx.to(t.device)))
+
+    def crop(self, max_length: int) -> None:
+        raise InvalidArgumentError("a static codec cache cannot be cropped; use the default codec cache")
+
+    def offload(self):
+        raise InvalidArgumentError("a static codec cache stays on its device; use the default codec cache")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise InvalidArgumentError("a static codec cache holds a fixed batch; build it for the batch you run")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise InvalidArgumentError("a static codec cache holds a fixed batch; build it for the batch you run")
+
+
+class StaticCodecCache(Cache):
+    """One StaticCodecLayer per decoder layer, each with room for `max_cache_len` tokens."""
+
+    def __init__(self, layer_codecs: list[LayerCodec], residual: int, max_cache_len: int):
+        super().__init__(layers=[StaticCodecLayer(codec, residual, max_cache_len) for codec in layer_codecs])
+        self.max_cache_len = max_cache_len
+
+    def reads_coded(self, layer_idx: int) -> bool:
+        return True
+
+    def update_coded(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int
+    ) -> CodedReadout | CountedReadout:
+        return self.layers[layer_idx].update_coded(key_states, value_states)
+
+    def stored_bytes(self) -> int:
+        from kvrewrite.runtime.cache_bytes import cache_tensor_bytes
+
+        return cache_tensor_bytes(self)
