@@ -20,8 +20,10 @@ Forms (`--forms`):
   head), on the cache kvrewrite's generate() builds (runtime.inplace_cache, sized for the run);
 - mla: DeepseekV3 with kvrewrite's absorbed attention (runtime.mla), latent + RoPE widths per shape;
 - int4: the per-head `freq` form at full rank (p = 0) with the int4 codec (KIVI blocks read in place);
-- int4-compiled (only when named in --forms): the same on its static codec cache (runtime.codecs.static_cache)
-  under torch.compile, mode reduce-overhead on CUDA, as generate(cache_implementation="static") compiles it;
+- FORM-compiled for freq, post-rope, latent, mla and int4 (only when named in --forms: each compiles per
+  configuration, minutes a default device run cannot spare): the form on a static cache (transformers' StaticCache;
+  for int4 its own, runtime.codecs.static_cache) under torch.compile, mode reduce-overhead (CUDA graphs) on CUDA,
+  as `cache_implementation="static"` with a compiled forward runs it;
 - evict: the frontier's re-scored eviction recipe at about a quarter of the original's bytes
   (`kvrewrite-W16-evict0.57-k8v4`, benchmarks/frontier/kvrewrite_recipes.py: the `latent` form at full rank, a
   16-token full-rank window, beyond it 57% of the tokens kept with 8-bit keys and 4-bit values); its cache is
@@ -73,7 +75,7 @@ SHAPES = {
     ),
 }
 FORMS = ("stock-static", "stock-compiled", "stock-dynamic", "freq", "post-rope", "latent", "mla", "int4", "evict")
-OPT_IN_FORMS = ("int4-compiled",)  # compiled per configuration: minutes a default device run cannot spare
+OPT_IN_FORMS = tuple(f"{form}-compiled" for form in ("freq", "post-rope", "latent", "mla", "int4"))
 PER_HEAD_RATE = 0.5
 # The frontier's best recipe at about 25% of the original's bytes (fp16 counting, as the frontier counts them).
 EVICT_RECIPE = {"name": "kvrewrite-W16-evict0.57-k8v4", "window": 16, "keep": 0.57, "bits": (8, 4)}
@@ -127,6 +129,11 @@ def per_head_spec(config, mode: str):
     )
 
 
+def base_form(form: str) -> str:
+    """The form a compiled variant runs ("latent-compiled" -> "latent"); stock's own names stay."""
+    return form if form.startswith("stock") else form.removesuffix("-compiled")
+
+
 def build_model(form: str, shape: dict, layers: int, device: torch.device, dtype: torch.dtype):
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, LlamaForCausalLM
 
@@ -134,6 +141,7 @@ def build_model(form: str, shape: dict, layers: int, device: torch.device, dtype
     from kvrewrite.runtime.mla.checkpoint import absorb_attention
     from kvrewrite.runtime.modeling.families import COMPRESSED_FAMILIES
 
+    form = base_form(form)
     torch.manual_seed(0)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # random init straight in the measured dtype, on the device
@@ -169,13 +177,13 @@ def build_model(form: str, shape: dict, layers: int, device: torch.device, dtype
                 )
                 mla._attn_implementation = "sdpa"
                 return absorb_attention(DeepseekV3ForCausalLM(mla)).eval()
-            spec = per_head_spec(config, {"int4": "freq", "int4-compiled": "freq", "evict": "latent"}.get(form, form))
+            spec = per_head_spec(config, {"int4": "freq", "evict": "latent"}.get(form, form))
             config_class, model_class = COMPRESSED_FAMILIES["kvrewrite_llama"]
             fields = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "transformers_version")}
             model = model_class(config_class(**fields, kvrewrite=spec.to_dict())).eval()
     finally:
         torch.set_default_dtype(previous)
-    if form in ("int4", "int4-compiled"):  # full-rank latents, coded
+    if form == "int4":  # full-rank latents, coded
         model.set_kv_codec("int4")
         return model
     d, n_kv = config.head_dim, config.num_key_value_heads
@@ -230,15 +238,18 @@ def filled_cache(model, form: str, batch: int, context: int, capacity: int, devi
             shape = (batch, cfg.num_key_value_heads, context, cfg.head_dim)
             cache.update(rand(*shape), rand(*shape), i)
         return cache
+    static = form.endswith("-compiled")  # what cache_implementation="static" builds
+    form = base_form(form)
     if form == "mla":
-        cache = DynamicCache(config=cfg)
+        cache = StaticCache(config=cfg, max_cache_len=capacity) if static else DynamicCache(config=cfg)
         for i in range(cfg.num_hidden_layers):
-            in_place_layer(cache, i)
-            cache.layers[i].capacity = capacity  # as generate() sizes it
+            if not static:
+                in_place_layer(cache, i)
+                cache.layers[i].capacity = capacity  # as generate() sizes it
             cache_latent_rows(cache, i, rand(batch, 1, context, cfg.kv_lora_rank + cfg.qk_rope_head_dim))
         return cache
-    if form in ("int4", "int4-compiled"):  # the codec cache generate() builds; the prefill coded as it codes it
-        cache = model.make_kv_cache() if form == "int4" else model.make_static_kv_cache(capacity)
+    if form == "int4":  # the codec cache generate() builds; the prefill's blocks coded as it codes them
+        cache = model.make_static_kv_cache(capacity) if static else model.make_kv_cache()
         for i, attn in enumerate(model.compressed_attentions()):
             cache.update_coded(
                 rand(batch, 1, context, sum(attn.key_ranks)), rand(batch, 1, context, sum(attn.value_ranks)), i
@@ -253,7 +264,8 @@ def filled_cache(model, form: str, batch: int, context: int, capacity: int, devi
             layer.add_scores(scores, [scores.new_zeros(batch, 0)], None)
             layer.settle()
         return cache
-    cache = in_place_cache(cfg, capacity=capacity)  # what kvrewrite's generate() builds
+    # What kvrewrite's generate() builds, or transformers' StaticCache (the layers then mask its unwritten slots).
+    cache = StaticCache(config=cfg, max_cache_len=capacity) if static else in_place_cache(cfg, capacity=capacity)
     for i, attn in enumerate(model.compressed_attentions()):
         order = attn.cache_order(cache, device)
         cache.update(
@@ -268,11 +280,12 @@ def filled_bytes(model, form: str, batch: int, context: int, dtype) -> int:
     """Bytes of cache a decode step must read at this context (all layers), whatever room the cache holds."""
     cfg = model.config
     element = torch.empty((), dtype=dtype).element_size()
+    form = base_form(form)
     if form.startswith("stock"):
         per_token = 2 * cfg.num_key_value_heads * cfg.head_dim * cfg.num_hidden_layers
     elif form == "mla":
         per_token = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * cfg.num_hidden_layers
-    elif form in ("int4", "int4-compiled", "evict"):  # codes and scales: measured on a filled cache by the caller
+    elif form in ("int4", "evict"):  # codes plus their scales: measured on a filled cache by the caller
         return -1
     else:
         per_token = model.kv_elements_per_token()
@@ -438,7 +451,7 @@ def measure_config(runs: dict, batch: int, context: int, args, device, dtype) ->
             row["attention_s"] = round(statistics.median(attention_s), 6)
             row["attention_bandwidth_GBps"] = round(row["cache_bytes_read"] / row["attention_s"] / 1e9, 1)
         print(
-            f"{form:15s} {batch:3d} x {context:6d}: {row['tokens_per_s']:9.1f} tok/s  "
+            f"{form:18s} {batch:3d} x {context:6d}: {row['tokens_per_s']:9.1f} tok/s  "
             f"attention {row.get('attention_s', float('nan')) * 1e3:8.2f} ms "
             f"({row.get('attention_bandwidth_GBps', float('nan'))} GB/s)",
             flush=True,
@@ -622,16 +635,16 @@ def plot(record: dict, target: Path) -> None:
 
 def print_table(record: dict) -> None:
     print(
-        f"\n{'form':15s} {'B x ctx':>12s} {'tok/s':>10s} {'vs static':>10s} {'vs compiled':>12s} {'bytes':>6s} "
+        f"\n{'form':18s} {'B x ctx':>12s} {'tok/s':>10s} {'vs static':>10s} {'vs compiled':>12s} {'bytes':>6s} "
         f"{'attn GB/s':>10s}"
     )
     for form, rows in record["results"].items():
         for row in rows:
             if "tokens_per_s" not in row:
-                print(f"{form:15s} {row.get('error', '')}")
+                print(f"{form:18s} {row.get('error', '')}")
                 continue
             print(
-                f"{form:15s} {row['batch']:>4d} x {row['context']:<6d} {row['tokens_per_s']:>10.1f} "
+                f"{form:18s} {row['batch']:>4d} x {row['context']:<6d} {row['tokens_per_s']:>10.1f} "
                 f"{row.get('vs_stock_static', float('nan')):>10.3f} {row.get('vs_stock_compiled', float('nan')):>12.3f} "
                 f"{row.get('cache_share', float('nan')):>6.2f} {row.get('attention_bandwidth_GBps', float('nan')):>10}"
             )

@@ -25,7 +25,8 @@ timeout 420 python benchmarks/gpu_decode.py --out "$OUT/gpu_decode.json" 2>&1 | 
 # graphs by itself, against its eager steps.
 timeout 150 python -m pytest -q tests/test_static_codec_cache.py -k "captured" > "$OUT/tests_static_codec.txt" 2>&1 \
     || echo "static codec capture test failed: see tests_static_codec.txt"
-# If time is left: the int4 form under CUDA graphs (its static codec cache) beside compiled stock, at one size.
-timeout 150 python benchmarks/gpu_decode.py --forms stock-static,stock-compiled,int4,int4-compiled --configs 64x8192 \
-    --out "$OUT/gpu_decode_int4_compiled.json" > "$OUT/gpu_decode_int4_compiled.log" 2>&1 \
-    || echo "int4-compiled run failed or ran out of time: see gpu_decode_int4_compiled.log"
+# If time is left: our forms under CUDA graphs (static caches, compiled forward) beside compiled stock, at one size.
+timeout 240 python benchmarks/gpu_decode.py --configs 16x8192 \
+    --forms stock-static,stock-compiled,freq-compiled,latent-compiled,mla-compiled,int4-compiled \
+    --out "$OUT/gpu_decode_compiled.json" > "$OUT/gpu_decode_compiled.log" 2>&1 \
+    || echo "compiled forms failed or ran out of time: see gpu_decode_compiled.log"
