@@ -83,31 +83,49 @@ def test_static_generate_codes_and_reads_what_the_codec_cache_does(compiled, mod
 
 
 def test_layer_reads_what_the_codec_layer_decodes_through_chunked_prefills():
-    """Layer level, random latents: a prefill, 70 decode steps (4 blocks due), a second prefill while a block is due,
-    more steps: every step's CountedReadout, decoded at its live positions, equals the decode path of a CodecLayer
-    fed the same tokens (decode(store) + window); held bytes are the preallocated buffers'."""
+    """Layer level, random latents: a prefill, steps up to a block due (coded at the next update), a prefill then,
+    70 decode steps, another prefill, more steps. Every readout, decoded, equals the decode path of a CodecLayer fed
+    the same tokens (decode(store) + window); held bytes are the preallocated buffers'; after reset() the layer
+    reads as a fresh one."""
     codec = build_layer_codecs(parse_codec("int4:residual=8,group_size=16"), [[6, 4]], [[4, 6]])[0]
     ours, reference = StaticCodecLayer(codec, residual=8, max_cache_len=200), CodecLayer(codec, residual=8)
     torch.manual_seed(4)
-    steps = [21, *[1] * 70, 16, *[1] * 40]
-    for t in steps:
-        k, v = torch.randn(2, 1, t, 10), torch.randn(2, 1, t, 10)
-        readout = ours.update_coded(k, v)
-        want_k, want_v = reference.update(k, v)
-        if t == 1:
-            assert isinstance(readout, CountedReadout)
-            held = int(readout.n_coded) * 16 + int(readout.window_len)
-            assert bool(readout.live()[held - 1]) and not bool(readout.live()[held])
-            got_k = readout.dense("key", torch.float32)[..., :held, :]
-            got_v = readout.dense("value", torch.float32)[..., :held, :]
-            assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
-        else:  # a prefill reads the store coded so far and the staged window, as the CodecLayer's fused path
-            assert readout.length == want_k.shape[-2]
-            assert torch.equal(readout.key_window.float(), want_k[..., readout.coded_tokens :, :])
+    steps = [21, 1, 1, 1, 16, *[1] * 70, 16, *[1] * 40]
+    tokens = [(torch.randn(2, 1, t, 10), torch.randn(2, 1, t, 10)) for t in steps]
+    for i, (k, v) in enumerate(tokens):
+        if i == 4:
+            assert int(ours.window_len) == 8 + 16 and int(ours.n_coded) == 0  # a block due, not coded yet
+        assert_reads_alike(ours.update_coded(k, v), reference.update(k, v), codec)
     assert int(ours.cumulative_length) == sum(steps)
-    blocks, window = -(-200 // 16) + 1, 8 + 16
+    blocks, window = (200 - 8) // 16 + 1, 8 + 16  # the live blocks' room and one scratch block
     per_row = blocks * (codec.block_bytes("key") + codec.block_bytes("value")) + window * 2 * (10 + 10)
     assert cache_tensor_bytes(StaticCacheOf(ours)) == 2 * per_row  # two sequences; the 0-dim counts are not bytes
+    ours.reset()
+    assert int(ours.n_coded) == int(ours.window_len) == int(ours.cumulative_length) == 0
+    fresh = CodecLayer(codec, residual=8)
+    for k, v in tokens[:6]:
+        assert_reads_alike(ours.update_coded(k, v), fresh.update(k, v), codec)
+
+
+def assert_reads_alike(readout, decoded: tuple[torch.Tensor, torch.Tensor], codec) -> None:
+    """A static layer's readout, decoded, equals what CodecLayer.update() returned (every token, decoded)."""
+    want_k, want_v = decoded
+    if isinstance(readout, CountedReadout):
+        held = int(readout.n_coded) * 16 + int(readout.window_len)
+        assert bool(readout.live()[held - 1]) and not bool(readout.live()[held])
+        got_k = readout.dense("key", torch.float32)[..., :held, :]
+        got_v = readout.dense("value", torch.float32)[..., :held, :]
+    else:  # a prefill: the store coded so far, then the staged window, as the CodecLayer's fused path reads them
+        stores = [readout.keys, readout.values] if readout.keys is not None else [None, None]
+        got_k, got_v = (
+            torch.cat(
+                ([codec.decode(store, side).reshape(2, 1, -1, window.shape[-1])] if store is not None else [])
+                + [window.float()],
+                dim=-2,
+            )
+            for store, window, side in zip(stores, (readout.key_window, readout.value_window), ("key", "value"))
+        )
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
 
 
 class StaticCacheOf:
@@ -143,13 +161,17 @@ def test_decode_step_compiles_as_one_graph_and_equals_eager(compiled, mode):
 def test_captured_decode_steps_generate_what_eager_steps_do(compiled):
     """On CUDA, generate() compiles the decode step of a compileable cache by itself (mode reduce-overhead: CUDA
     graphs, the coded flash-decoding kernel inside them): the same tokens as the eager static steps."""
+    from torch._dynamo.utils import counters
+
     torch._dynamo.reset()
+    counters.clear()
     config = CompileConfig(fullgraph=True, dynamic=False, mode="reduce-overhead")
     ids, logits, _ = generate(compiled["post-rope"], device="cuda", cache_implementation="static", disable_compile=True)
     graph_ids, graph_logits, cache = generate(
         compiled["post-rope"], device="cuda", cache_implementation="static", compile_config=config
     )
     assert torch.equal(graph_ids, ids) and int(cache.layers[0].n_coded) == 2
+    assert counters["inductor"]["cudagraph_skips"] == 0  # replayed as graphs, not run eagerly
     assert (graph_logits - logits).abs().max().item() < 2e-2 * logits.abs().max().item()
 
 
@@ -175,6 +197,24 @@ def test_triton_flash_decoding_reads_the_counts_on_the_device(compiled, monkeypa
     assert (static_logits - logits).abs().max().item() < 1e-4
 
 
+def test_dynamic_keeps_the_codec_and_static_lengths_hold_across_calls(compiled):
+    """cache_implementation="dynamic" gets the codec cache, not a DynamicCache that drops the codec; a static call
+    after a longer one keeps the longer length (its compiled step keeps its shapes, as transformers does)."""
+    ids, _, cache = generate(compiled["post-rope"])
+    dynamic_ids, _, dynamic_cache = generate(compiled["post-rope"], cache_implementation="dynamic")
+    assert type(dynamic_cache) is type(cache) and torch.equal(dynamic_ids, ids)
+    model = kvrewrite.load(compiled["post-rope"], rate=0.5, kv_codec=CODEC).eval()
+    lengths = []
+    for new in (20, 5):
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=IDS, attention_mask=MASK, max_new_tokens=new, pad_token_id=0, do_sample=False,
+                cache_implementation="static", return_dict_in_generate=True,
+            )  # fmt: skip
+        lengths.append(out.past_key_values.max_cache_len)
+    assert lengths == [IDS.shape[1] + 20 - 1] * 2  # the last token is never cached
+
+
 def test_beam_search_reorders_the_buffers_in_place(compiled):
     beams = {"num_beams": 4, "num_return_sequences": 4}
     ids, _, _ = generate(compiled["post-rope"], **beams)
@@ -185,6 +225,9 @@ def test_beam_search_reorders_the_buffers_in_place(compiled):
 def test_refusals_name_the_way_out(compiled):
     with pytest.raises(InvalidArgumentError, match="no static cache"):
         generate(compiled["post-rope"], codec="gear", cache_implementation="static")
+    for implementation in ("offloaded_static", "quantized", "offloaded"):  # caches without the codec
+        with pytest.raises(InvalidArgumentError, match="without this model's int4"):
+            generate(compiled["post-rope"], cache_implementation=implementation)
     model = kvrewrite.load(compiled["post-rope"], recent_window=4, evict={"keep": 0.5}).eval()
     with pytest.raises(InvalidArgumentError, match="token tiers"):
         model.generate(input_ids=IDS, attention_mask=MASK, max_new_tokens=2, cache_implementation="static")
@@ -193,6 +236,9 @@ def test_refusals_name_the_way_out(compiled):
     layer.update_coded(torch.randn(2, 1, 30, 8), torch.randn(2, 1, 30, 8))
     with pytest.raises(InvalidArgumentError, match="holds 40 tokens"):
         layer.update_coded(torch.randn(2, 1, 11, 8), torch.randn(2, 1, 11, 8))
+    layer.update_coded(torch.randn(2, 1, 10, 8), torch.randn(2, 1, 10, 8))  # exactly full
+    with pytest.raises(RuntimeError, match="static codec cache is full"):  # a step past it: the device's assert
+        layer.update_coded(torch.randn(2, 1, 1, 8), torch.randn(2, 1, 1, 8))
     with pytest.raises(InvalidArgumentError, match="batches of 2"):
         layer.update_coded(torch.randn(3, 1, 1, 8), torch.randn(3, 1, 1, 8))
     with pytest.raises(InvalidArgumentError, match="cannot be cropped"):

@@ -19,8 +19,11 @@ what the cache holds now. Coding the due block at the start of the next step rat
 reads the same tokens at the same precision as the CodecCache: what a step attends to is the store coded by earlier
 steps and the window with this step's token.
 
-A prefill (several tokens; transformers runs it uncompiled) reads the two lengths on the host, attends over the
-store and the window it stages (a CodedReadout, as the CodecCache's), and codes its overflow at once.
+A prefill (several tokens) reads the two lengths on the host, attends over the store and the window it stages (a
+CodedReadout, as the CodecCache's), and codes its overflow at once. It always runs eagerly (transformers does not
+compile it; inside a compiled forward it is a graph break, and under fullgraph=True an error): compile the decode
+step, not the prefill. The buffers hold at most (max_cache_len - residual) // G live blocks, since the newest
+`residual` tokens always stay in the window; a step past max_cache_len fails an assertion on the device.
 """
 
 from __future__ import annotations
@@ -32,10 +35,10 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.runtime.codecs.base import LayerCodec
+from kvrewrite.runtime.codecs.cache import RESIDUAL_DTYPE
 from kvrewrite.runtime.codecs.kivi import kivi_decode
 from kvrewrite.runtime.codecs.readout import CodedReadout, QuantizedBlocks
 
-RESIDUAL_DTYPE = torch.float16
 SIDES = ("key", "value")
 
 
@@ -98,7 +101,8 @@ class StaticCodecLayer(CacheLayerMixin):
         self.codec, self.layout = codec, layout
         self.residual_length, self.max_cache_len = residual, max_cache_len
         g = layout.block_tokens
-        self.block_capacity = -(-max_cache_len // g)  # blocks that can be live; one scratch block follows them
+        # The newest `residual` tokens are never coded: at most this many blocks are live. A scratch block follows.
+        self.block_capacity = max(0, max_cache_len - residual) // g
         self.window_capacity = residual + g
         self.cumulative_length = torch.tensor(0, dtype=torch.long)
         self.n_coded = torch.tensor(0, dtype=torch.long)
@@ -107,11 +111,15 @@ class StaticCodecLayer(CacheLayerMixin):
         self.coded_values: dict[str, torch.Tensor] = {}
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
-        batch = key_states.shape[0]
+        self.early_initialization(key_states.shape[0], key_states.device)
+
+    def early_initialization(self, batch: int, device: torch.device | str) -> None:
+        """Allocate every buffer for `batch` sequences (generate() does this before the prefill, so the buffers are
+        marked static outside any compiled region)."""
+        self.device = torch.device(device)
         g = self.layout.block_tokens
-        for side, states in zip(SIDES, (key_states, value_states)):
-            c = states.shape[-1]
+        for side in SIDES:
+            c = self.codec.channels[side]
             window = torch.zeros(batch, 1, self.window_capacity, c, dtype=RESIDUAL_DTYPE, device=self.device)
             # The store's tensor shapes are the codec's: read off one coded block of zeros.
             shapes = self.codec.encode(torch.zeros(batch, 1, g, c, device=self.device), side)
@@ -126,22 +134,18 @@ class StaticCodecLayer(CacheLayerMixin):
         for name in ("cumulative_length", "n_coded", "window_len"):
             setattr(self, name, getattr(self, name).to(self.device))
         if not torch.compiler.is_compiling():  # fixed addresses: CUDA graphs replay on these buffers
-            for t in self._buffers():
+            for t in self._batch_buffers() + self._counts():
                 torch._dynamo.mark_static_address(t)
         self.is_initialized = True
 
-    def _buffers(self) -> list[torch.Tensor]:
-        return [
-            self.keys,
-            self.values,
-            *self.coded_keys.values(),
-            *self.coded_values.values(),
-            self.cumulative_length,
-            self.n_coded,
-            self.window_len,
-        ]
+    def _batch_buffers(self) -> list[torch.Tensor]:
+        """The buffers with a batch dim: the windows and the coded stores."""
+        return [self.keys, self.values, *self.coded_keys.values(), *self.coded_values.values()]
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+    def _counts(self) -> list[torch.Tensor]:
+        return [self.cumulative_length, self.n_coded, self.window_len]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> None:
         raise InvalidArgumentError("a StaticCodecLayer is read in place: attention calls update_coded()")
 
     def update_coded(self, key_states: torch.Tensor, value_states: torch.Tensor) -> CodedReadout | CountedReadout:
@@ -153,6 +157,11 @@ class StaticCodecLayer(CacheLayerMixin):
             raise InvalidArgumentError(
                 f"this static codec cache holds batches of {self.keys.shape[0]}, got {key_states.shape[0]} sequences"
             )
+        if (key_states.shape[-1], value_states.shape[-1]) != (self.keys.shape[-1], self.values.shape[-1]):
+            raise InvalidArgumentError(
+                f"this static codec cache holds {self.keys.shape[-1]} key and {self.values.shape[-1]} value channels a "
+                f"token, got {key_states.shape[-1]} and {value_states.shape[-1]}"
+            )
         self._code_due_block()
         if key_states.shape[-2] == 1:
             at = self.window_len.reshape(1)
@@ -160,6 +169,8 @@ class StaticCodecLayer(CacheLayerMixin):
             self.values.index_copy_(2, at, value_states.to(RESIDUAL_DTYPE))
             self.window_len.add_(1)
             self.cumulative_length.add_(1)
+            # No host check in a captured step: past the capacity the device asserts instead of writing nowhere.
+            torch._assert_async(self.cumulative_length <= self.max_cache_len, "static codec cache is full")
             return CountedReadout(
                 self.layout,
                 self.coded_keys,
@@ -187,6 +198,7 @@ class StaticCodecLayer(CacheLayerMixin):
         self.n_coded.add_(due.long())
         self.window_len.sub_(due.long() * g)
 
+    @torch.compiler.disable
     def _prefill(self, key_states: torch.Tensor, value_states: torch.Tensor) -> CodedReadout:
         """Several tokens: attend over the store and the staged window (host-side lengths), then code the blocks
         beyond `residual` at once, as CodecLayer does."""
@@ -234,19 +246,19 @@ class StaticCodecLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         if self.is_initialized:
-            for t in self._buffers():
+            for t in self._batch_buffers() + self._counts():
                 t.zero_()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: every batch-first buffer reordered in place (its address stays what a graph captured)."""
         if self.is_initialized:
-            for t in self._buffers()[:-3]:
+            for t in self._batch_buffers():
                 t.copy_(t.index_select(0, beam_idx.to(t.device)))
 
     def crop(self, max_length: int) -> None:
         raise InvalidArgumentError("a static codec cache cannot be cropped; use the default codec cache")
 
-    def offload(self):
+    def offload(self) -> None:
         raise InvalidArgumentError("a static codec cache stays on its device; use the default codec cache")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
@@ -259,9 +271,21 @@ class StaticCodecLayer(CacheLayerMixin):
 class StaticCodecCache(Cache):
     """One StaticCodecLayer per decoder layer, each with room for `max_cache_len` tokens."""
 
-    def __init__(self, layer_codecs: list[LayerCodec], residual: int, max_cache_len: int):
+    def __init__(
+        self,
+        layer_codecs: list[LayerCodec],
+        residual: int,
+        max_cache_len: int,
+        batch: int | None = None,
+        device: torch.device | str | None = None,
+    ):
+        """batch and device (both or neither): allocate the buffers now, as generate() does; else at the first
+        update."""
         super().__init__(layers=[StaticCodecLayer(codec, residual, max_cache_len) for codec in layer_codecs])
         self.max_cache_len = max_cache_len
+        if batch is not None:
+            for layer in self.layers:
+                layer.early_initialization(batch, device)
 
     def reads_coded(self, layer_idx: int) -> bool:
         return True

@@ -258,8 +258,8 @@ class CompressedAttention(nn.Module):
         )
 
     def _attend_counted(self, query: torch.Tensor, readout: CountedReadout, attention_mask, past_len) -> torch.Tensor:
-        """A decode step over a static codec cache (codecs.static_cache): static shapes, the live counts read on the
-        device. On CUDA the flash-decoding kernel reads the coded blocks in place up to the counts; elsewhere (CPU,
+        """A decode step (one query per sequence) over a static codec cache (codecs.static_cache): static shapes, the
+        live counts read on the device. On CUDA the flash-decoding kernel reads the coded blocks in place up to the counts; elsewhere (CPU,
         and latent keys, which no counted kernel rebuilds yet) the whole store is decoded into the cache's slots,
         the slots past the counts masked, and attend() runs as on any static cache."""
         from kvrewrite.runtime.kernels import flash_decode_coded
@@ -269,7 +269,6 @@ class CompressedAttention(nn.Module):
         if (
             not self.mode.rebuilds_keys
             and not self.mode.shared_key_block
-            and q_len == 1
             and resolve_backend(query.device) == "triton"
             and flash_decode_coded.supports_block_tokens(readout.layout.block_tokens)
         ):

@@ -15,12 +15,14 @@ from huggingface_hub.dataclasses import strict
 
 from kvrewrite.adapters import all_adapters
 from kvrewrite.adapters.base import ArchitectureAdapter
-from kvrewrite.errors import CorruptCheckpointError, InvalidArgumentError
+from kvrewrite.errors import CorruptCheckpointError
 from kvrewrite.runtime.codecs.config import CodecConfig, parse_codec
 from kvrewrite.runtime.modeling.attention import PACKED_ATTENTION, CompressedAttention
 from kvrewrite.spec import CompressionSpec
 
 if TYPE_CHECKING:
+    from transformers.cache_utils import Cache
+
     from kvrewrite.runtime.cache_policy import CachePolicy
 
 
@@ -109,25 +111,12 @@ def compressed_family(adapter: ArchitectureAdapter) -> tuple[type, type]:
                 return in_place_cache(self.config, capacity=capacity)
             return make_codec_cache(self.kv_codec, *self._layer_ranks(), self.kv_codec_tables)
 
-        def make_static_kv_cache(self, max_cache_len: int):
-            """The cache `generate(..., cache_implementation="static")` uses when a codec is set: a StaticCodecCache
-            of `max_cache_len` tokens (fixed buffers, lengths on the device: a decode step CUDA graphs capture).
-            Codecs read whole (gear, csr, tada) and token tiers have no static form: refused, naming the way out."""
-            if self.tier_policy is not None:
-                raise InvalidArgumentError(
-                    "cache_implementation='static': token tiers (recent_window, important, evict) have no static "
-                    "cache; generate without cache_implementation, or load without the tier policy"
-                )
-            from kvrewrite.runtime.codecs import build_layer_codecs
-            from kvrewrite.runtime.codecs.static_cache import StaticCodecCache
+        def make_static_kv_cache(self, max_cache_len: int, batch: int | None = None) -> Cache:
+            """The cache `generate(..., cache_implementation="static")` uses when a codec is set: a StaticCodecCache of
+            `max_cache_len` tokens (runtime.generation_cache.static_kv_cache), allocated now for `batch` if given."""
+            from kvrewrite.runtime.generation_cache import static_kv_cache
 
-            codecs = build_layer_codecs(self.kv_codec, *self._layer_ranks(), self.kv_codec_tables)
-            if codecs[0].fused_layout() is None:
-                raise InvalidArgumentError(
-                    f"cache_implementation='static': the {self.kv_codec.describe()} codec is decoded whole for every "
-                    "forward and has no static cache; generate without cache_implementation, or use int4 / int2"
-                )
-            return StaticCodecCache(codecs, self.kv_codec.residual, max_cache_len)
+            return static_kv_cache(self, max_cache_len, batch)
 
         def generate(self, inputs=None, *args, **kwargs):
             """transformers' generate; with an eviction policy whose prefill_score is "reconstruction", the prompt
@@ -154,35 +143,15 @@ def compressed_family(adapter: ArchitectureAdapter) -> tuple[type, type]:
             *args,
             **kwargs,
         ):
-            # generate() without a user cache or a cache_implementation: the configured codec or tiered cache, else
-            # an in-place cache sized for this call's max_length (runtime.inplace_cache), so no extra code is needed.
-            if (
-                model_kwargs.get("past_key_values") is None
-                and generation_config.use_cache is not False
-                and generation_config.cache_implementation is None
-            ):
-                if self.tier_policy is not None:
-                    model_kwargs["past_key_values"] = self.make_kv_cache(capacity=max_cache_length)
-                    return
-                if self.kv_codec is not None:
-                    model_kwargs["past_key_values"] = self.make_kv_cache()
-                    return
-                from kvrewrite.runtime.inplace_cache import in_place_cache
+            # The model's own cache, or the static form of its codec, unless the caller passed a cache
+            # (runtime.generation_cache says which, and refuses what would drop the codec or the tiers).
+            if model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False:
+                from kvrewrite.runtime.generation_cache import generation_cache
 
-                model_kwargs["past_key_values"] = in_place_cache(self.config, capacity=max_cache_length)
-                return
-            if (
-                model_kwargs.get("past_key_values") is None
-                and generation_config.use_cache is not False
-                and generation_config.cache_implementation == "static"
-                and (self.kv_codec is not None or self.tier_policy is not None)
-            ):
-                # transformers' StaticCache would hold the latents uncoded and every token: the codec's own static
-                # cache instead (runtime.codecs.static_cache), or a clear refusal.
-                model_kwargs["past_key_values"] = self.make_static_kv_cache(
-                    max(max_cache_length, generation_config.max_cache_len or 0)
-                )
-                return
+                cache = generation_cache(self, generation_config, batch_size, max_cache_length)
+                if cache is not None:
+                    model_kwargs["past_key_values"] = cache
+                    return
             return super()._prepare_cache_for_generation(
                 generation_config, model_kwargs, generation_mode, batch_size, max_cache_length, *args, **kwargs
             )
