@@ -103,7 +103,9 @@ def one_step(form: str, layers: int, args) -> dict:
     ids = torch.randint(0, model.config.vocab_size, (args.batch, 1), generator=torch.Generator().manual_seed(0))
     counter = LaunchCounter()
     kernels = counting_kernels(counter)
-    with torch.inference_mode():
+    # no_grad, not inference_mode: under inference_mode the dispatch mode would see composite operations (a to() or
+    # contiguous() that copies nothing) before they decompose into what runs.
+    with torch.no_grad():
         model(input_ids=ids, past_key_values=cache, use_cache=True)
         kernels.clear()
         with counter:
