@@ -6,7 +6,8 @@ without the host). This counts them without a GPU: each form's model (benchmarks
 takes one decode step on CPU with the Triton backend under the interpreter (the kernels CUDA would run), and a
 TorchDispatchMode counts every aten operation that does work (views, empty allocations and copies that copy
 nothing are not launches) outside the Triton kernels, which are counted as one launch each. Running the model with
-1 and with 2 decoder layers separates the per-layer launches from the embedding, final norm and head.
+1 and with 2 decoder layers separates the per-layer launches from the embedding, final norm and head. The model runs
+in bfloat16 by default, as on a GPU: a dtype conversion is a launch too.
 
     TRITON_INTERPRET=1 python benchmarks/decode_launch_count.py --out benchmarks/results/decode_launch_count.json
 
@@ -22,6 +23,8 @@ import json
 import os
 import sys
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -39,16 +42,16 @@ NOT_LAUNCHES = {
     "is_nonzero", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "resolve_conj", "resolve_neg",
 }  # fmt: skip
 ROOT = str(Path(__file__).resolve().parents[1]) + "/"
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 class LaunchCounter(TorchDispatchMode):
     """Counts the aten operations that do work, and where in kvrewrite (or transformers) each was called from."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
-        self.paused = (
-            False  # set while a Triton kernel runs under the interpreter: its own torch calls are not launches
-        )
+        # Set while a Triton kernel runs under the interpreter: its own torch calls are not launches.
+        self.paused = False
         self.ops: collections.Counter = collections.Counter()
         self.sites: collections.Counter = collections.Counter()
 
@@ -71,8 +74,10 @@ class LaunchCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def counting_kernels(counter: LaunchCounter) -> collections.Counter:
-    """Wrap the interpreter's kernel launches: each counts as one launch, the torch calls inside it as none."""
+@contextmanager
+def counting_kernels(counter: LaunchCounter) -> Iterator[collections.Counter]:
+    """Within the block, the interpreter's kernel launches each count as one launch, the torch calls inside them as
+    none; yields the launches by kernel name."""
     from triton.runtime import interpreter
 
     kernels: collections.Counter = collections.Counter()
@@ -92,20 +97,22 @@ def counting_kernels(counter: LaunchCounter) -> collections.Counter:
         return counted
 
     interpreter.InterpretedFunction.__getitem__ = getitem
-    return kernels
+    try:
+        yield kernels
+    finally:
+        interpreter.InterpretedFunction.__getitem__ = launch_with_grid
 
 
-def one_step(form: str, layers: int, args) -> dict:
+def one_step(form: str, layers: int, args: argparse.Namespace) -> dict:
     """Launches of one decode step of `form` with `layers` decoder layers, after a first step (tables, maps)."""
-    device = torch.device("cpu")
-    model = build_model(form, SHAPES[args.shape], layers, device, torch.float32)
-    cache = filled_cache(model, form, args.batch, args.context, args.context + 4, device, torch.float32)
+    device, dtype = torch.device("cpu"), DTYPES[args.dtype]
+    model = build_model(form, SHAPES[args.shape], layers, device, dtype)
+    cache = filled_cache(model, form, args.batch, args.context, args.context + 4, device, dtype)
     ids = torch.randint(0, model.config.vocab_size, (args.batch, 1), generator=torch.Generator().manual_seed(0))
     counter = LaunchCounter()
-    kernels = counting_kernels(counter)
     # no_grad, not inference_mode: under inference_mode the dispatch mode would see composite operations (a to() or
     # contiguous() that copies nothing) before they decompose into what runs.
-    with torch.no_grad():
+    with torch.no_grad(), counting_kernels(counter) as kernels:
         model(input_ids=ids, past_key_values=cache, use_cache=True)
         kernels.clear()
         with counter:
@@ -119,13 +126,15 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--context", type=int, default=300)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="the model's (bf16: as on a GPU)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET") != "1":
         parser.error("set TRITON_INTERPRET=1: the count runs the CUDA code path on CPU under Triton's interpreter")
     os.environ["KVREWRITE_ATTENTION"] = "triton"
-    args.layers, args.dtype, args.steps = 2, "fp32", 1  # for provenance()
+    args.layers, args.steps = 2, 1  # for provenance()
     record = {**provenance(args, torch.device("cpu")), "batch": args.batch, "context": args.context, "results": {}}
+    record["command"] = "TRITON_INTERPRET=1 " + record["command"]
     print(f"{'form':14s} {'per layer':>10s} {'of them kernels':>16s} {'rest of the model':>18s}")
     for form in [f.strip() for f in args.forms.split(",") if f.strip()]:
         one, two = one_step(form, 1, args), one_step(form, 2, args)

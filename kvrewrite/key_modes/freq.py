@@ -13,7 +13,13 @@ from torch import nn
 
 from kvrewrite.adapters.base import AttentionFeatures, AttentionGeometry
 from kvrewrite.key_modes.base import KeyMode, KeyTransform, register_key_mode
-from kvrewrite.key_modes.rows import Linear64, map_rows, rotate_interleaved_pairs, turn_interleaved_pairs
+from kvrewrite.key_modes.rows import (
+    Linear64,
+    map_rows,
+    phase_table,
+    rotate_interleaved_pairs,
+    turn_interleaved_pairs,
+)
 from kvrewrite.method.key_transforms import frequency_pair_selection, interleaved_pair_rows
 from kvrewrite.method.statistics import LayerStatistics
 from kvrewrite.spec import LayerSpec
@@ -25,7 +31,7 @@ class FreqTransform(KeyTransform):
 
 
 def rotate_stored_pairs(
-    attn: nn.Module, query: torch.Tensor, key: torch.Tensor, cos, sin
+    attn: nn.Module, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate every stored pair of the packed query and key by its own frequency (the `*_pair_freq` indices)."""
     q_freq, k_freq = attn._index("query_pair_freq", query.device), attn._index("key_pair_freq", query.device)
@@ -33,9 +39,8 @@ def rotate_stored_pairs(
         query = rotate_interleaved_pairs(query, cos[..., q_freq], sin[..., q_freq])
         key = rotate_interleaved_pairs(key, cos[..., k_freq], sin[..., k_freq])
         return query, key
-    # Eagerly: one complex phase table, gathered once per side (turn_interleaved_pairs says why).
-    real = torch.float64 if cos.dtype == torch.float64 else torch.float32
-    phase = torch.complex(cos.to(real), sin.to(real))
+    # Eagerly: one complex phase table per forward, gathered once per side (turn_interleaved_pairs says why).
+    phase = phase_table(getattr(attn, "_rotary", (None,))[0], cos, sin)
     return turn_interleaved_pairs(query, phase[..., q_freq]), turn_interleaved_pairs(key, phase[..., k_freq])
 
 

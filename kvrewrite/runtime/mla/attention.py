@@ -55,18 +55,18 @@ def rope_interleaved_to_halves(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' apply_rotary_pos_emb_interleave (pairs stored interleaved, rotated into [evens | odds] halves)
-    with fewer launches when eager: each side one complex product in float32 and one copy into the halves' layout,
-    instead of six elementwise products and a concatenation (at small batch a decode step costs its launches).
-    Under torch.compile, transformers' own, which the compiler fuses."""
+    with fewer launches when eager: each side one complex product (in float32, float64 for a float64 model) and one
+    copy into the halves' layout, instead of six elementwise products and a concatenation (at small batch a decode
+    step costs its launches). Under torch.compile, transformers' own, which the compiler fuses."""
     if torch.compiler.is_compiling():
         return apply_rotary_pos_emb_interleave(q, k, cos, sin)
+    real = torch.float64 if q.dtype == torch.float64 else torch.float32
     half = cos.shape[-1] // 2  # cos / sin [B, T, dr] are cat(freqs, freqs)
-    phase = torch.complex(cos[..., :half].float(), sin[..., :half].float()).unsqueeze(1)  # [B, 1, T, dr / 2]
+    phase = torch.complex(cos[..., :half].to(real), sin[..., :half].to(real)).unsqueeze(1)  # [B, 1, T, dr / 2]
 
     def turn(x: torch.Tensor) -> torch.Tensor:
-        pairs = complex_pairs(x, torch.float32)
-        halves = torch.view_as_real(pairs * phase).transpose(-1, -2)  # [..., 2, dr / 2]: evens' then odds' results
-        return halves.to(x.dtype, memory_format=torch.contiguous_format).flatten(-2)
+        halves = torch.view_as_real(complex_pairs(x, real) * phase).transpose(-1, -2)  # [..., 2, dr / 2]
+        return halves.to(x.dtype).flatten(-2)  # evens' results, then odds': flatten copies the transposed halves
 
     return turn(q), turn(k)
 
