@@ -8,6 +8,7 @@ Triton kernels on CUDA), one with `KVREWRITE_ATTENTION=torch`. The logits must a
 
     python benchmarks/decode_kernel_check.py --out OUT.json                                # CUDA, Llama-3-8B shapes
     TRITON_INTERPRET=1 python benchmarks/decode_kernel_check.py --device cpu --out OUT.json  # the check itself, on CPU
+    TRITON_INTERPRET=1 python benchmarks/decode_kernel_check.py --device cpu --dtype bf16 --out OUT.json  # in bf16
 
 Exits 1 if any form disagrees or fails.
 """
@@ -63,6 +64,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--forms", default=",".join(f for f in FORMS if not f.startswith("stock")))
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 on CUDA, fp32 on CPU")
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -72,6 +74,8 @@ def main() -> None:
         name, layers, batch, context, dtype, fast = "llama3-8b", 2, 2, 1000, torch.bfloat16, None
     else:
         name, layers, batch, context, dtype, fast = "smollm2", 1, 2, 75, torch.float32, "triton"
+    if args.dtype is not None:  # e.g. bf16 under the interpreter: the dtype handling the GPU run will meet
+        dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     shape = SHAPES[name]
     forms = [f.strip() for f in args.forms.split(",") if f.strip()]
     results, failed = {}, False

@@ -198,7 +198,8 @@ def build_model(form: str, shape: dict, layers: int, device: torch.device, dtype
         for name in ("k_up", "q_map", "k_map"):
             if hasattr(attn, name):
                 for block in getattr(attn, name).data:
-                    torch.nn.init.orthogonal_(block)
+                    # QR has no bfloat16 / float16 kernel (CPU or CUDA): drawn in float32, then stored.
+                    block.copy_(torch.nn.init.orthogonal_(torch.empty_like(block, dtype=torch.float32)))
     return model
 
 
