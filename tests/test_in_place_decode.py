@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import save_tiny_llama, tiny_pipeline
+from tiny_models import compile_tiny_modes
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 import kvrewrite
-from kvrewrite.compile.passes.pipeline import run_pipeline
-from kvrewrite.compile.plan import Plan
 from kvrewrite.runtime import inplace_cache
 from kvrewrite.runtime.cache_bytes import cache_tensor_bytes
 from kvrewrite.runtime.inplace_cache import InPlaceLayer, grown_capacity, in_place_cache
@@ -31,14 +29,9 @@ MASK = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1] * 7])
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
-    root = tmp_path_factory.mktemp("inplace")
-    src = save_tiny_llama(root / "src", seed=5, num_kv_heads=2, num_heads=6, head_dim=16)
-    out = {}
-    for mode in ("latent", "post-rope"):
-        plan = Plan(model=str(src), output=root / mode, progress=False, target_rate=0.5, rope_mode=mode)
-        run_pipeline(plan, tiny_pipeline())
-        out[mode] = root / mode
-    return out
+    return compile_tiny_modes(
+        tmp_path_factory.mktemp("inplace"), ("latent", "post-rope"), seed=5, num_kv_heads=2, num_heads=6, head_dim=16
+    )
 
 
 def slow_path(monkeypatch) -> None:

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import save_tiny_llama, tiny_pipeline
+from tiny_models import compile_tiny_modes
 from transformers import DynamicCache, StaticCache
 
 import kvrewrite
-from kvrewrite.compile.passes.pipeline import run_pipeline
-from kvrewrite.compile.plan import Plan
 from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.runtime.kernels.buckets import BucketedAttention
 from kvrewrite.runtime.kernels.cache_layout import packed_view
@@ -18,14 +16,9 @@ from kvrewrite.runtime.kernels.dispatch import resolve_backend
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
-    root = tmp_path_factory.mktemp("paths")
-    src = save_tiny_llama(root / "src", seed=3, num_kv_heads=2, num_heads=4)
-    out = {}
-    for mode in ("freq", "post-rope"):
-        plan = Plan(model=str(src), output=root / mode, progress=False, target_rate=0.5, rope_mode=mode)
-        run_pipeline(plan, tiny_pipeline())
-        out[mode] = root / mode
-    return out
+    return compile_tiny_modes(
+        tmp_path_factory.mktemp("paths"), ("freq", "post-rope"), seed=3, num_kv_heads=2, num_heads=4
+    )
 
 
 def _generate_logits(directory, monkeypatch, backend: str) -> torch.Tensor:

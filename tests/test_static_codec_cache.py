@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import save_tiny_llama, tiny_pipeline
+from tiny_models import compile_tiny_modes
 from transformers import CompileConfig
 
 import kvrewrite
-from kvrewrite.compile.passes.pipeline import run_pipeline
-from kvrewrite.compile.plan import Plan
 from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.runtime.cache_bytes import cache_tensor_bytes
 from kvrewrite.runtime.codecs import build_layer_codecs
@@ -27,13 +25,7 @@ CODEC = "int4:residual=4,group_size=16"  # 31 new tokens: 37 held, two blocks co
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
     root = tmp_path_factory.mktemp("static_codec")
-    src = save_tiny_llama(root / "src", seed=5, num_kv_heads=2, num_heads=6, head_dim=16)
-    out = {}
-    for mode in ("latent", "post-rope"):
-        plan = Plan(model=str(src), output=root / mode, progress=False, target_rate=0.5, rope_mode=mode)
-        run_pipeline(plan, tiny_pipeline())
-        out[mode] = root / mode
-    return out
+    return compile_tiny_modes(root, ("latent", "post-rope"), seed=5, num_kv_heads=2, num_heads=6, head_dim=16)
 
 
 def generate(directory, codec: str = CODEC, device: str = "cpu", **kwargs):

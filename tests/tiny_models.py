@@ -84,6 +84,18 @@ class FixedCalibration:
         }
 
 
+def compile_tiny_modes(root: Path, modes: tuple[str, ...], seed: int = 0, **config_kwargs) -> dict[str, Path]:
+    """A tiny random Llama under root/src compiled at p = 0.5 once per key mode into root/<mode>: {mode: directory}."""
+    from kvrewrite.compile.passes.pipeline import run_pipeline
+    from kvrewrite.compile.plan import Plan
+
+    src = save_tiny_llama(root / "src", seed=seed, **config_kwargs)
+    for mode in modes:
+        plan = Plan(model=str(src), output=root / mode, progress=False, target_rate=0.5, rope_mode=mode)
+        run_pipeline(plan, tiny_pipeline())
+    return {mode: root / mode for mode in modes}
+
+
 def tiny_pipeline(tokens: torch.Tensor | None = None) -> list:
     return [
         LoadCheckpoint(),

@@ -257,6 +257,32 @@ class CompressedAttention(nn.Module):
             dim=-1,
         )
 
+    def _coded_flash_decode(
+        self,
+        query: torch.Tensor,
+        readout: CodedReadout | CountedReadout,
+        keep: torch.Tensor,
+        n_coded: torch.Tensor | None = None,
+        window_len: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One decode token [B, 1, Qsum] over coded blocks and the window (kernels.flash_decode_coded, the blocks
+        split across programs; the live counts read from device memory where given) -> [B, 1, Osum]."""
+        from kvrewrite.runtime.kernels import flash_decode_coded
+
+        return flash_decode_coded.coded_flash_decode(
+            query[:, 0],
+            readout.layout,
+            readout.keys,
+            readout.values,
+            readout.key_window[:, 0],
+            readout.value_window[:, 0],
+            keep,
+            n_coded,
+            window_len,
+            self.scaling,
+            self.layout,
+        )[:, None]
+
     def _attend_counted(self, query: torch.Tensor, readout: CountedReadout, attention_mask, past_len) -> torch.Tensor:
         """A decode step (one query per sequence) over a static codec cache (codecs.static_cache): static shapes, the
         live counts read on the device. On CUDA the flash-decoding kernel reads the coded blocks in place up to the counts; elsewhere (CPU,
@@ -273,19 +299,7 @@ class CompressedAttention(nn.Module):
             and flash_decode_coded.supports_block_tokens(readout.layout.block_tokens)
         ):
             keep = allowed.expand(batch, 1, 1, readout.positions)[:, 0, 0]
-            return flash_decode_coded.coded_flash_decode(
-                query[:, 0],
-                readout.layout,
-                readout.keys,
-                readout.values,
-                readout.key_window[:, 0],
-                readout.value_window[:, 0],
-                keep,
-                readout.n_coded,
-                readout.window_len,
-                self.scaling,
-                self.layout,
-            )[:, None]
+            return self._coded_flash_decode(query, readout, keep, readout.n_coded, readout.window_len)
         allowed = allowed & readout.live()
         key, value = readout.dense("key", query.dtype), readout.dense("value", query.dtype)
         if self.mode.rebuilds_keys or self.mode.shared_key_block:
@@ -308,23 +322,9 @@ class CompressedAttention(nn.Module):
             and readout.keys is not None
             and flash_decode_coded.supports_block_tokens(readout.layout.block_tokens)
         ):
-            # One decode token over coded blocks: flash-decoding (the coded blocks split across programs).
-
             keep = boolean_mask(attention_mask, 1, readout.length, query.device)
             keep = keep.expand(batch, 1, 1, readout.length)[:, 0, 0]
-            return flash_decode_coded.coded_flash_decode(
-                query[:, 0],
-                readout.layout,
-                readout.keys,
-                readout.values,
-                readout.key_window[:, 0],
-                readout.value_window[:, 0],
-                keep,
-                None,
-                None,
-                self.scaling,
-                self.layout,
-            )[:, None]
+            return self._coded_flash_decode(query, readout, keep)
         if not self.mode.rebuilds_keys:
             return triton_coded.triton_coded_attention(query, readout, attention_mask, self.scaling, self.layout)
         cos, sin = rope_table(self._rotary[0], query, readout.length, transposed=False)  # [>= S, d]
