@@ -10,6 +10,9 @@ Triton kernels on CUDA), one with `KVREWRITE_ATTENTION=torch`. The logits must a
     TRITON_INTERPRET=1 python benchmarks/decode_kernel_check.py --device cpu --out OUT.json  # the check itself, on CPU
     TRITON_INTERPRET=1 python benchmarks/decode_kernel_check.py --device cpu --dtype bf16 --out OUT.json  # in bf16
 
+`int4-compiled` is the int4 form on its static codec cache (runtime.codecs.static_cache), whose decode step reads the
+block and window counts from device memory; the check steps it eagerly (compiling adds nothing to what is compared).
+
 Exits 1 if any form disagrees or fails.
 """
 
@@ -62,7 +65,9 @@ def one_step(form: str, shape: dict, layers: int, batch: int, context: int, devi
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--forms", default=",".join(f for f in FORMS if not f.startswith("stock")))
+    parser.add_argument(
+        "--forms", default=",".join([*(f for f in FORMS if not f.startswith("stock")), "int4-compiled"])
+    )
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 on CUDA, fp32 on CPU")
     args = parser.parse_args()
