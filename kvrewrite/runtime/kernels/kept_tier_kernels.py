@@ -24,8 +24,6 @@ programs for one request at long contexts.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -33,6 +31,7 @@ import triton.language as tl
 from kvrewrite.runtime.kernels.flash_decode_coded import unpack_codes
 from kvrewrite.runtime.kernels.flash_decode_splits import (
     NEG_INF,
+    int_table,
     interpreter_upcast,
     interpreting,
     mask_argument,
@@ -187,14 +186,10 @@ def _block_rows() -> int:
     return 16 if interpreting() else BLOCK_ROWS
 
 
-@functools.lru_cache(maxsize=64)
 def _head_columns(ranks: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each KV head's first column in the packed store and its width, as device tensors (made once per layout)."""
-    starts = [sum(ranks[:g]) for g in range(len(ranks))]
-    return (
-        torch.tensor(starts, dtype=torch.int32, device=device),
-        torch.tensor(ranks, dtype=torch.int32, device=device),
-    )
+    """Each KV head's first column in the packed store and its width, as device tables (int_table: made once)."""
+    starts = tuple(sum(ranks[:g]) for g in range(len(ranks)))
+    return int_table(starts, str(device)), int_table(tuple(ranks), str(device))
 
 
 def kept_key_logits(
