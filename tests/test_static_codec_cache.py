@@ -68,7 +68,7 @@ def test_static_generate_codes_and_reads_what_the_codec_cache_does(compiled, mod
     assert (static_logits - logits).abs().max().item() < 1e-4 and logits.abs().max().item() > 0.1
     for ours, theirs in zip(static_cache.layers, cache.layers):
         assert int(ours.n_coded) == theirs.coded_keys["codes"].shape[1] == 2  # 37 tokens: 2 blocks of 16, 5 window
-        assert int(ours.cumulative_length) == theirs.get_seq_length() == IDS.shape[1] + 30
+        assert int(ours.get_seq_length()) == theirs.get_seq_length() == IDS.shape[1] + 30
         got, want = live_store(ours), live_store(theirs)
         for side in want:
             assert all(torch.equal(got[side][name], want[side][name]) for name in want[side])
@@ -88,12 +88,12 @@ def test_layer_reads_what_the_codec_layer_decodes_through_chunked_prefills():
         if i == 4:
             assert int(ours.window_len) == 8 + 16 and int(ours.n_coded) == 0  # a block due, not coded yet
         assert_reads_alike(ours.update_coded(k, v), reference.update(k, v), codec)
-    assert int(ours.cumulative_length) == sum(steps)
+    assert int(ours.get_seq_length()) == sum(steps)
     blocks, window = (200 - 8) // 16 + 1, 8 + 16  # the live blocks' room and one scratch block
     per_row = blocks * (codec.block_bytes("key") + codec.block_bytes("value")) + window * 2 * (10 + 10)
     assert cache_tensor_bytes(StaticCacheOf(ours)) == 2 * per_row  # two sequences; the 0-dim counts are not bytes
     ours.reset()
-    assert int(ours.n_coded) == int(ours.window_len) == int(ours.cumulative_length) == 0
+    assert int(ours.n_coded) == int(ours.window_len) == int(ours.get_seq_length()) == 0
     fresh = CodecLayer(codec, residual=8)
     for k, v in tokens[:6]:
         assert_reads_alike(ours.update_coded(k, v), fresh.update(k, v), codec)
@@ -236,5 +236,5 @@ def test_refusals_name_the_way_out(compiled):
     with pytest.raises(InvalidArgumentError, match="cannot be cropped"):
         layer.crop(10)
     gear = build_layer_codecs(parse_codec("gear"), [[4, 4]], [[4, 4]])[0]
-    with pytest.raises(InvalidArgumentError, match="in place"):
+    with pytest.raises(InvalidArgumentError, match="no static cache"):
         StaticCodecLayer(gear, residual=4, max_cache_len=40)

@@ -48,7 +48,7 @@ def generation_cache(model, generation_config, batch_size: int | None, max_cache
 
 def static_kv_cache(model, max_cache_len: int, batch: int | None = None) -> Cache:
     """A StaticCodecCache of `max_cache_len` tokens for the model's codec, its buffers allocated now when `batch` is
-    given. Codecs read whole (gear, csr, tada) and token tiers have no static form: refused, naming the way out."""
+    given. Token tiers have no static form: refused here; so are codecs read whole (gear, csr, tada), by the cache."""
     from kvrewrite.runtime.codecs import build_layer_codecs
     from kvrewrite.runtime.codecs.static_cache import StaticCodecCache
 
@@ -58,10 +58,5 @@ def static_kv_cache(model, max_cache_len: int, batch: int | None = None) -> Cach
             "generate without cache_implementation, or load without the tier policy"
         )
     codecs = build_layer_codecs(model.kv_codec, *model._layer_ranks(), model.kv_codec_tables)
-    if codecs[0].fused_layout() is None:
-        raise InvalidArgumentError(
-            f"cache_implementation='static': the {model.kv_codec.describe()} codec is decoded whole for every forward "
-            "and has no static cache; generate without cache_implementation, or use int4 / int2"
-        )
     device = None if batch is None else model.device
     return StaticCodecCache(codecs, model.kv_codec.residual, max_cache_len, batch, device)

@@ -7,7 +7,7 @@ a capacity of `max_cache_len` tokens:
 - the coded store: every tensor of KIVI's `QuantizedBlocks` with room for ceil(max_cache_len / G) blocks plus one
   scratch block (below);
 - the float16 window [B, 1, residual + G, C] for keys and for values;
-- `n_coded` and `window_len`, 0-dim int64 tensors on the device.
+- `n_coded` and `window_len`, 0-dim int64 tensors on the device (the tokens held: n_coded * G + window_len).
 
 It codes the same blocks as the CodecCache (codecs.cache): once the window holds `residual + G` tokens, its oldest G
 are coded. A decode step (one token) does this without reading a length on the host, so it has one shape and no
@@ -42,6 +42,11 @@ from kvrewrite.runtime.codecs.readout import CodedReadout, QuantizedBlocks
 SIDES = ("key", "value")
 
 
+def held_tokens(n_coded: torch.Tensor, window_len: torch.Tensor, block_tokens: int) -> torch.Tensor:
+    """Tokens a static codec layer holds (every token is in a coded block or in the window), on the device."""
+    return n_coded * block_tokens + window_len
+
+
 @dataclass(frozen=True)
 class CountedReadout:
     """One layer's static codec cache as a decode step reads it: whole buffers and the live counts on the device.
@@ -60,7 +65,7 @@ class CountedReadout:
 
     def live(self) -> torch.Tensor:
         """[positions] bool: the slots that hold a token now."""
-        held = self.n_coded * self.layout.block_tokens + self.window_len
+        held = held_tokens(self.n_coded, self.window_len, self.layout.block_tokens)
         return torch.arange(self.positions, device=self.n_coded.device) < held
 
     def dense(self, side: str, dtype: torch.dtype) -> torch.Tensor:
@@ -93,8 +98,8 @@ class StaticCodecLayer(CacheLayerMixin):
         layout = codec.fused_layout()
         if layout is None:
             raise InvalidArgumentError(
-                f"a static codec cache needs a codec attention reads in place (int4, int2); "
-                f"{type(codec).__name__} is decoded whole for every forward: use the default cache"
+                f"the {codec.config.describe()} codec is decoded whole for every forward and has no static cache: use "
+                "int4 / int2, or the default codec cache (generate without cache_implementation)"
             )
         if max_cache_len < 1:
             raise InvalidArgumentError(f"max_cache_len must be a positive number of tokens, got {max_cache_len}")
@@ -104,7 +109,6 @@ class StaticCodecLayer(CacheLayerMixin):
         # The newest `residual` tokens are never coded: at most this many blocks are live. A scratch block follows.
         self.block_capacity = max(0, max_cache_len - residual) // g
         self.window_capacity = residual + g
-        self.cumulative_length = torch.tensor(0, dtype=torch.long)
         self.n_coded = torch.tensor(0, dtype=torch.long)
         self.window_len = torch.tensor(0, dtype=torch.long)
         self.coded_keys: dict[str, torch.Tensor] = {}
@@ -131,7 +135,7 @@ class StaticCodecLayer(CacheLayerMixin):
                 self.keys, self.coded_keys = window, store
             else:
                 self.values, self.coded_values = window, store
-        for name in ("cumulative_length", "n_coded", "window_len"):
+        for name in ("n_coded", "window_len"):
             setattr(self, name, getattr(self, name).to(self.device))
         if not torch.compiler.is_compiling():  # fixed addresses: CUDA graphs replay on these buffers
             for t in self._batch_buffers() + self._counts():
@@ -143,7 +147,7 @@ class StaticCodecLayer(CacheLayerMixin):
         return [self.keys, self.values, *self.coded_keys.values(), *self.coded_values.values()]
 
     def _counts(self) -> list[torch.Tensor]:
-        return [self.cumulative_length, self.n_coded, self.window_len]
+        return [self.n_coded, self.window_len]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> None:
         raise InvalidArgumentError("a StaticCodecLayer is read in place: attention calls update_coded()")
@@ -168,9 +172,8 @@ class StaticCodecLayer(CacheLayerMixin):
             self.keys.index_copy_(2, at, key_states.to(RESIDUAL_DTYPE))
             self.values.index_copy_(2, at, value_states.to(RESIDUAL_DTYPE))
             self.window_len.add_(1)
-            self.cumulative_length.add_(1)
             # No host check in a captured step: past the capacity the device asserts instead of writing nowhere.
-            torch._assert_async(self.cumulative_length <= self.max_cache_len, "static codec cache is full")
+            torch._assert_async(self.get_seq_length() <= self.max_cache_len, "static codec cache is full")
             return CountedReadout(
                 self.layout,
                 self.coded_keys,
@@ -205,7 +208,7 @@ class StaticCodecLayer(CacheLayerMixin):
         n, w, t = int(self.n_coded), int(self.window_len), key_states.shape[-2]
         if n * self.layout.block_tokens + w + t > self.max_cache_len:
             raise InvalidArgumentError(
-                f"this static codec cache holds {self.max_cache_len} tokens; it holds {int(self.cumulative_length)} "
+                f"this static codec cache holds {self.max_cache_len} tokens; it holds {n * self.layout.block_tokens + w} "
                 f"and {t} more do not fit (pass a larger max_cache_len)"
             )
         staged = [
@@ -232,11 +235,13 @@ class StaticCodecLayer(CacheLayerMixin):
             window[:, :, : kept.shape[-2]].copy_(kept)
         self.n_coded.fill_(n + blocks)
         self.window_len.fill_(w + t - blocks * g)
-        self.cumulative_length.add_(t)
         return readout
 
     def get_seq_length(self) -> torch.Tensor | int:
-        return self.cumulative_length if self.is_initialized else 0
+        """The tokens held, on the device (0 before the first update)."""
+        if not self.is_initialized:
+            return 0
+        return held_tokens(self.n_coded, self.window_len, self.layout.block_tokens)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.max_cache_len, 0
@@ -294,8 +299,3 @@ class StaticCodecCache(Cache):
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int
     ) -> CodedReadout | CountedReadout:
         return self.layers[layer_idx].update_coded(key_states, value_states)
-
-    def stored_bytes(self) -> int:
-        from kvrewrite.runtime.cache_bytes import cache_tensor_bytes
-
-        return cache_tensor_bytes(self)
