@@ -78,11 +78,12 @@ def test_kept_tokens_are_the_ones_the_repeat_attends_to_most(compiled, share):
             kept = layer_cache.kept_positions[row].long()
             demoted = layer_cache.floor_positions[row].long()
             assert len(kept) == budget and set(kept.tolist()) | set(demoted.tolist()) == set(range(beyond))
-            # The kept tokens: the reconstruction's top `chosen`, then the context's most read among the rest.
-            first = set(received[row, :beyond].topk(chosen).indices.tolist())
+            # The kept tokens: the reconstruction's top `chosen`, then the context's most read among the rest (among
+            # equal scores the older tokens, as the eviction ranks ties: a stable sort in cache order).
+            first = set(received[row, :beyond].sort(descending=True, stable=True).indices[:chosen].tolist())
             rest = read[row, :beyond].clone()
             rest[list(first)] = float("-inf")
-            expected = first | set(rest.topk(budget - chosen).indices.tolist())
+            expected = first | set(rest.sort(descending=True, stable=True).indices[: budget - chosen].tolist())
             assert set(kept.tolist()) == expected
         assert layer_cache.keys.shape[-2] == window and layer_cache.get_seq_length() == length
         assert not layer_cache.holding and layer_cache.evidence_reduce == "sum"

@@ -432,7 +432,8 @@ class EvictingLayer(RecentWindowLayer):
         chosen = round(self.reconstruction_share * round(self.keep * beyond))
         scores = newest[:, :beyond]
         if chosen:  # the reconstruction's top above any attention: the settle's top budget takes them first
-            first = reconstruction[:, :beyond].topk(chosen, dim=-1).indices
+            # (the held context is in cache order: a stable sort leaves the older of equal scores first)
+            first = reconstruction[:, :beyond].sort(dim=-1, descending=True, stable=True).indices[:, :chosen]
             scores = scores.scatter(1, first, float("inf"))
         return torch.cat([scores, reconstruction[:, beyond:]], dim=-1)
 
@@ -720,8 +721,8 @@ def _flat(keys: dict[str, torch.Tensor], values: dict[str, torch.Tensor], positi
 def _top_mask(scores: torch.Tensor, positions: torch.Tensor, budget: int) -> torch.Tensor:
     """[B, n] bool: the `budget` top-scored tokens of every row.
 
-    Rows are in no order, so where a tie at the threshold leaves the choice to topk's order, the top is taken over
-    the tokens in cache order, as when the store was kept in that order: the same tokens stay either way."""
+    Where tokens tie at the threshold, the older ones (lower cache index) stay: rows are in no order and topk's
+    order among equals is unspecified, so ties are ranked explicitly."""
     stays = torch.zeros_like(scores, dtype=torch.bool)
     if budget <= 0:
         return stays
@@ -730,8 +731,9 @@ def _top_mask(scores: torch.Tensor, positions: torch.Tensor, budget: int) -> tor
     tied = (scores == threshold).sum(dim=-1) > (top.values == threshold).sum(dim=-1)
     index = top.indices
     if bool(tied.any()):
-        order = positions.argsort(dim=-1)
-        index = order.gather(1, scores.gather(1, order).topk(budget, dim=-1).indices)
+        order = positions.argsort(dim=-1)  # cache order; a stable sort keeps it among equal scores
+        ranked = scores.gather(1, order).sort(dim=-1, descending=True, stable=True).indices[:, :budget]
+        index = order.gather(1, ranked)
     return stays.scatter_(1, index, True)
 
 
