@@ -47,6 +47,7 @@ from kvrewrite.runtime.tiers.floor import (
     floor_columns,
     floor_policy,
 )
+from kvrewrite.runtime.tiers.kept_settle import settle_in_kernel
 from kvrewrite.runtime.tiers.kept_store import capacity_rows, joined_rows, reserve_rows, take_rows, write_rows
 
 DEFAULT_OBSERVED_QUERIES = 64  # scoring queries per forward: a 64-token chunk, or the last 64 of a long prefill
@@ -349,6 +350,8 @@ class EvictingLayer(RecentWindowLayer):
         # Derived from the channel statistics and k_up by the CUDA decode path (tiers/kept_decode.py), once per
         # sequence; not cache content, so not a stored tensor, and dropped wherever the statistics change.
         self.kernel_maps = None
+        # Each head's rotation stacked for the settle kernel (tiers/kept_settle.py); fixed, like the rotations.
+        self.settle_rotations: dict[str, torch.Tensor] | None = None
 
     wanted_evidence = ("recent", "stored")
 
@@ -449,6 +452,8 @@ class EvictingLayer(RecentWindowLayer):
             self._received_recent = self._received_kept = None
             return
         beyond = self.keys.shape[-2] - self.window
+        if settle_in_kernel(self, beyond):  # a decode step on CUDA: one launch, no wait for the device
+            return
         kept_scores, moving, moving_scores = self._received_kept, None, None
         if beyond > 0:
             first = self.cumulative_length - self.keys.shape[-2]
@@ -722,7 +727,8 @@ def _top_mask(scores: torch.Tensor, positions: torch.Tensor, budget: int) -> tor
     """[B, n] bool: the `budget` top-scored tokens of every row.
 
     Where tokens tie at the threshold, the older ones (lower cache index) stay: rows are in no order and topk's
-    order among equals is unspecified, so ties are ranked explicitly."""
+    order among equals is unspecified, so ties are ranked explicitly (tiers/kept_settle.py's kernel ranks them the
+    same way)."""
     stays = torch.zeros_like(scores, dtype=torch.bool)
     if budget <= 0:
         return stays

@@ -1,0 +1,95 @@
+"""The settle of a decode step on an evicting layer in one kernel launch, where the kept-tier kernels run (CUDA).
+
+After a decode forward exactly one token leaves the window. tiers.eviction's settle codes it and re-cuts the kept
+tier in torch, about sixty small operations a layer, and on a step that evicts its top mask and row scatter read
+device numbers back to the host twice. A decode step that launches a few dozen operations a layer and never
+waits for the device is what lets an eager GPU step overlap the host's launches with the device's work.
+
+Here the host decides only what it knows without the device: whether this step evicts (the kept rows plus the
+moving token against the budget, both counts on the host), and whether the store needs one more row. The kernel
+(kernels.kept_settle_kernel) does the rest. The result is the torch settle's: the same row chosen (the lowest
+score, the newest among equals, as the top mask ranks ties), the same code space, group ranges and rounding;
+tests/test_kept_settle.py holds the stores equal after many steps. The first settle of a sequence (it sets the
+channel statistics), prefill chunks, a floor, unquantized sides and CPU keep the torch settle.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvrewrite.runtime.kernels.dispatch import resolve_backend
+from kvrewrite.runtime.tiers.cache import prefix_columns
+from kvrewrite.runtime.tiers.kept_store import capacity_rows, reserve_rows
+
+
+def _applies(layer, beyond: int) -> bool:
+    if beyond != 1 or layer.holding or layer.floor_key_ranks is not None:
+        return False
+    if layer.channel_stats is None or layer.rotations is None or layer.kept_positions is None:
+        return False
+    bits = layer.side_bits
+    if any(bits[side] is None or layer.group_size * bits[side] % 8 for side in ("key", "value")):
+        return False
+    if len(layer.kept_key_ranks) != len(layer.kept_value_ranks) or not layer.kept_positions.shape[-1]:
+        return False
+    return resolve_backend(layer.keys.device) == "triton"
+
+
+def _stacked_rotations(layer) -> dict[str, torch.Tensor]:
+    """Per side, each head's rotation zero-padded into [n_kv, R, R], made once per layer and device."""
+    from kvrewrite.runtime.kernels.kept_settle_kernel import stacked_rotations
+
+    held = layer.settle_rotations
+    if held is None or held["key"].device != layer.keys.device:
+        held = {
+            "key": stacked_rotations(layer.rotations, layer.kept_key_ranks, layer.keys.device),
+            "value": stacked_rotations(layer.rotations, layer.kept_value_ranks, layer.keys.device),
+        }
+        layer.settle_rotations = held
+    return held
+
+
+def settle_in_kernel(layer, beyond: int) -> bool:
+    """Settle the evicting `layer` (tokens `beyond` its window) in one kernel if it can; whether it did."""
+    if not _applies(layer, beyond):
+        return False
+    n_old = layer.kept_positions.shape[-1]
+    seen_beyond = layer.cumulative_length - layer.window
+    budget = round(layer.keep * seen_beyond)
+    evict = n_old + 1 > budget
+    kept_scores, recent_scores = layer._received_kept, layer._received_recent
+    if evict and (
+        budget != n_old or kept_scores is None or kept_scores.shape[-1] != n_old or recent_scores is None
+    ):  # more than one row to free, or no evidence to choose it by: the torch settle decides
+        return False
+    from kvrewrite.runtime.kernels.kept_settle_kernel import settle_moving_token
+
+    if evict:
+        store = layer._store("kept")
+    else:  # one row more; its contents come from the kernel
+        capacity = capacity_rows(layer.capacity, layer.window, layer.keep)[0]
+        store = reserve_rows(layer.kept_buffers, layer._store("kept"), n_old + 1, capacity)
+        layer._set_store("kept", store)
+    stats = layer.channel_stats
+    settle_moving_token(
+        layer.keys[:, 0, 0],
+        layer.values[:, 0, 0],
+        {
+            "key": tuple(prefix_columns(layer.head_dim, layer.kept_key_ranks)),
+            "value": tuple(prefix_columns(layer.head_dim, layer.kept_value_ranks)),
+        },
+        {"key": layer.kept_key_ranks, "value": layer.kept_value_ranks},
+        stats,
+        _stacked_rotations(layer),
+        layer.side_bits,
+        layer.group_size,
+        store,
+        n_old,
+        layer.cumulative_length - layer.keys.shape[-2],
+        kept_scores if evict else None,
+        recent_scores[:, 0] if evict else None,
+    )
+    layer.keys = layer.keys[..., 1:, :].contiguous()
+    layer.values = layer.values[..., 1:, :].contiguous()
+    layer._received_recent = layer._received_kept = None
+    return True
