@@ -157,3 +157,77 @@ def test_kernels_against_a_dense_reference(monkeypatch, bits, group_size, rows_p
                 evidence[:, g].double(), reduced * weights[:, None].double(), rtol=1e-5, atol=1e-6
             )
             start += r
+
+
+def test_window_kernels_against_a_dense_reference():
+    """The window's kernels alone: queries rotated, window keys rebuilt and rotated, some window positions not
+    allowed, the kept tier's chunk statistics (one chunk empty) and value sums given: rotated queries, window
+    logits, lse, the kept share, the window's evidence and the output against float64 torch."""
+    from kvrewrite.runtime.kernels.kept_window_kernels import kept_finish, window_finish, window_logits
+
+    gen = torch.Generator().manual_seed(4)
+    batch, n_kv, group, d, n_window, chunks, width = 2, 2, 3, 16, 5, 3, 8
+    heads, first, length = n_kv * group, 20, 25
+    queries = torch.randn(batch, heads, d, generator=gen)
+    keys = torch.randn(batch, n_window, n_kv * d, generator=gen)
+    values = torch.randn(batch, n_window, n_kv * d, generator=gen)
+    up = torch.randn(n_kv, d, d, generator=gen) * 0.3
+    angles = torch.arange(length)[:, None] * (0.3 ** torch.arange(d // 2))[None]
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    allowed = torch.ones(batch, length, dtype=torch.bool)
+    allowed[1, first : first + 2] = False  # the window's first two positions masked for request 1
+
+    def rope(x, pos):
+        c, s = cos[pos].double(), sin[pos].double()
+        return x * c + torch.cat([-x[..., d // 2 :], x[..., : d // 2]], -1) * s
+
+    rotated, logits, wmax, wsum = window_logits(queries, keys, up, cos, sin, allowed, first, 0.7, torch.float32)
+    q_rot = rope(queries.double(), first + n_window - 1)
+    torch.testing.assert_close(rotated.double(), q_rot, rtol=1e-5, atol=1e-5)
+    pos = torch.arange(first, first + n_window)
+    expected = torch.empty(batch, heads, n_window, dtype=torch.float64)
+    for g in range(n_kv):
+        k = rope(keys[..., g * d : (g + 1) * d].double() @ up[g].double(), pos)  # [B, W, d]
+        expected[:, g * group : (g + 1) * group] = q_rot[:, g * group : (g + 1) * group] @ k.mT * 0.7
+    expected = expected.masked_fill(~allowed[:, None, first : first + n_window], float("-inf"))
+    masked = ~allowed[:, None, first : first + n_window]
+    assert bool((logits[masked.expand_as(logits)] <= -1e29).all())  # a large negative number, not -inf
+    torch.testing.assert_close(logits.double().masked_fill(masked, float("-inf")), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(wmax.double(), expected.amax(-1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close((wmax.double() + wsum.double().log()), expected.logsumexp(-1), rtol=1e-5, atol=1e-5)
+
+    kept_max = torch.randn(batch, heads, chunks, generator=gen)
+    kept_sum = torch.rand(batch, heads, chunks, generator=gen) * 5 + 0.5
+    kept_max[:, :, 1], kept_sum[:, :, 1] = float("-inf"), 0.0  # a chunk with no row allowed
+    weights = torch.tensor([1.0, 0.5])
+    for evidence_max in (False, True):
+        lse, mass, out, evidence = window_finish(
+            kept_max, kept_sum, wmax, wsum, logits, values, weights, n_kv, evidence_max=evidence_max
+        )
+        kept_log = kept_max.double() + kept_sum.double().log()
+        want_lse = torch.cat([kept_log, expected], -1).logsumexp(-1)
+        torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(mass.double(), (kept_log - want_lse[..., None]).exp().sum(-1), rtol=1e-5, atol=1e-6)
+        probs = (expected - want_lse[..., None]).exp()  # [B, H, W]
+        for g in range(n_kv):
+            block = probs[:, g * group : (g + 1) * group]
+            reduced = block.amax(dim=1) if evidence_max else block.sum(dim=1)
+            torch.testing.assert_close(
+                evidence[:, g].double(), reduced * weights[:, None].double(), rtol=1e-5, atol=1e-6
+            )
+            want_out = block @ values[..., g * d : (g + 1) * d].double()
+            torch.testing.assert_close(out[:, g * group : (g + 1) * group].double(), want_out, rtol=1e-5, atol=1e-5)
+
+    partial = torch.randn(batch, heads, chunks, width, generator=gen)
+    matrix = torch.randn(batch, n_kv, width, width, generator=gen)
+    offset = torch.randn(batch, n_kv, width, generator=gen)
+    final = kept_finish(partial, mass, matrix, offset, out, torch.float32).view(batch, heads, d)
+    for g in range(n_kv):
+        rows = slice(g * group, (g + 1) * group)
+        kept = (
+            partial[:, rows].double().sum(2) @ matrix[:, g].double()
+            + mass[:, rows, None].double() * offset[:, g, None].double()
+        )
+        want = out[:, rows].double().clone()
+        want[..., :width] += kept
+        torch.testing.assert_close(final[:, rows].double(), want, rtol=1e-5, atol=1e-5)

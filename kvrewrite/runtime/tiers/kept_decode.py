@@ -2,26 +2,29 @@
 
 tiers/attention.py's torch path decodes the whole kept tier to floats, rebuilds and rotates every kept key and
 multiplies, one torch op at a time, on every step. Here (one query per sequence, `latent` keys under HF's
-rotate_half, both sides coded, no floor) the kept tier's codes are read where they lie:
+rotate_half, both sides coded, no floor) the kept tier's codes are read where they lie, and the step is five
+kernels and a few torch ops a layer:
 
-1. kernels.kept_tier_kernels.kept_key_logits scores the rotated queries against the kept keys, each rebuilt from
+1. kernels.kept_window_kernels.window_logits rotates the queries and scores the recent window (at most window + 1
+   full-rank tokens, keys rebuilt and rotated in registers), with the window's softmax statistics;
+2. kernels.kept_tier_kernels.kept_key_logits scores the rotated queries against the kept keys, each rebuilt from
    its codes in registers through the head's up-projection with the code space's map folded in
    (latent = y @ matrix + offset, so key = RoPE(y @ (matrix @ k_up) + offset @ k_up)), writes the logits and, per
    chunk of rows, their softmax statistics (max, sum of exp);
-2. the recent window (at most window + 1 full-rank tokens) is scored in torch; the statistics and the window give
-   the log of the one softmax's denominator per head;
-3. kernels.kept_tier_kernels.kept_weighted_values turns the kept logits into probabilities in registers, sums
-   them times the dequantised value codes, and writes the evidence the policy re-scores its tokens by (summed, or
-   max-ed, over each group's heads; torch adds the groups), as the torch path computes it;
-4. the map moves onto the value sum (sum p x = (sum p y) matrix + offset sum p), and the window's values are added.
+3. kernels.kept_window_kernels.window_finish joins both tiers' statistics into the log of the one softmax's
+   denominator per head, and sums the window's probabilities times its values and its evidence;
+4. kernels.kept_tier_kernels.kept_weighted_values turns the kept logits into probabilities in registers, sums
+   them times the dequantised value codes per chunk of rows, and writes the evidence the policy re-scores its
+   tokens by (summed, or max-ed, over each group's heads; torch adds the groups), as the torch path computes it;
+5. kernels.kept_window_kernels.kept_finish adds the chunks, moves the map onto the value sum
+   (sum p x = (sum p y) matrix + offset sum p) and adds the window's part.
 
 Beyond the codes, a step moves a few numbers per kept token and query head (the logits, written once and read
-once), not the several passes a softmax in torch would make over them.
+once), not the several passes a softmax in torch would make over them, and nothing returns to the host.
 
 The maps (k_up with the key map folded in, the value map) are made once per sequence, at the first step after the
 statistics are set, and held on the layer as derived data, not cache content: [B, n_kv, r, d] in the model's dtype,
-about 16 MB a layer for Llama-3-8B at batch 64 (the cache's bytes do not count them). The window's keys and values
-are handled for all heads at once, so a step launches a few dozen small ops a layer besides the two kernels.
+about 16 MB a layer for Llama-3-8B at batch 64 (the cache's bytes do not count them).
 
 Everything else (prefill chunks, a floor, keys that are not rebuilt, bits off, CPU) takes the torch path, which
 tests/test_kept_decode.py holds this path equal to.
@@ -32,7 +35,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from kvrewrite.runtime.kernels.dispatch import resolve_backend
 from kvrewrite.runtime.kernels.reference import boolean_mask
@@ -113,63 +115,46 @@ def kernel_maps(module, layer, dtype: torch.dtype) -> KernelMaps:
 def kept_decode_attention(module, query: torch.Tensor, layer, attention_mask: torch.Tensor | None) -> torch.Tensor:
     """query [B, 1, H * d] (full rank, as the module projects it) -> o_proj's input [B, 1, H * d]."""
     from kvrewrite.runtime.kernels.kept_tier_kernels import kept_key_logits, kept_weighted_values
+    from kvrewrite.runtime.kernels.kept_window_kernels import kept_finish, window_finish, window_logits
 
     batch = query.shape[0]
-    dtype, device = query.dtype, query.device
-    d, group, n_kv = module.head_dim, module.group_size, module.num_kv_heads
-    heads_n = module.num_heads
+    dtype = query.dtype
+    d, n_kv = module.head_dim, module.num_kv_heads
     kv_len = layer.get_seq_length()
-    allowed = boolean_mask(attention_mask, 1, kv_len, device)  # [B|1, 1, 1, kv_len]
-    recent_k, recent_v = layer.keys.to(dtype), layer.values.to(dtype)  # [B, 1, W, n_kv * d]
-    n_recent = recent_k.shape[-2]
-    recent_pos = torch.arange(kv_len - n_recent, kv_len, device=device)
-    positions = layer.kept_positions  # [B, S]
+    allowed = boolean_mask(attention_mask, 1, kv_len, query.device)  # [B|1, 1, 1, kv_len]
+    row_allowed = allowed[:, 0, 0].expand(batch, -1)  # [B, kv_len], by cache index
+    window_keys, window_values = layer.keys[:, 0], layer.values[:, 0]  # [B, W, n_kv * d], full-rank latents
+    first_window = kv_len - window_keys.shape[1]
     cos_table, sin_table = rope_table(module._rotary[0], query, kv_len, transposed=False)  # [>= kv_len, d]
-    q_pos = torch.full((batch, 1), kv_len - 1, device=device)
-    heads = module._apply_rope(query.view(batch, 1, heads_n, d).transpose(1, 2), cos_table[q_pos], sin_table[q_pos])
-    queries = heads[:, :, 0]  # [B, H, d], rotated
-
-    # 1. The kept keys, in the kernel: logits and, per chunk of rows, their softmax statistics.
     kernel_dtype = dtype if dtype in (torch.float16, torch.bfloat16) else torch.float32
     maps = kernel_maps(module, layer, kernel_dtype)
-    row_allowed = allowed[:, 0, 0].expand(batch, -1)  # [B, kv_len], by cache index
-    kept_logits, maxima, sums = kept_key_logits(
-        queries.to(kernel_dtype), layer.kept_keys, positions, row_allowed, layer.kept_key_ranks,
-        layer.side_bits["key"], layer.group_size, maps.up, maps.shift, cos_table, sin_table, module.scaling,
+
+    # 1. The queries rotated, and the window's keys rebuilt, rotated and scored, with their softmax statistics.
+    queries, recent_logits, recent_max, recent_sum = window_logits(
+        query.view(batch, -1, d), window_keys, module.k_up, cos_table, sin_table, row_allowed, first_window,
+        module.scaling, kernel_dtype,
     )  # fmt: skip
-    # 2. The window's keys rebuilt and rotated for all heads at once; the log of the softmax's denominator over the
-    # kept rows (from the kernel's statistics) and the window; the window's probabilities.
-    recent_latents = recent_k[:, 0].view(batch, n_recent, n_kv, d)
-    recent_keys = torch.einsum("bwgr,grd->bgwd", recent_latents, module.k_up.to(dtype))  # [B, n_kv, W, d]
-    rope_recent = [t[recent_pos][None].expand(batch, -1, -1) for t in (cos_table, sin_table)]
-    recent_keys = module._apply_rope(recent_keys, *rope_recent)
-    grouped = queries.view(batch, n_kv, group, d)
-    recent_logits = (grouped @ recent_keys.transpose(-1, -2)).reshape(batch, heads_n, n_recent).float()
-    recent_allowed = row_allowed[:, kv_len - n_recent :]
-    recent_logits = (recent_logits * module.scaling).masked_fill(~recent_allowed[:, None], float("-inf"))
-    kept_log_mass = maxima + sums.log()  # [B, H, chunks]; an empty chunk: -inf
-    lse = torch.logsumexp(torch.cat([kept_log_mass, recent_logits], dim=-1), dim=-1)  # [B, H]
-    recent_probs = (recent_logits - lse[..., None]).exp()
-    kept_mass = (kept_log_mass - lse[..., None]).exp().sum(dim=-1)  # [B, H]: the kept rows' share of the weight
-    # 3. The kept rows' probabilities times their value codes, and their evidence, in the second kernel. An evicting
-    # layer re-scores both tiers (its wanted_evidence): the window's evidence comes from its probabilities here.
+    # 2. The kept keys, in the kernel: logits and, per chunk of rows, their softmax statistics.
+    kept_logits, maxima, sums = kept_key_logits(
+        queries, layer.kept_keys, layer.kept_positions, row_allowed, layer.kept_key_ranks, layer.side_bits["key"],
+        layer.group_size, maps.up, maps.shift, cos_table, sin_table, module.scaling,
+    )  # fmt: skip
+    # 3. The one softmax's denominator over both tiers; the window's probabilities times its values, and its
+    # evidence. An evicting layer re-scores both tiers (its wanted_evidence).
     weights = scored_queries(layer, allowed, 1)[:, 0]  # [B|1]: 0 for a request that reads no key
     reduce_max = layer.evidence_reduce == "max"
-    value_sums, kept_evidence = kept_weighted_values(
-        kept_logits, lse, positions, row_allowed, weights, layer.kept_values, layer.kept_value_ranks,
-        layer.side_bits["value"], layer.group_size, kernel_dtype, evidence_max=reduce_max,
+    lse, kept_mass, recent_out, recent_evidence = window_finish(
+        maxima, sums, recent_max, recent_sum, recent_logits, window_values, weights, n_kv, evidence_max=reduce_max
+    )
+    # 4. The kept rows' probabilities times their value codes, and their evidence, per chunk of rows.
+    partial, kept_evidence = kept_weighted_values(
+        kept_logits, lse, layer.kept_positions, row_allowed, weights, layer.kept_values, layer.kept_value_ranks,
+        layer.side_bits["value"], layer.group_size, kernel_dtype, evidence_max=reduce_max, per_chunk=True,
     )  # fmt: skip
-    weighted_recent = recent_probs * weights[:, None, None]
     layer.add_scores(
-        weighted_recent.amax(dim=1) if reduce_max else weighted_recent.sum(dim=1),
+        recent_evidence.amax(dim=1) if reduce_max else recent_evidence.sum(dim=1),
         [kept_evidence.amax(dim=1) if reduce_max else kept_evidence.sum(dim=1)],
         None,
     )
-    # 4. The output: the kept tier's code-space sums with the map moved onto them, and the window's values.
-    width = value_sums.shape[-1]
-    kept_out = value_sums.view(batch, n_kv, group, width) @ maps.value_matrix  # sum p x = (sum p y) M + offset sum p
-    kept_out = kept_out + kept_mass.view(batch, n_kv, group, 1) * maps.value_offset[:, :, None]
-    recent_values = recent_v[:, 0].view(batch, n_recent, n_kv, d).transpose(1, 2)  # [B, n_kv, W, d]
-    recent_out = recent_probs.view(batch, n_kv, group, n_recent).to(dtype) @ recent_values
-    out = F.pad(kept_out, (0, d - width)).to(dtype) + recent_out  # [B, n_kv, G, d]
-    return out.reshape(batch, 1, heads_n * d)
+    # 5. The kept tier's code-space sums mapped back (sum p x = (sum p y) M + offset sum p), plus the window's.
+    return kept_finish(partial, kept_mass, maps.value_matrix, maps.value_offset, recent_out, dtype)
