@@ -37,7 +37,9 @@ from kvrewrite.runtime.kernels import (
     flash_decode_mla,
     flash_decode_packed,
     flash_decode_splits,
+    kept_settle_kernel,
     kept_tier_kernels,
+    kept_window_kernels,
 )
 from kvrewrite.runtime.kernels.flash_decode_packed import tile_columns
 from kvrewrite.runtime.kernels.flash_decode_splits import column_alignment, decode_tile, pow2
@@ -230,6 +232,62 @@ def kept_tier_records() -> list[dict]:
     return records
 
 
+def kept_step_records() -> list[dict]:
+    """The rest of an evicting layer's decode step at the same form: the window kernels (a window of 16 + the new
+    token, 32 query heads) and the settle kernel (8-bit keys, 4-bit values, groups of 64, 4,670 kept rows)."""
+    cap, rows, heads, window, d = 8208, 4670, 32, 17, 128
+    bf, f32 = torch.bfloat16, torch.float32
+    records = []
+    consts = dict(GROUP=4, BLOCK_G=pow2(4), BLOCK_W=pow2(window), BLOCK_D=d)
+    args = dict(
+        q_ptr=bf, q_out_ptr=bf, keys_ptr=torch.float16, up_ptr=bf, cos_ptr=bf, sin_ptr=bf, mask_ptr=torch.int8,
+        logits_ptr=f32, wmax_ptr=f32, wsum_ptr=f32, q_pos=cap - 1, first_pos=cap - window, n_window=window,
+        half_d=d // 2, qk_scale=0.088, s_qb=heads * d, s_ob=heads * d, s_kb=window * 8 * d, s_kw=8 * d,
+        s_ug=d * d, s_ur=d, s_cos=d, s_sin=d, s_mb=cap, s_lb=heads * window, s_lh=window, s_sb=heads,
+    )  # fmt: skip
+    logits_consts = dict(consts, HALF=d // 2, DOT_DTYPE=triton.language.bfloat16)
+    result = compile_sm90(kept_window_kernels._window_logits_kernel, args, logits_consts, 4, 1)
+    records.append({"kernel": "kept step: window logits", "shape": {"window": window}, **result})
+    args = dict(
+        maxima_ptr=f32, sums_ptr=f32, wmax_ptr=f32, wsum_ptr=f32, logits_ptr=f32, values_ptr=torch.float16,
+        weight_ptr=f32, lse_ptr=f32, mass_ptr=f32, out_ptr=f32, evidence_ptr=f32, chunks=5, n_window=window,
+        head_dim=d, s_mb=heads * 5, s_mh=5, s_sb=heads, s_lb=heads * window, s_lh=window, s_vb=window * 8 * d,
+        s_vw=8 * d, s_wb=1, s_ob=heads * d, s_oh=d, s_eb=8 * window, s_eg=window,
+    )  # fmt: skip
+    finish = dict(consts, BLOCK_C=pow2(5), EVIDENCE_MAX=False)
+    result = compile_sm90(kept_window_kernels._window_finish_kernel, args, finish, 4, 1)
+    records.append({"kernel": "kept step: window finish", "shape": {"window": window, "chunks": 5}, **result})
+    args = dict(
+        partial_ptr=f32, mass_ptr=f32, matrix_ptr=f32, offset_ptr=f32, window_out_ptr=f32, out_ptr=bf, chunks=5,
+        rank=d, head_dim=d, s_pb=heads * 5 * d, s_ph=5 * d, s_pc=d, s_sb=heads, s_xb=8 * d * d, s_xg=d * d,
+        s_xr=d, s_fb=8 * d, s_fg=d, s_wb=heads * d, s_wh=d, s_ob=heads * d, s_oh=d,
+    )  # fmt: skip
+    result = compile_sm90(
+        kept_window_kernels._kept_finish_kernel, args, dict(GROUP=4, BLOCK_G=16, BLOCK_R=d, BLOCK_D=d), 4, 1
+    )
+    records.append({"kernel": "kept step: kept finish", "shape": {"chunks": 5}, **result})
+    channels, groups = 8 * d, 8 * d // 64
+    args = dict(
+        key_window_ptr=torch.float16, value_window_ptr=torch.float16, s_kw=window * channels, s_vw=window * channels,
+        key_cols_ptr=torch.int32, key_starts_ptr=torch.int32, key_ranks_ptr=torch.int32, value_cols_ptr=torch.int32,
+        value_starts_ptr=torch.int32, value_ranks_ptr=torch.int32, key_mean_ptr=torch.float16,
+        key_rms_ptr=torch.float16, value_mean_ptr=torch.float16, value_rms_ptr=torch.float16, s_km=channels,
+        s_vm=channels, key_rot_ptr=f32, s_krg=d * d, s_krr=d, value_rot_ptr=f32, s_vrg=d * d, s_vrr=d,
+        scratch_ptr=f32, s_xb=2 * channels, key_channels=channels, value_channels=channels, scores_ptr=f32,
+        moving_ptr=f32, s_sb=rows, s_mb=window, pos_ptr=torch.int32, s_pb=cap, n_old=rows, position=cap - window,
+        k_codes_ptr=torch.uint8, k_scale_ptr=torch.float16, k_low_ptr=torch.float16, s_kcb=cap * channels,
+        s_kcs=channels, s_kgb=cap * groups, s_kgs=groups, v_codes_ptr=torch.uint8, v_scale_ptr=torch.float16,
+        v_low_ptr=torch.float16, s_vcb=cap * channels // 2, s_vcs=channels // 2, s_vgb=cap * groups, s_vgs=groups,
+    )  # fmt: skip
+    settle = dict(
+        EVICT=True, N_HEADS=8, BLOCK_RK=d, BLOCK_RV=d, GROUP_SIZE=64, BLOCK_GS=64, K_GROUPS=groups,
+        V_GROUPS=groups, K_BITS=8, V_BITS=4, ROWS=kept_settle_kernel.ROWS_BLOCK,
+    )  # fmt: skip
+    result = compile_sm90(kept_settle_kernel._settle_kernel, args, settle, 4, 1)
+    records.append({"kernel": "kept step: settle", "shape": {"rows": rows}, **result})
+    return records
+
+
 def main() -> None:
     os.environ.pop("TRITON_INTERPRET", None)
     records = []
@@ -377,6 +435,7 @@ def main() -> None:
         }
     )
     records += kept_tier_records()
+    records += kept_step_records()
     merge_args = dict(
         acc_ptr=torch.float32,
         m_ptr=torch.float32,
