@@ -65,7 +65,9 @@ def boolean_mask(attention_mask: torch.Tensor | None, q_len: int, kv_len: int, d
     unfilled slots).
     """
     if attention_mask is None:
-        return causal_mask(q_len, kv_len, kv_len - 1 if q_len == 1 else 0, device)
+        if q_len == 1:  # a decode step reads every key: one fill instead of the four launches of a causal mask
+            return torch.ones((1, 1, 1, kv_len), dtype=torch.bool, device=device)
+        return causal_mask(q_len, kv_len, 0, device)
     if attention_mask.dtype == torch.bool:
         return attention_mask[..., :kv_len]
     return attention_mask[..., :kv_len] > torch.finfo(attention_mask.dtype).min / 2
