@@ -11,6 +11,8 @@ quality. Every cache is filled with random tensors of the form's own cache shape
   OMP_NUM_THREADS=1 python benchmarks/gpu_decode.py --device cpu --shape smollm2 --configs 8x8192 --steps 5
   # end to end on CPU in CI-sized shapes (not run in CI):
   python benchmarks/gpu_decode.py --small
+  # the GPU run's bounds, without a GPU: the bytes each step reads at Llama-3-8B shapes, nothing timed:
+  python benchmarks/gpu_decode.py --device cpu --dtype bf16 --configs 1x32768,16x8192,64x8192,8x32768 --bytes-only
 
 Forms (`--forms`):
 - stock-static: transformers' LlamaForCausalLM on its StaticCache, eager (sdpa): the baseline every ratio uses;
@@ -31,6 +33,11 @@ Forms (`--forms`):
 Attention time is the wall time of each form's attention call (stock: the sdpa function; per-head: the packed or
 latent attention; mla: the absorbed attention), CUDA events on a GPU; its bandwidth is the bytes of the filled
 cache that call must read over that time.
+
+A step also reads every weight of the model once (all but the input embedding's table, of which it reads a row per
+token), whatever the cache holds. `bytes_bound_vs_stock_static` is stock's step bytes (weights + cache) over the
+form's: the most tokens/s over stock a form can gain by reading fewer bytes, at equal bandwidth. With 4 decoder
+layers of Llama-3-8B under its full 128K-word output head, the head alone is about a quarter of a step's weights.
 """
 
 from __future__ import annotations
@@ -419,6 +426,7 @@ def measure_config(runs: dict, batch: int, context: int, args, device, dtype) ->
         rows[form] = {
             "batch": batch,
             "context": context,
+            "weight_bytes_read": weight_bytes_read(run.model),
             "cache_bytes_read": held if must_read < 0 else must_read,
             "cache_bytes_held": held,
             # floats at 2 bytes each, as the frontier counts (a CPU run holds stock's cache in fp32)
@@ -464,6 +472,21 @@ def measure_config(runs: dict, batch: int, context: int, args, device, dtype) ->
     return rows
 
 
+def weight_bytes_read(model) -> int:
+    """Bytes of weights a decode step reads: every parameter and buffer once, but of the input embedding only the
+    rows looked up (none counted) unless it is tied to the output head."""
+    embedding = model.get_input_embeddings().weight
+    output = model.get_output_embeddings()
+    tied = output is not None and output.weight.data_ptr() == embedding.data_ptr()
+    seen, total = set(), 0
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if tensor.data_ptr() in seen or (tensor.data_ptr() == embedding.data_ptr() and not tied):
+            continue
+        seen.add(tensor.data_ptr())
+        total += tensor.numel() * tensor.element_size()
+    return total
+
+
 def add_ratios(results: dict) -> None:
     for name, base_name in (("vs_stock_static", "stock-static"), ("vs_stock_compiled", "stock-compiled")):
         if base_name not in results:
@@ -477,9 +500,47 @@ def add_ratios(results: dict) -> None:
                     continue
                 row[name] = round(row["tokens_per_s"] / ref["tokens_per_s"], 3)
                 row["cache_share"] = round(row["cache_bytes_read"] / base_bytes[(row["batch"], row["context"])], 3)
+
                 held_fp16 = ref.get("cache_bytes_held_fp16")
                 if held_fp16 and "cache_bytes_held_fp16" in row:
                     row["cache_share_fp16"] = round(row["cache_bytes_held_fp16"] / held_fp16, 3)
+
+
+def add_bytes_bounds(results: dict) -> None:
+    """Each row's bytes_bound_vs_stock_static: stock's step bytes (weights + cache) over the form's, the most tokens/s
+    over stock that reading fewer bytes can give when both read at one speed."""
+    base = {(r["batch"], r["context"]): r for r in results.get("stock-static", []) if "cache_bytes_read" in r}
+    for rows in results.values():
+        for row in rows:
+            ref = base.get((row.get("batch"), row.get("context")))
+            if ref is not None and "cache_bytes_read" in row:
+                step_bytes = row["weight_bytes_read"] + row["cache_bytes_read"]
+                stock_bytes = ref["weight_bytes_read"] + ref["cache_bytes_read"]
+                row["bytes_bound_vs_stock_static"] = round(stock_bytes / step_bytes, 3)
+
+
+def bytes_only(forms: list[str], shape: dict, layers: int, configs, device, dtype) -> dict:
+    """Rows of weight and cache bytes a step reads at each (batch, context), nothing timed; one model in memory at a
+    time. A codec or eviction store is filled at batch 1 and its bytes scaled by the batch (each sequence holds its
+    own)."""
+    from kvrewrite.runtime.cache_bytes import cache_tensor_bytes
+
+    results = {}
+    for form in forms:
+        model = build_model(form, shape, layers, device, dtype)
+        results[form] = []
+        for batch, context in configs:
+            cache_bytes = filled_bytes(model, form, batch, context, dtype)
+            if cache_bytes < 0:
+                cache = filled_cache(model, form, 1, context, context + 4, device, dtype)
+                cache_bytes = batch * cache_tensor_bytes(cache)
+                del cache
+            row = {"batch": batch, "context": context, "weight_bytes_read": weight_bytes_read(model)}
+            results[form].append({**row, "cache_bytes_read": cache_bytes})
+        del model
+        gc.collect()
+    add_bytes_bounds(results)
+    return results
 
 
 def add_peak_shares(record: dict) -> None:
@@ -533,6 +594,11 @@ def main() -> None:
     parser.add_argument("--plot", action="store_true", help="also write tokens/s against context as OUT.png")
     parser.add_argument("--note", default=None, help="recorded as machine_note (e.g. what else ran on the machine)")
     parser.add_argument(
+        "--bytes-only",
+        action="store_true",
+        help="time nothing: the bytes each form's step reads (weights, cache) and the bound they set against stock",
+    )
+    parser.add_argument(
         "--replot",
         type=Path,
         nargs="+",
@@ -568,6 +634,16 @@ def main() -> None:
         **({"machine_note": args.note} if args.note else {}),
         "results": {form: [] for form in forms},
     }
+    out = args.out or (RESULTS / f"gpu_decode_{'small' if args.small else device.type}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if args.bytes_only:
+        record["results"] = bytes_only(forms, shape, args.layers, configs, device, dtype)
+        out.write_text(json.dumps(record, indent=1) + "\n")
+        for form, rows in record["results"].items():
+            for row in rows:
+                print(f"{form:14s} {row['batch']:>3d} x {row['context']:<6d} {row['bytes_bound_vs_stock_static']:.3f}")
+        print(f"wrote {out}")
+        return
     runs, stock_model = {}, None
     for form in forms:
         try:
@@ -580,12 +656,11 @@ def main() -> None:
         except Exception as exc:  # one form failing must not lose the others
             record["results"][form] = [{"error": f"{type(exc).__name__}: {exc}"[:500]}]
             print(f"{form}: failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-    out = args.out or (RESULTS / f"gpu_decode_{'small' if args.small else device.type}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
     for batch, context in configs:
         for form, row in measure_config(runs, batch, context, args, device, dtype).items():
             record["results"][form].append(row)
         add_ratios(record["results"])
+        add_bytes_bounds(record["results"])
         add_peak_shares(record)
         out.write_text(json.dumps(record, indent=1) + "\n")  # after every configuration: a later crash keeps these
     print_table(record)
@@ -637,7 +712,7 @@ def plot(record: dict, target: Path) -> None:
 def print_table(record: dict) -> None:
     print(
         f"\n{'form':18s} {'B x ctx':>12s} {'tok/s':>10s} {'vs static':>10s} {'vs compiled':>12s} {'bytes':>6s} "
-        f"{'attn GB/s':>10s}"
+        f"{'attn GB/s':>10s} {'bound':>6s}"
     )
     for form, rows in record["results"].items():
         for row in rows:
@@ -647,7 +722,8 @@ def print_table(record: dict) -> None:
             print(
                 f"{form:18s} {row['batch']:>4d} x {row['context']:<6d} {row['tokens_per_s']:>10.1f} "
                 f"{row.get('vs_stock_static', float('nan')):>10.3f} {row.get('vs_stock_compiled', float('nan')):>12.3f} "
-                f"{row.get('cache_share', float('nan')):>6.2f} {row.get('attention_bandwidth_GBps', float('nan')):>10}"
+                f"{row.get('cache_share', float('nan')):>6.2f} {row.get('attention_bandwidth_GBps', float('nan')):>10} "
+                f"{row.get('bytes_bound_vs_stock_static', float('nan')):>6.2f}"
             )
 
 
