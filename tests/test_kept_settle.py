@@ -25,8 +25,11 @@ from kvrewrite.runtime.tiers.cache import prefix_columns  # noqa: E402
 PROMPT, STEPS, PAD = 23, 14, 3
 
 
-def _stores_by_step(model, tokens, in_kernel: bool, monkeypatch) -> tuple[list[list[dict]], int]:
-    """Each layer's kept store (a copy) after every decode step, and how many layer steps settled in the kernel."""
+def _stores_by_step(
+    model, tokens, in_kernel: bool, monkeypatch, capacity: int | None = None
+) -> tuple[list[list[dict]], int]:
+    """Each layer's kept store (a copy) after every decode step, and how many layer steps settled in the kernel.
+    capacity: as generate() sizes the cache (the stores' buffers allocated once), or None (they hold their rows)."""
     monkeypatch.setenv("KVREWRITE_ATTENTION", "triton")
     calls = []
 
@@ -39,7 +42,7 @@ def _stores_by_step(model, tokens, in_kernel: bool, monkeypatch) -> tuple[list[l
     prompt, forced = tokens[:, :PROMPT], tokens[:, PROMPT:]
     mask = torch.ones(prompt.shape, dtype=torch.long)
     mask[1, :PAD] = 0  # request 1 left-padded
-    cache = model.make_kv_cache()
+    cache = model.make_kv_cache(capacity)
     steps = []
     with torch.no_grad():
         model(prompt, attention_mask=mask, past_key_values=cache, use_cache=True)
@@ -51,18 +54,19 @@ def _stores_by_step(model, tokens, in_kernel: bool, monkeypatch) -> tuple[list[l
 
 
 @pytest.mark.parametrize(
-    "rate, evict",
+    "rate, evict, capacity",
     [
-        (0.0, {"keep": 0.5, "bits": (8, 4)}),  # the frontier's recipe form
-        (0.5, {"keep": 0.4, "bits": (4, 2), "group_size": 8}),  # cut ranks, several groups per head
-        (0.0, {"keep": 0.3, "bits": 8, "observed_queries": 1}),
+        (0.0, {"keep": 0.5, "bits": (8, 4)}, None),  # the frontier's recipe form
+        (0.0, {"keep": 0.5, "bits": (8, 4)}, PROMPT + STEPS),  # its buffers allocated once, as generate() does
+        (0.5, {"keep": 0.4, "bits": (4, 2), "group_size": 8}, None),  # cut ranks, several groups per head
+        (0.0, {"keep": 0.3, "bits": 8, "observed_queries": 1}, None),
     ],
 )
-def test_the_kernel_settles_as_the_torch_settle(compiled, monkeypatch, rate, evict):
+def test_the_kernel_settles_as_the_torch_settle(compiled, monkeypatch, rate, evict, capacity):
     model = kvrewrite.load(compiled["latent"], rate=rate, recent_window=4, kv_codec="none", evict=evict).eval()
     tokens = random_windows(n=2, length=PROMPT + STEPS, seed=53)
-    fast, kernel_steps = _stores_by_step(model, tokens, True, monkeypatch)
-    slow, torch_steps = _stores_by_step(model, tokens, False, monkeypatch)
+    fast, kernel_steps = _stores_by_step(model, tokens, True, monkeypatch, capacity)
+    slow, torch_steps = _stores_by_step(model, tokens, False, monkeypatch, capacity)
     layers = len(fast[0])
     # Every decode step of every layer (the prefill's settle, in torch, set the channel statistics).
     assert kernel_steps == STEPS * layers and torch_steps == 0
