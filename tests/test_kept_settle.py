@@ -1,10 +1,12 @@
 """The decode-step settle kernel (runtime.tiers.kept_settle) against the torch settle, under TRITON_INTERPRET=1.
 
 - Whole decodes: a latent-key model with re-scored eviction decodes teacher-forced tokens with the kept-tier
-  kernels, once settling in the kernel and once in torch (the same attention, so the same evidence). After every
-  step each layer's kept store is the same row for row: positions, codes, scales and minimums.
+  kernels, once settling in the kernel and once in torch (the same attention, so the same evidence), the requests
+  swapped midway as beam search does. After every step each layer's kept store is the same row for row: positions,
+  codes, scales and minimums.
+- Where it must not apply (a floor, a held context, no evidence, groups that split a byte), the torch settle runs.
 - The kernel alone, against tiers.eviction's own functions: the moving token's codes against encode_tokens of its
-  code space, and the row it frees against the top mask over the kept rows and the moving token, with ties among
+  code space (with values halfway between two codes, and a constant group), and the row it frees against the top mask over the kept rows and the moving token, with ties among
   the kept rows and a moving token tied with the lowest, or below it (then nothing is written).
 """
 
@@ -22,7 +24,7 @@ import kvrewrite  # noqa: E402
 from kvrewrite.runtime.tiers import eviction, kept_settle  # noqa: E402
 from kvrewrite.runtime.tiers.cache import prefix_columns  # noqa: E402
 
-PROMPT, STEPS, PAD = 23, 14, 3
+PROMPT, STEPS, PAD, REORDER_AT = 23, 14, 3, 9
 
 
 def _stores_by_step(
@@ -47,6 +49,9 @@ def _stores_by_step(
     with torch.no_grad():
         model(prompt, attention_mask=mask, past_key_values=cache, use_cache=True)
         for step in range(forced.shape[1]):
+            if step == REORDER_AT:  # beam search swaps the requests: new buffers, the maps made again
+                cache.reorder_cache(torch.tensor([1, 0]))
+                mask, forced = mask[[1, 0]], forced[[1, 0]]
             mask = torch.cat([mask, torch.ones(mask.shape[0], 1, dtype=mask.dtype)], dim=1)
             model(forced[:, step : step + 1], attention_mask=mask, past_key_values=cache, use_cache=True)
             steps.append([{n: t.clone() for n, t in layer._store("kept").items()} for layer in cache.layers])
@@ -66,10 +71,10 @@ def test_the_kernel_settles_as_the_torch_settle(compiled, monkeypatch, rate, evi
     model = kvrewrite.load(compiled["latent"], rate=rate, recent_window=4, kv_codec="none", evict=evict).eval()
     tokens = random_windows(n=2, length=PROMPT + STEPS, seed=53)
     fast, kernel_steps = _stores_by_step(model, tokens, True, monkeypatch, capacity)
-    slow, torch_steps = _stores_by_step(model, tokens, False, monkeypatch, capacity)
+    slow, _ = _stores_by_step(model, tokens, False, monkeypatch, capacity)
     layers = len(fast[0])
     # Every decode step of every layer (the prefill's settle, in torch, set the channel statistics).
-    assert kernel_steps == STEPS * layers and torch_steps == 0
+    assert kernel_steps == STEPS * layers
     evicting_steps = 0
     for step, (mine, theirs) in enumerate(zip(fast, slow)):
         for layer, (a, b) in enumerate(zip(mine, theirs)):
@@ -125,11 +130,8 @@ def _settle(layer, scores=None, moving=None) -> None:
         store = {n: torch.cat([t, t[:, :1]], dim=1) for n, t in store.items()}
         layer._set_store("kept", store)
     settle_moving_token(
-        layer.keys[:, 0, 0], layer.values[:, 0, 0],
-        {s: tuple(prefix_columns(layer.head_dim, r)) for s, r in (("key", layer.kept_key_ranks), ("value", layer.kept_value_ranks))},
-        {"key": layer.kept_key_ranks, "value": layer.kept_value_ranks},
-        layer.channel_stats, kept_settle._stacked_rotations(layer), layer.side_bits, layer.group_size,
-        store, n_old, 47, scores, moving,
+        layer.keys[:, 0, 0], layer.values[:, 0, 0], kept_settle._tables(layer), layer.channel_stats, layer.side_bits,
+        layer.group_size, store, n_old, 47, scores, moving,
     )  # fmt: skip
 
 
@@ -183,3 +185,53 @@ def test_the_row_freed_is_the_one_the_top_mask_drops(monkeypatch, rows_block):
             for side in ("key", "value"):
                 for name, want in expected_rows[side].items():
                     assert torch.equal(after[f"{side}.{name}"][b, row], want[b, 0]), (case, b, side, name)
+
+
+def test_halfway_values_and_a_constant_group_are_coded_as_torch_codes_them():
+    """Identity maps (no centring, no turn), so the quantizer meets chosen values: a group spanning 0..15 at 4 bits
+    (scale 1) holding 0.5, 1.5, 2.5 and 14.5 (torch rounds half to even: 0, 2, 2, 14) and a constant group (the
+    scale's floor)."""
+    layer = _layer(ranks=(8, 8), value_ranks=(8, 8), bits=(4, 4), group_size=8)
+    layer.rotations = {8: torch.eye(8)}
+    layer.settle_tables = None
+    for side in ("key", "value"):
+        layer.channel_stats[side + "_mean"].zero_()
+        layer.channel_stats[side + "_rms"].fill_(1.0)
+    d = layer.head_dim
+    halfway = torch.tensor([0.0, 15.0, 0.5, 1.5, 2.5, 14.5, 7.0, 3.0])
+    for window in (layer.keys, layer.values):
+        window[:, 0, 0, :8] = halfway  # head 0's kept channels: group 0
+        window[:, 0, 0, d : d + 8] = 0.25  # head 1's: group 1, constant
+    expected = {side: _code_space_row(layer, side) for side in ("key", "value")}
+    assert expected["key"]["codes"][0, 0, 1] == 2 << 4  # 0.5 -> 0 and 1.5 -> 2, packed lowest first
+    _settle(layer)
+    store = layer._store("kept")
+    for side in ("key", "value"):
+        for name, want in expected[side].items():
+            assert torch.equal(store[f"{side}.{name}"][:, -1:], want), (side, name)
+
+
+def test_the_kernel_settle_declines_where_it_does_not_apply(monkeypatch):
+    monkeypatch.setenv("KVREWRITE_ATTENTION", "triton")
+
+    def ready(**changes):
+        layer = _layer()  # a window of 2 holding 3 rows: one token leaves
+        layer._received_kept = torch.zeros(2, layer.kept_positions.shape[-1])
+        layer._received_recent = torch.zeros(2, 3)
+        layer.keep = 1.0  # no eviction: one more row
+        for name, value in changes.items():
+            setattr(layer, name, value)
+        return layer
+
+    assert kept_settle._applies(ready(), 1)
+    assert not kept_settle._applies(ready(), 2)  # more than one token leaves (a prefill chunk)
+    assert not kept_settle._applies(ready(holding=True), 1)
+    assert not kept_settle._applies(ready(floor_key_ranks=(2, 2)), 1)
+    assert not kept_settle._applies(ready(channel_stats=None), 1)  # the first settle sets the statistics
+    assert not kept_settle._applies(ready(group_size=3), 1)  # 3 channels x 8 bits: fine; x 4 bits splits a byte
+    monkeypatch.setenv("KVREWRITE_ATTENTION", "torch")
+    assert not kept_settle._applies(ready(), 1)
+    # An evicting step without the evidence to choose its row by: the torch settle decides.
+    monkeypatch.setenv("KVREWRITE_ATTENTION", "triton")
+    layer = ready(keep=9 / 48, _received_kept=None)  # the budget round(keep x 48 beyond) = the 9 rows held
+    assert not kept_settle.settle_in_kernel(layer, 1)

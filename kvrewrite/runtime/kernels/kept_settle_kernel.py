@@ -20,11 +20,13 @@ Nothing returns to the host, so an eager step keeps launching while the device w
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
-from kvrewrite.runtime.kernels.flash_decode_splits import int_table, pow2
+from kvrewrite.runtime.kernels.flash_decode_splits import pow2
 
 ROWS_BLOCK = 256  # kept rows read per iteration of the eviction scan
 
@@ -77,7 +79,7 @@ def _to_code_space(
         x = tl.load(window_ptr + b * s_wb + col, mask=ok, other=0.0).to(tl.float32)
         mean = tl.load(mean_ptr + b * s_mb + c, mask=ok, other=0.0).to(tl.float32)
         rms = tl.load(rms_ptr + b * s_mb + c, mask=ok, other=1.0).to(tl.float32)
-        x = tl.where(ok, (x - mean) / rms, 0.0)
+        x = tl.where(ok, tl.div_rn(x - mean, rms), 0.0)  # IEEE division, as torch's (CUDA's `/` is approximate)
         rot = tl.load(rot_ptr + g * s_rg + dr[:, None] * s_rr + dr[None, :], mask=ok[:, None] & ok[None, :], other=0.0)
         tl.store(row_ptr + c, tl.sum(x[:, None] * rot, axis=0), mask=ok)
 
@@ -100,9 +102,9 @@ def _quantize_into(
         y = tl.load(row_ptr + c, mask=ok, other=0.0)
         lo = tl.min(tl.where(ok, y, float("inf")), axis=0)
         hi = tl.max(tl.where(ok, y, float("-inf")), axis=0)
-        scale = tl.maximum((hi - lo) / levels, 1e-4).to(tl.float16)
+        scale = tl.maximum(tl.div_rn(hi - lo, levels + 0.0), 1e-4).to(tl.float16)
         low = lo.to(tl.float16)
-        code = _round_half_even((y - low.to(tl.float32)) / scale.to(tl.float32))
+        code = _round_half_even(tl.div_rn(y - low.to(tl.float32), scale.to(tl.float32)))
         code = tl.where(ok, tl.minimum(tl.maximum(code, 0.0), levels), 0.0).to(tl.int32)
         shifts = tl.arange(0, PER_BYTE) * BITS
         packed = tl.sum(tl.reshape(code, [BLOCK_GS // PER_BYTE, PER_BYTE]) << shifts[None, :], axis=1)
@@ -168,13 +170,34 @@ def stacked_rotations(rotations: dict[int, torch.Tensor], ranks: tuple[int, ...]
     return out
 
 
+@dataclass(frozen=True)
+class SideTables:
+    """One side's device tables for the settle kernel: the window's column of each kept channel, each head's first
+    channel and width, and each head's rotation stacked [n_kv, R, R] (stacked_rotations)."""
+
+    columns: torch.Tensor
+    starts: torch.Tensor
+    ranks: torch.Tensor
+    rotations: torch.Tensor
+    widths: tuple[int, ...]
+
+
+def side_tables(columns: list[int], ranks: tuple[int, ...], rotations: dict[int, torch.Tensor], device) -> SideTables:
+    starts = [sum(ranks[:g]) for g in range(len(ranks))]
+    return SideTables(
+        torch.tensor(columns, dtype=torch.int32, device=device),
+        torch.tensor(starts, dtype=torch.int32, device=device),
+        torch.tensor(ranks, dtype=torch.int32, device=device),
+        stacked_rotations(rotations, ranks, device),
+        tuple(ranks),
+    )
+
+
 def settle_moving_token(
     key_window: torch.Tensor,
     value_window: torch.Tensor,
-    columns: dict[str, tuple[int, ...]],
-    ranks: dict[str, tuple[int, ...]],
+    tables: dict[str, SideTables],
     stats: dict[str, torch.Tensor],
-    rotations: dict[str, torch.Tensor],
     bits: dict[str, int],
     group_size: int,
     store: dict[str, torch.Tensor],
@@ -187,34 +210,24 @@ def settle_moving_token(
     store's row n_old (scores None: the store already has that row), or, given the kept rows' scores [B, n_old] and
     the moving token's [B], into the row of the token it evicts (nothing when it is the lowest itself).
 
-    columns: per side, the window's column of each kept channel; ranks: per side, each head's kept width; stats:
-    "key_mean", "key_rms", "value_mean", "value_rms" [B, C]; rotations: per side [n_kv, R, R] (stacked_rotations);
-    store: the flat kept store ("key.codes", "key.scale", "key.low", the value's, "positions"), written in place."""
+    tables: per side, SideTables; stats: "key_mean", "key_rms", "value_mean", "value_rms" [B, C]; store: the flat
+    kept store ("key.codes", "key.scale", "key.low", the value's, "positions"), written in place."""
     batch = key_window.shape[0]
-    device = key_window.device
-    k_ranks, v_ranks = ranks["key"], ranks["value"]
-    k_channels, v_channels = sum(k_ranks), sum(v_ranks)
-    if len(k_ranks) != len(v_ranks):
+    keys, values = tables["key"], tables["value"]
+    k_channels, v_channels = sum(keys.widths), sum(values.widths)
+    if len(keys.widths) != len(values.widths):
         raise ValueError("the key and value sides must have one rank per KV head each")
-    tables = {}
-    for side, side_ranks in (("key", k_ranks), ("value", v_ranks)):
-        starts = tuple(sum(side_ranks[:g]) for g in range(len(side_ranks)))
-        tables[side] = (
-            int_table(columns[side], str(device)),
-            int_table(starts, str(device)),
-            int_table(side_ranks, str(device)),
-        )
-    scratch = torch.empty(batch, k_channels + v_channels, dtype=torch.float32, device=device)
+    scratch = torch.empty(batch, k_channels + v_channels, dtype=torch.float32, device=key_window.device)
     evict = scores is not None
     scores = scores if evict else scratch  # unread without EVICT
     moving_score = moving_score if evict else scratch[:, 0]
     positions = store["positions"]
     k_codes, k_scale, k_low = store["key.codes"], store["key.scale"], store["key.low"]
     v_codes, v_scale, v_low = store["value.codes"], store["value.scale"], store["value.low"]
-    key_rot, value_rot = rotations["key"], rotations["value"]
+    key_rot, value_rot = keys.rotations, values.rotations
     _settle_kernel[(batch,)](
         key_window, value_window, key_window.stride(0), value_window.stride(0),
-        *tables["key"], *tables["value"],
+        keys.columns, keys.starts, keys.ranks, values.columns, values.starts, values.ranks,
         stats["key_mean"], stats["key_rms"], stats["value_mean"], stats["value_rms"],
         stats["key_mean"].stride(0), stats["value_mean"].stride(0),
         key_rot, key_rot.stride(0), key_rot.stride(1), value_rot, value_rot.stride(0), value_rot.stride(1),
@@ -222,8 +235,8 @@ def settle_moving_token(
         scores, moving_score, scores.stride(0), moving_score.stride(0), positions, positions.stride(0), n_old, position,
         k_codes, k_scale, k_low, k_codes.stride(0), k_codes.stride(1), k_scale.stride(0), k_scale.stride(1),
         v_codes, v_scale, v_low, v_codes.stride(0), v_codes.stride(1), v_scale.stride(0), v_scale.stride(1),
-        EVICT=evict, N_HEADS=len(k_ranks), BLOCK_RK=pow2(max(k_ranks), 2), BLOCK_RV=pow2(max(v_ranks), 2),
-        GROUP_SIZE=group_size, BLOCK_GS=pow2(group_size, 8), K_GROUPS=-(-k_channels // group_size),
-        V_GROUPS=-(-v_channels // group_size), K_BITS=bits["key"], V_BITS=bits["value"], ROWS=ROWS_BLOCK,
-        num_warps=4,
+        EVICT=evict, N_HEADS=len(keys.widths), BLOCK_RK=pow2(max(keys.widths), 2),
+        BLOCK_RV=pow2(max(values.widths), 2), GROUP_SIZE=group_size, BLOCK_GS=pow2(group_size, 8),
+        K_GROUPS=-(-k_channels // group_size), V_GROUPS=-(-v_channels // group_size), K_BITS=bits["key"],
+        V_BITS=bits["value"], ROWS=ROWS_BLOCK, num_warps=4,
     )  # fmt: skip

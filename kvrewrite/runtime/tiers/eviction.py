@@ -350,8 +350,8 @@ class EvictingLayer(RecentWindowLayer):
         # Derived from the channel statistics and k_up by the CUDA decode path (tiers/kept_decode.py), once per
         # sequence; not cache content, so not a stored tensor, and dropped wherever the statistics change.
         self.kernel_maps = None
-        # Each head's rotation stacked for the settle kernel (tiers/kept_settle.py); fixed, like the rotations.
-        self.settle_rotations: dict[str, torch.Tensor] | None = None
+        # The settle kernel's tables per side (tiers/kept_settle.py): fixed, like the ranks and rotations.
+        self.settle_tables: dict | None = None
 
     wanted_evidence = ("recent", "stored")
 

@@ -7,15 +7,15 @@ waits for the device is what lets an eager GPU step overlap the host's launches 
 
 Here the host decides only what it knows without the device: whether this step evicts (the kept rows plus the
 moving token against the budget, both counts on the host), and whether the store needs one more row. The kernel
-(kernels.kept_settle_kernel) does the rest. The result is the torch settle's: the same row chosen (the lowest
-score, the newest among equals, as the top mask ranks ties), the same code space, group ranges and rounding;
-tests/test_kept_settle.py holds the stores equal after many steps. The first settle of a sequence (it sets the
-channel statistics), prefill chunks, a floor, unquantized sides and CPU keep the torch settle.
+(kernels.kept_settle_kernel) does the rest, as the torch settle does it: the same row chosen (the lowest score, the
+newest among equals, as the top mask ranks ties), the same code space, group ranges and rounding (IEEE divisions);
+under Triton's interpreter tests/test_kept_settle.py holds the stores equal bit for bit after many steps. On a GPU
+a code can differ by one where the turn's float32 sum, in another order than torch's GEMM, lands on a rounding
+boundary. The first settle of a sequence (it sets the channel statistics), a forward that moves more than one token
+out of the window, a floor, unquantized sides, groups that split a byte and CPU keep the torch settle.
 """
 
 from __future__ import annotations
-
-import torch
 
 from kvrewrite.runtime.kernels.dispatch import resolve_backend
 from kvrewrite.runtime.tiers.cache import prefix_columns
@@ -35,17 +35,19 @@ def _applies(layer, beyond: int) -> bool:
     return resolve_backend(layer.keys.device) == "triton"
 
 
-def _stacked_rotations(layer) -> dict[str, torch.Tensor]:
-    """Per side, each head's rotation zero-padded into [n_kv, R, R], made once per layer and device."""
-    from kvrewrite.runtime.kernels.kept_settle_kernel import stacked_rotations
+def _tables(layer) -> dict:
+    """Per side, the settle kernel's device tables (kernels.kept_settle_kernel.SideTables), made once per layer and
+    device: derived from the ranks and the fixed rotations, not cache content (a frozen dataclass, which the cache's
+    byte count does not walk into), and no copy from the host on later steps."""
+    from kvrewrite.runtime.kernels.kept_settle_kernel import side_tables
 
-    held = layer.settle_rotations
-    if held is None or held["key"].device != layer.keys.device:
+    held = layer.settle_tables
+    if held is None or held["key"].rotations.device != layer.keys.device:
         held = {
-            "key": stacked_rotations(layer.rotations, layer.kept_key_ranks, layer.keys.device),
-            "value": stacked_rotations(layer.rotations, layer.kept_value_ranks, layer.keys.device),
+            side: side_tables(prefix_columns(layer.head_dim, ranks), ranks, layer.rotations, layer.keys.device)
+            for side, ranks in (("key", layer.kept_key_ranks), ("value", layer.kept_value_ranks))
         }
-        layer.settle_rotations = held
+        layer.settle_tables = held
     return held
 
 
@@ -70,17 +72,11 @@ def settle_in_kernel(layer, beyond: int) -> bool:
         capacity = capacity_rows(layer.capacity, layer.window, layer.keep)[0]
         store = reserve_rows(layer.kept_buffers, layer._store("kept"), n_old + 1, capacity)
         layer._set_store("kept", store)
-    stats = layer.channel_stats
     settle_moving_token(
         layer.keys[:, 0, 0],
         layer.values[:, 0, 0],
-        {
-            "key": tuple(prefix_columns(layer.head_dim, layer.kept_key_ranks)),
-            "value": tuple(prefix_columns(layer.head_dim, layer.kept_value_ranks)),
-        },
-        {"key": layer.kept_key_ranks, "value": layer.kept_value_ranks},
-        stats,
-        _stacked_rotations(layer),
+        _tables(layer),
+        layer.channel_stats,
         layer.side_bits,
         layer.group_size,
         store,
