@@ -245,9 +245,13 @@ def kept_step_records() -> list[dict]:
         half_d=d // 2, qk_scale=0.088, s_qb=heads * d, s_ob=heads * d, s_kb=window * 8 * d, s_kw=8 * d,
         s_ug=d * d, s_ur=d, s_cos=d, s_sin=d, s_mb=cap, s_lb=heads * window, s_lh=window, s_sb=heads,
     )  # fmt: skip
-    logits_consts = dict(consts, HALF=d // 2, DOT_DTYPE=triton.language.bfloat16)
+    logits_consts = dict(consts, HALF=d // 2, DOT_DTYPE=triton.language.bfloat16, PRECISION="tf32")
     result = compile_sm90(kept_window_kernels._window_logits_kernel, args, logits_consts, 4, 1)
     records.append({"kernel": "kept step: window logits", "shape": {"window": window}, **result})
+    # A window twice as long as the kernels take (tiers/kept_decode.MAX_WINDOW_ROWS = 32 rows, the new token included).
+    longest = dict(logits_consts, BLOCK_W=64)
+    result = compile_sm90(kept_window_kernels._window_logits_kernel, dict(args, n_window=64), longest, 4, 1)
+    records.append({"kernel": "kept step: window logits, 64 rows (rejected)", "shape": {"window": 64}, **result})
     args = dict(
         maxima_ptr=f32, sums_ptr=f32, wmax_ptr=f32, wsum_ptr=f32, logits_ptr=f32, values_ptr=torch.float16,
         weight_ptr=f32, lse_ptr=f32, mass_ptr=f32, out_ptr=f32, evidence_ptr=f32, chunks=5, n_window=window,
@@ -257,6 +261,12 @@ def kept_step_records() -> list[dict]:
     finish = dict(consts, BLOCK_C=pow2(5), EVIDENCE_MAX=False)
     result = compile_sm90(kept_window_kernels._window_finish_kernel, args, finish, 4, 1)
     records.append({"kernel": "kept step: window finish", "shape": {"window": window, "chunks": 5}, **result})
+    result = compile_sm90(
+        kept_window_kernels._window_finish_kernel, dict(args, n_window=64), dict(finish, BLOCK_W=64), 4, 1
+    )
+    records.append(
+        {"kernel": "kept step: window finish, 64 rows (rejected)", "shape": {"window": 64, "chunks": 5}, **result}
+    )
     args = dict(
         partial_ptr=f32, mass_ptr=f32, matrix_ptr=f32, offset_ptr=f32, window_out_ptr=f32, out_ptr=bf, chunks=5,
         rank=d, head_dim=d, s_pb=heads * 5 * d, s_ph=5 * d, s_pc=d, s_sb=heads, s_xb=8 * d * d, s_xg=d * d,

@@ -16,8 +16,9 @@ back from its code space. In torch that is some forty small launches a layer. He
   space (sum p x = (sum p y) M + offset sum p), adds the window's part and writes o_proj's input in the model's dtype.
 
 The window's keys and logits are products in the model's dtype summed in float32, as the torch path's GEMMs (float32
-under the interpreter, whose narrow dots are wrong); the probabilities' sums run at float32's IEEE precision, which
-a few dozen rows afford.
+under the interpreter, whose narrow dots are wrong; IEEE float32, not TF32, for a float32 model); the probabilities'
+sums run at float32's IEEE precision, which a few dozen rows afford. A window is one tile: tiers/kept_decode.py
+sends a window of more than MAX_WINDOW_ROWS rows to the torch path.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def _window_logits_kernel(
     q_pos, first_pos, n_window, half_d, qk_scale,
     s_qb, s_ob, s_kb, s_kw, s_ug, s_ur, s_cos, s_sin, s_mb, s_lb, s_lh, s_sb,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr, HALF: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     b, g, heads, row_ok = _group_heads(GROUP, BLOCK_G)
     half = tl.arange(0, HALF)
@@ -77,16 +78,16 @@ def _window_logits_kernel(
     up_ok = dl_ok[:, None] & half_ok[None, :]
     up1 = tl.load(up_rows, mask=up_ok, other=0.0).to(DOT_DTYPE)
     up2 = tl.load(up_rows + half_d, mask=up_ok, other=0.0).to(DOT_DTYPE)
-    k1 = tl.dot(lat, up1)  # [W, HALF], float32 sums of the model dtype's products, as torch's GEMM
-    k2 = tl.dot(lat, up2)
+    k1 = tl.dot(lat, up1, input_precision=PRECISION)  # [W, HALF], float32 sums of the model dtype's products
+    k2 = tl.dot(lat, up2, input_precision=PRECISION)
     position = first_pos + w
     rope_ok = w_ok[:, None] & half_ok[None, :]
     c = tl.load(cos_ptr + position[:, None] * s_cos + half[None, :], mask=rope_ok, other=0.0).to(tl.float32)
     s = tl.load(sin_ptr + position[:, None] * s_sin + half[None, :], mask=rope_ok, other=0.0).to(tl.float32)
     kr1 = k1 * c - k2 * s
     kr2 = k2 * c + k1 * s
-    logits = tl.dot(r1.to(DOT_DTYPE), tl.trans(kr1.to(DOT_DTYPE))) + tl.dot(
-        r2.to(DOT_DTYPE), tl.trans(kr2.to(DOT_DTYPE))
+    logits = tl.dot(r1.to(DOT_DTYPE), tl.trans(kr1.to(DOT_DTYPE)), input_precision=PRECISION) + tl.dot(
+        r2.to(DOT_DTYPE), tl.trans(kr2.to(DOT_DTYPE)), input_precision=PRECISION
     )
     allowed = w_ok & (tl.load(mask_ptr + b * s_mb + position, mask=w_ok, other=0) != 0)
     logits = tl.where(allowed[None, :], logits * qk_scale, NEG_INF)
@@ -223,7 +224,7 @@ def window_logits(
         maxima.stride(0),
         GROUP=group, BLOCK_G=pow2(group), BLOCK_W=pow2(n_window), BLOCK_D=pow2(head_dim),
         HALF=pow2(head_dim // 2), DOT_DTYPE=_DOT_DTYPES[torch.float32 if interpreting() else rotated_dtype],
-        num_warps=4,
+        PRECISION="ieee" if rotated_dtype == torch.float32 else "tf32", num_warps=4,
     )  # fmt: skip
     return rotated, logits, maxima, sums
 

@@ -26,8 +26,8 @@ The maps (k_up with the key map folded in, the value map) are made once per sequ
 statistics are set, and held on the layer as derived data, not cache content: [B, n_kv, r, d] in the model's dtype,
 about 16 MB a layer for Llama-3-8B at batch 64 (the cache's bytes do not count them).
 
-Everything else (prefill chunks, a floor, keys that are not rebuilt, bits off, CPU) takes the torch path, which
-tests/test_kept_decode.py holds this path equal to.
+Everything else (prefill chunks, a floor, keys that are not rebuilt, bits off, a window of more than 31 tokens, CPU)
+takes the torch path, which tests/test_kept_decode.py holds this path equal to.
 """
 
 from __future__ import annotations
@@ -40,6 +40,11 @@ from kvrewrite.runtime.kernels.dispatch import resolve_backend
 from kvrewrite.runtime.kernels.reference import boolean_mask
 from kvrewrite.runtime.kernels.rope_table import rope_table, rotates_half_pairs
 from kvrewrite.runtime.tiers.evidence import scored_queries
+
+# The most window rows (the window and the new token) the window's kernels take, in one tile: at 32 both Tritons
+# compile them for sm_90 without spills, at 64 Triton 3.6 spills the window finish
+# (benchmarks/flash_decode_resources.py); a longer window takes the torch path.
+MAX_WINDOW_ROWS = 32
 
 
 def kept_decode_applies(module, layer, query: torch.Tensor) -> bool:
@@ -56,6 +61,8 @@ def kept_decode_applies(module, layer, query: torch.Tensor) -> bool:
     if layer.floor_positions is not None and layer.floor_positions.shape[-1]:
         return False
     if any(bits is None for bits in layer.side_bits.values()):
+        return False
+    if layer.keys.shape[-2] > MAX_WINDOW_ROWS:  # the window with the new token: its kernels take it as one tile
         return False
     return resolve_backend(query.device) == "triton"
 
