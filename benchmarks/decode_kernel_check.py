@@ -11,6 +11,9 @@ read what the previous ones wrote (an evicting cache's settle, for one, runs aft
     TRITON_INTERPRET=1 python benchmarks/decode_kernel_check.py --device cpu --out OUT.json  # the check itself, on CPU
     TRITON_INTERPRET=1 python benchmarks/decode_kernel_check.py --device cpu --dtype bf16 --out OUT.json  # in bf16
 
+For `evict` it also reports how alike the two runs' kept stores are after the steps (the same tokens kept, the same
+codes): the settle kernel writes them, and logits alone would hide a code that differs.
+
 `int4-compiled` is the int4 form on its static codec cache (runtime.codecs.static_cache), whose decode step reads the
 block and window counts from device memory; the check steps it eagerly (compiling adds nothing to what is compared).
 
@@ -54,9 +57,9 @@ def backend(name: str | None):
 
 def last_step(
     form: str, shape: dict, layers: int, batch: int, context: int, device, dtype, chosen: str | None, steps: int
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, list | None]:
     """Logits [B, vocab] (float32) of the last of `steps` decode steps of a fresh model and cache under backend
-    `chosen` (the same tokens every run)."""
+    `chosen` (the same tokens every run), and an evicting cache's kept stores (per layer, on the CPU; else None)."""
     with backend(chosen), torch.inference_mode():
         model = build_model(form, shape, layers, device, dtype)
         cache = filled_cache(model, form, batch, context, context + steps + 4, device, dtype)
@@ -64,8 +67,31 @@ def last_step(
         for step in range(steps):
             out = model(input_ids=ids[:, step : step + 1].to(device), past_key_values=cache, use_cache=True)
         logits = out.logits[:, -1].float()
+        stores = None
+        if form == "evict":
+            stores = [{n: t.cpu() for n, t in layer._store("kept").items()} for layer in cache.layers]
     del model, cache
-    return logits
+    return logits, stores
+
+
+def store_agreement(kernels: list, plain: list) -> dict:
+    """How alike two runs' kept stores are: the share of (layer, request) rows holding the same tokens, and over the
+    tokens both hold, the share of code bytes, scales and minimums that are equal (the torch settle and the settle
+    kernel sum the code space's turn in different orders, so a code can differ at a rounding boundary)."""
+    same_tokens, rows, equal, total = 0, 0, 0, 0
+    for mine, theirs in zip(kernels, plain):
+        for b in range(mine["positions"].shape[0]):
+            rows += 1
+            order_a, order_b = mine["positions"][b].argsort(), theirs["positions"][b].argsort()
+            if not torch.equal(mine["positions"][b, order_a], theirs["positions"][b, order_b]):
+                continue
+            same_tokens += 1
+            for name in mine:
+                if name != "positions":
+                    a, c = mine[name][b, order_a], theirs[name][b, order_b]
+                    equal += int((a == c).sum())
+                    total += a.numel()
+    return {"kept_rows_same_tokens": same_tokens / max(rows, 1), "kept_values_equal": equal / max(total, 1)}
 
 
 def main() -> None:
@@ -93,12 +119,14 @@ def main() -> None:
     results, failed = {}, False
     for form in forms:
         try:
-            kernels = last_step(form, shape, layers, batch, context, device, dtype, fast, args.steps)
-            plain = last_step(form, shape, layers, batch, context, device, dtype, "torch", args.steps)
+            kernels, kernel_stores = last_step(form, shape, layers, batch, context, device, dtype, fast, args.steps)
+            plain, plain_stores = last_step(form, shape, layers, batch, context, device, dtype, "torch", args.steps)
             error = float((kernels - plain).norm() / plain.norm())
             agree = float((kernels.argmax(-1) == plain.argmax(-1)).float().mean())
             ok = bool(torch.isfinite(kernels).all()) and error <= TOLERANCE[dtype]
             results[form] = {"relative_error": float(f"{error:.3g}"), "argmax_agreement": agree, "ok": ok}
+            if kernel_stores is not None:  # reported, not judged: what the settle kernel wrote against the torch settle
+                results[form].update(store_agreement(kernel_stores, plain_stores))
         except Exception as exc:  # a compile failure in one form must not hide the others'
             results[form] = {"error": f"{type(exc).__name__}: {exc}"[:500], "ok": False}
         failed |= not results[form]["ok"]
