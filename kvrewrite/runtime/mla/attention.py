@@ -61,12 +61,19 @@ def rope_interleaved_to_halves(
     if torch.compiler.is_compiling():
         return apply_rotary_pos_emb_interleave(q, k, cos, sin)
     real = torch.float64 if q.dtype == torch.float64 else torch.float32
-    half = cos.shape[-1] // 2  # cos / sin [B, T, dr] are cat(freqs, freqs)
-    phase = torch.complex(cos[..., :half].to(real), sin[..., :half].to(real)).unsqueeze(1)  # [B, 1, T, dr / 2]
+    # Every layer of a forward gets the same (cos, sin) tensors: the phases are made by the first and held on cos
+    # itself, so they live exactly as long as the forward's tables.
+    phase = getattr(cos, "_kvrewrite_phase", None)
+    if phase is None or phase.dtype.to_real() != real:
+        half = cos.shape[-1] // 2  # cos / sin [B, T, dr] are cat(freqs, freqs)
+        phase = torch.complex(cos[..., :half].to(real), sin[..., :half].to(real)).unsqueeze(1)  # [B, 1, T, dr / 2]
+        cos._kvrewrite_phase = phase
 
     def turn(x: torch.Tensor) -> torch.Tensor:
-        halves = torch.view_as_real(complex_pairs(x, real) * phase).transpose(-1, -2)  # [..., 2, dr / 2]
-        return halves.to(x.dtype).flatten(-2)  # evens' results, then odds': flatten copies the transposed halves
+        # One copy in (the pairs, widened and dense), one product, one copy out into the halves' layout.
+        pairs = complex_pairs(x.to(real, memory_format=torch.contiguous_format), real)
+        halves = torch.view_as_real(pairs * phase).transpose(-1, -2)  # [..., 2, dr / 2]: evens' results, then odds'
+        return halves.to(x.dtype, memory_format=torch.contiguous_format).flatten(-2)
 
     return turn(q), turn(k)
 
