@@ -278,8 +278,10 @@ def kept_weighted_values(
     lse = lse.contiguous()
     codes, scale, low = coded["codes"], coded["scale"], coded["low"]
     chunks = triton.cdiv(n_rows, ROWS_PER_PROGRAM)
-    # Zeros: a head narrower than the widest leaves its columns past its rank unwritten.
-    partial = torch.zeros(batch, heads, chunks, width, dtype=torch.float32, device=logits.device)
+    # Zeros where a head narrower than the widest leaves its columns past its rank unwritten (else every program
+    # writes its whole tile: one launch fewer).
+    allocate = torch.empty if min(ranks) == width else torch.zeros
+    partial = allocate(batch, heads, chunks, width, dtype=torch.float32, device=logits.device)
     group = heads // n_kv
     _kept_value_kernel[(batch, n_kv, chunks)](
         logits, lse, positions, mask, weights, codes, scale, low, columns, widths, partial, evidence,
