@@ -1,7 +1,7 @@
 """The decode-step settle kernel (runtime.tiers.kept_settle) against the torch settle, under TRITON_INTERPRET=1.
 
-- Whole decodes: a latent-key model with re-scored eviction decodes teacher-forced tokens with the kept-tier
-  kernels, once settling in the kernel and once in torch (the same attention, so the same evidence), the requests
+- Whole decodes: a latent-key model with re-scored eviction decodes teacher-forced tokens, once settling in the
+  kernel and once in torch (attention in torch both times, so the same evidence), the requests
   swapped midway as beam search does. After every step each layer's kept store is the same row for row: positions,
   codes, scales and minimums.
 - Where it must not apply (a floor, a held context, no evidence, groups that split a byte), the torch settle runs.
@@ -31,8 +31,12 @@ def _stores_by_step(
     model, tokens, in_kernel: bool, monkeypatch, capacity: int | None = None
 ) -> tuple[list[list[dict]], int]:
     """Each layer's kept store (a copy) after every decode step, and how many layer steps settled in the kernel.
-    capacity: as generate() sizes the cache (the stores' buffers allocated once), or None (they hold their rows)."""
-    monkeypatch.setenv("KVREWRITE_ATTENTION", "triton")
+    capacity: as generate() sizes the cache (the stores' buffers allocated once), or None (they hold their rows).
+
+    Attention runs in torch in both runs (the same evidence; the kernels' attention against torch's is
+    tests/test_kept_decode.py's), the settle kernel as on CUDA."""
+    monkeypatch.setenv("KVREWRITE_ATTENTION", "torch")
+    monkeypatch.setattr(kept_settle, "resolve_backend", lambda device: "triton")
     calls = []
 
     def settle(layer, beyond):
