@@ -475,8 +475,7 @@ class EvictingLayer(RecentWindowLayer):
             )
             if kept_scores is not None and self._received_recent is not None:
                 moving_scores = self._received_recent[:, :beyond]
-            self.keys = self.keys[..., beyond:, :].contiguous()
-            self.values = self.values[..., beyond:, :].contiguous()
+            self._leave_window(beyond)
         self._received_recent = self._received_kept = None
         seen_beyond = self.cumulative_length - self.keys.shape[-2]
         self._admit(moving, kept_scores, moving_scores, round(self.keep * seen_beyond))
@@ -550,10 +549,20 @@ class EvictingLayer(RecentWindowLayer):
     ) -> None:
         """Grow the tier's store to `rows` rows (in place where its buffers have room) and write the new tokens
         `chosen` (None: all) into their `slots`."""
+        write_rows(self._grown_store(tier, rows), slots, new, chosen)
+
+    def _grown_store(self, tier: str, rows: int) -> dict[str, torch.Tensor]:
+        """The tier's store as `rows` rows, its own first (in place where its buffers have room); the rows past them
+        are the caller's to write."""
         capacity = capacity_rows(self.capacity, self.window, self.keep)[0 if tier == "kept" else 1]
         store = reserve_rows(getattr(self, f"{tier}_buffers"), self._store(tier), rows, capacity)
-        write_rows(store, slots, new, chosen)
         self._set_store(tier, store)
+        return store
+
+    def _leave_window(self, n: int) -> None:
+        """Drop the window's oldest n tokens (they have been stored beyond it, or evicted)."""
+        self.keys = self.keys[..., n:, :].contiguous()
+        self.values = self.values[..., n:, :].contiguous()
 
     def _demote(self, evicted: dict[str, torch.Tensor]) -> None:
         """Move evicted kept tokens (a flat store [B, n, ...] of them) to the floor: each head's first floor dims,

@@ -1,7 +1,7 @@
 """The settle of a decode step on an evicting layer in one kernel launch, where the kept-tier kernels run (CUDA).
 
 After a decode forward exactly one token leaves the window. tiers.eviction's settle codes it and re-cuts the kept
-tier in torch, about sixty small operations a layer, and on a step that evicts its top mask and row scatter read
+tier in torch, about seventy small operations a layer, and on a step that evicts its top mask and row scatter read
 device numbers back to the host twice. A decode step that launches a few dozen operations a layer and never
 waits for the device is what lets an eager GPU step overlap the host's launches with the device's work.
 
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from kvrewrite.runtime.kernels.dispatch import resolve_backend
 from kvrewrite.runtime.tiers.cache import prefix_columns
-from kvrewrite.runtime.tiers.kept_store import capacity_rows, reserve_rows
 
 
 def _applies(layer, beyond: int) -> bool:
@@ -66,12 +65,8 @@ def settle_in_kernel(layer, beyond: int) -> bool:
         return False
     from kvrewrite.runtime.kernels.kept_settle_kernel import settle_moving_token
 
-    if evict:
-        store = layer._store("kept")
-    else:  # one row more; its contents come from the kernel
-        capacity = capacity_rows(layer.capacity, layer.window, layer.keep)[0]
-        store = reserve_rows(layer.kept_buffers, layer._store("kept"), n_old + 1, capacity)
-        layer._set_store("kept", store)
+    # Evicting, the moving token takes a freed row; else one row more, its contents from the kernel.
+    store = layer._store("kept") if evict else layer._grown_store("kept", n_old + 1)
     settle_moving_token(
         layer.keys[:, 0, 0],
         layer.values[:, 0, 0],
@@ -85,7 +80,6 @@ def settle_in_kernel(layer, beyond: int) -> bool:
         kept_scores if evict else None,
         recent_scores[:, 0] if evict else None,
     )
-    layer.keys = layer.keys[..., 1:, :].contiguous()
-    layer.values = layer.values[..., 1:, :].contiguous()
+    layer._leave_window(1)
     layer._received_recent = layer._received_kept = None
     return True
