@@ -142,9 +142,11 @@ def test_kernels_against_a_dense_reference(monkeypatch, bits, group_size, rows_p
     lse = masked.logsumexp(-1) + 0.3  # as if the window held the rest of the weight
     weights = torch.tensor([1.0, 0.5])
     for evidence_max in (False, True):
-        values, evidence = kept_weighted_values(
+        partial, evidence = kept_weighted_values(
             logits, lse.float(), positions, allowed, weights, coded, ranks, bits, group_size, evidence_max=evidence_max
         )
+        assert partial.shape[2] == -(-rows // rows_per_program)
+        values = partial.sum(dim=2)  # the chunks added, as kept_window_kernels.kept_finish adds them
         probs = (masked - lse[..., None]).exp()  # [B, H, S], 0 where not allowed
         start = 0
         for g, r in enumerate(ranks):

@@ -256,22 +256,19 @@ def kept_weighted_values(
     group_size: int,
     dtype: torch.dtype = torch.float32,
     evidence_max: bool = False,
-    per_chunk: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The kept rows' probabilities exp(logit - lse) (lse [B, H]: the log of the softmax's whole denominator, kept
     rows and window), zero where not allowed, times the dequantised value codes of each head's KV head, the products
-    in `dtype`: [B, H, R] float32 code-space sums (R = max rank; columns past a head's rank are zero); and the
-    evidence per KV head group, the probabilities summed (or with evidence_max, max-ed) over its query heads times
-    the request's weight [B]: [B, n_kv, S] float32. per_chunk: the sums before the chunks are added,
-    [B, H, chunks, R]."""
+    in `dtype`, per chunk of ROWS_PER_PROGRAM rows: [B, H, chunks, R] float32 code-space sums (R = max rank; columns
+    past a head's rank are zero; kept_window_kernels.kept_finish adds the chunks); and the evidence per KV head
+    group, the probabilities summed (or with evidence_max, max-ed) over its query heads times the request's weight
+    [B]: [B, n_kv, S] float32."""
     batch, heads, n_rows = logits.shape
     n_kv = len(ranks)
     width = max(ranks)
     evidence = torch.empty(batch, n_kv, n_rows, dtype=torch.float32, device=logits.device)  # every row written
     if n_rows == 0:
-        return logits.new_zeros(batch, heads, 1, width) if per_chunk else logits.new_zeros(
-            batch, heads, width
-        ), evidence
+        return logits.new_zeros(batch, heads, 1, width), evidence
     columns, widths = _head_columns(ranks, logits.device)
     mask = mask_argument(allowed)
     weights = weights.float().expand(batch)
@@ -293,4 +290,4 @@ def kept_weighted_values(
         BITS=bits, GROUP_SIZE=group_size, DOT_DTYPE=_DOT_DTYPES[torch.float32 if interpreting() else dtype],
         EVIDENCE_MAX=evidence_max, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )  # fmt: skip
-    return (partial if per_chunk else partial.sum(dim=2)), evidence
+    return partial, evidence

@@ -156,7 +156,7 @@ def kept_decode_attention(module, query: torch.Tensor, layer, attention_mask: to
     # 4. The kept rows' probabilities times their value codes, and their evidence, per chunk of rows.
     partial, kept_evidence = kept_weighted_values(
         kept_logits, lse, layer.kept_positions, row_allowed, weights, layer.kept_values, layer.kept_value_ranks,
-        layer.side_bits["value"], layer.group_size, kernel_dtype, evidence_max=reduce_max, per_chunk=True,
+        layer.side_bits["value"], layer.group_size, kernel_dtype, evidence_max=reduce_max,
     )  # fmt: skip
     layer.add_scores(
         recent_evidence.amax(dim=1) if reduce_max else recent_evidence.sum(dim=1),
