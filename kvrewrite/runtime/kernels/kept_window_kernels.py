@@ -108,24 +108,21 @@ def _window_finish_kernel(
     BLOCK_C: tl.constexpr, EVIDENCE_MAX: tl.constexpr,
 ):  # fmt: skip
     b, g, heads, row_ok = _group_heads(GROUP, BLOCK_G)
-    # The log of the softmax's denominator: the kept tier's chunks (max -inf, sum 0 where a chunk has no row
-    # allowed) and the window.
-    top = tl.load(wmax_ptr + b * s_sb + heads, mask=row_ok, other=NEG_INF)
-    for c0 in range(0, chunks, BLOCK_C):
-        c = c0 + tl.arange(0, BLOCK_C)
-        ok = row_ok[:, None] & (c < chunks)[None, :]
-        m = tl.load(maxima_ptr + b * s_mb + heads[:, None] * s_mh + c[None, :], mask=ok, other=NEG_INF)
-        top = tl.maximum(top, tl.max(m, axis=1))
-    total = tl.load(wsum_ptr + b * s_sb + heads, mask=row_ok, other=0.0) * tl.exp(
-        tl.load(wmax_ptr + b * s_sb + heads, mask=row_ok, other=NEG_INF) - top
-    )
+    # The log of the softmax's denominator: the window and the kept tier's chunks (max NEG_INF, sum 0 where a chunk
+    # has no row allowed), in one pass with a running max; both sums are relative to it.
+    window_max = tl.load(wmax_ptr + b * s_sb + heads, mask=row_ok, other=NEG_INF)
+    top = window_max
     kept = tl.zeros([BLOCK_G], tl.float32)
     for c0 in range(0, chunks, BLOCK_C):
         c = c0 + tl.arange(0, BLOCK_C)
         ok = row_ok[:, None] & (c < chunks)[None, :]
         m = tl.load(maxima_ptr + b * s_mb + heads[:, None] * s_mh + c[None, :], mask=ok, other=NEG_INF)
         l_c = tl.load(sums_ptr + b * s_mb + heads[:, None] * s_mh + c[None, :], mask=ok, other=0.0)
-        kept += tl.sum(tl.where(ok & (l_c > 0), l_c * tl.exp(m - top[:, None]), 0.0), axis=1)
+        new_top = tl.maximum(top, tl.max(m, axis=1))
+        chunk_sum = tl.sum(tl.where(ok & (l_c > 0), l_c * tl.exp(m - new_top[:, None]), 0.0), axis=1)
+        kept = kept * tl.exp(top - new_top) + chunk_sum
+        top = new_top
+    total = tl.load(wsum_ptr + b * s_sb + heads, mask=row_ok, other=0.0) * tl.exp(window_max - top)
     denominator = tl.where(row_ok, total + kept, 1.0)  # (the padded rows' is 0)
     lse = top + tl.log(denominator)
     tl.store(lse_ptr + b * s_sb + heads, lse, mask=row_ok)
