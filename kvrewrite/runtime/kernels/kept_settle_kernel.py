@@ -1,7 +1,7 @@
 """One Triton kernel for an evicting layer's decode-step settle: the token leaving the window enters the kept tier.
 
 After every decode forward the window's oldest token moves to the kept tier and, when the tier is over its budget,
-the lowest-scored token leaves (runtime.tiers.eviction). In torch that is about sixty small operations a layer
+the lowest-scored token leaves (runtime.tiers.eviction). In torch that is about seventy small operations a layer
 (columns taken, centred and scaled, each head's block turned, min/max quantized per group, packed, the row chosen,
 scattered) and two reads of device numbers by the host. Here a program owns one request and does all of it:
 
