@@ -75,11 +75,10 @@ def test_float64_stays_float64():
 
 
 class PairedAttention(nn.Module):
-    """What rotate_stored_pairs reads of a freq layer: its pair-frequency index tables and the shared rotary."""
+    """What rotate_stored_pairs reads of a freq layer: its pair-frequency index tables."""
 
-    def __init__(self, rotary: nn.Module):
+    def __init__(self):
         super().__init__()
-        self._rotary = (rotary,)
         self.tables = {"query_pair_freq": torch.tensor([3, 0, 7, 7, 1, 2]), "key_pair_freq": torch.tensor([5, 4, 0])}
 
     def _index(self, name: str, device) -> torch.Tensor:
@@ -89,8 +88,7 @@ class PairedAttention(nn.Module):
 def test_freq_pairs_rotate_each_by_its_own_frequency_with_one_table_per_forward():
     """Against the real formula on the gathered cos / sin; two layers of one forward share the phase table, the next
     forward's tables replace it."""
-    rotary = nn.Module()
-    layers = PairedAttention(rotary), PairedAttention(rotary)
+    layers = PairedAttention(), PairedAttention()
     angles = randn(2, 3, 8)
     cos, sin = angles.cos(), angles.sin()
     query, key = randn(2, 3, 12), randn(2, 3, 6)
@@ -99,10 +97,10 @@ def test_freq_pairs_rotate_each_by_its_own_frequency_with_one_table_per_forward(
         q_freq, k_freq = layer.tables["query_pair_freq"], layer.tables["key_pair_freq"]
         assert (got_q - rotate_interleaved_pairs(query, cos[..., q_freq], sin[..., q_freq])).abs().max() < 1e-6
         assert (got_k - rotate_interleaved_pairs(key, cos[..., k_freq], sin[..., k_freq])).abs().max() < 1e-6
-    table = phase_table(rotary, cos, sin)
-    assert table is phase_table(rotary, cos, sin)  # held for the forward's other layers
+    table = phase_table(cos, sin)
+    assert table is phase_table(cos, sin)  # held for the forward's other layers
     later = randn(2, 3, 8)
-    assert torch.equal(phase_table(rotary, later.cos(), later.sin()), torch.complex(later.cos(), later.sin()))
+    assert torch.equal(phase_table(later.cos(), later.sin()), torch.complex(later.cos(), later.sin()))
 
 
 def test_mla_rope_equals_transformers_interleaved_rope():

@@ -40,7 +40,7 @@ def rotate_stored_pairs(
         key = rotate_interleaved_pairs(key, cos[..., k_freq], sin[..., k_freq])
         return query, key
     # Eagerly: one complex phase table per forward, gathered once per side (turn_interleaved_pairs says why).
-    phase = phase_table(getattr(attn, "_rotary", (None,))[0], cos, sin)
+    phase = phase_table(cos, sin)
     return turn_interleaved_pairs(query, phase[..., q_freq]), turn_interleaved_pairs(key, phase[..., k_freq])
 
 

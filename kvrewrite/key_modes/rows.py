@@ -57,22 +57,21 @@ def turn_interleaved_pairs(x: torch.Tensor, phase: torch.Tensor) -> torch.Tensor
     return torch.view_as_real(complex_pairs(x, real) * phase).flatten(-2).to(x.dtype)
 
 
-def phase_table(holder: nn.Module | None, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def phase_table(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """cos + i sin as complex (float64 for float64 tables, else float32), made once per forward: every layer gets the
-    same (cos, sin) tensors, so the table is held on `holder` (the model's shared rotary module) with them."""
-    held = None if holder is None else holder.__dict__.get("_kvrewrite_phase")
-    if held is None or held[0] is not cos or held[1] is not sin:
+    same (cos, sin) tensors, so the table is held on `cos` itself and lives exactly as long as the forward's tables."""
+    held = getattr(cos, "_kvrewrite_phase", None)
+    if held is None or held[0] is not sin:
         real = torch.float64 if cos.dtype == torch.float64 else torch.float32
-        held = (cos, sin, torch.complex(cos.to(real), sin.to(real)))
-        if holder is not None:
-            holder.__dict__["_kvrewrite_phase"] = held
-    return held[2]
+        held = (sin, torch.complex(cos.to(real), sin.to(real)))
+        cos._kvrewrite_phase = held
+    return held[1]
 
 
 def complex_pairs(x: torch.Tensor, real: torch.dtype) -> torch.Tensor:
     """x [..., 2P] in `real` precision as complex [..., P] (pair j = x[2j] + i x[2j + 1]); a copy only where x is not
     already dense in that precision at an even offset, as view_as_complex needs."""
-    dense = x.to(real).contiguous()
+    dense = x.to(real, memory_format=torch.contiguous_format).contiguous()  # one copy: widened and dense at once
     if dense.storage_offset() % 2:  # a dense slice of a larger tensor, at an odd element
         dense = dense.clone()
     # A dense tensor's size-1 dims may carry any stride, and view_as_complex has refused odd ones in some torch

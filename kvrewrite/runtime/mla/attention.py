@@ -21,7 +21,7 @@ from torch import nn
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_pos_emb, apply_rotary_pos_emb_interleave
 
 from kvrewrite.errors import CorruptCheckpointError
-from kvrewrite.key_modes.rows import complex_pairs
+from kvrewrite.key_modes.rows import complex_pairs, phase_table
 from kvrewrite.runtime.kernels.cpu_decode_mla import mla_block_decode
 from kvrewrite.runtime.kernels.dispatch import resolve_backend
 from kvrewrite.runtime.kernels.reference import boolean_mask, softmax_dtype
@@ -60,20 +60,13 @@ def rope_interleaved_to_halves(
     step costs its launches). Under torch.compile, transformers' own, which the compiler fuses."""
     if torch.compiler.is_compiling():
         return apply_rotary_pos_emb_interleave(q, k, cos, sin)
-    real = torch.float64 if q.dtype == torch.float64 else torch.float32
-    # Every layer of a forward gets the same (cos, sin) tensors: the phases are made by the first and held on cos
-    # itself, so they live exactly as long as the forward's tables.
-    phase = getattr(cos, "_kvrewrite_phase", None)
-    if phase is None or phase.dtype.to_real() != real:
-        half = cos.shape[-1] // 2  # cos / sin [B, T, dr] are cat(freqs, freqs)
-        phase = torch.complex(cos[..., :half].to(real), sin[..., :half].to(real)).unsqueeze(1)  # [B, 1, T, dr / 2]
-        cos._kvrewrite_phase = phase
+    half = cos.shape[-1] // 2  # cos / sin [B, T, dr] are cat(freqs, freqs)
+    phase = phase_table(cos, sin)[..., :half].unsqueeze(1)  # [B, 1, T, dr / 2], made once per forward
+    real = torch.float64 if phase.dtype == torch.complex128 else torch.float32
 
     def turn(x: torch.Tensor) -> torch.Tensor:
-        # One copy in (the pairs, widened and dense), one product, one copy out into the halves' layout.
-        pairs = complex_pairs(x.to(real, memory_format=torch.contiguous_format), real)
-        halves = torch.view_as_real(pairs * phase).transpose(-1, -2)  # [..., 2, dr / 2]: evens' results, then odds'
-        return halves.to(x.dtype, memory_format=torch.contiguous_format).flatten(-2)
+        halves = torch.view_as_real(complex_pairs(x, real) * phase).transpose(-1, -2)  # evens' results, then odds'
+        return halves.to(x.dtype, memory_format=torch.contiguous_format).flatten(-2)  # one copy into the halves
 
     return turn(q), turn(k)
 
