@@ -212,6 +212,15 @@ def test_beam_search_reorders_the_buffers_in_place(compiled):
     ids, _, _ = generate(compiled["post-rope"], **beams)
     static_ids, _, cache = generate(compiled["post-rope"], cache_implementation="static", **beams)
     assert torch.equal(static_ids, ids) and isinstance(cache, StaticCodecCache)
+    # A reorder keeps every buffer where it was (the addresses a captured graph reads) and moves its rows.
+    before = [[t.clone() for t in layer._batch_buffers()] for layer in cache.layers]
+    addresses = [[t.data_ptr() for t in layer._batch_buffers()] for layer in cache.layers]
+    beam_idx = torch.arange(before[0][0].shape[0]).flip(0)
+    cache.reorder_cache(beam_idx)
+    for layer, old, where in zip(cache.layers, before, addresses):
+        now = layer._batch_buffers()
+        assert [t.data_ptr() for t in now] == where
+        assert all(torch.equal(t, o.index_select(0, beam_idx)) for t, o in zip(now, old))
 
 
 def test_refusals_name_the_way_out(compiled):
