@@ -14,12 +14,10 @@ from __future__ import annotations
 
 from transformers.cache_utils import Cache
 
-from kvrewrite.errors import InvalidArgumentError
+# "offloaded_static" among them is the one an on-device static cache cannot honour.
+from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
 
-try:  # transformers >= 5.1 names them; "offloaded_static" is the one an on-device static cache cannot honour
-    from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
-except ImportError:  # pragma: no cover - older transformers
-    ALL_STATIC_CACHE_IMPLEMENTATIONS = ("static", "offloaded_static")
+from kvrewrite.errors import InvalidArgumentError
 
 
 def generation_cache(model, generation_config, batch_size: int | None, max_cache_length: int) -> Cache | None:

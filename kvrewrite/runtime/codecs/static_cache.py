@@ -34,12 +34,10 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvrewrite.errors import InvalidArgumentError
-from kvrewrite.runtime.codecs.base import LayerCodec
+from kvrewrite.runtime.codecs.base import SIDES, LayerCodec
 from kvrewrite.runtime.codecs.cache import RESIDUAL_DTYPE
 from kvrewrite.runtime.codecs.kivi import kivi_decode
 from kvrewrite.runtime.codecs.readout import CodedReadout, QuantizedBlocks
-
-SIDES = ("key", "value")
 
 
 def held_tokens(n_coded: torch.Tensor, window_len: torch.Tensor, block_tokens: int) -> torch.Tensor:
