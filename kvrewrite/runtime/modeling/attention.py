@@ -285,9 +285,10 @@ class CompressedAttention(nn.Module):
 
     def _attend_counted(self, query: torch.Tensor, readout: CountedReadout, attention_mask, past_len) -> torch.Tensor:
         """A decode step (one query per sequence) over a static codec cache (codecs.static_cache): static shapes, the
-        live counts read on the device. On CUDA the flash-decoding kernel reads the coded blocks in place up to the counts; elsewhere (CPU,
-        and latent keys, which no counted kernel rebuilds yet) the whole store is decoded into the cache's slots,
-        the slots past the counts masked, and attend() runs as on any static cache."""
+        live counts read on the device. On CUDA the flash-decoding kernel reads the coded blocks in place up to the
+        counts; elsewhere (CPU; latent keys, which no counted kernel rebuilds yet; key modes that share one key block
+        across heads; blocks the kernel does not take) the whole store is decoded into the cache's slots, the slots
+        past the counts masked, and attend() runs as on any static cache."""
         from kvrewrite.runtime.kernels import flash_decode_coded
 
         batch, q_len, _ = query.shape
