@@ -380,7 +380,15 @@ def command_params(name: str) -> dict:
 
 
 # Flags both compile commands take: one meaning and one default (issue 37; docs/cli.md's shared table).
-SHARED_FLAGS = ("--calib-tokens", "--distill-tokens", "--dtype", "--verify-tokens", "--refit", "--distill-epochs")
+SHARED_FLAGS = (
+    "--calib-tokens",
+    "--distill-tokens",
+    "--dtype",
+    "--device",
+    "--verify-tokens",
+    "--refit",
+    "--distill-epochs",
+)
 
 
 @pytest.mark.parametrize("flag", SHARED_FLAGS)
@@ -404,6 +412,7 @@ def test_shared_flags_have_one_default_in_both_commands(flag):
         "--calib-tokens": 32768,
         "--distill-tokens": None,
         "--dtype": "auto",
+        "--device": "cpu",
         "--verify-tokens": 512,
         "--refit": "auto",
         "--distill-epochs": None,
@@ -456,6 +465,16 @@ def test_export_mla_takes_layer_widths_and_refuses_allocation(tmp_path):
     assert result.exit_code == 2
     assert "--layer-widths must be uniform or sensitivity, got 'greedy'" in flat(result.output)
     assert not (tmp_path / "out").exists()
+
+
+def test_export_mla_refuses_a_device_it_cannot_run_on_before_anything_is_loaded(tmp_path):
+    """--device is checked as compress checks it (the plan's field names the flag), before any weight is read."""
+    for device, message in [("tpu", "--device must be cpu or cuda")] + (
+        [] if torch.cuda.is_available() else [("cuda", "--device cuda was asked for but torch sees no CUDA device")]
+    ):
+        result = runner.invoke(app, ["export-mla", "no-such-model", "-o", str(tmp_path / "out"), "--device", device])
+        assert result.exit_code == 2 and message in flat(result.output), flat(result.output)
+        assert not (tmp_path / "out").exists()
 
 
 def test_export_mla_errors_from_the_source_config_name_its_flags(tmp_path):

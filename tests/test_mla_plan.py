@@ -29,6 +29,7 @@ from tests.tiny_models import random_windows, save_tiny_llama
         ({"refit": "none", "refit_tokens": 256}, "`refit_tokens` only applies"),
         ({"refit": "outputs"}, "`refit` must be one of"),
         ({"dtype": "int8"}, "`dtype` must be one of"),
+        ({"device": "tpu"}, "`device` must be cpu or cuda"),
         ({"key_weight": -1.0}, "`key_weight=-1.0`: the key side's weight"),
         ({"verify_tokens": 0}, "`verify_tokens=0`: the checks at the end"),
         ({"verify_tokens": 1024, "calib_tokens": 512}, "`verify_tokens=1024` is more than `calib_tokens=512`"),

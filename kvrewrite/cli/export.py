@@ -178,6 +178,11 @@ def export_mla_command(
         help=f"Weights dtype: auto ({AUTO_DTYPE_MEANING}), bfloat16 or float32 (float16 cannot hold the neutralised latent).",
         rich_help_panel="Source and hardware",
     ),
+    device: str = typer.Option(
+        MLA_DEFAULTS["device"],
+        help="Where every step that runs the model runs: cpu or cuda (optionally cuda:N). The statistics' layers, the expected rotations, the sensitivity probes, the refits, the distillation and the checks; Grams and the form's decompositions stay float64 on the CPU.",
+        rich_help_panel="Source and hardware",
+    ),
     old_allocation: str | None = typer.Option(None, "--allocation", hidden=True),
 ) -> None:
     """Compute a multi-head latent (MLA) form from calibration statistics and write it as a stock DeepSeek-V3 checkpoint."""
@@ -205,6 +210,7 @@ def export_mla_command(
             calibration=calibration,
             calib_tokens=calib_tokens,
             dtype=dtype,
+            device=device,
             position_free_queries=position_free_queries,
             key_weight=key_weight,
             verify_tokens=verify_tokens,

@@ -79,10 +79,10 @@ def _layer_swapped(model: nn.Module, idx: int, layer: MLALayer) -> Iterator[None
     adapter = adapter_for(model.config)
     decoder_layer = adapter.decoder_layers(model)[idx]
     kept = getattr(decoder_layer, adapter.attention_attr)
-    dtype = kept.q_proj.dtype
-    setattr(
-        decoder_layer, adapter.attention_attr, MLAReferenceAttention(layer, model.config.num_attention_heads, dtype)
+    swapped = MLAReferenceAttention(
+        layer, model.config.num_attention_heads, kept.q_proj.dtype, device=kept.q_proj.device
     )
+    setattr(decoder_layer, adapter.attention_attr, swapped)
     try:
         yield
     finally:

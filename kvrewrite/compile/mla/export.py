@@ -28,6 +28,7 @@ from kvrewrite.compile.mla.form import (
 )
 from kvrewrite.compile.mla.plan import DEFAULT_POSITION_FREE_QUERIES, check_position_free_queries
 from kvrewrite.compile.mla.rope_response import measure_rope_response
+from kvrewrite.compile.on_device import whole_model_on
 from kvrewrite.compile.passes.context import CompileContext
 from kvrewrite.compile.passes.load_checkpoint import load_config
 from kvrewrite.compile.passes.pipeline import statistics_passes
@@ -57,11 +58,10 @@ def prepare_source(
     check_source_exportable(plan)
     ctx = CompileContext(plan=plan)
     ctx, inputs = run_statistics_with_attention_inputs(ctx, passes if passes is not None else statistics_passes())
-    response = (
-        measure_rope_response(ctx.original_model(), ctx.calibration_tokens)
-        if position_free_queries == "expected-rotation"
-        else None
-    )
+    response = None
+    if position_free_queries == "expected-rotation":
+        with whole_model_on(ctx.original_model(), plan.device) as model:
+            response = measure_rope_response(model, ctx.calibration_tokens)
     return PreparedSource(ctx, inputs, response)
 
 
@@ -125,9 +125,9 @@ def probe_full_form(
         ctx, prepared.inputs, full, key_weight=key_weight, progress=progress, rope_response=prepared.rope_response
     )
     windows = ctx.plan.probe_windows if probe_windows is None else probe_windows
-    sensitivity = measure_latent_sensitivity(
-        ctx.original_model(), full_layers, sensitivity_tokens(ctx.calibration_tokens, windows), progress
-    )
+    tokens = sensitivity_tokens(ctx.calibration_tokens, windows)
+    with whole_model_on(ctx.original_model(), ctx.plan.device) as original:
+        sensitivity = measure_latent_sensitivity(original, full_layers, tokens.to(ctx.plan.device), progress)
     return ProbedForm(full_layers, sensitivity, rope_frequency_stride)
 
 
@@ -200,8 +200,8 @@ def full_width_max_logit_diff(prepared: PreparedSource, tokens: torch.Tensor) ->
     n_kv, d = ctx.geometry.num_key_value_heads, ctx.geometry.head_dim
     widths = MLAWidths(n_kv, n_kv * d, full_latent_rank(ctx.geometry, n_kv), 1.0)
     layers = compute_mla_layers(ctx, prepared.inputs, widths)
-    model = ctx.original_model()
-    with torch.no_grad():
+    tokens = tokens.to(ctx.plan.device)
+    with whole_model_on(ctx.original_model(), ctx.plan.device) as model, torch.no_grad():
         return float((mla_reference_model(model, layers)(tokens).logits - model(tokens).logits).abs().max())
 
 
@@ -209,7 +209,11 @@ def export_matches_maths(prepared: PreparedSource, layers: list[MLALayer], outpu
     """max |Δlogit| between the exported checkpoint in stock transformers (float32) and our maths at the same widths."""
     from transformers import AutoModelForCausalLM
 
+    device = prepared.ctx.plan.device
     exported = AutoModelForCausalLM.from_pretrained(output, dtype=torch.float32, trust_remote_code=False).eval()
+    tokens = tokens.to(device)
     with torch.no_grad():
-        ours = mla_reference_model(prepared.ctx.original_model(), layers)(tokens).logits
-        return float((exported(tokens).logits - ours).abs().max())
+        with whole_model_on(prepared.ctx.original_model(), device) as original:
+            ours = mla_reference_model(original, layers)(tokens).logits
+        with whole_model_on(exported, device):
+            return float((exported(tokens).logits - ours).abs().max())

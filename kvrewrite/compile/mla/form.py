@@ -142,8 +142,8 @@ def _hook_attention_inputs(ctx) -> tuple[AttentionInputStatistics, list]:
 
     def hook(idx: int):
         def accumulate(_module, args):
-            x = args[0].detach().reshape(-1, hidden).double().cpu()
-            stats.grams[idx] += x.T @ x
+            x = args[0].detach().reshape(-1, hidden).double()  # on the compile device: its product runs there
+            stats.grams[idx] += (x.T @ x).cpu()
             stats.max_square_norms[idx] = max(stats.max_square_norms[idx], float(x.square().sum(-1).max()))
 
         return accumulate
@@ -225,17 +225,26 @@ class MLAReferenceAttention(nn.Module):
     o_proj is a bias-free nn.Linear, as in the stock attention, so the adapters' output_projection(attn) finds it
     (the o_proj refit hooks it, compile/mla/refit.py); the other three are plain tensors."""
 
-    def __init__(self, layer: MLALayer, num_heads: int, dtype: torch.dtype, trainable: bool = False):
+    def __init__(
+        self,
+        layer: MLALayer,
+        num_heads: int,
+        dtype: torch.dtype,
+        trainable: bool = False,
+        device: torch.device | str = "cpu",
+    ):
         super().__init__()
         self.layer, self.num_heads = layer, num_heads
         for name in MLA_TENSOR_WEIGHT_NAMES:
-            weight = getattr(layer, name).to(dtype)
+            weight = getattr(layer, name).to(device=device, dtype=dtype)
             if trainable:
                 self.register_parameter(name, nn.Parameter(weight.clone()))
             else:
                 self.register_buffer(name, weight)
+        # Where the model's cos/sin tables are, so that picking the kept frequencies copies nothing from the host.
+        self.register_buffer("pair_frequency", layer.pair_frequency.to(device), persistent=False)
         out_features, in_features = layer.o_proj.shape
-        self.o_proj = nn.Linear(in_features, out_features, bias=False, dtype=dtype)
+        self.o_proj = nn.Linear(in_features, out_features, bias=False, dtype=dtype, device=device)
         with torch.no_grad():
             self.o_proj.weight.copy_(layer.o_proj)
         self.o_proj.weight.requires_grad_(trainable)
@@ -256,7 +265,7 @@ class MLAReferenceAttention(nn.Module):
         kv = (latent @ self.kv_b_proj.T).view(batch, length, n_h, d_nope + d_v).transpose(1, 2)
         k_nope, v = kv.split([d_nope, d_v], dim=-1)
         cos, sin = position_embeddings  # [B, T, head_dim], HF layout: angle of frequency j at j and j + d/2
-        cos, sin = cos[..., lay.pair_frequency].unsqueeze(1), sin[..., lay.pair_frequency].unsqueeze(1)
+        cos, sin = cos[..., self.pair_frequency].unsqueeze(1), sin[..., self.pair_frequency].unsqueeze(1)
         q_pe = rotate_interleaved(q_pe, cos, sin)
         k_pe = rotate_interleaved(k_pe.unsqueeze(1), cos, sin)
         scores = (q_nope @ k_nope.transpose(-1, -2) + q_pe @ k_pe.transpose(-1, -2)) * self.scaling
@@ -267,18 +276,17 @@ class MLAReferenceAttention(nn.Module):
 
 
 def mla_reference_model(model: nn.Module, layers: list[MLALayer], trainable: bool = False) -> nn.Module:
-    """A copy of the stock model whose attention is the MLA form (for whole-sequence logits; no cache, no padding).
+    """A copy of the stock model whose attention is the MLA form (for whole-sequence logits; no cache, no padding),
+    on the device `model` is on.
 
     trainable: the MLA weights are parameters (the rest of the copy is the original's, as parameters too)."""
     adapter = adapter_for(model.config)
     mla = copy.deepcopy(model)
-    dtype = next(model.parameters()).dtype
+    first = next(model.parameters())
+    heads = model.config.num_attention_heads
     for layer, weights in zip(adapter.decoder_layers(mla), layers):
-        setattr(
-            layer,
-            adapter.attention_attr,
-            MLAReferenceAttention(weights, model.config.num_attention_heads, dtype, trainable=trainable),
-        )
+        attention = MLAReferenceAttention(weights, heads, first.dtype, trainable=trainable, device=first.device)
+        setattr(layer, adapter.attention_attr, attention)
     return mla.eval()
 
 

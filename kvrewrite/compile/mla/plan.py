@@ -58,6 +58,9 @@ class MLAPlan:
     calibration: str = "wiki"
     calib_tokens: int = 32768  # compress's (ZACK needs at least 16K)
     dtype: str = AUTO_DTYPE
+    # Where every pass that runs the model runs (cpu, cuda or cuda:N): the statistics' layers, the expected rotations,
+    # the sensitivity probes, the refits, the distillation and the checks; checked as compress checks its `device`.
+    device: str = "cpu"
     position_free_queries: str = DEFAULT_POSITION_FREE_QUERIES
     key_weight: float | None = None  # key side against value side in the latent's objective (None: the default)
     verify_tokens: int = 512  # compress's: the checks at the end run on about this many calibration tokens
@@ -290,6 +293,7 @@ class MLAPlan:
             dtype="float32",
             calibration=self.calibration,
             calib_tokens=self.calib_tokens,
+            device=self.device,
             output=self.output,
             overwrite=self.overwrite,
             progress=self.progress,

@@ -20,6 +20,7 @@ from kvrewrite.compile.mla.allocation import latent_width_at_rate
 from kvrewrite.compile.mla.export import PreparedSource
 from kvrewrite.compile.mla.plan import check_refit_rates
 from kvrewrite.compile.mla.refit import REFIT_TARGETS, MLARefitResult, refit_mla_output
+from kvrewrite.compile.on_device import whole_model_on
 from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.method.mla import MLALayer, truncate_latent
 from kvrewrite.spec import rate_key
@@ -136,11 +137,14 @@ def rates_match_maths(
     from kvrewrite.compile.mla.form import mla_reference_model
     from kvrewrite.runtime.load import load
 
-    original = prepared.ctx.original_model()
+    device = prepared.ctx.plan.device
+    tokens = tokens.to(device)
     diffs = {}
     for key in rated.rate_o_proj:
         model = load(output, rate=float(key), dtype=torch.float32).eval()
         with torch.no_grad():
-            ours = mla_reference_model(original, rated.refits[key].layers)(tokens).logits
-            diffs[key] = float((model(tokens).logits - ours).abs().max())
+            with whole_model_on(prepared.ctx.original_model(), device) as original:
+                ours = mla_reference_model(original, rated.refits[key].layers)(tokens).logits
+            with whole_model_on(model, device):
+                diffs[key] = float((model(tokens).logits - ours).abs().max())
     return diffs

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import torch
+
 from kvrewrite.compile.mla.form import latent_norm_inputs, mla_reference_model
+from kvrewrite.compile.on_device import whole_model_on
 from kvrewrite.method.mla import MLALayer
 from kvrewrite.method.output_refit import RefitLayerReport, refit_output_projections, refit_windows
 from kvrewrite.progress import progress_bar
@@ -58,20 +61,26 @@ def refit_mla_output(
     original's and the refitted form's largest attention input on the calibration windows (as --distill does).
     measure_inputs=False skips that pass (a --distill that follows measures its own trained form)."""
     ctx = prepared.ctx
-    original = ctx.original_model()
+    device = ctx.plan.device
     windows = refit_windows(ctx.calibration_tokens, tokens)
-    model = mla_reference_model(original, layers)
-    with progress_bar(f"o_proj refit ({method}), layer by layer", ctx.geometry.num_layers, progress) as bar:
-        reports = refit_output_projections(
-            model, original, ctx.adapter, windows, ridge=ridge, target=REFIT_TARGETS[method], on_layer=bar.advance
-        )
+    with whole_model_on(ctx.original_model(), device) as original:
+        model = mla_reference_model(original, layers)  # on the compile device, as the original is
+        with progress_bar(f"o_proj refit ({method}), layer by layer", ctx.geometry.num_layers, progress) as bar:
+            reports = refit_output_projections(
+                model, original, ctx.adapter, windows, ridge=ridge, target=REFIT_TARGETS[method], on_layer=bar.advance
+            )
     # Only o_proj changed; the other weights keep their float64 values rather than the model's copies.
     refitted = [
         replace(
             layer,
-            o_proj=ctx.adapter.output_projection(ctx.adapter.attention(decoder_layer)).weight.detach().double().clone(),
+            o_proj=ctx.adapter.output_projection(ctx.adapter.attention(decoder_layer))
+            .weight.detach()
+            .to("cpu", torch.float64)
+            .clone(),
         )
         for layer, decoder_layer in zip(layers, ctx.adapter.decoder_layers(model))
     ]
-    norms = latent_norm_inputs(prepared, model, ctx.calibration_tokens, progress)[0] if measure_inputs else None
+    norms = None
+    if measure_inputs:
+        norms = latent_norm_inputs(prepared, model, ctx.calibration_tokens.to(device), progress)[0]
     return MLARefitResult(refitted, method, int(windows.numel()), ridge, reports, norms)

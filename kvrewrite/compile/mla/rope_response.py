@@ -36,13 +36,13 @@ def attention_by_distance(model: nn.Module, windows: torch.Tensor, skip_first_ke
         raise InvalidArgumentError("no calibration windows to measure attention distances on")
     adapter = adapter_for(model.config)
     attentions = [adapter.attention(layer) for layer in adapter.decoder_layers(model)]
-    positions = torch.arange(windows.shape[1])
+    device = next(model.parameters()).device  # the sums stay where the probabilities are, until the end
+    positions = torch.arange(windows.shape[1], device=device)
     distance = positions[:, None] - positions[None, :]  # [queries, keys]: query n looks delta = n - m back at key m
     counted = (distance >= 0) & (positions[None, :] > 0) if skip_first_key else distance >= 0
     counted_distance = distance[counted]
-    mass = torch.zeros(
-        len(attentions), adapter.geometry(model.config).num_attention_heads, windows.shape[1], dtype=torch.float64
-    )
+    heads = adapter.geometry(model.config).num_attention_heads
+    mass = torch.zeros(len(attentions), heads, windows.shape[1], dtype=torch.float64, device=device)
 
     def accumulate(index: int):
         def hook(module: nn.Module, args, output) -> None:
@@ -58,13 +58,13 @@ def attention_by_distance(model: nn.Module, windows: torch.Tensor, skip_first_ke
     handles = [attention.register_forward_hook(accumulate(i)) for i, attention in enumerate(attentions)]
     try:
         with torch.no_grad():
-            for window in windows.split(1):
+            for window in windows.to(device).split(1):
                 model(input_ids=window, use_cache=False)
     finally:
         for handle in handles:
             handle.remove()
         model.set_attn_implementation(previous)
-    return mass
+    return mass.cpu()
 
 
 def rotary_frequencies(model: nn.Module) -> torch.Tensor:
