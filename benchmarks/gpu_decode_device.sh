@@ -18,12 +18,16 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.memory --format=csv > "$OUT/
 # other kernel tests build CPU tensors for Triton's interpreter, so they run in CI, not here.
 python benchmarks/decode_kernel_check.py --out "$OUT/kernel_check.json" > "$OUT/kernel_check.txt" 2>&1 \
     || echo "kernel check failed: see kernel_check.txt"
+# Every test log goes into one tests.txt: the device tool returns at most 8 files from $OUT.
 python -m pytest -q tests/test_flash_decode.py tests/test_flash_decode_coded.py -k "captured" \
     > "$OUT/tests.txt" 2>&1 || echo "CUDA graph tests failed: see tests.txt"
 # generate() capturing the int4 static codec cache's decode steps in CUDA graphs by itself, against its eager steps
 # (it compiles a whole tiny model: bounded, and before the timing so that a long timing cannot skip it).
-timeout 150 python -m pytest -q tests/test_static_codec_cache.py -k "captured" > "$OUT/tests_static_codec.txt" 2>&1 \
-    || echo "static codec capture test failed: see tests_static_codec.txt"
+timeout 150 python -m pytest -q tests/test_static_codec_cache.py -k "captured" >> "$OUT/tests.txt" 2>&1 \
+    || echo "static codec capture test failed: see tests.txt"
+# export-mla --device cuda against the same export on the CPU (tiny models, four option sets).
+timeout 120 python -m pytest -q tests/test_mla_plan.py -k "on_cuda" >> "$OUT/tests.txt" 2>&1 \
+    || echo "MLA export on CUDA failed: see tests.txt"
 timeout 420 python benchmarks/gpu_decode.py --out "$OUT/gpu_decode.json" 2>&1 | tee "$OUT/gpu_decode.log" \
     || echo "gpu_decode failed or ran out of time: the configurations done are in gpu_decode.json"
 # If time is left (the device call's own limit may stop it; what is written by then comes back): our forms under CUDA

@@ -143,3 +143,44 @@ def test_the_checks_at_the_end_run_on_the_tokens_compress_checks_on(monkeypatch)
     plan = MLAPlan(output="x")
     assert (plan.calib_tokens, plan.verify_tokens, plan.dtype) == (32768, 512, "auto")
     assert plan.statistics_plan("m").dtype == "float32"  # the statistics: float32 whatever the weights' dtype
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (benchmarks/gpu_decode_device.sh runs it)"
+)
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"kv_share": 0.5, "refit": "output"},  # expected rotations, the o_proj refit and its latent norms, the checks
+        {"kv_share": 0.5, "layer_widths": "sensitivity"},  # the sensitivity probes
+        {"kv_share": 0.7, "refit_rates": (0.3, 0.5)},  # a refit per rate, and each rate's check
+        {"kv_share": 0.5, "distill": True, "distill_epochs": 1},  # the distillation
+    ],
+)
+def test_an_export_on_cuda_is_the_cpu_export(tmp_path, options):
+    """--device cuda runs the export's model steps on the GPU: the checkpoint computes what the CPU export's does
+    (float32 round-off apart: the statistics' products run on the GPU), its checks hold as tightly, the widths chosen
+    are the same, and no model is left on the GPU."""
+    import random
+
+    src = save_tiny_llama(tmp_path / "src", seed=3)
+    rng = random.Random(0)
+    text = tmp_path / "calib.txt"
+    text.write_text(" ".join(f"w{rng.randrange(3, 96)}" for _ in range(6000)))
+    common = {"calibration": str(text), "calib_tokens": 1024, "verify_tokens": 64, "progress": False, **options}
+    on_cpu = kvrewrite.export_mla(str(src), MLAPlan(output=tmp_path / "cpu", **common))
+    held = torch.cuda.memory_allocated()
+    on_gpu = kvrewrite.export_mla(str(src), MLAPlan(output=tmp_path / "gpu", device="cuda", **common))
+    assert torch.cuda.memory_allocated() <= held + (1 << 20)  # the models went back to host memory
+    assert [layer.kv_lora_rank for layer in on_gpu.layers] == [layer.kv_lora_rank for layer in on_cpu.layers]
+    assert all(layer.o_proj.device.type == "cpu" for layer in on_gpu.layers)
+    assert on_gpu.export_diff < 1e-4 and on_gpu.full_width_diff < 1e-4
+    assert (
+        all(diff < 1e-4 for diff in on_gpu.rate_diffs.values()) and on_gpu.rate_diffs.keys() == on_cpu.rate_diffs.keys()
+    )
+    tokens = random_windows(2, 40, seed=5)
+    with torch.no_grad():
+        expected = kvrewrite.load(tmp_path / "cpu").eval()(tokens).logits
+        found = kvrewrite.load(tmp_path / "gpu").eval()(tokens).logits
+    tolerance = 1e-2 if options.get("distill") else 1e-3  # training amplifies the round-off
+    assert (found - expected).abs().max() <= tolerance * expected.abs().max()
