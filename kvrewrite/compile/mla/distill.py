@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from kvrewrite.compile.mla.form import MLAReferenceAttention, latent_norm_inputs, mla_layers_of, mla_reference_model
+from kvrewrite.compile.on_device import whole_model_on
 from kvrewrite.compile.passes.distill_attention import split_distill_windows
 from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.method.attention_distillation import DistillReport, DistillSettings, RateMix, distill_attention
@@ -110,21 +111,18 @@ def distill_mla_layers(
     if form_is_exact(layers, ctx.geometry):  # trained, it could only drift by rounding noise
         return MLADistillResult(list(layers), None, list(prepared.inputs.max_square_norms), [])
     device = torch.device(plan.device)
-    teacher = ctx.original_model().to(device)
     train, validation = split_distill_windows(calibration, plan.distill_tokens)
     # Same function, latent factors at one scale, so Adam's per-element steps move both alike (method/mla.py).
     layers = [balance_latent_gauge(layer) for layer in layers]
-    student = mla_reference_model(teacher, layers, trainable=True)
     settings = DistillSettings(
         epochs=plan.epochs, learning_rate=plan.distill_lr, batch_windows=plan.batch_size, seed=plan.seed
     )
-    mix = nested_mla_rate_mix(student, rate_table, named_rates) if rate_table else None
-    try:
+    with whole_model_on(ctx.original_model(), device) as teacher:
+        student = mla_reference_model(teacher, layers, trainable=True)  # on the device, as the teacher is
+        mix = nested_mla_rate_mix(student, rate_table, named_rates) if rate_table else None
         report = distill_attention(
             student, teacher, ctx.adapter, train.to(device), validation.to(device), settings, progress=progress, mix=mix
         )
-    finally:
-        teacher.to("cpu")
     norms, latents = latent_norm_inputs(prepared, student, calibration.to(device), progress)  # on the training device
     student.to("cpu")
     trained = mla_layers_of(student, layers)

@@ -215,5 +215,4 @@ def export_matches_maths(prepared: PreparedSource, layers: list[MLALayer], outpu
     with torch.no_grad():
         with whole_model_on(prepared.ctx.original_model(), device) as original:
             ours = mla_reference_model(original, layers)(tokens).logits
-        with whole_model_on(exported, device):
-            return float((exported(tokens).logits - ours).abs().max())
+        return float((exported.to(device)(tokens).logits - ours).abs().max())

@@ -114,17 +114,18 @@ def refit_mla_at_rates(
     widest = [key for key, widths in rate_table.items() if list(widths) == exported]
     if not widest:
         raise InvalidArgumentError("the widest refitted rate must be the exported widths (export at `kv_share` 1 - A)")
-    refits = {
-        key: refit_mla_output(
-            prepared,
-            [truncate_latent(layer, width) for layer, width in zip(layers, widths)],
-            method,
-            tokens,
-            ridge,
-            progress,
-        )
-        for key, widths in sorted(rate_table.items())
-    }
+    with whole_model_on(prepared.ctx.original_model(), prepared.ctx.plan.device):  # one move for every rate's refit
+        refits = {
+            key: refit_mla_output(
+                prepared,
+                [truncate_latent(layer, width) for layer, width in zip(layers, widths)],
+                method,
+                tokens,
+                ridge,
+                progress,
+            )
+            for key, widths in sorted(rate_table.items())
+        }
     norms = [max(per_rate) for per_rate in zip(*(refit.max_square_norms for refit in refits.values()))]
     return RateRefitResult(refits, widest[0], dict(rate_table), norms)
 
@@ -145,6 +146,5 @@ def rates_match_maths(
         with torch.no_grad():
             with whole_model_on(prepared.ctx.original_model(), device) as original:
                 ours = mla_reference_model(original, rated.refits[key].layers)(tokens).logits
-            with whole_model_on(model, device):
-                diffs[key] = float((model(tokens).logits - ours).abs().max())
+            diffs[key] = float((model.to(device)(tokens).logits - ours).abs().max())
     return diffs

@@ -40,7 +40,9 @@ def attention_by_distance(model: nn.Module, windows: torch.Tensor, skip_first_ke
     positions = torch.arange(windows.shape[1], device=device)
     distance = positions[:, None] - positions[None, :]  # [queries, keys]: query n looks delta = n - m back at key m
     counted = (distance >= 0) & (positions[None, :] > 0) if skip_first_key else distance >= 0
-    counted_distance = distance[counted]
+    # The counted (query, key) pairs as flat indices, found once: a boolean mask would wait for the device per layer.
+    pairs = counted.flatten().nonzero().squeeze(1)
+    counted_distance = distance.flatten()[pairs]
     heads = adapter.geometry(model.config).num_attention_heads
     mass = torch.zeros(len(attentions), heads, windows.shape[1], dtype=torch.float64, device=device)
 
@@ -49,7 +51,7 @@ def attention_by_distance(model: nn.Module, windows: torch.Tensor, skip_first_ke
             probs = output[1]  # eager attention returns (output, probabilities [1, heads, queries, keys])
             if probs is None:
                 raise InvalidArgumentError(f"attention layer {index} returned no probabilities under eager attention")
-            mass[index].index_add_(1, counted_distance, probs[0][:, counted].double())
+            mass[index].index_add_(1, counted_distance, probs[0].flatten(1).index_select(1, pairs).double())
 
         return hook
 

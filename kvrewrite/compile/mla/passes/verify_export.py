@@ -15,6 +15,7 @@ from kvrewrite.compile.mla.distill import measured_latent_norm_errors
 from kvrewrite.compile.mla.export import export_matches_maths, full_width_max_logit_diff
 from kvrewrite.compile.mla.passes.context import MLAContext
 from kvrewrite.compile.mla.rate_refit import rates_match_maths
+from kvrewrite.compile.on_device import whole_model_on
 
 
 class VerifyExport:
@@ -27,10 +28,14 @@ class VerifyExport:
         prepared, output = ctx.prepared, ctx.plan.output
         tokens = verification_tokens(prepared.ctx.calibration_tokens, ctx.plan.verify_tokens)
         rated, distilled = ctx.rate_refit, ctx.distilled
+        with whole_model_on(prepared.ctx.original_model(), prepared.ctx.plan.device):  # once for all three checks
+            full_width_diff = full_width_max_logit_diff(prepared, tokens)
+            export_diff = export_matches_maths(prepared, ctx.layers, output, tokens)
+            rate_diffs = rates_match_maths(prepared, rated, output, tokens) if rated and rated.rate_o_proj else {}
         return {
-            "full_width_diff": full_width_max_logit_diff(prepared, tokens),
-            "export_diff": export_matches_maths(prepared, ctx.layers, output, tokens),
-            "rate_diffs": rates_match_maths(prepared, rated, output, tokens) if rated and rated.rate_o_proj else {},
+            "full_width_diff": full_width_diff,
+            "export_diff": export_diff,
+            "rate_diffs": rate_diffs,
             "latent_norm_errors": measured_latent_norm_errors(
                 distilled, ctx.summary.neutralisers, TRANSFORMERS_LATENT_NORM_EPS
             )
