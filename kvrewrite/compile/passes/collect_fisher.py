@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvrewrite.compile.on_device import whole_model_on
 from kvrewrite.compile.passes.context import CompileContext
 from kvrewrite.method.linalg import psd_sqrt
 from kvrewrite.progress import progress_bar
@@ -87,16 +88,12 @@ class CollectFisher:
         windows = ctx.calibration_tokens[:n_windows]
         # Gradients need the whole model: loaded here (fp32) only for --value-metric fisher, not layer-streamed; run on
         # the compile device, then back to the host copy the other whole-model passes share.
-        model = ctx.original_model().to(plan.device)
         adapter = ctx.adapter
-        out_projections = [
-            adapter.output_projection(adapter.attention(layer)) for layer in adapter.decoder_layers(model)
-        ]
-        try:
-            with torch.enable_grad():
-                sums = output_fisher(model, out_projections, windows, plan.progress)
-        finally:
-            model.to("cpu")
+        with whole_model_on(ctx.original_model(), plan.device) as model, torch.enable_grad():
+            out_projections = [
+                adapter.output_projection(adapter.attention(layer)) for layer in adapter.decoder_layers(model)
+            ]
+            sums = output_fisher(model, out_projections, windows, plan.progress)
         return {
             "output_metric": [shrunk_sqrt(s, plan.fisher_shrink) for s in sums],
             "report.fisher": {"tokens": int(windows.numel()), "shrink": plan.fisher_shrink},

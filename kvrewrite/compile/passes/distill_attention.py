@@ -17,6 +17,7 @@ import dataclasses
 import torch
 
 from kvrewrite.compile.compiled_rank import keep_only_rates, remeasure_compiled_rank, whole_compressed_model
+from kvrewrite.compile.on_device import whole_model_on
 from kvrewrite.compile.passes.context import CompileContext
 from kvrewrite.compile.probes import truncated_model
 from kvrewrite.method.attention_distillation import (
@@ -87,56 +88,62 @@ class DistillAttention:
         train, validation = split_distill_windows(
             ctx.calibration_tokens, plan.distill_token_count(ctx.calibration_tokens.numel())
         )
-        original = ctx.original_model().to(device)
-        student = whole_compressed_model(ctx.folded, ctx.spec, sliced=False).to(device)
-        settings = DistillSettings(
-            epochs=plan.epochs, learning_rate=plan.distill_lr, batch_windows=plan.batch_size, seed=plan.seed
-        )
-        trained_rates = (
-            tuple(sorted({*plan.nested_distill_rates(), ctx.target_rate})) if plan.distill_rates else (ctx.target_rate,)
-        )
-        mix = (
-            nested_rate_mix(student, ctx.adapter, ctx.spec, trained_rates, (*plan.distill_rates, ctx.target_rate))
-            if plan.distill_rates
-            else None
-        )
-        # Trained at full rank, computing as at the compiled ranks (nested: as at each window's drawn rate): the dims
-        # beyond them get no gradient.
-        whole_run = (
-            contextlib.nullcontext()
-            if mix is not None
-            else truncated_model(
-                student, ctx.adapter, [l.key_ranks for l in ctx.spec.layers], [l.value_ranks for l in ctx.spec.layers]
+        # The original whole on the compile device for the training and the re-measure, then back to the host copy.
+        with whole_model_on(ctx.original_model(), device) as original:
+            student = whole_compressed_model(ctx.folded, ctx.spec, sliced=False).to(device)
+            settings = DistillSettings(
+                epochs=plan.epochs, learning_rate=plan.distill_lr, batch_windows=plan.batch_size, seed=plan.seed
             )
-        )
-        with whole_run:
-            report = distill_attention(
-                student,
-                original,
-                ctx.adapter,
-                train.to(device),
-                validation.to(device),
-                settings,
-                progress=plan.progress,
-                mix=mix,
+            trained_rates = (
+                tuple(sorted({*plan.nested_distill_rates(), ctx.target_rate}))
+                if plan.distill_rates
+                else (ctx.target_rate,)
             )
+            mix = (
+                nested_rate_mix(student, ctx.adapter, ctx.spec, trained_rates, (*plan.distill_rates, ctx.target_rate))
+                if plan.distill_rates
+                else None
+            )
+            # Trained at full rank, computing as at the compiled ranks (nested: as at each window's drawn rate): the dims
+            # beyond them get no gradient.
+            whole_run = (
+                contextlib.nullcontext()
+                if mix is not None
+                else truncated_model(
+                    student,
+                    ctx.adapter,
+                    [l.key_ranks for l in ctx.spec.layers],
+                    [l.value_ranks for l in ctx.spec.layers],
+                )
+            )
+            with whole_run:
+                report = distill_attention(
+                    student,
+                    original,
+                    ctx.adapter,
+                    train.to(device),
+                    validation.to(device),
+                    settings,
+                    progress=plan.progress,
+                    mix=mix,
+                )
 
-        spec = keep_only_rates(ctx.spec, trained_rates)
-        results = {"spec": spec, "rate_table": spec.rate_table, "report.rate_table": spec.rate_table}
-        if report.kept_epoch > 0:
-            # Full-rank names are the checkpoint's names; dims beyond the compiled ranks were never touched.
-            trained = {
-                name: parameter.detach().to("cpu", torch.float32).contiguous()  # emit casts
-                for name, parameter in distilled_attention_parameters(student, ctx.adapter).items()
-            }
-            del student
-            results["folded"] = ctx.folded.with_overrides(trained)
-            results["verification"], verified, kl, top1 = remeasure_compiled_rank(  # on the compile device too
-                dataclasses.replace(ctx, folded=results["folded"], spec=spec), original
-            )
-        else:  # nothing changed: verify's (or the refit's) figures still describe the checkpoint
-            verified = dict(ctx.verification.get("compiled_rank", {}))
-            kl, top1 = verified.get("kl_mean"), verified.get("top1_agreement")
+            spec = keep_only_rates(ctx.spec, trained_rates)
+            results = {"spec": spec, "rate_table": spec.rate_table, "report.rate_table": spec.rate_table}
+            if report.kept_epoch > 0:
+                # Full-rank names are the checkpoint's names; dims beyond the compiled ranks were never touched.
+                trained = {
+                    name: parameter.detach().to("cpu", torch.float32).contiguous()  # emit casts
+                    for name, parameter in distilled_attention_parameters(student, ctx.adapter).items()
+                }
+                del student
+                results["folded"] = ctx.folded.with_overrides(trained)
+                results["verification"], verified, kl, top1 = remeasure_compiled_rank(  # on the compile device too
+                    dataclasses.replace(ctx, folded=results["folded"], spec=spec), original
+                )
+            else:  # nothing changed: verify's (or the refit's) figures still describe the checkpoint
+                verified = dict(ctx.verification.get("compiled_rank", {}))
+                kl, top1 = verified.get("kl_mean"), verified.get("top1_agreement")
         results["report.distill"] = {
             "tokens": report.train_tokens,
             "validation_tokens": report.validation_tokens,

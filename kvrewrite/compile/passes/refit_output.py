@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvrewrite.compile.compiled_rank import keep_only_compiled_rate, remeasure_compiled_rank, whole_compressed_model
+from kvrewrite.compile.on_device import whole_model_on
 from kvrewrite.compile.passes.context import CompileContext
 from kvrewrite.method.output_refit import refit_output_projections, refit_windows, scatter_refit_columns
 
@@ -30,41 +31,34 @@ class RefitOutput:
         geo = ctx.geometry
         windows = refit_windows(ctx.calibration_tokens, plan.refit_tokens)
         # Both models whole on the compile device (docs/big-models.md); the original goes back to the shared host copy.
-        original = ctx.original_model().to(plan.device)
-        model = whole_compressed_model(ctx.folded, ctx.spec).to(plan.device)
-        target = "layer" if plan.refit == "output-local" else "model"
-        try:
+        with whole_model_on(ctx.original_model(), plan.device) as original:
+            model = whole_compressed_model(ctx.folded, ctx.spec).to(plan.device)
+            target = "layer" if plan.refit == "output-local" else "model"
             layers = refit_output_projections(
                 model, original, ctx.adapter, windows, ridge=plan.refit_ridge, target=target
             )
-        except BaseException:
-            original.to("cpu")
-            raise
 
-        # The refitted columns replace the prefix of each query head's block in the full-rank o_proj the checkpoint
-        # stores; FoldedWeights serves the overrides to emit and the codec fit.
-        names = {id(m): n for n, m in model.named_modules()}
-        refitted = {}
-        for layer_spec, layer in zip(ctx.spec.layers, ctx.adapter.decoder_layers(model)):
-            o_proj = ctx.adapter.output_projection(ctx.adapter.attention(layer))
-            name = names[id(o_proj)] + ".weight"
-            folded_weight = ctx.folded.read([name])[name]
-            refitted[name] = scatter_refit_columns(
-                folded_weight,
-                o_proj.weight.detach().to("cpu", folded_weight.dtype),
-                layer_spec.value_ranks,
-                geo.group_size,
-                geo.head_dim,
-            ).contiguous()
-        del model
-        spec = keep_only_compiled_rate(ctx.spec, ctx.target_rate)
-        folded = ctx.folded.with_overrides(refitted)
-        try:
+            # The refitted columns replace the prefix of each query head's block in the full-rank o_proj the
+            # checkpoint stores; FoldedWeights serves the overrides to emit and the codec fit.
+            names = {id(m): n for n, m in model.named_modules()}
+            refitted = {}
+            for layer_spec, layer in zip(ctx.spec.layers, ctx.adapter.decoder_layers(model)):
+                o_proj = ctx.adapter.output_projection(ctx.adapter.attention(layer))
+                name = names[id(o_proj)] + ".weight"
+                folded_weight = ctx.folded.read([name])[name]
+                refitted[name] = scatter_refit_columns(
+                    folded_weight,
+                    o_proj.weight.detach().to("cpu", folded_weight.dtype),
+                    layer_spec.value_ranks,
+                    geo.group_size,
+                    geo.head_dim,
+                ).contiguous()
+            del model
+            spec = keep_only_compiled_rate(ctx.spec, ctx.target_rate)
+            folded = ctx.folded.with_overrides(refitted)
             verification, verified, kl, top1 = remeasure_compiled_rank(
                 dataclasses.replace(ctx, folded=folded, spec=spec), original
             )
-        finally:
-            original.to("cpu")
         return {
             "folded": folded,
             "spec": spec,
