@@ -645,7 +645,9 @@ def main() -> None:
         out.write_text(json.dumps(record, indent=1) + "\n")
         for form, rows in record["results"].items():
             for row in rows:
-                print(f"{form:14s} {row['batch']:>3d} x {row['context']:<6d} {row['bytes_bound_vs_stock_static']:.3f}")
+                bound = row.get("bytes_bound_vs_stock_static")  # absent without stock-static among the forms
+                shown = "" if bound is None else f"{bound:.3f}"
+                print(f"{form:14s} {row['batch']:>3d} x {row['context']:<6d} {shown}")
         print(f"wrote {out}")
         return
     runs, stock_model = {}, None

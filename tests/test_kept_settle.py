@@ -53,7 +53,7 @@ def _stores_by_step(
     with torch.no_grad():
         model(prompt, attention_mask=mask, past_key_values=cache, use_cache=True)
         for step in range(forced.shape[1]):
-            if step == REORDER_AT:  # beam search swaps the requests: new buffers, the maps made again
+            if step == REORDER_AT:  # beam search swaps the requests: the stores and channel statistics reordered
                 cache.reorder_cache(torch.tensor([1, 0]))
                 mask, forced = mask[[1, 0]], forced[[1, 0]]
             mask = torch.cat([mask, torch.ones(mask.shape[0], 1, dtype=mask.dtype)], dim=1)

@@ -45,7 +45,7 @@ ROWS_PER_PROGRAM = 1024
 BLOCK_ROWS = 32
 NUM_WARPS = 8
 NUM_STAGES = 2
-_DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 @triton.jit
@@ -287,7 +287,7 @@ def kept_weighted_values(
         codes.stride(0), codes.stride(1), scale.stride(0), scale.stride(1),
         partial.stride(0), partial.stride(1), partial.stride(2), evidence.stride(0), evidence.stride(1),
         GROUP=group, BLOCK_G=pow2(group), BLOCK_N=_block_rows(), BLOCK_R=pow2(width),
-        BITS=bits, GROUP_SIZE=group_size, DOT_DTYPE=_DOT_DTYPES[torch.float32 if interpreting() else dtype],
+        BITS=bits, GROUP_SIZE=group_size, DOT_DTYPE=DOT_DTYPES[torch.float32 if interpreting() else dtype],
         EVIDENCE_MAX=evidence_max, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )  # fmt: skip
     return partial, evidence

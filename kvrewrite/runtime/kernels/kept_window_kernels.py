@@ -28,8 +28,7 @@ import triton
 import triton.language as tl
 
 from kvrewrite.runtime.kernels.flash_decode_splits import NEG_INF, interpreting, mask_argument, pow2
-
-_DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+from kvrewrite.runtime.kernels.kept_tier_kernels import DOT_DTYPES
 
 
 @triton.jit
@@ -199,7 +198,7 @@ def window_logits(
     """queries [B, H, d] (projected, not rotated; the query at cache index first_position + W - 1), window_keys
     [B, W, n_kv * d] (full-rank latents of cache indices first_position..), up [n_kv, d, d] (rows: latent dims),
     cos / sin [>= positions, d] (HF's tables), allowed [B, >= positions] by cache index ->
-    (rotated queries [B, H, d] in rotated_dtype, window logits [B, H, W] scaled, -inf where not allowed, and their
+    (rotated queries [B, H, d] in rotated_dtype, window logits [B, H, W] scaled, -1e30 where not allowed, and their
     max and sum of exp [B, H])."""
     batch, heads, head_dim = queries.shape
     n_window = window_keys.shape[1]
@@ -220,7 +219,7 @@ def window_logits(
         up.stride(1), cos.stride(0), sin.stride(0), mask.stride(0), logits.stride(0), logits.stride(1),
         maxima.stride(0),
         GROUP=group, BLOCK_G=pow2(group), BLOCK_W=pow2(n_window), BLOCK_D=pow2(head_dim),
-        HALF=pow2(head_dim // 2), DOT_DTYPE=_DOT_DTYPES[torch.float32 if interpreting() else rotated_dtype],
+        HALF=pow2(head_dim // 2), DOT_DTYPE=DOT_DTYPES[torch.float32 if interpreting() else rotated_dtype],
         PRECISION="ieee" if rotated_dtype == torch.float32 else "tf32", num_warps=4,
     )  # fmt: skip
     return rotated, logits, maxima, sums

@@ -84,6 +84,11 @@ class RecentWindowLayer(BatchFirstLayer):
     def _columns(self, ranks: tuple[int, ...]) -> torch.Tensor:
         return torch.tensor(prefix_columns(self.head_dim, ranks), dtype=torch.long, device=self.keys.device)
 
+    def _leave_window(self, n: int) -> None:
+        """Drop the window's oldest n tokens (they have been stored beyond it, or evicted)."""
+        self.keys = self.keys[..., n:, :].contiguous()
+        self.values = self.values[..., n:, :].contiguous()
+
     def get_seq_length(self) -> int:
         return self.cumulative_length
 
@@ -213,8 +218,7 @@ class TieredLayer(RecentWindowLayer):
                 take_columns(self.keys[..., :moving, :], key_cols),
                 take_columns(self.values[..., :moving, :], value_cols),
             )
-        self.keys = self.keys[..., moving:, :].contiguous()
-        self.values = self.values[..., moving:, :].contiguous()
+        self._leave_window(moving)
         if self.adaptive:
             self.recent_scores = self.recent_scores[:, moving:].contiguous()
 

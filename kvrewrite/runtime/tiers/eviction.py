@@ -559,11 +559,6 @@ class EvictingLayer(RecentWindowLayer):
         self._set_store(tier, store)
         return store
 
-    def _leave_window(self, n: int) -> None:
-        """Drop the window's oldest n tokens (they have been stored beyond it, or evicted)."""
-        self.keys = self.keys[..., n:, :].contiguous()
-        self.values = self.values[..., n:, :].contiguous()
-
     def _demote(self, evicted: dict[str, torch.Tensor]) -> None:
         """Move evicted kept tokens (a flat store [B, n, ...] of them) to the floor: each head's first floor dims,
         coded per token."""

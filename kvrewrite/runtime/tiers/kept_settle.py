@@ -10,8 +10,8 @@ moving token against the budget, both counts on the host), and whether the store
 (kernels.kept_settle_kernel) does the rest, as the torch settle does it: the same row chosen (the lowest score, the
 newest among equals, as the top mask ranks ties), the same code space, group ranges and rounding (IEEE divisions);
 under Triton's interpreter tests/test_kept_settle.py holds the stores equal bit for bit after many steps. On a GPU
-a code can differ by one where the turn's float32 sum, in another order than torch's GEMM, lands on a rounding
-boundary. The first settle of a sequence (it sets the channel statistics), a forward that moves more than one token
+(not run yet) a code may differ by one where the turn's float32 sum, in another order than torch's GEMM, lands on a
+rounding boundary; benchmarks/decode_kernel_check.py reports how alike the stores are. The first settle of a sequence (it sets the channel statistics), a forward that moves more than one token
 out of the window, a floor, unquantized sides, groups that split a byte and CPU keep the torch settle.
 """
 
