@@ -57,6 +57,59 @@ def test_formula_equals_the_bytes_the_cache_holds(checkpoint, window, rate, bits
     assert cache_tensor_bytes(cache) == held_bytes(model.tier_policy, spec, context)
 
 
+@pytest.mark.parametrize(
+    "rate,bits,group,floor",
+    [
+        (0.0, 8, "token", None),  # one (scale, minimum) pair per token and side
+        (0.5, (4, 2), "token", None),  # cut ranks: the one group is shorter than the full-rank width
+        (0.0, (8, 4), 3, None),  # groups that split heads, a last group shorter than the others
+        (0.0, None, "token", {"key": 2, "value": 2, "bits": 4}),  # the floor's codes share the group width
+    ],
+)
+def test_formula_equals_the_bytes_the_cache_holds_at_any_group_size(checkpoint, rate, bits, group, floor):
+    from kvrewrite.compile.token_budget import group_size_channels
+
+    spec = kvrewrite.load(checkpoint, token_policy=False).compression_spec
+    channels = group_size_channels(spec, group)
+    assert channels == (spec.head_dim * spec.num_key_value_heads if group == "token" else group)
+    evict = {"keep": 0.4, "bits": bits, "group_size": channels, **({"floor": floor} if floor else {})}
+    model = kvrewrite.load(checkpoint, rate=rate, recent_window=3, kv_codec="none", evict=evict).eval()
+    assert model.tier_policy.group_size == channels
+    cache = model.make_kv_cache()
+    with torch.no_grad():
+        for s in range(0, 45, 7):
+            model(random_windows(n=1, length=45, seed=10)[:, s : s + 7], past_key_values=cache, use_cache=True)
+    assert cache_tensor_bytes(cache) == held_bytes(model.tier_policy, spec, 45)
+
+
+def test_wider_groups_are_measured_for_the_best_quantized_splits_only(checkpoint):
+    from dataclasses import replace
+
+    from kvrewrite.compile.token_budget import candidates, group_size_channels, parse_group_sizes, regrouped
+
+    spec = kvrewrite.load(checkpoint, token_policy=False).compression_spec
+    width = group_size_channels(spec, "token")
+    found = candidates(spec, 0.3, 64, (2,), (0.0, 0.5), (None, 8, (8, 4)), ("newest",))
+    assert {c.group_size for c in found} == {64}
+    # Give the splits made-up NLLs, the float16 ones best, so the top quantized ones are not the top ones.
+    measured = [replace(c, nll=(0.0 if c.bits is None else 1.0 + i / 100)) for i, c in enumerate(found)]
+    quantized = [c for c in measured if c.bits is not None]
+    more = regrouped(spec, 0.3, 64, measured, ("token",), count=2)
+    assert [(c.window, c.rate, c.bits) for c in more] == [(c.window, c.rate, c.bits) for c in quantized[:2]]
+    for wide, narrow in zip(more, quantized):
+        assert wide.group_size == width and wide.nll is None
+        # Fewer (scale, minimum) pairs per token: at least as many tokens within the same budget.
+        assert wide.keep >= narrow.keep and wide.bytes_share <= 0.3
+        assert wide == solve_keep(spec, 0.3, 64, wide.window, wide.rate, wide.bits, group_size=width)
+        assert wide.label().startswith(f"W=2 p={wide.rate:g} ") and f"-g{width} " in wide.label()
+    # A group size already measured is not measured twice.
+    assert regrouped(spec, 0.3, 64, measured, (64,), count=2) == []
+    assert parse_group_sizes("64, token,64") == (64, "token")
+    for bad in ("0", "abc", "64,", "-8"):
+        with pytest.raises(InvalidArgumentError, match="--group-sizes"):
+            parse_group_sizes(bad)
+
+
 def test_solved_keep_is_the_largest_within_the_budget(checkpoint):
     spec = kvrewrite.load(checkpoint).compression_spec
     context, budget = 256, 0.2
@@ -93,8 +146,18 @@ def test_budget_command_records_the_best_split_and_load_uses_it(checkpoint):
 
     spec = kvrewrite.load(checkpoint, token_policy=False).compression_spec
     fitting = candidates(spec, 0.3, 32, (2, 4), (0.0, 0.5), (None, 4))
-    assert [(c.window, c.rate, c.bits, c.keep) for c in measured] == [
+    assert [(c.window, c.rate, c.bits, c.keep) for c in measured[: len(fitting)]] == [
         (c.window, c.rate, c.bits, c.keep) for c in fitting
+    ]
+    # Then the best quantized splits again with one (scale, minimum) pair per token and side (token_budget.regrouped).
+    wide = measured[len(fitting) :]
+    width = spec.head_dim * spec.num_key_value_heads
+    assert wide and all(c.group_size == width and c.bits == 4 for c in wide)
+    best_coded = sorted(
+        (c for c in measured[: len(fitting)] if c.bits is not None), key=lambda c: (c.nll, c.bytes_share)
+    )
+    assert [(c.window, c.rate, c.prefill_score, c.reconstruction_share) for c in wide] == [
+        (c.window, c.rate, c.prefill_score, c.reconstruction_share) for c in best_coded[: len(wide)]
     ]
     assert len(measured) >= 4 and all(c.bytes_share <= 0.3 for c in measured)
     # Both ways of choosing a prompt's kept tokens are measured, at the same splits.
@@ -105,7 +168,12 @@ def test_budget_command_records_the_best_split_and_load_uses_it(checkpoint):
     for c in measured:  # measured at the budget for the windows' length: the bytes really held agree
         assert c.measured_share <= 0.3 + 1e-9 and c.measured_share == pytest.approx(c.bytes_share, abs=0.02)
     assert winner.nll == min(c.nll for c in measured)
-    assert (chosen.window, chosen.rate, chosen.bits) == (winner.window, winner.rate, winner.bits)
+    assert (chosen.window, chosen.rate, chosen.bits, chosen.group_size) == (
+        winner.window,
+        winner.rate,
+        winner.bits,
+        winner.group_size,
+    )
     assert chosen.keep >= winner.keep and chosen.bytes_share <= 0.3  # re-solved for 48 tokens: the window weighs less
     record = json.loads((checkpoint / "token_policy.json").read_text())
     assert record["policy"] == chosen.policy().to_dict()
@@ -116,6 +184,7 @@ def test_budget_command_records_the_best_split_and_load_uses_it(checkpoint):
     assert model.cache_policy == chosen.policy()
     assert isinstance(model.tier_policy, EvictionPolicy)
     assert model.tier_policy.window == chosen.window and model.tier_policy.bits == chosen.bits
+    assert model.tier_policy.group_size == chosen.group_size
     assert model.tier_policy.prefill_score == chosen.prefill_score
     assert model.tier_policy.reconstruction_share == chosen.reconstruction_share
     assert kvrewrite.load(checkpoint, token_policy=False).tier_policy is None
@@ -160,6 +229,8 @@ def test_bad_budgets_are_refused(checkpoint):
         result = runner.invoke(app, ["budget", str(checkpoint), "--kv-budget", bad])
         assert result.exit_code != 0
         assert pytest.importorskip("re").search(message, result.output), result.output
+    result = runner.invoke(app, ["budget", str(checkpoint), "--kv-budget", "0.3", "--group-sizes", "64,0"])
+    assert result.exit_code != 0 and "--group-sizes takes whole numbers" in result.output, result.output
     # compress --kv-budget refuses a bad budget before any work (no output directory appears).
     out = checkpoint.parent / "never-written"
     result = runner.invoke(app, ["compress", str(checkpoint.parent / "src"), "-o", str(out), "--kv-budget", "2"])
@@ -211,6 +282,10 @@ def test_budget_cli_dry_run_writes_its_json_and_leaves_the_checkpoint_alone(chec
     assert (record["chosen"]["window"], record["chosen"]["rate"]) == (best["window"], best["rate"])
     assert record["chosen"]["bytes_share"] <= 0.5 and all(r["measured_share"] <= 0.5 + 1e-9 for r in splits)
     assert "--dry-run" in record["command"] and record["seconds"] > 0 and record["date"]
+    # The best quantized splits were measured again with one (scale, minimum) pair per token and side.
+    width = kvrewrite.load(checkpoint, token_policy=False).compression_spec.head_dim * 2
+    assert "--group-sizes 64,token" in record["command"]
+    assert any(r["group_size"] == width and f"-g{width} " in r["split"] for r in splits)
     assert not (checkpoint / "token_policy.json").exists() and (checkpoint / CHECKSUM_FILE).read_text() == sums_before
 
 

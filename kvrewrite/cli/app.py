@@ -29,6 +29,7 @@ from kvrewrite.cli.export import export_mla_command
 from kvrewrite.compile.budget_search import DEFAULT_PERPLEXITY_SLACK, DEFAULT_PROBES
 from kvrewrite.compile.plan import TUNING_FIELDS
 from kvrewrite.compile.sweep import NAMED_CONFIGS
+from kvrewrite.compile.token_budget import parse_group_sizes
 from kvrewrite.errors import InvalidArgumentError, KVRewriteError, KVRewriteWarning
 from kvrewrite.extras import PLOTS, WIKI_TEXT, require_compile_extra, require_package
 from kvrewrite.interrupts import EXIT_INTERRUPTED, INTERRUPTED_MESSAGE, Interrupted, unwind_while_running
@@ -646,6 +647,11 @@ def budget(
         "--key-probes",
         help="Planted-key probes (calibration windows of --length tokens, four labelled keys, one asked) per split.",
     ),
+    group_sizes: str = typer.Option(
+        "64,token",
+        "--group-sizes",
+        help="Channels per (scale, minimum) pair of quantized kept tokens, comma-separated; 'token': one pair per token and side. Every split is measured at the first; the best quantized splits again at each other.",
+    ),
     write: bool = typer.Option(
         True, "--write/--dry-run", help="Record the winner in DIR/token_policy.json (kvrewrite.load(DIR) then uses it)."
     ),
@@ -659,6 +665,7 @@ def budget(
 
     try:
         share = _budget_share(kv_budget, context)
+        groups = parse_group_sizes(group_sizes)
         _check_budget_checkpoint(directory)
         if calibration == "wiki":
             require_package("gensim", f"kvrewrite budget --calibration wiki ({WIKI_TEXT})")
@@ -679,6 +686,7 @@ def budget(
             f"--calibration {calibration}",
             f"--perplexity-slack {perplexity_slack:g}",
             f"--key-probes {key_probes}",
+            f"--group-sizes {','.join(map(str, groups))}",
             "--write" if write else "--dry-run",
         ]
     )
@@ -691,6 +699,7 @@ def budget(
         calibration=calibration,
         perplexity_slack=perplexity_slack,
         probes=key_probes,
+        group_sizes=groups,
         write=write,
         json_out=json_out,
         command=command,

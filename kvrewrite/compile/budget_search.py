@@ -11,6 +11,7 @@ from pathlib import Path
 from kvrewrite.compile.token_budget import (
     DEFAULT_BITS,
     DEFAULT_FLOORS,
+    DEFAULT_GROUP_SIZES,
     DEFAULT_PREFILL_SCORES,
     DEFAULT_RATES,
     DEFAULT_WINDOWS,
@@ -23,6 +24,7 @@ from kvrewrite.compile.token_budget import (
     measure,
     probe_keys,
     ranking,
+    regrouped,
     solve_keep,
     within_slack,
     write_token_policy,
@@ -48,6 +50,7 @@ def split_budget(
     bits_options=DEFAULT_BITS,
     prefill_scores=DEFAULT_PREFILL_SCORES,
     floors=DEFAULT_FLOORS,
+    group_sizes=DEFAULT_GROUP_SIZES,
     perplexity_slack: float = DEFAULT_PERPLEXITY_SLACK,
     probes: int = DEFAULT_PROBES,
     progress: bool = True,
@@ -61,7 +64,9 @@ def split_budget(
     token_budget.holds_keys) and it does not; then the lowest perplexity among those that do. With a slack of 0, no
     probes are run.
     Each split is measured with its keep share solved for `length` tokens (equal bytes on the windows measured); the
-    winner's (window, rate, bits) is recorded with the keep share solved for `context` tokens.
+    winner's (window, rate, bits) is recorded with the keep share solved for `context` tokens. Splits are measured at
+    the first of `group_sizes` (channels per quantization pair, or "token"), then the best quantized ones again at
+    each other (token_budget.regrouped).
     Returns {"reference": mean NLL of the full-rank cache, "reference_keys": its KeyRecall (None without probes),
     "perplexity_slack", "candidates": [Candidate] (as measured; probed ones carry key_nll), "winner": the best of them, "chosen": the
     winner at `context`, "path"}.
@@ -88,7 +93,11 @@ def split_budget(
     spec, tables = model.compression_spec, read_codec_tables(directory)
     # Every split is measured at the budget on the windows it is measured on (bytes at `length` tokens), so the
     # ranking compares equal bytes; the winner's keep share is then solved again for `context` tokens.
-    found = candidates(spec, budget, length, recent_windows, rates, bits_options, prefill_scores, floors)
+    if not group_sizes:
+        raise InvalidArgumentError("the budget search needs at least one group size")
+    found = candidates(
+        spec, budget, length, recent_windows, rates, bits_options, prefill_scores, floors, group_sizes=group_sizes[:1]
+    )
     tokenizer = load_tokenizer(directory)
     token_windows = calibration_token_sequences(calibration, tokenizer, windows * length, length, seed=seed)
     scored_from = length // 2
@@ -120,6 +129,13 @@ def split_budget(
         measured = measure(
             with_policy, found, token_windows, scored_from, fp16_bytes(spec, 1), progress=lambda _c: bar.advance()
         )
+    # The best quantized splits again at the other group sizes (token_budget.regrouped).
+    regroup = regrouped(spec, budget, length, measured, group_sizes[1:]) if len(group_sizes) > 1 else []
+    if regroup:
+        with progress_bar("measuring wider groups", len(regroup), progress) as bar:
+            measured += measure(
+                with_policy, regroup, token_windows, scored_from, fp16_bytes(spec, 1), lambda _c: bar.advance()
+            )
     if perplexity_slack > 0:
         shortlist = within_slack(measured, perplexity_slack)
         with progress_bar("probing planted keys", len(shortlist), progress) as bar:
@@ -136,6 +152,7 @@ def split_budget(
         winner.prefill_score,
         winner.floor,
         winner.reconstruction_share,
+        winner.group_size,
     )
     chosen = Candidate(**{**asdict(chosen), "nll": winner.nll, "measured_share": winner.measured_share})
     path = None

@@ -3,7 +3,8 @@
 `candidates` enumerates re-scored eviction policies (kvrewrite.runtime.tiers.eviction) over one checkpoint: a
 full-rank window W, the kept tokens' rate (a point of the checkpoint's rate table) and bits, how a prompt's kept
 tokens are chosen (re-scored as they come, or by the prompt's reconstruction: runtime.tiers.reconstruction) and
-whether evicted tokens keep a floor of dims (runtime.tiers.floor). For each, `solve_keep`
+whether evicted tokens keep a floor of dims (runtime.tiers.floor), and, for quantized kept tokens, how many channels
+share one (scale, minimum) pair (64, or the whole token side: fewer bytes per token, so more tokens). For each, `solve_keep`
 solves the share of tokens kept beyond the window that fills the budget at the stated context length (from the bytes
 formula `held_bytes`, the one the cache's tensors are tested against); `measure` measures continuation NLL on
 calibration windows fed in chunks, as decoding reads the cache, and `choose` takes the candidate with the lowest
@@ -27,7 +28,13 @@ import torch
 
 from kvrewrite.errors import InvalidArgumentError
 from kvrewrite.runtime.cache_policy import CachePolicy, Eviction, Floor
-from kvrewrite.runtime.tiers.eviction import EvictionPolicy, eviction_policy_for_rate, kept_token_bytes, side_bits
+from kvrewrite.runtime.tiers.eviction import (
+    DEFAULT_GROUP_SIZE,
+    EvictionPolicy,
+    eviction_policy_for_rate,
+    kept_token_bytes,
+    side_bits,
+)
 from kvrewrite.runtime.tiers.floor import floor_token_bytes
 from kvrewrite.runtime.tiers.token_policy_file import TOKEN_POLICY_FILE, policy_record
 from kvrewrite.spec import rate_key
@@ -40,6 +47,13 @@ DEFAULT_PREFILL_SCORES = ("newest", "reconstruction")
 # A half found the most keys at a sixteenth, and of several competing keys at an eighth (docs/results/frontier.md).
 DEFAULT_RECONSTRUCTION_SHARES = (1.0, 0.5, 0.25)
 DEFAULT_FLOORS = (0,)  # floor dims per head (keys and values, 4 bits); 0: evicted tokens leave
+# Channels per (scale, minimum) pair of a quantized kept token: 64, or TOKEN_GROUP, one pair per token and side. At a
+# quarter of the bytes the whole-token group kept 45.5% of the tokens instead of 44% and cost less perplexity
+# (docs/results/frontier.md). The group is a second-order knob: the search measures every split at the first group
+# size, then the REGROUPED best quantized ones again at each other (regrouped), not the whole cross product.
+TOKEN_GROUP = "token"
+DEFAULT_GROUP_SIZES = (DEFAULT_GROUP_SIZE, TOKEN_GROUP)
+REGROUPED = 8
 FLOOR_BITS = 4
 MEASURE_CHUNK = 64  # tokens per forward while scoring: the cache quantizes and evicts between forwards
 # A split holds the planted keys when its answers' mean NLL is at most this far (nats per answer token) above the
@@ -64,12 +78,14 @@ class Candidate:
     reconstruction_share: float = 1.0  # with prefill_score "reconstruction" (EvictionPolicy.reconstruction_share)
     key_nll: float | None = None  # mean NLL of the planted keys' answers (key_probes); None: not probed
     keys_answered: int | None = None  # probes whose key greedy decoding writes exactly
+    group_size: int = DEFAULT_GROUP_SIZE  # channels per (scale, minimum) pair of a quantized kept token
 
     def policy(self) -> CachePolicy:
         """The cache policy load() builds this split with."""
         evict = Eviction(
             keep=self.keep,
             bits=self.bits,
+            group_size=self.group_size,
             prefill_score=self.prefill_score,
             reconstruction_share=self.reconstruction_share if self.prefill_score == "reconstruction" else 1.0,
             floor=Floor(key=self.floor, value=self.floor, bits=FLOOR_BITS) if self.floor else None,
@@ -81,7 +97,8 @@ class Candidate:
         bits = "fp16" if self.bits is None else f"k{sides['key'] or 16}v{sides['value'] or 16}"
         rec = " rec" + (f"{self.reconstruction_share:g}" if self.reconstruction_share < 1 else "")
         extra = (rec if self.prefill_score == "reconstruction" else "") + (f" floor{self.floor}" if self.floor else "")
-        return f"W={self.window} p={self.rate:g} {bits} keep={self.keep:.3f}{extra}"
+        group = f"-g{self.group_size}" if self.group_size != DEFAULT_GROUP_SIZE else ""
+        return f"W={self.window} p={self.rate:g} {bits}{group} keep={self.keep:.3f}{extra}"
 
 
 def held_bytes(policy: EvictionPolicy, spec, context: int) -> int:
@@ -138,6 +155,7 @@ def solve_keep(
     prefill_score: str = "newest",
     floor: int = 0,
     reconstruction_share: float = 1.0,
+    group_size: int = DEFAULT_GROUP_SIZE,
 ) -> Candidate | None:
     """The largest keep share (to 1/1000) whose bytes at `context` stay within `budget` x fp16; None if even keep = 0
     exceeds it (the window, or the window and the floor, alone are over budget)."""
@@ -145,7 +163,9 @@ def solve_keep(
     floor_options = {"key": floor, "value": floor, "bits": FLOOR_BITS} if floor else None
 
     def held(keep: float) -> int:
-        policy = eviction_policy_for_rate(spec, rate, window, keep, bits=bits, floor=floor_options)
+        policy = eviction_policy_for_rate(
+            spec, rate, window, keep, bits=bits, floor=floor_options, group_size=group_size
+        )
         return held_bytes(policy, spec, context)
 
     if held(0.0) > budget * total:
@@ -166,7 +186,39 @@ def solve_keep(
         prefill_score=prefill_score,
         floor=floor,
         reconstruction_share=reconstruction_share,
+        group_size=group_size,
     )
+
+
+def group_size_channels(spec, option: int | str) -> int:
+    """A group-size option as channels: TOKEN_GROUP is every channel of a full-rank token side (one pair per token
+    and side at any rate, since a rate's ranks are at most the head's width)."""
+    if option == TOKEN_GROUP:
+        return spec.head_dim * spec.num_key_value_heads
+    if isinstance(option, bool) or not isinstance(option, int) or option < 1:
+        raise InvalidArgumentError(
+            f"a group size is a whole number of channels >= 1 or {TOKEN_GROUP!r}, got {option!r}"
+        )
+    return option
+
+
+def parse_group_sizes(text: str) -> tuple[int | str, ...]:
+    """--group-sizes "64,token" -> (64, "token"); each a whole number of channels >= 1 or TOKEN_GROUP."""
+    options: list[int | str] = []
+    for part in (p.strip() for p in text.split(",")):
+        if part == TOKEN_GROUP:
+            options.append(part)
+        elif part.isdigit() and int(part) >= 1:
+            options.append(int(part))
+        else:
+            raise InvalidArgumentError(
+                f"--group-sizes takes whole numbers of channels >= 1 or {TOKEN_GROUP!r}, comma-separated; got {part!r}"
+            )
+    return tuple(dict.fromkeys(options))
+
+
+def _quantized(bits) -> bool:
+    return any(b is not None for b in side_bits(bits).values())
 
 
 def candidates(
@@ -179,11 +231,17 @@ def candidates(
     prefill_scores=DEFAULT_PREFILL_SCORES,
     floors=DEFAULT_FLOORS,
     reconstruction_shares=DEFAULT_RECONSTRUCTION_SHARES,
+    group_sizes=(DEFAULT_GROUP_SIZE,),
 ) -> list[Candidate]:
+    """Every split that fits `budget` at `context` tokens, its keep share solved (solve_keep). Group sizes apply to
+    quantized kept tokens only: a float16 split is listed once, at the default group size."""
     if not 0 < budget <= 1:
         raise InvalidArgumentError(f"kv budget must be a share of the fp16 cache in (0, 1], got {budget}")
     if context < 1:
         raise InvalidArgumentError(f"budget context must be >= 1 token, got {context}")
+    if not group_sizes:
+        raise InvalidArgumentError("the budget search needs at least one group size")
+    widths = list(dict.fromkeys(group_size_channels(spec, g) for g in group_sizes))
     out = []
     for window in windows:
         for rate in rates:
@@ -194,15 +252,45 @@ def candidates(
                     shares = reconstruction_shares if prefill_score == "reconstruction" else (1.0,)
                     for floor in floors:
                         for share in shares:
-                            found = solve_keep(spec, budget, context, window, rate, bits, prefill_score, floor, share)
-                            if found is not None:
-                                out.append(found)
+                            # A floor is quantized too (FLOOR_BITS), in the same groups.
+                            coded = _quantized(bits) or bool(floor)
+                            for group in widths if coded else [DEFAULT_GROUP_SIZE]:
+                                found = solve_keep(
+                                    spec, budget, context, window, rate, bits, prefill_score, floor, share, group
+                                )
+                                if found is not None:
+                                    out.append(found)
     if not out:
         raise InvalidArgumentError(
             f"no split fits {budget:.1%} of the fp16 cache at {context} tokens: even the smallest window "
             f"({min(windows)} tokens at full rank) holds more; raise the budget or the context length"
         )
     return out
+
+
+def regrouped(
+    spec, budget: float, context: int, measured: list[Candidate], group_sizes, count: int = REGROUPED
+) -> list[Candidate]:
+    """The `count` best measured splits whose kept tokens (or floor) are quantized, each at every group size in
+    `group_sizes` it was not measured at, its keep share solved again (a wider group frees bytes for tokens); splits
+    already in `measured` are not repeated."""
+    widths = list(dict.fromkeys(group_size_channels(spec, g) for g in group_sizes))
+    seen = {_split_key(c) for c in measured}
+    coded = [c for c in sorted(measured, key=ranking) if _quantized(c.bits) or c.floor][:count]
+    out = []
+    for c in coded:
+        for group in widths:
+            found = solve_keep(
+                spec, budget, context, c.window, c.rate, c.bits, c.prefill_score, c.floor, c.reconstruction_share, group
+            )
+            if found is not None and _split_key(found) not in seen:
+                seen.add(_split_key(found))
+                out.append(found)
+    return out
+
+
+def _split_key(c: Candidate) -> tuple:
+    return (c.window, c.rate, c.bits, c.prefill_score, c.floor, c.reconstruction_share, c.group_size)
 
 
 def _prefill(candidate: Candidate):
