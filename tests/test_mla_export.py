@@ -58,6 +58,31 @@ def test_full_width_mla_equals_the_original(gqa):
     assert (_logits(mla_reference_model(model, layers), tokens) - _logits(model, tokens)).abs().max() < 1e-9
 
 
+def test_attention_input_sums_are_the_original_models(gqa):
+    """The Grams and largest squared norms summed on the device during the layer-streamed statistics equal the ones
+    a plain forward of the original model gives for the same windows."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(gqa.ctx.plan.model, dtype=torch.float32).eval()
+    seen = {}
+
+    def hook(idx):
+        def record(_module, args):
+            seen.setdefault(idx, []).append(args[0].detach().reshape(-1, args[0].shape[-1]).double())
+
+        return record
+
+    for idx, layer in enumerate(model.model.layers):
+        layer.self_attn.k_proj.register_forward_pre_hook(hook(idx))
+    with torch.no_grad():
+        model(random_windows())
+    assert len(gqa.inputs.grams) == len(seen) == len(model.model.layers)
+    for idx, xs in seen.items():
+        x = torch.cat(xs)
+        torch.testing.assert_close(gqa.inputs.grams[idx], x.T @ x, rtol=1e-5, atol=1e-6)
+        assert gqa.inputs.max_square_norms[idx] == pytest.approx(float(x.square().sum(-1).max()), rel=1e-5)
+
+
 def test_narrower_forms_cost_more(gqa):
     """Dropping RoPE from the second component, then narrowing the latent: each step moves the logits further."""
     geo = gqa.ctx.geometry

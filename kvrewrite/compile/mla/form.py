@@ -118,41 +118,63 @@ def run_statistics_with_attention_inputs(ctx, passes: list) -> tuple[Any, Attent
     reads); the streamed forward reuses those module objects, so one pass over the calibration windows serves both.
     """
     inputs: AttentionInputStatistics | None = None
+    collector: _AttentionInputSums | None = None
     handles = []
     try:
         for step in passes:
             if step.name == "collect_statistics":
-                inputs, handles = _hook_attention_inputs(ctx)
+                collector = _AttentionInputSums(ctx.geometry.hidden_size, ctx.geometry.num_layers)
+                handles = collector.hook(ctx.adapter, ctx.source.skeleton)
             ctx = run_pass(ctx, step)
     finally:
         for handle in handles:
             handle.remove()
-    if inputs is None:
+    if collector is None:
         raise InvalidArgumentError("the statistics passes have no collect_statistics step")
+    inputs = collector.finish()
     return ctx, inputs
 
 
-def _hook_attention_inputs(ctx) -> tuple[AttentionInputStatistics, list]:
-    adapter, skeleton = ctx.adapter, ctx.source.skeleton
-    hidden = ctx.geometry.hidden_size
-    stats = AttentionInputStatistics(
-        [torch.zeros(hidden, hidden, dtype=torch.float64) for _ in range(ctx.geometry.num_layers)],
-        [0.0] * ctx.geometry.num_layers,
-    )
+class _AttentionInputSums:
+    """Each layer's Gram and largest squared norm of its attention inputs, summed on the device the inputs are on.
 
-    def hook(idx: int):
-        def accumulate(_module, args):
-            x = args[0].detach().reshape(-1, hidden).double()  # on the compile device: its product runs there
-            stats.grams[idx] += (x.T @ x).cpu()
-            stats.max_square_norms[idx] = max(stats.max_square_norms[idx], float(x.square().sum(-1).max()))
+    The statistics stream the windows layer by layer, so one layer's sums stay on the device while its batches pass
+    and go to the host once, when another layer's first batch arrives (or at the end): one [hidden, hidden] copy per
+    layer, not one per batch, and no host wait per batch for the norm."""
 
-        return accumulate
+    def __init__(self, hidden: int, num_layers: int):
+        self.hidden = hidden
+        self.stats = AttentionInputStatistics(
+            [torch.zeros(hidden, hidden, dtype=torch.float64) for _ in range(num_layers)], [0.0] * num_layers
+        )
+        self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (Gram, max squared norm)
 
-    handles = [
-        adapter.attention(layer).k_proj.register_forward_pre_hook(hook(idx))
-        for idx, layer in enumerate(adapter.decoder_layers(skeleton))
-    ]
-    return stats, handles
+    def hook(self, adapter, skeleton) -> list:
+        def accumulate(idx: int):
+            def pre_hook(_module, args):
+                x = args[0].detach().reshape(-1, self.hidden).double()  # on the compile device: its product runs there
+                for other in [i for i in self.pending if i != idx]:
+                    self._flush(other)
+                gram, norm = self.pending.get(idx) or (x.new_zeros(self.hidden, self.hidden), x.new_zeros(()))
+                gram += x.T @ x
+                self.pending[idx] = (gram, torch.maximum(norm, x.square().sum(-1).max()))
+
+            return pre_hook
+
+        return [
+            adapter.attention(layer).k_proj.register_forward_pre_hook(accumulate(idx))
+            for idx, layer in enumerate(adapter.decoder_layers(skeleton))
+        ]
+
+    def _flush(self, idx: int) -> None:
+        gram, norm = self.pending.pop(idx)
+        self.stats.grams[idx] += gram.cpu()
+        self.stats.max_square_norms[idx] = max(self.stats.max_square_norms[idx], float(norm))
+
+    def finish(self) -> AttentionInputStatistics:
+        for idx in list(self.pending):
+            self._flush(idx)
+        return self.stats
 
 
 def source_scaling(adapter, config, geometry) -> float:
