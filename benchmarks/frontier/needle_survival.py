@@ -101,6 +101,9 @@ def main() -> None:
     parser.add_argument("--inputs", type=Path, required=True, help="a saved input set (run.py inputs)")
     parser.add_argument("--recipe", default="kvrewrite-W16-evict0.225-k8v8-rec", help="a kvrewrite_recipes name")
     parser.add_argument("--modes", default="scored,kept")
+    parser.add_argument(
+        "--bands", default="0-4,4-15,15-30", help="layer bands A-B (layers A..B-1) to average the held digits over"
+    )
     parser.add_argument("--min-length", type=int, default=0)
     parser.add_argument("--max-length", type=int, default=1 << 30)
     parser.add_argument("--checkpoint", default=None, help="default: $KVREWRITE_FRONTIER_CHECKPOINT")
@@ -119,6 +122,7 @@ def main() -> None:
     prompts = [p for p in prompts if args.min_length <= p.length <= args.max_length]
     num_layers = len(model.make_kv_cache().layers)
     modes = {m.strip(): parse_mode(m.strip(), num_layers) for m in args.modes.split(",") if m.strip()}
+    bands = {b: parse_mode(f"kept:{b}", num_layers) for b in args.bands.split(",") if b.strip()}
     results = {}
     for mode, layers in modes.items():
         rows = []
@@ -165,6 +169,12 @@ def main() -> None:
             "found": sum(r["found"] for r in rows),
             "prompts": len(rows),
             "digits_held_mean": sum(sum(r["digits_held_per_layer"]) for r in rows) / (len(rows) * num_layers),
+            "digits_held_mean_by_band": {
+                name: sum(sum(r["digits_held_per_layer"][band.start : band.stop]) for r in rows)
+                / (len(rows) * len(band))
+                for name, band in bands.items()
+            },
+            "line_held_mean": sum(sum(r["line_held_per_layer"]) for r in rows) / (len(rows) * num_layers),
             "rows": rows,
         }
         print(f"[{mode}] answer NLL {results[mode]['answer_nll']:.3f}, found {results[mode]['found']}/{len(rows)}")
