@@ -16,21 +16,37 @@ from kvrewrite.runtime.tiers.build import make_tiered_cache
 from kvrewrite.runtime.tiers.reconstruction import prefill_scored_by_reconstruction
 
 
-@pytest.mark.parametrize("share", [1.0, 0.5])
-def test_kept_tokens_are_the_ones_the_repeat_attends_to_most(compiled, share):
+def pooled_by_hand(scores: torch.Tensor, ids: torch.Tensor, ngram: int) -> torch.Tensor:
+    """pool_repeats' rule written out over Python tuples: per row, each n-gram said more than once gives the sum of
+    its copies' scores to its best-scored copy (the first of equals)."""
+    out = scores.clone()
+    for row in range(scores.shape[0]):
+        copies: dict[tuple, list[int]] = {}
+        for end in range(ngram - 1, scores.shape[1]):
+            copies.setdefault(tuple(ids[row, end - ngram + 1 : end + 1].tolist()), []).append(end)
+        for ends in copies.values():
+            if len(ends) > 1:
+                best = max(ends, key=lambda e: (float(scores[row, e]), -e))
+                out[row, best] = max(float(scores[row, best]), sum(float(scores[row, e]) for e in ends))
+    return out
+
+
+@pytest.mark.parametrize("share,pool", [(1.0, 0), (0.5, 0), (1.0, 3), (0.5, 2)])
+def test_kept_tokens_are_the_ones_the_repeat_attends_to_most(compiled, share, pool):
     """share 1: the kept tokens are the top of the repeat's max attention; share 0.5: half the budget is that top,
-    the rest the tokens the context's own queries read most (summed over heads) among the others."""
+    the rest the tokens the context's own queries read most (summed over heads) among the others. pool n: first the
+    repeated n-grams of the context (planted here) give their summed attention to their best copy."""
     window, length, keep = 4, 24, 0.3
     tokens = random_windows(n=2, length=length + 3, seed=41)
-    context, repeat = tokens[:, :length], tokens[0, length:]
+    context, repeat = tokens[:, :length].clone(), tokens[0, length:]
+    if pool:  # a 5-token phrase said twice, and a 4-token one three times in the second row
+        context[:, 12:17] = context[:, 3:8]
+        context[1, 18:22] = context[1, 8:12]
     floor = {"key": 2, "value": 2, "bits": None}
-    model = kvrewrite.load(
-        compiled["freq"],
-        rate=RATE,
-        recent_window=window,
-        kv_codec="none",
-        evict={"keep": keep, "floor": floor, "reconstruction_share": share},
-    ).eval()
+    evict = {"keep": keep, "floor": floor, "reconstruction_share": share}
+    if pool:
+        evict |= {"prefill_score": "reconstruction", "pool_repeats": pool}
+    model = kvrewrite.load(compiled["freq"], rate=RATE, recent_window=window, kv_codec="none", evict=evict).eval()
     captured: dict[int, list] = {}
     original_project = CompressedAttention.project
 
@@ -74,6 +90,10 @@ def test_kept_tokens_are_the_ones_the_repeat_attends_to_most(compiled, share):
                 else:  # every context query is observed (fewer than observed_queries)
                     read = read + probs.sum(dim=1)
         chosen = round(share * budget)
+        if pool:
+            pooled = pooled_by_hand(received, context, pool)
+            assert (pooled > received).any()  # the planted phrases changed some scores
+            received = pooled
         for row in range(2):
             kept = layer_cache.kept_positions[row].long()
             demoted = layer_cache.floor_positions[row].long()
@@ -87,6 +107,20 @@ def test_kept_tokens_are_the_ones_the_repeat_attends_to_most(compiled, share):
             assert set(kept.tolist()) == expected
         assert layer_cache.keys.shape[-2] == window and layer_cache.get_seq_length() == length
         assert not layer_cache.holding and layer_cache.evidence_reduce == "sum"
+
+
+def test_repeated_ngrams_pool_into_their_best_copy():
+    from kvrewrite.runtime.tiers.repeated_evidence import pool_repeated_ngrams
+
+    generator = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, 4, (3, 40), generator=generator)  # four token ids: many repeats at every n
+    scores = torch.rand(3, 40, generator=generator)
+    scores[1, 10:20] = 0.5  # equal scores: the first copy takes the sum
+    for ngram in (1, 2, 3, 5):
+        torch.testing.assert_close(pool_repeated_ngrams(scores, ids, ngram), pooled_by_hand(scores, ids, ngram))
+    once = torch.arange(40).expand(3, 40)  # nothing repeats: nothing changes
+    assert torch.equal(pool_repeated_ngrams(scores, once, 2), scores)
+    assert torch.equal(pool_repeated_ngrams(scores[:, :2], ids[:, :2], 3), scores[:, :2])  # shorter than an n-gram
 
 
 def test_reconstruction_prefill_needs_an_evicting_cache(compiled):
@@ -142,6 +176,19 @@ def test_bad_prefill_scores_are_refused(compiled):
                 recent_window=4,
                 kv_codec="none",
                 evict={"keep": 0.5, "prefill_score": "reconstruction", "reconstruction_share": share},
+            )
+    for pool, score, message in (
+        (-1, "reconstruction", "whole number >= 0"),
+        (2.5, "reconstruction", "whole"),
+        (3, "newest", "needs prefill_score='reconstruction'"),
+    ):
+        with pytest.raises(InvalidArgumentError, match=message):
+            kvrewrite.load(
+                compiled["freq"],
+                rate=RATE,
+                recent_window=4,
+                kv_codec="none",
+                evict={"keep": 0.5, "prefill_score": score, "pool_repeats": pool},
             )
     model = kvrewrite.load(
         compiled["freq"],

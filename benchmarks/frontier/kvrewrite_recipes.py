@@ -219,6 +219,26 @@ RECIPES: dict[str, dict[str, Any]] = {
         },
         "prefill": "reconstruction",
     },
+    # The eighth's recipes with repeated trigrams of the context pooling their reconstruction scores into their
+    # best copy (pool_repeats, kvrewrite.runtime.tiers.repeated_evidence): a key said twice competes as a word said
+    # once (needle_survival_eighth_wiki.json: the score dropped the wiki key line).
+    **{
+        f"kvrewrite-W16-evict{keep:g}-{label}-rec{share_label}-pool3": {
+            "rate": 0.0,
+            "recent_window": 16,
+            "kv_codec": "none",
+            "evict": {
+                "keep": keep,
+                "bits": bits,
+                "prefill_score": "reconstruction",
+                "reconstruction_share": share,
+                "pool_repeats": 3,
+            },
+            "prefill": "reconstruction",
+        }
+        for keep, label, bits in ((0.225, "k8v8", 8), (0.26, "k8v4", (8, 4)))
+        for share, share_label in ((1.0, ""), (0.5, "0.5"), (0.25, "0.25"))
+    },
 }
 
 

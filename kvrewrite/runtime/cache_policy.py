@@ -140,7 +140,9 @@ class Eviction:
     """Re-scored eviction (runtime.tiers.eviction): beyond the window only the share `keep` of the tokens seen stays
     (one share, or one per layer), re-scored after every forward, at the policy's rate's ranks and `bits` (None:
     float16; a (key, value) pair for two widths). `floor`: what an evicted token keeps; `prefill_score` and
-    `reconstruction_share`: how a prompt's kept tokens are chosen (runtime.tiers.reconstruction)."""
+    `reconstruction_share`: how a prompt's kept tokens are chosen (runtime.tiers.reconstruction); `pool_repeats`:
+    with the reconstruction, the n-gram length over which repeated context pools its scores into one copy
+    (runtime.tiers.repeated_evidence; 0: off)."""
 
     keep: float | tuple[float, ...]
     bits: int | tuple[int | None, int | None] | None = None
@@ -149,6 +151,7 @@ class Eviction:
     floor: Floor | None = None
     prefill_score: str = "newest"
     reconstruction_share: float = 1.0
+    pool_repeats: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "keep", _shares(self.keep, "evict= keep"))
@@ -174,6 +177,12 @@ class Eviction:
         share = self.reconstruction_share
         if not _is_number(share) or not 0 <= share <= 1:
             raise InvalidArgumentError(f"evict= reconstruction_share must be a number in [0, 1], got {share!r}")
+        if not _is_whole(self.pool_repeats) or self.pool_repeats < 0:
+            raise InvalidArgumentError(f"evict= pool_repeats must be a whole number >= 0, got {self.pool_repeats!r}")
+        if self.pool_repeats and self.prefill_score != "reconstruction":
+            raise InvalidArgumentError(
+                "evict= pool_repeats pools the reconstruction's scores: it needs prefill_score='reconstruction'"
+            )
 
     @classmethod
     def from_dict(cls, data) -> Eviction:

@@ -57,6 +57,7 @@ def _eviction_policy(spec, rate: float, policy: CachePolicy) -> EvictionPolicy:
         floor=floor,
         prefill_score=evict.prefill_score,
         reconstruction_share=evict.reconstruction_share,
+        pool_repeats=evict.pool_repeats,
     )
 
 

@@ -74,6 +74,9 @@ class EvictionPolicy:
     # With prefill_score "reconstruction": the share of a prompt's kept budget its reconstruction chooses; the rest
     # goes to the tokens the prompt's own last queries read most (what "newest" keeps of a one-chunk prompt).
     reconstruction_share: float = 1.0
+    # With prefill_score "reconstruction": context n-grams of this length that repeat give the sum of their scores
+    # to their best-scored copy (tiers/repeated_evidence.py); 0: off.
+    pool_repeats: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 0:
@@ -96,6 +99,11 @@ class EvictionPolicy:
         if not 0 <= self.reconstruction_share <= 1:
             raise InvalidArgumentError(
                 f"evict: reconstruction_share must lie in [0, 1], got {self.reconstruction_share!r}"
+            )
+        if self.pool_repeats < 0 or (self.pool_repeats and self.prefill_score != "reconstruction"):
+            raise InvalidArgumentError(
+                f"evict: pool_repeats must be >= 0, and > 0 only with prefill_score 'reconstruction'; "
+                f"got {self.pool_repeats!r}"
             )
         if self.floor is not None and len(self.floor.key_ranks) != len(self.keep):
             raise InvalidArgumentError(f"evict: the floor needs ranks for every layer ({len(self.keep)})")
@@ -146,6 +154,7 @@ class EvictionPolicy:
                 if self.floor is None
                 else (self.floor.key_ranks[i], self.floor.value_ranks[i], self.floor.bits),
                 reconstruction_share=self.reconstruction_share,
+                pool_repeats=self.pool_repeats,
                 capacity=capacity,
             )
             for i in range(self.num_layers)
@@ -170,6 +179,7 @@ def eviction_policy_for_rate(
     floor: dict | None = None,
     prefill_score: str = "newest",
     reconstruction_share: float = 1.0,
+    pool_repeats: int = 0,
 ) -> EvictionPolicy:
     """Kept tokens at the ranks of `rate` in the checkpoint's rate table (kvrewrite.spec.CompressionSpec).
 
@@ -198,6 +208,7 @@ def eviction_policy_for_rate(
         floor=floor_tier,
         prefill_score=prefill_score,
         reconstruction_share=reconstruction_share,
+        pool_repeats=pool_repeats,
     )
 
 
@@ -308,6 +319,7 @@ class EvictingLayer(RecentWindowLayer):
         rotations: dict[int, torch.Tensor] | None = None,
         floor: tuple[tuple[int, ...], tuple[int, ...], int | None] | None = None,
         reconstruction_share: float = 1.0,
+        pool_repeats: int = 0,
         capacity: int | None = None,
     ):
         super().__init__(window, head_dim, storage_dtype)
@@ -343,6 +355,7 @@ class EvictingLayer(RecentWindowLayer):
         self._collect_length = 0
         self._collected: torch.Tensor | None = None
         self.reconstruction_share = reconstruction_share
+        self.pool_repeats = pool_repeats
         self._held_newest: torch.Tensor | None = None  # while held, before collect(): the last forward's evidence
         # The buffers the kept tier and the floor are prefix views of, by flat name ("key.codes", "positions").
         self.kept_buffers: dict[str, torch.Tensor] = {}
@@ -409,6 +422,19 @@ class EvictingLayer(RecentWindowLayer):
         tokens receive."""
         self._collect_length, self._collected = length, None
         self.evidence_reduce, self.observed_queries = "max", None
+
+    def pool_repeated_evidence(self, context_ids: torch.Tensor) -> None:
+        """With pool_repeats: the collected scores of the context `context_ids` [B, n] with each repeated n-gram's
+        scores summed into its best copy (tiers/repeated_evidence.py); call between the scoring and release()."""
+        if not self.pool_repeats or self._collected is None:
+            return
+        from kvrewrite.runtime.tiers.repeated_evidence import pool_repeated_ngrams
+
+        n = min(self._collected.shape[-1], context_ids.shape[-1])
+        pooled = pool_repeated_ngrams(
+            self._collected[:, :n], context_ids[:, :n].to(self._collected.device), self.pool_repeats
+        )
+        self._collected = torch.cat([pooled, self._collected[:, n:]], dim=-1)
 
     def release(self) -> None:
         """Stop holding: settle once, with the collected scores deciding which tokens the kept tier keeps."""

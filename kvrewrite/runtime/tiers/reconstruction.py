@@ -66,6 +66,8 @@ def prefill_scored_by_reconstruction(
         for start in range(0, repeat.shape[1], chunk):
             _forward(model, repeat[:, start : start + chunk], cache, n + start)
         cache.crop(n)
+        for layer in layers:  # repeated phrases pool their split attention into one copy (pool_repeats)
+            layer.pool_repeated_evidence(context_ids)
     finally:
         for layer in layers:
             layer.release()
