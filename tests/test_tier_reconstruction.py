@@ -17,8 +17,9 @@ from kvrewrite.runtime.tiers.reconstruction import prefill_scored_by_reconstruct
 
 
 def pooled_by_hand(scores: torch.Tensor, ids: torch.Tensor, ngram: int) -> torch.Tensor:
-    """pool_repeats' rule written out over Python tuples: per row, each n-gram said more than once gives the sum of
-    its copies' scores to its best-scored copy (the first of equals)."""
+    """pool_repeats' rule written out over Python tuples: per row, each n-gram said more than once raises every
+    token of its best-scored occurrence (scored at its last token, the first of equals) to at least the sum of its
+    occurrences' scores."""
     out = scores.clone()
     for row in range(scores.shape[0]):
         copies: dict[tuple, list[int]] = {}
@@ -27,7 +28,9 @@ def pooled_by_hand(scores: torch.Tensor, ids: torch.Tensor, ngram: int) -> torch
         for ends in copies.values():
             if len(ends) > 1:
                 best = max(ends, key=lambda e: (float(scores[row, e]), -e))
-                out[row, best] = max(float(scores[row, best]), sum(float(scores[row, e]) for e in ends))
+                total = sum(float(scores[row, e]) for e in ends)
+                for position in range(best - ngram + 1, best + 1):
+                    out[row, position] = max(float(out[row, position]), total)
     return out
 
 
@@ -118,6 +121,12 @@ def test_repeated_ngrams_pool_into_their_best_copy():
     scores[1, 10:20] = 0.5  # equal scores: the first copy takes the sum
     for ngram in (1, 2, 3, 5):
         torch.testing.assert_close(pool_repeated_ngrams(scores, ids, ngram), pooled_by_hand(scores, ids, ngram))
+    # A phrase said twice: its best copy rises whole, its first token too, to the sum over the copies.
+    phrase_ids = torch.tensor([[9, 1, 2, 3, 9, 9, 1, 2, 3]])
+    phrase = torch.tensor([[0.0, 0.1, 0.2, 0.3, 0.0, 0.0, 0.2, 0.2, 0.2]])
+    pooled = pool_repeated_ngrams(phrase, phrase_ids, 3)
+    torch.testing.assert_close(pooled[0, 1:4], torch.tensor([0.5, 0.5, 0.5]))  # (1, 2, 3): 0.3 + 0.2
+    torch.testing.assert_close(pooled[0, 6:], phrase[0, 6:])  # the other copy keeps its own
     once = torch.arange(40).expand(3, 40)  # nothing repeats: nothing changes
     assert torch.equal(pool_repeated_ngrams(scores, once, 2), scores)
     assert torch.equal(pool_repeated_ngrams(scores[:, :2], ids[:, :2], 3), scores[:, :2])  # shorter than an n-gram

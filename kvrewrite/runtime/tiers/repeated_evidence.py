@@ -1,11 +1,12 @@
 """Reconstruction evidence of repeated context, pooled into one copy (tiers/reconstruction.py's `pool_repeats`).
 
-While the model repeats its context, the head that copies a token attends to the token after each earlier
-occurrence of what it just wrote. A phrase said twice (a key and its restatement) therefore has its attention
-split between its copies, and each copy scores about half of what a word said once scores: under the eighth's
-budget, rare words said once outrank a pass key said twice (docs/results/frontier.md). The information is needed
-once, so each group of identical n-grams gives the sum of its members' scores to its best-scored copy, which then
-competes as a token said once would; the other copies keep their own scores.
+Why: while the model repeats its context, the head that copies a token can attend to the token after any earlier
+occurrence of what it just wrote, so a phrase said twice (a key and its restatement) may have its attention split
+between its copies and each copy score less than a word said once. That is a reading of how copying works, not a
+measurement; what was measured is that the eighth's score ranks the wiki key line among rare words and drops it
+(benchmarks/results/needle_survival_eighth_wiki.json). The information is needed once, so each group of identical
+n-grams gives the sum of its members' scores to every token of its best-scored copy; the other copies keep their
+own scores.
 """
 
 from __future__ import annotations
@@ -14,12 +15,12 @@ import torch
 
 
 def pool_repeated_ngrams(scores: torch.Tensor, ids: torch.Tensor, ngram: int) -> torch.Tensor:
-    """scores [B, n] (one per context position), ids [B, n] the context's tokens -> scores where, per row, the
-    position whose n-gram (the `ngram` tokens ending there) occurs more than once and scores highest among its
-    occurrences (the first of equals) holds at least the sum of their scores. Positions before the first whole
-    n-gram, and n-grams said once, are unchanged."""
-    if ngram < 1:
-        raise ValueError(f"ngram must be >= 1, got {ngram}")
+    """scores [B, n] (one per context position), ids [B, n] the context's tokens -> scores where, per row, each
+    n-gram said more than once (the `ngram` tokens ending at a position) raises every token of its best-scored
+    occurrence (scored at its last token; the first of equals) to at least the sum of its occurrences' scores.
+    Tokens in no repeated n-gram are unchanged."""
+    if isinstance(ngram, bool) or not isinstance(ngram, int) or ngram < 1:
+        raise ValueError(f"ngram must be a whole number >= 1, got {ngram!r}")
     out = scores.clone()
     batch, n = scores.shape
     if n < ngram:
@@ -34,13 +35,14 @@ def pool_repeated_ngrams(scores: torch.Tensor, ids: torch.Tensor, ngram: int) ->
         total = torch.zeros(groups, dtype=torch.float64, device=scores.device).index_add_(0, group, own)
         best = torch.full((groups,), float("-inf"), dtype=torch.float64, device=scores.device)
         best = best.scatter_reduce(0, group, own, reduce="amax")
-        # The first position of each group that reaches its best score takes the sum.
+        # The first occurrence of each group that reaches its best score takes the sum, on all of its tokens.
         reaches = own == best[group]
         order = torch.arange(own.shape[0], device=scores.device)
         first = torch.full((groups,), own.shape[0], dtype=torch.long, device=scores.device)
         first = first.scatter_reduce(0, group[reaches], order[reaches], reduce="amin")
-        chosen = first[size > 1]
-        positions = chosen + ngram - 1
-        raised = torch.maximum(own[chosen], total[size > 1]).to(scores.dtype)
-        out[row, positions] = raised
+        repeated = size > 1
+        starts, sums = first[repeated], total[repeated].to(scores.dtype)
+        for offset in range(ngram):  # the n-gram starting at `start` covers start .. start + ngram - 1
+            positions = starts + offset
+            out[row] = out[row].scatter_reduce(0, positions, sums, reduce="amax")
     return out
