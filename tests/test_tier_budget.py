@@ -89,8 +89,9 @@ def test_wider_groups_are_measured_for_the_best_quantized_splits_only(checkpoint
 
     spec = kvrewrite.load(checkpoint, token_policy=False).compression_spec
     width = group_size_channels(spec, "token")
-    found = candidates(spec, 0.3, 64, (2,), (0.0, 0.5), (None, 8, (8, 4)), ("newest",))
-    assert {c.group_size for c in found} == {64}
+    # Groups of 8 channels against one per token and side (32 channels: 2 KV heads of 16).
+    found = candidates(spec, 0.3, 64, (2,), (0.0, 0.5), (None, 8, (8, 4)), ("newest",), group_sizes=(8,))
+    assert {c.group_size for c in found if c.bits is not None} == {8}  # float16 splits have no groups
     # Give the splits made-up NLLs, the float16 ones best, so the top quantized ones are not the top ones.
     measured = [replace(c, nll=(0.0 if c.bits is None else 1.0 + i / 100)) for i, c in enumerate(found)]
     quantized = [c for c in measured if c.bits is not None]
@@ -98,12 +99,15 @@ def test_wider_groups_are_measured_for_the_best_quantized_splits_only(checkpoint
     assert [(c.window, c.rate, c.bits) for c in more] == [(c.window, c.rate, c.bits) for c in quantized[:2]]
     for wide, narrow in zip(more, quantized):
         assert wide.group_size == width and wide.nll is None
-        # Fewer (scale, minimum) pairs per token: at least as many tokens within the same budget.
-        assert wide.keep >= narrow.keep and wide.bytes_share <= 0.3
+        # Fewer (scale, minimum) pairs per token: more tokens within the same budget.
+        assert wide.keep > narrow.keep and wide.bytes_share <= 0.3
         assert wide == solve_keep(spec, 0.3, 64, wide.window, wide.rate, wide.bits, group_size=width)
         assert wide.label().startswith(f"W=2 p={wide.rate:g} ") and f"-g{width} " in wide.label()
-    # A group size already measured is not measured twice.
-    assert regrouped(spec, 0.3, 64, measured, (64,), count=2) == []
+    # A group size already measured is not measured twice, nor one that stores the same: 64 channels and the
+    # token's 32 both hold each side whole, so only the first of them is measured.
+    assert regrouped(spec, 0.3, 64, measured, (8,), count=2) == []
+    same = regrouped(spec, 0.3, 64, measured, (64, "token"), count=2)
+    assert [c.group_size for c in same] == [64, 64]
     assert parse_group_sizes("64, token,64") == (64, "token")
     for bad in ("0", "abc", "64,", "-8"):
         with pytest.raises(InvalidArgumentError, match="--group-sizes"):
@@ -137,6 +141,7 @@ def test_budget_command_records_the_best_split_and_load_uses_it(checkpoint):
         recent_windows=(2, 4),
         rates=(0.0, 0.5),
         bits_options=(None, 4),
+        group_sizes=(8, "token"),  # 8-channel groups, then the best again with one pair per token (32 channels)
         perplexity_slack=0,  # perplexity alone (the planted-key ranking has its own test)
         progress=False,
     )
@@ -145,7 +150,7 @@ def test_budget_command_records_the_best_split_and_load_uses_it(checkpoint):
     from kvrewrite.compile.token_budget import candidates
 
     spec = kvrewrite.load(checkpoint, token_policy=False).compression_spec
-    fitting = candidates(spec, 0.3, 32, (2, 4), (0.0, 0.5), (None, 4))
+    fitting = candidates(spec, 0.3, 32, (2, 4), (0.0, 0.5), (None, 4), group_sizes=(8,))
     assert [(c.window, c.rate, c.bits, c.keep) for c in measured[: len(fitting)]] == [
         (c.window, c.rate, c.bits, c.keep) for c in fitting
     ]
@@ -258,6 +263,8 @@ def test_budget_cli_dry_run_writes_its_json_and_leaves_the_checkpoint_alone(chec
             "--length",
             "256",
             "--dry-run",
+            "--group-sizes",
+            "8,token",
             "--json",
             str(out),
         ],
@@ -284,7 +291,7 @@ def test_budget_cli_dry_run_writes_its_json_and_leaves_the_checkpoint_alone(chec
     assert "--dry-run" in record["command"] and record["seconds"] > 0 and record["date"]
     # The best quantized splits were measured again with one (scale, minimum) pair per token and side.
     width = kvrewrite.load(checkpoint, token_policy=False).compression_spec.head_dim * 2
-    assert "--group-sizes 64,token" in record["command"]
+    assert "--group-sizes 8,token" in record["command"]
     assert any(r["group_size"] == width and f"-g{width} " in r["split"] for r in splits)
     assert not (checkpoint / "token_policy.json").exists() and (checkpoint / CHECKSUM_FILE).read_text() == sums_before
 

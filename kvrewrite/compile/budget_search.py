@@ -20,6 +20,7 @@ from kvrewrite.compile.token_budget import (
     candidates,
     choose,
     fp16_bytes,
+    group_size_channels,
     holds_keys,
     measure,
     probe_keys,
@@ -95,6 +96,8 @@ def split_budget(
     # ranking compares equal bytes; the winner's keep share is then solved again for `context` tokens.
     if not group_sizes:
         raise InvalidArgumentError("the budget search needs at least one group size")
+    for group in group_sizes:  # every size is checked now, not after the first measurement
+        group_size_channels(spec, group)
     found = candidates(
         spec, budget, length, recent_windows, rates, bits_options, prefill_scores, floors, group_sizes=group_sizes[:1]
     )

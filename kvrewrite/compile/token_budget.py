@@ -208,7 +208,7 @@ def parse_group_sizes(text: str) -> tuple[int | str, ...]:
     for part in (p.strip() for p in text.split(",")):
         if part == TOKEN_GROUP:
             options.append(part)
-        elif part.isdigit() and int(part) >= 1:
+        elif part.isascii() and part.isdigit() and int(part) >= 1:
             options.append(int(part))
         else:
             raise InvalidArgumentError(
@@ -275,22 +275,33 @@ def regrouped(
     `group_sizes` it was not measured at, its keep share solved again (a wider group frees bytes for tokens); splits
     already in `measured` are not repeated."""
     widths = list(dict.fromkeys(group_size_channels(spec, g) for g in group_sizes))
-    seen = {_split_key(c) for c in measured}
     coded = [c for c in sorted(measured, key=ranking) if _quantized(c.bits) or c.floor][:count]
     out = []
     for c in coded:
+        sides = _stored_widths(spec, c)
+        tried = [c.group_size]
         for group in widths:
+            # A group at least as wide as every stored side holds each side whole, whatever its size: the same
+            # codes and bytes as a group already tried, so it is not measured again.
+            if any(group == g or all(w <= min(group, g) for w in sides) for g in tried):
+                continue
+            tried.append(group)
             found = solve_keep(
                 spec, budget, context, c.window, c.rate, c.bits, c.prefill_score, c.floor, c.reconstruction_share, group
             )
-            if found is not None and _split_key(found) not in seen:
-                seen.add(_split_key(found))
+            if found is not None:
                 out.append(found)
     return out
 
 
-def _split_key(c: Candidate) -> tuple:
-    return (c.window, c.rate, c.bits, c.prefill_score, c.floor, c.reconstruction_share, c.group_size)
+def _stored_widths(spec, c: Candidate) -> set[int]:
+    """The channel counts one token's sides hold in the candidate's kept tier (and floor), per layer."""
+    floor_options = {"key": c.floor, "value": c.floor, "bits": FLOOR_BITS} if c.floor else None
+    policy = eviction_policy_for_rate(spec, c.rate, c.window, c.keep, bits=c.bits, floor=floor_options)
+    widths = {sum(r) for r in policy.kept_key_ranks + policy.kept_value_ranks}
+    if policy.floor is not None:
+        widths |= {sum(r) for r in policy.floor.key_ranks + policy.floor.value_ranks}
+    return widths
 
 
 def _prefill(candidate: Candidate):

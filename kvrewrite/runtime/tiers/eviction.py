@@ -100,10 +100,12 @@ class EvictionPolicy:
             raise InvalidArgumentError(
                 f"evict: reconstruction_share must lie in [0, 1], got {self.reconstruction_share!r}"
             )
-        if self.pool_repeats < 0 or (self.pool_repeats and self.prefill_score != "reconstruction"):
+        pool = self.pool_repeats
+        if isinstance(pool, bool) or not isinstance(pool, int) or pool < 0:
+            raise InvalidArgumentError(f"evict: pool_repeats must be a whole number >= 0, got {pool!r}")
+        if pool and self.prefill_score != "reconstruction":
             raise InvalidArgumentError(
-                f"evict: pool_repeats must be >= 0, and > 0 only with prefill_score 'reconstruction'; "
-                f"got {self.pool_repeats!r}"
+                "evict: pool_repeats pools the reconstruction's scores: it needs prefill_score 'reconstruction'"
             )
         if self.floor is not None and len(self.floor.key_ranks) != len(self.keep):
             raise InvalidArgumentError(f"evict: the floor needs ranks for every layer ({len(self.keep)})")
