@@ -20,7 +20,7 @@ from kvrewrite.errors import CorruptCheckpointError, InvalidArgumentError
 from kvrewrite.runtime.tiers import EvictionPolicy, TierPolicy
 from kvrewrite.runtime.tiers.token_policy_file import TOKEN_POLICY_FILE, policy_record, read_cache_policy
 
-EVICT = {"keep": [0.5, 0.25], "bits": [8, 4], "floor": {"key": 2}, "prefill_score": "reconstruction"}
+EVICT = {"keep": [0.5, 0.25], "bits": [8, 4], "floor": {"key": 2}, "prefill_score": "reconstruction", "pool_repeats": 3}
 IMPORTANT = {"rate": 0.25, "share": 0.25, "pool": 8}
 
 
@@ -30,7 +30,13 @@ def test_dicts_and_lists_build_the_same_frozen_policy_as_its_parts():
         rate=0.0,
         recent_window=16,
         kv_codec="none",
-        evict=Eviction(keep=(0.5, 0.25), bits=(8, 4), floor=Floor(key=2, value=2), prefill_score="reconstruction"),
+        evict=Eviction(
+            keep=(0.5, 0.25),
+            bits=(8, 4),
+            floor=Floor(key=2, value=2),
+            prefill_score="reconstruction",
+            pool_repeats=3,
+        ),
     )
     assert from_dicts == typed
     assert from_dicts.evict.floor == Floor(key=2, value=2, bits=4)  # value defaults to key's, bits to 4
@@ -121,6 +127,8 @@ def test_per_head_checkpoints_honour_every_field(compiled, mode, policy):
     if policy.evict is not None:
         assert isinstance(model.tier_policy, EvictionPolicy) and model.tier_policy.keep == (0.5, 0.25)
         assert model.tier_policy.floor is not None and model.tier_policy.prefill_score == "reconstruction"
+        assert model.tier_policy.pool_repeats == 3
+        assert all(layer.pool_repeats == 3 for layer in model.make_kv_cache().layers)
 
 
 @pytest.mark.parametrize(
