@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.frontier.cache_bytes import cache_bytes, fp16_bytes_per_token  # noqa: E402
 from benchmarks.frontier.inputs import load_inputs  # noqa: E402
 from benchmarks.frontier.kvrewrite_recipes import RECIPES, _method  # noqa: E402
+from benchmarks.frontier.prompt_set_options import add_prompt_set_options, checkpoint_directory  # noqa: E402
 from kvrewrite.compile.key_probes import KeyProbe, key_recall  # noqa: E402
 
 
@@ -48,17 +49,11 @@ def main() -> None:
     import kvrewrite
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--inputs", type=Path, required=True, help="a saved input set (run.py inputs)")
+    add_prompt_set_options(parser)
     parser.add_argument("--recipes", required=True, help="comma-separated: original and/or kvrewrite_recipes names")
     parser.add_argument("--extra", default="{}", help="JSON {name: load() keywords} of recipes to screen")
-    parser.add_argument("--min-length", type=int, default=0)
-    parser.add_argument("--max-length", type=int, default=1 << 30)
-    parser.add_argument("--checkpoint", default=None, help="default: $KVREWRITE_FRONTIER_CHECKPOINT")
-    parser.add_argument("-o", "--out", type=Path, required=True)
     args = parser.parse_args()
-    directory = args.checkpoint or os.environ.get("KVREWRITE_FRONTIER_CHECKPOINT")
-    if not directory:
-        raise SystemExit("give --checkpoint or set KVREWRITE_FRONTIER_CHECKPOINT")
+    directory = checkpoint_directory(args)
     recipes = {**RECIPES, **json.loads(args.extra)}
     names = [n.strip() for n in args.recipes.split(",") if n.strip()]
     unknown = [n for n in names if n != "original" and n not in recipes]

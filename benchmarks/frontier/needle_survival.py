@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.frontier.inputs import load_inputs  # noqa: E402
 from benchmarks.frontier.kvrewrite_recipes import RECIPES, _method  # noqa: E402
+from benchmarks.frontier.prompt_set_options import add_prompt_set_options, checkpoint_directory  # noqa: E402
 
 
 def needle_positions(tokenizer, prompt) -> tuple[list[int], list[int]]:
@@ -98,20 +99,14 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--inputs", type=Path, required=True, help="a saved input set (run.py inputs)")
+    add_prompt_set_options(parser)
     parser.add_argument("--recipe", default="kvrewrite-W16-evict0.225-k8v8-rec", help="a kvrewrite_recipes name")
     parser.add_argument("--modes", default="scored,kept")
     parser.add_argument(
         "--bands", default="0-4,4-15,15-30", help="layer bands A-B (layers A..B-1) to average the held digits over"
     )
-    parser.add_argument("--min-length", type=int, default=0)
-    parser.add_argument("--max-length", type=int, default=1 << 30)
-    parser.add_argument("--checkpoint", default=None, help="default: $KVREWRITE_FRONTIER_CHECKPOINT")
-    parser.add_argument("-o", "--out", type=Path, required=True)
     args = parser.parse_args()
-    directory = args.checkpoint or os.environ.get("KVREWRITE_FRONTIER_CHECKPOINT")
-    if not directory:
-        raise SystemExit("pass --checkpoint or set KVREWRITE_FRONTIER_CHECKPOINT")
+    directory = checkpoint_directory(args)
     options = RECIPES.get(args.recipe)
     if options is None or options.get("prefill") != "reconstruction":
         raise SystemExit(f"{args.recipe!r} is not a kvrewrite recipe with a reconstruction-scored prefill")
