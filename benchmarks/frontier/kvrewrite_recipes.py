@@ -237,7 +237,7 @@ RECIPES: dict[str, dict[str, Any]] = {
             "prefill": "reconstruction",
         }
         for keep, label, bits in ((0.225, "k8v8", 8), (0.26, "k8v4", (8, 4)))
-        for share, share_label in ((1.0, ""), (0.5, "0.5"), (0.25, "0.25"))
+        for share, share_label in ((1.0, ""), (0.75, "0.75"), (0.5, "0.5"), (0.25, "0.25"))
     },
 }
 
