@@ -285,10 +285,15 @@ class StaticCodecCache(Cache):
         """batch and device (both or neither): allocate the buffers now, as generate() does; else at the first
         update."""
         super().__init__(layers=[StaticCodecLayer(codec, residual, max_cache_len) for codec in layer_codecs])
-        self.max_cache_len = max_cache_len
         if batch is not None:
             for layer in self.layers:
                 layer.early_initialization(batch, device)
+
+    @property
+    def max_cache_len(self) -> int:
+        # A property, not an attribute: some transformers versions define Cache.max_cache_len as a read-only
+        # property (the GPU machines' 5.17 refused the assignment), and generate() reads it either way.
+        return self.layers[0].max_cache_len
 
     def reads_coded(self, layer_idx: int) -> bool:
         return True

@@ -229,6 +229,8 @@ def latent_flash_decode(
     head_dim = k_up.shape[-1]
     if head_dim % 2:
         raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
+    if max(layout.key_ranks, default=0) > k_up.shape[-2]:  # the kernel would read rows past each head's k_up
+        raise ValueError(f"key ranks {layout.key_ranks} exceed k_up's {k_up.shape[-2]} latent rows")
     device = query_rotated.device
     g = layout.group_size
     query = query_rotated if query_rotated.stride(-1) == 1 else query_rotated.contiguous()
