@@ -10,7 +10,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/gpu-decode-out}"
 mkdir -p "$OUT"
-pip install --quiet --no-deps --no-index device-wheels/*.whl
+# `python -m pip`: a bare pip there installs into another Python than the one that runs (the first run measured with
+# the machine's transformers 5.17 for that reason).
+python -m pip install --quiet --no-deps --no-index device-wheels/*.whl
 export PYTHONPATH="$PWD" KVREWRITE_COMMIT="$(git rev-parse HEAD 2>/dev/null || echo unknown)"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.memory --format=csv > "$OUT/gpu.txt" || true
 # Correctness on the device first, compiled (not interpreted): every form's decode step through its kernels

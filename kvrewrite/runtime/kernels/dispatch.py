@@ -22,8 +22,13 @@ BACKENDS = ("auto", "torch", "reference", "triton")
 PackedAttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, float], torch.Tensor]
 
 
+# Looked up once: resolve_backend runs in every forward, and torch.compile refuses to trace find_spec (the first GPU
+# run's compiled forms all failed there).
+_TRITON_FOUND = importlib.util.find_spec("triton") is not None
+
+
 def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    return _TRITON_FOUND
 
 
 def requested_backend() -> str:
