@@ -16,7 +16,12 @@ pytest.importorskip("triton", reason="triton not installed")
 from kvrewrite.runtime.kernels.flash_decode_latent import latent_flash_decode  # noqa: E402
 from kvrewrite.runtime.kernels.flash_decode_mla import mla_flash_decode  # noqa: E402
 from kvrewrite.runtime.kernels.flash_decode_packed import packed_flash_decode, packed_plan, tile_columns  # noqa: E402
-from kvrewrite.runtime.kernels.flash_decode_splits import choose_splits, interpreting, plan_splits  # noqa: E402
+from kvrewrite.runtime.kernels.flash_decode_splits import (  # noqa: E402
+    choose_splits,
+    interpreting,
+    mask_argument,
+    plan_splits,
+)
 from kvrewrite.runtime.kernels.reference import PackedLayout, packed_attention  # noqa: E402
 
 BATCH, S_CAP, KV_LEN, PAD = 2, 37, 29, 3  # 37 slots = 3 key blocks of 16 under the interpreter
@@ -426,3 +431,30 @@ def test_captured_step_replays_as_the_cache_grows(form):
         scores = query.double() @ cache[:, :n].double().transpose(1, 2) * SCALING
         ref = scores.softmax(-1) @ cache[:, :n, :rank].double()
     _check(captured, ref, dtype)
+
+
+def test_the_mask_argument_is_a_view_in_eager_mode_and_a_conversion_in_a_compiled_graph():
+    """A compiled decode step must not bitcast bool to int8 (inductor before torch 2.13 cannot lower it); eager
+    steps must not copy the mask."""
+    allowed = torch.rand(3, 37) > 0.4
+    eager = mask_argument(allowed)
+    assert eager.dtype == torch.int8 and eager.data_ptr() == allowed.data_ptr()
+    assert torch.equal(eager, allowed.to(torch.int8))
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def step(scores: torch.Tensor) -> torch.Tensor:
+        return mask_argument(scores > 0.4)
+
+    torch._dynamo.reset()
+    scores = torch.rand(3, 37)
+    compiled = torch.compile(step, backend=record, fullgraph=True)(scores)
+    assert torch.equal(compiled, (scores > 0.4).to(torch.int8))
+    calls = [
+        (node.target, node.args[1:]) for node in graphs[0].graph.nodes if node.op in ("call_method", "call_function")
+    ]
+    assert not any(target == "view" for target, _ in calls), calls
+    assert any(target == "to" and torch.int8 in args for target, args in calls), calls

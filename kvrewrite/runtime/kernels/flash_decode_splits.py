@@ -360,5 +360,10 @@ def kv_len_argument(kv_len: torch.Tensor | None, reference: torch.Tensor) -> tup
 
 
 def mask_argument(allowed: torch.Tensor) -> torch.Tensor:
-    """allowed [B, S_cap] as bytes the kernels read: a bool tensor is reinterpreted in place, never copied."""
-    return allowed.view(torch.int8) if allowed.dtype == torch.bool else allowed
+    """allowed [B, S_cap] as bytes the kernels read: in eager mode a bool tensor is reinterpreted in place, never
+    copied. Inside a compiled graph it is converted instead: inductor before torch 2.13 fails to lower a bool ->
+    int8 bitcast (it asks torch.iinfo(torch.bool) for its width), and there the conversion fuses into the kernel that
+    builds the mask, so it costs no extra pass."""
+    if allowed.dtype != torch.bool:
+        return allowed
+    return allowed.to(torch.int8) if torch.compiler.is_compiling() else allowed.view(torch.int8)
