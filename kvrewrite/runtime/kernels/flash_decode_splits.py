@@ -39,8 +39,9 @@ def interpreting() -> bool:
 
 
 def pow2(n: int, floor: int = 16) -> int:
-    """A power of two >= n and >= floor (tl.dot needs tiles of at least 16 on the GPU)."""
-    return max(floor, triton.next_power_of_2(max(n, 1)))
+    """A power of two >= n and >= floor (tl.dot needs tiles of at least 16 on the GPU). Plain Python: called a few
+    times per launch on the host, where triton.next_power_of_2 (a jit-callable) costs about 10 us a call."""
+    return max(floor, 1 << (max(n, 1) - 1).bit_length())
 
 
 @functools.lru_cache(maxsize=16)
@@ -51,6 +52,9 @@ def multiprocessor_count(device: str) -> int:
     return INTERPRETER_SMS
 
 
+# Memoised: an eager decode step plans every layer's launch on the host, and the search below walks up to MAX_SPLITS
+# counts in Python (tens of microseconds a layer, while the GPU may wait for the launch).
+@functools.lru_cache(maxsize=1024)
 def choose_splits(
     programs: int, s_cap: int, block_n: int, slots: int, partial_share: float, min_split_tokens: int = MIN_SPLIT_TOKENS
 ) -> int:
@@ -107,6 +111,7 @@ class SplitPlan:
         return sorted(tasks, key=lambda t: (-self.chunks[t[0]] * work[t[0]], t))
 
 
+@functools.lru_cache(maxsize=1024)  # per decode step and layer on the host otherwise (see choose_splits)
 def plan_splits(
     work: tuple[int, ...],
     batch: int,
