@@ -54,6 +54,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
@@ -448,6 +449,7 @@ def measure_config(runs: dict, batch: int, context: int, args, device, dtype) ->
             except Exception as exc:  # out of memory, a compile failure: recorded, the other forms go on
                 rows[form]["error"] = f"decode failed: {type(exc).__name__}: {exc}"[:500]
                 print(f"{form}: {rows[form]['error']}", file=sys.stderr, flush=True)
+                traceback.print_exc(file=sys.stderr)  # the whole of it in the log: a compile failure's cause is deep
                 del times[form]
                 continue
             if step >= warmup:

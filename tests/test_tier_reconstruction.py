@@ -34,11 +34,12 @@ def pooled_by_hand(scores: torch.Tensor, ids: torch.Tensor, ngram: int) -> torch
     return out
 
 
-@pytest.mark.parametrize("share,pool", [(1.0, 0), (0.5, 0), (1.0, 3), (0.5, 2)])
+@pytest.mark.parametrize("share,pool", [(1.0, 0), (0.5, 0), (1.0, 3), (0.5, 2), ([1.0, 0.0], 0), ([0.25, 1.0], 3)])
 def test_kept_tokens_are_the_ones_the_repeat_attends_to_most(compiled, share, pool):
     """share 1: the kept tokens are the top of the repeat's max attention; share 0.5: half the budget is that top,
-    the rest the tokens the context's own queries read most (summed over heads) among the others. pool n: first the
-    repeated n-grams of the context (planted here) give their summed attention to their best copy."""
+    the rest the tokens the context's own queries read most (summed over heads) among the others; a list: each
+    layer its own share. pool n: first the repeated n-grams of the context (planted here) give their summed
+    attention to their best copy."""
     window, length, keep = 4, 24, 0.3
     tokens = random_windows(n=2, length=length + 3, seed=41)
     context, repeat = tokens[:, :length].clone(), tokens[0, length:]
@@ -92,7 +93,7 @@ def test_kept_tokens_are_the_ones_the_repeat_attends_to_most(compiled, share, po
                     received = torch.maximum(received, probs.amax(dim=1))
                 else:  # every context query is observed (fewer than observed_queries)
                     read = read + probs.sum(dim=1)
-        chosen = round(share * budget)
+        chosen = round((share[layer] if isinstance(share, list) else share) * budget)
         if pool:
             pooled = pooled_by_hand(received, context, pool)
             assert (pooled > received).any()  # the planted phrases changed some scores
@@ -177,7 +178,7 @@ def test_bad_prefill_scores_are_refused(compiled):
         kvrewrite.load(
             compiled["freq"], rate=RATE, recent_window=4, kv_codec="none", evict={"keep": 0.5, "prefill_score": "x"}
         )
-    for share in (1.5, -0.1, "half", True):
+    for share in (1.5, -0.1, "half", True, [0.5], [0.5, 0.5, 0.5], [0.5, 1.2], []):
         with pytest.raises(InvalidArgumentError, match="reconstruction_share"):
             kvrewrite.load(
                 compiled["freq"],

@@ -140,7 +140,8 @@ class Eviction:
     """Re-scored eviction (runtime.tiers.eviction): beyond the window only the share `keep` of the tokens seen stays
     (one share, or one per layer), re-scored after every forward, at the policy's rate's ranks and `bits` (None:
     float16; a (key, value) pair for two widths). `floor`: what an evicted token keeps; `prefill_score` and
-    `reconstruction_share`: how a prompt's kept tokens are chosen (runtime.tiers.reconstruction); `pool_repeats`:
+    `reconstruction_share` (one share, or one per layer): how a prompt's kept tokens are chosen
+    (runtime.tiers.reconstruction); `pool_repeats`:
     with the reconstruction, the n-gram length over which repeated context pools its scores into one copy
     (runtime.tiers.repeated_evidence; 0: off)."""
 
@@ -150,11 +151,14 @@ class Eviction:
     observed_queries: int = DEFAULT_OBSERVED_QUERIES
     floor: Floor | None = None
     prefill_score: str = "newest"
-    reconstruction_share: float = 1.0
+    reconstruction_share: float | tuple[float, ...] = 1.0
     pool_repeats: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "keep", _shares(self.keep, "evict= keep"))
+        object.__setattr__(
+            self, "reconstruction_share", _shares(self.reconstruction_share, "evict= reconstruction_share")
+        )
         bits = tuple(self.bits) if isinstance(self.bits, (list, tuple)) else self.bits
         sides = list(bits) if isinstance(bits, tuple) else [bits]
         if len(sides) not in (1, 2) or not all(b is None or (_is_whole(b) and b in SUPPORTED_BITS) for b in sides):
@@ -174,9 +178,6 @@ class Eviction:
                 f"evict= prefill_score must be one of {', '.join(map(repr, PREFILL_SCORES))}, "
                 f"got {self.prefill_score!r}"
             )
-        share = self.reconstruction_share
-        if not _is_number(share) or not 0 <= share <= 1:
-            raise InvalidArgumentError(f"evict= reconstruction_share must be a number in [0, 1], got {share!r}")
         if not _is_whole(self.pool_repeats) or self.pool_repeats < 0:
             raise InvalidArgumentError(f"evict= pool_repeats must be a whole number >= 0, got {self.pool_repeats!r}")
         if self.pool_repeats and self.prefill_score != "reconstruction":

@@ -71,9 +71,10 @@ class EvictionPolicy:
     # How generate() chooses a prompt's kept tokens: "newest" (re-scored at every prefill forward, like any later
     # one) or "reconstruction" (the whole prompt scored by how much repeating it needs each token; tiers/reconstruction.py).
     prefill_score: str = "newest"
-    # With prefill_score "reconstruction": the share of a prompt's kept budget its reconstruction chooses; the rest
-    # goes to the tokens the prompt's own last queries read most (what "newest" keeps of a one-chunk prompt).
-    reconstruction_share: float = 1.0
+    # With prefill_score "reconstruction": the share of a prompt's kept budget its reconstruction chooses (one for
+    # every layer, or one per layer); the rest goes to the tokens the prompt's own last queries read most (what
+    # "newest" keeps of a one-chunk prompt).
+    reconstruction_share: float | tuple[float, ...] = 1.0
     # With prefill_score "reconstruction": context n-grams of this length that repeat give the sum of their scores
     # to their best-scored copy (tiers/repeated_evidence.py); 0: off.
     pool_repeats: int = 0
@@ -96,9 +97,12 @@ class EvictionPolicy:
             raise InvalidArgumentError(
                 f"evict: prefill_score must be one of {', '.join(PREFILL_SCORES)}, got {self.prefill_score!r}"
             )
-        if not 0 <= self.reconstruction_share <= 1:
+        shares = self.reconstruction_share
+        per_layer = isinstance(shares, tuple)
+        if (per_layer and len(shares) != len(self.keep)) or not all(0 <= s <= 1 for s in self.reconstruction_shares):
             raise InvalidArgumentError(
-                f"evict: reconstruction_share must lie in [0, 1], got {self.reconstruction_share!r}"
+                f"evict: reconstruction_share must lie in [0, 1], one for every layer or one per layer "
+                f"({len(self.keep)}), got {shares!r}"
             )
         pool = self.pool_repeats
         if isinstance(pool, bool) or not isinstance(pool, int) or pool < 0:
@@ -113,6 +117,12 @@ class EvictionPolicy:
     @property
     def num_layers(self) -> int:
         return len(self.kept_key_ranks)
+
+    @property
+    def reconstruction_shares(self) -> tuple[float, ...]:
+        """reconstruction_share per layer."""
+        share = self.reconstruction_share
+        return share if isinstance(share, tuple) else (share,) * len(self.keep)
 
     @property
     def changes_between_forwards(self) -> bool:
@@ -155,7 +165,7 @@ class EvictionPolicy:
                 floor=None
                 if self.floor is None
                 else (self.floor.key_ranks[i], self.floor.value_ranks[i], self.floor.bits),
-                reconstruction_share=self.reconstruction_share,
+                reconstruction_share=self.reconstruction_shares[i],
                 pool_repeats=self.pool_repeats,
                 capacity=capacity,
             )
@@ -180,7 +190,7 @@ def eviction_policy_for_rate(
     observed_queries: int = DEFAULT_OBSERVED_QUERIES,
     floor: dict | None = None,
     prefill_score: str = "newest",
-    reconstruction_share: float = 1.0,
+    reconstruction_share: float | list[float] | tuple[float, ...] = 1.0,
     pool_repeats: int = 0,
 ) -> EvictionPolicy:
     """Kept tokens at the ranks of `rate` in the checkpoint's rate table (kvrewrite.spec.CompressionSpec).
@@ -209,7 +219,9 @@ def eviction_policy_for_rate(
         observed_queries=observed_queries,
         floor=floor_tier,
         prefill_score=prefill_score,
-        reconstruction_share=reconstruction_share,
+        reconstruction_share=tuple(float(r) for r in reconstruction_share)
+        if isinstance(reconstruction_share, (list, tuple))
+        else reconstruction_share,
         pool_repeats=pool_repeats,
     )
 
