@@ -202,6 +202,11 @@ def _tables(layout: PackedLayout, plan: SplitPlan, device: str) -> HeadTables:
     return head_tables(layout, plan, device, (*head_columns(layout), plan.chunks))
 
 
+def latent_warps(block_r: int, half: int) -> int:
+    """Two [rk, d / 2] up-projection tiles stay in registers for the walk: wide heads get more warps."""
+    return 8 if block_r * half >= 64 * 64 else 4
+
+
 def latent_flash_decode(
     query_rotated: torch.Tensor,
     key_latents: torch.Tensor,
@@ -283,8 +288,7 @@ def latent_flash_decode(
         UPCAST=interpreter_upcast(query.dtype),
         **tiles.constexprs,
         SAME_HALVES=rope_halves_equal,
-        # Two [rk, d / 2] up-projection tiles stay in registers for the walk: wide heads get more warps.
-        num_warps=8 if block_r * half >= 64 * 64 else 4,
+        num_warps=latent_warps(block_r, half),
         num_stages=NUM_STAGES,
     )
     if ws:
