@@ -1,12 +1,13 @@
 """Host time of each decode kernel's Python wrapper per call: what an eager GPU step spends before each launch.
 
-In eager mode a decode step at small batch runs as fast as the host enqueues it; the GPU run found our forms' steps
-1-3 ms longer than stock's outside their attention kernels (benchmarks/results/gpu_decode_h200.json, 4 layers).
-Part of that is the wrappers' own Python: planning the splits, choosing tiles, allocating outputs and partials,
-binding arguments. This measures that part without a GPU: each wrapper runs on CPU tensors of the GPU run's shapes
-(Llama-3-8B, bf16, allocated but never touched), its Triton launches replaced by calls that do nothing, and a pretend
-H200 (132 multiprocessors) for the split plan. Triton's own launcher (argument binding, about as long again on a GPU)
-and the driver's launch are not in the figures; under CUDA graphs none of this runs.
+In eager mode a decode step at small batch runs as fast as the host enqueues it; on the H200 the `freq`,
+`post-rope` and MLA steps took 1-3 ms longer than stock's outside their attention kernels at 1 x 32K
+(benchmarks/results/gpu_decode_h200.json, 4 layers). Part of a step's host time is the kernel wrappers' own Python:
+planning the splits, choosing tiles, allocating outputs and partials. This measures that part without a GPU: each
+wrapper runs on CPU tensors of the GPU run's shapes (Llama-3-8B, bf16, allocated but never touched), its Triton
+launches replaced by calls that do nothing, and a pretend H200 (132 multiprocessors) for the split plan. Triton's own
+launcher and the driver's launch are not in the figures (not measured here); allocations go to the CPU allocator,
+not CUDA's caching one; under CUDA graphs none of this runs.
 
     python benchmarks/decode_host_cost.py --out benchmarks/results/decode_host_cost.json
 """

@@ -8,7 +8,6 @@ values, and the per-query-head tables merge_splits reads.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +36,6 @@ def partial_share(layout: PackedLayout, s_cap: int, element_bytes: int) -> float
     return 2 * layout.group_size * (rv + 2) * 4 / max(1, s_cap * (rk + rv) * element_bytes)
 
 
-@functools.lru_cache(maxsize=1024)  # planned once per shape, not per decode step and layer on the host
 def layout_plan(
     layout: PackedLayout,
     batch: int,

@@ -40,7 +40,7 @@ def interpreting() -> bool:
 
 def pow2(n: int, floor: int = 16) -> int:
     """A power of two >= n and >= floor (tl.dot needs tiles of at least 16 on the GPU). Plain Python: called a few
-    times per launch on the host, where triton.next_power_of_2 (a jit-callable) costs about 10 us a call."""
+    times per launch on the host, where triton.next_power_of_2 (a constexpr function) costs microseconds a call."""
     return max(floor, 1 << (max(n, 1) - 1).bit_length())
 
 
@@ -52,9 +52,6 @@ def multiprocessor_count(device: str) -> int:
     return INTERPRETER_SMS
 
 
-# Memoised: an eager decode step plans every layer's launch on the host, and the search below walks up to MAX_SPLITS
-# counts in Python (tens of microseconds a layer, while the GPU may wait for the launch).
-@functools.lru_cache(maxsize=1024)
 def choose_splits(
     programs: int, s_cap: int, block_n: int, slots: int, partial_share: float, min_split_tokens: int = MIN_SPLIT_TOKENS
 ) -> int:
@@ -76,16 +73,6 @@ def choose_splits(
         return waves * (1.0 / s + partial_share) + programs * s * partial_share / slots
 
     return min(range(1, limit + 1), key=lambda s: (time(s), s))
-
-
-def device_splits(
-    programs: int, s_cap: int, block_n: int, device: torch.device | str, programs_per_sm: int, partial_share: float
-) -> int:
-    """choose_splits for this device: its multiprocessor count (under the interpreter a small pretend one, and
-    splits as short as one key block, so tiny test caches still split)."""
-    slots = programs_per_sm * multiprocessor_count(str(device))
-    min_tokens = block_n if interpreting() else MIN_SPLIT_TOKENS
-    return choose_splits(programs, s_cap, block_n, slots, partial_share, min_tokens)
 
 
 @dataclass(frozen=True)
@@ -111,7 +98,6 @@ class SplitPlan:
         return sorted(tasks, key=lambda t: (-self.chunks[t[0]] * work[t[0]], t))
 
 
-@functools.lru_cache(maxsize=1024)  # per decode step and layer on the host otherwise (see choose_splits)
 def plan_splits(
     work: tuple[int, ...],
     batch: int,
@@ -122,18 +108,37 @@ def plan_splits(
     programs_per_sm: int = 4,
     partial_share: float = 0.0,
 ) -> SplitPlan:
-    """Split counts per head: the heaviest head gets `splits` (default: device_splits for the whole launch), a head
+    """Split counts per head: the heaviest head gets `splits` (default: choose_splits for the whole launch on this device), a head
     of work w gets about splits * w / max(work), at least one. A given `splits` is kept even when it exceeds the key
     blocks (the extra programs find no slots and write an empty partial); a chosen one never leaves a split empty.
     programs_per_sm: how many programs of the kernel fit on one multiprocessor; partial_share: a split's partial
     (written and read back) over the bytes an unsplit program of the heaviest head reads."""
+    slots = programs_per_sm * multiprocessor_count(str(device))
+    min_tokens = block_n if interpreting() else MIN_SPLIT_TOKENS
+    return _split_plan(tuple(work), batch, s_cap, block_n, splits, slots, min_tokens, partial_share)
+
+
+# Memoised: an eager decode step plans every layer's launch on the host, and choose_splits walks up to MAX_SPLITS
+# counts in Python (tens of microseconds a layer). The device facts the plan depends on (its slots, the
+# interpreter's shorter splits) are part of the key.
+@functools.lru_cache(maxsize=1024)
+def _split_plan(
+    work: tuple[int, ...],
+    batch: int,
+    s_cap: int,
+    block_n: int,
+    splits: int | None,
+    slots: int,
+    min_tokens: int,
+    partial_share: float,
+) -> SplitPlan:
     top = max(work)
     blocks = max(1, -(-s_cap // block_n))
     chosen = splits is None
     if chosen:
         # The launch in units of heaviest-head programs: a request's heads weigh sum(work) / top of them.
         programs = max(1, math.floor(batch * sum(work) / top))
-        splits = device_splits(programs, s_cap, block_n, device, programs_per_sm, partial_share)
+        splits = choose_splits(programs, s_cap, block_n, slots, partial_share, min_tokens)
     counts, chunks = [], []
     for w in work:
         n = max(1, round(splits * w / top))

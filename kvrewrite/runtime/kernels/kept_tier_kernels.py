@@ -221,7 +221,7 @@ def kept_key_logits(
     if n_rows == 0:
         empty = torch.full((batch, heads, 1), float("-inf"), dtype=torch.float32, device=queries.device)
         return logits, empty, torch.zeros_like(empty)
-    chunks = -(-n_rows // ROWS_PER_PROGRAM)  # ceil; triton.cdiv is a jit-callable, microseconds a call on the host
+    chunks = -(-n_rows // ROWS_PER_PROGRAM)  # ceil; triton.cdiv costs microseconds a call on the host
     # Every program writes its chunk's statistics: nothing to fill first.
     maxima = torch.empty(batch, heads, chunks, dtype=torch.float32, device=queries.device)
     sums = torch.empty_like(maxima)
@@ -274,7 +274,7 @@ def kept_weighted_values(
     weights = weights.float().expand(batch)
     lse = lse.contiguous()
     codes, scale, low = coded["codes"], coded["scale"], coded["low"]
-    chunks = -(-n_rows // ROWS_PER_PROGRAM)  # ceil; triton.cdiv is a jit-callable, microseconds a call on the host
+    chunks = -(-n_rows // ROWS_PER_PROGRAM)  # ceil; triton.cdiv costs microseconds a call on the host
     # Zeros where a head narrower than the widest leaves its columns past its rank unwritten (else every program
     # writes its whole tile: one launch fewer).
     allocate = torch.empty if min(ranks) == width else torch.zeros

@@ -98,10 +98,14 @@ class EvictionPolicy:
                 f"evict: prefill_score must be one of {', '.join(PREFILL_SCORES)}, got {self.prefill_score!r}"
             )
         shares = self.reconstruction_share
-        per_layer = isinstance(shares, tuple)
-        if (per_layer and len(shares) != len(self.keep)) or not all(0 <= s <= 1 for s in self.reconstruction_shares):
+        if isinstance(shares, list):
+            object.__setattr__(self, "reconstruction_share", shares := tuple(shares))
+        numbers = shares if isinstance(shares, tuple) else (shares,)
+        if (isinstance(shares, tuple) and len(shares) != len(self.keep)) or not all(
+            isinstance(s, (int, float)) and not isinstance(s, bool) and 0 <= s <= 1 for s in numbers
+        ):
             raise InvalidArgumentError(
-                f"evict: reconstruction_share must lie in [0, 1], one for every layer or one per layer "
+                f"evict: reconstruction_share must be a number in [0, 1], or a list of them with one per layer "
                 f"({len(self.keep)}), got {shares!r}"
             )
         pool = self.pool_repeats
