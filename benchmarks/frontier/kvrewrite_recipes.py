@@ -240,9 +240,9 @@ RECIPES: dict[str, dict[str, Any]] = {
         for share, share_label in ((1.0, ""), (0.75, "0.75"), (0.5, "0.5"), (0.25, "0.25"))
     },
     # The eighth's pooled recipe with the reconstruction choosing the whole budget only in SmolLM2's layers 5-24 and
-    # the prompt's last queries choosing it in the other ten (a per-layer reconstruction_share): on the five 1K wiki
-    # prompts, moving layers 0-4 or 25-29 to the last queries kept the key, moving any of 5-24 lost it
-    # (needle_survival_eighth_wiki.json found layers 15-24 carry the line; the screens are in docs/results/frontier.md).
+    # the prompt's last queries choosing it in the other ten (a per-layer reconstruction_share). On the five 1K wiki
+    # prompts (answer_nll_eighth_wiki_layer_share.json, in docs/results/frontier.md) the outer layers could leave the
+    # reconstruction without losing the key; layers 5-9 at half, or 5-24 at three quarters, lost it.
     "kvrewrite-W16-evict0.225-k8v8-recL5-24-pool3": {
         "rate": 0.0,
         "recent_window": 16,
