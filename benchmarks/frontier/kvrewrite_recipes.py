@@ -256,6 +256,22 @@ RECIPES: dict[str, dict[str, Any]] = {
         },
         "prefill": "reconstruction",
     },
+    # The same with the outer ten layers' budget moved into layers 5-24 (per-layer keep: 0.15 outside, 0.2625 in
+    # them, 0.225 on average), the extra tokens there chosen by the prompt's last queries (the reconstruction still
+    # chooses 0.225 of the tokens there: a share of 0.225 / 0.2625).
+    "kvrewrite-W16-evict0.2625x20-0.15-k8v8-recL5-24-pool3": {
+        "rate": 0.0,
+        "recent_window": 16,
+        "kv_codec": "none",
+        "evict": {
+            "keep": [0.15] * 5 + [0.2625] * 20 + [0.15] * 5,
+            "bits": 8,
+            "prefill_score": "reconstruction",
+            "reconstruction_share": [0.0] * 5 + [0.8571] * 20 + [0.0] * 5,
+            "pool_repeats": 3,
+        },
+        "prefill": "reconstruction",
+    },
 }
 
 
