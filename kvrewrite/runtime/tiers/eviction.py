@@ -154,6 +154,7 @@ class EvictionPolicy:
         rotations = None
         if any(b is not None for b in self.side_bits.values()) or (self.floor is not None and self.floor.bits):
             rotations = block_rotations(widths)
+        shares = self.reconstruction_shares
         return [
             EvictingLayer(
                 self.window,
@@ -169,7 +170,7 @@ class EvictionPolicy:
                 floor=None
                 if self.floor is None
                 else (self.floor.key_ranks[i], self.floor.value_ranks[i], self.floor.bits),
-                reconstruction_share=self.reconstruction_shares[i],
+                reconstruction_share=shares[i],
                 pool_repeats=self.pool_repeats,
                 capacity=capacity,
             )
@@ -223,9 +224,7 @@ def eviction_policy_for_rate(
         observed_queries=observed_queries,
         floor=floor_tier,
         prefill_score=prefill_score,
-        reconstruction_share=tuple(float(r) for r in reconstruction_share)
-        if isinstance(reconstruction_share, (list, tuple))
-        else reconstruction_share,
+        reconstruction_share=reconstruction_share,  # a list becomes a tuple in EvictionPolicy
         pool_repeats=pool_repeats,
     )
 
