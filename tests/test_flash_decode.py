@@ -434,8 +434,8 @@ def test_captured_step_replays_as_the_cache_grows(form):
 
 
 def test_the_mask_argument_is_a_view_in_eager_mode_and_a_conversion_in_a_compiled_graph():
-    """A compiled decode step must not bitcast bool to int8 (inductor before torch 2.13 cannot lower it); eager
-    steps must not copy the mask."""
+    """A compiled decode step must not bitcast bool to int8 (the likely cause of the H200 run's inductor failures,
+    mask_argument); eager steps must not copy the mask."""
     allowed = torch.rand(3, 37) > 0.4
     eager = mask_argument(allowed)
     assert eager.dtype == torch.int8 and eager.data_ptr() == allowed.data_ptr()

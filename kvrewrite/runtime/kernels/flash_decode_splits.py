@@ -371,9 +371,9 @@ def kv_len_argument(kv_len: torch.Tensor | None, reference: torch.Tensor) -> tup
 
 def mask_argument(allowed: torch.Tensor) -> torch.Tensor:
     """allowed [B, S_cap] as bytes the kernels read: in eager mode a bool tensor is reinterpreted in place, never
-    copied. Inside a compiled graph it is converted instead: inductor before torch 2.13 fails to lower a bool ->
-    int8 bitcast (it asks torch.iinfo(torch.bool) for its width), and there the conversion fuses into the kernel that
-    builds the mask, so it costs no extra pass."""
+    copied. Inside a compiled graph it is converted instead: the H200 run's compiled steps (torch 2.11) failed in
+    inductor asking torch.iinfo(torch.bool), which lowering a bool -> int8 bitcast asks unless bool is special-cased
+    (torch 2.13 does); a mask built inside the graph gets the conversion fused into the kernel that builds it."""
     if allowed.dtype != torch.bool:
         return allowed
     return allowed.to(torch.int8) if torch.compiler.is_compiling() else allowed.view(torch.int8)
