@@ -15,11 +15,8 @@ not CUDA's caching one; under CUDA graphs none of this runs.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
-import subprocess
 import sys
 import timeit
 from pathlib import Path
@@ -29,6 +26,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.pop("TRITON_INTERPRET", None)  # compiled kernels' wrappers (the interpreter's launch path differs)
 
+from decode import run_provenance  # noqa: E402  (the provenance header every benchmark result starts with)
+from decode_kernel_sweep import kernel_cases  # noqa: E402
 from gpu_decode import GPU_CONFIGS, SHAPES, parse_configs  # noqa: E402
 
 H200_MULTIPROCESSORS = 132
@@ -47,64 +46,33 @@ def pretend_gpu() -> None:
     flash_decode_splits.multiprocessor_count = lambda device: H200_MULTIPROCESSORS
 
 
-def wrappers(shape: dict, batch: int, context: int, dtype: torch.dtype) -> dict:
-    """{kernel: a call of its wrapper} at the GPU run's per-head rank (half the head dim) and MLA widths."""
-    from kvrewrite.runtime.kernels.flash_decode_latent import latent_flash_decode
-    from kvrewrite.runtime.kernels.flash_decode_mla import mla_flash_decode
-    from kvrewrite.runtime.kernels.flash_decode_packed import packed_flash_decode
-    from kvrewrite.runtime.kernels.reference import PackedLayout
-
-    heads, n_kv, d = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
-    rank = d // 2
-    layout = PackedLayout((rank,) * n_kv, (rank,) * n_kv, heads // n_kv)
-    s_cap = context + 16
-    keys = torch.empty(batch, s_cap, rank * n_kv, dtype=dtype)
-    values = torch.empty_like(keys)
-    allowed = torch.ones(batch, s_cap, dtype=torch.bool)
-    kv_len = torch.tensor([context])
-    query = torch.empty(batch, heads * rank, dtype=dtype)
-    rotated = torch.empty(batch, heads * d, dtype=dtype)
-    up = torch.empty(n_kv, d, d, dtype=dtype)
-    cos = torch.empty(s_cap, d, dtype=dtype)
-    latent, rope = shape["mla"]
-    rows = torch.empty(batch, s_cap, latent + rope, dtype=dtype)
-    q_rows = torch.empty(batch, heads, latent + rope, dtype=dtype)
-    return {
-        "packed (freq, post-rope)": lambda: packed_flash_decode(query, keys, values, allowed, kv_len, 0.1, layout),
-        "latent": lambda: latent_flash_decode(rotated, keys, values, allowed, kv_len, 0.1, layout, up, cos, cos),
-        "mla": lambda: mla_flash_decode(q_rows, rows, allowed, kv_len, 0.1, latent),
-    }
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--configs", default=GPU_CONFIGS)
     parser.add_argument("--calls", type=int, default=300, help="calls per timing (the best of 5 timings is kept)")
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--note", default=None, help="recorded as machine_note (e.g. what else ran on the machine)")
+    parser.add_argument("--note", default=None, help="what else ran on the machine (recorded in `machine`)")
     args = parser.parse_args()
     stub_launches()
     pretend_gpu()
     torch.set_num_threads(1)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent)
     record = {
-        "command": " ".join(["python", *sys.argv]),
-        "commit": commit.stdout.strip() or "unknown",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, 1 torch thread",
+        **run_provenance(1, args.note or "nothing noted"),
         "shape": "llama3-8b (per-head rank 64 of 128; MLA 512 + 64), bf16",
-        **({"machine_note": args.note} if args.note else {}),
         "what": "host microseconds per call of each decode kernel wrapper, launches stubbed, pretend H200 split plan",
         "results": {},
     }
-    print(f"{'kernel':26s} {'batch x context':>16s} {'host us / call':>15s}")
+    print(f"{'kernel':8s} {'batch x context':>16s} {'host us / call':>15s}")
     for batch, context in parse_configs(args.configs):
-        for name, call in wrappers(SHAPES["llama3-8b"], batch, context, torch.bfloat16).items():
+        cases = kernel_cases(SHAPES["llama3-8b"], batch, context, torch.bfloat16, torch.device("cpu"), small=False,
+                             filled=False, live_length=True)  # fmt: skip
+        for name, (_module, _tile, _warps, wrapper, _bytes) in cases.items():
+            call = lambda wrapper=wrapper: wrapper(None)  # noqa: E731  (the planner's own split count)
             call()  # tables and plans built once, as the first eager step builds them
             seconds = min(timeit.repeat(call, number=args.calls, repeat=5)) / args.calls
             row = {"batch": batch, "context": context, "host_us_per_call": round(seconds * 1e6, 1)}
             record["results"].setdefault(name, []).append(row)
-            print(f"{name:26s} {batch:>6d} x {context:<7d} {row['host_us_per_call']:>15.1f}", flush=True)
+            print(f"{name:8s} {batch:>6d} x {context:<7d} {row['host_us_per_call']:>15.1f}", flush=True)
     if args.out:
         args.out.write_text(json.dumps(record, indent=1) + "\n")
         print(f"wrote {args.out}")

@@ -18,21 +18,19 @@ mla_tile), replaced for one timing and put back; `splits` is the wrappers' own a
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
 import json
 import os
-import platform
-import subprocess
 import sys
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from gpu_decode import GPU_CONFIGS, PEAK_BANDWIDTH, SHAPES, parse_configs  # noqa: E402
+from decode import run_provenance  # noqa: E402  (the provenance header every benchmark result starts with)
+from gpu_decode import GPU_CONFIGS, PEAK_BANDWIDTH, SHAPES, parse_configs, patched  # noqa: E402
 
 BLOCKS = (32, 64, 128)
 WARPS = (4, 8)
@@ -40,18 +38,19 @@ STAGES = (1, 2, 3)
 SPLIT_FACTORS = (None, 0.5, 2.0)  # None: the planner's own count; else that count times the factor
 
 
-@contextmanager
 def replaced(module, name: str, value):
-    original = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, original)
+    """module.name set to value within the block (gpu_decode.patched, which takes a function of the original)."""
+    return patched(module, name, lambda _original: value)
 
 
-def kernel_cases(shape: dict, batch: int, context: int, dtype, device, small: bool) -> dict:
-    """{kernel: (module, tile planner name, warps name, call(splits), bytes the kernel must read)}."""
+def kernel_cases(
+    shape: dict, batch: int, context: int, dtype, device, small: bool, filled: bool = True, live_length: bool = False
+) -> dict:
+    """{kernel: (module, tile planner name, warps name, call(splits), bytes the kernel must read)}.
+
+    filled=False allocates every input without writing it (host-side timing: nothing is read); live_length=True
+    gives the wrappers a cache of 16 slots more than `context` and the live length as a device tensor, as a growing
+    cache does (else every slot is live and no length is passed)."""
     from kvrewrite.runtime.kernels import flash_decode_latent, flash_decode_mla, flash_decode_packed
     from kvrewrite.runtime.kernels.reference import PackedLayout
 
@@ -59,18 +58,25 @@ def kernel_cases(shape: dict, batch: int, context: int, dtype, device, small: bo
     rank = d // 2
     layout = PackedLayout((rank,) * n_kv, (rank,) * n_kv, heads // n_kv)
     g = torch.Generator(device=device).manual_seed(0)
+    s_cap = context + 16 if live_length else context
+    kv_len = torch.tensor([context], device=device) if live_length else None
 
     def rand(*size):
+        if not filled:
+            return torch.empty(*size, device=device, dtype=dtype)
         return torch.randn(*size, generator=g, device=device, dtype=dtype)
 
-    keys, values = rand(batch, context, rank * n_kv), rand(batch, context, rank * n_kv)
-    allowed = torch.ones(batch, context, dtype=torch.bool, device=device)
+    keys, values = rand(batch, s_cap, rank * n_kv), rand(batch, s_cap, rank * n_kv)
+    allowed = torch.ones(batch, s_cap, dtype=torch.bool, device=device)
     query, rotated = rand(batch, heads * rank), rand(batch, heads * d)
-    up = torch.linalg.qr(torch.randn(n_kv, d, d, generator=g, device=device))[0].to(dtype)
-    angles = torch.arange(context, device=device)[:, None] * torch.rand(1, d // 2, generator=g, device=device)
-    cos, sin = (torch.cat([f(angles)] * 2, dim=-1).to(dtype) for f in (torch.cos, torch.sin))
     latent, rope = (64, 32) if small else shape["mla"]
-    rows, q_rows = rand(batch, context, latent + rope), rand(batch, heads, latent + rope)
+    rows, q_rows = rand(batch, s_cap, latent + rope), rand(batch, heads, latent + rope)
+    if filled:
+        up = torch.linalg.qr(torch.randn(n_kv, d, d, generator=g, device=device))[0].to(dtype)
+        angles = torch.arange(s_cap, device=device)[:, None] * torch.rand(1, d // 2, generator=g, device=device)
+        cos, sin = (torch.cat([f(angles)] * 2, dim=-1).to(dtype) for f in (torch.cos, torch.sin))
+    else:
+        up, cos, sin = rand(n_kv, d, d), rand(s_cap, d), rand(s_cap, d)
     element = keys.element_size()
     per_head_bytes = 2 * batch * context * rank * n_kv * element
     return {
@@ -78,7 +84,7 @@ def kernel_cases(shape: dict, batch: int, context: int, dtype, device, small: bo
             flash_decode_packed,
             "decode_tile",
             "NUM_WARPS",
-            lambda s: flash_decode_packed.packed_flash_decode(query, keys, values, allowed, None, 0.1, layout, s),
+            lambda s: flash_decode_packed.packed_flash_decode(query, keys, values, allowed, kv_len, 0.1, layout, s),
             per_head_bytes,
         ),
         "latent": (
@@ -86,7 +92,7 @@ def kernel_cases(shape: dict, batch: int, context: int, dtype, device, small: bo
             "decode_tile",
             "latent_warps",
             lambda s: flash_decode_latent.latent_flash_decode(
-                rotated, keys, values, allowed, None, 0.1, layout, up, cos, sin, s
+                rotated, keys, values, allowed, kv_len, 0.1, layout, up, cos, sin, s
             ),
             per_head_bytes,
         ),
@@ -94,7 +100,7 @@ def kernel_cases(shape: dict, batch: int, context: int, dtype, device, small: bo
             flash_decode_mla,
             "mla_tile",
             "NUM_WARPS",
-            lambda s: flash_decode_mla.mla_flash_decode(q_rows, rows, allowed, None, 0.1, latent, s),
+            lambda s: flash_decode_mla.mla_flash_decode(q_rows, rows, allowed, kv_len, 0.1, latent, s),
             batch * context * (latent + rope) * element,
         ),
     }
@@ -209,12 +215,8 @@ def main() -> None:
     dtype = torch.float32 if args.small else torch.bfloat16
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     peak = next((bw for part, bw in PEAK_BANDWIDTH.items() if gpu and part in gpu), None)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent)
     record = {
-        "command": " ".join(["python", *sys.argv]),
-        "commit": commit.stdout.strip() or os.environ.get("KVREWRITE_COMMIT", "unknown"),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()}, torch {torch.__version__}",
+        **run_provenance(torch.get_num_threads(), "the kernels alone, one process"),
         "gpu": gpu or "none (CPU, Triton's interpreter)",
         "peak_bandwidth_GBps": peak / 1e9 if peak else None,
         "results": {},

@@ -267,7 +267,7 @@ RECIPES: dict[str, dict[str, Any]] = {
             "keep": [0.15] * 5 + [0.2625] * 20 + [0.15] * 5,
             "bits": 8,
             "prefill_score": "reconstruction",
-            "reconstruction_share": [0.0] * 5 + [0.8571] * 20 + [0.0] * 5,
+            "reconstruction_share": [0.0] * 5 + [round(0.225 / 0.2625, 4)] * 20 + [0.0] * 5,
             "pool_repeats": 3,
         },
         "prefill": "reconstruction",
