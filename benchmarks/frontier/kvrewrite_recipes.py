@@ -11,9 +11,32 @@ Set KVREWRITE_FRONTIER_RECIPES to a comma-separated subset of names to run only 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from typing import Any
 
 from .methods import Method
+
+
+def _moved_inward(outer: float, inner: float, whole: Iterable[int] = ()) -> dict[str, Any]:
+    """The pooled eighth at 8 bits with keep `outer` in SmolLM2's layers 0-4 and 25-29 (chosen by the prompt's last
+    queries) and `inner` in layers 5-24, where the reconstruction chooses 0.225 of the tokens, or every kept token in
+    the layers `whole`."""
+    whole = set(whole)
+    shares = [1.0 if i in whole else round(0.225 / inner, 4) if 5 <= i < 25 else 0.0 for i in range(30)]
+    return {
+        "rate": 0.0,
+        "recent_window": 16,
+        "kv_codec": "none",
+        "evict": {
+            "keep": [outer] * 5 + [inner] * 20 + [outer] * 5,
+            "bits": 8,
+            "prefill_score": "reconstruction",
+            "reconstruction_share": shares,
+            "pool_repeats": 3,
+        },
+        "prefill": "reconstruction",
+    }
+
 
 # name -> load() keyword arguments; rates are points of the checkpoint's rate table.
 RECIPES: dict[str, dict[str, Any]] = {
@@ -256,21 +279,24 @@ RECIPES: dict[str, dict[str, Any]] = {
         },
         "prefill": "reconstruction",
     },
-    # The same with the outer ten layers' budget moved into layers 5-24 (per-layer keep: 0.15 outside, 0.2625 in
+    # The same with the outer ten layers' budget moved into layers 5-24 (per-layer keep: `outer` outside, `inner` in
     # them, 0.225 on average), the extra tokens there chosen by the prompt's last queries (the reconstruction still
-    # chooses 0.225 of the tokens there: a share of 0.225 / 0.2625).
-    "kvrewrite-W16-evict0.2625x20-0.15-k8v8-recL5-24-pool3": {
-        "rate": 0.0,
-        "recent_window": 16,
-        "kv_codec": "none",
-        "evict": {
-            "keep": [0.15] * 5 + [0.2625] * 20 + [0.15] * 5,
-            "bits": 8,
-            "prefill_score": "reconstruction",
-            "reconstruction_share": [0.0] * 5 + [round(0.225 / 0.2625, 4)] * 20 + [0.0] * 5,
-            "pool_repeats": 3,
-        },
-        "prefill": "reconstruction",
+    # chooses 0.225 of the tokens there: a share of 0.225 / inner).
+    **{
+        f"kvrewrite-W16-evict{inner:g}x20-{outer:g}-k8v8-recL5-24-pool3": _moved_inward(outer, inner)
+        for outer, inner in ((0.15, 0.2625), (0.1875, 0.24375), (0.2, 0.2375))
+    },
+    # The same with the reconstruction choosing every kept token in some of layers 5-24 (`rec1L...`).
+    **{
+        f"kvrewrite-W16-evict{inner:g}x20-{outer:g}-k8v8-rec1L{label}-pool3": _moved_inward(outer, inner, layers)
+        for outer, inner, label, layers in (
+            (0.15, 0.2625, "5-24", range(5, 25)),
+            (0.1875, 0.24375, "5-24", range(5, 25)),
+            (0.15, 0.2625, "5-14", range(5, 15)),
+            (0.15, 0.2625, "5-9+20-24", [*range(5, 10), *range(20, 25)]),
+            (0.15, 0.2625, "7", [7]),
+            (0.15, 0.2625, "7-9", [7, 8, 9]),
+        )
     },
 }
 
