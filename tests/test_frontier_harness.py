@@ -174,3 +174,24 @@ def test_prompts_rebuilt_with_the_budget_searchs_wording_equal_the_saved_inputs(
     assert [(p.context_ids, p.question_ids, p.key, p.variant) for p in rebuilt] == [
         (p.context_ids, p.question_ids, p.key, p.variant) for p in prompts
     ]
+
+
+def test_a_reference_serves_a_run_of_fewer_protocols_and_names_what_differs():
+    from benchmarks.frontier.run import reference_original
+
+    original = {"name": "original", "family": "original", "passkey": {"accuracy": 0.9}, "continuation": {"x": 1}}
+    earlier = {
+        "inputs": {"seed": 0},
+        "chunk": 64,
+        "protocols": ["continuation", "passkey"],
+        "selection": {"windows": 0},
+        "results": [{"name": "m", "family": "peer"}, original],
+    }
+    run = {"inputs": {"seed": 0}, "chunk": 64, "protocols": ["passkey"], "selection": {"windows": 0}}
+    row = reference_original(earlier, run)
+    assert row == {"name": "original", "family": "original", "passkey": {"accuracy": 0.9}}
+    assert reference_original(earlier, {**run, "protocols": ["continuation", "passkey"]}) == original
+    with pytest.raises(ValueError, match=r"other chunk, protocols \(it has no needle\)"):
+        reference_original(earlier, {**run, "chunk": 32, "protocols": ["needle"]})
+    with pytest.raises(ValueError, match="other inputs, selection"):
+        reference_original(earlier, {**run, "inputs": {"seed": 1}, "selection": {"windows": 2}})

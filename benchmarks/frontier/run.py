@@ -102,6 +102,22 @@ def cmd_inputs(args: argparse.Namespace) -> None:
     )
 
 
+def reference_original(earlier: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
+    """The original's row of an earlier partial, for a run (`run`: this run's header) that reuses it: the inputs,
+    chunk and selection must be the same, and the run's protocols among the partial's (the row keeps only those).
+    ValueError names what differs."""
+    differs = [field for field in ("inputs", "chunk") if earlier[field] != run[field]]
+    if earlier.get("selection", run["selection"]) != run["selection"]:  # partials older than the field: as run
+        differs.append("selection")
+    missing = [p for p in run["protocols"] if p not in earlier["protocols"]]
+    if missing:
+        differs.append(f"protocols (it has no {', '.join(missing)})")
+    if differs:
+        raise ValueError(f"it was run with other {', '.join(differs)}")
+    row = next(r for r in earlier["results"] if r["family"] == "original")
+    return {k: v for k, v in row.items() if k not in earlier["protocols"] or k in run["protocols"]}
+
+
 def cmd_eval(args: argparse.Namespace) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -135,10 +151,10 @@ def cmd_eval(args: argparse.Namespace) -> None:
     if args.reference:
         # The original's rows from an earlier partial of the same inputs and env, instead of running it again.
         earlier = json.loads(Path(args.reference).read_text())
-        same = (earlier["inputs"], earlier["chunk"], earlier["protocols"], earlier.get("selection", selection))
-        if same != (meta, args.chunk, args.protocols, selection):
-            raise SystemExit(f"{args.reference} was run on other inputs or another chunk; run the original here")
-        results.append(next(r for r in earlier["results"] if r["family"] == "original"))
+        try:
+            results.append(reference_original(earlier, header))
+        except ValueError as exc:
+            raise SystemExit(f"{args.reference}: {exc}; run the original here") from None
         results[0]["reference_from"] = args.reference
         methods = [m for m in methods if m.family != "original"]
         header["reference"] = args.reference
