@@ -59,19 +59,25 @@ def live_store(layer) -> dict[str, dict[str, torch.Tensor]]:
 
 @pytest.mark.parametrize("mode", ["latent", "post-rope"])
 def test_static_generate_codes_and_reads_what_the_codec_cache_does(compiled, mode):
-    """generate(cache_implementation="static") builds a StaticCodecCache; its live blocks and window equal the
-    CodecCache's bit for bit after prefill + 30 steps (two blocks coded while decoding), and the tokens are equal."""
+    """generate(cache_implementation="static") builds a StaticCodecCache; after prefill + 30 steps (two blocks coded
+    while decoding) its coded blocks equal the CodecCache's bit for bit, and so does the first layer's window; the
+    deeper layers' windows are projections of hidden states that passed through each cache's own attention (another
+    summation order), so they agree to float16 rounding (one ulp apart on an AVX-512 EPYC). The tokens are equal."""
     ids, logits, cache = generate(compiled[mode])
     static_ids, static_logits, static_cache = generate(compiled[mode], cache_implementation="static")
     assert isinstance(static_cache, StaticCodecCache) and not isinstance(cache, StaticCodecCache)
     assert torch.equal(static_ids, ids)
     assert (static_logits - logits).abs().max().item() < 1e-4 and logits.abs().max().item() > 0.1
-    for ours, theirs in zip(static_cache.layers, cache.layers):
+    for index, (ours, theirs) in enumerate(zip(static_cache.layers, cache.layers)):
         assert int(ours.n_coded) == theirs.coded_keys["codes"].shape[1] == 2  # 37 tokens: 2 blocks of 16, 5 window
         assert int(ours.get_seq_length()) == theirs.get_seq_length() == IDS.shape[1] + 30
         got, want = live_store(ours), live_store(theirs)
         for side in want:
-            assert all(torch.equal(got[side][name], want[side][name]) for name in want[side])
+            for name in want[side]:
+                if name == "window" and index > 0:
+                    torch.testing.assert_close(got[side][name], want[side][name], rtol=1e-3, atol=1e-3)
+                else:
+                    assert torch.equal(got[side][name], want[side][name]), (index, side, name)
 
 
 def test_layer_reads_what_the_codec_layer_decodes_through_chunked_prefills():
