@@ -184,7 +184,10 @@ def main() -> None:
     torch.set_num_threads(threads)
     results: list[dict] = []
     record = {
-        **run_provenance(threads, "variants of one size take turns, so ratios within a size are same-run"),
+        **run_provenance(
+            threads,
+            "the machine may run other jobs; variants of one size take turns, so ratios within a size are same-run",
+        ),
         "dtype": "float32",
         "checkpoints": {
             name: {"directory": d, "codecs": c} for name, (d, c) in CHECKPOINTS.items() if name in args.checkpoints

@@ -73,7 +73,8 @@ def compile_checkpoints(root: Path, calib_tokens: int) -> None:
 
 
 def run_provenance(threads: int, note: str) -> dict:
-    """command, commit, date and machine of a decode benchmark run (the header every decode result file starts with)."""
+    """command, commit, date and machine of a benchmark run (the header every such result file starts with); `note`
+    says what else the machine was doing, or what the run's timings can be compared with."""
     import datetime
     import platform
     import subprocess
@@ -91,7 +92,7 @@ def run_provenance(threads: int, note: str) -> dict:
         "commit": commit,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.node()}: {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-        f"{threads} torch thread(s); machine shared with other jobs ({note})",
+        f"{threads} torch thread(s); {note}",
     }
 
 

@@ -177,7 +177,7 @@ def main() -> None:
 
     results: dict = {}
     record = {
-        **run_provenance(args.threads, "ratios are same-run"),
+        **run_provenance(args.threads, "the machine may run other jobs; ratios are same-run"),
         "dtype": "float32",
         "models": {
             "stock": "LlamaForCausalLM, SmolLM2-135M shapes, random weights, sdpa; cache K+V = 2 x 3 x 64 = 384 "
