@@ -17,12 +17,14 @@ from typing import Any
 from .methods import Method
 
 
-def _moved_inward(outer: float, inner: float, whole: Iterable[int] = ()) -> dict[str, Any]:
+def _moved_inward(
+    outer: float, inner: float, whole: Iterable[int] = (), chosen: float = 0.225, **evict: Any
+) -> dict[str, Any]:
     """The pooled eighth at 8 bits with keep `outer` in SmolLM2's layers 0-4 and 25-29 (chosen by the prompt's last
-    queries) and `inner` in layers 5-24, where the reconstruction chooses 0.225 of the tokens, or every kept token in
-    the layers `whole`."""
+    queries) and `inner` in layers 5-24, where the reconstruction chooses the share `chosen` of the tokens, or every
+    kept token in the layers `whole`; `evict`: more eviction options (group_size, sinks)."""
     whole = set(whole)
-    shares = [1.0 if i in whole else round(0.225 / inner, 4) if 5 <= i < 25 else 0.0 for i in range(30)]
+    shares = [1.0 if i in whole else round(chosen / inner, 4) if 5 <= i < 25 else 0.0 for i in range(30)]
     return {
         "rate": 0.0,
         "recent_window": 16,
@@ -33,6 +35,7 @@ def _moved_inward(outer: float, inner: float, whole: Iterable[int] = ()) -> dict
             "prefill_score": "reconstruction",
             "reconstruction_share": shares,
             "pool_repeats": 3,
+            **evict,
         },
         "prefill": "reconstruction",
     }
@@ -298,6 +301,12 @@ RECIPES: dict[str, dict[str, Any]] = {
             (0.15, 0.2625, "7-9", [7, 8, 9]),
         )
     },
+    # The layer-7 split with the sequence's first 16 tokens always kept (`sinks`), and one (scale, minimum) pair per
+    # token and side (192 channels): a side codes in 196 bytes instead of 204, so every share above grows by 204/196
+    # at the same bytes. Layer 7's reconstruction alone dropped the attention sinks the last queries kept there.
+    "kvrewrite-W16-evict0.273x20-0.156-k8v8-g192-rec1L7-sink16-pool3": _moved_inward(
+        0.156, 0.273, [7], chosen=round(0.225 * 204 / 196, 5), group_size=192, sinks=16
+    ),
 }
 
 

@@ -143,7 +143,8 @@ class Eviction:
     `reconstruction_share` (one share, or one per layer): how a prompt's kept tokens are chosen
     (runtime.tiers.reconstruction); `pool_repeats`:
     with the reconstruction, the n-gram length over which repeated context pools its scores into one copy
-    (runtime.tiers.repeated_evidence; 0: off)."""
+    (runtime.tiers.repeated_evidence; 0: off); `sinks`: the first tokens of a sequence, kept whatever the scores
+    say, inside the budget."""
 
     keep: float | tuple[float, ...]
     bits: int | tuple[int | None, int | None] | None = None
@@ -153,6 +154,7 @@ class Eviction:
     prefill_score: str = "newest"
     reconstruction_share: float | tuple[float, ...] = 1.0
     pool_repeats: int = 0
+    sinks: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "keep", _shares(self.keep, "evict= keep"))
@@ -184,6 +186,8 @@ class Eviction:
             raise InvalidArgumentError(
                 "evict= pool_repeats pools the reconstruction's scores: it needs prefill_score='reconstruction'"
             )
+        if not _is_whole(self.sinks) or self.sinks < 0:
+            raise InvalidArgumentError(f"evict= sinks must be a whole number of tokens >= 0, got {self.sinks!r}")
 
     @classmethod
     def from_dict(cls, data) -> Eviction:

@@ -58,6 +58,7 @@ def _eviction_policy(spec, rate: float, policy: CachePolicy) -> EvictionPolicy:
         prefill_score=evict.prefill_score,
         reconstruction_share=evict.reconstruction_share,
         pool_repeats=evict.pool_repeats,
+        sinks=evict.sinks,
     )
 
 

@@ -78,6 +78,9 @@ class EvictionPolicy:
     # With prefill_score "reconstruction": context n-grams of this length that repeat give the sum of their scores
     # to their best-scored copy (tiers/repeated_evidence.py); 0: off.
     pool_repeats: int = 0
+    # The first `sinks` tokens of a sequence always stay in the kept tier, inside the keep budget (StreamingLLM's
+    # attention sinks): whatever chooses the rest, attention keeps the place it parks its unused weight.
+    sinks: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 0:
@@ -115,6 +118,8 @@ class EvictionPolicy:
             raise InvalidArgumentError(
                 "evict: pool_repeats pools the reconstruction's scores: it needs prefill_score 'reconstruction'"
             )
+        if isinstance(self.sinks, bool) or not isinstance(self.sinks, int) or self.sinks < 0:
+            raise InvalidArgumentError(f"evict: sinks must be a whole number of tokens >= 0, got {self.sinks!r}")
         if self.floor is not None and len(self.floor.key_ranks) != len(self.keep):
             raise InvalidArgumentError(f"evict: the floor needs ranks for every layer ({len(self.keep)})")
 
@@ -172,6 +177,7 @@ class EvictionPolicy:
                 else (self.floor.key_ranks[i], self.floor.value_ranks[i], self.floor.bits),
                 reconstruction_share=shares[i],
                 pool_repeats=self.pool_repeats,
+                sinks=self.sinks,
                 capacity=capacity,
             )
             for i in range(self.num_layers)
@@ -197,6 +203,7 @@ def eviction_policy_for_rate(
     prefill_score: str = "newest",
     reconstruction_share: float | list[float] | tuple[float, ...] = 1.0,
     pool_repeats: int = 0,
+    sinks: int = 0,
 ) -> EvictionPolicy:
     """Kept tokens at the ranks of `rate` in the checkpoint's rate table (kvrewrite.spec.CompressionSpec).
 
@@ -226,6 +233,7 @@ def eviction_policy_for_rate(
         prefill_score=prefill_score,
         reconstruction_share=reconstruction_share,  # a list becomes a tuple in EvictionPolicy
         pool_repeats=pool_repeats,
+        sinks=sinks,
     )
 
 
@@ -337,6 +345,7 @@ class EvictingLayer(RecentWindowLayer):
         floor: tuple[tuple[int, ...], tuple[int, ...], int | None] | None = None,
         reconstruction_share: float = 1.0,
         pool_repeats: int = 0,
+        sinks: int = 0,
         capacity: int | None = None,
     ):
         super().__init__(window, head_dim, storage_dtype)
@@ -373,6 +382,7 @@ class EvictingLayer(RecentWindowLayer):
         self._collected: torch.Tensor | None = None
         self.reconstruction_share = reconstruction_share
         self.pool_repeats = pool_repeats
+        self.sinks = sinks
         self._held_newest: torch.Tensor | None = None  # while held, before collect(): the last forward's evidence
         # The buffers the kept tier and the floor are prefix views of, by flat name ("key.codes", "positions").
         self.kept_buffers: dict[str, torch.Tensor] = {}
@@ -462,12 +472,27 @@ class EvictingLayer(RecentWindowLayer):
             return
         n = self.keys.shape[-2]
         if scores is not None and scores.shape[-1] >= n:
-            scores = scores[:, :n]
+            # The held context starts the sequence: cache index i is position i. Sinks go first in the
+            # reconstruction's own ranking (so its share counts them), and above the last queries' choice too.
+            scores = self._with_sinks(scores[:, :n], 0)
             if self.reconstruction_share < 1 and newest is not None and newest.shape[-1] >= n:
-                scores = self._mixed_scores(scores, newest[:, :n])
+                scores = self._with_sinks(self._mixed_scores(scores, newest[:, :n]), 0)
             self._received_recent = scores
             self._received_kept = scores.new_zeros((scores.shape[0], 0))
         self.settle()
+
+    def _with_sinks(self, scores: torch.Tensor, first: int | torch.Tensor) -> torch.Tensor:
+        """`scores` [B, n] of the tokens at positions `first` + 0..n-1 (or at the positions [B, n] given), with the
+        sinks' raised above every other token's."""
+        if not self.sinks:
+            return scores
+        if isinstance(first, int):
+            if first >= self.sinks:
+                return scores
+            sink = torch.arange(first, first + scores.shape[-1], device=scores.device) < self.sinks
+        else:
+            sink = first < self.sinks
+        return scores.masked_fill(sink, float("inf"))
 
     def _mixed_scores(self, reconstruction: torch.Tensor, newest: torch.Tensor) -> torch.Tensor:
         """[B, n] scores whose top budget is the reconstruction_share of the budget the reconstruction ranks
@@ -548,7 +573,9 @@ class EvictingLayer(RecentWindowLayer):
         if scores is None:
             # No evidence for every kept token (e.g. tokens settled outside attention): keep the newest.
             scores = positions.float()
-        stays = _top_mask(scores, positions, budget)  # [B, rows], kept tier first, then the moving tokens
+        stays = _top_mask(
+            self._with_sinks(scores, positions), positions, budget
+        )  # [B, rows], kept tier first, then the moving tokens
         if self.floor_key_ranks is not None:
             evicted = _in_cache_order((~stays).nonzero()[:, 1].view(stays.shape[0], -1), positions)
             self._demote(joined_rows(store, moving, evicted) if n_new else take_rows(store, evicted))

@@ -65,6 +65,11 @@ def settle_in_kernel(layer, beyond: int) -> bool:
         return False
     from kvrewrite.runtime.kernels.kept_settle_kernel import settle_moving_token
 
+    if evict:  # the sinks' scores raised as the torch settle raises them (host ints; no wait for the device)
+        kept_scores = layer._with_sinks(kept_scores, layer.kept_positions)
+        moving = layer.cumulative_length - layer.keys.shape[-2]
+        recent_scores = layer._with_sinks(recent_scores[:, :1], moving)
+
     # Evicting, the moving token takes a freed row; else one row more, its contents from the kernel.
     store = layer._store("kept") if evict else layer._grown_store("kept", n_old + 1)
     settle_moving_token(
