@@ -69,6 +69,7 @@ def _stores_by_step(
         (0.0, {"keep": 0.5, "bits": (8, 4)}, PROMPT + STEPS),  # its buffers allocated once, as generate() does
         (0.5, {"keep": 0.4, "bits": (4, 2), "group_size": 8}, None),  # cut ranks, several groups per head
         (0.0, {"keep": 0.3, "bits": 8, "observed_queries": 1}, None),
+        (0.0, {"keep": 0.5, "bits": (8, 4), "sinks": 5}, None),  # the first 5 cache positions kept (pads too)
     ],
 )
 def test_the_kernel_settles_as_the_torch_settle(compiled, monkeypatch, rate, evict, capacity):

@@ -136,6 +136,41 @@ def test_settle_keeps_the_top_scored_budget_at_the_kept_ranks():
     assert layer.keys.shape[-2] == window
 
 
+@pytest.mark.parametrize("sinks", [0, 2])
+def test_sinks_stay_whatever_the_scores_and_the_rest_is_the_top_scored(sinks):
+    """Sinks scored lowest at every forward: with `sinks`, positions 0..sinks-1 stay through a settle that moves ten
+    tokens and through single-token steps, and the rest of the budget is the top of the scores among the others
+    (recomputed here from the scores fed); without, the low scores evict them."""
+    window, d, keep = 3, 4, 0.5
+    layer = EvictingLayer(window, d, (2,), (1,), keep, storage_dtype=torch.float32, sinks=sinks)
+    gen = torch.Generator().manual_seed(5)
+    n = window + 10
+    layer.update(torch.randn(2, 1, n, d, generator=gen), torch.randn(2, 1, n, d, generator=gen))
+    received = torch.rand(2, n, generator=gen) + 1
+    received[:, :2] = 0  # the first two tokens: the least read
+    layer.add_scores(received, [torch.zeros(2, 0)], torch.zeros(2, n))
+    layer.settle()
+    scores = {row: dict(enumerate(received[row, :10].tolist())) for row in range(2)}  # position -> latest score
+    for step in range(6):
+        kept = layer.kept_positions
+        fed = torch.rand(2, kept.shape[-1], generator=gen) + 1
+        fed = fed.masked_fill(kept < 2, 0.0)
+        recent = torch.rand(2, window + 1, generator=gen) + 1
+        layer.update(torch.randn(2, 1, 1, d, generator=gen), torch.randn(2, 1, 1, d, generator=gen))
+        moving = 10 + step  # the window's oldest token leaves it
+        layer.add_scores(recent, [fed], torch.zeros(2, window + 1))
+        layer.settle()
+        for row in range(2):
+            scores[row] = {int(p): float(v) for p, v in zip(kept[row].tolist(), fed[row].tolist())}
+            scores[row][moving] = float(recent[row, 0])
+    budget = round(keep * (n + 6 - window))
+    for row in range(2):
+        ranked = sorted((p for p in scores[row] if p >= sinks), key=lambda p: -scores[row][p])
+        expected = set(range(sinks)) | set(ranked[: budget - sinks])
+        assert set(layer.kept_positions[row].tolist()) == expected
+        assert ({0, 1} <= expected) == bool(sinks)
+
+
 @pytest.mark.parametrize("bits", [8, 4, 2])
 def test_per_token_quantization_matches_a_direct_min_max_reference(bits):
     gen = torch.Generator().manual_seed(4)
@@ -249,3 +284,6 @@ def test_bad_eviction_settings_are_refused(compiled):
         kvrewrite.load(directory, rate=RATE, recent_window=4, kv_codec="none", evict={"keep": 0.5, "bits": 3})
     with pytest.raises(InvalidArgumentError, match="takes keep"):
         kvrewrite.load(directory, rate=RATE, recent_window=4, kv_codec="none", evict={"share": 0.5})
+    for sinks in (-1, 2.0, True):
+        with pytest.raises(InvalidArgumentError, match="sinks must be a whole number"):
+            kvrewrite.load(directory, rate=RATE, recent_window=4, kv_codec="none", evict={"keep": 0.5, "sinks": sinks})
