@@ -171,6 +171,25 @@ def test_sinks_stay_whatever_the_scores_and_the_rest_is_the_top_scored(sinks):
         assert ({0, 1} <= expected) == bool(sinks)
 
 
+def test_sinks_stay_while_the_budget_is_under_them():
+    """Token by token at keep 0.1, the budget reaches 3 only 25 tokens past the window: until then the layer keeps
+    the sinks that have left the window (scored lowest), one row each, and nothing else."""
+    window, d, sinks = 2, 4, 3
+    layer = EvictingLayer(window, d, (2,), (1,), 0.1, storage_dtype=torch.float32, sinks=sinks)
+    gen = torch.Generator().manual_seed(7)
+    for t in range(12):
+        layer.update(torch.randn(1, 1, 1, d, generator=gen), torch.randn(1, 1, 1, d, generator=gen))
+        kept = layer.kept_positions
+        recent = torch.rand(1, layer.keys.shape[-2], generator=gen) + 1
+        recent[:, : max(0, sinks - (t + 1 - layer.keys.shape[-2]))] = 0  # sinks still in the window
+        fed = None if kept is None else (torch.rand(1, kept.shape[-1], generator=gen) + 1).masked_fill(kept < sinks, 0)
+        layer.add_scores(recent, None if fed is None else [fed], None)
+        layer.settle()
+        beyond = t + 1 - window
+        if beyond > 0:
+            assert layer.kept_positions[0].tolist() == list(range(min(sinks, beyond)))
+
+
 @pytest.mark.parametrize("bits", [8, 4, 2])
 def test_per_token_quantization_matches_a_direct_min_max_reference(bits):
     gen = torch.Generator().manual_seed(4)

@@ -302,8 +302,8 @@ RECIPES: dict[str, dict[str, Any]] = {
         )
     },
     # The layer-7 split with the sequence's first 16 tokens always kept (`sinks`), and one (scale, minimum) pair per
-    # token and side (192 channels): a side codes in 196 bytes instead of 204, so every share above grows by 204/196
-    # at the same bytes. Layer 7's reconstruction alone dropped the attention sinks the last queries kept there.
+    # token and side (192 channels): a side codes in 196 bytes instead of 204 (and a token's int32 position 4), so
+    # every share above grows by about 204/196 (412/396 with the position) at the same bytes. Layer 7's reconstruction alone dropped the attention sinks the last queries kept there.
     "kvrewrite-W16-evict0.273x20-0.156-k8v8-g192-rec1L7-sink16-pool3": _moved_inward(
         0.156, 0.273, [7], chosen=round(0.225 * 204 / 196, 5), group_size=192, sinks=16
     ),

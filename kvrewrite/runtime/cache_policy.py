@@ -143,8 +143,8 @@ class Eviction:
     `reconstruction_share` (one share, or one per layer): how a prompt's kept tokens are chosen
     (runtime.tiers.reconstruction); `pool_repeats`:
     with the reconstruction, the n-gram length over which repeated context pools its scores into one copy
-    (runtime.tiers.repeated_evidence; 0: off); `sinks`: the first tokens of a sequence, kept whatever the scores
-    say, inside the budget."""
+    (runtime.tiers.repeated_evidence; 0: off); `sinks`: the first cache positions, kept whatever the scores
+    say (in a left-padded row, its pads first)."""
 
     keep: float | tuple[float, ...]
     bits: int | tuple[int | None, int | None] | None = None

@@ -78,8 +78,8 @@ class EvictionPolicy:
     # With prefill_score "reconstruction": context n-grams of this length that repeat give the sum of their scores
     # to their best-scored copy (tiers/repeated_evidence.py); 0: off.
     pool_repeats: int = 0
-    # The first `sinks` tokens of a sequence always stay in the kept tier, inside the keep budget (StreamingLLM's
-    # attention sinks): whatever chooses the rest, attention keeps the place it parks its unused weight.
+    # The first `sinks` cache positions always stay in the kept tier, inside the keep budget (or above it, while
+    # the budget is under the sinks): StreamingLLM's attention sinks, where attention parks its unused weight.
     sinks: int = 0
 
     def __post_init__(self) -> None:
@@ -472,14 +472,20 @@ class EvictingLayer(RecentWindowLayer):
             return
         n = self.keys.shape[-2]
         if scores is not None and scores.shape[-1] >= n:
-            # The held context starts the sequence: cache index i is position i. Sinks go first in the
-            # reconstruction's own ranking (so its share counts them), and above the last queries' choice too.
-            scores = self._with_sinks(scores[:, :n], 0)
+            # Sinks go first in the reconstruction's own ranking (so its share counts them, as far as it
+            # reaches), and above the last queries' choice too.
+            first = self.cumulative_length - n
+            scores = self._with_sinks(scores[:, :n], first)
             if self.reconstruction_share < 1 and newest is not None and newest.shape[-1] >= n:
-                scores = self._with_sinks(self._mixed_scores(scores, newest[:, :n]), 0)
+                scores = self._with_sinks(self._mixed_scores(scores, newest[:, :n]), first)
             self._received_recent = scores
             self._received_kept = scores.new_zeros((scores.shape[0], 0))
         self.settle()
+
+    def budget(self, beyond: int) -> int:
+        """Kept rows for `beyond` tokens seen past the window: the share `keep` of them, and never fewer than the
+        sinks among them (so a short sequence's sinks are not evicted before the share reaches them)."""
+        return max(round(self.keep * beyond), min(self.sinks, beyond))
 
     def _with_sinks(self, scores: torch.Tensor, first: int | torch.Tensor) -> torch.Tensor:
         """`scores` [B, n] of the tokens at positions `first` + 0..n-1 (or at the positions [B, n] given), with the
@@ -500,7 +506,7 @@ class EvictingLayer(RecentWindowLayer):
         beyond = reconstruction.shape[-1] - self.window
         if beyond <= 0:
             return reconstruction
-        chosen = round(self.reconstruction_share * round(self.keep * beyond))
+        chosen = round(self.reconstruction_share * self.budget(beyond))
         scores = newest[:, :beyond]
         if chosen:  # the reconstruction's top above any attention: the settle's top budget takes them first
             # (the held context is in cache order: a stable sort leaves the older of equal scores first)
@@ -546,7 +552,7 @@ class EvictingLayer(RecentWindowLayer):
             self._leave_window(beyond)
         self._received_recent = self._received_kept = None
         seen_beyond = self.cumulative_length - self.keys.shape[-2]
-        self._admit(moving, kept_scores, moving_scores, round(self.keep * seen_beyond))
+        self._admit(moving, kept_scores, moving_scores, self.budget(seen_beyond))
 
     def _admit(
         self,
@@ -624,7 +630,7 @@ class EvictingLayer(RecentWindowLayer):
     def _grown_store(self, tier: str, rows: int) -> dict[str, torch.Tensor]:
         """The tier's store as `rows` rows, its own first (in place where its buffers have room); the rows past them
         are the caller's to write."""
-        capacity = capacity_rows(self.capacity, self.window, self.keep)[0 if tier == "kept" else 1]
+        capacity = capacity_rows(self.capacity, self.window, self.keep, self.sinks)[0 if tier == "kept" else 1]
         store = reserve_rows(getattr(self, f"{tier}_buffers"), self._store(tier), rows, capacity)
         self._set_store(tier, store)
         return store

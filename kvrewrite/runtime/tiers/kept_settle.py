@@ -56,7 +56,7 @@ def settle_in_kernel(layer, beyond: int) -> bool:
         return False
     n_old = layer.kept_positions.shape[-1]
     seen_beyond = layer.cumulative_length - layer.window
-    budget = round(layer.keep * seen_beyond)
+    budget = layer.budget(seen_beyond)
     evict = n_old + 1 > budget
     kept_scores, recent_scores = layer._received_kept, layer._received_recent
     if evict and (

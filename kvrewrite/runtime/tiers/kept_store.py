@@ -84,11 +84,12 @@ def joined_rows(
     return out
 
 
-def capacity_rows(capacity: int | None, window: int, keep: float) -> tuple[int | None, int | None]:
+def capacity_rows(capacity: int | None, window: int, keep: float, sinks: int = 0) -> tuple[int | None, int | None]:
     """(kept rows, floor rows) the stores of a sequence of at most `capacity` tokens can need: the budget
-    round(keep x tokens beyond the window) and the rest grow with the tokens seen, so their largest values bound them."""
+    round(keep x tokens beyond the window), never under the sinks that have left it, and the rest grow with the
+    tokens seen, so their largest values bound them."""
     if capacity is None:
         return None, None
     beyond = max(capacity - window, 0)
     kept = round(keep * beyond)
-    return max(kept, 1), max(beyond - kept, 1)
+    return max(kept, min(sinks, beyond), 1), max(beyond - kept, 1)
