@@ -303,6 +303,6 @@ def test_bad_eviction_settings_are_refused(compiled):
         kvrewrite.load(directory, rate=RATE, recent_window=4, kv_codec="none", evict={"keep": 0.5, "bits": 3})
     with pytest.raises(InvalidArgumentError, match="takes keep"):
         kvrewrite.load(directory, rate=RATE, recent_window=4, kv_codec="none", evict={"share": 0.5})
-    for sinks in (-1, 2.0, True):
+    for sinks in (-1, 2.0, True, [1] * 7):
         with pytest.raises(InvalidArgumentError, match="sinks must be a whole number"):
             kvrewrite.load(directory, rate=RATE, recent_window=4, kv_codec="none", evict={"keep": 0.5, "sinks": sinks})

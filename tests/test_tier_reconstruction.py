@@ -36,14 +36,23 @@ def pooled_by_hand(scores: torch.Tensor, ids: torch.Tensor, ngram: int) -> torch
 
 @pytest.mark.parametrize(
     "share,pool,sinks",
-    [(1.0, 0, 0), (0.5, 0, 0), (1.0, 3, 0), (0.5, 2, 0), ([1.0, 0.0], 0, 0), ([0.25, 1.0], 3, 0), ([0.5, 0.0], 3, 2)],
+    [
+        (1.0, 0, 0),
+        (0.5, 0, 0),
+        (1.0, 3, 0),
+        (0.5, 2, 0),
+        ([1.0, 0.0], 0, 0),
+        ([0.25, 1.0], 3, 0),
+        ([0.5, 0.0], 3, 2),
+        ([1.0, 0.5], 0, [0, 3]),
+    ],
 )
 def test_kept_tokens_are_the_ones_the_repeat_attends_to_most(compiled, share, pool, sinks):
     """share 1: the kept tokens are the top of the repeat's max attention; share 0.5: half the budget is that top,
     the rest the tokens the context's own queries read most (summed over heads) among the others; a list: each
     layer its own share. pool n: first the repeated n-grams of the context (planted here) give their summed
     attention to their best copy. sinks s: the first s tokens come first in the reconstruction's ranking, and stay
-    where its share is 0."""
+    where its share is 0; a list: each layer its own count."""
     window, length, keep = 4, 24, 0.3
     tokens = random_windows(n=2, length=length + 3, seed=41)
     context, repeat = tokens[:, :length].clone(), tokens[0, length:]
@@ -108,9 +117,11 @@ def test_kept_tokens_are_the_ones_the_repeat_attends_to_most(compiled, share, po
             assert len(kept) == budget and set(kept.tolist()) | set(demoted.tolist()) == set(range(beyond))
             # The kept tokens: the reconstruction's top `chosen`, then the context's most read among the rest (among
             # equal scores the older tokens, as the eviction ranks ties: a stable sort in cache order).
+            layer_sinks = sinks[layer] if isinstance(sinks, list) else sinks
             ranked = received[row, :beyond].clone()
-            ranked[:sinks] = float("inf")
-            first = set(ranked.sort(descending=True, stable=True).indices[:chosen].tolist()) | set(range(sinks))
+            ranked[:layer_sinks] = float("inf")
+            first = set(ranked.sort(descending=True, stable=True).indices[:chosen].tolist())
+            first |= set(range(layer_sinks))
             rest = read[row, :beyond].clone()
             rest[list(first)] = float("-inf")
             expected = first | set(rest.sort(descending=True, stable=True).indices[: budget - len(first)].tolist())

@@ -307,6 +307,15 @@ RECIPES: dict[str, dict[str, Any]] = {
     "kvrewrite-W16-evict0.273x20-0.156-k8v8-g192-rec1L7-sink16-pool3": _moved_inward(
         0.156, 0.273, [7], chosen=round(0.225 * 204 / 196, 5), group_size=192, sinks=16
     ),
+    # The same with the sinks in layer 7 only, where the reconstruction chooses every kept token.
+    "kvrewrite-W16-evict0.273x20-0.156-k8v8-g192-rec1L7-sink16L7-pool3": _moved_inward(
+        0.156,
+        0.273,
+        [7],
+        chosen=round(0.225 * 204 / 196, 5),
+        group_size=192,
+        sinks=[16 if i == 7 else 0 for i in range(30)],
+    ),
     # Each of the two changes alone, to tell them apart.
     "kvrewrite-W16-evict0.2625x20-0.15-k8v8-rec1L7-sink16-pool3": _moved_inward(0.15, 0.2625, [7], sinks=16),
     "kvrewrite-W16-evict0.273x20-0.156-k8v8-g192-rec1L7-pool3": _moved_inward(

@@ -143,8 +143,8 @@ class Eviction:
     `reconstruction_share` (one share, or one per layer): how a prompt's kept tokens are chosen
     (runtime.tiers.reconstruction); `pool_repeats`:
     with the reconstruction, the n-gram length over which repeated context pools its scores into one copy
-    (runtime.tiers.repeated_evidence; 0: off); `sinks`: the first cache positions, kept whatever the scores
-    say (in a left-padded row, its pads first)."""
+    (runtime.tiers.repeated_evidence; 0: off); `sinks` (one count, or one per layer): the first cache
+    positions, kept whatever the scores say (in a left-padded row, its pads first)."""
 
     keep: float | tuple[float, ...]
     bits: int | tuple[int | None, int | None] | None = None
@@ -154,7 +154,7 @@ class Eviction:
     prefill_score: str = "newest"
     reconstruction_share: float | tuple[float, ...] = 1.0
     pool_repeats: int = 0
-    sinks: int = 0
+    sinks: int | tuple[int, ...] = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "keep", _shares(self.keep, "evict= keep"))
@@ -186,8 +186,13 @@ class Eviction:
             raise InvalidArgumentError(
                 "evict= pool_repeats pools the reconstruction's scores: it needs prefill_score='reconstruction'"
             )
-        if not _is_whole(self.sinks) or self.sinks < 0:
-            raise InvalidArgumentError(f"evict= sinks must be a whole number of tokens >= 0, got {self.sinks!r}")
+        counts = list(self.sinks) if isinstance(self.sinks, (list, tuple)) else [self.sinks]
+        if not counts or not all(_is_whole(c) and c >= 0 for c in counts):
+            raise InvalidArgumentError(
+                f"evict= sinks must be a whole number of tokens >= 0 (or one per layer), got {self.sinks!r}"
+            )
+        if isinstance(self.sinks, list):
+            object.__setattr__(self, "sinks", tuple(self.sinks))
 
     @classmethod
     def from_dict(cls, data) -> Eviction:

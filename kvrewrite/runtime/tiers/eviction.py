@@ -79,8 +79,9 @@ class EvictionPolicy:
     # to their best-scored copy (tiers/repeated_evidence.py); 0: off.
     pool_repeats: int = 0
     # The first `sinks` cache positions always stay in the kept tier, inside the keep budget (or above it, while
-    # the budget is under the sinks): StreamingLLM's attention sinks, where attention parks its unused weight.
-    sinks: int = 0
+    # the budget is under the sinks): StreamingLLM's attention sinks, where attention parks its unused weight. One
+    # count for every layer, or one per layer.
+    sinks: int | tuple[int, ...] = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 0:
@@ -118,8 +119,16 @@ class EvictionPolicy:
             raise InvalidArgumentError(
                 "evict: pool_repeats pools the reconstruction's scores: it needs prefill_score 'reconstruction'"
             )
-        if isinstance(self.sinks, bool) or not isinstance(self.sinks, int) or self.sinks < 0:
-            raise InvalidArgumentError(f"evict: sinks must be a whole number of tokens >= 0, got {self.sinks!r}")
+        if isinstance(self.sinks, list):
+            object.__setattr__(self, "sinks", tuple(self.sinks))
+        counts = self.sinks if isinstance(self.sinks, tuple) else (self.sinks,)
+        if (isinstance(self.sinks, tuple) and len(counts) != len(self.keep)) or not all(
+            isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts
+        ):
+            raise InvalidArgumentError(
+                f"evict: sinks must be a whole number of tokens >= 0, or a list of them with one per layer "
+                f"({len(self.keep)}), got {self.sinks!r}"
+            )
         if self.floor is not None and len(self.floor.key_ranks) != len(self.keep):
             raise InvalidArgumentError(f"evict: the floor needs ranks for every layer ({len(self.keep)})")
 
@@ -160,6 +169,7 @@ class EvictionPolicy:
         if any(b is not None for b in self.side_bits.values()) or (self.floor is not None and self.floor.bits):
             rotations = block_rotations(widths)
         shares = self.reconstruction_shares
+        sinks = self.sinks if isinstance(self.sinks, tuple) else (self.sinks,) * self.num_layers
         return [
             EvictingLayer(
                 self.window,
@@ -177,7 +187,7 @@ class EvictionPolicy:
                 else (self.floor.key_ranks[i], self.floor.value_ranks[i], self.floor.bits),
                 reconstruction_share=shares[i],
                 pool_repeats=self.pool_repeats,
-                sinks=self.sinks,
+                sinks=sinks[i],
                 capacity=capacity,
             )
             for i in range(self.num_layers)
@@ -203,7 +213,7 @@ def eviction_policy_for_rate(
     prefill_score: str = "newest",
     reconstruction_share: float | list[float] | tuple[float, ...] = 1.0,
     pool_repeats: int = 0,
-    sinks: int = 0,
+    sinks: int | list[int] | tuple[int, ...] = 0,
 ) -> EvictionPolicy:
     """Kept tokens at the ranks of `rate` in the checkpoint's rate table (kvrewrite.spec.CompressionSpec).
 
@@ -233,7 +243,7 @@ def eviction_policy_for_rate(
         prefill_score=prefill_score,
         reconstruction_share=reconstruction_share,  # a list becomes a tuple in EvictionPolicy
         pool_repeats=pool_repeats,
-        sinks=sinks,
+        sinks=sinks,  # a list becomes a tuple in EvictionPolicy
     )
 
 
