@@ -45,11 +45,11 @@ def _shares(value, name: str) -> float | tuple[float, ...]:
     return tuple(float(v) for v in values) if isinstance(value, (list, tuple)) else float(value)
 
 
-def _widths(value, name: str) -> int | tuple[int, ...]:
-    """A whole number of dims >= 0, or one per layer (a tuple)."""
+def _widths(value, name: str, unit: str = "dims") -> int | tuple[int, ...]:
+    """A whole number (of `unit`) >= 0, or one per layer (a tuple)."""
     values = list(value) if isinstance(value, (list, tuple)) else [value]
     if not values or not all(_is_whole(w) and w >= 0 for w in values):
-        raise InvalidArgumentError(f"{name} must be a whole number of dims >= 0 (or one per layer), got {value!r}")
+        raise InvalidArgumentError(f"{name} must be a whole number of {unit} >= 0 (or one per layer), got {value!r}")
     return tuple(values) if isinstance(value, (list, tuple)) else value
 
 
@@ -186,13 +186,7 @@ class Eviction:
             raise InvalidArgumentError(
                 "evict= pool_repeats pools the reconstruction's scores: it needs prefill_score='reconstruction'"
             )
-        counts = list(self.sinks) if isinstance(self.sinks, (list, tuple)) else [self.sinks]
-        if not counts or not all(_is_whole(c) and c >= 0 for c in counts):
-            raise InvalidArgumentError(
-                f"evict= sinks must be a whole number of tokens >= 0 (or one per layer), got {self.sinks!r}"
-            )
-        if isinstance(self.sinks, list):
-            object.__setattr__(self, "sinks", tuple(self.sinks))
+        object.__setattr__(self, "sinks", _widths(self.sinks, "evict= sinks", "tokens"))
 
     @classmethod
     def from_dict(cls, data) -> Eviction:

@@ -143,6 +143,11 @@ class EvictionPolicy:
         return share if isinstance(share, tuple) else (share,) * len(self.keep)
 
     @property
+    def layer_sinks(self) -> tuple[int, ...]:
+        """sinks per layer."""
+        return self.sinks if isinstance(self.sinks, tuple) else (self.sinks,) * len(self.keep)
+
+    @property
     def changes_between_forwards(self) -> bool:
         # Tokens are quantized and evicted only after a forward: measure with chunked feeding.
         return True
@@ -169,7 +174,7 @@ class EvictionPolicy:
         if any(b is not None for b in self.side_bits.values()) or (self.floor is not None and self.floor.bits):
             rotations = block_rotations(widths)
         shares = self.reconstruction_shares
-        sinks = self.sinks if isinstance(self.sinks, tuple) else (self.sinks,) * self.num_layers
+        sinks = self.layer_sinks
         return [
             EvictingLayer(
                 self.window,
@@ -589,9 +594,8 @@ class EvictingLayer(RecentWindowLayer):
         if scores is None:
             # No evidence for every kept token (e.g. tokens settled outside attention): keep the newest.
             scores = positions.float()
-        stays = _top_mask(
-            self._with_sinks(scores, positions), positions, budget
-        )  # [B, rows], kept tier first, then the moving tokens
+        # [B, rows], kept tier first, then the moving tokens
+        stays = _top_mask(self._with_sinks(scores, positions), positions, budget)
         if self.floor_key_ranks is not None:
             evicted = _in_cache_order((~stays).nonzero()[:, 1].view(stays.shape[0], -1), positions)
             self._demote(joined_rows(store, moving, evicted) if n_new else take_rows(store, evicted))
